@@ -1,0 +1,1 @@
+"""Training and evaluation data: text/JSONL files, the embedded corpus, HF datasets."""

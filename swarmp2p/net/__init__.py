@@ -1,0 +1,1 @@
+"""ZeroMQ and zeroconf: swarm secrets, CURVE with ZAP, links, RPC, discovery. No torch."""

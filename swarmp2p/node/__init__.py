@@ -1,0 +1,1 @@
+"""The node daemon (`swarm up`): membership, election, the job table, workers. No torch."""

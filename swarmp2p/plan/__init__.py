@@ -1,0 +1,1 @@
+"""The shared planner: pure functions over plain data, standard library only."""

@@ -1,0 +1,1 @@
+"""Stage runtimes, resolved by name; importing this package imports no framework."""

@@ -1,0 +1,1 @@
+"""What crosses the network: msgpack control messages, tensor frames and codecs. No torch."""
