@@ -163,11 +163,32 @@ def quiet_loading():
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """Two processes convert at once into a fresh cache: `(folder, [their JSON reports])`."""
+    """A fresh cache where one converter was killed mid-way, then two converted at once.
+
+    Yields `(folder, reports, crash)`: the converters' JSON lines, and what the killed one
+    left behind (`leftovers`: names in models/, `folder_existed`).
+    """
     pytest.importorskip("torch")
     cache = tmp_path_factory.mktemp("xdg-cache")
+    models_dir = cache / "swarmp2p" / "models"
+    folder = models_dir / "smollm2-135m-instruct"
     env = os.environ | {"XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "swarmp2p.runtime.torch.embedded"]
+
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(models_dir.glob(".smollm2-135m-instruct.tmp-*")):
+        assert victim.poll() is None, victim.stderr.read().decode()
+        assert time.monotonic() < deadline, "the converter never started writing"
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the conversion, which takes 15 s or more
+    victim.kill()
+    victim.communicate(timeout=30)
+    crash = {
+        "leftovers": sorted(p.name for p in models_dir.iterdir()),
+        "folder_existed": folder.exists(),
+    }
+
     procs = [
         subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -179,15 +200,22 @@ def converted(tmp_path_factory):
         stdout, stderr = proc.communicate(timeout=280)
         assert proc.returncode == 0, stderr
         reports.append(json.loads(stdout.strip().splitlines()[-1]))
-    folder = cache / "swarmp2p" / "models" / "smollm2-135m-instruct"
-    yield folder, reports
+    yield folder, reports, crash
     shutil.rmtree(cache, ignore_errors=True)  # 540 MB: do not keep it among pytest's old tmp dirs
 
 
 @pytest.mark.torch
 @pytest.mark.slow
+def test_a_killed_conversion_leaves_no_model_folder(converted):
+    _, _, crash = converted
+    assert not crash["folder_existed"]
+    assert any(name.startswith(".smollm2-135m-instruct.tmp-") for name in crash["leftovers"])
+
+
+@pytest.mark.torch
+@pytest.mark.slow
 def test_concurrent_callers_convert_exactly_once(converted):
-    folder, reports = converted
+    folder, reports, _ = converted
     assert sorted(r["converted"] for r in reports) == [False, True]
     assert {r["path"] for r in reports} == {str(folder)}
     names = {p.name for p in folder.iterdir()}
@@ -199,7 +227,7 @@ def test_concurrent_callers_convert_exactly_once(converted):
     # the 135M parameters in float32 (tied head): about 538 MB
     assert 500e6 < (folder / "model.safetensors").stat().st_size < 600e6
     assert (folder / "model.safetensors").stat().st_mode & 0o044, "weights left 0600"
-    # the atomic move left no temporary folder behind
+    # the atomic move left no temporary folder behind, and the killed one's was cleared
     assert sorted(p.name for p in folder.parent.iterdir() if not p.name.endswith(".lock")) == [
         folder.name
     ]
@@ -211,7 +239,7 @@ def test_concurrent_callers_convert_exactly_once(converted):
 def test_a_second_call_is_fast_and_touches_nothing(converted, monkeypatch):
     from swarmp2p.runtime.torch.embedded import ensure_embedded
 
-    folder, _ = converted
+    folder, _, _ = converted
     monkeypatch.setenv("XDG_CACHE_HOME", str(folder.parents[2]))
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     started = time.perf_counter()
@@ -225,7 +253,7 @@ def test_a_second_call_is_fast_and_touches_nothing(converted, monkeypatch):
 @pytest.mark.torch
 @pytest.mark.slow
 def test_verify_catches_a_changed_file(converted, tmp_path):
-    folder, _ = converted
+    folder, _, _ = converted
     copy = tmp_path / "copy"
     copy.mkdir()
     for path in folder.iterdir():
@@ -246,7 +274,7 @@ def test_greedy_generation_knows_paris(converted, quiet_loading):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, _ = converted
+    folder, _, _ = converted
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     inputs = tokenizer("The capital of France is", return_tensors="pt")
@@ -274,7 +302,7 @@ def test_the_embedded_corpus_in_the_embedded_tokenizer(converted):
 
     from swarmp2p.data import EMBEDDED_CORPUS, TokenWindows, load_splits
 
-    folder, _ = converted
+    folder, _, _ = converted
     tokenizer = AutoTokenizer.from_pretrained(folder)
     splits = load_splits(EMBEDDED_CORPUS)
     train = TokenWindows.from_rows(splits.train, tokenizer, seq_len=128)
@@ -285,3 +313,21 @@ def test_the_embedded_corpus_in_the_embedded_tokenizer(converted):
     assert int((train.tokens == tokenizer.eos_token_id).sum()) == len(splits.train)
     first_eos = int((train.tokens == tokenizer.eos_token_id).argmax())
     assert tokenizer.decode(train.tokens[:first_eos]) == splits.train[0]
+
+
+@pytest.mark.torch
+def test_an_outdated_folder_is_moved_aside_and_replaced(tmp_path):
+    from swarmp2p.runtime.torch.embedded import _move_into_place, _remove_leftovers
+
+    folder = tmp_path / "smollm2-135m-instruct"
+    _fake_conversion(folder, version=0)
+    fresh = tmp_path / ".smollm2-135m-instruct.tmp-new"
+    _fake_conversion(fresh)
+    _move_into_place(fresh, folder)
+    assert json.loads((folder / MARKER_NAME).read_text())["version"] == CONVERSION_VERSION
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+    for name in (".smollm2-135m-instruct.tmp-x", ".smollm2-135m-instruct.old-y", "other"):
+        (tmp_path / name).mkdir()
+    _remove_leftovers(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", folder.name]
