@@ -42,6 +42,11 @@ _NEEDED_BYTES = 700 * 2**20
 
 _HASH_CHUNK = 8 * 2**20
 
+LOCK_TIMEOUT_S = 900.0
+"""How long a caller waits for another process's conversion (normally 15-60 s) before failing."""
+
+_LOCK_POLL_S = 0.1
+
 
 def ensure_embedded() -> Path:
     """The embedded model's safetensors folder, converting the GGUF first if it is not there."""
@@ -71,10 +76,27 @@ def _ensure(folder: Path) -> tuple[Path, bool]:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    # The lock file stays: unlinking a lock file others may hold open is racy.
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    # The lock file stays: unlinking a lock file others may hold open is racy. The holder's pid
+    # is written into it for the timeout message; the kernel drops the lock if the holder dies.
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise TimeoutError(
+                        f"waited {LOCK_TIMEOUT_S:.0f} s for process {holder} to finish converting "
+                        f"the embedded model (lock {path}); stop it or wait, then try again"
+                    ) from None
+                time.sleep(_LOCK_POLL_S)
         try:
+            handle.truncate(0)
+            handle.write(str(os.getpid()))
+            handle.flush()
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -331,3 +331,23 @@ def test_an_outdated_folder_is_moved_aside_and_replaced(tmp_path):
         (tmp_path / name).mkdir()
     _remove_leftovers(folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", folder.name]
+
+
+@pytest.mark.torch
+def test_a_caller_gives_up_on_a_stuck_converter(monkeypatch, tmp_path):
+    import fcntl
+
+    from swarmp2p.runtime.torch import embedded
+
+    monkeypatch.setattr(embedded, "LOCK_TIMEOUT_S", 0.3)
+    folder = tmp_path / "models" / "smollm2-135m-instruct"
+    folder.parent.mkdir(parents=True)
+    with open(folder.parent / ".smollm2-135m-instruct.lock", "w") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another open file: it conflicts like a process
+        held.write("4242")
+        held.flush()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"for process 4242 to finish converting"):
+            embedded._ensure(folder)
+        assert time.monotonic() - started < 5
+    assert not folder.exists()
