@@ -9,6 +9,18 @@ from pathlib import Path
 
 import pytest
 
+# No test downloads from a hub; a test that tries fails instead of hanging on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+try:  # tqdm's monitor thread outlives every progress bar; it is not ours to leak
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+
 LEAK_GRACE_S = 2.0
 """How long a test's threads and children get to finish after it returns."""
 
@@ -36,7 +48,7 @@ def no_leaks(request):
     while True:
         new_threads = _threads() - threads
         new_children = _children() - children
-        if not new_threads and not new_children or time.monotonic() > deadline:
+        if (not new_threads and not new_children) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     problems = []
