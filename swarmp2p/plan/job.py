@@ -356,6 +356,10 @@ def parse(data: Any) -> Job:
     if model.weight_dtype is not None and model.quantization is not None:
         c.add("model.weight_dtype", "cannot be combined with model.quantization (quantized "
               "weights are already stored narrow); drop one of them")  # fmt: skip
+    frozen = model.lora.enabled or model.freeze_backbone
+    if model.quantization is not None and not frozen:
+        c.add("model.quantization", "a quantized backbone cannot be fully fine-tuned; enable "
+              "model.lora (QLoRA) or set model.freeze_backbone")  # fmt: skip
     if c.errors:
         raise JobError(c.errors)
     return Job(name=name, model=model, split=split, data=data_section, train=train)
