@@ -203,6 +203,9 @@ class _Placer:
         ranges.append((start, L))
         return tuple(ranges)
 
+    def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
+        return all(self.fits(i, a, b) for i, (a, b) in enumerate(ranges))
+
     def split(self) -> _Attempt:
         L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
         if mode == "equal":
@@ -212,17 +215,18 @@ class _Placer:
             ok = all(self.fits(i, a, b) for i, (a, b) in enumerate(found))
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
             return _Attempt(ranges=found if ok else None, prices=prices, tried=found)
-        by_memory = min_max_partition(L, n, self.memory_share)
-        assert by_memory is not None  # no `fits`: always a split
         if mode == "cost":
             found = min_max_partition(L, n, self.compute_cost, self.fits)
         else:
             found = self.proportional()
-            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
-                found = by_memory  # the split that needs the smallest share of any device
-            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
-                found = None
-        tried = found or by_memory
+            if not self.all_fit(found):
+                # the split that needs the smallest share of any device's free memory
+                found = min_max_partition(L, n, self.memory_share)
+                if found is not None and not self.all_fit(found):
+                    found = None
+        # when nothing fits, report the split closest to fitting
+        tried = found or min_max_partition(L, n, self.memory_share)
+        assert tried is not None  # without `fits` there is always a split
         prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(tried))
         return _Attempt(ranges=found, prices=prices, tried=tried)
 
