@@ -108,9 +108,11 @@ def _print_plan(plan) -> None:
     m = plan.model
     console.print(
         f"[bold green]planned[/] {plan.job_name}: {m['name']} ({m['n_layers']} layers, "
-        f"{m['params'] / 1e6:.1f}M params) · dtype {plan.dtype} · finetune {plan.finetune_mode}"
-        f" · weights {plan.weight_storage} · {plan.split_mode} split over {len(plan.stages)} "
-        f"stage(s)"
+        f"{m['params'] / 1e6:.1f}M params) over {len(plan.stages)} stage(s)"
+    )
+    console.print(
+        f"dtype {plan.dtype} · finetune {plan.finetune_mode} · weights {plan.weight_storage} · "
+        f"{plan.split_mode} split"
     )
     stages = Table(title="stages (GB = 2**30 bytes)", title_justify="left")
     for col in ("stage", "node", "device", "layers", "weights", "train state", "activations",

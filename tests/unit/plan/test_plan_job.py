@@ -170,3 +170,11 @@ def test_lora_example_uses_the_embedded_model():
 
 def test_field_error_str():
     assert str(FieldError(path="train.steps", message="bad")) == "train.steps: bad"
+
+
+@pytest.mark.parametrize("name", ["full", "lora", "qlora", "compressor_only", "none"])
+def test_to_dict_round_trips(name):
+    job = load_job(EXAMPLES / f"{name}.json")
+    data = job.to_dict()
+    assert parse_job(json.loads(json.dumps(data))) == job
+    assert set(data) == {"version", "name", "model", "split", "data", "train"}

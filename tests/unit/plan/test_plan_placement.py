@@ -233,3 +233,15 @@ def test_stage_records_memory_and_schedule():
     assert last.memory.loss > 0 and first.memory.loss == 0
     assert plan.bubble_fraction == pytest.approx(1 / 5)
     assert first.device_free == int(23 * GiB)
+
+
+def test_plan_gives_the_stage_specs():
+    data = {"pretrained": "e"}
+    cluster = [node(f"n{i}", gpu(*A5000, 20)) for i in range(3)]
+    plan = plan_job(job(model=data, split={"compression": ["fixed_int8", "fp16"]}), cluster,
+                    shape=SMOL)  # fmt: skip
+    spec = plan.split_spec
+    assert spec.n_stages == 3 and spec.n_layers == 30
+    assert [spec.layer_range(i) for i in range(3)] == layers_of(plan)
+    middle = plan.stage_spec(1)
+    assert middle.receive_compression.bits == 8 and middle.send_compression.method == "fp16"
