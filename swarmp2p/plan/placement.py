@@ -385,8 +385,6 @@ def plan_job(
             placed=len(candidates),
         )
     selected = _select(candidates, required)
-    dtype = resolve_dtype(selected, requested).dtype
-
     attempts = [selected]
     if auto:  # as many stages as fit: drop the device with the least free memory, one by one
         rest = list(selected)
@@ -396,6 +394,7 @@ def plan_job(
             attempts.append(rest)
     first_blocked: Blocked | None = None
     for devices in attempts:
+        dtype = resolve_dtype(devices, requested).dtype  # the best every used device runs
         result, short_of_memory = _plan_on(job, shape, devices, dtype, own)
         if isinstance(result, Plan):
             if len(devices) < len(selected):

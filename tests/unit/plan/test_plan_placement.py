@@ -245,3 +245,9 @@ def test_plan_gives_the_stage_specs():
     assert [spec.layer_range(i) for i in range(3)] == layers_of(plan)
     middle = plan.stage_spec(1)
     assert middle.receive_compression.bits == 8 and middle.send_compression.method == "fp16"
+
+
+def test_leaving_out_the_turing_card_restores_bfloat16():
+    cluster = [node("a", gpu(*A5000, 20)), node("b", gpu(*GTX1660S, 0.55), name="full-card")]
+    plan = plan_job(job(), cluster, shape=SMOL)
+    assert plan.dtype == "bfloat16"
