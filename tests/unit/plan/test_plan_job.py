@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from swarmp2p.plan import FieldError, JobError, load_job, parse_job
 
@@ -178,3 +180,29 @@ def test_to_dict_round_trips(name):
     data = job.to_dict()
     assert parse_job(json.loads(json.dumps(data))) == job
     assert set(data) == {"version", "name", "model", "split", "data", "train"}
+
+
+BAD_VALUES = {
+    ("model", "dtype"): "fp8",
+    ("model", "freeze_backbone"): "no",
+    ("split", "mode"): "fast",
+    ("split", "stages"): -1,
+    ("data", "text_field"): "",
+    ("train", "steps"): 0,
+    ("train", "seq_len"): 1.5,
+    ("train", "lr"): -1,
+    ("train", "schedule"): "zb",
+    ("train", "recompute"): "maybe",
+    ("train", "eval_batches"): -2,
+    ("train", "seed"): "0",
+    ("train", "checkpoint_every"): None,
+}
+
+
+@given(st.sets(st.sampled_from(sorted(BAD_VALUES)), min_size=1))
+def test_every_bad_field_is_reported_once(bad):
+    data = json.loads((EXAMPLES / "lora.json").read_text())
+    for section, key in bad:
+        data[section][key] = BAD_VALUES[(section, key)]
+    paths = [p for p, _ in errors_of(data)]
+    assert sorted(paths) == sorted(f"{s}.{k}" for s, k in bad)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from swarmp2p.plan import QuantSpec, bytes_per_param, estimate_weights_gb, normalize_quantization
 
@@ -68,3 +70,20 @@ def test_bad_specs_name_the_key(spec, fragment):
     with pytest.raises(ValueError, match=None) as info:
         normalize_quantization(spec)
     assert fragment in str(info.value)
+
+
+@given(
+    bits=st.sampled_from([4, 8]),
+    quant_type=st.sampled_from(["nf4", "fp4"]),
+    double_quant=st.booleans(),
+    compute_dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    threshold=st.floats(0.5, 10),
+    skip=st.none() | st.lists(st.sampled_from(["lm_head", "router"]), max_size=2),
+)
+def test_normalize_is_idempotent(bits, quant_type, double_quant, compute_dtype, threshold, skip):
+    spec = {"bits": bits, "quant_type": quant_type, "double_quant": double_quant,
+            "compute_dtype": compute_dtype, "threshold": threshold}  # fmt: skip
+    if skip is not None:
+        spec["skip_modules"] = skip
+    once = normalize_quantization(spec)
+    assert normalize_quantization(once.to_dict()) == once
