@@ -350,8 +350,14 @@ def plan_job(
     if not candidates:
         return Blocked(placement_blocked_reason="placed 0 of 1 required workers; no node "
                        "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
-    auto = job.split.stages == "auto"
-    required = min(len(candidates), shape.n_layers) if auto else int(job.split.stages)
+    per_boundary = len(job.split.compression) > 1  # a list of specs fixes the stage count
+    auto = job.split.stages == "auto" and not per_boundary
+    if job.split.stages != "auto":
+        required = int(job.split.stages)
+    elif per_boundary:
+        required = len(job.split.compression) + 1
+    else:
+        required = min(len(candidates), shape.n_layers)
     _check_against_shape(job, shape, required)
 
     requested = job.model.dtype

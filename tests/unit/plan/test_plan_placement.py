@@ -251,3 +251,11 @@ def test_leaving_out_the_turing_card_restores_bfloat16():
     cluster = [node("a", gpu(*A5000, 20)), node("b", gpu(*GTX1660S, 0.55), name="full-card")]
     plan = plan_job(job(), cluster, shape=SMOL)
     assert plan.dtype == "bfloat16"
+
+
+def test_a_list_of_compressions_fixes_the_stage_count_under_auto():
+    cluster = [node(f"n{i}", gpu(*A5000, 20 + i)) for i in range(4)]
+    plan = plan_job(job(split={"compression": ["fixed_int8", "fp16"]}), cluster, shape=SMOL)
+    assert isinstance(plan, Plan) and len(plan.stages) == 3
+    assert [s.node_id for s in plan.stages] == ["n1", "n2", "n3"]  # the most free memory
+    assert [b.codec for b in plan.boundaries] == ["int8", "fp16"]
