@@ -173,3 +173,20 @@ def test_hub_id_from_the_local_cache_only(monkeypatch, tmp_path):
 def test_unknown_reference():
     with pytest.raises(ValueError, match="neither"):
         load_model_shape("no such thing at all")
+
+
+def test_vision_tower_and_mtp_tensors_belong_to_no_stage(tmp_path):
+    h, inter, kv, vocab = 64, 192, 32, 256
+    cfg = {"model_type": "qwen3_5", "text_config": llama_config(layers=2, hidden=h, vocab=vocab)}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = {
+        k.replace("model.", "model.language_model.", 1): v
+        for k, v in llama_tensors(range(2), h, inter, kv, vocab, True, True).items()
+    }
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = ("BF16", [3 * h, h])
+    tensors["mtp.layers.0.mlp.up_proj.weight"] = ("BF16", [inter, h])
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    shape = load_model_shape(str(tmp_path))
+    plain = from_config(cfg)
+    assert shape.layer_params == plain.layer_params
+    assert shape.total_params == plain.total_params
