@@ -141,3 +141,14 @@ def test_unreadable_job_file(tmp_path):
 def test_version(tmp_path):
     out = swarm("--version", tmp_path=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("swarm, version ")
+
+
+def test_plans_are_byte_identical_across_processes(tmp_path, monkeypatch):
+    outputs = set()
+    for seed in ("1", "2"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        out = swarm("plan", "examples/qlora.json", "--cluster", "examples/cluster-cpu-trio.json",
+                    "--json", tmp_path=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        outputs.add(out.stdout)
+    assert len(outputs) == 1
