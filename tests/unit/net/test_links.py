@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ import zmq
 
 from swarmp2p.net import SecureContext, SwarmSecret
 from swarmp2p.net.links import InProcLink, Link, LinkClosed, LinkTimeout, ZmqLink
-from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor
+from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor, fake_quantize
 
 LINKS = ["inproc", "zmq-curve", "zmq-plain"]
 
@@ -196,4 +199,50 @@ def test_send_times_out_when_the_queue_is_full(ctx, secret):
         with pytest.raises(LinkTimeout, match="could not queue"):
             a.send([b"x"], timeout=0.2)
     finally:
+        a.close()
+
+
+_CHILD = r"""
+import sys
+import numpy as np
+import zmq
+from swarmp2p.net import SwarmSecret, ZmqLink, stop_zero_copy_collector
+from swarmp2p.wire import TensorFrame, encode_tensor, fake_quantize
+
+token, endpoint = sys.argv[1], sys.argv[2]
+x = np.random.default_rng(42).standard_normal((128, 64)).astype(np.float32)
+with zmq.Context() as ctx:
+    link = ZmqLink.dial(ctx, SwarmSecret.from_token(token), endpoint)
+    link.send(encode_tensor(fake_quantize(x, 8), "int8", exact=True, step=9).to_parts())
+    reply = TensorFrame.from_parts(link.recv(10.0))
+    print(reply.step, reply.codec)
+    link.close()
+stop_zero_copy_collector()
+"""
+
+
+def test_a_frame_crosses_between_processes(ctx, secret):
+    a = ZmqLink.bind(ctx, secret, "127.0.0.1", 0)
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, secret.token, a.endpoint],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        frame = TensorFrame.from_parts(a.recv(30.0))
+        x = np.random.default_rng(42).standard_normal((128, 64)).astype(np.float32)
+        assert (frame.codec, frame.step) == ("int8", 9)  # codes crossed, not floats
+        assert np.array_equal(decode_tensor(frame), fake_quantize(x, 8))
+        assert a.bytes_received == frame.nbytes + len(frame.header())
+        a.send(encode_tensor(np.zeros(1, np.float32), step=10).to_parts())
+        out, err = child.communicate(timeout=30)
+        assert child.returncode == 0, err
+        assert out.split() == ["10", "none"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
         a.close()
