@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -10,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from swarmp2p.net import SecureContext, SwarmSecret
+from swarmp2p.net import SecureContext, SwarmSecret, auth
 from swarmp2p.net.links import InProcLink, Link, LinkClosed, LinkTimeout, ZmqLink
 from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor, fake_quantize
 
@@ -245,4 +247,43 @@ def test_a_frame_crosses_between_processes(ctx, secret):
         if child.poll() is None:
             child.kill()
             child.wait()
+        a.close()
+
+
+_FROZEN_CHILD = r"""
+import sys, time
+import zmq
+from swarmp2p.net import SwarmSecret, ZmqLink
+
+with zmq.Context() as ctx:
+    link = ZmqLink.dial(ctx, SwarmSecret.from_token(sys.argv[1]), sys.argv[2])
+    link.send([b"hello"])
+    time.sleep(60)  # the parent stops (SIGSTOP) and then kills this process
+"""
+
+
+def test_heartbeats_drop_a_peer_that_went_silent(ctx, secret, monkeypatch):
+    """A frozen peer (SIGSTOP: a hung host) is disconnected, not waited on forever."""
+    monkeypatch.setattr(auth, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(auth, "HEARTBEAT_TIMEOUT_MS", 500)
+    a = ZmqLink.bind(ctx, secret, "127.0.0.1", 0)
+    mon = a._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_CHILD, secret.token, a.endpoint],
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert as_bytes(a.recv(30.0)) == [b"hello"]
+        child.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert mon.poll(5000), "the silent peer was never disconnected"
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        child.kill()
+        child.send_signal(signal.SIGCONT)
+        child.wait()
+        a._sock.disable_monitor()
+        mon.close(0)
         a.close()
