@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,11 @@ def no_leaks(request):
     """Fail a test that leaks a Python thread or a child process."""
     threads, children = _threads(), _children()
     yield
+    if "swarmp2p.net.links" in sys.modules:
+        # zero-copy sends start pyzmq's process-wide collector thread; it is ours to stop
+        from swarmp2p.net.links import stop_zero_copy_collector
+
+        assert stop_zero_copy_collector(), "a zero-copy send buffer was never released"
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:
         new_threads = _threads() - threads
