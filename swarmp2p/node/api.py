@@ -40,8 +40,10 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
         while not data.endswith(b"\n"):
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
-                raise ApiError(f"the swarm daemon did not answer {op!r} within {timeout:g} s") from None
+            except TimeoutError:
+                raise ApiError(
+                    f"the swarm daemon did not answer {op!r} within {timeout:g} s"
+                ) from None
             if not chunk:
                 break
             data += chunk

@@ -191,7 +191,9 @@ class Daemon:
 
         self._started = self.clock()
         self._ctx = AsyncSecureContext()
-        self._server = RpcServer(self._ctx, self.secret, self.bind_host, self.config.port, self._handle)
+        self._server = RpcServer(
+            self._ctx, self.secret, self.bind_host, self.config.port, self._handle
+        )
         await self._server.start()
         self.port = self._server.port
         old_umask = os.umask(0o077)
@@ -367,7 +369,10 @@ class Daemon:
 
     def _heartbeat_msg(self) -> Heartbeat:
         return Heartbeat(
-            node_id=self.node_id, term=self.table.term, version=self.table.version, leader=self.leader
+            node_id=self.node_id,
+            term=self.table.term,
+            version=self.table.version,
+            leader=self.leader,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -388,7 +393,9 @@ class Daemon:
             await asyncio.sleep(self.config.heartbeat_s)
 
     def _known_endpoints(self) -> set[str]:
-        return {p.endpoint for p in self.members.peers.values()} | set(self._static) | self._rt.hellos
+        return (
+            {p.endpoint for p in self.members.peers.values()} | set(self._static) | self._rt.hellos
+        )
 
     async def _beat(self, node_id: str, endpoint: str, alive: bool) -> None:
         if not alive:
@@ -411,7 +418,9 @@ class Daemon:
         if self._leader_ready and theirs < self.table.key:
             self._spawn(self._push(endpoint, self.table), f"push:{node_id}")
         elif self._leader_ready and theirs > self.table.key:
-            log.warning("node %s holds a newer table %s than the leader's; merging", node_id, theirs)
+            log.warning(
+                "node %s holds a newer table %s than the leader's; merging", node_id, theirs
+            )
             self._leader_ready = False
             self._start_takeover()
         elif not self._leader_ready and node_id == self.leader and theirs > self.table.key:
@@ -593,7 +602,9 @@ class Daemon:
             return TableAck(node_id=self.node_id, term=self.table.term, version=self.table.version)
         if isinstance(msg, Submit):
             if self.leader != self.node_id:
-                raise RpcError("not_leader", f"node {self.node_id} is not the leader; {self.leader} is")
+                raise RpcError(
+                    "not_leader", f"node {self.node_id} is not the leader; {self.leader} is"
+                )
             return await self.submit(msg.job_id, msg.record)
         raise RpcError("unexpected", f"node daemon does not take {type(msg).TYPE} requests")
 
