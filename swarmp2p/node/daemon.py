@@ -107,12 +107,16 @@ class _RateLimitedLog:
         self._per_second, self._clock = per_second, clock
         self._window, self._count, self._dropped = 0.0, 0, 0
 
-    def warning(self, fmt: str, *args: Any) -> None:
+    def flush(self) -> None:
+        """Report what was dropped once its one-second window is over."""
         now = self._clock()
         if now - self._window >= 1.0:
             if self._dropped:
                 log.warning("... %d more bad requests in the last second", self._dropped)
             self._window, self._count, self._dropped = now, 0, 0
+
+    def warning(self, fmt: str, *args: Any) -> None:
+        self.flush()
         if self._count < self._per_second:
             self._count += 1
             log.warning(fmt, *args)
@@ -388,6 +392,7 @@ class Daemon:
             )
             for endpoint in [e for e in self._rt.clients if e not in self._known_endpoints()]:
                 await self._rt.clients.pop(endpoint).close()
+            self._bad.flush()
             if self.leader == self.node_id and self._should_take_over():
                 self._start_takeover()
             await asyncio.sleep(self.config.heartbeat_s)
