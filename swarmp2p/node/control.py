@@ -145,22 +145,25 @@ def down(state_dir: Path) -> int:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return pid
-        if _reap(pid):
+        if not _alive(pid):
             return pid
         time.sleep(0.05)
     raise api.ApiError(f"swarm daemon pid {pid} did not stop within {STOP_TIMEOUT_S:g} s")
 
 
-def _reap(pid: int) -> bool:
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, waiting for its parent to reap it, does not)."""
     try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] != "Z"
+    except FileNotFoundError:
         return False
-    return done == pid
+    except (OSError, IndexError):  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def status(state_dir: Path) -> dict[str, Any]:

@@ -129,6 +129,7 @@ class _Runtime:
     clients: dict[str, RpcClient] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     hellos: set[str] = field(default_factory=set)
+    unanswered: set[str] = field(default_factory=set)
 
 
 class Daemon:
@@ -164,6 +165,7 @@ class Daemon:
         self.members = Membership(self.node_id)
         self.leader = self.node_id
         self._leader_ready = False
+        self._closing = False
         self._started = 0.0
         self._stop = asyncio.Event()
         self._table_lock = asyncio.Lock()
@@ -239,19 +241,22 @@ class Daemon:
 
     async def _close(self) -> None:
         log.info("stopping node %s", self.node_id)
-        leave = Leave(node_id=self.node_id)
-        await asyncio.gather(
-            *(self._call(p.endpoint, leave, 0.5) for p in self.members.alive_peers()),
-            return_exceptions=True,
-        )
-        if self._discovery is not None:
-            with contextlib.suppress(Exception):
-                await self._discovery.close()
+        self._closing = True
+        # stop heartbeats and hellos first: a hello sent after our leave would re-add us
         for task in list(self._rt.tasks):
             task.cancel()
         for task in list(self._rt.tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._ctx is not None:
+            leave = Leave(node_id=self.node_id)
+            await asyncio.gather(
+                *(self._call(p.endpoint, leave, 0.5) for p in self.members.alive_peers()),
+                return_exceptions=True,
+            )
+        if self._discovery is not None:
+            with contextlib.suppress(Exception):
+                await self._discovery.close()
         for client in self._rt.clients.values():
             await client.close()
         if self._server is not None:
@@ -324,7 +329,7 @@ class Daemon:
             )
 
     def _say_hello(self, endpoint: str) -> None:
-        if endpoint in self._rt.hellos:
+        if endpoint in self._rt.hellos or self._closing:
             return
         self._rt.hellos.add(endpoint)
         self._spawn(self._hello(endpoint), f"hello:{endpoint}")
@@ -342,9 +347,15 @@ class Daemon:
                 record=reply.record,
                 now=self.clock(),
             )
+            self._rt.unanswered.discard(endpoint)
             self._changed(changes)
         except RpcTimeout:
-            log.debug("no hello reply from %s", endpoint)
+            if endpoint not in self._rt.unanswered:  # once per endpoint until it answers
+                self._rt.unanswered.add(endpoint)
+                log.info(
+                    "no answer to hello from %s: not running, or refusing our swarm's key", endpoint
+                )
+            return
         except RpcError as exc:
             log.warning("hello to %s refused: %s", endpoint, exc)
         finally:
@@ -583,6 +594,8 @@ class Daemon:
 
     async def _dispatch(self, msg: Message) -> Message:
         now = self.clock()
+        if self._closing:
+            raise RpcError("stopping", f"node {self.node_id} is stopping")
         if isinstance(msg, Heartbeat):
             if not self.members.seen(msg.node_id, now):
                 raise RpcError("unknown_peer", f"node {msg.node_id} must send node.hello first")
