@@ -157,11 +157,13 @@ class Discovery:
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
         )
-        # probing and announcing take about a second: run them in the background
         self._registered = asyncio.ensure_future(self._register())
 
     async def _register(self) -> None:
-        await (await self._zc.async_register_service(self._info))
+        # No RFC 6762 probing (it costs about a second before the first announcement): the
+        # instance name holds the node id and swarm id, so a clash means two nodes share a
+        # node id, which the authenticated hello refuses with a clear error anyway.
+        await (await self._zc.async_register_service(self._info, cooperating_responders=True))
 
     def _on_change(self, zeroconf, service_type: str, name: str, state_change) -> None:
         if state_change is self._state_change.Removed:
