@@ -56,7 +56,6 @@ FAILURE_TIMEOUT_S = 3.0
 FORGET_AFTER_S = 60.0
 """How long a dead (not cleanly stopped) peer stays listed with ``alive: false``."""
 SUBMIT_TIMEOUT_S = 10.0
-CAPABILITIES = ("jobtable-v1",)
 
 log = logging.getLogger("swarmp2p.node")
 
@@ -154,12 +153,8 @@ class Daemon:
             raise ValueError("no IPv4 interface to use; pass --interface NAME_OR_IP")
         self.addresses = [ip for _, ip in chosen]
         self.bind_host = self.addresses[0] if config.interface else "0.0.0.0"
-        self.record = hardware.probe(
-            node_id=self.node_id,
-            name=self.name,
-            version=__version__,
-            capabilities=list(CAPABILITIES),
-            env=env,
+        self.record, self.host = hardware.probe(
+            node_id=self.node_id, name=self.name, version=__version__, env=env
         )
         self.table = jobtable.load(self.state.table_file)
         self.members = Membership(self.node_id)
@@ -230,7 +225,7 @@ class Daemon:
                 name=self.name,
                 port=self.port,
                 protocol=PROTOCOL_VERSION,
-                hardware=hardware.summary(self.record),
+                hardware=hardware.summary(self.record, self.host),
             )
             self._discovery = Discovery(
                 advert, self.addresses, on_add=self._on_mdns_add, on_remove=self._on_mdns_remove
@@ -309,6 +304,7 @@ class Daemon:
             control_port=self.port,
             addresses=self.addresses,
             record=self.record,
+            host=self.host,
             term=self.table.term,
             version=self.table.version,
         )
@@ -345,6 +341,7 @@ class Daemon:
                 name=reply.name,
                 endpoint=endpoint,
                 record=reply.record,
+                host=reply.host,
                 now=self.clock(),
             )
             self._rt.unanswered.discard(endpoint)
@@ -604,7 +601,12 @@ class Daemon:
             self._check_hello(msg)
             endpoint = f"tcp://{msg.addresses[0]}:{msg.control_port}"
             changes = self.members.hello(
-                node_id=msg.node_id, name=msg.name, endpoint=endpoint, record=msg.record, now=now
+                node_id=msg.node_id,
+                name=msg.name,
+                endpoint=endpoint,
+                record=msg.record,
+                host=msg.host,
+                now=now,
             )
             self._changed(changes)
             return self._hello_msg()
@@ -638,6 +640,7 @@ class Daemon:
             "alive": True,
             "is_leader": self.leader == self.node_id,
             "last_seen_s": 0.0,
+            "host": self.host,
             "devices": _devices(self.record),
         }
         peers = [me]
@@ -650,6 +653,7 @@ class Daemon:
                     "alive": peer.alive,
                     "is_leader": peer.alive and peer.node_id == self.leader,
                     "last_seen_s": round(now - peer.last_seen, 3),
+                    "host": peer.host,
                     "devices": _devices(peer.record),
                 }
             )
@@ -713,8 +717,11 @@ class Daemon:
 
 
 def _devices(record: dict[str, Any]) -> list[dict[str, Any]]:
-    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability", "fake")
-    return [{k: d.get(k) for k in keys} for d in record.get("devices", [])]
+    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability")
+    return [
+        {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
+        for d in record.get("devices", [])
+    ]
 
 
 def setup_logging(state: StateDir, foreground: bool) -> None:

@@ -1,9 +1,10 @@
 """Hardware probe: GPUs through NVML (nvidia-ml-py), CPU cores, RAM, free disk; fake devices.
 
-The result is the cluster.json node record (plain dicts, bytes everywhere):
-``{"node_id", "name", "ram", "disk_free", "cpu_cores", "capabilities", "version", "driver",
-"devices": [{"kind", "index", "name", "memory_total", "memory_free", "compute_capability",
-"fake"}]}``.
+``probe`` returns the cluster.json node record of ``swarmp2p.plan.hardware`` (plain dicts,
+bytes everywhere): ``{"node_id", "name", "ram", "disk_free", "capabilities", "version",
+"devices": [{"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}]}``
+with ``"fake": true`` added on fake devices only (``planner_record`` drops it), and a host dict
+``{"cpu_cores", "driver"}`` that the planner does not take.
 
 ``SWARM_FAKE_DEVICES`` (tests and demos only) replaces the GPUs NVML would report with
 described ones, each marked ``"fake": true``. Two forms:
@@ -115,15 +116,17 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
 def _device(
     kind: str, index: int, name: str, total: int, free: int, capability: str, *, fake: bool
 ) -> dict[str, Any]:
-    return {
+    device = {
         "kind": kind,
         "index": index,
         "name": name,
         "memory_total": total,
         "memory_free": free,
         "compute_capability": capability,
-        "fake": fake,
     }
+    if fake:
+        device["fake"] = True
+    return device
 
 
 def _text(value: Any) -> str:
@@ -207,8 +210,9 @@ def probe(
     capabilities: list[str] | None = None,
     env: Mapping[str, str] | None = None,
     nvml: ModuleType | None = None,
-) -> dict[str, Any]:
-    """The node record of this machine; ``SWARM_FAKE_DEVICES`` in ``env`` replaces the GPUs."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This machine's node record and host dict; ``SWARM_FAKE_DEVICES`` in ``env`` replaces
+    the GPUs. ``capabilities`` are the runtime features this node declares (none by default)."""
     env = os.environ if env is None else env
     fake = env.get(FAKE_DEVICES_ENV)
     if fake is not None:
@@ -217,17 +221,23 @@ def probe(
         gpus, driver = probe_gpus(nvml)
     ram = _ram_bytes()
     cpu = _device("cpu", 0, "cpu", ram, _available_ram(ram), "", fake=False)
-    return {
+    record = {
         "node_id": node_id,
         "name": name,
         "ram": ram,
         "disk_free": _disk_free(model_cache_dir(env)),
-        "cpu_cores": _cpu_cores(),
         "capabilities": sorted(capabilities or []),
         "version": version,
-        "driver": driver,
         "devices": [*gpus, cpu],
     }
+    return record, {"cpu_cores": _cpu_cores(), "driver": driver}
+
+
+def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` as ``swarmp2p.plan.hardware.Node.from_dict`` takes it (no ``fake`` marks)."""
+    out = dict(record)
+    out["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in record["devices"]]
+    return out
 
 
 def _available_ram(total: int) -> int:
@@ -240,12 +250,12 @@ def _available_ram(total: int) -> int:
     return total
 
 
-def summary(record: Mapping[str, Any]) -> str:
+def summary(record: Mapping[str, Any], host: Mapping[str, Any]) -> str:
     """A short hardware line for the mDNS TXT record, e.g. ``"2xcuda:30G,cpu:4c/23G"``."""
     gpus = [d for d in record.get("devices", []) if d.get("kind") != "cpu"]
     parts = []
     if gpus:
         total = sum(int(d.get("memory_total", 0)) for d in gpus) // GIB
         parts.append(f"{len(gpus)}x{gpus[0].get('kind', 'cuda')}:{total}G")
-    parts.append(f"cpu:{record.get('cpu_cores', 0)}c/{int(record.get('ram', 0)) // GIB}G")
+    parts.append(f"cpu:{host.get('cpu_cores', 0)}c/{int(record.get('ram', 0)) // GIB}G")
     return ",".join(parts)

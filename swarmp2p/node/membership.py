@@ -20,6 +20,8 @@ class Peer:
     """``tcp://host:port`` of its control socket."""
     record: dict[str, Any] = field(default_factory=dict)
     """Its hardware node record from the hello."""
+    host: dict[str, Any] = field(default_factory=dict)
+    """Its host dict (CPU cores, driver) from the hello."""
     alive: bool = True
     last_seen: float = 0.0
     """``now`` of the last hello, heartbeat or reply from it."""
@@ -52,7 +54,14 @@ class Membership:
         return [p for p in self.peers.values() if p.alive]
 
     def hello(
-        self, *, node_id: str, name: str, endpoint: str, record: dict[str, Any], now: float
+        self,
+        *,
+        node_id: str,
+        name: str,
+        endpoint: str,
+        record: dict[str, Any],
+        now: float,
+        host: dict[str, Any] | None = None,
     ) -> list[Change]:
         """A hello from (or a hello reply of) ``node_id``: it is alive at ``endpoint``."""
         if node_id == self.self_id:
@@ -63,7 +72,7 @@ class Membership:
         joined = peer is None or not peer.alive
         if peer is None:
             peer = self.peers[node_id] = Peer(node_id=node_id, name=name, endpoint=endpoint)
-        peer.name, peer.endpoint, peer.record = name, endpoint, record
+        peer.name, peer.endpoint, peer.record, peer.host = name, endpoint, record, host or {}
         peer.alive, peer.last_seen = True, now
         return [Change(kind="join", node_id=node_id)] if joined else []
 

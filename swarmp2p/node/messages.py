@@ -24,6 +24,8 @@ class NodeHello(Message):
     """IPv4 addresses its control port listens on, best first."""
     record: dict
     """The hardware node record (cluster.json form)."""
+    host: dict
+    """CPU cores and the NVIDIA driver version."""
     term: int
     version: int
 

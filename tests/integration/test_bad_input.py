@@ -31,6 +31,7 @@ def _hello(**change):
         "control_port": 9,
         "addresses": ["127.0.0.9"],
         "record": {},
+        "host": {},
         "term": 0,
         "version": 0,
     }

@@ -8,7 +8,14 @@ import types
 import pytest
 
 from swarmp2p.node import hardware
-from swarmp2p.node.hardware import GIB, parse_fake_devices, probe, probe_gpus, summary
+from swarmp2p.node.hardware import (
+    GIB,
+    parse_fake_devices,
+    planner_record,
+    probe,
+    probe_gpus,
+    summary,
+)
 
 
 class _NVMLError(Exception):
@@ -64,7 +71,6 @@ def test_fake_nvml_reports_each_gpu():
         "memory_total": 6 * GIB,
         "memory_free": 5 * GIB,
         "compute_capability": "7.5",
-        "fake": False,
     }
     assert nvml.calls == ["init", "shutdown"]
 
@@ -86,33 +92,35 @@ def test_non_nvml_error_is_not_swallowed():
         probe_gpus(nvml)
 
 
+NODE_KEYS = {"node_id", "name", "ram", "disk_free", "capabilities", "version", "devices"}
+DEVICE_KEYS = {"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}
+
+
 def test_real_probe_on_this_machine_without_nvml():
     # this machine has no NVIDIA driver: the real pynvml raises NVMLError_LibraryNotFound
-    record = probe(node_id="a1", name="box", version="0.1.0", env={})
+    record, host = probe(node_id="a1", name="box", version="0.1.0", env={})
+    assert set(record) == NODE_KEYS  # exactly the cluster.json node record of plan/
     assert record["node_id"] == "a1" and record["name"] == "box"
+    assert record["capabilities"] == [] and record["version"] == "0.1.0"
     assert [d["kind"] for d in record["devices"]] == ["cpu"]
-    assert record["ram"] > 0 and record["cpu_cores"] >= 1 and record["disk_free"] > 0
+    assert record["ram"] > 0 and record["disk_free"] > 0
+    assert host == {"cpu_cores": host["cpu_cores"], "driver": ""} and host["cpu_cores"] >= 1
     cpu = record["devices"][0]
     assert 0 < cpu["memory_free"] <= cpu["memory_total"] == record["ram"]
-    assert set(cpu) == {
-        "kind",
-        "index",
-        "name",
-        "memory_total",
-        "memory_free",
-        "compute_capability",
-        "fake",
-    }
+    assert set(cpu) == DEVICE_KEYS
 
 
 def test_probe_with_fake_devices_env_marks_them_fake():
-    record = probe(
+    record, host = probe(
         node_id="a1", name="box", version="0.1.0", env={"SWARM_FAKE_DEVICES": "A5000:24:8.6"}
     )
     gpu, cpu = record["devices"]
-    assert gpu["fake"] is True and cpu["fake"] is False
+    assert gpu["fake"] is True and "fake" not in cpu
     assert gpu["memory_total"] == 24 * GIB and gpu["compute_capability"] == "8.6"
-    assert summary(record).startswith("1xcuda:24G,cpu:")
+    assert summary(record, host).startswith("1xcuda:24G,cpu:")
+    planner = planner_record(record)
+    assert all(set(d) == DEVICE_KEYS for d in planner["devices"])
+    assert record["devices"][0]["fake"] is True  # the original is untouched
 
 
 @pytest.mark.parametrize(
