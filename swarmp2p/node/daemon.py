@@ -389,21 +389,34 @@ class Daemon:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            peers = list(self.members.peers.values())
-            await asyncio.gather(*(self._beat(p.node_id, p.endpoint, p.alive) for p in peers))
-            for endpoint in self._static:
-                if not any(p.alive and p.endpoint == endpoint for p in peers):
-                    self._say_hello(endpoint)
-            now = self.clock()
-            self._changed(
-                self.members.expire(now, self.config.failure_timeout_s, self.config.forget_after_s)
-            )
-            for endpoint in [e for e in self._rt.clients if e not in self._known_endpoints()]:
-                await self._rt.clients.pop(endpoint).close()
-            self._bad.flush()
-            if self.leader == self.node_id and self._should_take_over():
-                self._start_takeover()
+            try:
+                await self._heartbeat_round()
+            except Exception:  # never let one bad round stop the heartbeats
+                log.exception("heartbeat round failed")
             await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _heartbeat_round(self) -> None:
+        """Heartbeat every peer (hello the dead and static ones), expire the silent."""
+        peers = list(self.members.peers.values())
+        results = await asyncio.gather(
+            *(self._beat(p.node_id, p.endpoint, p.alive) for p in peers),
+            return_exceptions=True,
+        )
+        for peer, result in zip(peers, results):
+            if isinstance(result, Exception):
+                log.warning("heartbeat to %s failed: %r", peer.node_id, result)
+        for endpoint in self._static:
+            if not any(p.alive and p.endpoint == endpoint for p in peers):
+                self._say_hello(endpoint)
+        now = self.clock()
+        self._changed(
+            self.members.expire(now, self.config.failure_timeout_s, self.config.forget_after_s)
+        )
+        for endpoint in [e for e in self._rt.clients if e not in self._known_endpoints()]:
+            await self._rt.clients.pop(endpoint).close()
+        self._bad.flush()
+        if self.leader == self.node_id and self._should_take_over():
+            self._start_takeover()
 
     def _known_endpoints(self) -> set[str]:
         return (
@@ -708,6 +721,9 @@ class Daemon:
                 reply = {"ok": False, "error": f"bad request: {exc}"}
             except (RpcError, RpcTimeout) as exc:
                 reply = {"ok": False, "error": str(exc)}
+            except Exception as exc:
+                log.exception("local API request failed")
+                reply = {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
