@@ -9,6 +9,18 @@ from pathlib import Path
 
 import pytest
 
+# No test downloads from a hub; a test that tries fails instead of hanging on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+try:  # tqdm's monitor thread outlives every progress bar; it is not ours to leak
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+
 LEAK_GRACE_S = 2.0
 """How long a test's threads and children get to finish after it returns."""
 
