@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the suite imports test modules with --import-mode=importlib: make the harness importable
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from swarm_harness import NodeProc, free_port
 
 
