@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 SERVICE_TYPE = "_swarmp2p._tcp.local."
-SKIPPED_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "lo")
-"""Container and bridge interfaces (and loopback) that discovery skips unless pinned."""
+SKIPPED_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel")
+"""Container and bridge interfaces that discovery skips unless pinned (loopback too, unless
+it is all there is)."""
 RESOLVE_TIMEOUT_MS = 3000
 
 _log = logging.getLogger(__name__)
