@@ -220,7 +220,7 @@ def up(
     """Start this node's daemon (creating a swarm when there is no token and no state)."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
-    from swarmp2p.node.daemon import NodeConfig
+    from swarmp2p.node.config import NodeConfig
 
     try:
         config = NodeConfig(

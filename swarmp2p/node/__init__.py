@@ -1,8 +1,9 @@
 """The node daemon (`swarm up`): membership, election, the job table, workers. No torch."""
 
 from swarmp2p.node.api import ApiError
+from swarmp2p.node.config import DEFAULT_PORT, NodeConfig
 from swarmp2p.node.control import down, status, submit_job, token, up
-from swarmp2p.node.daemon import DEFAULT_PORT, Daemon, NodeConfig, serve
+from swarmp2p.node.daemon import Daemon, serve
 from swarmp2p.node.election import check_node_id, leader
 from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices, planner_record, probe
 from swarmp2p.node.jobtable import JobEvent, JobTable, newest

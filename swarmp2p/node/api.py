@@ -8,9 +8,14 @@ line; each reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
+import os
 import socket
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,74 @@ API_OPS = ("status", "peers", "submit", "down")
 
 class ApiError(RuntimeError):
     """The daemon is not running, not answering, or refused the request."""
+
+
+ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+"""``async handler(request) -> result``; raise ApiError or ValueError to refuse."""
+
+_log = logging.getLogger(__name__)
+
+
+class ApiServer:
+    """The daemon's side: a 0600 unix socket at ``path`` answering ``handlers[op]``."""
+
+    def __init__(self, path: Path, handlers: Mapping[str, ApiHandler]) -> None:
+        unknown = set(handlers) - set(API_OPS)
+        if unknown:
+            raise ValueError(f"no such local API op(s) {sorted(unknown)}; known: {list(API_OPS)}")
+        self.path = path
+        self._handlers = dict(handlers)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        old_umask = os.umask(0o077)  # the socket is never, even briefly, open to others
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._server = await asyncio.start_unix_server(
+                self._serve, path=str(self.path), limit=MAX_LINE_BYTES
+            )
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            reply = await self._answer(await reader.readline())
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, line: bytes) -> dict[str, Any]:
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict) or req.get("op") not in self._handlers:
+                raise ValueError(f"op must be one of {sorted(self._handlers)}")
+            return {"ok": True, "result": await self._handlers[req["op"]](req)}
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"ok": False, "error": f"bad request: {exc}"}
+        except ApiError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:
+            _log.exception("local API request failed")
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
 
 
 def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any) -> Any:

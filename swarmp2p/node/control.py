@@ -12,7 +12,7 @@ from typing import Any
 
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import api
-from swarmp2p.node.daemon import NodeConfig
+from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir
 
 START_TIMEOUT_S = 30.0
@@ -95,7 +95,8 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
         )
     secret, created = swarm_secret(state, token_text)
     if foreground:
-        from swarmp2p.node.daemon import serve, setup_logging
+        from swarmp2p.node.config import setup_logging
+        from swarmp2p.node.daemon import serve
 
         setup_logging(state, foreground=True)
         if created:

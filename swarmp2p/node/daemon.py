@@ -26,7 +26,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
@@ -34,6 +33,8 @@ from swarmp2p.net.discovery import Advert, Discovery, list_interfaces, select_in
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import hardware, jobtable
+from swarmp2p.node.api import ApiError, ApiServer
+from swarmp2p.node.config import SUBMIT_TIMEOUT_S, NodeConfig, parse_peer
 from swarmp2p.node.election import leader as elect
 from swarmp2p.node.jobtable import JobEvent, JobTable
 from swarmp2p.node.membership import Change, Membership
@@ -50,53 +51,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.state import StateDir
 from swarmp2p.wire.messages import Message
 
-DEFAULT_PORT = 7737
-HEARTBEAT_S = 0.5
-FAILURE_TIMEOUT_S = 3.0
-FORGET_AFTER_S = 60.0
-"""How long a dead (not cleanly stopped) peer stays listed with ``alive: false``."""
-SUBMIT_TIMEOUT_S = 10.0
-
 log = logging.getLogger("swarmp2p.node")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class NodeConfig:
-    """Everything `swarm up` was told; timings are seconds."""
-
-    state_dir: Path
-    name: str = ""
-    """Human name; the host name when empty."""
-    node_id: str | None = None
-    """Set (and save) the node id; None keeps the saved one or makes one."""
-    port: int = DEFAULT_PORT
-    interface: str | None = None
-    """Pin one interface (name or IPv4); None: every non-container interface."""
-    peers: tuple[str, ...] = ()
-    """Static peers ``HOST:PORT`` (networks without multicast)."""
-    mdns: bool = True
-    heartbeat_s: float = HEARTBEAT_S
-    failure_timeout_s: float = FAILURE_TIMEOUT_S
-    forget_after_s: float = FORGET_AFTER_S
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port {self.port} is not in 0..65535")
-        if not 0 < self.heartbeat_s < self.failure_timeout_s:
-            raise ValueError(
-                f"heartbeat interval {self.heartbeat_s} s must be > 0 and below the failure "
-                f"timeout {self.failure_timeout_s} s"
-            )
-        for peer in self.peers:
-            parse_peer(peer)
-
-
-def parse_peer(text: str) -> str:
-    """``HOST:PORT`` -> ``tcp://HOST:PORT``; ValueError saying what is expected."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--peer {text!r} is not HOST:PORT (e.g. 192.168.1.20:{DEFAULT_PORT})")
-    return f"tcp://{host}:{int(port)}"
 
 
 class _RateLimitedLog:
@@ -170,7 +125,7 @@ class Daemon:
         self._static = [parse_peer(p) for p in config.peers]
         self._ctx = None
         self._server: RpcServer | None = None
-        self._api: asyncio.AbstractServer | None = None
+        self._api: ApiServer | None = None
         self._discovery: Discovery | None = None
         self.port = 0
 
@@ -197,16 +152,16 @@ class Daemon:
         )
         await self._server.start()
         self.port = self._server.port
-        old_umask = os.umask(0o077)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                self.state.api_socket.unlink()
-            self._api = await asyncio.start_unix_server(
-                self._api_conn, path=str(self.state.api_socket), limit=1 << 20
-            )
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.state.api_socket, 0o600)
+        self._api = ApiServer(
+            self.state.api_socket,
+            {
+                "status": self._api_status,
+                "peers": self._api_peers,
+                "submit": self._api_submit,
+                "down": self._api_down,
+            },
+        )
+        await self._api.start()
         self.state.pid_file.write_text(f"{os.getpid()}\n")
         log.info(
             "node %s (%s) of swarm %s listening on %s port %d; table term %d version %d",
@@ -257,9 +212,7 @@ class Daemon:
         if self._server is not None:
             await self._server.close()
         if self._api is not None:
-            self._api.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._api.wait_closed(), 1.0)
+            await self._api.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         for path in (self.state.api_socket, self.state.pid_file):
@@ -686,50 +639,33 @@ class Daemon:
             "jobs": [jobtable._thaw(job) for _, job in sorted(self.table.jobs.items())],
         }
 
-    async def _api_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        import json
-
+    async def _api_submit(self, req: dict[str, Any]) -> dict[str, Any]:
+        record = req.get("record")
+        if not isinstance(record, dict):
+            raise ValueError("submit needs a JSON object 'record'")
+        job_id = req.get("job_id") or ""
+        if not isinstance(job_id, str):
+            raise ValueError("submit 'job_id' must be a string")
         try:
-            line = await reader.readline()
-            try:
-                req = json.loads(line)
-                op = req["op"]
-                if op in ("status", "peers"):
-                    status = self.status()
-                    result: Any = status if op == "status" else status["peers"]
-                elif op == "submit":
-                    record = req.get("record")
-                    if not isinstance(record, dict):
-                        raise ValueError("submit needs a JSON object 'record'")
-                    job_id = req.get("job_id") or ""
-                    if not isinstance(job_id, str):
-                        raise ValueError("submit 'job_id' must be a string")
-                    done = await self.submit(job_id, record)
-                    result = {
-                        "job_id": done.job_id,
-                        "term": done.term,
-                        "version": done.version,
-                        "replicas": done.replicas,
-                    }
-                elif op == "down":
-                    result = {"node_id": self.node_id, "pid": os.getpid()}
-                    asyncio.get_running_loop().call_soon(self.stop)
-                else:
-                    raise ValueError(f"unknown op {op!r}")
-                reply = {"ok": True, "result": result}
-            except (ValueError, KeyError, TypeError) as exc:
-                reply = {"ok": False, "error": f"bad request: {exc}"}
-            except (RpcError, RpcTimeout) as exc:
-                reply = {"ok": False, "error": str(exc)}
-            except Exception as exc:
-                log.exception("local API request failed")
-                reply = {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
-            writer.write(json.dumps(reply).encode() + b"\n")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
+            done = await self.submit(job_id, record)
+        except (RpcError, RpcTimeout) as exc:
+            raise ApiError(str(exc)) from None
+        return {
+            "job_id": done.job_id,
+            "term": done.term,
+            "version": done.version,
+            "replicas": done.replicas,
+        }
+
+    async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:
+        asyncio.get_running_loop().call_soon(self.stop)
+        return {"node_id": self.node_id, "pid": os.getpid()}
+
+    async def _api_status(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self.status()
+
+    async def _api_peers(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.status()["peers"]
 
 
 def _devices(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -738,20 +674,6 @@ def _devices(record: dict[str, Any]) -> list[dict[str, Any]]:
         {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
         for d in record.get("devices", [])
     ]
-
-
-def setup_logging(state: StateDir, foreground: bool) -> None:
-    """Log to ``daemon.log`` in the state dir, and to stderr in the foreground."""
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.FileHandler(state.log_file)]
-    if foreground:
-        handlers.append(logging.StreamHandler())
-    for handler in handlers:
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-    logging.getLogger("zeroconf").setLevel(logging.WARNING)
 
 
 def serve(config: NodeConfig, secret: SwarmSecret) -> None:

@@ -9,7 +9,8 @@ import time
 from swarm_harness import free_port
 
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node.daemon import Daemon, NodeConfig
+from swarmp2p.node.config import NodeConfig
+from swarmp2p.node.daemon import Daemon
 
 SECRET = SwarmSecret.generate()
 

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from swarmp2p.node import api, control
-from swarmp2p.node.daemon import NodeConfig, _RateLimitedLog, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer
+from swarmp2p.node.daemon import _RateLimitedLog
 from swarmp2p.node.messages import Heartbeat, NodeHello, Submit, TablePush
 from swarmp2p.wire.messages import WireError, decode, encode
 
