@@ -114,6 +114,33 @@ def select_interfaces(
     return chosen or loopback
 
 
+def local_networks() -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks this host's interfaces are on (from ``ifaddr``)."""
+    import ifaddr
+
+    return [
+        ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}", strict=False)
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if isinstance(ip.ip, str)
+    ]
+
+
+def best_address(addresses: Iterable[str], networks: Iterable[ipaddress.IPv4Network]) -> str:
+    """The first of a peer's ``addresses`` on one of our ``networks``, else its first one."""
+    addresses, networks = list(addresses), list(networks)
+    if not addresses:
+        raise ValueError("a peer advertised no IPv4 address")
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        if any(ip in net for net in networks):
+            return address
+    return addresses[0]
+
+
 PeerCallback = Callable[[Advert, list[str]], None]
 """Called with a peer's advert and its IPv4 addresses."""
 

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
-from swarmp2p.net.discovery import Advert, Discovery, list_interfaces, select_interfaces
+from swarmp2p.net.discovery import (
+    Advert,
+    Discovery,
+    best_address,
+    list_interfaces,
+    local_networks,
+    select_interfaces,
+)
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import hardware, jobtable
@@ -107,6 +114,7 @@ class Daemon:
         if not chosen:
             raise ValueError("no IPv4 interface to use; pass --interface NAME_OR_IP")
         self.addresses = [ip for _, ip in chosen]
+        self._networks = local_networks()
         self.bind_host = self.addresses[0] if config.interface else "0.0.0.0"
         self.record, self.host = hardware.probe(
             node_id=self.node_id, name=self.name, version=__version__, env=env
@@ -314,7 +322,7 @@ class Daemon:
     def _on_mdns_add(self, advert: Advert, addresses: list[str]) -> None:
         if not addresses:
             return
-        endpoint = f"tcp://{addresses[0]}:{advert.port}"
+        endpoint = f"tcp://{best_address(addresses, self._networks)}:{advert.port}"
         peer = self.members.peers.get(advert.node_id)
         if peer is None or not peer.alive or peer.endpoint != endpoint:
             log.info("mDNS: found node %s (%s) at %s", advert.node_id, advert.name, endpoint)
@@ -565,7 +573,7 @@ class Daemon:
             return self._heartbeat_msg()
         if isinstance(msg, NodeHello):
             self._check_hello(msg)
-            endpoint = f"tcp://{msg.addresses[0]}:{msg.control_port}"
+            endpoint = f"tcp://{best_address(msg.addresses, self._networks)}:{msg.control_port}"
             changes = self.members.hello(
                 node_id=msg.node_id,
                 name=msg.name,

@@ -75,3 +75,23 @@ def test_pin_unknown_names_the_choices():
         ValueError, match=r"--interface .eth9. matches no interface.*eth0=192\.168\.1\.5"
     ):
         select_interfaces(IFACES, "eth9")
+
+
+def test_best_address_prefers_our_networks():
+    import ipaddress
+
+    from swarmp2p.net.discovery import best_address
+
+    ours = [ipaddress.ip_network("192.168.1.0/24"), ipaddress.ip_network("127.0.0.0/8")]
+    assert best_address(["10.9.0.4", "192.168.1.7"], ours) == "192.168.1.7"
+    assert best_address(["10.9.0.4", "10.9.0.5"], ours) == "10.9.0.4"
+    with pytest.raises(ValueError, match="no IPv4 address"):
+        best_address([], ours)
+
+
+def test_local_networks_include_loopback():
+    import ipaddress
+
+    from swarmp2p.net.discovery import local_networks
+
+    assert any(ipaddress.ip_address("127.0.0.1") in net for net in local_networks())
