@@ -565,7 +565,7 @@ class Daemon:
 
     async def _dispatch(self, msg: Message) -> Message:
         now = self.clock()
-        if self._closing:
+        if self._closing and not isinstance(msg, Leave):
             raise RpcError("stopping", f"node {self.node_id} is stopping")
         if isinstance(msg, Heartbeat):
             if not self.members.seen(msg.node_id, now):

@@ -27,13 +27,13 @@ class LoopbackSwarm:
             self.ports.setdefault(node_id, free_port())
 
     def node(
-        self, node_id: str, *, token: str | None = None, peers=None, env=None, port=None
+        self, node_id: str, *, token: str | None = None, peers=None, env=None, port=None, mdns=False
     ) -> NodeProc:
         port = self.ports.setdefault(node_id, port or free_port())
         if peers is None:
             peers = [f"127.0.0.1:{p}" for n, p in self.ports.items() if n != node_id]
         args = ["--node-id", node_id, "--name", f"host-{node_id}", "--port", str(port)]
-        args += ["--interface", "127.0.0.1", "--no-mdns"]
+        args += ["--interface", "127.0.0.1"] + ([] if mdns else ["--no-mdns"])
         if token:
             args += ["--token", token]
         for peer in peers:

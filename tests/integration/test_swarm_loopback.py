@@ -149,3 +149,15 @@ def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(l
         5,
         "every node to hold a's table",
     )
+
+
+def test_mdns_on_loopback_finds_peers_without_static_addresses(loopback_swarm):
+    nodes = [loopback_swarm.node(n, token=TOKEN, peers=[], mdns=True) for n in ("b", "a")]
+    other_swarm = loopback_swarm.node("0", token=SwarmSecret.generate().token, peers=[], mdns=True)
+    for node in (*nodes, other_swarm):
+        node.start()
+    wait_until(lambda: agreed_on(nodes, "a", 2), 20, "mDNS discovery on loopback")
+    time.sleep(1.0)
+    assert [p["node_id"] for p in nodes[0].status()["peers"]] == ["b", "a"]  # not "0"
+    assert [p["node_id"] for p in other_swarm.status()["peers"]] == ["0"]
+    assert any("mDNS: found node" in n.log() for n in nodes)  # no static peers were given
