@@ -87,6 +87,7 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
     In the foreground this serves until stopped (and returns nothing useful); otherwise it
     starts ``swarm up --foreground`` in a new session and returns once its local API answers.
     """
+    _preflight(config)
     state = StateDir(root=config.state_dir).ensure()
     pid = _running(state)
     if pid is not None:
@@ -125,6 +126,19 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
             proc.wait(5)
         raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
     return {"status": status, "created": created, "join": join_command(secret)}
+
+
+def _preflight(config: NodeConfig) -> None:
+    """Refuse bad input before anything is written: the interface, fake devices, node id."""
+    from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.election import check_node_id
+    from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices
+
+    select_interfaces(list_interfaces(), config.interface)
+    if os.environ.get(FAKE_DEVICES_ENV) is not None:
+        parse_fake_devices(os.environ[FAKE_DEVICES_ENV])
+    if config.node_id is not None:
+        check_node_id(config.node_id)
 
 
 def _log_tail(state: StateDir, lines: int = 15) -> str:

@@ -138,3 +138,26 @@ def test_sigterm_stops_a_foreground_daemon_cleanly(tmp_path):
         proc.stderr.close()
     assert "created swarm" in err and "stopped" in err
     assert not state.api_socket.exists() and not state.pid_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--interface", "eth-none"], {}, "--interface 'eth-none' matches no interface"),
+        (["--node-id", "Bad Id"], {}, "node id 'Bad Id' is not valid"),
+        (["--peer", "nohost"], {}, "--peer 'nohost' is not HOST:PORT"),
+        ([], {"SWARM_FAKE_DEVICES": "oops"}, "SWARM_FAKE_DEVICES item 0 'oops'"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, args, env, message):
+    state_dir = tmp_path / "never"
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state_dir), *args],
+        capture_output=True,
+        text=True,
+        env=swarm_env(env),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert not state_dir.exists()
