@@ -151,10 +151,6 @@ def _print_plan(plan) -> None:
         console.print(f"note: {note}", markup=False)
 
 
-if __name__ == "__main__":
-    main()
-
-
 # --- the node daemon: up, down, token, status, peers (issue 6) -------------------------------
 
 _STATE_DIR_OPTION = click.option(
@@ -305,3 +301,7 @@ def peers(state_dir, as_json) -> None:
     except ApiError as exc:
         _fail(exc)
     click.echo(json.dumps(s["peers"], indent=2) if as_json else control.format_peers(s["peers"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,15 +45,20 @@ class ApiServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The umask is process-wide: change it only around the synchronous bind, never across an
+        # await, where another daemon in this process could save and restore it out of order.
         old_umask = os.umask(0o077)  # the socket is never, even briefly, open to others
         try:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            self._server = await asyncio.start_unix_server(
-                self._serve, path=str(self.path), limit=MAX_LINE_BYTES
-            )
+            sock.bind(str(self.path))
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old_umask)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE_BYTES)
         os.chmod(self.path, 0o600)
 
     async def close(self) -> None:
