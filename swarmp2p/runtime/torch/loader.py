@@ -77,8 +77,16 @@ class _Checkpoint:
 
     def _fetch(self, filename: str) -> str:
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-        return hf_hub_download(self.repo_id, filename)
+        try:
+            return hf_hub_download(self.repo_id, filename)
+        except (LocalEntryNotFoundError, HfHubHTTPError) as error:
+            raise FileNotFoundError(
+                f"model {self.repo_id!r}: {filename} is neither in the local Hugging Face cache "
+                f"nor reachable on the Hub ({type(error).__name__}); check the name, go online, "
+                "or pass a local checkpoint folder"
+            ) from error
 
     def _weight_map(self) -> dict[str, str]:
         index = self.folder / INDEX_FILE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -150,3 +151,39 @@ def test_free_disk_check_names_the_numbers():
     check_free_disk(10**9, 2 * 10**9, "/cache")
     with pytest.raises(OSError, match=r"needs 1.00 GB .* /cache, which has 1.20 GB free"):
         check_free_disk(10**9, 12 * 10**8, "/cache")
+
+
+def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path, monkeypatch):
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny--llama"
+    shutil.copytree(checkpoints("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    stage = load_stage_shard("tiny/llama", 1, 3, False, False, torch.float32)
+    local = load_stage_shard(checkpoints("llama"), 1, 3, False, False, torch.float32)
+    assert stage.loaded_files == local.loaded_files
+    for (name, a), (_, b) in zip(stage.state_dict().items(), local.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(
+        FileNotFoundError, match=r"'tiny/absent': config\.json is neither in the local"
+    ):
+        load_stage_shard("tiny/absent", 0, 1, True, False, torch.float32)
+
+
+def test_embedded_resolves_through_ensure_embedded(checkpoints, monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("swarmp2p.runtime.torch.embedded")
+    fake.ensure_embedded = lambda: calls.append(1) or checkpoints("llama")
+    monkeypatch.setitem(sys.modules, "swarmp2p.runtime.torch.embedded", fake)
+    stage = load_stage_shard("embedded", 0, 2, True, False, torch.float32)
+    assert calls == [1]
+    assert stage.block_indices == (0, 1)
