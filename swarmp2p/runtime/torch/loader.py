@@ -172,34 +172,55 @@ def _conversions(model):
 def _plan_reads(model, topology: Topology, checkpoint_keys, wanted: set[str]):
     """Map the checkpoint's keys to the model's with transformers' own renames and converters.
 
-    Returns ``{model_key: [(checkpoint_key, converter_pattern | None), ...]}`` for wanted keys.
+    Returns ``{model_key: [(checkpoint_key, converter_pattern | None), ...]}`` for the wanted
+    keys (sources in transformers' order: experts by index), and the converters by pattern.
     """
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = _conversions(model)
     meta = model.state_dict()
     prefix = model.base_model_prefix
-    plan: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+    renamed: dict[str, tuple[str, str | None]] = {}
     for key in sorted(checkpoint_keys, key=dot_natural_key):
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
-        if renamed not in meta and key in meta:
-            renamed, pattern = key, None
-        if renamed in wanted:
-            plan[renamed].append((key, pattern))
-    if topology.tied:
-        head_key = f"{topology.names['head']}.weight"
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        renamed[key] = (key, None) if target not in meta and key in meta else (target, pattern)
+
+    plan: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+    for key, (target, pattern) in renamed.items():
+        if target in wanted:
+            plan[target].append((key, pattern))
+    head_key = f"{topology.names['head']}.weight"
+    if topology.tied and head_key in wanted and head_key not in plan:
+        # the checkpoint stores no head: it aliases the input embedding (the reference's rule)
         embed_key = f"{topology.names['embed']}.weight"
-        if head_key in wanted and head_key not in plan:
-            # the checkpoint stores no head: it aliases the input embedding (the reference's rule)
-            plan[head_key] = [(key, None) for key, _ in plan.get(embed_key, [])] or [
-                (key, pattern)
-                for key in checkpoint_keys
-                for renamed, pattern in [
-                    rename_source_key(key, renamings, converters, prefix, meta)
-                ]
-                if renamed == embed_key
-            ]
-    return plan, {p: c for c in converters for p in c.source_patterns}
+        plan[head_key] = [(k, p) for k, (target, p) in renamed.items() if target == embed_key]
+    return dict(plan), {p: c for c in converters for p in c.source_patterns}
+
+
+def _read(checkpoint: _Checkpoint, plan, build) -> tuple[str, ...]:
+    """Read each planned checkpoint tensor once, one file open at a time, and hand every model
+    key to ``build(model_key, {checkpoint_key: tensor})`` as soon as all its sources are read
+    (a fused MoE weight waits for all its experts); returns the files read."""
+    by_file: dict[str, set[str]] = defaultdict(set)
+    waiting_on: dict[str, list[str]] = defaultdict(list)
+    pending = {model_key: {key for key, _ in sources} for model_key, sources in plan.items()}
+    for model_key, keys in pending.items():
+        for key in keys:
+            by_file[checkpoint.weight_map[key]].add(key)
+            waiting_on[key].append(model_key)
+    checkpoint.ensure_disk_for(set(by_file))
+    held: dict[str, torch.Tensor] = {}
+    for filename in sorted(by_file):
+        with safe_open(checkpoint.path(filename), framework="pt", device="cpu") as handle:
+            for key in sorted(by_file[filename]):
+                held[key] = handle.get_tensor(key)
+                for model_key in waiting_on[key]:
+                    pending[model_key].discard(key)
+                    if not pending[model_key]:
+                        build(model_key, {k: held[k] for k, _ in plan[model_key]})
+                for done in [k for k in held if all(not pending[m] for m in waiting_on[k])]:
+                    del held[done]  # one full-precision tensor at a time, not a whole file
+    return tuple(sorted(by_file))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,51 +313,25 @@ def load_stage_shard(
             "it names its weights differently from transformers' model"
         )
 
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for sources in plan.values():
-        for key, _ in sources:
-            by_file[checkpoint.weight_map[key]].append(key)
-    checkpoint.ensure_disk_for(set(by_file))
-    # one file open at a time; converters (fused MoE experts) need all of a key's sources first
-    read: dict[str, torch.Tensor] = {}
     pick_dtype = _dtype_for(model, dtype)
 
-    def finish(model_key: str, value: torch.Tensor) -> None:
+    def build(model_key: str, pieces: dict[str, torch.Tensor]) -> None:
+        sources = plan[model_key]
+        if sources[0][1] is None:
+            value = pieces[sources[0][0]]
+        else:
+            value = _convert(model, config, model_key, sources, pieces, converter_of)
         if quantizer is not None and quantizer.owns(model_key):
             value = quantizer.quantize(model_key, value.to(dtype))
         elif value.is_floating_point():
             value = value.to(pick_dtype(model_key, meta[model_key].dtype))
         _set_tensor(model, model_key, value)
 
-    pending = {k: {key for key, _ in v} for k, v in plan.items()}
-    waiting_on: dict[str, list[str]] = defaultdict(list)
-    for model_key, keys in pending.items():
-        for key in keys:
-            waiting_on[key].append(model_key)
-    for filename in sorted(by_file):
-        with safe_open(checkpoint.path(filename), framework="pt", device="cpu") as handle:
-            for key in sorted(set(by_file[filename])):
-                read[key] = handle.get_tensor(key)
-        for key in sorted(set(by_file[filename])):
-            for model_key in waiting_on[key]:
-                pending[model_key].discard(key)
-                if pending[model_key]:
-                    continue
-                sources = plan[model_key]
-                if sources[0][1] is None:
-                    finish(model_key, read[sources[0][0]])
-                else:
-                    finish(
-                        model_key, _convert(model, config, model_key, sources, read, converter_of)
-                    )
-        for key in list(read):
-            if all(not pending[m] for m in waiting_on[key]):
-                del read[key]
-
+    loaded_files = _read(checkpoint, plan, build)
     if topology.tied and stage.embed is not None and stage.head is not None:
         stage.head.weight = stage.embed.weight
     _check_materialised(stage, checkpoint.ref)
-    stage.loaded_files = tuple(sorted(by_file))
+    stage.loaded_files = loaded_files
     stage.to(device)
     if quantizer is not None:
         stage.eval()  # as from_pretrained hands back a quantized model: bnb int8 differs in train

@@ -57,6 +57,7 @@ def opened(monkeypatch):
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_slices_equal_the_whole_load_and_read_only_their_files(family, checkpoints, opened):
     folder = checkpoints(family)
