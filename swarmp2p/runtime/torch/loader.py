@@ -19,6 +19,9 @@ from swarmp2p.runtime.torch.stage import Stage
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DISK_HEADROOM_BYTES = 512 * 2**20
+MAPPED_BYTES_PER_OPEN = 64 * 2**20
+"""Bytes read through one safetensors handle before it is closed and the file mapped afresh:
+the pages read stay resident while it is open (bench/shard_load.py measures the effect)."""
 """Free space kept on the cache's filesystem beyond the files a stage downloads (the reference)."""
 
 
@@ -211,15 +214,23 @@ def _read(checkpoint: _Checkpoint, plan, build) -> tuple[str, ...]:
     checkpoint.ensure_disk_for(set(by_file))
     held: dict[str, torch.Tensor] = {}
     for filename in sorted(by_file):
-        with safe_open(checkpoint.path(filename), framework="pt", device="cpu") as handle:
-            for key in sorted(by_file[filename]):
-                held[key] = handle.get_tensor(key)
-                for model_key in waiting_on[key]:
-                    pending[model_key].discard(key)
-                    if not pending[model_key]:
-                        build(model_key, {k: held[k] for k, _ in plan[model_key]})
-                for done in [k for k in held if all(not pending[m] for m in waiting_on[k])]:
-                    del held[done]  # one full-precision tensor at a time, not a whole file
+        path = checkpoint.path(filename)
+        keys = sorted(by_file[filename])
+        while keys:
+            # safetensors maps the file: every page read stays resident until the handle
+            # closes, so a long read is split into handles of at most MAPPED_BYTES_PER_OPEN
+            mapped = 0
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                while keys and mapped <= MAPPED_BYTES_PER_OPEN:
+                    key = keys.pop(0)
+                    held[key] = handle.get_tensor(key)
+                    mapped += held[key].nbytes
+                    for model_key in waiting_on[key]:
+                        pending[model_key].discard(key)
+                        if not pending[model_key]:
+                            build(model_key, {k: held[k] for k, _ in plan[model_key]})
+                    for done in [k for k in held if all(not pending[m] for m in waiting_on[k])]:
+                        del held[done]  # one full-precision tensor at a time
     return tuple(sorted(by_file))
 
 
