@@ -298,6 +298,7 @@ def load_stage_shard(
     from swarmp2p.runtime.torch import quantization as _quant
 
     dtype = resolve_dtype(dtype)
+    device = torch.device(device)
     spec = _quant.normalize_spec(quantization)
     checkpoint = _Checkpoint(model_ref)
     config = AutoConfig.from_pretrained(checkpoint.folder)
@@ -332,10 +333,14 @@ def load_stage_shard(
             value = pieces[sources[0][0]]
         else:
             value = _convert(model, config, model_key, sources, pieces, converter_of)
+        # straight to the device: a GPU stage holds one host tensor at a time, and bitsandbytes
+        # quantizes on the card as from_pretrained does with a device map
         if quantizer is not None and quantizer.owns(model_key):
-            value = quantizer.quantize(model_key, value.to(dtype))
+            value = quantizer.quantize(model_key, value.to(device=device, dtype=dtype))
         elif value.is_floating_point():
-            value = value.to(pick_dtype(model_key, meta[model_key].dtype))
+            value = value.to(device=device, dtype=pick_dtype(model_key, meta[model_key].dtype))
+        else:
+            value = value.to(device)
         _set_tensor(model, model_key, value)
 
     loaded_files = _read(checkpoint, plan, build)
@@ -343,7 +348,7 @@ def load_stage_shard(
         stage.head.weight = stage.embed.weight
     _check_materialised(stage, checkpoint.ref)
     stage.loaded_files = loaded_files
-    stage.to(device)
+    stage.to(device)  # the recomputed buffers (rotary tables, embedding scales)
     if quantizer is not None:
         stage.eval()  # as from_pretrained hands back a quantized model: bnb int8 differs in train
     return stage
