@@ -292,7 +292,7 @@ def load_stage_shard(
 ) -> Stage:
     """Materialise blocks ``[layer_start, layer_end)`` of ``model_ref`` (a folder, a Hub id or
     ``"embedded"``) and nothing else: a meta-device model from the config, then only the stage's
-    tensors read from only the files that hold them."""
+    tensors read from only the files that hold them. The stage comes back in eval mode."""
     from transformers import AutoConfig
 
     from swarmp2p.runtime.torch import quantization as _quant
@@ -349,9 +349,9 @@ def load_stage_shard(
     _check_materialised(stage, checkpoint.ref)
     stage.loaded_files = loaded_files
     stage.to(device)  # the recomputed buffers (rotary tables, embedding scales)
-    if quantizer is not None:
-        stage.eval()  # as from_pretrained hands back a quantized model: bnb int8 differs in train
-    return stage
+    # eval mode, as from_pretrained hands a model back (dropout off; bnb int8 differs in train);
+    # a trainer calls stage.train() itself
+    return stage.eval()
 
 
 def _convert(model, config, model_key, sources, read, converter_of) -> torch.Tensor:

@@ -79,6 +79,7 @@ def test_slices_equal_the_whole_load_and_read_only_their_files(family, checkpoin
             assert len(opened) == len(set(opened)), "each small file opened once"
             if start > 0 and end < n:
                 assert len(expected) < len(every)
+            assert not stage.training, "eval mode, as from_pretrained returns a model"
             for name, param in stage.named_parameters():
                 assert param.dtype == whole_params[_whole_name(stage, name, whole)].dtype
             with torch.no_grad():
