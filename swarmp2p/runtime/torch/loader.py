@@ -241,7 +241,10 @@ def _read(checkpoint: _Checkpoint, plan, build) -> tuple[str, ...]:
 def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     module_name, _, name = key.rpartition(".")
     module = model.get_submodule(module_name)
-    if name in module._parameters:
+    if isinstance(value, nn.Module):  # an ExpertStack takes the fused parameter's place
+        del module._parameters[name]
+        module.add_module(name, value)
+    elif name in module._parameters:
         old = module._parameters[name]
         if isinstance(value, nn.Parameter):
             module._parameters[name] = value
