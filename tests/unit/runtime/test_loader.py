@@ -201,3 +201,33 @@ def test_long_reads_remap_the_file_and_load_the_same(checkpoints, opened, monkey
     assert len(opened) > files and set(opened) == set(remapped.loaded_files)
     for (name, a), (_, b) in zip(whole.state_dict().items(), remapped.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_free_disk_is_checked_before_any_weight_download(checkpoints, tmp_path, monkeypatch):
+    import shutil
+    import types
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "models--tiny--remote"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors.index.json"):  # weights not downloaded yet
+        shutil.copy(checkpoints("llama") / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked = []
+
+    def sizes(self, repo_id, paths, **kwargs):
+        asked.append((repo_id, sorted(paths)))
+        return [types.SimpleNamespace(path=p, size=10**15) for p in paths]
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", sizes)
+    with pytest.raises(OSError, match=r"needs [1-9]000000\.00 GB of checkpoint files .* GB free"):
+        load_stage_shard("tiny/remote", 1, 3, False, False, torch.float32)
+    expected, _ = _expected_files(checkpoints("llama"), 1, 3, False, False, False)
+    assert asked == [("tiny/remote", sorted(expected))], "sizes of exactly the stage's files"

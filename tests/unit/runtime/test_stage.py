@@ -96,3 +96,12 @@ def test_cached_decode_equals_the_whole_models(family, whole):
             for step, (a, b) in enumerate(zip(got, reference)):
                 assert (a - b).abs().max().item() <= TOL, (family, cuts, step)
             assert all(c.seen_tokens == 7 + len(steps) for c in caches)
+            for stage, cache in zip(stages, caches):
+                filled = [i for i, layer in enumerate(cache.cache.layers) if _filled(layer)]
+                assert filled == list(stage.block_indices), "laid out by whole-model index"
+
+
+def _filled(layer) -> bool:
+    """A cache layer holds state: keys/values, or a linear-attention block's recurrent state."""
+    recurrent = getattr(layer, "is_recurrent_states_initialized", {})
+    return bool(getattr(layer, "is_initialized", False) or any(recurrent.values()))
