@@ -272,13 +272,15 @@ def _dtype_for(model, dtype: torch.dtype):
     return pick
 
 
-def _empty_model(config, dtype: torch.dtype):
+def _empty_model(config, dtype: torch.dtype, attn_implementation: str | None = None):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     # buffers stay real: rotary tables and embedding scales are recomputed, not read
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
     model.tie_weights()  # from_pretrained ties after loading; introspection must see it now
     return model
 
@@ -292,10 +294,15 @@ def load_stage_shard(
     dtype: torch.dtype | str = torch.float32,
     quantization: dict | None = None,
     device: str | torch.device = "cpu",
+    *,
+    attn_implementation: str | None = None,
 ) -> Stage:
     """Materialise blocks ``[layer_start, layer_end)`` of ``model_ref`` (a folder, a Hub id or
     ``"embedded"``) and nothing else: a meta-device model from the config, then only the stage's
-    tensors read from only the files that hold them. The stage comes back in eval mode."""
+    tensors read from only the files that hold them. The stage comes back in eval mode.
+
+    ``attn_implementation`` is transformers' (``"sdpa"`` by default, ``"eager"``, ...); every
+    block is handed the causal mask of its own layer type whichever it is."""
     from transformers import AutoConfig
 
     from swarmp2p.runtime.torch import quantization as _quant
@@ -305,7 +312,7 @@ def load_stage_shard(
     spec = _quant.normalize_spec(quantization)
     checkpoint = _Checkpoint(model_ref)
     config = AutoConfig.from_pretrained(checkpoint.folder)
-    model = _empty_model(config, dtype)
+    model = _empty_model(config, dtype, attn_implementation)
     topology = introspect(model)
     stage = Stage(
         topology,

@@ -105,3 +105,22 @@ def _filled(layer) -> bool:
     """A cache layer holds state: keys/values, or a linear-attention block's recurrent state."""
     recurrent = getattr(layer, "is_recurrent_states_initialized", {})
     return bool(getattr(layer, "is_initialized", False) or any(recurrent.values()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_eager_attention_is_handed_its_causal_mask(family, checkpoints):
+    """Eager attention given no mask attends to future tokens silently (DESIGN pitfall)."""
+    from swarmp2p.runtime.torch import load_stage_shard
+
+    folder = checkpoints(family)
+    sdpa = load_whole(folder)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(7))
+    stages = [
+        load_stage_shard(folder, 0, 1, True, False, attn_implementation="eager"),
+        load_stage_shard(folder, 1, 4, False, True, attn_implementation="eager"),
+    ]
+    assert stages[0].config._attn_implementation == "eager"
+    with torch.no_grad():
+        got = _chain(stages, ids)
+        expected = sdpa(ids).logits
+    assert (got - expected).abs().max().item() <= TOL
