@@ -124,3 +124,40 @@ def test_eager_attention_is_handed_its_causal_mask(family, checkpoints):
         got = _chain(stages, ids)
         expected = sdpa(ids).logits
     assert (got - expected).abs().max().item() <= TOL
+
+
+S, F, L = "sliding_attention", "full_attention", "linear_attention"
+
+
+@pytest.mark.parametrize(
+    ("family", "blocks", "head", "types", "tied", "cache_kwarg", "position_embed"),
+    [
+        ("gpt2", "transformer.h", "lm_head", (F,) * 4, True, "cache", "transformer.wpe"),
+        ("llama", "model.layers", "lm_head", (F,) * 4, False, "cache", None),
+        ("mistral", "model.layers", "lm_head", (S,) * 4, False, "cache", None),
+        ("qwen2", "model.layers", "lm_head", (F, F, S, S), False, "cache", None),
+        ("gemma3", "model.layers", "lm_head", (S, F, S, F), True, "cache", None),
+        ("gpt_neox", "gpt_neox.layers", "lm_head", (F,) * 4, False, "layer_past", None),
+        ("qwen3_5", "model.layers", "lm_head", (L, F, L, F), False, "cache", None),
+    ],
+)
+def test_introspection_finds_each_part(
+    family, blocks, head, types, tied, cache_kwarg, position_embed, whole
+):
+    topology = introspect(whole(family))
+    assert topology.names["blocks"] == blocks
+    assert topology.names["head"] == head
+    assert topology.layer_types == types
+    assert topology.tied is tied
+    assert topology.cache_kwarg == cache_kwarg
+    assert topology.names["position_embed"] == position_embed
+
+
+def test_introspection_refuses_a_model_without_a_head(checkpoints):
+    from transformers import AutoModel
+
+    bare = AutoModel.from_pretrained(checkpoints("llama"))
+    with pytest.raises(
+        ValueError, match="LlamaModel has no base model under a language-model head"
+    ):
+        introspect(bare)
