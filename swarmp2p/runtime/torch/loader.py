@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections import defaultdict
 from copy import deepcopy
@@ -23,6 +24,10 @@ MAPPED_BYTES_PER_OPEN = 64 * 2**20
 """Bytes read through one safetensors handle before it is closed and the file mapped afresh:
 the pages read stay resident while it is open (bench/shard_load.py measures the effect)."""
 """Free space kept on the cache's filesystem beyond the files a stage downloads (the reference)."""
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""A Hub model id: ``name`` or ``org/name``."""
 
 
 class NotLoadableByName(ValueError):
@@ -61,16 +66,17 @@ class _Checkpoint:
     def __init__(self, model_ref: str | os.PathLike) -> None:
         self.repo_id: str | None = None
         ref = os.fspath(model_ref)
+        path = Path(ref).expanduser()
         if ref == "embedded":
             from swarmp2p.runtime.torch.embedded import ensure_embedded
 
             self.folder = Path(ensure_embedded())
-        elif Path(ref).is_dir():
-            self.folder = Path(ref)
-        elif Path(ref).exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        elif path.is_dir():
+            self.folder = path
+        elif path.exists() or ref.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(ref):
             raise FileNotFoundError(
-                f"model {ref!r} is neither a checkpoint folder, a Hub id (owner/name) nor "
-                "'embedded'"
+                f"model {ref!r} is neither a checkpoint folder, a Hub id ('org/name') nor "
+                "'embedded'; check the path or the spelling"
             )
         else:
             self.repo_id = ref

@@ -142,8 +142,9 @@ def test_bad_layer_ranges_are_refused(checkpoints, args, error, match):
 
 
 def test_bad_references_and_dtypes_are_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
-        load_stage_shard(str(tmp_path / "nope"), 0, 1, True, True, torch.float32)
+    for ref in (str(tmp_path / "nope"), "not a/hub id", "org/name/extra"):
+        with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
+            load_stage_shard(ref, 0, 1, True, True, torch.float32)
     with pytest.raises(ValueError, match="dtype 'int8' is not a torch floating dtype"):
         resolve_dtype("int8")
     assert resolve_dtype("bfloat16") is torch.bfloat16
