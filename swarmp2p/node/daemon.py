@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
+from swarmp2p.dashboard import start_dashboard
 from swarmp2p.net.discovery import (
     Advert,
     Discovery,
@@ -91,6 +92,8 @@ class _Runtime:
     tasks: set[asyncio.Task] = field(default_factory=set)
     hellos: set[str] = field(default_factory=set)
     unanswered: set[str] = field(default_factory=set)
+    skews: dict[str, float] = field(default_factory=dict)
+    """node id -> its wall clock minus ours (s), from the last heartbeat round trip."""
 
 
 class Daemon:
@@ -136,6 +139,8 @@ class Daemon:
         self._api: ApiServer | None = None
         self._discovery: Discovery | None = None
         self.port = 0
+        self._env = os.environ if env is None else env
+        self._dashboard, self._dashboard_note = None, ""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -170,6 +175,7 @@ class Daemon:
             },
         )
         await self._api.start()
+        self._dashboard, self._dashboard_note = await start_dashboard(self.status, self._env)
         self.state.pid_file.write_text(f"{os.getpid()}\n")
         log.info(
             "node %s (%s) of swarm %s listening on %s port %d; table term %d version %d",
@@ -221,6 +227,8 @@ class Daemon:
             await self._server.close()
         if self._api is not None:
             await self._api.close()
+        if self._dashboard is not None:
+            await self._dashboard.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         for path in (self.state.api_socket, self.state.pid_file):
@@ -346,6 +354,7 @@ class Daemon:
             term=self.table.term,
             version=self.table.version,
             leader=self.leader,
+            wall_time=time.time(),
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -388,6 +397,7 @@ class Daemon:
         if not alive:
             self._say_hello(endpoint)
             return
+        sent = time.time()
         try:
             reply = await self._call(endpoint, self._heartbeat_msg(), self._rpc_timeout)
         except RpcTimeout:
@@ -401,6 +411,8 @@ class Daemon:
         if not isinstance(reply, Heartbeat) or reply.node_id != node_id:
             return
         self.members.seen(node_id, self.clock())
+        if reply.wall_time:
+            self._rt.skews[node_id] = reply.wall_time - (sent + time.time()) / 2
         theirs = (reply.term, reply.version)
         if self._leader_ready and theirs < self.table.key:
             self._spawn(self._push(endpoint, self.table), f"push:{node_id}")
@@ -627,6 +639,7 @@ class Daemon:
                     "alive": peer.alive,
                     "is_leader": peer.alive and peer.node_id == self.leader,
                     "last_seen_s": round(now - peer.last_seen, 3),
+                    "clock_skew_s": _round(self._rt.skews.get(peer.node_id)),
                     "host": peer.host,
                     "devices": _devices(peer.record),
                 }
@@ -645,6 +658,8 @@ class Daemon:
             "uptime_s": round(now - self._started, 3),
             "peers": peers,
             "jobs": [jobtable._thaw(job) for _, job in sorted(self.table.jobs.items())],
+            "dashboard": self._dashboard.url if self._dashboard else None,
+            "dashboard_note": self._dashboard_note,
         }
 
     async def _api_submit(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -674,6 +689,10 @@ class Daemon:
 
     async def _api_peers(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         return self.status()["peers"]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _devices(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -47,6 +47,8 @@ class Heartbeat(Message):
     term: int
     version: int
     leader: str
+    wall_time: float = 0.0
+    """The sender's ``time.time()``; peers estimate clock skew from it (0: not sent)."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)

@@ -1,0 +1,150 @@
+"""The dashboard's HTTP server: one page and one JSON endpoint, inside the daemon's loop.
+
+It binds 127.0.0.1 only and answers only requests whose ``Host`` names a loopback host, so a
+web page elsewhere cannot read it through DNS rebinding. To watch a remote node, forward the
+port: ``ssh -L 7738:127.0.0.1:7738 HOST``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from swarmp2p.dashboard.page import PAGE
+from swarmp2p.dashboard.view import dashboard_view
+
+DEFAULT_DASHBOARD_PORT = 7738
+DASHBOARD_PORT_ENV = "SWARM_DASHBOARD_PORT"
+"""``off`` disables the dashboard, ``0`` picks a free port, else the port (default 7738)."""
+HOST = "127.0.0.1"
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
+)
+
+log = logging.getLogger("swarmp2p.dashboard")
+
+StatusSource = Callable[[], Mapping[str, Any]]
+"""Returns ``Daemon.status()``: the swarm as this node sees it."""
+
+
+def parse_dashboard_port(text: str | None) -> int | None:
+    """The dashboard port from ``SWARM_DASHBOARD_PORT``: None for ``off``, 0 for any free port;
+    unset or empty gives the default. ValueError naming the value otherwise."""
+    if text is None or not text.strip():
+        return DEFAULT_DASHBOARD_PORT
+    text = text.strip().lower()
+    if text in ("off", "no", "none", "false"):
+        return None
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise ValueError(
+            f"{DASHBOARD_PORT_ENV}={text!r} is not a port in 0..65535 or 'off'; "
+            f"e.g. {DASHBOARD_PORT_ENV}={DEFAULT_DASHBOARD_PORT} (0: any free port)"
+        )
+    return int(text)
+
+
+def _host_name(host_header: str) -> str:
+    if host_header.startswith("["):
+        return host_header.split("]", 1)[0] + "]"
+    return host_header.rsplit(":", 1)[0] if ":" in host_header else host_header
+
+
+class DashboardServer:
+    """Serves ``/`` (the page) and ``/api/state`` (``dashboard_view`` of ``source()``)."""
+
+    def __init__(
+        self,
+        source: StatusSource,
+        *,
+        port: int = DEFAULT_DASHBOARD_PORT,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._source = source
+        self._clock = clock
+        self._want_port = port
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}/"
+
+    async def start(self) -> None:
+        """Bind and serve; OSError if the port is taken."""
+        app = web.Application(middlewares=[self._guard])
+        app.router.add_get("/", self._page)
+        app.router.add_get("/api/state", self._state)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, HOST, self._want_port, reuse_address=False)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        if _host_name(request.headers.get("Host", "")) not in _LOOPBACK_HOSTS:
+            return web.Response(
+                status=403, text="the swarm dashboard answers only on 127.0.0.1 or localhost\n"
+            )
+        response = await handler(request)
+        response.headers.update(_HEADERS)
+        return response
+
+    async def _page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=PAGE, content_type="text/html", charset="utf-8",
+            headers={"Content-Security-Policy": _CSP},
+        )  # fmt: skip
+
+    async def _state(self, request: web.Request) -> web.Response:
+        view = dashboard_view(self._source(), now=self._clock())
+        return web.Response(text=json.dumps(view), content_type="application/json")
+
+
+async def start_dashboard(
+    source: StatusSource, env: Mapping[str, str]
+) -> tuple[DashboardServer | None, str]:
+    """Start the daemon's dashboard as ``env`` says; ``(server, "")``, or ``(None, why)`` when
+    it is off or its port is taken -- the daemon runs on without it and says why in status."""
+    try:
+        port = parse_dashboard_port(env.get(DASHBOARD_PORT_ENV))
+    except ValueError as exc:
+        log.warning("no dashboard: %s", exc)
+        return None, str(exc)
+    if port is None:
+        return None, f"off ({DASHBOARD_PORT_ENV}=off)"
+    server = DashboardServer(source, port=port)
+    try:
+        await server.start()
+    except OSError as exc:
+        why = (
+            f"port {port} on {HOST} is taken ({exc.strerror or exc}); set {DASHBOARD_PORT_ENV} "
+            "to a free port, 0 for any, or off"
+        )
+        log.warning("no dashboard: %s", why)
+        return None, why
+    log.info("dashboard at %s", server.url)
+    return server, ""

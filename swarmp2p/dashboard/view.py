@@ -1,0 +1,194 @@
+"""What the dashboard shows, as plain data: a pure function of the daemon's status.
+
+The browser polls :func:`dashboard_view` as JSON. Jobs come from the replicated job table;
+their records are opaque to the daemon, so this reads them defensively:
+
+- ``record["plan"]``: a ``Plan.to_dict()`` (stages with ``node_id``, ``node``, ``devices``,
+  ``layers``) -- drawn as stages over nodes;
+- ``record["metrics"]``: a list of ``{"step", "loss", "tokens_per_s"}`` points (either value
+  may be null) -- drawn as loss and throughput curves; bad points are counted, not drawn;
+- ``record["evaluation"]`` (or ``"eval"``): a map of name -> number, or a list of such maps;
+- served models: ``status["served"]`` (a list of ``{"model", "url", "stages"}``) and jobs whose
+  record has ``"kind": "serve"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+VIEW_FORMAT = 1
+MAX_POINTS = 2000
+"""Most metric points sent per job (the newest are kept)."""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _fraction_used(total: Any, free: Any) -> float | None:
+    total, free = _number(total), _number(free)
+    if total is None or free is None or total <= 0:
+        return None
+    return round(min(max((total - free) / total, 0.0), 1.0), 4)
+
+
+def device_view(device: Mapping[str, Any]) -> dict[str, Any]:
+    """One device with its memory use as a fraction in [0, 1] (None when unknown)."""
+    kind, index = device.get("kind") or "?", device.get("index")
+    return {
+        "label": f"{kind}:{index}" if index is not None else str(kind),
+        "kind": kind,
+        "name": device.get("name") or "",
+        "memory_total": device.get("memory_total"),
+        "memory_free": device.get("memory_free"),
+        "memory_used_fraction": _fraction_used(
+            device.get("memory_total"), device.get("memory_free")
+        ),
+        "compute_capability": device.get("compute_capability") or "",
+        "fake": bool(device.get("fake", False)),
+    }
+
+
+def node_view(peer: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "node_id": peer.get("node_id", ""),
+        "name": peer.get("name", ""),
+        "address": peer.get("address", ""),
+        "alive": bool(peer.get("alive", False)),
+        "is_leader": bool(peer.get("is_leader", False)),
+        "last_seen_s": _number(peer.get("last_seen_s")),
+        "clock_skew_s": _number(peer.get("clock_skew_s")),
+        "devices": [device_view(d) for d in peer.get("devices") or [] if isinstance(d, Mapping)],
+    }
+
+
+def metric_points(raw: Any) -> tuple[list[dict[str, Any]], int]:
+    """Valid ``{"step", "loss", "tokens_per_s"}`` points sorted by step (newest
+    ``MAX_POINTS``), and how many entries were not valid points."""
+    if not isinstance(raw, list):
+        return [], 0 if raw is None else 1
+    points, bad = {}, 0
+    for item in raw:
+        step = item.get("step") if isinstance(item, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            bad += 1
+            continue
+        loss, tps = _number(item.get("loss")), _number(item.get("tokens_per_s"))
+        if loss is None and tps is None:
+            bad += 1
+            continue
+        points[step] = {"step": step, "loss": loss, "tokens_per_s": tps}  # a repeat step: last wins
+    ordered = [points[s] for s in sorted(points)]
+    return ordered[-MAX_POINTS:], bad
+
+
+def stage_views(plan: Any) -> list[dict[str, Any]]:
+    """A plan's stages as ``{"index", "node_id", "node", "devices", "layers"}``."""
+    if not isinstance(plan, Mapping) or not isinstance(plan.get("stages"), list):
+        return []
+    stages = []
+    for i, stage in enumerate(plan["stages"]):
+        if not isinstance(stage, Mapping):
+            continue
+        layers = stage.get("layers")
+        if not (
+            isinstance(layers, list)
+            and len(layers) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+        ):
+            layers = None
+        stages.append(
+            {
+                "index": stage.get("index", i),
+                "node_id": str(stage.get("node_id", "")),
+                "node": str(stage.get("node", stage.get("node_id", ""))),
+                "devices": [str(d) for d in stage.get("devices") or []],
+                "layers": layers,
+            }
+        )
+    return stages
+
+
+def evaluation_rows(raw: Any) -> list[dict[str, Any]]:
+    """Evaluation results as a list of flat rows of scalars (a map becomes one row)."""
+    items = [raw] if isinstance(raw, Mapping) else raw if isinstance(raw, list) else []
+    rows = []
+    for item in items:
+        if isinstance(item, Mapping):
+            row = {
+                str(k): v
+                for k, v in item.items()
+                if isinstance(v, (str, int, float, bool)) or v is None
+            }
+            if row:
+                rows.append(row)
+    return rows
+
+
+def job_view(job: Mapping[str, Any]) -> dict[str, Any]:
+    record = job.get("record") if isinstance(job.get("record"), Mapping) else {}
+    points, bad = metric_points(record.get("metrics"))
+    plan = record.get("plan")
+    name = record.get("name")
+    if not isinstance(name, str):
+        inner = record.get("job")
+        name = inner.get("name", "") if isinstance(inner, Mapping) else ""
+    reason = record.get("reason", "")
+    return {
+        "job_id": job.get("job_id", ""),
+        "state": job.get("state", ""),
+        "version": job.get("version"),
+        "name": name if isinstance(name, str) else "",
+        "kind": str(record.get("kind", "train")),
+        "reason": reason if isinstance(reason, str) else "",
+        "dtype": plan.get("dtype") if isinstance(plan, Mapping) else None,
+        "stages": stage_views(plan),
+        "metrics": points,
+        "bad_metrics": bad,
+        "evaluation": evaluation_rows(record.get("evaluation", record.get("eval"))),
+    }
+
+
+def served_views(status: Mapping[str, Any], jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    served = []
+    for item in status.get("served") or []:
+        if isinstance(item, Mapping) and item.get("model"):
+            served.append(
+                {
+                    "model": str(item["model"]),
+                    "url": str(item.get("url") or ""),
+                    "stages": stage_views({"stages": item.get("stages") or []}),
+                    "job_id": str(item.get("job_id") or ""),
+                }
+            )
+    for job in jobs:
+        if job["kind"] == "serve" and job["state"] == "running":
+            served.append({"model": job["name"], "url": "", "stages": job["stages"],
+                           "job_id": job["job_id"]})  # fmt: skip
+    return served
+
+
+def dashboard_view(status: Mapping[str, Any], *, now: float) -> dict[str, Any]:
+    """The JSON the dashboard page polls, from ``Daemon.status()``; ``now`` is wall time."""
+    jobs = [job_view(j) for j in status.get("jobs") or [] if isinstance(j, Mapping)]
+    nodes = [node_view(p) for p in status.get("peers") or [] if isinstance(p, Mapping)]
+    return {
+        "format": VIEW_FORMAT,
+        "generated_at": now,
+        "node_id": status.get("node_id", ""),
+        "name": status.get("name", ""),
+        "swarm_id": status.get("swarm_id", ""),
+        "version": status.get("version", ""),
+        "leader": status.get("leader", ""),
+        "leader_ready": bool(status.get("leader_ready", False)),
+        "term": status.get("term"),
+        "table_version": status.get("table_version"),
+        "nodes": nodes,
+        "alive": sum(n["alive"] for n in nodes),
+        "jobs": jobs,
+        "served": served_views(status, jobs),
+    }

@@ -1,0 +1,138 @@
+"""The dashboard in headless Chromium against a real local swarm of three daemons.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` and the ``selenium`` package; the browser
+runs with a fresh profile, no network services and no sandbox (root in CI).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from swarm_harness import agreed_on, dump, free_port, wait_until
+
+from swarmp2p.net.security import SwarmSecret
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,1400",
+)
+
+pytestmark = pytest.mark.slow
+TOKEN = SwarmSecret.generate().token
+
+
+@pytest.fixture
+def browser(tmp_path):
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        missing.append("selenium")
+    if missing:
+        pytest.fail(
+            f"the dashboard browser test needs {missing}: `apt-get install -y chromium "
+            "chromium-driver` and `pip install selenium`",
+            pytrace=False,
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _plan(nodes: list[str]) -> dict:
+    return {
+        "dtype": "float32",
+        "stages": [
+            {"index": i, "node_id": n, "node": f"host-{n}", "devices": ["cpu:0"],
+             "layers": [i * 10, (i + 1) * 10]}
+            for i, n in enumerate(nodes)
+        ],
+    }  # fmt: skip
+
+
+def _metrics(n: int) -> list[dict]:
+    return [{"step": s, "loss": 4.0 - 0.3 * s, "tokens_per_s": 100.0 + s} for s in range(n)]
+
+
+def _js(driver, script: str):
+    return driver.execute_script(script)
+
+
+def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp_path):
+    loopback_swarm.reserve("a", "b", "c")
+    port = free_port()
+    nodes = [
+        loopback_swarm.node("a", token=TOKEN, env={"SWARM_DASHBOARD_PORT": str(port)}).start(),
+        loopback_swarm.node("b", token=TOKEN, env={"SWARM_DASHBOARD_PORT": "off"}).start(),
+        loopback_swarm.node("c", token=TOKEN, env={"SWARM_DASHBOARD_PORT": "off"}).start(),
+    ]
+    for node in nodes:
+        node.wait_up()
+    wait_until(lambda: agreed_on(nodes, "a", 3), 30, "three nodes agreeing on leader a")
+    status = nodes[0].status()
+    assert status["dashboard"] == f"http://127.0.0.1:{port}/", dump(nodes)
+    assert nodes[1].status()["dashboard"] is None
+    assert "off" in nodes[1].status()["dashboard_note"]
+
+    browser.get(status["dashboard"])
+    alive = "return [...document.querySelectorAll('tr[data-node-id][data-alive=true]')].map(r => r.dataset.nodeId)"
+    wait_until(
+        lambda: sorted(_js(browser, alive)) == ["a", "b", "c"], 20, "three live nodes on the page"
+    )
+    assert _js(browser, "return document.getElementById('leader').dataset.leader") == "a"
+    bars = _js(browser, "return document.querySelectorAll('tr[data-node-id] .dev .bar').length")
+    assert bars >= 3  # at least the CPU of every node, each with a memory bar
+
+    first = nodes[1].submit(
+        {"name": "lora-run", "plan": _plan(["a", "b", "c"]), "metrics": _metrics(3)}
+    )
+    chart = "return (document.querySelector('svg.loss-chart[data-job-id=\"%s\"]') || {}).dataset"
+    wait_until(
+        lambda: (_js(browser, chart % first["job_id"]) or {}).get("points") == "3",
+        20,
+        "the first job's loss curve with 3 points",
+    )
+    stages = "return [...document.querySelectorAll('svg.plan-chart[data-job-id=\"%s\"] rect')].map(r => r.dataset.nodeId)"
+    assert _js(browser, stages % first["job_id"]) == ["a", "b", "c"]
+    line = "return document.querySelector('svg.loss-chart[data-job-id=\"%s\"] polyline').getAttribute('points')"
+    assert len(_js(browser, line % first["job_id"]).split()) == 3
+
+    # the table gains metrics (issue 7 will update one job; until then a second record)
+    second = nodes[2].submit(
+        {"name": "lora-run-2", "plan": _plan(["c", "a"]), "metrics": _metrics(7)}
+    )
+    wait_until(
+        lambda: (_js(browser, chart % second["job_id"]) or {}).get("points") == "7",
+        20,
+        "the second job's loss curve with 7 points",
+    )
+    assert len(_js(browser, line % second["job_id"]).split()) == 7
+    tps = (
+        "return document.querySelector('svg.tokens-per-s-chart[data-job-id=\"%s\"]').dataset.points"
+    )
+    assert _js(browser, tps % second["job_id"]) == "7"
+    browser.save_screenshot(str(tmp_path / "dashboard.png"))  # for a person to look at
+
+    # a node goes away: the page says so
+    nodes[2].stop()
+    dead = "return [...document.querySelectorAll('tr[data-node-id]')].filter(r => r.dataset.alive === 'true').length"
+    wait_until(lambda: _js(browser, dead) == 2, 20, "the page to show node c gone")

@@ -1,0 +1,90 @@
+"""DashboardServer over real HTTP on 127.0.0.1: the page, the JSON, the Host guard, a taken port."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+
+from swarmp2p.dashboard import DashboardServer, start_dashboard
+
+STATUS = {"node_id": "a", "leader": "a", "peers": [{"node_id": "a", "alive": True}], "jobs": []}
+
+
+def _get(port: int, path: str, host: str | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.putrequest("GET", path, skip_host=host is not None)
+        if host is not None:
+            conn.putheader("Host", host)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+async def _serve_and(fn, **kw):
+    calls = []
+
+    def source():
+        calls.append(1)
+        return STATUS
+
+    server = DashboardServer(source, port=0, clock=lambda: 42.0, **kw)
+    await server.start()
+    try:
+        return await asyncio.to_thread(fn, server.port), calls, server.url
+    finally:
+        await server.close()
+
+
+def test_page_and_state():
+    def fetch(port):
+        return _get(port, "/"), _get(port, "/api/state"), _get(port, "/nope")
+
+    (page, state, missing), calls, url = asyncio.run(_serve_and(fetch))
+    assert url.startswith("http://127.0.0.1:")
+    assert page[0] == 200 and b"<title>swarmp2p</title>" in page[2]
+    assert "script-src 'unsafe-inline'" in page[1]["Content-Security-Policy"]
+    assert b"http://" not in page[2].replace(b"http://www.w3.org/2000/svg", b"")  # no CDN
+    assert state[0] == 200 and state[1]["Content-Type"].startswith("application/json")
+    body = json.loads(state[2])
+    assert body["generated_at"] == 42.0 and body["nodes"][0]["node_id"] == "a"
+    assert state[1]["Cache-Control"] == "no-store"
+    assert missing[0] == 404
+    assert len(calls) == 1  # the status is read per JSON request only
+
+
+def test_foreign_host_header_is_refused():
+    def fetch(port):
+        return [_get(port, "/api/state", host=h)[0] for h in
+                (f"evil.example:{port}", f"localhost:{port}", "127.0.0.1", "10.0.0.5")]  # fmt: skip
+
+    codes, calls, _ = asyncio.run(_serve_and(fetch))
+    assert codes == [403, 200, 200, 403]
+    assert len(calls) == 2
+
+
+def test_start_dashboard_off_taken_and_bad():
+    async def main():
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        try:
+            taken = await start_dashboard(dict, {"SWARM_DASHBOARD_PORT": str(port)})
+        finally:
+            blocker.close()
+        off = await start_dashboard(dict, {"SWARM_DASHBOARD_PORT": "off"})
+        bad = await start_dashboard(dict, {"SWARM_DASHBOARD_PORT": "x"})
+        server, note = await start_dashboard(dict, {"SWARM_DASHBOARD_PORT": "0"})
+        await server.close()
+        return taken, off, bad, server, note
+
+    taken, off, bad, server, note = asyncio.run(main())
+    assert taken[0] is None and "is taken" in taken[1] and "SWARM_DASHBOARD_PORT" in taken[1]
+    assert off == (None, "off (SWARM_DASHBOARD_PORT=off)")
+    assert bad[0] is None and "'x'" in bad[1]
+    assert server.port > 0 and note == ""

@@ -1,0 +1,168 @@
+"""dashboard_view: the daemon's status as the page's JSON (pure, table-driven)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarmp2p.dashboard import MAX_POINTS, dashboard_view, metric_points, parse_dashboard_port
+from swarmp2p.dashboard.view import device_view, evaluation_rows, stage_views
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("raw", "steps", "bad"),
+    [
+        (None, [], 0),
+        ("nonsense", [], 1),
+        ([], [], 0),
+        ([{"step": 2, "loss": 1.0}, {"step": 1, "loss": 2.0}], [1, 2], 0),
+        ([{"step": 1, "loss": 2.0}, {"step": 1, "loss": 1.5}], [1], 0),  # a repeat: last wins
+        ([{"step": -1, "loss": 1.0}, {"step": True, "loss": 1.0}, {"step": "3"}], [], 3),
+        ([{"step": 0, "loss": math.nan}, {"step": 1, "loss": None, "tokens_per_s": 5}], [1], 1),
+        ([{"step": 0, "loss": math.inf, "tokens_per_s": None}, 7, None], [], 3),
+    ],
+)
+def test_metric_points(raw, steps, bad):
+    points, n_bad = metric_points(raw)
+    assert [p["step"] for p in points] == steps
+    assert n_bad == bad
+    assert all(set(p) == {"step", "loss", "tokens_per_s"} for p in points)
+
+
+def test_metric_points_keep_the_newest():
+    points, _ = metric_points([{"step": s, "loss": 1.0} for s in range(MAX_POINTS + 10)])
+    assert len(points) == MAX_POINTS
+    assert points[0]["step"] == 10 and points[-1]["step"] == MAX_POINTS + 9
+
+
+@pytest.mark.parametrize(
+    ("device", "label", "used"),
+    [
+        ({"kind": "cuda", "index": 1, "memory_total": 8 * GIB, "memory_free": 2 * GIB}, "cuda:1", 0.75),
+        ({"kind": "cpu", "index": 0, "memory_total": 0, "memory_free": 0}, "cpu:0", None),
+        ({"kind": "cuda", "index": 0, "memory_total": GIB, "memory_free": 2 * GIB}, "cuda:0", 0.0),
+        ({"kind": "mps", "memory_total": None}, "mps", None),
+    ],
+)  # fmt: skip
+def test_device_memory_fraction(device, label, used):
+    view = device_view(device)
+    assert view["label"] == label
+    assert view["memory_used_fraction"] == used
+
+
+def test_stage_views_skip_bad_stages_and_layers():
+    plan = {"stages": [
+        {"index": 0, "node_id": "a", "node": "host-a", "devices": ["cuda:0"], "layers": [0, 12]},
+        "junk",
+        {"index": 1, "node_id": "b", "layers": [12, "x"]},
+    ]}  # fmt: skip
+    assert stage_views(plan) == [
+        {"index": 0, "node_id": "a", "node": "host-a", "devices": ["cuda:0"], "layers": [0, 12]},
+        {"index": 1, "node_id": "b", "node": "b", "devices": [], "layers": None},
+    ]
+    assert stage_views(None) == [] and stage_views({"stages": "x"}) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "rows"),
+    [
+        (None, []),
+        ({"loss": 2.5, "perplexity": 12.2}, [{"loss": 2.5, "perplexity": 12.2}]),
+        ([{"split": "val", "loss": 2.0, "nested": {"x": 1}}, 3], [{"split": "val", "loss": 2.0}]),
+    ],
+)
+def test_evaluation_rows(raw, rows):
+    assert evaluation_rows(raw) == rows
+
+
+def _status(jobs=(), served=()):
+    return {
+        "node_id": "a", "name": "host-a", "swarm_id": "s" * 16, "version": "0.1.0",
+        "leader": "a", "leader_ready": True, "term": 2, "table_version": 5,
+        "peers": [
+            {"node_id": "a", "name": "host-a", "address": "127.0.0.1:1", "alive": True,
+             "is_leader": True, "last_seen_s": 0.0, "devices": []},
+            {"node_id": "b", "name": "host-b", "address": "127.0.0.1:2", "alive": False,
+             "is_leader": False, "last_seen_s": 9.5, "clock_skew_s": 0.25, "devices": [
+                 {"kind": "cuda", "index": 0, "name": "A5000", "memory_total": 24 * GIB,
+                  "memory_free": 6 * GIB, "compute_capability": "8.6", "fake": True}]},
+        ],
+        "jobs": list(jobs), "served": list(served),
+    }  # fmt: skip
+
+
+def test_dashboard_view_nodes_and_leader():
+    view = dashboard_view(_status(), now=1000.0)
+    assert view["generated_at"] == 1000.0 and view["leader"] == "a"
+    assert [n["node_id"] for n in view["nodes"]] == ["a", "b"]
+    assert view["alive"] == 1
+    b = view["nodes"][1]
+    assert b["clock_skew_s"] == 0.25 and b["devices"][0]["memory_used_fraction"] == 0.75
+    assert view["nodes"][0]["clock_skew_s"] is None
+
+
+def test_dashboard_view_jobs_and_served():
+    train = {
+        "job_id": "j1",
+        "state": "running",
+        "version": 3,
+        "record": {
+            "job": {"name": "lora"},
+            "plan": {
+                "dtype": "bfloat16",
+                "stages": [
+                    {
+                        "index": 0,
+                        "node_id": "a",
+                        "node": "host-a",
+                        "devices": ["cuda:0"],
+                        "layers": [0, 4],
+                    }
+                ],
+            },
+            "metrics": [
+                {"step": 1, "loss": 3.0, "tokens_per_s": 50.0},
+                {"step": 0, "loss": 3.5},
+                "x",
+            ],
+            "evaluation": {"loss": 2.9},
+        },
+    }
+    serve = {"job_id": "j2", "state": "running", "record": {"kind": "serve", "name": "embedded"}}
+    done = {"job_id": "j3", "state": "completed", "record": {"kind": "serve", "name": "old"}}
+    view = dashboard_view(
+        _status([train, serve, done], served=[{"model": "m", "url": "http://127.0.0.1:8000/v1"}]),
+        now=0.0,
+    )  # fmt: skip
+    job = view["jobs"][0]
+    assert (job["name"], job["state"], job["dtype"], job["kind"]) == (
+        "lora",
+        "running",
+        "bfloat16",
+        "train",
+    )
+    assert [p["step"] for p in job["metrics"]] == [0, 1] and job["bad_metrics"] == 1
+    assert job["stages"][0]["layers"] == [0, 4] and job["evaluation"] == [{"loss": 2.9}]
+    assert [m["model"] for m in view["served"]] == ["m", "embedded"]
+
+
+def test_dashboard_view_of_an_empty_status():
+    view = dashboard_view({}, now=0.0)
+    assert view["nodes"] == [] and view["jobs"] == [] and view["served"] == []
+
+
+@pytest.mark.parametrize(
+    ("text", "port"),
+    [(None, 7738), ("", 7738), (" 0 ", 0), ("8080", 8080), ("off", None), ("OFF", None)],
+)
+def test_parse_dashboard_port(text, port):
+    assert parse_dashboard_port(text) == port
+
+
+@pytest.mark.parametrize("text", ["-1", "65536", "http", "80.5"])
+def test_parse_dashboard_port_refuses(text):
+    with pytest.raises(ValueError, match="SWARM_DASHBOARD_PORT"):
+        parse_dashboard_port(text)
