@@ -64,7 +64,7 @@ function device(d) {
   const used = d.memory_used_fraction;
   const bar = el("span", {class: "bar", title: used == null ? "unknown" : Math.round(used * 100) + "% used"},
                  el("i", {style: "width:" + (used == null ? 0 : used * 100).toFixed(1) + "%"}));
-  const text = `${d.label} ${d.name} ${gib(d.memory_total - d.memory_free)}/${gib(d.memory_total)}` +
+  const text = `${d.label}${d.name && d.name !== d.kind ? " " + d.name : ""} ${gib(d.memory_total - d.memory_free)}/${gib(d.memory_total)}` +
                (d.compute_capability ? ` cc${d.compute_capability}` : "") + (d.fake ? " (fake)" : "");
   return el("div", {class: "dev", "data-device": d.label, "data-used": used == null ? "" : String(used)},
             bar, " ", el("small", {text}));
@@ -113,6 +113,8 @@ function lineChart(job, key, title, color) {
   const sy = v => 18 + (1 - (y1 === y0 ? 0.5 : (v - y0) / (y1 - y0))) * (H - 38);
   g.append(svg("polyline", {fill: "none", stroke: color, "stroke-width": 1.5,
                             points: pts.map(p => sx(p.step).toFixed(1) + "," + sy(p[key]).toFixed(1)).join(" ")}));
+  const last = pts[pts.length - 1];  // a dot on the newest point (one point draws no line)
+  g.append(svg("circle", {cx: sx(last.step).toFixed(1), cy: sy(last[key]).toFixed(1), r: 3, fill: color}));
   g.append(svg("text", {x: 2, y: 24, text: fmt(y1)}));
   g.append(svg("text", {x: 2, y: H - 20, text: fmt(y0)}));
   g.append(svg("text", {x: P, y: H - 6, text: "step " + x0}));
@@ -126,16 +128,31 @@ function evalTable(rows) {
             el("tbody", {}, ...rows.map(r => el("tr", {}, ...keys.map(k => el("td", {text: r[k] == null ? "" : fmt(r[k])}))))));
 }
 
+function progress(j) {
+  if (j.step == null && j.attempt == null) return null;
+  const parts = [];
+  if (j.step != null) parts.push(`step ${j.step}` + (j.steps ? ` of ${j.steps}` : ""));
+  if (j.attempt) parts.push(`attempt ${j.attempt}`);
+  const box = el("div", {class: "mut", "data-step": String(j.step ?? "")}, parts.join(" \u00b7 "));
+  if (j.step != null && j.steps) box.prepend(el("span", {class: "bar", style: "width:120px"},
+    el("i", {style: `width:${Math.min(100, j.step / j.steps * 100).toFixed(1)}%`})), " ");
+  return box;
+}
+
 function renderJobs(s) {
   const box = document.getElementById("jobs");
   if (!s.jobs.length) { box.replaceChildren(el("p", {class: "mut", text: "no jobs"})); return; }
   box.replaceChildren(...s.jobs.map(j => el("div", {class: "job", "data-job-id": j.job_id, "data-state": j.state},
     el("div", {}, el("b", {text: j.job_id}), " ", el("span", {class: "state", text: j.state}), " ",
        el("span", {class: "mut", text: [j.name, j.kind, j.dtype].filter(Boolean).join(" \u00b7 ")})),
-    j.reason ? el("div", {class: "dead", text: j.reason}) : null,
+    progress(j),
+    j.reason ? el("div", {class: "mut", text: "waiting: " + j.reason}) : null,
+    j.error ? el("div", {class: "dead", text: "error: " + j.error}) : null,
     j.stages.length ? planChart(j) : el("div", {class: "mut", text: "not planned yet"}),
     el("div", {class: "charts"}, lineChart(j, "loss", "loss", PALETTE[0]),
        lineChart(j, "tokens_per_s", "tokens/s", PALETTE[1])),
+    j.boundaries.length ? el("div", {class: "mut", text: j.boundaries.map(b =>
+      `boundary ${b.stage}\u2192${Number(b.stage) + 1}: activations ${fmt(b.act_mb_s)} MB/s, gradients ${fmt(b.grad_mb_s)} MB/s`).join(" \u00b7 ")}) : null,
     j.bad_metrics ? el("div", {class: "mut", text: `${j.bad_metrics} metric entries were not valid points`}) : null,
     j.evaluation.length ? evalTable(j.evaluation) : null)));
 }

@@ -6,8 +6,13 @@ their records are opaque to the daemon, so this reads them defensively:
 - ``record["plan"]``: a ``Plan.to_dict()`` (stages with ``node_id``, ``node``, ``devices``,
   ``layers``) -- drawn as stages over nodes;
 - ``record["metrics"]``: a list of ``{"step", "loss", "tokens_per_s"}`` points (either value
-  may be null) -- drawn as loss and throughput curves; bad points are counted, not drawn;
-- ``record["evaluation"]`` (or ``"eval"``): a map of name -> number, or a list of such maps;
+  may be null), or the training dispatcher's map (``losses`` as ``[attempt, step, loss(,
+  tokens_per_s)]`` rows, the newest ``step``/``loss``/``tokens_per_s``, and per-boundary
+  ``boundaries`` traffic) -- drawn as loss and throughput curves; bad points are counted;
+- ``record["evaluation"]`` (or ``"eval"``): a map of name -> number, a list of such maps, or
+  a map of pass name -> such a map;
+- ``record["step"]``, ``record["job"]["train"]["steps"]``, ``record["attempt"]`` and
+  ``record["error"]["message"]`` when present;
 - served models: ``status["served"]`` (a list of ``{"model", "url", "stages"}``) and jobs whose
   record has ``"kind": "serve"``.
 """
@@ -66,9 +71,36 @@ def node_view(peer: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _dispatcher_points(raw: Mapping[str, Any]) -> list[Any]:
+    """The dispatcher's metrics map as a list of point dicts (later attempts last)."""
+    items: list[Any] = []
+    for row in raw.get("losses") or []:
+        if isinstance(row, (list, tuple)) and len(row) in (3, 4):
+            items.append({"step": row[1], "loss": row[2],
+                          "tokens_per_s": row[3] if len(row) == 4 else None})  # fmt: skip
+        else:
+            items.append(row)  # counted as bad
+    step = raw.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 0:
+        newest = {
+            "step": step - 1,
+            "loss": raw.get("loss"),
+            "tokens_per_s": raw.get("tokens_per_s"),
+        }
+        same = [p for p in items if isinstance(p, dict) and p.get("step") == step - 1]
+        if same:  # the newest row lacks throughput: take it from the newest step's fields
+            if same[-1]["tokens_per_s"] is None:
+                same[-1]["tokens_per_s"] = newest["tokens_per_s"]
+        elif _number(newest["loss"]) is not None or _number(newest["tokens_per_s"]) is not None:
+            items.append(newest)
+    return items
+
+
 def metric_points(raw: Any) -> tuple[list[dict[str, Any]], int]:
     """Valid ``{"step", "loss", "tokens_per_s"}`` points sorted by step (newest
     ``MAX_POINTS``), and how many entries were not valid points."""
+    if isinstance(raw, Mapping):
+        raw = _dispatcher_points(raw)
     if not isinstance(raw, list):
         return [], 0 if raw is None else 1
     points, bad = {}, 0
@@ -114,7 +146,10 @@ def stage_views(plan: Any) -> list[dict[str, Any]]:
 
 
 def evaluation_rows(raw: Any) -> list[dict[str, Any]]:
-    """Evaluation results as a list of flat rows of scalars (a map becomes one row)."""
+    """Evaluation results as a list of flat rows of scalars (a map becomes one row; a map of
+    pass name -> map becomes one row per pass, its name under ``"pass"``)."""
+    if isinstance(raw, Mapping) and raw and all(isinstance(v, Mapping) for v in raw.values()):
+        raw = [{"pass": str(k), **v} for k, v in raw.items()]
     items = [raw] if isinstance(raw, Mapping) else raw if isinstance(raw, list) else []
     rows = []
     for item in items:
@@ -137,14 +172,36 @@ def job_view(job: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(name, str):
         inner = record.get("job")
         name = inner.get("name", "") if isinstance(inner, Mapping) else ""
-    reason = record.get("reason", "")
+    reason = record.get("reason") or ""
+    error = record.get("error")
+    if isinstance(error, Mapping):
+        where = f"stage {error.get('stage')} on {error.get('node')}: " if "stage" in error else ""
+        error = f"{where}{error.get('message', '')}"
+    inner = record.get("job") if isinstance(record.get("job"), Mapping) else {}
+    steps = inner.get("train", {}).get("steps") if isinstance(inner.get("train"), Mapping) else None
+    metrics = record.get("metrics")
+    raw_boundaries = metrics.get("boundaries") if isinstance(metrics, Mapping) else None
+    boundaries = [
+        {
+            "stage": str(k),
+            "act_mb_s": _number(v.get("act_mb_s")),
+            "grad_mb_s": _number(v.get("grad_mb_s")),
+        }
+        for k, v in sorted((raw_boundaries or {}).items())
+        if isinstance(v, Mapping)
+    ]
     return {
         "job_id": job.get("job_id", ""),
         "state": job.get("state", ""),
         "version": job.get("version"),
         "name": name if isinstance(name, str) else "",
-        "kind": str(record.get("kind", "train")),
+        "kind": str(record.get("kind") or ""),
         "reason": reason if isinstance(reason, str) else "",
+        "error": error if isinstance(error, str) else "",
+        "step": record.get("step") if isinstance(record.get("step"), int) else None,
+        "steps": steps if isinstance(steps, int) else None,
+        "attempt": record.get("attempt") if isinstance(record.get("attempt"), int) else None,
+        "boundaries": boundaries,
         "dtype": plan.get("dtype") if isinstance(plan, Mapping) else None,
         "stages": stage_views(plan),
         "metrics": points,

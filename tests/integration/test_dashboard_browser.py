@@ -116,9 +116,22 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     line = "return document.querySelector('svg.loss-chart[data-job-id=\"%s\"] polyline').getAttribute('points')"
     assert len(_js(browser, line % first["job_id"]).split()) == 3
 
-    # the table gains metrics (issue 7 will update one job; until then a second record)
+    # the table gains metrics (issue 7 will update one job; until then a second record), here
+    # in the training dispatcher's form: loss rows per attempt, the newest step's throughput
+    dispatcher_metrics = {
+        "step": 7, "loss": 2.2, "tokens_per_s": 106.0, "step_s": 0.5,
+        "boundaries": {"0": {"act_mb_s": 1.5, "grad_mb_s": 1.25}},
+        "losses": [[1, p["step"], p["loss"]] for p in _metrics(7)],
+    }  # fmt: skip
     second = nodes[2].submit(
-        {"name": "lora-run-2", "plan": _plan(["c", "a"]), "metrics": _metrics(7)}
+        {
+            "job": {"name": "lora-run-2", "train": {"steps": 20}},
+            "plan": _plan(["c", "a"]),
+            "metrics": dispatcher_metrics,
+            "evaluation": {"held_out": {"loss": 2.1, "perplexity": 8.17}},
+            "step": 7,
+            "attempt": 1,
+        }
     )
     wait_until(
         lambda: (_js(browser, chart % second["job_id"]) or {}).get("points") == "7",
@@ -129,7 +142,11 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     tps = (
         "return document.querySelector('svg.tokens-per-s-chart[data-job-id=\"%s\"]').dataset.points"
     )
-    assert _js(browser, tps % second["job_id"]) == "7"
+    assert _js(browser, tps % second["job_id"]) == "1"  # the dispatcher keeps only the newest
+    job = "return document.querySelector('div.job[data-job-id=\"%s\"]').innerText"
+    text = _js(browser, job % second["job_id"])
+    for words in ("step 7 of 20", "attempt 1", "activations 1.500 MB/s", "held_out", "8.170"):
+        assert words in text, text
     browser.save_screenshot(str(tmp_path / "dashboard.png"))  # for a person to look at
 
     # a node goes away: the page says so

@@ -110,6 +110,7 @@ def test_dashboard_view_jobs_and_served():
         "state": "running",
         "version": 3,
         "record": {
+            "kind": "train",
             "job": {"name": "lora"},
             "plan": {
                 "dtype": "bfloat16",
@@ -166,3 +167,38 @@ def test_parse_dashboard_port(text, port):
 def test_parse_dashboard_port_refuses(text):
     with pytest.raises(ValueError, match="SWARM_DASHBOARD_PORT"):
         parse_dashboard_port(text)
+
+
+def test_dispatcher_metrics_map():
+    raw = {
+        "step": 4, "loss": 2.5, "tokens_per_s": 90.0,
+        "losses": [[1, 0, 3.0], [1, 1, 2.9], [1, 2, 2.8], [2, 2, 2.7], [2, 3, 2.5], ["x"]],
+    }  # fmt: skip
+    points, bad = metric_points(raw)
+    assert [(p["step"], p["loss"]) for p in points] == [(0, 3.0), (1, 2.9), (2, 2.7), (3, 2.5)]
+    assert points[-1]["tokens_per_s"] == 90.0 and points[0]["tokens_per_s"] is None
+    assert bad == 1
+    only_newest, _ = metric_points({"step": 1, "loss": 3.1, "tokens_per_s": 12.0})
+    assert only_newest == [{"step": 0, "loss": 3.1, "tokens_per_s": 12.0}]
+    four, _ = metric_points({"losses": [[1, 5, 2.0, 33.0]]})
+    assert four == [{"step": 5, "loss": 2.0, "tokens_per_s": 33.0}]
+    assert metric_points({}) == ([], 0)
+
+
+def test_dispatcher_job_record():
+    entry = {"job_id": "j9", "state": "failed", "record": {
+        "kind": "train", "job": {"name": "qlora", "train": {"steps": 50}}, "step": 12,
+        "attempt": 2, "reason": None,
+        "error": {"stage": 1, "node": "b", "message": "CUDA out of memory"},
+        "metrics": {"boundaries": {"1": {"act_mb_s": 3.0, "grad_mb_s": 2.0}, "0": {"act_mb_s": 1}}},
+        "evaluation": {"before": {"loss": 3.2, "perplexity": 24.5}, "after": {"loss": 2.1}},
+    }}  # fmt: skip
+    job = dashboard_view({"jobs": [entry]}, now=0.0)["jobs"][0]
+    assert (job["step"], job["steps"], job["attempt"], job["kind"]) == (12, 50, 2, "train")
+    assert job["error"] == "stage 1 on b: CUDA out of memory" and job["reason"] == ""
+    assert [b["stage"] for b in job["boundaries"]] == ["0", "1"]
+    assert job["boundaries"][0] == {"stage": "0", "act_mb_s": 1.0, "grad_mb_s": None}
+    assert job["evaluation"] == [
+        {"pass": "before", "loss": 3.2, "perplexity": 24.5},
+        {"pass": "after", "loss": 2.1},
+    ]
