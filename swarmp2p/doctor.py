@@ -81,6 +81,8 @@ class Facts:
     gpus: tuple[Mapping[str, Any], ...] = ()
     driver: str = ""
     fake_devices: bool = False
+    gpu_error: str = ""
+    """Why the GPUs could not be listed (a bad SWARM_FAKE_DEVICES, an NVML failure)."""
     cuda_visible_devices: str | None = None
     worker: WorkerProbe = field(default_factory=WorkerProbe)
     interfaces: tuple[Interface, ...] = ()
@@ -109,8 +111,18 @@ def check_gpus(
     driver: str,
     fake: bool,
     cuda_visible_devices: str | None = None,
+    error: str = "",
 ) -> Check:
     name = "GPUs (NVML)"
+    if error:
+        return Check(
+            name=name,
+            status=FAIL,
+            detail=error,
+            fix="fix or unset SWARM_FAKE_DEVICES"
+            if "SWARM_FAKE_DEVICES" in error
+            else "check the NVIDIA driver: `nvidia-smi` must work for the user running swarm",
+        )
     if fake:
         return Check(
             name=name,
@@ -402,6 +414,7 @@ def run_checks(facts: Facts) -> list[Check]:
             driver=facts.driver,
             fake=facts.fake_devices,
             cuda_visible_devices=facts.cuda_visible_devices,
+            error=facts.gpu_error,
         ),
         check_worker_torch(facts.worker, nvml_gpus=0 if facts.fake_devices else len(facts.gpus)),
         check_dtypes(devices),
@@ -543,13 +556,17 @@ def gather(
 
     env = os.environ if env is None else env
     fake = env.get(hardware.FAKE_DEVICES_ENV)
-    if fake is not None:
-        gpus, driver = hardware.parse_fake_devices(fake), ""
-    else:
-        gpus, driver = hardware.probe_gpus()
+    gpus, driver, gpu_error = [], "", ""
+    try:
+        if fake is not None:
+            gpus = hardware.parse_fake_devices(fake)
+        else:
+            gpus, driver = hardware.probe_gpus()
+    except Exception as exc:  # a bad variable, or NVML failing past "not installed"
+        gpu_error = f"{type(exc).__name__}: {exc}"
     try:
         daemon = api.request(StateDir(root=state_dir).api_socket, "status", timeout=5.0)
-    except api.ApiError:
+    except (api.ApiError, ValueError, OSError):
         daemon = None
     if interface is None and daemon is not None:
         me = next((p for p in daemon["peers"] if p["node_id"] == daemon["node_id"]), None)
@@ -567,6 +584,7 @@ def gather(
         gpus=tuple(gpus),
         driver=driver,
         fake_devices=fake is not None,
+        gpu_error=gpu_error,
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         worker=probe() if worker else WorkerProbe(skipped=True),
         interfaces=interfaces,

@@ -46,6 +46,21 @@ def test_check_gpus(gpus, fake, cvd, status, words):
         assert word in check.detail + check.fix
 
 
+def test_check_gpus_error():
+    bad = doc.check_gpus([], driver="", fake=True, error="ValueError: SWARM_FAKE_DEVICES item 0")
+    assert bad.status == FAIL and "unset SWARM_FAKE_DEVICES" in bad.fix
+    nvml = doc.check_gpus([], driver="", fake=False, error="NVMLError_Unknown: Unknown Error")
+    assert nvml.status == FAIL and "nvidia-smi" in nvml.fix
+
+
+def test_doctor_bad_fake_devices_is_a_fail_not_a_crash(tmp_path):
+    out = _swarm("doctor", "--no-worker", "--json", "--state-dir", str(tmp_path),
+                 env={"SWARM_FAKE_DEVICES": "A5000"})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    gpus = json.loads(out.stdout)["checks"][0]
+    assert gpus["status"] == FAIL and "not NAME:GIB" in gpus["detail"]
+
+
 @pytest.mark.parametrize(
     ("worker", "gpus", "status", "words"),
     [
