@@ -153,3 +153,10 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     nodes[2].stop()
     dead = "return [...document.querySelectorAll('tr[data-node-id]')].filter(r => r.dataset.alive === 'true').length"
     wait_until(lambda: _js(browser, dead) == 2, 20, "the page to show node c gone")
+
+    # the daemon behind the page stops: the page says so instead of showing stale data
+    nodes[0].stop()
+    banner = "const e = document.getElementById('error'); return e.style.display === 'block' && e.textContent"
+    assert "cannot reach this node's daemon" in wait_until(
+        lambda: _js(browser, banner), 20, "the page to report its daemon gone"
+    )
