@@ -67,6 +67,15 @@ if [ "$mode" = dev ]; then
   install_torch "$venv/bin/python" -m pip
   say "installing swarmp2p (editable) with runtime and dev extras"
   install_swarm -e "$here[runtime,dev]"
+  # The dashboard's browser test drives Debian's headless Chromium.
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "installing chromium and chromium-driver for the dashboard's browser test"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+      say "the dashboard's browser test needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"
+    fi
+  fi
   say "done: $venv/bin/swarm --version -> $("$venv/bin/swarm" --version)"
   exit 0
 fi

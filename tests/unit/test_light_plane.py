@@ -14,8 +14,15 @@ LIGHT_PACKAGES = [
     "swarmp2p.net",
     "swarmp2p.node",
     "swarmp2p.data",
+    "swarmp2p.dashboard",
 ]
-LIGHT_MODULES = ["swarmp2p", "swarmp2p.cli", "swarmp2p.runtime", "swarmp2p.runtime.models"]
+LIGHT_MODULES = [
+    "swarmp2p",
+    "swarmp2p.cli",
+    "swarmp2p.doctor",
+    "swarmp2p.runtime",
+    "swarmp2p.runtime.models",
+]
 HEAVY = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors.torch"]
 
 _PROBE = r"""
