@@ -1,0 +1,75 @@
+"""Helpers of the serving tests: a ring of StageServers on threads, and reference generation."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from swarmp2p.net import InProcLink
+from swarmp2p.runtime.torch import build_stage, introspect
+from swarmp2p.runtime.torch.serve import StageServer, apply_boundary
+from swarmp2p.serve import RingClient
+
+
+@contextmanager
+def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **client_kw):
+    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread."""
+    bounds = [0, *cuts, introspect(model).num_blocks]
+    n = len(bounds) - 1
+    compression = compression or ["none"] * (n - 1)
+    codes = codes or [False] * (n - 1)
+    links = [InProcLink.pair() for _ in range(n + 1)]  # links[i]: into stage i (n: manager)
+    stop = threading.Event()
+    threads = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        server = StageServer(
+            build_stage(model, a, b),
+            inbound=links[i][1],
+            outbound=links[i + 1][0],
+            send_compression=compression[i] if i < n - 1 else "none",
+            send_codes=codes[i] if i < n - 1 else False,
+            max_context=max_context,
+        )
+        thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
+        thread.start()
+        threads.append(thread)
+    client = RingClient(links[0][0], links[n][1], max_context=max_context, **client_kw)
+    try:
+        with client:
+            yield client
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def reference_generate(model, prompt, max_new_tokens, *, cuts=(), compression=None):
+    """``model.generate`` greedy, with each boundary's compression applied in the graph at the
+    output of the block before each cut (the same quantization in one process)."""
+    blocks = introspect(model).blocks
+    handles = []
+    for cut, spec in zip(cuts, compression or ()):
+        if spec == "none":
+            continue
+
+        def hook(module, args, output, spec=spec):
+            if isinstance(output, tuple):
+                return (apply_boundary(output[0], spec), *output[1:])
+            return apply_boundary(output, spec)
+
+        handles.append(blocks[cut - 1].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out[0, len(prompt) :].tolist()
