@@ -37,6 +37,7 @@ def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **
         thread.start()
         threads.append(thread)
     client = RingClient(links[0][0], links[n][1], max_context=max_context, **client_kw)
+    client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, n)]
     try:
         with client:
             yield client
