@@ -151,7 +151,8 @@ class RingClient:
         hook: EventHook | None = None,
     ) -> Session:
         """Start generating after ``prompt``. ``stop_ids`` end the session when sampled (the id
-        is kept as its last token); ``stop(tokens)`` is asked after every token. Greedy unless ``sampling`` says otherwise."""
+        is kept as its last token); ``stop(tokens)`` is asked after every other token, the last
+        one ``max_tokens`` allows included. Greedy unless ``sampling`` says otherwise."""
         prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
@@ -184,6 +185,10 @@ class RingClient:
         )
         self._send(session, message)
         return session
+
+    def cancel(self, session: Session, reason: str = "cancelled by the client") -> None:
+        """End ``session`` now (its caches are freed); a no-op once it has finished."""
+        self._fail(session, reason)
 
     def generate(self, prompt: Iterable[int], *, timeout: float | None = None, **kw) -> list[int]:
         """``submit(...).result(timeout)``."""
@@ -221,6 +226,8 @@ class RingClient:
             self._check_deadlines()
 
     def _on_token(self, session: Session, msg: RingMessage) -> None:
+        if session.done.is_set():
+            return  # cancelled while this token was on its way
         now = time.monotonic()
         session.last_activity = now
         if session.first_token_at is None:
@@ -228,12 +235,12 @@ class RingClient:
         session.tokens.append(msg.token)
         session._emit("token", msg.token)
         held = len(session.prompt) + len(session.tokens)
-        if msg.token in session.stop_ids:
+        if msg.token in session.stop_ids or (
+            session.stop is not None and session.stop(session.tokens)
+        ):
             self._finish(session, "stop")
         elif len(session.tokens) >= session.max_tokens or held >= self.max_context:
             self._finish(session, "length")
-        elif session.stop is not None and session.stop(session.tokens):
-            self._finish(session, "stop")
         else:
             step = RingMessage(op="decode", sid=session.sid, pos=held - 1, tokens=(msg.token,))
             self._send(session, step)

@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "runtime"))  # tiny_models
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "serve"))  # ring_helpers
 
-from swarmp2p.serve import GREEDY, GenerationError  # noqa: E402
-from swarmp2p.serve.local import LocalRing, WorkerFailed  # noqa: E402
+from swarmp2p.serve import GREEDY, GenerationError
+from swarmp2p.serve.local import LocalRing, WorkerFailed
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -59,7 +59,9 @@ def test_worker_ring_greedy_equals_generate(family, bounds, compression, tiny):
     with LocalRing(
         str(folder), bounds=bounds, compression=compression, codes=codes, threads=1
     ) as ring:
-        got = ring.client.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[2], timeout=60)
+        got = ring.client.generate(
+            PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[2], timeout=60
+        )
     assert got == want
 
 
