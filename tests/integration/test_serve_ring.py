@@ -41,12 +41,11 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize(
     ("family", "bounds", "compression"),
     [
-        ("llama", [(0, 2), (2, 4)], ["none"]),
         ("llama", [(0, 1), (1, 3), (3, 4)], ["fixed_int8", "fixed_int8"]),
         ("qwen3_5", [(0, 1), (1, 3), (3, 4)], ["none", "fixed_int8"]),
         ("qwen3_moe", [(0, 2), (2, 4)], ["fixed_int8"]),
     ],
-    ids=["llama-2", "llama-3-int8", "qwen3_5-3", "qwen3_moe-2-int8"],
+    ids=["llama-3-int8", "qwen3_5-3", "qwen3_moe-2-int8"],
 )
 def test_worker_ring_greedy_equals_generate(family, bounds, compression, tiny):
     from ring_helpers import reference_generate
@@ -67,11 +66,11 @@ def test_worker_ring_greedy_equals_generate(family, bounds, compression, tiny):
 
 def test_a_killed_stage_fails_the_request_within_the_step_timeout(tiny):
     folder, _ = tiny("llama")
-    with LocalRing(str(folder), bounds=[(0, 2), (2, 4)], threads=1, step_timeout=2.0) as ring:
+    with LocalRing(str(folder), bounds=[(0, 4)], threads=1, step_timeout=2.0) as ring:
         assert ring.client.generate(PROMPT, max_tokens=2, timeout=60)
-        os.kill(ring.workers[1].proc.pid, signal.SIGKILL)
-        ring.workers[1].proc.wait()
-        assert ring.workers[1].describe_exit() == "killed by SIGKILL"
+        os.kill(ring.workers[0].proc.pid, signal.SIGKILL)
+        ring.workers[0].proc.wait()
+        assert ring.workers[0].describe_exit() == "killed by SIGKILL"
         started = time.monotonic()
         with pytest.raises(GenerationError, match="no token from the ring within 2 s"):
             ring.client.generate(PROMPT, max_tokens=2, timeout=30)
