@@ -229,3 +229,37 @@ def test_an_api_key_is_required_when_set(served):
             bad.models.list()
         with openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0) as good:
             assert [m.id for m in good.models.list().data] == ["embedded"]
+
+
+def test_swarm_generate_and_chat_are_clients_of_the_api(client, served):
+    from click.testing import CliRunner
+
+    from swarmp2p.cli import main
+
+    server, _, _ = served
+    want = (
+        client.completions.create(
+            model="embedded", prompt="The capital of France is", temperature=0, max_tokens=6
+        )
+        .choices[0]
+        .text
+    )
+    runner = CliRunner()
+    args = ["--url", server.url, "embedded", "The capital of France is"]
+    args += ["--max-tokens", "6", "--temperature", "0"]
+    for stream in ("--no-stream", "--stream"):
+        result = runner.invoke(main, ["generate", *args, stream])
+        assert result.exit_code == 0, result.output
+        assert result.output == want + "\n"
+
+    result = runner.invoke(
+        main,
+        ["chat", "embedded", "--url", server.url, "--temperature", "0", "--max-tokens", "24"],
+        input="What is the capital of France?\n\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output
+
+    result = runner.invoke(main, ["generate", "--url", server.url, "gpt-9", "hi"])
+    assert result.exit_code == 1
+    assert "404: The model `gpt-9` does not exist" in result.output

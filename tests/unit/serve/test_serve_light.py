@@ -39,3 +39,18 @@ def test_other_hosts_need_a_key(host):
     with pytest.raises(ValueError, match="--api-key or set SWARM_API_KEY"):
         check_bind(host, None)
     check_bind(host, "k")
+
+
+def test_swarm_generate_names_an_unreachable_api():
+    import socket
+
+    from click.testing import CliRunner
+
+    from swarmp2p.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(main, ["generate", "--url", f"http://127.0.0.1:{port}", "m", "hi"])
+    assert result.exit_code == 1
+    assert f"cannot reach the swarm API at http://127.0.0.1:{port}" in result.output
