@@ -146,6 +146,18 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "logit_bias": (None, {}),
+}
+"""Parameters this server does not implement, and the values that ask for nothing."""
+
+
 def _unsupported(body: dict) -> None:
     n = body.get("n")
     if n not in (None, 1):
@@ -153,8 +165,8 @@ def _unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported by this server; leave it 0", param=name)
-    for name in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "logit_bias"):
-        if body.get(name) not in (None, False, 0, 1 if name == "best_of" else None):
+    for name, harmless in _UNSUPPORTED.items():
+        if body.get(name) not in harmless:
             raise ApiError(400, f"{name} is not supported by this server", param=name)
 
 

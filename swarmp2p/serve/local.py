@@ -240,3 +240,49 @@ class LocalRing:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serve_local(
+    model: str,
+    *,
+    stages: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    max_context: int | None = None,
+    max_sessions: int = 8,
+    threads: int = 0,
+    name: str | None = None,
+    ready: threading.Event | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Serve ``model`` on this machine alone: ``stages`` worker processes behind the HTTP API,
+    until ``stop`` is set (or Ctrl-C). The swarm daemon does the same across nodes."""
+    from swarmp2p.plan import model_shape
+    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.serve.api import ApiServer, ServedModel, build_app, check_bind
+    from swarmp2p.serve.text import TextCodec
+
+    check_bind(host, api_key)
+    folder = resolve_model_ref(model)
+    shape = model_shape.load(folder)
+    context = min(max_context or shape.max_positions, shape.max_positions)
+    codec = TextCodec.from_folder(folder)
+    with LocalRing(
+        folder,
+        bounds=even_bounds(shape.n_layers, stages),
+        threads=threads,
+        max_context=context,
+        max_sessions=max_sessions,
+    ) as ring:
+        served = ServedModel(
+            name=name or model, client=ring.client, codec=codec, max_context=context
+        )
+        with ApiServer(build_app([served], api_key=api_key), host, port) as server:
+            print(f"serving {served.name} on {server.url}/v1 ({stages} stage(s))", flush=True)
+            if ready is not None:
+                ready.set()
+            try:
+                (stop or threading.Event()).wait()
+            except KeyboardInterrupt:
+                pass

@@ -80,3 +80,40 @@ def test_a_killed_stage_fails_the_request_within_the_step_timeout(tiny):
 def test_a_stage_that_cannot_load_is_reported_with_its_reason(tmp_path):
     with pytest.raises(WorkerFailed, match=r"stage 0 .*exited with status 1.*"):
         LocalRing(str(tmp_path), bounds=[(0, 2)], threads=1)
+
+
+def test_serve_local_answers_over_http_until_stopped():
+    import socket
+    import threading
+
+    from swarmp2p.serve.client import complete_text
+    from swarmp2p.serve.local import serve_local
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, stop = threading.Event(), threading.Event()
+    failure = []
+
+    def run():
+        try:
+            serve_local("embedded", port=port, max_context=128, threads=1, ready=ready, stop=stop)
+        except BaseException as e:
+            failure.append(e)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert ready.wait(120) and not failure, failure
+        text, usage = complete_text(
+            f"http://127.0.0.1:{port}",
+            "/v1/completions",
+            {"model": "embedded", "prompt": "The capital of France is", "max_tokens": 4,
+             "temperature": 0},
+        )  # fmt: skip
+        assert "Paris" in text
+        assert usage["completion_tokens"] == 4
+    finally:
+        stop.set()
+        thread.join(60)
