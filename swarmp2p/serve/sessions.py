@@ -110,6 +110,7 @@ class RingClient:
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reroute: tuple[Link, queue.Queue] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -190,6 +191,23 @@ class RingClient:
         """End ``session`` now (its caches are freed); a no-op once it has finished."""
         self._fail(session, reason)
 
+    def reroute(self, first: Link, last: Link, timeout: float = 10.0) -> tuple[Link, Link]:
+        """Drive a rebuilt ring from now on (a stage was re-placed): every open session replays
+        its prompt and the tokens generated so far as one ``prefill``, rebuilding every
+        stage's cache, and goes on. Returns the old links for the caller to close."""
+        if self._thread is None:
+            raise RuntimeError("RingClient.start() first")
+        reply: queue.Queue = queue.Queue(1)
+        with self._send_lock:
+            old_first, self._first = self._first, first
+            self._reroute = (last, reply)
+        try:
+            return old_first, reply.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"the receiving thread did not switch links within {timeout} s"
+            ) from None
+
     def generate(self, prompt: Iterable[int], *, timeout: float | None = None, **kw) -> list[int]:
         """``submit(...).result(timeout)``."""
         return self.submit(prompt, **kw).result(timeout)
@@ -203,8 +221,26 @@ class RingClient:
         except (LinkTimeout, LinkClosed) as e:
             self._fail(session, f"cannot reach stage 0: {e}")
 
+    def _switch_links(self) -> None:
+        """On the receiving thread: read the new ring from now on and replay every session."""
+        (last, reply), self._reroute = self._reroute, None
+        old_last, self._last = self._last, last
+        reply.put(old_last)
+        for session in list(self._sessions.values()):
+            session.last_activity = time.monotonic()
+            replay = RingMessage(
+                op="prefill",
+                sid=session.sid,
+                pos=0,
+                tokens=session.prompt + tuple(session.tokens),
+                sampling=session.sampling,
+            )
+            self._send(session, replay)
+
     def _receive(self) -> None:
         while not self._stop.is_set():
+            if self._reroute is not None:
+                self._switch_links()
             try:
                 parts = self._last.recv(POLL_S)
             except LinkTimeout:

@@ -15,8 +15,9 @@ from swarmp2p.serve import RingClient
 
 
 @contextmanager
-def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **client_kw):
-    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread."""
+def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64):
+    """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
+    ends ``(to_stage0, from_last)`` and the links between stages."""
     bounds = [0, *cuts, introspect(model).num_blocks]
     n = len(bounds) - 1
     compression = compression or ["none"] * (n - 1)
@@ -36,15 +37,24 @@ def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **
         thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
         thread.start()
         threads.append(thread)
-    client = RingClient(links[0][0], links[n][1], max_context=max_context, **client_kw)
-    client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, n)]
     try:
-        with client:
-            yield client
+        yield links[0][0], links[n][1], links
     finally:
         stop.set()
         for thread in threads:
             thread.join()
+
+
+@contextmanager
+def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **client_kw):
+    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread."""
+    with thread_stages(
+        model, cuts, compression=compression, codes=codes, max_context=max_context
+    ) as (first, last, links):
+        client = RingClient(first, last, max_context=max_context, **client_kw)
+        client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, len(links) - 1)]
+        with client:
+            yield client
 
 
 def reference_generate(model, prompt, max_new_tokens, *, cuts=(), compression=None):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from ring_helpers import reference_generate, thread_ring
+import time
 
-from swarmp2p.net import InProcLink
+import pytest
+from ring_helpers import reference_generate, thread_ring, thread_stages
+
+from swarmp2p.net import InProcLink, Link
 from swarmp2p.serve import GREEDY, GenerationError, RingClient, SamplingParams
 
 pytestmark = pytest.mark.torch
@@ -130,3 +132,41 @@ def test_silent_ring_fails_within_the_step_timeout():
         to_stage0.close()
         with pytest.raises(GenerationError, match="cannot reach stage 0"):
             ring.submit(PROMPT, max_tokens=2).result(5)
+
+
+class _DyingLink(Link):
+    """The manager's link to a stage host that dies after ``alive`` messages: later sends
+    vanish, as they do into a SIGKILLed host's socket."""
+
+    def __init__(self, link: Link, alive: int) -> None:
+        self.link, self.alive = link, alive
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, parts, timeout=None):
+        self.alive -= 1
+        if self.alive >= 0:
+            self.link.send(parts, timeout)
+
+    def recv(self, timeout):
+        return self.link.recv(timeout)
+
+    def close(self):
+        self.link.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_reroute_replays_sessions_onto_a_new_ring_with_the_same_greedy_output(family, tiny_whole):
+    model = tiny_whole(family)
+    want = reference_generate(model, PROMPT, NEW)
+    with thread_stages(model, [2]) as (first, last, _):
+        ring = RingClient(_DyingLink(first, alive=4), last, max_context=64, step_timeout=30)
+        with ring:
+            session = ring.submit(PROMPT, max_tokens=NEW, stop_ids=[2])
+            deadline = time.monotonic() + 30
+            while len(session.tokens) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert len(session.tokens) == 4 and not session.done.is_set()  # stalled
+            with thread_stages(model, [1, 3]) as (first2, last2, _):  # re-placed, cut elsewhere
+                ring.reroute(first2, last2)
+                assert session.result(30) == want
