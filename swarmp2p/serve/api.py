@@ -432,11 +432,12 @@ class _Api:
             await response.write(_sse(chunk(None if chat else "", outcome.finish_reason)))
             if req.include_usage:
                 await response.write(_sse({**head, "choices": [], "usage": _usage(req, outcome)}))
+            await response.write(b"data: [DONE]\n\n")
         except ApiError as e:
             await response.write(_sse(e.body()))
+            await response.write(b"data: [DONE]\n\n")
         finally:
-            await generation.aclose()
-        await response.write(b"data: [DONE]\n\n")
+            await generation.aclose()  # on a client gone mid-stream: cancels the session
         await response.write_eof()
         return response
 

@@ -28,6 +28,8 @@ from swarmp2p.wire import TensorFrame, WireError, decode_tensor, encode_tensor
 
 POLL_S = 0.1
 """How often an idle server looks at its stop event."""
+SESSION_IDLE_S = 300.0
+"""A full stage evicts a session idle this long to admit a new one."""
 
 
 def fake_quantize_per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -124,7 +126,11 @@ class StageServer:
             except LinkTimeout:
                 continue
             for reply in self.handle(parts):
-                self.outbound.send(reply, timeout=self.send_timeout)
+                try:
+                    self.outbound.send(reply, timeout=self.send_timeout)
+                except LinkTimeout as e:  # the next stage is gone: its sessions time out at
+                    # the manager, which re-places it; this stage keeps serving the rest
+                    print(f"stage {self.stage.layer_start}: dropped a reply: {e}", file=sys.stderr)
 
     def handle(self, parts: list) -> list[list]:
         """The messages to send on after receiving ``parts`` (none, or one)."""
@@ -161,6 +167,8 @@ class StageServer:
         if msg.op == "prefill":
             self.sessions.pop(msg.sid, None)
             if len(self.sessions) >= self.max_sessions:
+                self._evict_idle()
+            if len(self.sessions) >= self.max_sessions:
                 raise SessionRefused(
                     f"already holds {len(self.sessions)} sessions (max_sessions "
                     f"{self.max_sessions}); retry when one ends"
@@ -186,6 +194,13 @@ class StageServer:
             )
         session.last_used = time.monotonic()
         return session
+
+    def _evict_idle(self) -> None:
+        """Drop the least recently used session if it has been idle past SESSION_IDLE_S (its
+        manager went away without an ``end``)."""
+        sid, session = min(self.sessions.items(), key=lambda item: item[1].last_used)
+        if time.monotonic() - session.last_used > SESSION_IDLE_S:
+            del self.sessions[sid]
 
     def _input(self, msg: RingMessage, payload: list) -> torch.Tensor:
         if self.stage.is_first_stage:

@@ -15,7 +15,7 @@ from swarmp2p.serve import RingClient
 
 
 @contextmanager
-def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64):
+def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16):
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
     ends ``(to_stage0, from_last)`` and the links between stages."""
     bounds = [0, *cuts, introspect(model).num_blocks]
@@ -33,6 +33,7 @@ def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64):
             send_compression=compression[i] if i < n - 1 else "none",
             send_codes=codes[i] if i < n - 1 else False,
             max_context=max_context,
+            max_sessions=max_sessions,
         )
         thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
         thread.start()

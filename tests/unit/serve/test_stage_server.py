@@ -8,7 +8,7 @@ import pytest
 from ring_helpers import reference_generate, thread_ring, thread_stages
 
 from swarmp2p.net import InProcLink, Link
-from swarmp2p.serve import GREEDY, GenerationError, RingClient, SamplingParams
+from swarmp2p.serve import GREEDY, GenerationError, RingClient, RingMessage, SamplingParams
 
 pytestmark = pytest.mark.torch
 
@@ -170,3 +170,45 @@ def test_reroute_replays_sessions_onto_a_new_ring_with_the_same_greedy_output(fa
             with thread_stages(model, [1, 3]) as (first2, last2, _):  # re-placed, cut elsewhere
                 ring.reroute(first2, last2)
                 assert session.result(30) == want
+
+
+def test_bfloat16_stages_equal_generate_in_bfloat16(tiny_checkpoint):
+    import torch
+    from tiny_models import load_whole
+
+    model = load_whole(tiny_checkpoint("llama"), dtype=torch.bfloat16)
+    want = reference_generate(model, PROMPT, NEW)
+    with thread_ring(model, [1, 3]) as ring:  # bfloat16 hidden states cross as raw 16 bits
+        assert ring.generate(PROMPT, max_tokens=NEW, stop_ids=[2], timeout=60) == want
+    cuts, compression = [1, 3], ["fixed_int8", "fixed_int8"]
+    want = reference_generate(model, PROMPT, NEW, cuts=cuts, compression=compression)
+    with thread_ring(model, cuts, compression=compression, codes=[True, False]) as ring:
+        assert ring.generate(PROMPT, max_tokens=NEW, stop_ids=[2], timeout=60) == want
+
+
+def _ask(first, last, message, payload=()):
+    first.send([message.encode(), *payload])
+    return RingMessage.decode(last.recv(30)[0])
+
+
+def test_the_protocol_at_the_stages_sessions_positions_and_room(tiny_whole):
+    model = tiny_whole("llama")
+    with thread_stages(model, [2], max_sessions=2) as (first, last, _):
+        greedy = SamplingParams(temperature=0)
+        a = _ask(first, last, RingMessage(op="prefill", sid=1, tokens=(5, 6), sampling=greedy))
+        assert (a.op, a.sid, a.pos) == ("token", 1, 0)
+        b = _ask(first, last, RingMessage(op="prefill", sid=2, tokens=(7,), sampling=greedy))
+        assert b.op == "token"
+        full = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,)))
+        assert full.op == "error" and "already holds 2 sessions (max_sessions 2)" in full.message
+        lost = _ask(first, last, RingMessage(op="decode", sid=1, pos=5, tokens=(a.token,)))
+        assert (
+            lost.op == "error" and "the cache holds 2 tokens (a message was lost)" in lost.message
+        )
+        gone = _ask(first, last, RingMessage(op="decode", sid=1, pos=2, tokens=(a.token,)))
+        assert gone.op == "error" and "session 1 is not open here" in gone.message
+        first.send([RingMessage(op="end", sid=2).encode()])
+        again = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,), sampling=greedy))
+        assert again.op == "token" and again.token == b.token  # same prompt, same greedy token
+        empty = _ask(first, last, RingMessage(op="decode", sid=3, pos=1))
+        assert empty.op == "error" and "carries no token ids" in empty.message
