@@ -76,6 +76,7 @@ def run() -> int:
         spec.is_last_stage,
         dtype=spec.dtype,
         quantization=spec.quantization,
+        device=spec.device,
     )
     stage.eval()
     secret = SwarmSecret.from_token(spec.token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -49,6 +50,8 @@ class StageServeSpec:
     port: int = 0
     """0: a free port, reported in the worker's ``ready`` event."""
     dtype: str = "float32"
+    device: str = "cpu"
+    """"cpu", "cuda" or "cuda:N" (the daemon narrows CUDA_VISIBLE_DEVICES per worker)."""
     quantization: dict | None = None
     send_compression: str = "none"
     """Compression of the boundary after this stage (ignored on the last stage)."""
@@ -92,6 +95,8 @@ class StageServeSpec:
             errors.append(f"port: {self.port!r} is not in [0, 65535]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             errors.append(f"dtype: {self.dtype!r} is not float32, bfloat16 or float16")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            errors.append(f"device: {self.device!r} is not cpu, cuda or cuda:N")
         if self.quantization is not None and not isinstance(self.quantization, dict):
             errors.append(f"quantization: {self.quantization!r} is not a map or null")
         if self.send_compression not in BOUNDARY_COMPRESSIONS:

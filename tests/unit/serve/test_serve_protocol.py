@@ -116,6 +116,7 @@ def test_stage_spec_round_trips():
         ({"host": "example.org"}, "host: 'example.org' is not an IP address"),
         ({"port": 70000}, "port: 70000"),
         ({"dtype": "int8"}, "dtype: 'int8'"),
+        ({"device": "gpu0"}, "device: 'gpu0' is not cpu, cuda or cuda:N"),
         ({"send_compression": "zip"}, "send_compression: 'zip'"),
         ({"max_context": 0}, "max_context: 0"),
         ({"colour": "red"}, "unknown field"),
