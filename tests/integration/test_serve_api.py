@@ -263,3 +263,24 @@ def test_swarm_generate_and_chat_are_clients_of_the_api(client, served):
     result = runner.invoke(main, ["generate", "--url", server.url, "gpt-9", "hi"])
     assert result.exit_code == 1
     assert "404: The model `gpt-9` does not exist" in result.output
+
+
+def test_a_client_leaving_mid_stream_ends_its_session(client, served):
+    import time
+
+    _, model, _ = served
+    stream = client.completions.create(
+        model="embedded", prompt="Once upon a time", temperature=0, max_tokens=240, stream=True
+    )  # 240 tokens take several seconds here
+    pieces = 0
+    for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].text)
+        if pieces == 2:
+            break
+    assert model.client.active == 1
+    stream.close()
+    started = time.monotonic()
+    while model.client.active and time.monotonic() < started + 10:
+        time.sleep(0.02)
+    assert model.client.active == 0
+    assert time.monotonic() - started < 2.0  # cancelled, not run to its 240 tokens
