@@ -9,7 +9,8 @@ stall a run now and then. Decode tokens/s counts tokens after the first over the
 the first; TTFT is the time from the request to the first token (prefill included).
 ``hop_ms`` is what one more stage costs per token: the median over N = 2, 3 of
 (per-token time with N stages - with 1 stage) / (N - 1), i.e. one extra loopback hop plus
-the stage's bookkeeping. Targets (issue 8): ratio_2 >= 0.95, ratio_3 >= 0.9.
+the stage's bookkeeping; ``hop_ms_tiny`` is the same over rings of a tiny model, whose
+compute is negligible, so noise in the real model's compute does not swamp it. Targets (issue 8): ratio_2 >= 0.95, ratio_3 >= 0.9.
 
 Prints a markdown table, then as its last line one JSON object.
 
@@ -59,6 +60,39 @@ def _ring_run(ring, prompt_ids, tokens: int) -> tuple[float, float, list[int]]:
     return ttft, (tokens - 1) / max(stamps[-1] - stamps[0], 1e-9), ids
 
 
+def _tiny_hop_ms(threads: int, tokens: int, repeats: int) -> dict[int, float]:
+    """Median ms/token of rings of 1, 2, 3 stages of a 4-block Llama of width 32, whose compute
+    is negligible: what remains is the hops and each stage's per-step bookkeeping."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swarmp2p.serve.local import LocalRing
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bounds = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+    times: dict[int, list[float]] = {n: [] for n in bounds}
+    with tempfile.TemporaryDirectory() as folder:
+        LlamaForCausalLM(config).save_pretrained(folder)
+        rings = {}
+        try:
+            for n, b in bounds.items():
+                rings[n] = LocalRing(folder, bounds=b, threads=threads, max_context=tokens + 8)
+            for _ in range(repeats):
+                for n, ring in rings.items():
+                    _, tok_s, _ = _ring_run(ring, [5, 6, 7], tokens)
+                    times[n].append(1000 / tok_s)
+        finally:
+            for ring in rings.values():
+                ring.close()
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (<3 min)")
@@ -67,7 +101,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     args = parser.parse_args()
     tokens = args.tokens or (32 if args.quick else 128)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or 5
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -115,6 +149,8 @@ def main() -> None:
         for ring in rings.values():
             ring.close()
 
+    tiny = _tiny_hop_ms(args.threads, tokens, repeats)
+    tiny_hop = statistics.median((tiny[n] - tiny[1]) / (n - 1) for n in (2, 3))
     tok_s = {name: statistics.median(r["tok_s"]) for name, r in results.items()}
     ttft = {name: statistics.median(r["ttft"]) * 1000 for name, r in results.items()}
     per_token_ms = {name: 1000 / v for name, v in tok_s.items()}
@@ -131,6 +167,8 @@ def main() -> None:
         "ratio_3": round(tok_s["stages_3"] / tok_s["generate"], 3),
         "ttft_ms": {name: round(v, 1) for name, v in ttft.items()},
         "hop_ms": round(hop_ms, 3),
+        "hop_ms_tiny": round(tiny_hop, 3),
+        "tiny_ms_per_token": {f"stages_{n}": round(v, 3) for n, v in tiny.items()},
         "same_tokens": same_tokens,
         "tokens": tokens,
         "prompt_tokens": len(prompt_ids),
@@ -151,6 +189,10 @@ def main() -> None:
         )
     print()
     print(f"per-hop overhead: {hop_ms:.3f} ms/token; greedy tokens equal generate's: {same_tokens}")
+    print(
+        f"per-hop overhead with a tiny model (compute negligible): {tiny_hop:.3f} ms/token "
+        f"({', '.join(f'{n} stage(s) {v:.2f} ms' for n, v in tiny.items())})"
+    )
     print(json.dumps(summary))
 
 
