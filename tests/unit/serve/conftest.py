@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # tiny_models
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ring_helpers, in any import mode
 
 
 @pytest.fixture(scope="session")
