@@ -15,6 +15,7 @@ LIGHT_PACKAGES = [
     "swarmp2p.node",
     "swarmp2p.data",
     "swarmp2p.dashboard",
+    "swarmp2p.serve",
 ]
 LIGHT_MODULES = [
     "swarmp2p",

@@ -1,0 +1,133 @@
+"""A serving stage worker: ``python -m swarmp2p.runtime.serve_worker``.
+
+stdin, one JSON object per line:
+  1. the stage spec (:class:`swarmp2p.serve.StageServeSpec`);
+  2. after ``ready``: ``{"op": "connect", "next": "tcp://host:port"}`` (the next stage's input
+     link, or the session manager's return link after the last stage);
+  then ``{"op": "stop"}`` or end of input stops the worker.
+stdout, one JSON event per line: ``{"event": "ready", "endpoint", "stage", "load_s"}``,
+``{"event": "serving"}``, ``{"event": "stopped", "steps"}``, or ``{"event": "error",
+"message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
+crash names where it happened.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+import threading
+import time
+
+CONNECT_TIMEOUT_S = 600.0
+"""How long a ready worker waits for its connect line."""
+
+
+def _emit(event: str, **fields) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _read_json_line(what: str) -> dict:
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError(f"stdin closed before the {what}")
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the {what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the {what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    """Stop on ``{"op": "stop"}`` or end of input; other lines are reported and ignored."""
+    for line in sys.stdin:
+        try:
+            op = json.loads(line).get("op")
+        except (json.JSONDecodeError, AttributeError):
+            op = None
+        if op == "stop":
+            break
+        print(f"serve worker: ignored stdin line {line.strip()[:80]!r}", file=sys.stderr)
+    stop.set()
+
+
+def run() -> int:
+    from swarmp2p.serve.spec import StageServeSpec
+
+    spec = StageServeSpec.from_dict(_read_json_line("stage spec"))
+
+    import torch
+
+    from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
+    from swarmp2p.runtime.torch import load_stage_shard
+    from swarmp2p.runtime.torch.serve import StageServer
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    started = time.monotonic()
+    stage = load_stage_shard(
+        spec.model,
+        spec.layer_start,
+        spec.layer_end,
+        spec.is_first_stage,
+        spec.is_last_stage,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        device=spec.device,
+    )
+    stage.eval()
+    secret = SwarmSecret.from_token(spec.token)
+    ctx = SecureContext()
+    inbound = outbound = None
+    try:
+        inbound = ZmqLink.bind(ctx, secret, spec.host, spec.port)
+        _emit(
+            "ready",
+            endpoint=inbound.endpoint,
+            stage=spec.stage_index,
+            load_s=round(time.monotonic() - started, 3),
+        )
+        connect = _read_json_line("connect line")
+        if connect.get("op") != "connect" or not isinstance(connect.get("next"), str):
+            raise ValueError(f'expected {{"op": "connect", "next": endpoint}}, got {connect}')
+        outbound = ZmqLink.dial(ctx, secret, connect["next"])
+        server = StageServer(
+            stage,
+            inbound=inbound,
+            outbound=outbound,
+            send_compression=spec.send_compression,
+            send_codes=spec.send_codes,
+            max_sessions=spec.max_sessions,
+            max_context=spec.max_context,
+        )
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)
+        watcher.start()
+        _emit("serving", stage=spec.stage_index)
+        server.serve_forever(stop)
+        _emit("stopped", stage=spec.stage_index, steps=server.steps)
+    finally:
+        for link in (inbound, outbound):
+            if link is not None:
+                link.close()
+        stop_zero_copy_collector()
+        ctx.destroy(0)
+    return 0
+
+
+def main() -> None:
+    faulthandler.enable()
+    try:
+        code = run()
+    except Exception as e:
+        _emit("error", message=f"{type(e).__name__}: {e}")
+        print(f"serve worker failed: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

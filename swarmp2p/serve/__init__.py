@@ -1,0 +1,37 @@
+"""Serving: the ring protocol, the session manager, text, and the OpenAI-compatible HTTP API.
+
+A light package: it never imports torch (stage servers live in ``swarmp2p.runtime.torch``).
+"""
+
+from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
+from swarmp2p.serve.local import LocalRing, StageWorker, WorkerFailed, even_bounds, serve_local
+from swarmp2p.serve.protocol import GREEDY, RingMessage, SamplingParams
+from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
+from swarmp2p.serve.spec import BOUNDARY_COMPRESSIONS, StageServeSpec, boundary_codec
+from swarmp2p.serve.text import TextCodec, TextStream
+
+__all__ = [
+    "API_KEY_ENV",
+    "BOUNDARY_COMPRESSIONS",
+    "GREEDY",
+    "ApiError",
+    "ApiServer",
+    "GenerationError",
+    "LocalRing",
+    "RingBusy",
+    "RingClient",
+    "RingMessage",
+    "SamplingParams",
+    "ServedModel",
+    "Session",
+    "StageServeSpec",
+    "StageWorker",
+    "TextCodec",
+    "TextStream",
+    "WorkerFailed",
+    "boundary_codec",
+    "build_app",
+    "check_bind",
+    "even_bounds",
+    "serve_local",
+]

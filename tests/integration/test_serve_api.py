@@ -1,0 +1,286 @@
+"""The OpenAI-compatible API over a 2-stage ring of the embedded model, with the official
+``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from swarmp2p.serve.api import ApiServer, ServedModel, build_app
+from swarmp2p.serve.local import LocalRing
+from swarmp2p.serve.text import TextCodec
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+CONTEXT = 256
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from swarmp2p.runtime.models import resolve_model_ref
+
+    folder = resolve_model_ref("embedded")
+    with LocalRing("embedded", bounds=[(0, 15), (15, 30)], threads=1, max_context=CONTEXT) as ring:
+        model = ServedModel(
+            name="embedded",
+            client=ring.client,
+            codec=TextCodec.from_folder(folder),
+            max_context=CONTEXT,
+        )
+        with ApiServer(build_app([model])) as server:
+            yield server, model, folder
+
+
+@pytest.fixture
+def client(served):
+    server, _, _ = served
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["embedded"]
+
+
+def test_chat_says_paris_and_equals_generate_in_one_process(client, served):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, model, folder = served
+    reply = client.chat.completions.create(
+        model="embedded", messages=FRANCE, temperature=0, max_tokens=24
+    )
+    text = reply.choices[0].message.content
+    assert "Paris" in text
+    assert reply.usage.prompt_tokens == len(model.codec.encode_chat(FRANCE))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = model.codec.encode_chat(FRANCE)
+    with torch.no_grad():
+        out = whole.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    new = out[0, len(prompt) :].tolist()
+    assert reply.usage.completion_tokens == len(new)
+    assert text == model.codec.decode(new)
+
+
+def test_completion_usage_length_and_streaming_agree(client, served):
+    _, model, _ = served
+    prompt = "The three primary colors are"
+    full = client.completions.create(model="embedded", prompt=prompt, temperature=0, max_tokens=9)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(model.codec.encode(prompt))
+    assert full.usage.completion_tokens == 9
+    chunks = list(
+        client.completions.create(
+            model="embedded",
+            prompt=prompt,
+            temperature=0,
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 2  # really streamed
+    assert chunks[-1].usage.completion_tokens == 9
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    pieces = list(
+        client.chat.completions.create(
+            model="embedded", messages=FRANCE, temperature=0, max_tokens=12, stream=True
+        )
+    )
+    assert pieces[0].choices[0].delta.role == "assistant"
+    streamed = "".join(p.choices[0].delta.content or "" for p in pieces)
+    whole = client.chat.completions.create(
+        model="embedded", messages=FRANCE, temperature=0, max_tokens=12
+    )
+    assert streamed == whole.choices[0].message.content
+
+
+def test_stop_strings_cut_the_text(client):
+    base = client.completions.create(
+        model="embedded", prompt="Count: one, two, three,", temperature=0, max_tokens=12
+    ).choices[0]
+    word = base.text.strip().split()[1]  # a word in the middle of the greedy continuation
+    cut = client.completions.create(
+        model="embedded",
+        prompt="Count: one, two, three,",
+        temperature=0,
+        max_tokens=12,
+        stop=["zzz-never", word],
+    ).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base.text[: base.text.index(word)]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="embedded",
+            prompt="Count: one, two, three,",
+            temperature=0,
+            max_tokens=12,
+            stop=[word],
+            stream=True,
+        )
+    )
+    assert streamed == cut.text
+
+
+def test_sampling_seed_repeats_and_temperature_varies(client):
+    def ask(**kw):
+        return (
+            client.completions.create(
+                model="embedded", prompt="Once upon a time", max_tokens=12, **kw
+            )
+            .choices[0]
+            .text
+        )
+
+    assert ask(temperature=1.0, seed=11) == ask(temperature=1.0, seed=11)
+    assert len({ask(temperature=1.0, seed=s) for s in (1, 2, 3)}) > 1
+    assert ask(temperature=1.0, extra_body={"top_k": 1}, seed=4) == ask(temperature=0)
+
+
+def test_four_concurrent_requests_each_get_their_solo_answer(client):
+    prompts = ["The sun is", "Python is a", "My favourite food is", "The ocean"]
+    kwargs = [dict(temperature=0), dict(temperature=0), dict(temperature=0.8, seed=3), {}]
+    kwargs[3] = dict(temperature=0)
+    solo = [
+        client.completions.create(model="embedded", prompt=p, max_tokens=10, **k).choices[0].text
+        for p, k in zip(prompts, kwargs)
+    ]
+    together: list = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def one(i):
+        barrier.wait()
+        together[i] = (
+            client.completions.create(
+                model="embedded", prompt=prompts[i], max_tokens=10, **kwargs[i]
+            )
+            .choices[0]
+            .text
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == solo
+
+
+def _post(url, data: bytes, headers=None):
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_errors_come_in_openai_shape(client, served):
+    server, _, _ = served
+    status, body = _post(server.url + "/v1/completions", b'{"model": "embedded", "prompt": ')
+    assert status == 400
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "could not parse the JSON body" in body["error"]["message"]
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-9", prompt="hi")
+    assert missing.value.body["code"] == "model_not_found"
+    assert "gpt-9" in missing.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="embedded", prompt="word " * (CONTEXT + 10))
+    assert long.value.body["code"] == "context_length_exceeded"
+    assert f"maximum context length is {CONTEXT} tokens" in long.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as hot:
+        client.completions.create(model="embedded", prompt="hi", temperature=7)
+    assert hot.value.body["param"] == "temperature"
+
+    status, body = _post(server.url + "/v1/nothing", b"{}")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_an_api_key_is_required_when_set(served):
+    _, model, _ = served
+    with ApiServer(build_app([model], api_key="s3cret")) as server:
+        with (
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            bad.models.list()
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0) as good:
+            assert [m.id for m in good.models.list().data] == ["embedded"]
+
+
+def test_swarm_generate_and_chat_are_clients_of_the_api(client, served):
+    from click.testing import CliRunner
+
+    from swarmp2p.cli import main
+
+    server, _, _ = served
+    want = (
+        client.completions.create(
+            model="embedded", prompt="The capital of France is", temperature=0, max_tokens=6
+        )
+        .choices[0]
+        .text
+    )
+    runner = CliRunner()
+    args = ["--url", server.url, "embedded", "The capital of France is"]
+    args += ["--max-tokens", "6", "--temperature", "0"]
+    for stream in ("--no-stream", "--stream"):
+        result = runner.invoke(main, ["generate", *args, stream])
+        assert result.exit_code == 0, result.output
+        assert result.output == want + "\n"
+
+    result = runner.invoke(
+        main,
+        ["chat", "embedded", "--url", server.url, "--temperature", "0", "--max-tokens", "24"],
+        input="What is the capital of France?\n\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.output
+
+    result = runner.invoke(main, ["generate", "--url", server.url, "gpt-9", "hi"])
+    assert result.exit_code == 1
+    assert "404: The model `gpt-9` does not exist" in result.output
+
+
+def test_a_client_leaving_mid_stream_ends_its_session(client, served):
+    import time
+
+    _, model, _ = served
+    stream = client.completions.create(
+        model="embedded", prompt="Once upon a time", temperature=0, max_tokens=240, stream=True
+    )  # 240 tokens take several seconds here
+    pieces = 0
+    for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].text)
+        if pieces == 2:
+            break
+    assert model.client.active == 1
+    stream.close()
+    started = time.monotonic()
+    while model.client.active and time.monotonic() < started + 10:
+        time.sleep(0.02)
+    assert model.client.active == 0
+    assert time.monotonic() - started < 2.0  # cancelled, not run to its 240 tokens

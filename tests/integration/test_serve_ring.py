@@ -1,0 +1,119 @@
+"""Serving rings of real stage worker processes over loopback CURVE ZmqLinks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "runtime"))  # tiny_models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "serve"))  # ring_helpers
+
+from swarmp2p.serve import GREEDY, GenerationError
+from swarmp2p.serve.local import LocalRing, WorkerFailed
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+PROMPT = [5, 17, 99, 3, 64, 21, 8]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_models import SHARD_SIZE, build_model, load_whole
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family)
+            build_model(family).save_pretrained(folder, max_shard_size=SHARD_SIZE)
+            made[family] = (folder, load_whole(folder))
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("family", "bounds", "compression"),
+    [
+        ("llama", [(0, 1), (1, 3), (3, 4)], ["fixed_int8", "fixed_int8"]),
+        ("qwen3_5", [(0, 1), (1, 3), (3, 4)], ["none", "fixed_int8"]),
+        ("qwen3_moe", [(0, 2), (2, 4)], ["fixed_int8"]),
+    ],
+    ids=["llama-3-int8", "qwen3_5-3", "qwen3_moe-2-int8"],
+)
+def test_worker_ring_greedy_equals_generate(family, bounds, compression, tiny):
+    from ring_helpers import reference_generate
+
+    folder, model = tiny(family)
+    cuts = [a for a, _ in bounds[1:]]
+    want = reference_generate(model, PROMPT, NEW, cuts=cuts, compression=compression)
+    # codes on the first boundary, in the graph on the second: both paths in one ring
+    codes = [True, False][: len(compression)]
+    with LocalRing(
+        str(folder), bounds=bounds, compression=compression, codes=codes, threads=1
+    ) as ring:
+        got = ring.client.generate(
+            PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[2], timeout=60
+        )
+    assert got == want
+
+
+def test_a_killed_stage_fails_the_request_within_the_step_timeout(tiny):
+    folder, _ = tiny("llama")
+    with LocalRing(str(folder), bounds=[(0, 4)], threads=1, step_timeout=2.0) as ring:
+        assert ring.client.generate(PROMPT, max_tokens=2, timeout=60)
+        os.kill(ring.workers[0].proc.pid, signal.SIGKILL)
+        ring.workers[0].proc.wait()
+        assert ring.workers[0].describe_exit() == "killed by SIGKILL"
+        started = time.monotonic()
+        with pytest.raises(GenerationError, match="no token from the ring within 2 s"):
+            ring.client.generate(PROMPT, max_tokens=2, timeout=30)
+        assert time.monotonic() - started < 10
+
+
+def test_a_stage_that_cannot_load_is_reported_with_its_reason(tmp_path):
+    with pytest.raises(WorkerFailed, match=r"stage 0 .*exited with status 1.*"):
+        LocalRing(str(tmp_path), bounds=[(0, 2)], threads=1)
+
+
+def test_serve_local_answers_over_http_until_stopped():
+    import socket
+    import threading
+
+    from swarmp2p.serve.client import complete_text
+    from swarmp2p.serve.local import serve_local
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, stop = threading.Event(), threading.Event()
+    failure = []
+
+    def run():
+        try:
+            serve_local("embedded", port=port, max_context=128, threads=1, ready=ready, stop=stop)
+        except BaseException as e:
+            failure.append(e)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert ready.wait(120) and not failure, failure
+        text, usage = complete_text(
+            f"http://127.0.0.1:{port}",
+            "/v1/completions",
+            {"model": "embedded", "prompt": "The capital of France is", "max_tokens": 4,
+             "temperature": 0},
+        )  # fmt: skip
+        assert "Paris" in text
+        assert usage["completion_tokens"] == 4
+    finally:
+        stop.set()
+        thread.join(60)

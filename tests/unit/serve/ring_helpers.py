@@ -1,0 +1,87 @@
+"""Helpers of the serving tests: a ring of StageServers on threads, and reference generation."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from swarmp2p.net import InProcLink
+from swarmp2p.runtime.torch import build_stage, introspect
+from swarmp2p.runtime.torch.serve import StageServer, apply_boundary
+from swarmp2p.serve import RingClient
+
+
+@contextmanager
+def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16):
+    """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
+    ends ``(to_stage0, from_last)`` and the links between stages."""
+    bounds = [0, *cuts, introspect(model).num_blocks]
+    n = len(bounds) - 1
+    compression = compression or ["none"] * (n - 1)
+    codes = codes or [False] * (n - 1)
+    links = [InProcLink.pair() for _ in range(n + 1)]  # links[i]: into stage i (n: manager)
+    stop = threading.Event()
+    threads = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        server = StageServer(
+            build_stage(model, a, b),
+            inbound=links[i][1],
+            outbound=links[i + 1][0],
+            send_compression=compression[i] if i < n - 1 else "none",
+            send_codes=codes[i] if i < n - 1 else False,
+            max_context=max_context,
+            max_sessions=max_sessions,
+        )
+        thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
+        thread.start()
+        threads.append(thread)
+    try:
+        yield links[0][0], links[n][1], links
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+@contextmanager
+def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **client_kw):
+    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread."""
+    with thread_stages(
+        model, cuts, compression=compression, codes=codes, max_context=max_context
+    ) as (first, last, links):
+        client = RingClient(first, last, max_context=max_context, **client_kw)
+        client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, len(links) - 1)]
+        with client:
+            yield client
+
+
+def reference_generate(model, prompt, max_new_tokens, *, cuts=(), compression=None):
+    """``model.generate`` greedy, with each boundary's compression applied in the graph at the
+    output of the block before each cut (the same quantization in one process)."""
+    blocks = introspect(model).blocks
+    handles = []
+    for cut, spec in zip(cuts, compression or ()):
+        if spec == "none":
+            continue
+
+        def hook(module, args, output, spec=spec):
+            if isinstance(output, tuple):
+                return (apply_boundary(output[0], spec), *output[1:])
+            return apply_boundary(output, spec)
+
+        handles.append(blocks[cut - 1].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out[0, len(prompt) :].tolist()

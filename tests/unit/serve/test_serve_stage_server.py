@@ -1,0 +1,214 @@
+"""Stage servers on threads: greedy output equals model.generate, boundaries, sessions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from ring_helpers import reference_generate, thread_ring, thread_stages
+
+from swarmp2p.net import InProcLink, Link
+from swarmp2p.serve import GREEDY, GenerationError, RingClient, RingMessage, SamplingParams
+
+pytestmark = pytest.mark.torch
+
+PROMPT = [5, 17, 99, 3, 64, 21, 8]
+NEW = 12
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("cuts", [[2], [1, 3]], ids=["2stages", "3stages"])
+def test_greedy_equals_generate(family, cuts, tiny_whole):
+    model = tiny_whole(family)
+    want = reference_generate(model, PROMPT, NEW)
+    with thread_ring(model, cuts) as ring:
+        got = ring.generate(PROMPT, max_tokens=NEW, stop_ids=[2], timeout=60)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("family", "spec"),
+    [("llama", "fixed_int8"), ("qwen3_5", "fixed_int8"), ("llama", "fixed_int2")],
+)
+def test_fixed_int_boundaries_equal_generate_with_the_same_quantization(family, spec, tiny_whole):
+    """Boundary 0 crosses as codes, boundary 1 is quantized in the graph: both match one
+    process applying the same per-token quantization at both cuts."""
+    model = tiny_whole(family)
+    cuts, compression = [1, 3], [spec, spec]
+    want = reference_generate(model, PROMPT, NEW, cuts=cuts, compression=compression)
+    if spec == "fixed_int2":  # coarse enough to change the text: the reference applies it
+        assert want != reference_generate(model, PROMPT, NEW)
+    with thread_ring(model, cuts, compression=compression, codes=[True, False]) as ring:
+        got = ring.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[2], timeout=60)
+    assert got == want
+
+
+@pytest.mark.parametrize("compression", ["fixed_int8", "fixed_int4", "fp16"])
+def test_both_boundary_paths_give_the_same_tokens_and_codes_are_smaller(compression, tiny_whole):
+    model = tiny_whole("llama")
+    results = {}
+    for codes in (False, True):
+        with thread_ring(model, [2], compression=[compression], codes=[codes]) as ring:
+            results[codes] = ring.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, timeout=60)
+            results[codes, "bytes"] = ring.boundary_bytes()
+    assert results[True] == results[False]
+    assert results[True, "bytes"][0] < results[False, "bytes"][0]
+
+
+def test_four_concurrent_sessions_each_produce_their_solo_output(tiny_whole):
+    model = tiny_whole("qwen3_5")
+    prompts = [PROMPT, [9, 8, 7], [100, 1, 50, 60, 70, 80, 90, 11, 12], [42]]
+    samplings = [GREEDY, GREEDY, SamplingParams(temperature=0.9, seed=7), GREEDY]
+    with thread_ring(model, [1, 3]) as ring:
+        solo = [
+            ring.generate(p, max_tokens=NEW, sampling=s, timeout=60)
+            for p, s in zip(prompts, samplings)
+        ]
+        sessions = [ring.submit(p, max_tokens=NEW, sampling=s) for p, s in zip(prompts, samplings)]
+        together = [s.result(60) for s in sessions]
+        assert ring.active == 0
+    assert together == solo
+    assert len({tuple(t) for t in solo}) == 4
+
+
+def test_sampling_seed_repeats_and_differs(tiny_whole):
+    model = tiny_whole("llama")
+    hot = SamplingParams(temperature=1.5, seed=3)
+    with thread_ring(model, [2]) as ring:
+        a = ring.generate(PROMPT, max_tokens=NEW, sampling=hot, timeout=60)
+        b = ring.generate(PROMPT, max_tokens=NEW, sampling=hot, timeout=60)
+        c = ring.generate(
+            PROMPT, max_tokens=NEW, sampling=SamplingParams(temperature=1.5, seed=4), timeout=60
+        )
+        greedy = ring.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, timeout=60)
+        top1 = ring.generate(
+            PROMPT, max_tokens=NEW, sampling=SamplingParams(top_k=1, seed=5), timeout=60
+        )
+        nucleus = ring.generate(
+            PROMPT, max_tokens=NEW, sampling=SamplingParams(top_p=1e-6, seed=6), timeout=60
+        )
+    assert a == b
+    assert a != c
+    assert top1 == greedy == nucleus
+
+
+def test_stop_rule_max_tokens_and_context(tiny_whole):
+    model = tiny_whole("llama")
+    with thread_ring(model, [2], max_context=12) as ring:
+        full = ring.generate(PROMPT, max_tokens=3, timeout=60)
+        assert len(full) == 3
+        session = ring.submit(PROMPT, max_tokens=3, stop=lambda toks: toks[-1] == full[1])
+        assert session.result(60) == full[:2]
+        assert session.finish_reason == "stop"
+        session = ring.submit(PROMPT, max_tokens=50)
+        assert len(session.result(60)) == 12 - len(PROMPT)
+        assert session.finish_reason == "length"
+        session = ring.submit(PROMPT, max_tokens=50, stop_ids=[full[0]])
+        assert session.result(60) == full[:1]
+        assert session.finish_reason == "stop"
+        with pytest.raises(ValueError, match="prompt: 12 tokens, the context holds 12"):
+            ring.submit(list(range(3, 15)), max_tokens=1)
+
+
+def test_a_stage_refusing_a_step_fails_the_request_with_its_reason(tiny_whole):
+    model = tiny_whole("llama")
+    with thread_ring(model, [2]) as ring:
+        ring.max_context = 1000  # the manager lets it through; the stages hold 64
+        session = ring.submit(list(range(3, 73)), max_tokens=2)
+        with pytest.raises(GenerationError, match=r"stage \[0, 2\).*over max_context 64"):
+            session.result(60)
+        ring.max_context = 64
+        assert ring.generate(PROMPT, max_tokens=2, timeout=60)  # the ring still serves
+
+
+def test_silent_ring_fails_within_the_step_timeout():
+    to_stage0, stage0_in = InProcLink.pair()
+    _from_last, manager_in = InProcLink.pair()
+    with RingClient(to_stage0, manager_in, max_context=64, step_timeout=0.3) as ring:
+        session = ring.submit(PROMPT, max_tokens=2)
+        with pytest.raises(GenerationError, match=r"no token from the ring within 0\.3 s"):
+            session.result(5)
+        assert stage0_in.recv(1)  # the prefill went out; nobody answered
+        to_stage0.close()
+        with pytest.raises(GenerationError, match="cannot reach stage 0"):
+            ring.submit(PROMPT, max_tokens=2).result(5)
+
+
+class _DyingLink(Link):
+    """The manager's link to a stage host that dies after ``alive`` messages: later sends
+    vanish, as they do into a SIGKILLed host's socket."""
+
+    def __init__(self, link: Link, alive: int) -> None:
+        self.link, self.alive = link, alive
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, parts, timeout=None):
+        self.alive -= 1
+        if self.alive >= 0:
+            self.link.send(parts, timeout)
+
+    def recv(self, timeout):
+        return self.link.recv(timeout)
+
+    def close(self):
+        self.link.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_reroute_replays_sessions_onto_a_new_ring_with_the_same_greedy_output(family, tiny_whole):
+    model = tiny_whole(family)
+    want = reference_generate(model, PROMPT, NEW)
+    with thread_stages(model, [2]) as (first, last, _):
+        ring = RingClient(_DyingLink(first, alive=4), last, max_context=64, step_timeout=30)
+        with ring:
+            session = ring.submit(PROMPT, max_tokens=NEW, stop_ids=[2])
+            deadline = time.monotonic() + 30
+            while len(session.tokens) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert len(session.tokens) == 4 and not session.done.is_set()  # stalled
+            with thread_stages(model, [1, 3]) as (first2, last2, _):  # re-placed, cut elsewhere
+                ring.reroute(first2, last2)
+                assert session.result(30) == want
+
+
+def test_bfloat16_stages_equal_generate_in_bfloat16(tiny_checkpoint):
+    import torch
+    from tiny_models import load_whole
+
+    model = load_whole(tiny_checkpoint("llama"), dtype=torch.bfloat16)
+    want = reference_generate(model, PROMPT, NEW)
+    with thread_ring(model, [1, 3]) as ring:  # bfloat16 hidden states cross as raw 16 bits
+        assert ring.generate(PROMPT, max_tokens=NEW, stop_ids=[2], timeout=60) == want
+    cuts, compression = [1, 3], ["fixed_int8", "fixed_int8"]
+    want = reference_generate(model, PROMPT, NEW, cuts=cuts, compression=compression)
+    with thread_ring(model, cuts, compression=compression, codes=[True, False]) as ring:
+        assert ring.generate(PROMPT, max_tokens=NEW, stop_ids=[2], timeout=60) == want
+
+
+def _ask(first, last, message, payload=()):
+    first.send([message.encode(), *payload])
+    return RingMessage.decode(last.recv(30)[0])
+
+
+def test_the_protocol_at_the_stages_sessions_positions_and_room(tiny_whole):
+    model = tiny_whole("llama")
+    with thread_stages(model, [2], max_sessions=2) as (first, last, _):
+        greedy = SamplingParams(temperature=0)
+        a = _ask(first, last, RingMessage(op="prefill", sid=1, tokens=(5, 6), sampling=greedy))
+        assert (a.op, a.sid, a.pos) == ("token", 1, 0)
+        b = _ask(first, last, RingMessage(op="prefill", sid=2, tokens=(7,), sampling=greedy))
+        assert b.op == "token"
+        full = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,)))
+        assert full.op == "error" and "already holds 2 sessions (max_sessions 2)" in full.message
+        lost = _ask(first, last, RingMessage(op="decode", sid=1, pos=5, tokens=(a.token,)))
+        assert (
+            lost.op == "error" and "the cache holds 2 tokens (a message was lost)" in lost.message
+        )
+        gone = _ask(first, last, RingMessage(op="decode", sid=1, pos=2, tokens=(a.token,)))
+        assert gone.op == "error" and "session 1 is not open here" in gone.message
+        first.send([RingMessage(op="end", sid=2).encode()])
+        again = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,), sampling=greedy))
+        assert again.op == "token" and again.token == b.token  # same prompt, same greedy token
+        empty = _ask(first, last, RingMessage(op="decode", sid=3, pos=1))
+        assert empty.op == "error" and "carries no token ids" in empty.message
