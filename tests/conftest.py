@@ -36,7 +36,7 @@ def no_leaks(request):
     while True:
         new_threads = _threads() - threads
         new_children = _children() - children
-        if not new_threads and not new_children or time.monotonic() > deadline:
+        if (not new_threads and not new_children) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     problems = []
