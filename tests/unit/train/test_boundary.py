@@ -76,7 +76,7 @@ def test_activation_for_another_step_raises_stale_reply():
 
 def test_silent_neighbour_times_out():
     up, _ = _channels(timeout=0.05)
-    with pytest.raises(LinkTimeout, match="within 0.05 s"):
+    with pytest.raises(LinkTimeout, match=r"within 0\.05 s"):
         up.recv_reply(0, 0)
 
 
