@@ -1,0 +1,22 @@
+"""The object ``get_runtime("torch")`` returns: the torch stage runtime's entry points."""
+
+from __future__ import annotations
+
+from swarmp2p.runtime.torch.introspect import introspect
+from swarmp2p.runtime.torch.stage import build_stage
+
+
+class TorchRuntime:
+    """Entry points of the torch runtime, for callers that resolve it by name."""
+
+    name = "torch"
+
+    introspect = staticmethod(introspect)
+    build_stage = staticmethod(build_stage)
+
+    @staticmethod
+    def load_stage_shard(*args, **kwargs):
+        """See :func:`swarmp2p.runtime.torch.loader.load_stage_shard`."""
+        from swarmp2p.runtime.torch.loader import load_stage_shard
+
+        return load_stage_shard(*args, **kwargs)

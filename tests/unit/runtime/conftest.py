@@ -1,0 +1,30 @@
+"""Fixtures of the runtime tests: each tiny checkpoint is saved once per session, sharded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_models import SHARD_SIZE, build_model
+
+try:  # tqdm's monitor thread outlives a test and trips the suite's thread-leak check
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(family) -> Path``: each tiny model saved once per session, sharded."""
+    saved: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in saved:
+            folder = tmp_path_factory.mktemp(family)
+            build_model(family).save_pretrained(folder, max_shard_size=SHARD_SIZE)
+            saved[family] = folder
+        return saved[family]
+
+    return get
