@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 VOCAB = 128
@@ -58,7 +59,7 @@ def stage_copies(model, cuts: list[int]):
 
     bounds = [0, *cuts, introspect(model).num_blocks]
     out = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         clone = copy.deepcopy(model)
         names = {id(p): n for n, p in clone.named_parameters()}
         out.append((build_stage(clone, a, b), names))
