@@ -52,6 +52,33 @@ def _reference(model, batches, settings):
     return losses, grads, dict(model.named_parameters())
 
 
+def _reference_lora(model, batches, settings):
+    """Single process training only the adapters: loss per step and final adapter values."""
+    import copy
+
+    model = copy.deepcopy(model).train()
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(
+        params,
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+    losses = []
+    for tokens in batches[: settings.steps]:
+        opt.zero_grad()
+        loss = chunked_loss(model(tokens[:, :-1]).logits, tokens[:, 1:], 7)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return losses, {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
 def run_pipeline(model, n, batches, settings, schedule, compression="none", mode="full"):
     """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)])."""
     links = [local_link_pair() for _ in range(n - 1)]
