@@ -1,0 +1,578 @@
+"""Placement: which layers each device holds, and `plan_job(job, cluster) -> Plan | Blocked`.
+
+Stages follow the nodes in `node_id` order and each node's devices in index order, one stage
+per device (several devices on one node each get a stage). GPUs are used when the cluster has
+any; a cluster of CPUs only runs on its CPUs. Split modes:
+
+- `equal`: the same number of layers on every stage.
+- `weighted`: by free memory: minimises the largest share of its device's free memory any
+  stage needs (so each stage gets layers in proportion to its free memory, embeddings and
+  head priced in).
+- `cost`: balances compute per stage: 6 FLOPs per active parameter and token for each layer,
+  the head's vocab x hidden matmul on the last stage (SmolLM2's head costs about 8 of its 30
+  layers; DESIGN.md, "Pitfalls"), and AdamW's update over what trains; every stage must still
+  fit its device.
+
+A stage must fit its device's free memory (less DEVICE_RESERVE); a node's download share
+(its stages' layers, the embeddings on the first stage, the head on the last) plus
+DISK_HEADROOM must fit its free disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from swarmp2p.plan import model_shape as _model_shape
+from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
+from swarmp2p.plan.job import FieldError, Job, JobError
+from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
+from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.plan.precision import DTYPE_BYTES, resolve_dtype
+from swarmp2p.plan.quantization import GB
+from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedStage
+from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
+from swarmp2p.plan.split import Compression, SplitSpec
+
+DISK_HEADROOM = 512 * 2**20
+"""Bytes a node's disk must keep free beyond its download share (the reference's 512 MB)."""
+
+DEVICE_RESERVE = {"cuda": 512 * 2**20, "mps": 512 * 2**20, "cpu": 2**30}
+"""Bytes of a device's free memory kept back: the CUDA context, or the OS and the daemon."""
+
+_FLOPS_PER_PARAM_TOKEN = 6  # forward 2 + backward 4 (Kaplan et al. 2020)
+_ADAMW_FLOPS_PER_PARAM = 12
+_BISECT_STEPS = 48
+
+Placed = tuple[Node, Device]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Attempt:
+    ranges: tuple[tuple[int, int], ...] | None
+    prices: tuple[StageMemory, ...]
+    """Prices of `ranges`, or of the closest split found when it does not fit."""
+    tried: tuple[tuple[int, int], ...]
+
+
+def gb(n: float) -> str:
+    """Bytes as the "GB" (2**30 bytes) every message prints, one decimal."""
+    return f"{n / GB:.1f}"
+
+
+def usable_memory(device: Device) -> int:
+    """Free memory a stage may take: memory_free less DEVICE_RESERVE."""
+    return max(device.memory_free - DEVICE_RESERVE[device.kind], 0)
+
+
+def candidate_devices(cluster: Sequence[Node]) -> list[Placed]:
+    """Every device a stage may use, in pipeline order: GPUs when any exist, else CPUs."""
+    nodes = sorted(cluster, key=lambda n: n.node_id)
+    pairs = [(n, d) for n in nodes for d in sorted(n.devices, key=lambda d: (d.kind, d.index))]
+    gpus = [(n, d) for n, d in pairs if d.is_gpu]
+    return gpus or pairs
+
+
+def _torch_device(device: Device) -> str:
+    return "cpu" if device.kind == "cpu" else f"{device.kind}:{device.index}"
+
+
+def min_max_partition(
+    n_layers: int,
+    n_stages: int,
+    cost: Callable[[int, int, int], float],
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> tuple[tuple[int, int], ...] | None:
+    """Contiguous ranges, one per stage, minimising the largest `cost(stage, start, end)`.
+
+    `cost` and `fits` must be monotone in the range (a sub-range never costs more and always
+    fits when the range does). Bisection on the bound with a greedy check: each stage takes as
+    many layers as the bound and `fits` allow, leaving one per remaining stage. None when no
+    split satisfies `fits`.
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"stages: must be between 1 and {n_layers}, got {n_stages}")
+
+    def greedy(bound: float) -> tuple[tuple[int, int], ...] | None:
+        ranges, start = [], 0
+        for i in range(n_stages):
+            max_end = n_layers - (n_stages - 1 - i)
+            end = max_end if i == n_stages - 1 else start + 1
+            if cost(i, start, end) > bound or (fits is not None and not fits(i, start, end)):
+                return None
+            while (
+                end < max_end
+                and cost(i, start, end + 1) <= bound
+                and (fits is None or fits(i, start, end + 1))
+            ):
+                end += 1
+            ranges.append((start, end))
+            start = end
+        return tuple(ranges)
+
+    hi = max(cost(i, 0, n_layers) for i in range(n_stages))
+    best = greedy(hi)
+    if best is None:
+        return None
+    lo = 0.0
+    for _ in range(_BISECT_STEPS):
+        if hi - lo <= abs(hi) * 1e-9:
+            break
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    return best
+
+
+class _Placer:
+    """Prices and splits one job over one ordered list of devices."""
+
+    def __init__(
+        self,
+        job: Job,
+        shape: ModelShape,
+        devices: list[Placed],
+        pricer: StagePricer,
+        compression: tuple[Compression, ...],
+        micro_batches: int,
+    ) -> None:
+        self.job, self.shape, self.devices, self.pricer = job, shape, devices, pricer
+        self.n = len(devices)
+        self.compression = compression
+        self.micro_batches = micro_batches
+        self.free = [usable_memory(d) for _, d in devices]
+        self.flight = [
+            in_flight(job.train.schedule, i, self.n, micro_batches) for i in range(self.n)
+        ]
+        self._active = [0]
+        for p in shape.layer_active_params:
+            self._active.append(self._active[-1] + p)
+        self._params = [0]
+        for p in shape.layer_params:
+            self._params.append(self._params[-1] + p)
+
+    def price(self, i: int, start: int, end: int) -> StageMemory:
+        return self.pricer.price(
+            start,
+            end,
+            first=i == 0,
+            last=i == self.n - 1,
+            in_flight=self.flight[i],
+            receive=self.compression[i - 1] if i > 0 else None,
+            send=self.compression[i] if i < self.n - 1 else None,
+        )
+
+    def fits(self, i: int, start: int, end: int) -> bool:
+        return self.price(i, start, end).peak <= self.free[i]
+
+    def memory_share(self, i: int, start: int, end: int) -> float:
+        peak = self.price(i, start, end).peak
+        return peak / self.free[i] if self.free[i] else float("inf") if peak else 0.0
+
+    def compute_cost(self, i: int, start: int, end: int) -> float:
+        s, job = self.shape, self.job
+        tokens = job.train.batch_size * job.train.seq_len
+        active = self._active[end] - self._active[start]
+        if i == self.n - 1:
+            active += s.head_compute_params
+        cost = float(_FLOPS_PER_PARAM_TOKEN * tokens * active)
+        if job.finetune_mode == "full":
+            trained = self._params[end] - self._params[start]
+            trained += self.pricer.held_outer_params(i == 0, i == self.n - 1)
+            cost += _ADAMW_FLOPS_PER_PARAM * trained
+        return cost
+
+    def proportional(self) -> tuple[tuple[int, int], ...]:
+        """Layer parameters in proportion to each device's free memory (>= 1 layer each)."""
+        L, n = self.shape.n_layers, self.n
+        total_free = sum(self.free) or n
+        shares = self.free if sum(self.free) else [1] * n
+        total = self._params[L]
+        ranges, start, acc = [], 0, 0
+        for i in range(n - 1):
+            acc += shares[i]
+            target = total * acc / total_free
+            hi = L - (n - 1 - i)
+            end = min(range(start + 1, hi + 1), key=lambda k: (abs(self._params[k] - target), k))
+            ranges.append((start, end))
+            start = end
+        ranges.append((start, L))
+        return tuple(ranges)
+
+    def split(self) -> _Attempt:
+        L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
+        if mode == "equal":
+            ranges = SplitSpec.even(L, n).boundaries
+            cuts = (0, *ranges, L)
+            found = tuple(itertools.pairwise(cuts))
+            ok = all(self.fits(i, a, b) for i, (a, b) in enumerate(found))
+            prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
+            return _Attempt(ranges=found if ok else None, prices=prices, tried=found)
+        by_memory = min_max_partition(L, n, self.memory_share)
+        assert by_memory is not None  # no `fits`: always a split
+        if mode == "cost":
+            found = min_max_partition(L, n, self.compute_cost, self.fits)
+        else:
+            found = self.proportional()
+            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
+                found = by_memory  # the split that needs the smallest share of any device
+            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
+                found = None
+        tried = found or by_memory
+        prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(tried))
+        return _Attempt(ranges=found, prices=prices, tried=tried)
+
+
+def _memory_reason(placer: _Placer, attempt: _Attempt, dtype: str, recompute: bool) -> str:
+    job, lines = placer.job, []
+    for i, ((node, dev), (a, b), price) in enumerate(
+        zip(placer.devices, attempt.tried, attempt.prices)
+    ):
+        if price.peak > placer.free[i]:
+            lines.append(
+                f"{node.name} {dev.label}: stage {i} (layers {a}-{b - 1}) needs {gb(price.peak)} "
+                f"GB, {gb(placer.free[i])} GB free"
+            )
+    hints = ["add a node", "free memory on it"]
+    if job.finetune_mode == "full":
+        hints.append('train LoRA adapters ({"lora": {"enabled": true}})')
+    if job.model.quantization is None or job.model.quantization.bits == 8:
+        hints.append('use quantization {"bits": 4}')
+    if job.train.recompute is False:
+        hints.append('set train.recompute to "auto"')
+    placed = placer.n - len(lines)
+    return (
+        f"placed {placed} of {placer.n} required workers; {len(lines)} stage(s) do not fit their "
+        f"device's free memory ({job.split.mode} split, {dtype}"
+        f"{', recompute on' if recompute else ''}):\n"
+        + "\n".join(lines)
+        + "\n"
+        + ", or ".join(hints)
+    )
+
+
+def _codec(c: Compression, hidden: int, dtype: str, wire_v2: bool) -> tuple[str, int]:
+    if c.method == "none":
+        return "raw", hidden * DTYPE_BYTES[dtype]
+    if c.method == "fp16":
+        return "fp16", 2 * hidden
+    if c.method == "fixed":
+        if wire_v2:
+            return f"int{c.bits}", c.bytes_per_token(hidden, dtype)
+        return "raw", hidden * DTYPE_BYTES[dtype]
+    k = c.code_dim(hidden)
+    if c.code_bits == 16:
+        return "fp16", 2 * k
+    if wire_v2:
+        return f"tokint{c.code_bits}", c.bytes_per_token(hidden, dtype)
+    return "raw", k * DTYPE_BYTES[dtype]
+
+
+def _required_features(job: Job, n_stages: int, compression: tuple[Compression, ...]) -> dict:
+    needs: dict[str, str] = {}
+    if n_stages > 1 and any(c.is_learned for c in compression):
+        needs["calibrated-bottleneck"] = "the learned bottleneck is calibrated on both sides"
+    if job.model.weight_dtype is not None and job.finetune_mode != "full":
+        needs["half-weights"] = "model.weight_dtype stores the frozen backbone narrow"
+    return needs
+
+
+def _select(devices: list[Placed], n: int) -> list[Placed]:
+    """The n devices with the most free memory, kept in pipeline order."""
+    if n >= len(devices):
+        return list(devices)
+    ranked = sorted(range(len(devices)), key=lambda i: (-devices[i][1].memory_free, i))
+    keep = set(ranked[:n])
+    return [p for i, p in enumerate(devices) if i in keep]
+
+
+def _weight_storage(job: Job, dtype: str) -> str:
+    q = job.model.quantization
+    if q is not None:
+        return "int8" if q.bits == 8 else q.quant_type
+    if job.model.weight_dtype and job.finetune_mode != "full":
+        return job.model.weight_dtype
+    return dtype
+
+
+def _check_against_shape(job: Job, shape: ModelShape, n: int) -> None:
+    errors = []
+    if n > shape.n_layers:
+        errors.append(FieldError(
+            path="split.stages",
+            message=f"{n} stages for a model of {shape.n_layers} layers; use at most "
+                    f"{shape.n_layers}",
+        ))  # fmt: skip
+    comp = job.split.compression
+    if len(comp) > 1 and len(comp) != n - 1:
+        errors.append(FieldError(
+            path="split.compression",
+            message=f"{len(comp)} specs for {n - 1} boundaries ({n} stages); give one spec or "
+                    f"one per boundary",
+        ))  # fmt: skip
+    for i, c in enumerate(comp):
+        if c.is_learned and c.code_dim(shape.hidden) >= shape.hidden:
+            path = "split.compression" + (f"[{i}]" if len(comp) > 1 else "") + ".learned_dim"
+            errors.append(FieldError(
+                path=path,
+                message=f"must be below the model's hidden size {shape.hidden}, got "
+                        f"{c.code_dim(shape.hidden)}",
+            ))  # fmt: skip
+    if errors:
+        raise JobError(errors)
+
+
+def plan_job(
+    job: Job,
+    cluster: Sequence[Node],
+    capabilities: frozenset[str] | None = None,
+    *,
+    shape: ModelShape | None = None,
+) -> Plan | Blocked:
+    """Place `job` on `cluster`: a Plan, or Blocked naming every rejected device or node.
+
+    Pure and deterministic given `shape` (loaded from `job.model.pretrained` when None).
+    `capabilities` are the planning peer's own (default: this version's CAPABILITIES).
+    Raises JobError when the job cannot fit this model at all (more stages than layers).
+    """
+    own = CAPABILITIES if capabilities is None else frozenset(capabilities)
+    if shape is None:
+        shape = _model_shape.load(job.model.pretrained)
+    candidates = candidate_devices(cluster)
+    if not candidates:
+        return Blocked(placement_blocked_reason="placed 0 of 1 required workers; no node "
+                       "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
+    auto = job.split.stages == "auto"
+    required = min(len(candidates), shape.n_layers) if auto else int(job.split.stages)
+    _check_against_shape(job, shape, required)
+
+    requested = job.model.dtype
+    if requested is not None:
+        choice = resolve_dtype(candidates, requested)
+        if choice.excluded:
+            ok = [p for p in candidates if p not in choice.excluded]
+            if auto or len(ok) < required:
+                noun = "GPU(s)" if all(d.is_gpu for _, d in choice.excluded) else "device(s)"
+                return Blocked(
+                    placement_blocked_reason=(
+                        f"placed {min(len(ok), required)} of {required} required workers; "
+                        f"{len(choice.excluded)} {noun} excluded by dtype {requested}:\n"
+                        + "\n".join(choice.reason_lines)
+                    ),
+                    dtype=requested,
+                    required=required,
+                    placed=min(len(ok), required),
+                )
+            candidates = ok
+    if len(candidates) < required:
+        names = ", ".join(f"{n.name} {d.label}" for n, d in candidates)
+        return Blocked(
+            placement_blocked_reason=(
+                f"placed {len(candidates)} of {required} required workers; split.stages asks "
+                f"for {required} but the cluster has {len(candidates)} usable device(s): "
+                f"{names}; add nodes or lower split.stages"
+            ),
+            dtype=requested,
+            required=required,
+            placed=len(candidates),
+        )
+    selected = _select(candidates, required)
+    dtype = resolve_dtype(selected, requested).dtype
+
+    attempts = [selected]
+    if auto:  # as many stages as fit: drop the device with the least free memory, one by one
+        rest = list(selected)
+        while len(rest) > 1:
+            drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
+            rest = rest[:drop] + rest[drop + 1 :]
+            attempts.append(rest)
+    first_blocked: Blocked | None = None
+    for devices in attempts:
+        result, short_of_memory = _plan_on(job, shape, devices, dtype, own)
+        if isinstance(result, Plan):
+            if len(devices) < len(selected):
+                left = [f"{n.name} {d.label}" for n, d in selected if (n, d) not in devices]
+                note = "left out for lack of free memory: " + ", ".join(left)
+                result = _with_note(result, note)
+            return result
+        if first_blocked is None:
+            first_blocked = result
+        if not short_of_memory:
+            break  # only a memory shortfall can be solved by fewer stages
+    assert first_blocked is not None
+    return first_blocked
+
+
+def _with_note(plan: Plan, note: str) -> Plan:
+    fields = {name: getattr(plan, name) for name in Plan.__dataclass_fields__}
+    fields["notes"] = (*plan.notes, note)
+    return Plan(**fields)
+
+
+def _plan_on(
+    job: Job, shape: ModelShape, devices: list[Placed], dtype: str, own: frozenset[str]
+) -> tuple[Plan | Blocked, bool]:
+    """A plan on exactly these devices, or Blocked and whether memory was what fell short."""
+    n = len(devices)
+    compression = job.split.compression_for(n) if n > 1 else ()
+    features = set(own)
+    for node in {node.node_id: node for node, _ in devices}.values():
+        features &= node.capabilities
+    needs = _required_features(job, n, compression)
+    lacking = [
+        f"{node.name} lacks {cap} ({why}); update swarmp2p there"
+        for node in sorted({nd.node_id: nd for nd, _ in devices}.values(), key=lambda x: x.node_id)
+        for cap, why in sorted(needs.items())
+        if cap not in node.capabilities or cap not in own
+    ]
+    if lacking:
+        return Blocked(
+            placement_blocked_reason=(
+                f"placed 0 of {n} required workers; {len(lacking)} capability(ies) missing:\n"
+                + "\n".join(lacking)
+            ),
+            dtype=dtype,
+            required=n,
+        ), False
+    micro = job.train.micro_batches if "microbatch" in features else 1
+    long_context = "long-context" in features
+    pricing = Pricing(
+        dtype=dtype,
+        finetune_mode=job.finetune_mode,
+        quantization=job.model.quantization,
+        weight_dtype=job.model.weight_dtype if "half-weights" in features else None,
+        lora_r=job.model.lora.r,
+        lora_targets=job.model.lora.target_modules,
+    )
+    options = {True: (True,), False: (False,), "auto": (False, True)}[job.train.recompute]
+    notes: list[str] = []
+    blocked: Blocked | None = None
+    for recompute in options:
+        workload = Workload(
+            batch_size=job.train.batch_size,
+            seq_len=job.train.seq_len,
+            micro_batches=micro,
+            recompute=recompute,
+            efficient_attention=long_context,
+            chunked_loss=long_context,
+        )
+        placer = _Placer(job, shape, devices, StagePricer(shape, pricing, workload), compression,
+                         micro)  # fmt: skip
+        attempt = placer.split()
+        if attempt.ranges is None:
+            blocked = Blocked(
+                placement_blocked_reason=_memory_reason(placer, attempt, dtype, recompute),
+                dtype=dtype,
+                required=n,
+                placed=sum(p.peak <= f for p, f in zip(attempt.prices, placer.free)),
+            )
+            continue
+        if recompute and job.train.recompute == "auto":
+            notes.append("recompute turned on: the job fits only with it")
+        disk, bad = _disk_reason(placer, attempt.ranges)
+        if disk:
+            return Blocked(placement_blocked_reason=disk, dtype=dtype, required=n,
+                           placed=n - bad), False  # fmt: skip
+        if micro != job.train.micro_batches:
+            notes.append("micro_batches 1: not every node declares microbatch")
+        plan = _build_plan(job, shape, placer, attempt.ranges, dtype, recompute, features, notes)
+        return plan, False
+    assert blocked is not None
+    return blocked, True
+
+
+def _disk_reason(placer: _Placer, ranges: tuple[tuple[int, int], ...]) -> tuple[str | None, int]:
+    share: dict[str, int] = {}
+    stages: dict[str, list[int]] = {}
+    nodes: dict[str, Node] = {}
+    for i, ((node, _), (a, b)) in enumerate(zip(placer.devices, ranges)):
+        share[node.node_id] = share.get(node.node_id, 0) + placer.pricer.download_bytes(
+            a, b, i == 0, i == placer.n - 1
+        )
+        stages.setdefault(node.node_id, []).append(i)
+        nodes[node.node_id] = node
+    lines = [
+        f"{nodes[k].name}: stage(s) {', '.join(map(str, stages[k]))} download {gb(share[k])} GB "
+        f"and keep {gb(DISK_HEADROOM)} GB free, the disk has {gb(nodes[k].disk_free)} GB free"
+        for k in sorted(share)
+        if share[k] + DISK_HEADROOM > nodes[k].disk_free
+    ]
+    if not lines:
+        return None, 0
+    bad = sum(len(stages[k]) for k in share if share[k] + DISK_HEADROOM > nodes[k].disk_free)
+    return (
+        f"placed {placer.n - bad} of {placer.n} required workers; {len(lines)} node(s) lack the "
+        f"disk for their download share:\n"
+        + "\n".join(lines)
+        + "\nfree disk space there or add a node"
+    ), bad
+
+
+def _build_plan(
+    job: Job,
+    shape: ModelShape,
+    placer: _Placer,
+    ranges: tuple[tuple[int, int], ...],
+    dtype: str,
+    recompute: bool,
+    features: set[str],
+    notes: list[str],
+) -> Plan:
+    n, kind, micro = placer.n, job.train.schedule, placer.micro_batches
+    stages = []
+    for i, ((node, dev), (a, b)) in enumerate(zip(placer.devices, ranges)):
+        files: set[str] = set()
+        if shape.layer_files:
+            for layer in range(a, b):
+                files.update(shape.layer_files[layer])
+            files.update(shape.embed_files if i == 0 else ())
+            if i == n - 1:
+                files.update(shape.head_files)
+                files.update(shape.embed_files if shape.tie_embeddings else ())
+        stages.append(
+            PlannedStage(
+                index=i,
+                node_id=node.node_id,
+                node_name=node.name,
+                devices=(_torch_device(dev),),
+                device_labels=(dev.label,),
+                device_names=(dev.name,),
+                layer_start=a,
+                layer_end=b,
+                memory=placer.price(i, a, b),
+                device_free=dev.memory_free,
+                download=placer.pricer.download_bytes(a, b, i == 0, i == n - 1),
+                files=tuple(sorted(files)),
+                ops=ops_text(stage_schedule(kind, i, n, micro)),
+            )
+        )
+    wire_v2 = "wire-v2" in features
+    boundaries = []
+    for i, c in enumerate(placer.compression):
+        codec, per_token = _codec(c, shape.hidden, dtype, wire_v2)
+        boundaries.append(
+            PlannedBoundary(index=i, compression=c.spec if c.method != "learned_bottleneck" else {
+                "method": "learned_bottleneck", "learned_dim": c.code_dim(shape.hidden),
+                "code_bits": c.code_bits}, codec=codec, bytes_per_token=per_token)
+        )  # fmt: skip
+    return Plan(
+        job_name=job.name,
+        model=shape.to_dict(),
+        dtype=dtype,
+        finetune_mode=job.finetune_mode,
+        split_mode=job.split.mode,
+        stages=tuple(stages),
+        boundaries=tuple(boundaries),
+        schedule=kind,
+        micro_batches=micro,
+        bubble_fraction=round(bubble_fraction(n, micro), 6),
+        recompute=recompute,
+        eval_batches=job.train.eval_batches if "pipeline-eval" in features else 0,
+        weight_storage=_weight_storage(job, dtype),
+        features=tuple(sorted(features)),
+        notes=tuple(notes),
+    )

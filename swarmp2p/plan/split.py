@@ -1,0 +1,236 @@
+"""Where a model is cut: boundaries, the compression on each, and each stage's layer range.
+
+A pipeline of N stages has N-1 boundaries; boundary i sits between stage i and stage i+1.
+Compression specs: "none", "fp16", "fixed_int2".."fixed_int8", or
+`{"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}` (code_bits 2..8 or 16).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from swarmp2p.plan.precision import DTYPE_BYTES
+
+_FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
+_LEARNED_KEYS = ("method", "learned_dim", "code_bits")
+_SCALE_BYTES = 4
+"""One float32 scale travels with each token's codes (the per-token bound of the int codecs)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Compression:
+    """What crosses one boundary."""
+
+    method: str
+    """"none", "fp16", "fixed" or "learned_bottleneck"."""
+    bits: int = 0
+    """fixed: code width 2..8."""
+    learned_dim: int | None = None
+    """learned_bottleneck: code width k; None means half the hidden size, a multiple of 64."""
+    code_bits: int = 8
+    """learned_bottleneck: bits per code value, 2..8, or 16 for float16 codes."""
+
+    @property
+    def spec(self) -> str | dict[str, Any]:
+        """The spec as job.json writes it."""
+        if self.method == "fixed":
+            return f"fixed_int{self.bits}"
+        if self.method == "learned_bottleneck":
+            return {
+                "method": "learned_bottleneck",
+                "learned_dim": self.learned_dim,
+                "code_bits": self.code_bits,
+            }
+        return self.method
+
+    @property
+    def is_learned(self) -> bool:
+        return self.method == "learned_bottleneck"
+
+    @property
+    def label(self) -> str:
+        if self.method == "fixed":
+            return f"fixed_int{self.bits}"
+        if self.is_learned:
+            return f"learned_bottleneck(k={self.learned_dim}, {self.code_bits}-bit)"
+        return self.method
+
+    def code_dim(self, hidden: int) -> int:
+        """Width of the code a learned bottleneck sends for a model of width `hidden`."""
+        if self.learned_dim is not None:
+            return self.learned_dim
+        return max(64, (hidden // 2) // 64 * 64)
+
+    def bytes_per_token(self, hidden: int, dtype: str) -> int:
+        """Bytes one token's activation takes on the wire (the gradient crosses at `dtype`).
+
+        none: hidden x the compute dtype; fp16: 2 x hidden; fixed_intN: ceil(hidden N / 8) + 4
+        (packed codes plus a float32 scale); learned: the same over the code width k, or 2 k for
+        16-bit codes.
+        """
+        if self.method == "none":
+            return hidden * DTYPE_BYTES[dtype]
+        if self.method == "fp16":
+            return 2 * hidden
+        if self.method == "fixed":
+            return math.ceil(hidden * self.bits / 8) + _SCALE_BYTES
+        k = self.code_dim(hidden)
+        if self.code_bits == 16:
+            return 2 * k
+        return math.ceil(k * self.code_bits / 8) + _SCALE_BYTES
+
+    def params(self, hidden: int) -> int:
+        """Trainable parameters of the whole compressor (0 unless learned): down and up maps."""
+        if not self.is_learned:
+            return 0
+        k = self.code_dim(hidden)
+        return 2 * hidden * k + k + hidden
+
+
+NO_COMPRESSION = Compression(method="none")
+
+
+def compression_errors(spec: Any, path: str) -> list[str]:
+    """Every problem with one compression spec, with its field path; [] when valid."""
+    if isinstance(spec, str):
+        if spec in ("none", "fp16") or spec in _FIXED:
+            return []
+        return [
+            f'{path}: must be "none", "fp16", "fixed_int2".."fixed_int8" or a '
+            f"learned_bottleneck object, got {spec!r}"
+        ]
+    if not isinstance(spec, dict):
+        return [f"{path}: must be a string or an object, got {spec!r}"]
+    errors = [
+        f"{path}.{k}: unknown key; known keys: {', '.join(_LEARNED_KEYS)}"
+        for k in spec
+        if k not in _LEARNED_KEYS
+    ]
+    if spec.get("method") != "learned_bottleneck":
+        errors.append(f'{path}.method: must be "learned_bottleneck", got {spec.get("method")!r}')
+    dim = spec.get("learned_dim")
+    if dim is not None and not (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1):
+        errors.append(f"{path}.learned_dim: must be an integer >= 1 or null, got {dim!r}")
+    bits = spec.get("code_bits", 8)
+    if isinstance(bits, bool) or bits not in (2, 3, 4, 5, 6, 7, 8, 16):
+        errors.append(f"{path}.code_bits: must be 2..8 or 16, got {bits!r}")
+    return errors
+
+
+def parse_compression(spec: Any, path: str = "split.compression") -> Compression:
+    """One normalised Compression; ValueError naming the field on bad input."""
+    errors = compression_errors(spec, path)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if isinstance(spec, str):
+        if spec in _FIXED:
+            return Compression(method="fixed", bits=_FIXED[spec])
+        return Compression(method=spec)
+    return Compression(
+        method="learned_bottleneck",
+        learned_dim=spec.get("learned_dim"),
+        code_bits=spec.get("code_bits", 8),
+    )
+
+
+def layer_range(i: int, n: int, n_layers: int) -> tuple[int, int]:
+    """Stage i's layers [start, end) when `n_layers` are split evenly over n stages."""
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"stages: must be between 1 and {n_layers} (the layer count), got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"stage index must be in [0, {n}), got {i}")
+    return i * n_layers // n, (i + 1) * n_layers // n
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitSpec:
+    """N-1 boundaries over `n_layers` layers, with the compression on each."""
+
+    n_layers: int
+    boundaries: tuple[int, ...]
+    """Layer index where each stage after the first starts, strictly increasing."""
+    compression: tuple[Compression, ...] = ()
+    """One per boundary; () means none everywhere."""
+
+    def __post_init__(self) -> None:
+        cuts = (0, *self.boundaries, self.n_layers)
+        if any(a >= b for a, b in itertools.pairwise(cuts)):
+            raise ValueError(
+                f"boundaries: must be strictly increasing inside (0, {self.n_layers}), "
+                f"got {list(self.boundaries)}"
+            )
+        if self.compression and len(self.compression) != len(self.boundaries):
+            raise ValueError(
+                f"split.compression: {len(self.compression)} spec(s) for "
+                f"{len(self.boundaries)} boundary(ies); give one spec or one per boundary"
+            )
+
+    @classmethod
+    def even(cls, n_layers: int, n: int, compression: tuple[Compression, ...] = ()) -> SplitSpec:
+        cuts = tuple(layer_range(i, n, n_layers)[0] for i in range(1, n))
+        return cls(n_layers=n_layers, boundaries=cuts, compression=compression)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries) + 1
+
+    def layer_range(self, i: int) -> tuple[int, int]:
+        """Stage i's layers [start, end)."""
+        if not 0 <= i < self.n_stages:
+            raise ValueError(f"stage index must be in [0, {self.n_stages}), got {i}")
+        cuts = (0, *self.boundaries, self.n_layers)
+        return cuts[i], cuts[i + 1]
+
+    def compression_at(self, boundary: int) -> Compression:
+        """The compression on boundary `boundary` (between stages b and b+1)."""
+        if not 0 <= boundary < len(self.boundaries):
+            raise ValueError(f"boundary must be in [0, {len(self.boundaries)}), got {boundary}")
+        return self.compression[boundary] if self.compression else NO_COMPRESSION
+
+    @property
+    def has_learned(self) -> bool:
+        return any(c.is_learned for c in self.compression)
+
+    def stage(self, i: int) -> StageSpec:
+        start, end = self.layer_range(i)
+        return StageSpec(
+            stage_index=i,
+            n_stages=self.n_stages,
+            layer_start=start,
+            layer_end=end,
+            receive_boundary=i - 1 if i > 0 else None,
+            send_boundary=i if i < self.n_stages - 1 else None,
+            receive_compression=self.compression_at(i - 1) if i > 0 else None,
+            send_compression=self.compression_at(i) if i < self.n_stages - 1 else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSpec:
+    """One stage of a split: its layers and the boundaries it reads from and writes to."""
+
+    stage_index: int
+    n_stages: int
+    layer_start: int
+    layer_end: int
+    receive_boundary: int | None
+    """The boundary this stage reads activations from (None on the first stage)."""
+    send_boundary: int | None
+    """The boundary this stage writes activations to (None on the last stage)."""
+    receive_compression: Compression | None = None
+    send_compression: Compression | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
