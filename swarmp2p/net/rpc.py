@@ -1,0 +1,288 @@
+"""Request/response control RPC over CURVE ROUTER/DEALER sockets (asyncio).
+
+A node has one control port: an :class:`RpcServer` (ROUTER). Peers talk to it through an
+:class:`RpcClient` (DEALER) that numbers its requests and pairs each reply with its request by
+``id``. A request that is malformed, of an unknown type, of a newer protocol version or with a
+bad field is answered with an :class:`~swarmp2p.wire.ErrorReply` (code from
+:class:`~swarmp2p.wire.WireError`); a handler that raises :class:`RpcError` answers with its
+code, any other exception with code ``"internal"``. Nothing a peer sends stops the loop.
+A frame larger than ``MAX_MESSAGE_BYTES`` never reaches the loop: ``zmq.MAXMSGSIZE`` drops
+the connection, and the sender's request times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from swarmp2p.net.auth import make_client_socket, make_server_socket
+from swarmp2p.net.security import SwarmSecret
+from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+MAX_INFLIGHT_REQUESTS = 256
+"""Requests an RpcServer handles at once; more are answered with code "busy"."""
+
+Handler = Callable[[Message, bytes], Awaitable["Message | None"]]
+"""``async handler(request, peer_identity) -> reply`` (None: send no reply)."""
+
+
+class RpcTimeout(TimeoutError):
+    """No reply arrived in time (peer down, overloaded, or not in our swarm)."""
+
+
+class RpcError(Exception):
+    """The peer answered with an ErrorReply; raise one in a handler to answer with one."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+    @classmethod
+    def from_reply(cls, reply: ErrorReply) -> RpcError:
+        return cls(reply.code, reply.detail)
+
+
+class RpcServer:
+    """ROUTER on ``tcp://host:port`` (port 0: a random free port, see :attr:`port`)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        secret: SwarmSecret,
+        host: str,
+        port: int,
+        handler: Handler,
+    ) -> None:
+        self._ctx = ctx
+        self._secret = secret
+        self._host = host
+        self._requested_port = port
+        self._handler = handler
+        self._sock: zmq.asyncio.Socket | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        """Bind and start serving."""
+        if self._sock is not None:
+            raise RuntimeError("RpcServer already started")
+        sock = make_server_socket(self._ctx, zmq.ROUTER, self._secret)
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            if self._requested_port == 0:
+                self.port = sock.bind_to_random_port(f"tcp://{self._host}")
+            else:
+                sock.bind(f"tcp://{self._host}:{self._requested_port}")
+                self.port = self._requested_port
+        except BaseException:
+            sock.close(0)
+            raise
+        self._sock = sock
+        self.endpoint = f"tcp://{self._host}:{self.port}"
+        self._loop_task = asyncio.create_task(self._serve(), name=f"rpc-server:{self.port}")
+
+    async def close(self) -> None:
+        """Stop serving, cancel running handlers, close the socket."""
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        self._loop_task = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _serve(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                # a DEALER sends exactly one frame; anything else is not one of ours
+                if len(frames) >= 1:
+                    await self._reply(
+                        frames[0], ErrorReply(code="malformed", detail="expected one frame")
+                    )
+                continue
+            identity, payload = frames
+            try:
+                request = decode(payload)
+            except WireError as e:
+                await self._reply(
+                    identity, ErrorReply(id=e.msg_id or 0, code=e.code, detail=e.detail)
+                )
+                continue
+            if len(self._tasks) >= MAX_INFLIGHT_REQUESTS:
+                await self._reply(
+                    identity,
+                    ErrorReply(id=request.id, code="busy", detail="too many requests in flight"),
+                )
+                continue
+            task = asyncio.create_task(self._handle(identity, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, identity: bytes, request: Message) -> None:
+        try:
+            reply = await self._handler(request, identity)
+        except asyncio.CancelledError:
+            raise
+        except RpcError as e:
+            reply = ErrorReply(code=e.code, detail=e.detail)
+        except Exception as e:
+            log.exception("rpc handler failed on %s", type(request).TYPE)
+            reply = ErrorReply(code="internal", detail=f"{type(e).__name__}: {e}")
+        if reply is None:
+            return
+        if not isinstance(reply, Message):
+            reply = ErrorReply(
+                code="internal", detail=f"handler returned {type(reply).__name__}, not a Message"
+            )
+        await self._reply(identity, dataclasses.replace(reply, id=request.id))
+
+    async def _reply(self, identity: bytes, reply: Message) -> None:
+        try:
+            data = encode(reply)
+        except WireError as e:
+            data = encode(ErrorReply(id=reply.id, code=e.code, detail=e.detail))
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
+
+
+class RpcClient:
+    """DEALER to one server; ``request`` pairs replies by id, so requests may overlap."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, secret: SwarmSecret, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._sock: zmq.asyncio.Socket | None = make_client_socket(ctx, zmq.DEALER, secret)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def request(self, msg: Message, timeout: float) -> Message:
+        """Send ``msg`` (given a fresh id) and return its reply.
+
+        Raises RpcTimeout when none arrives within ``timeout`` seconds and RpcError when the
+        reply is an ErrorReply.
+        """
+        if self._sock is None:
+            raise RuntimeError(f"RpcClient to {self.endpoint} is closed")
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read(), name=f"rpc-client:{self.endpoint}")
+        msg_id = next(self._ids)
+        data = encode(dataclasses.replace(msg, id=msg_id))
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = future
+        try:
+            reply = await asyncio.wait_for(self._send_and_wait(data, future), timeout)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(
+                f"no reply from {self.endpoint} to {type(msg).TYPE} within {timeout:g} s "
+                "(peer down, busy, or not holding this swarm's secret)"
+            ) from None
+        finally:
+            self._pending.pop(msg_id, None)
+        if isinstance(reply, ErrorReply):
+            raise RpcError.from_reply(reply)
+        return reply
+
+    async def _send_and_wait(self, data: bytes, future: asyncio.Future[Message]) -> Message:
+        assert self._sock is not None
+        await self._sock.send(data)
+        return await future
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            payload = await self._sock.recv()
+            try:
+                reply = decode(payload)
+            except WireError as e:
+                if e.msg_id in self._pending:
+                    self._resolve(e.msg_id, ErrorReply(code=e.code, detail=e.detail))
+                else:
+                    log.warning("dropped an unreadable reply from %s: %s", self.endpoint, e)
+                continue
+            self._resolve(reply.id, reply)
+
+    def _resolve(self, msg_id: int, reply: Message) -> None:
+        future = self._pending.get(msg_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    async def close(self) -> None:
+        """Stop reading, fail pending requests, close the socket."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+            self._reader = None
+        for future in self._pending.values():
+            if not future.done():
+                future.cancel()
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def __aenter__(self) -> RpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def request_sync(
+    ctx: zmq.Context, secret: SwarmSecret, endpoint: str, msg: Message, timeout: float
+) -> Message:
+    """One blocking request on a fresh DEALER (for CLIs and scripts); same errors as RpcClient."""
+    if isinstance(ctx, zmq.asyncio.Context):
+        raise TypeError("request_sync needs a sync zmq.Context; in async code use RpcClient")
+    sock = make_client_socket(ctx, zmq.DEALER, secret)
+    try:
+        sock.connect(endpoint)
+        request = dataclasses.replace(msg, id=1)
+        sock.send(encode(request))
+        deadline = time.monotonic() + timeout
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not sock.poll(left_ms):
+                raise RpcTimeout(
+                    f"no reply from {endpoint} to {type(msg).TYPE} within {timeout:g} s "
+                    "(peer down, busy, or not holding this swarm's secret)"
+                )
+            try:
+                reply = decode(sock.recv())
+            except WireError as e:
+                raise RpcError(e.code, f"unreadable reply from {endpoint}: {e.detail}") from None
+            if reply.id == request.id:
+                break
+        if isinstance(reply, ErrorReply):
+            raise RpcError.from_reply(reply)
+        return reply
+    finally:
+        sock.close(0)

@@ -1,0 +1,150 @@
+"""The swarm secret: its join token, its public swarm id and the CURVE keys derived from it.
+
+Every node of a swarm holds the same 32 random bytes. From them it derives, with keyed
+BLAKE2b (RFC 7693) and a distinct label per use:
+
+- the token ``swarm1-<base32(secret + 4-byte checksum)>`` that a user copies to join;
+- ``swarm_id``, 16 hex characters, safe to advertise over mDNS (it reveals nothing of the
+  secret, and swarms on one LAN tell each other apart by it);
+- one Curve25519 key pair. Every server socket uses it as its server key, every client uses
+  it as its client key, and each context's ZAP authenticator admits only that client key
+  (see :mod:`swarmp2p.net.auth`). Without the secret a peer can neither complete a handshake
+  nor read or inject a frame.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+
+import zmq
+import zmq.utils.z85
+
+SECRET_BYTES = 32
+TOKEN_PREFIX = "swarm1-"
+_CHECKSUM_BYTES = 4
+_TOKEN_BODY_CHARS = 58  # base32 of 36 bytes, unpadded
+
+
+def _derive(secret: bytes, label: bytes, size: int) -> bytes:
+    return hashlib.blake2b(label, key=secret, digest_size=size, person=b"swarmp2p").digest()
+
+
+def _checksum(secret: bytes) -> bytes:
+    return hashlib.blake2b(secret, digest_size=_CHECKSUM_BYTES, person=b"swarmp2p-tok").digest()
+
+
+class SwarmSecret:
+    """32 secret bytes shared by every node of one swarm."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        if not isinstance(raw, bytes) or len(raw) != SECRET_BYTES:
+            got = len(raw) if isinstance(raw, bytes) else type(raw).__name__
+            raise ValueError(f"a swarm secret is {SECRET_BYTES} bytes, got {got}")
+        self._raw = raw
+
+    @classmethod
+    def generate(cls) -> SwarmSecret:
+        """A fresh secret from the OS's CSPRNG."""
+        return cls(secrets.token_bytes(SECRET_BYTES))
+
+    @classmethod
+    def from_token(cls, token: str) -> SwarmSecret:
+        """Parse a join token; ValueError saying what is wrong (prefix, length, typo)."""
+        if not isinstance(token, str):
+            raise ValueError(f"a swarm token is a string, got {type(token).__name__}")
+        text = token.strip()
+        if not text.lower().startswith(TOKEN_PREFIX):
+            shown = text[:12] + ("..." if len(text) > 12 else "")
+            raise ValueError(
+                f"swarm token must start with {TOKEN_PREFIX!r}, got {shown!r}; copy the whole "
+                "token printed by the first node's `swarm up`"
+            )
+        body = text[len(TOKEN_PREFIX) :].upper()
+        if len(body) != _TOKEN_BODY_CHARS:
+            raise ValueError(
+                f"swarm token has {len(body)} characters after {TOKEN_PREFIX!r}, expected "
+                f"{_TOKEN_BODY_CHARS}; it was cut short or pasted twice, copy it again"
+            )
+        try:
+            raw = base64.b32decode(body + "=" * (-len(body) % 8))
+        except (binascii.Error, ValueError):
+            bad = sorted({c for c in body if c not in "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"})
+            raise ValueError(
+                f"swarm token contains characters that are not base32: {''.join(bad) or '?'}; "
+                "tokens use a-z and 2-7 only, copy it again"
+            ) from None
+        secret, check = raw[:SECRET_BYTES], raw[SECRET_BYTES:]
+        canonical = base64.b32encode(raw).decode("ascii").rstrip("=")
+        # the last character carries 2 unused bits; a typo there must not slip through
+        if canonical != body or not hmac.compare_digest(check, _checksum(secret)):
+            raise ValueError(
+                "swarm token checksum does not match: it has a typo; copy it again from the "
+                "first node's `swarm up` output"
+            )
+        return cls(secret)
+
+    @property
+    def token(self) -> str:
+        """``swarm1-`` + lower-case unpadded base32 of the secret and its checksum."""
+        body = base64.b32encode(self._raw + _checksum(self._raw)).decode("ascii").rstrip("=")
+        return TOKEN_PREFIX + body.lower()
+
+    @property
+    def swarm_id(self) -> str:
+        """Public id of the swarm (16 hex chars), a keyed hash of the secret."""
+        return _derive(self._raw, b"swarm-id", 8).hex()
+
+    def curve_keypair(self) -> tuple[bytes, bytes]:
+        """The swarm's Curve25519 key pair ``(public, secret)``, both z85-encoded (40 bytes)."""
+        secret_key = zmq.utils.z85.encode(_derive(self._raw, b"curve-key", 32))
+        return zmq.curve_public(secret_key), secret_key
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the token to ``path`` atomically with mode 0600 (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(self.token + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)  # in case the umask was stricter than expected, or looser
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SwarmSecret:
+        """Read a secret saved by :meth:`save`; refuses a file others can read (like ssh does)."""
+        path = Path(path)
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise PermissionError(
+                f"swarm secret {path} has mode {mode:04o}, readable by other users; "
+                f"run `chmod 600 {path}` (and consider the swarm compromised if others read it)"
+            )
+        try:
+            return cls.from_token(path.read_text(encoding="ascii"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"swarm secret {path} is not a valid token file: {e}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SwarmSecret) and hmac.compare_digest(self._raw, other._raw)
+
+    def __hash__(self) -> int:
+        return hash(self.swarm_id)
+
+    def __repr__(self) -> str:
+        return f"SwarmSecret(swarm_id={self.swarm_id!r})"  # never the secret itself
