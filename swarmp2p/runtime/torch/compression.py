@@ -273,14 +273,13 @@ def compressor_from_spec(spec: Any, hidden: int, boundary_index: int) -> Compres
 
     ``spec``: ``None``/``"none"``, ``"fp16"``, ``"fixed_int2"``..``"fixed_int8"``, or a mapping
     ``{"method": "learned_bottleneck", "learned_dim": k, "code_bits": 8}`` (also the string
-    ``"learned_bottleneck"`` for the defaults); a mapping ``{"method": "fixed_int8"}`` works too.
+    ``"learned_bottleneck"`` for the defaults); a mapping ``{"method": "fixed_int8"}`` works too,
+    and so does a ``plan.split.Compression``.
     """
     if spec is None:
         return NoCompression()
-    if not isinstance(spec, (str, Mapping)) and hasattr(spec, "method"):
-        spec = {
-            k: getattr(spec, k) for k in ("method", "learned_dim", "code_bits") if hasattr(spec, k)
-        }
+    if not isinstance(spec, (str, Mapping)) and hasattr(spec, "spec"):
+        spec = spec.spec  # a plan.split.Compression: its job.json form
     if isinstance(spec, Mapping):
         method = spec.get("method")
         extra = {k: v for k, v in spec.items() if k != "method" and v is not None}

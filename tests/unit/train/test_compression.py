@@ -179,3 +179,22 @@ def test_default_learned_dim_is_half_width():
 def test_compressor_from_spec_rejects_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         compressor_from_spec(spec, 64, 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "codec"),
+    [
+        ("fixed_int4", FixedQuantization, "int4"),
+        ("fp16", HalfPrecision, "fp16"),
+        (
+            {"method": "learned_bottleneck", "learned_dim": 64, "code_bits": 16},
+            LearnedBottleneck,
+            "fp16",
+        ),
+    ],
+)
+def test_compressor_from_a_plan_compression(spec, kind, codec):
+    from swarmp2p.plan import parse_compression
+
+    comp = compressor_from_spec(parse_compression(spec), 128, 1)
+    assert type(comp) is kind and comp.payload_codec == codec

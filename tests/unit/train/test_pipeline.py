@@ -11,10 +11,10 @@ from train_models import (  # noqa: E402
     build_model,
     run_threads,
     stage_copies,
-    stage_schedule,
     token_batches,
 )
 
+from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel, local_link_pair  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train import (  # noqa: E402

@@ -87,19 +87,3 @@ def run_threads(targets):
     if errors:
         raise errors[0]
     return results
-
-
-def stage_schedule(kind: str, stage: int, n_stages: int, micro_batches: int):
-    """plan.schedule.stage_schedule once the plan package is merged; its rule until then."""
-    try:
-        from swarmp2p.plan.schedule import stage_schedule as planned
-    except ImportError:
-        m = micro_batches
-        if kind == "gpipe":
-            return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-        warmup = min(n_stages - stage - 1, m)
-        ops = [("F", j) for j in range(warmup)]
-        for j in range(m - warmup):
-            ops += [("F", warmup + j), ("B", j)]
-        return ops + [("B", j) for j in range(m - warmup, m)]
-    return planned(kind, stage, n_stages, micro_batches)
