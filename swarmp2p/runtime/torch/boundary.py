@@ -262,9 +262,14 @@ class Channel:
 
     def recv_control(self, name: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The next control message, which must be ``name``."""
+        return self.recv_control_any((name,))
+
+    def recv_control_any(self, names: tuple[str, ...]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The next control message, which must be one of ``names``."""
         header, tensors = self._recv(CONTROL, None, None)
-        if header.get("name") != name:
-            raise StaleReply(f"expected control message {name!r}, got {header.get('name')!r}")
+        if header.get("name") not in names:
+            want = " or ".join(repr(n) for n in names)
+            raise StaleReply(f"expected control message {want}, got {header.get('name')!r}")
         return header, tensors
 
 

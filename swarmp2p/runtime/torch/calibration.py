@@ -107,3 +107,88 @@ def projection_from_frames(frames: list[torch.Tensor], hidden: int, k: int) -> P
     if basis.shape[0] != hidden:
         raise ValueError(f"projection basis has {basis.shape[0]} rows, want {hidden}")
     return Projection(mean=mean.reshape(hidden).to(torch.float32), basis=basis.to(torch.float32))
+
+
+def _learned(comp) -> bool:
+    from swarmp2p.runtime.torch.compression import LearnedBottleneck
+
+    return isinstance(comp, LearnedBottleneck)
+
+
+def calibrate_stage(
+    bundle,
+    *,
+    learned: list[bool],
+    prev=None,
+    next=None,
+    batches=None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+) -> int:
+    """Calibrate every learned boundary of the pipeline, run on each stage with the same
+    ``learned`` (one flag per boundary). Returns the tokens this stage ran forward.
+
+    The first stage runs ``calibration_tokens`` tokens of ``batches`` (``[B, T + 1]`` token
+    batches) forward without gradients; each stage up to the last learned boundary forwards its
+    raw output on. The stage before a learned boundary sets its sender from the accumulated
+    statistics and sends the projection; the stage after it sets its receiver from the frames.
+    """
+    i, n = bundle.index, bundle.n_stages
+    if len(learned) != n - 1:
+        raise ValueError(
+            f"learned lists {len(learned)} boundaries, a {n}-stage pipeline has {n - 1}"
+        )
+    if i < n - 1 and _learned(bundle.send_compressor) != learned[i]:
+        raise ValueError(f"stage {i}: its send compressor disagrees with learned[{i}]")
+    needs_stream = any(learned[i:])
+    forwards = i + 1 < n and any(learned[i + 1 :])
+    acc = None
+    if needs_stream and learned[i]:
+        acc = CovarianceAccumulator(bundle.send_compressor.hidden)
+    seen = 0
+    if needs_stream:
+        was_training = bundle.stage.training
+        bundle.stage.eval()
+        with torch.no_grad():
+            for hidden_in in _calibration_inputs(bundle, prev, batches, calibration_tokens):
+                out = bundle.stage(hidden_in.to(bundle.device))
+                seen += out.shape[0] * out.shape[1]
+                if acc is not None:
+                    acc.update(out)
+                if forwards:
+                    next.send_control("calib", [out.to(torch.float32)])
+        bundle.stage.train(was_training)
+        if forwards:
+            next.send_control("calib_end")
+    if acc is not None:
+        projection = principal_projection(acc, bundle.send_compressor.k)
+        bundle.send_compressor.set_sender_projection(projection.mean, projection.basis)
+        next.send_control("projection", projection_frames(projection), boundary=i)
+    if i > 0 and learned[i - 1]:
+        _, frames = prev.recv_control("projection")
+        comp = bundle.recv_compressor
+        projection = projection_from_frames(frames, comp.hidden, comp.k)
+        comp.set_receiver_projection(projection.mean, projection.basis)
+    return seen
+
+
+def _calibration_inputs(bundle, prev, batches, calibration_tokens):
+    if bundle.index == 0:
+        if batches is None:
+            raise ValueError("the first stage needs calibration batches")
+        if calibration_tokens < 1:
+            raise ValueError(f"calibration_tokens must be >= 1, got {calibration_tokens!r}")
+        total = 0
+        for tokens in batches:
+            ids = tokens[:, :-1]
+            yield ids
+            total += ids.numel()
+            if total >= calibration_tokens:
+                return
+        if total == 0:
+            raise ValueError("no calibration data: the batches were empty")
+        return
+    while True:
+        header, tensors = prev.recv_control_any(("calib", "calib_end"))
+        if header["name"] == "calib_end":
+            return
+        yield tensors[0]
