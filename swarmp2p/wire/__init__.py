@@ -1,5 +1,16 @@
 """What crosses the network: msgpack control messages, tensor frames and codecs. No torch."""
 
+from swarmp2p.wire.codec import (
+    CODECS,
+    codec_bits,
+    decode_tensor,
+    dequantize,
+    encode_tensor,
+    fake_quantize,
+    quantize,
+    wire_nbytes,
+)
+from swarmp2p.wire.frames import DTYPES, TensorFrame, pack_parts, unpack_parts
 from swarmp2p.wire.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -18,18 +29,30 @@ from swarmp2p.wire.messages import (
 )
 
 __all__ = [
+    "CODECS",
+    "DTYPES",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "WIRE_ERROR_CODES",
     "ErrorReply",
     "Hello",
     "Message",
+    "TensorFrame",
     "WireError",
+    "codec_bits",
     "common_version",
     "decode",
+    "decode_tensor",
+    "dequantize",
     "encode",
+    "encode_tensor",
+    "fake_quantize",
     "message",
     "message_types",
+    "pack_parts",
+    "quantize",
     "shared_capabilities",
+    "unpack_parts",
     "unpack_plain",
+    "wire_nbytes",
 ]
