@@ -5,10 +5,11 @@ backward receives the next stage's reply (the loss and the gradient of the paylo
 the gradient. Every frame carries (step, micro); a reply for another (step, micro) raises
 ``StaleReply`` rather than applying a stale gradient.
 
-A ``Channel`` speaks this protocol over any link with ``send(frames)`` / ``recv(timeout)``:
-a message is a list of byte frames, a JSON header then one raw frame per tensor. A quantized
-payload (intN / tokintN) crosses as its codes plus float32 scale(s), after the sender checks the
-round trip is exact; if it ever were not, the plain floats go instead (reference, "What a
+A ``Channel`` speaks this protocol over any ``swarmp2p.net`` link (``send(parts, timeout)`` /
+``recv(timeout)``): a message is a JSON header (kind, step, micro, parts per tensor) then each
+tensor as a wire ``TensorFrame``. A quantized payload (intN / tokintN / fp16) crosses as its
+codes (wire v2, ``encode_tensor(exact=True)``), which decode to exactly the floats training
+computed; if a round trip were ever not exact, the plain floats go instead (reference, "What a
 distributed job sends").
 """
 
@@ -19,28 +20,16 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from swarmp2p.runtime.torch.compression import dequantize, quantize
+from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
 ACT, GRAD, CONTROL = "act", "grad", "control"
 """Message kinds: an activation (upstream to downstream), a reply (back), a control message."""
 
 DEFAULT_LINK_TIMEOUT_S = 60.0
 """How long a stage waits for its neighbour before it gives up with ``LinkTimeout``."""
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class BoundaryError(RuntimeError):
@@ -51,14 +40,14 @@ class StaleReply(BoundaryError):
     """A message arrived for another (step, micro) or of another kind than the one awaited."""
 
 
-class LinkTimeout(BoundaryError):
+class LinkTimeout(BoundaryError, TimeoutError):
     """The neighbour said nothing within the link timeout."""
 
 
 class Link(Protocol):
     """What a channel needs of a link (``swarmp2p.net`` links satisfy it)."""
 
-    def send(self, frames: list[bytes]) -> None: ...
+    def send(self, frames: list[bytes], timeout: float | None = None) -> None: ...
 
     def recv(self, timeout: float) -> list[bytes]: ...
 
@@ -71,7 +60,7 @@ class _QueueLink:
         self.sent_bytes = 0
         self.received_bytes = 0
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes], timeout: float | None = None) -> None:
         frames = [bytes(f) for f in frames]
         self.sent_bytes += sum(len(f) for f in frames)
         self._outbox.put(frames)
@@ -94,85 +83,43 @@ def local_link_pair() -> tuple[_QueueLink, _QueueLink]:
     return _QueueLink(a, b), _QueueLink(b, a)
 
 
-def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
-    if t.dtype not in _DTYPE_NAMES:
-        raise TypeError(f"cannot send a tensor of dtype {t.dtype}")
-    return {"shape": list(t.shape), "dtype": _DTYPE_NAMES[t.dtype]}
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
+def to_frame(
+    tensor: torch.Tensor, codec: str = "none", *, step: int = 0, micro: int = 0
+) -> TensorFrame:
+    """A tensor as a wire TensorFrame; a quantizing ``codec`` is used only if lossless (wire v2:
+    the peer decodes exactly ``tensor``), else the plain floats go."""
+    t = tensor.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
-
-
-def _tensor_from(meta: dict[str, Any], raw: bytes) -> torch.Tensor:
-    dtype = _DTYPES.get(meta.get("dtype"))
-    shape = meta.get("shape")
-    if dtype is None or not isinstance(shape, list):
-        raise BoundaryError(f"bad tensor header {meta!r}")
-    numel = 1
-    for n in shape:
-        if not isinstance(n, int) or n < 0:
-            raise BoundaryError(f"bad tensor shape {shape!r}")
-        numel *= n
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(raw) != numel * itemsize:
-        raise BoundaryError(
-            f"tensor frame holds {len(raw)} bytes, header {shape} {meta['dtype']} needs "
-            f"{numel * itemsize}"
+        return encode_tensor(
+            t.view(torch.int16).numpy().view(np.uint16), dtype="bfloat16", step=step, micro=micro
         )
-    if dtype == torch.bfloat16:
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16)
-    elif numel == 0:
-        flat = torch.empty(0, dtype=dtype)
-    else:
-        flat = torch.frombuffer(bytearray(raw), dtype=dtype)
-    return flat.reshape(shape)
+    if t.dtype not in _WIRE_DTYPES:
+        raise TypeError(f"cannot send a tensor of dtype {t.dtype}; the wire takes {sorted(DTYPES)}")
+    if codec != "none" and t.dtype != torch.float32:
+        codec = "none"
+    return encode_tensor(t.numpy(), codec, exact=True, step=step, micro=micro)
 
 
-def encode_payload(payload: torch.Tensor, codec: str) -> tuple[dict[str, Any], list[bytes]]:
-    """The header entry and frames for one payload, quantized losslessly when ``codec`` allows."""
-    meta = _tensor_meta(payload)
-    if codec.startswith(("int", "tokint")) and payload.dtype == torch.float32:
-        per_token = codec.startswith("tokint")
-        bits = int(codec.removeprefix("tok").removeprefix("int"))
-        codes, scale = quantize(payload, bits, per_token=per_token)
-        if torch.equal(dequantize(codes, scale), payload.detach()):
-            meta["codec"] = codec
-            return meta, [_tensor_bytes(codes.to(torch.int8)), _tensor_bytes(scale)]
-    if codec == "fp16" and payload.dtype == torch.float32:
-        half = payload.detach().to(torch.float16)
-        if torch.equal(half.to(torch.float32), payload.detach()):
-            meta["codec"] = "fp16"
-            return meta, [_tensor_bytes(half)]
-    meta["codec"] = "none"
-    return meta, [_tensor_bytes(payload)]
+def from_frame(frame: TensorFrame) -> torch.Tensor:
+    """The tensor a TensorFrame carries (a fresh, writable copy)."""
+    try:
+        arr = decode_tensor(frame)
+    except ValueError as exc:  # WireError is a ValueError
+        raise BoundaryError(f"bad tensor frame: {exc}") from None
+    if frame.dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(arr, copy=True))
 
 
-def decode_payload(meta: dict[str, Any], frames: list[bytes]) -> torch.Tensor:
-    """Inverse of ``encode_payload``."""
-    codec = meta.get("codec", "none")
-    shape = meta.get("shape")
-    if codec == "none":
-        (raw,) = frames
-        return _tensor_from(meta, raw)
-    if codec == "fp16":
-        (raw,) = frames
-        return _tensor_from({"shape": shape, "dtype": "float16"}, raw).to(torch.float32)
-    if codec.startswith(("int", "tokint")):
-        raw_codes, raw_scale = frames
-        codes = _tensor_from({"shape": shape, "dtype": "int8"}, raw_codes)
-        scale_shape = [*shape[:-1], 1] if codec.startswith("tokint") else []
-        scale = _tensor_from({"shape": scale_shape, "dtype": "float32"}, raw_scale)
-        return dequantize(codes, scale)
-    raise BoundaryError(f"unknown payload codec {codec!r}")
-
-
-def _frames_per(meta: dict[str, Any]) -> int:
-    codec = meta.get("codec", "none")
-    return 2 if codec.startswith(("int", "tokint")) else 1
+_WIRE_DTYPES = {
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+}
 
 
 @dataclass
@@ -187,25 +134,38 @@ class Channel:
     sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
 
     def _send(self, header: dict[str, Any], payloads: list[tuple[torch.Tensor, str]]) -> None:
-        metas, frames = [], []
+        step, micro = header.get("step") or 0, header.get("micro") or 0
+        counts, parts = [], []
         for tensor, codec in payloads:
-            meta, raw = encode_payload(tensor, codec)
-            metas.append(meta)
-            frames.extend(raw)
-        header = {**header, "tensors": metas}
-        message = [json.dumps(header).encode(), *frames]
-        self.sent_bytes[header["kind"]] += sum(len(f) for f in message)
-        self.link.send(message)
+            frame_parts = to_frame(tensor, codec, step=step, micro=micro).to_parts()
+            counts.append(len(frame_parts))
+            parts.extend(frame_parts)
+        message = [json.dumps({**header, "tensors": counts}).encode(), *parts]
+        self.sent_bytes[header["kind"]] += sum(memoryview(p).nbytes for p in message)
+        try:
+            self.link.send(message, timeout=self.timeout)
+        except TimeoutError as exc:
+            raise LinkTimeout(
+                f"could not send to the neighbour within {self.timeout:g} s: {exc}"
+            ) from None
 
     def _recv(self, kind: str, step: int | None, micro: int | None) -> tuple[dict, list]:
-        message = self.link.recv(self.timeout)
+        try:
+            message = self.link.recv(self.timeout)
+        except TimeoutError:
+            raise LinkTimeout(
+                f"no message from the neighbour within {self.timeout:g} s (waiting for {kind}"
+                + ("" if step is None else f" of step {step}, micro {micro}")
+                + "); is it alive?"
+            ) from None
         if not message:
             raise BoundaryError("empty message on the boundary link")
         try:
-            header = json.loads(message[0])
+            header = json.loads(bytes(message[0]))
         except ValueError as exc:
             raise BoundaryError(f"bad boundary message header: {exc}") from None
-        if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+        counts = header.get("tensors") if isinstance(header, dict) else None
+        if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 1 for c in counts):
             raise BoundaryError(f"bad boundary message header {header!r}")
         got = (header.get("kind"), header.get("step"), header.get("micro"))
         want = (kind, step, micro)
@@ -214,15 +174,23 @@ class Channel:
                 f"expected {kind} for (step {step}, micro {micro}), got {got[0]} for "
                 f"(step {got[1]}, micro {got[2]}); the stages are out of step"
             )
+        if sum(counts) != len(message) - 1:
+            raise BoundaryError(
+                f"boundary message has {len(message) - 1} tensor parts, its header lists {sum(counts)}"
+            )
         tensors, at = [], 1
-        for meta in header["tensors"]:
-            n = _frames_per(meta)
-            if at + n > len(message):
-                raise BoundaryError("boundary message has fewer frames than its header lists")
-            tensors.append(decode_payload(meta, message[at : at + n]))
+        for n in counts:
+            try:
+                frame = TensorFrame.from_parts(message[at : at + n])
+            except ValueError as exc:
+                raise BoundaryError(f"bad tensor frame: {exc}") from None
+            if step is not None and (frame.step, frame.micro) != (step, micro):
+                raise StaleReply(
+                    f"tensor frame of (step {frame.step}, micro {frame.micro}) in a message for "
+                    f"(step {step}, micro {micro})"
+                )
+            tensors.append(from_frame(frame))
             at += n
-        if at != len(message):
-            raise BoundaryError(f"boundary message has {len(message) - at} trailing frame(s)")
         return header, tensors
 
     def send_activation(

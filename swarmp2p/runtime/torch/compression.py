@@ -6,8 +6,9 @@ as a single process would run it). ``sender()`` is the half the stage before the
 runs on that payload. ``payload_codec`` names the wire codec that carries the payload losslessly.
 
 The rounding rule is shared bit for bit with the wire codecs (``swarmp2p.wire``):
-``qmax = 2**(N-1) - 1``; ``scale = max|x| / qmax`` in float32 (1.0 when the max is 0);
-``code = clamp(round_half_even(x / scale), -qmax, qmax)``; the value is ``code * scale``.
+``qmax = 2**(N-1) - 1``; ``scale = max|x| / qmax`` in float32 (1.0 when that is 0);
+``code = clamp(round_half_even(x / scale), -qmax, qmax)`` (a zero code is +0.0); the value is
+``code * scale``.
 ``intN`` has one scale per tensor, ``tokintN`` one per token (row over the last dim).
 """
 
@@ -43,8 +44,10 @@ def quantize(x: torch.Tensor, bits: int, *, per_token: bool) -> tuple[torch.Tens
     amax = x32.abs().amax(dim=-1, keepdim=True) if per_token else x32.abs().amax()
     # tensor / tensor (never tensor / python scalar): some kernels turn a scalar divisor into a
     # multiplication by its reciprocal, which would break bit-exactness with the numpy codec.
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / qmax)
-    codes = torch.clamp(torch.round(x32 / scale), -qmax, qmax)
+    scale = amax / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # zeros, or m underflowed
+    # + 0.0 turns a -0.0 code into +0.0: codes are integers on the wire (swarmp2p.wire.codec)
+    codes = torch.clamp(torch.round(x32 / scale), -qmax, qmax) + 0.0
     return codes, scale
 
 

@@ -124,14 +124,22 @@ def _target_regex(blocks_name: str, targets: Sequence[str]) -> str:
 def lora_config(model: nn.Module, settings: LoraSettings):
     """The PEFT ``LoraConfig`` of these settings, matching only modules inside the blocks."""
     from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
 
     targets = resolve_targets(model, settings)
-    blocks_name = introspect(model).names["blocks"]
+    topology = introspect(model)
+    # GPT-2's Conv1D stores its weight transposed (in, out): PEFT must be told
+    transposed = any(
+        isinstance(m, Conv1D) and name.rsplit(".", 1)[-1] in targets
+        for block in topology.blocks
+        for name, m in block.named_modules()
+    )
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=_target_regex(blocks_name, targets),
+        target_modules=_target_regex(topology.names["blocks"], targets),
+        fan_in_fan_out=transposed,
         bias="none",
     )
 

@@ -82,6 +82,8 @@ class StageBundle:
     finetune_mode: str = "full"
     trainable_parameters: list[nn.Parameter] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    wire_v2: bool = True
+    """Send a quantized payload as its codes (lossless); False sends the floats (wire v1)."""
 
     @property
     def is_first(self) -> bool:
@@ -93,7 +95,9 @@ class StageBundle:
 
     @property
     def send_codec(self) -> str:
-        return "none" if self.send_compressor is None else self.send_compressor.payload_codec
+        if self.send_compressor is None or not self.wire_v2:
+            return "none"
+        return self.send_compressor.payload_codec
 
     def receive(self, payload: torch.Tensor) -> torch.Tensor:
         """The receiver half of the incoming boundary (identity without one)."""
@@ -122,6 +126,7 @@ def build_bundle(
     send_compressor: Compressor | None = None,
     finetune_mode: str = "full",
     block_devices: Sequence[str] | None = None,
+    wire_v2: bool = True,
 ) -> StageBundle:
     """Place a stage's blocks on ``block_devices`` and resolve what it trains.
 
@@ -199,6 +204,7 @@ def build_bundle(
         finetune_mode=finetune_mode,
         trainable_parameters=unique,
         device=device,
+        wire_v2=wire_v2,
     )
 
 

@@ -14,10 +14,10 @@ from swarmp2p.runtime.torch.boundary import (  # noqa: E402
     Channel,
     LinkTimeout,
     StaleReply,
-    decode_payload,
-    encode_payload,
+    from_frame,
     local_link_pair,
     send_through,
+    to_frame,
 )
 from swarmp2p.runtime.torch.compression import fake_quantize  # noqa: E402
 
@@ -85,20 +85,19 @@ def test_silent_neighbour_times_out():
 def test_quantized_payload_crosses_as_codes_losslessly(bits, per_token):
     x = fake_quantize(torch.randn(3, 5, 64) * 3, bits, per_token=per_token)
     codec = f"tokint{bits}" if per_token else f"int{bits}"
-    meta, frames = encode_payload(x, codec)
-    assert meta["codec"] == codec
-    back = decode_payload(meta, frames)
-    assert torch.equal(back, x)
-    assert len(frames[0]) == x.numel()  # one byte per code, a quarter of float32
+    frame = to_frame(x, codec, step=2, micro=1)
+    assert frame.codec == codec and (frame.step, frame.micro) == (2, 1)
+    assert torch.equal(from_frame(frame), x)
+    assert frame.nbytes < x.numel() * bits / 8 + 4 * 15 + 1  # packed codes plus the scale(s)
 
 
 def test_payload_not_on_the_grid_goes_as_floats():
     x = torch.randn(2, 16)
-    meta, frames = encode_payload(x, "int8")
-    assert meta["codec"] == "none" and len(frames[0]) == 4 * x.numel()
-    assert torch.equal(decode_payload(meta, frames), x)
-    meta, frames = encode_payload(x.half().float(), "fp16")
-    assert meta["codec"] == "fp16" and len(frames[0]) == 2 * x.numel()
+    frame = to_frame(x, "int8")
+    assert frame.codec == "none" and frame.nbytes == 4 * x.numel()
+    assert torch.equal(from_frame(frame), x)
+    frame = to_frame(x.half().float(), "fp16")
+    assert frame.codec == "fp16" and frame.nbytes == 2 * x.numel()
 
 
 def test_bfloat16_and_byte_counts():
@@ -111,9 +110,14 @@ def test_bfloat16_and_byte_counts():
 
 
 def test_truncated_frame_is_refused():
-    meta, frames = encode_payload(torch.randn(4), "none")
-    with pytest.raises(BoundaryError, match="holds 15 bytes"):
-        decode_payload(meta, [frames[0][:-1]])
+    up, down = _channels()
+    up.send_activation(0, 0, torch.randn(4), torch.zeros(1))
+    message = up.link._outbox.get()
+    message[1] = message[1][:-1] if len(message[1]) > 8 else message[1]
+    message[2] = message[2][:-1]
+    up.link._outbox.put(message)
+    with pytest.raises(BoundaryError, match="bad tensor frame"):
+        down.recv_activation(0, 0)
 
 
 def test_control_messages_are_named():

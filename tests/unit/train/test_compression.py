@@ -21,33 +21,34 @@ from swarmp2p.runtime.torch.compression import (  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def _numpy_rule(x: np.ndarray, bits: int, per_token: bool) -> np.ndarray:
-    """The rounding rule written independently in numpy float32."""
-    qmax = np.float32(2 ** (bits - 1) - 1)
-    amax = np.abs(x).max(axis=-1, keepdims=True) if per_token else np.abs(x).max()
-    scale = np.where(amax == 0, np.float32(1.0), amax / qmax).astype(np.float32)
-    codes = np.clip(np.round(x / scale), -qmax, qmax).astype(np.float32)
-    return codes * scale
-
-
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("per_token", [False, True])
-def test_quantizer_matches_numpy_rule_bit_for_bit(bits, per_token):
+def test_quantizer_matches_the_wire_codec_bit_for_bit(bits, per_token):
+    from swarmp2p.wire import decode_tensor, encode_tensor
+
     gen = torch.Generator().manual_seed(bits)
     x = torch.randn(3, 7, 33, generator=gen) * 5
     x[0, 0, :] = 0.0  # an all-zero token takes scale 1.0
     x[1, 2, 3] = 1e4  # an outlier channel
+    x[2, 1, :] = 1e-45  # m / qmax underflows to 0: scale 1.0
+    x[2, 2, :5] = -1e-3  # tiny negatives round to a zero code, which decodes to +0.0
+    codec = f"tokint{bits}" if per_token else f"int{bits}"
     got = fake_quantize(x, bits, per_token=per_token).numpy()
-    want = _numpy_rule(x.numpy(), bits, per_token)
+    want = decode_tensor(encode_tensor(x.numpy(), codec))
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # and the wire carries what training computed, losslessly, as codes
+    frame = encode_tensor(got, codec, exact=True)
+    assert frame.codec == codec
+    assert np.array_equal(decode_tensor(frame).view(np.uint32), got.view(np.uint32))
 
 
 def test_quantize_rounds_half_to_even_and_clamps():
     # max 2.0 at 2 bits: qmax 1, scale 2.0; 1.0/2.0 = 0.5 rounds to 0, 3.0/2 = 1.5 would be 2
     codes, scale = quantize(torch.tensor([1.0, -1.0, 2.0, -2.0]), 2, per_token=False)
     assert scale.item() == 2.0
-    assert codes.tolist() == [0.0, -0.0, 1.0, -1.0]
+    assert codes.tolist() == [0.0, 0.0, 1.0, -1.0]
+    assert not torch.signbit(codes).tolist()[1]  # +0.0, as the wire decodes a zero code
     codes, scale = quantize(torch.zeros(4), 8, per_token=False)
     assert scale.item() == 1.0 and codes.abs().sum().item() == 0
 
