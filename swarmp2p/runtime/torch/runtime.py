@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from swarmp2p.runtime.torch.half_storage import apply_half_storage
 from swarmp2p.runtime.torch.introspect import introspect
+from swarmp2p.runtime.torch.loader import load_stage_shard
+from swarmp2p.runtime.torch.quantization import normalize_spec
 from swarmp2p.runtime.torch.stage import build_stage
 
 
@@ -13,10 +16,6 @@ class TorchRuntime:
 
     introspect = staticmethod(introspect)
     build_stage = staticmethod(build_stage)
-
-    @staticmethod
-    def load_stage_shard(*args, **kwargs):
-        """See :func:`swarmp2p.runtime.torch.loader.load_stage_shard`."""
-        from swarmp2p.runtime.torch.loader import load_stage_shard
-
-        return load_stage_shard(*args, **kwargs)
+    load_stage_shard = staticmethod(load_stage_shard)
+    normalize_quantization = staticmethod(normalize_spec)
+    apply_half_storage = staticmethod(apply_half_storage)

@@ -17,14 +17,15 @@ except ImportError:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """``checkpoints(family) -> Path``: each tiny model saved once per session, sharded."""
-    saved: dict[str, Path] = {}
+    """``checkpoints(family, wide=False) -> Path``: each tiny model saved once per session,
+    sharded (``wide``: hidden 64, for bitsandbytes' CPU 4-bit kernels)."""
+    saved: dict[tuple[str, bool], Path] = {}
 
-    def get(family: str) -> Path:
-        if family not in saved:
-            folder = tmp_path_factory.mktemp(family)
-            build_model(family).save_pretrained(folder, max_shard_size=SHARD_SIZE)
-            saved[family] = folder
-        return saved[family]
+    def get(family: str, wide: bool = False) -> Path:
+        if (family, wide) not in saved:
+            folder = tmp_path_factory.mktemp(f"{family}-wide" if wide else family)
+            build_model(family, wide=wide).save_pretrained(folder, max_shard_size=SHARD_SIZE)
+            saved[family, wide] = folder
+        return saved[family, wide]
 
     return get

@@ -108,12 +108,26 @@ FAMILIES = (
 )
 
 
-def build_model(family: str, seed: int = 0):
-    """A tiny random model of ``family`` in float32, eval mode."""
+WIDE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "n_embd": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+}
+"""Widths for bitsandbytes' CPU 4-bit kernels, which pack rows in blocks of 64 inputs."""
+
+
+def build_model(family: str, seed: int = 0, wide: bool = False):
+    """A tiny random model of ``family`` in float32, eval mode (hidden 64 when ``wide``)."""
     import torch
     import transformers as tf
 
     config = _configs()[family]()
+    if wide:
+        for name, value in WIDE.items():
+            if hasattr(config, name):
+                setattr(config, name, value)
     torch.manual_seed(seed)
     if family == "qwen3_5":
         model = tf.Qwen3_5ForConditionalGeneration(config)
