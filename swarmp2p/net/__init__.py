@@ -6,18 +6,32 @@ from swarmp2p.net.auth import (
     make_client_socket,
     make_server_socket,
 )
+from swarmp2p.net.links import (
+    InProcLink,
+    Link,
+    LinkClosed,
+    LinkTimeout,
+    ZmqLink,
+    stop_zero_copy_collector,
+)
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, request_sync
 from swarmp2p.net.security import SwarmSecret
 
 __all__ = [
     "AsyncSecureContext",
+    "InProcLink",
+    "Link",
+    "LinkClosed",
+    "LinkTimeout",
     "RpcClient",
     "RpcError",
     "RpcServer",
     "RpcTimeout",
     "SecureContext",
     "SwarmSecret",
+    "ZmqLink",
     "make_client_socket",
     "make_server_socket",
     "request_sync",
+    "stop_zero_copy_collector",
 ]
