@@ -94,11 +94,19 @@ def default_target_modules(blocks: Sequence[nn.Module]) -> tuple[str, ...]:
     return fallback
 
 
+def _blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
+    """(dotted name of the block list, the blocks) of a whole model or of a runtime Stage."""
+    if hasattr(module, "block_indices") and hasattr(module, "blocks"):  # a runtime Stage
+        return "blocks", list(module.blocks)
+    topology = introspect(module)
+    return topology.names["blocks"], list(topology.blocks)
+
+
 def resolve_targets(model: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
-    """The settings' targets, or the model's defaults."""
+    """The settings' targets, or the model's (or stage's) defaults."""
     if settings.target_modules is not None:
         return tuple(settings.target_modules)
-    return default_target_modules(list(introspect(model).blocks))
+    return default_target_modules(_blocks(model)[1])
 
 
 def lora_fingerprint(settings: LoraSettings, targets: Sequence[str]) -> str:
@@ -127,27 +135,28 @@ def lora_config(model: nn.Module, settings: LoraSettings):
     from transformers.pytorch_utils import Conv1D
 
     targets = resolve_targets(model, settings)
-    topology = introspect(model)
+    blocks_name, blocks = _blocks(model)
     # GPT-2's Conv1D stores its weight transposed (in, out): PEFT must be told
     transposed = any(
         isinstance(m, Conv1D) and name.rsplit(".", 1)[-1] in targets
-        for block in topology.blocks
+        for block in blocks
         for name, m in block.named_modules()
     )
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=_target_regex(topology.names["blocks"], targets),
+        target_modules=_target_regex(blocks_name, targets),
         fan_in_fan_out=transposed,
         bias="none",
     )
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> str:
-    """Inject adapters into ``model``'s decoder blocks in place; return the fingerprint.
+    """Inject adapters into the decoder blocks of ``model`` (a whole model or a runtime
+    ``Stage``) in place; return the fingerprint.
 
-    Stages built from the model (before or after) see the adapted blocks. ``lora_B`` starts at
+    Stages built from a model (before or after) see the adapted blocks. ``lora_B`` starts at
     zero, so an untrained adapter is the identity.
     """
     from peft import inject_adapter_in_model
