@@ -16,9 +16,8 @@ distributed job sends").
 from __future__ import annotations
 
 import json
-import queue
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,45 +41,6 @@ class StaleReply(BoundaryError):
 
 class LinkTimeout(BoundaryError, TimeoutError):
     """The neighbour said nothing within the link timeout."""
-
-
-class Link(Protocol):
-    """What a channel needs of a link (``swarmp2p.net`` links satisfy it)."""
-
-    def send(self, frames: list[bytes], timeout: float | None = None) -> None: ...
-
-    def recv(self, timeout: float) -> list[bytes]: ...
-
-
-class _QueueLink:
-    """One end of an in-process link pair (two queues)."""
-
-    def __init__(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
-        self._inbox, self._outbox = inbox, outbox
-        self.sent_bytes = 0
-        self.received_bytes = 0
-
-    def send(self, frames: list[bytes], timeout: float | None = None) -> None:
-        frames = [bytes(f) for f in frames]
-        self.sent_bytes += sum(len(f) for f in frames)
-        self._outbox.put(frames)
-
-    def recv(self, timeout: float) -> list[bytes]:
-        try:
-            frames = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise LinkTimeout(f"no message from the neighbour within {timeout:g} s") from None
-        self.received_bytes += sum(len(f) for f in frames)
-        return frames
-
-    def close(self) -> None:
-        pass
-
-
-def local_link_pair() -> tuple[_QueueLink, _QueueLink]:
-    """Two connected in-process link ends (for stages run as threads of one process)."""
-    a, b = queue.Queue(), queue.Queue()
-    return _QueueLink(a, b), _QueueLink(b, a)
 
 
 def to_frame(

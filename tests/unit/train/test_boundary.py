@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.runtime.torch.boundary import (  # noqa: E402
     ACT,
     GRAD,
@@ -15,7 +16,6 @@ from swarmp2p.runtime.torch.boundary import (  # noqa: E402
     LinkTimeout,
     StaleReply,
     from_frame,
-    local_link_pair,
     send_through,
     to_frame,
 )
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.torch
 
 
 def _channels(timeout: float = 5.0) -> tuple[Channel, Channel]:
-    a, b = local_link_pair()
+    a, b = InProcLink.pair()
     return Channel(a, timeout=timeout), Channel(b, timeout=timeout)
 
 

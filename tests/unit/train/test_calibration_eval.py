@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 
 from train_models import build_model, run_threads, stage_copies, token_batches  # noqa: E402
 
-from swarmp2p.runtime.torch.boundary import Channel, local_link_pair  # noqa: E402
+from swarmp2p.net import InProcLink  # noqa: E402
+from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.calibration import calibrate_stage  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.evaluation import evaluate_stage, score_logits  # noqa: E402
@@ -22,7 +23,7 @@ LEARNED = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
 
 def _pipeline(model, cuts, specs):
     n = len(cuts) + 1
-    links = [local_link_pair() for _ in range(n - 1)]
+    links = [InProcLink.pair() for _ in range(n - 1)]
     bundles = []
     for i, (stage, _) in enumerate(stage_copies(model, cuts)):
         recv = compressor_from_spec(specs[i - 1], 32, i - 1) if i > 0 else None

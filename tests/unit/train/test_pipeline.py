@@ -14,8 +14,9 @@ from train_models import (  # noqa: E402
     token_batches,
 )
 
+from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel, local_link_pair  # noqa: E402
+from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train import (  # noqa: E402
     TrainSettings,
@@ -83,7 +84,7 @@ def run_pipeline(
     model, n, batches, settings, schedule, compression="none", mode="full", wire_v2=True
 ):
     """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)])."""
-    links = [local_link_pair() for _ in range(n - 1)]
+    links = [InProcLink.pair() for _ in range(n - 1)]
     hidden = model.config.get_text_config().hidden_size
     bundles = []
     for i, (stage, names) in enumerate(stage_copies(model, CUTS[n])):
