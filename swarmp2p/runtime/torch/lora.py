@@ -33,6 +33,15 @@ ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
 """Known attention-projection groups, most specific first (reference's family table)."""
 
 LORA_EXPORTS = ("merged", "adapters")
+_PEFT_PARTS = {
+    "base_layer",
+    "lora_A",
+    "lora_B",
+    "lora_dropout",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,8 +84,12 @@ def _leaf_weights(blocks: Sequence[nn.Module]) -> dict[str, int]:
     found: dict[str, int] = {}
     for block in blocks:
         for name, module in block.named_modules():
-            weight = getattr(module, "weight", None)
-            if name and isinstance(weight, nn.Parameter) and not list(module.children()):
+            if not name or _PEFT_PARTS & set(name.split(".")):
+                continue  # inside an adapter wrapper: the wrapper stands for the layer
+            base = getattr(module, "base_layer", None)  # a PEFT-wrapped layer: its own name
+            weight = getattr(base if base is not None else module, "weight", None)
+            leaf = base is not None or not list(module.children())
+            if leaf and isinstance(weight, nn.Parameter):
                 found.setdefault(name.rsplit(".", 1)[-1], weight.dim())
     return found
 

@@ -19,6 +19,7 @@ from swarmp2p.runtime.torch.lora import (  # noqa: E402
     apply_lora,
     default_target_modules,
     lora_fingerprint,
+    resolve_targets,
 )
 from swarmp2p.runtime.torch.train import TrainSettings, build_bundle  # noqa: E402
 
@@ -125,3 +126,7 @@ def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n
     assert set().union(*owned) == {n for n in before if "lora_" in n}
     assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint halves
     copy.deepcopy(model)  # the adapted model stays copyable
+    # resolution reads through the adapters: the same targets before and after injection
+    assert resolve_targets(model, LoraSettings()) == default_target_modules(
+        list(introspect(build_model(family, layers=2)).blocks)
+    )
