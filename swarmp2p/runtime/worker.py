@@ -113,6 +113,11 @@ class WorkerSpec:
     snapshot_dir: str | None = None
     resume: bool = False
     """Continue from the newest snapshot in ``snapshot_dir``."""
+    quantization: dict | None = None
+    """Weight quantization of the stage as it loads (``{"bits": 4}``: NF4); LoRA then exports
+    adapters only."""
+    export_dir: str | None = None
+    """Write this stage's shard to ``export_dir/stage-<i>`` after the last step."""
 
     @property
     def is_first(self) -> bool:
@@ -234,6 +239,15 @@ def _parse_lora(c: _Checker, data: Any) -> LoraSpec:
     )
 
 
+def _parse_quantization(c: _Checker, data: Any) -> dict | None:
+    if data is None:
+        return None
+    from swarmp2p.plan.quantization import quantization_errors
+
+    c.errors.extend(quantization_errors(data, "quantization"))
+    return data if isinstance(data, dict) else None
+
+
 def parse_worker_spec(data: Any) -> WorkerSpec:
     """A validated WorkerSpec, or WorkerSpecError listing every bad field."""
     c = _Checker()
@@ -292,6 +306,8 @@ def parse_worker_spec(data: Any) -> WorkerSpec:
         data=_parse_data(c, d.get("data", {})),
         snapshot_dir=c.string(d, "snapshot_dir", "", None),
         resume=c.boolean(d, "resume", "", False),
+        quantization=_parse_quantization(c, d.get("quantization")),
+        export_dir=c.string(d, "export_dir", "", None),
     )
     if spec["resume"] and spec["snapshot_dir"] is None:
         c.fail("resume", "needs snapshot_dir")
@@ -411,13 +427,20 @@ def _build(spec: WorkerSpec):
 
     from swarmp2p.runtime.torch import decoder_config, load_stage_shard
     from swarmp2p.runtime.torch.compression import compressor_from_spec
-    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora
+    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
     from swarmp2p.runtime.torch.train import build_bundle
 
     torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
     a, b = spec.layers
     stage = load_stage_shard(
-        spec.model, a, b, spec.is_first, spec.is_last, dtype=spec.dtype, device=spec.device
+        spec.model,
+        a,
+        b,
+        spec.is_first,
+        spec.is_last,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        device=spec.device,
     )
     if b - a != len(stage.blocks) or (spec.is_last and b != spec.n_layers):
         raise ValueError(
@@ -440,6 +463,9 @@ def _build(spec: WorkerSpec):
             export=lora.export,
         )
         fingerprint = apply_lora(stage, settings)
+        targets = resolve_targets(stage, settings)
+    else:
+        settings, targets = None, ()
     dtype = getattr(torch, spec.dtype)
     for comp in (recv, send):
         if comp is not None:
@@ -454,7 +480,8 @@ def _build(spec: WorkerSpec):
         block_devices=[spec.device] * len(stage.blocks),
         wire_v2=spec.wire_v2,
     )
-    return bundle, config.vocab_size, fingerprint
+    lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
+    return bundle, config.vocab_size, lora_info
 
 
 def _open_links(spec: WorkerSpec, emit):
@@ -504,7 +531,9 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
     from swarmp2p.runtime.torch.snapshot import latest_snapshot, load_snapshot, save_snapshot
     from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage
 
-    bundle, vocab, fingerprint = _build(spec)
+    bundle, vocab, lora_info = _build(spec)
+    fingerprint = lora_info["fingerprint"]
+    evaluation: dict[str, dict] = {}
     prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
     nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
     t = spec.train
@@ -545,7 +574,9 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
             through_compressors=through,
             chunk_tokens=t.loss_chunk_tokens,
         )
-        emit("eval", **{"pass": name}, **{k: v for k, v in result.as_dict().items() if k != "name"})
+        numbers = {k: v for k, v in result.as_dict().items() if k != "name"}
+        evaluation[name] = {k: _clean(v) for k, v in numbers.items()}
+        emit("eval", **{"pass": name}, **numbers)
 
     boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
     learned = [b.is_learned for b in boundaries]
@@ -593,6 +624,25 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
     if t.eval_batches:
         evaluate("trained", True)
     _say_goodbye(prev, nxt, time)
+    if spec.export_dir is not None:
+        from pathlib import Path
+
+        from swarmp2p.runtime.torch.export import export_stage
+
+        manifest = export_stage(
+            bundle,
+            Path(spec.export_dir) / f"stage-{spec.stage}",
+            layers=spec.layers,
+            n_layers=spec.n_layers,
+            compression=spec.compression,
+            lora=lora_info["settings"],
+            lora_targets=lora_info["targets"],
+            lora_fingerprint=fingerprint,
+            evaluation=evaluation,
+            base_is_quantized=spec.quantization is not None
+            and spec.quantization.get("bits") in (4, 8),
+        )
+        emit("exported", manifest=str(manifest))
     emit("done", steps=t.steps if trains else 0)
 
 

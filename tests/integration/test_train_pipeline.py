@@ -311,3 +311,81 @@ def test_bad_specs_name_the_field(change, field, token):
     assert w.wait(60) == 2, w.describe()
     (error,) = w.of("error")
     assert error["type"] == "WorkerSpecError" and field in error["message"]
+
+
+def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_path):
+    folder = checkpoint("llama")
+    workers = run_workers(
+        2,
+        folder,
+        token,
+        [2],
+        finetune_mode="lora",
+        lora={"r": 4, "alpha": 8, "dropout": 0.0, "export": "adapters"},
+        train={"steps": 3, "eval_batches": 2, "lr": 1e-2},
+        export_dir=str(tmp_path),
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    passes = [[(e["pass"], e["loss"], e["tokens"]) for e in w.of("eval")] for w in workers]
+    assert passes[0] == passes[1]  # every stage reports the last stage's numbers
+    assert [p[0] for p in passes[0]] == ["base", "trained"]  # no compressor: no calibrated pass
+    (_, base_loss, tokens), (_, trained_loss, _) = passes[0]
+    assert tokens == 2 * 4 * 9
+    built = [w.of("built")[0] for w in workers]
+    assert built[0]["lora_fingerprint"] == built[1]["lora_fingerprint"] is not None
+
+    from swarmp2p.runtime.torch.evaluation import score_logits
+    from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
+    from swarmp2p.runtime.worker import DataSpec, TrainSpec, WorkerSpec, eval_batches
+
+    dirs = [tmp_path / "stage-0", tmp_path / "stage-1"]
+    assert read_manifest(dirs[1])["weights_included"] is False
+    model = reconstruct_from_shards(folder, dirs).eval()
+    spec = WorkerSpec(
+        stage=0,
+        n_stages=2,
+        model="",
+        layers=(0, 2),
+        n_layers=4,
+        token="",
+        train=TrainSpec(batch_size=4, seq_len=9, eval_batches=2),
+        data=DataSpec(seed=3),
+    )
+    loss_sum, n = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(spec, VOCAB):
+            s, _, k = score_logits(model(batch[:, :-1]).logits, batch[:, 1:])
+            loss_sum, n = loss_sum + s, n + k
+    assert loss_sum / n == pytest.approx(trained_loss, abs=1e-5)
+    assert trained_loss != base_loss  # the adapters moved (random tokens: nothing to learn)
+
+
+def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
+    folder = checkpoint("llama")
+    learned = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
+    workers = run_workers(
+        3,
+        folder,
+        token,
+        [1, 3],
+        compression=[learned, learned],
+        finetune_mode="compressor_only",
+        train={
+            "steps": 4,
+            "eval_batches": 1,
+            "lr": 1e-2,
+            "calibration_tokens": 72,
+            "micro_batches": 2,
+        },
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    assert [w.of("calibrated")[0]["tokens"] for w in workers] == [72, 72, 0]
+    names = [e["pass"] for e in workers[1].of("eval")]
+    assert names == ["base", "calibrated_boundary", "trained"]
+    trainable = [w.of("built")[0]["trainable_parameters"] for w in workers]
+    # the halves only: down (32x16 + 16) on a sender, up (16x32 + 32) on a receiver
+    assert trainable == [528, 544 + 528, 544]
+    steps = workers[0].of("step")
+    assert steps[0]["act_bytes"] < 2 * (2 * 9 * 16 + 2 * 4 + 2 * 9 * 8) + 600  # codes, not floats
