@@ -215,6 +215,12 @@ def main() -> None:
             (CORPUS / name).write_bytes(data)
     corpus = load_corpus()
     rnd = random.Random(args.seed)
+    frame_seeds = []
+    for seed in corpus:
+        try:
+            frame_seeds.append(unpack_parts(seed))
+        except WireError:
+            pass
     counts = {"message": 0, "frame": 0, "rejected": 0, "crash": 0}
     first_crashes: list[str] = []
     slowest = 0.0
@@ -223,8 +229,14 @@ def main() -> None:
         r = rnd.random()
         if i < len(corpus):
             data = corpus[i]
-        elif r < 0.7:
+        elif r < 0.4:
             data = mutate(rnd.choice(corpus), rnd, corpus)
+        elif r < 0.7 and frame_seeds:
+            # a link delivers parts already split: mutate one part, keep the framing valid
+            parts = [bytes(p) for p in rnd.choice(frame_seeds)]
+            k = rnd.randrange(len(parts))
+            parts[k] = mutate(parts[k], rnd, corpus)
+            data = pack_parts(parts)
         elif r < 0.9:
             data = generate(rnd)
         else:

@@ -210,8 +210,9 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for codec in CODECS:
         r = ratios[codec]
+        label = "none (a view, no copy)" if codec == "none" else codec
         print(
-            f"| {codec} | {codec_mb_s[codec]:.0f} | {r['1_token']:.4f} | {r[f'{TOKENS}_tokens']:.4f} |"
+            f"| {label} | {codec_mb_s[codec]:.0f} | {r['1_token']:.4f} | {r[f'{TOKENS}_tokens']:.4f} |"
         )
     print(f"| int8, exact (wire v2 re-encode) | {exact_mb_s:.0f} | | |")
     print(

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+# No test downloads from a hub; a test that tries fails instead of hanging on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+try:  # tqdm's monitor thread outlives every progress bar; it is not ours to leak
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
 
 LEAK_GRACE_S = 2.0
 """How long a test's threads and children get to finish after it returns."""
@@ -23,15 +36,26 @@ def _children() -> set[int]:
     return pids
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.is_alive()}
 
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """Fail a test that leaks a Python thread or a child process."""
-    threads, children = _threads(), _children()
+    """Fail a test that leaks a Python thread, a child process, or a changed umask."""
+    threads, children, umask = _threads(), _children(), _umask()
     yield
+    if "swarmp2p.net.links" in sys.modules:
+        # zero-copy sends start pyzmq's process-wide collector thread; it is ours to stop
+        from swarmp2p.net.links import stop_zero_copy_collector
+
+        assert stop_zero_copy_collector(), "a zero-copy send buffer was never released"
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:
         new_threads = _threads() - threads
@@ -40,6 +64,9 @@ def no_leaks(request):
             break
         time.sleep(0.05)
     problems = []
+    if _umask() != umask:
+        problems.append(f"the process umask: {oct(umask)} became {oct(_umask())}")
+        os.umask(umask)
     if new_threads:
         problems.append("threads: " + ", ".join(sorted(t.name for t in new_threads)))
     if new_children:

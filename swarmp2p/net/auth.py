@@ -101,8 +101,17 @@ TRANSPORT_SLACK_BYTES = 256
 """Added to ``zmq.MAXMSGSIZE``: libzmq counts a CURVE frame's box overhead against the cap."""
 
 
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+"""ZMTP heartbeats: a peer silent this long (host gone, cable pulled) is disconnected, so the
+socket reconnects instead of queueing into a dead TCP connection."""
+
+
 def _common(sock: zmq.Socket, max_message_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     limit = -1 if max_message_bytes < 0 else max_message_bytes + TRANSPORT_SLACK_BYTES
     sock.setsockopt(zmq.MAXMSGSIZE, limit)
 

@@ -8,7 +8,8 @@ bounded queues (high-water marks) and ``zmq.MAXMSGSIZE`` on every part. Messages
 when a connection drops may be lost; the runtime's step/micro ids detect that.
 :class:`InProcLink` is the same contract inside one process, for tests.
 
-A link is used from one thread at a time (ZeroMQ sockets are not thread-safe).
+A link is used from one thread at a time (ZeroMQ sockets are not thread-safe). The bind side
+expects one dialer: were two members to dial it, its sends would alternate between them.
 """
 
 from __future__ import annotations

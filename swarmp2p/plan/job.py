@@ -120,6 +120,50 @@ class Job:
     train: TrainConfig = field(default_factory=TrainConfig)
     version: int = JOB_VERSION
 
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical job.json with every field explicit; `parse(job.to_dict()) == job`."""
+        m, lora, t = self.model, self.model.lora, self.train
+        comp = [c.spec for c in self.split.compression]
+        return {
+            "version": self.version,
+            "name": self.name,
+            "model": {
+                "pretrained": m.pretrained,
+                "dtype": m.dtype,
+                "weight_dtype": m.weight_dtype,
+                "quantization": None if m.quantization is None else m.quantization.to_dict(),
+                "freeze_backbone": m.freeze_backbone,
+                "lora": {
+                    "enabled": lora.enabled,
+                    "r": lora.r,
+                    "alpha": lora.alpha,
+                    "dropout": lora.dropout,
+                    "target_modules": None
+                    if lora.target_modules is None
+                    else list(lora.target_modules),
+                    "export": lora.export,
+                },
+            },
+            "split": {
+                "stages": self.split.stages,
+                "mode": self.split.mode,
+                "compression": comp[0] if len(comp) == 1 else comp,
+            },
+            "data": {"source": self.data.source, "text_field": self.data.text_field},
+            "train": {
+                "steps": t.steps,
+                "batch_size": t.batch_size,
+                "seq_len": t.seq_len,
+                "lr": t.lr,
+                "micro_batches": t.micro_batches,
+                "schedule": t.schedule,
+                "recompute": t.recompute,
+                "eval_batches": t.eval_batches,
+                "seed": t.seed,
+                "checkpoint_every": t.checkpoint_every,
+            },
+        }
+
     @property
     def finetune_mode(self) -> str:
         """What trains, by the reference's precedence.
@@ -356,6 +400,10 @@ def parse(data: Any) -> Job:
     if model.weight_dtype is not None and model.quantization is not None:
         c.add("model.weight_dtype", "cannot be combined with model.quantization (quantized "
               "weights are already stored narrow); drop one of them")  # fmt: skip
+    frozen = model.lora.enabled or model.freeze_backbone
+    if model.quantization is not None and not frozen:
+        c.add("model.quantization", "a quantized backbone cannot be fully fine-tuned; enable "
+              "model.lora (QLoRA) or set model.freeze_backbone")  # fmt: skip
     if c.errors:
         raise JobError(c.errors)
     return Job(name=name, model=model, split=split, data=data_section, train=train)

@@ -239,10 +239,12 @@ def from_config(
                 start, end = info.get("data_offsets", (0, 0))
                 size = int(end) - int(start)
                 n = math.prod(int(d) for d in info.get("shape", ()))
-                counts[info.get("dtype", "F32")] = counts.get(info.get("dtype", "F32"), 0) + size
-                _assign(tensor, fname, size, layer_bytes, layer_files, n_layers)
                 kind = _tensor_kind(tensor)
+                if kind == "other":
+                    continue
+                counts[info.get("dtype", "F32")] = counts.get(info.get("dtype", "F32"), 0) + size
                 if kind == "layer":
+                    _assign(tensor, fname, size, layer_bytes, layer_files, n_layers)
                     match = _LAYER_RE.search(tensor)
                     if match and int(match.group(1)) < n_layers:
                         numel[int(match.group(1))] += n
@@ -252,7 +254,7 @@ def from_config(
                     embed_files.add(fname)
                 else:
                     head_bytes += size
-                    head_numel += n
+                    head_numel += 0 if tie and tensor.endswith("lm_head.weight") else n
                     head_files.add(fname)
         if all(numel):
             # exact counts from the checkpoint; a MoE token still runs only its routed experts
@@ -265,9 +267,10 @@ def from_config(
             dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(top, dtype)
     elif weight_map:
         for tensor, fname in weight_map.items():
-            _assign(tensor, fname, 0, None, layer_files, n_layers)
             kind = _tensor_kind(tensor)
-            if kind == "embed":
+            if kind == "layer":
+                _assign(tensor, fname, 0, None, layer_files, n_layers)
+            elif kind == "embed":
                 embed_files.add(fname)
             elif kind == "head":
                 head_files.add(fname)
@@ -302,7 +305,13 @@ def from_config(
     )
 
 
+_OTHER_PARTS = ("visual", "vision", "mtp", "audio", "image_newline", "multi_modal_projector")
+
+
 def _tensor_kind(tensor: str) -> str:
+    """ "layer", "embed", "head", or "other" (a vision tower or MTP head no stage loads)."""
+    if any(part in tensor for part in _OTHER_PARTS):
+        return "other"
     if _LAYER_RE.search(tensor):
         return "layer"
     if "embed" in tensor or re.search(r"(^|\.)(wte|wpe)\.", tensor):
@@ -366,10 +375,17 @@ def from_folder(folder: str | Path, *, name: str | None = None) -> ModelShape:
     return from_config(config, index, headers or None, name=name or folder.name)
 
 
+def cache_dir() -> Path:
+    """swarmp2p's cache: `$XDG_CACHE_HOME/swarmp2p`, else `~/.cache/swarmp2p`."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says a relative (or empty) value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "swarmp2p"
+
+
 def embedded_dir() -> Path:
-    """Where the converted SmolLM2-135M-Instruct lives once another tool has written it."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "swarmp2p" / "models" / EMBEDDED_DIRNAME
+    """Where the converted SmolLM2-135M-Instruct lives (it may not exist yet)."""
+    return cache_dir() / "models" / EMBEDDED_DIRNAME
 
 
 def hub_cache_dir() -> Path:

@@ -203,6 +203,9 @@ class _Placer:
         ranges.append((start, L))
         return tuple(ranges)
 
+    def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
+        return all(self.fits(i, a, b) for i, (a, b) in enumerate(ranges))
+
     def split(self) -> _Attempt:
         L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
         if mode == "equal":
@@ -212,17 +215,18 @@ class _Placer:
             ok = all(self.fits(i, a, b) for i, (a, b) in enumerate(found))
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
             return _Attempt(ranges=found if ok else None, prices=prices, tried=found)
-        by_memory = min_max_partition(L, n, self.memory_share)
-        assert by_memory is not None  # no `fits`: always a split
         if mode == "cost":
             found = min_max_partition(L, n, self.compute_cost, self.fits)
         else:
             found = self.proportional()
-            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
-                found = by_memory  # the split that needs the smallest share of any device
-            if not all(self.fits(i, a, b) for i, (a, b) in enumerate(found)):
-                found = None
-        tried = found or by_memory
+            if not self.all_fit(found):
+                # the split that needs the smallest share of any device's free memory
+                found = min_max_partition(L, n, self.memory_share)
+                if found is not None and not self.all_fit(found):
+                    found = None
+        # when nothing fits, report the split closest to fitting
+        tried = found or min_max_partition(L, n, self.memory_share)
+        assert tried is not None  # without `fits` there is always a split
         prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(tried))
         return _Attempt(ranges=found, prices=prices, tried=tried)
 
@@ -346,8 +350,14 @@ def plan_job(
     if not candidates:
         return Blocked(placement_blocked_reason="placed 0 of 1 required workers; no node "
                        "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
-    auto = job.split.stages == "auto"
-    required = min(len(candidates), shape.n_layers) if auto else int(job.split.stages)
+    per_boundary = len(job.split.compression) > 1  # a list of specs fixes the stage count
+    auto = job.split.stages == "auto" and not per_boundary
+    if job.split.stages != "auto":
+        required = int(job.split.stages)
+    elif per_boundary:
+        required = len(job.split.compression) + 1
+    else:
+        required = min(len(candidates), shape.n_layers)
     _check_against_shape(job, shape, required)
 
     requested = job.model.dtype
@@ -381,8 +391,6 @@ def plan_job(
             placed=len(candidates),
         )
     selected = _select(candidates, required)
-    dtype = resolve_dtype(selected, requested).dtype
-
     attempts = [selected]
     if auto:  # as many stages as fit: drop the device with the least free memory, one by one
         rest = list(selected)
@@ -392,6 +400,7 @@ def plan_job(
             attempts.append(rest)
     first_blocked: Blocked | None = None
     for devices in attempts:
+        dtype = resolve_dtype(devices, requested).dtype  # the best every used device runs
         result, short_of_memory = _plan_on(job, shape, devices, dtype, own)
         if isinstance(result, Plan):
             if len(devices) < len(selected):

@@ -8,6 +8,7 @@ from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.plan.memory import StageMemory
+from swarmp2p.plan.split import SplitSpec, StageSpec, parse_compression
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +122,19 @@ class Plan:
             "reason": None,
             "errors": [],
         }
+
+    @property
+    def split_spec(self) -> SplitSpec:
+        """The plan's cut points and per-boundary compression, for the stage builder."""
+        return SplitSpec(
+            n_layers=self.stages[-1].layer_end,
+            boundaries=tuple(s.layer_start for s in self.stages[1:]),
+            compression=tuple(parse_compression(b.compression) for b in self.boundaries),
+        )
+
+    def stage_spec(self, index: int) -> StageSpec:
+        """Stage `index`'s layers and the boundaries it reads from and writes to."""
+        return self.split_spec.stage(index)
 
     def to_json(self) -> str:
         """Canonical bytes: sorted keys, no whitespace; peers compare these."""

@@ -122,7 +122,7 @@ def _as_rows(x: np.ndarray, per_token: bool) -> np.ndarray:
 def _scales(rows: np.ndarray, qmax: int) -> np.ndarray:
     if rows.shape[1] == 0:
         return np.ones(rows.shape[0], dtype=np.float32)
-    m = np.max(np.abs(rows), axis=1)
+    m = np.maximum(rows.max(axis=1), -rows.min(axis=1))  # max|x| without a temporary
     if not np.all(np.isfinite(m)):
         raise ValueError("cannot quantize a tensor holding inf or nan")
     scale = m / np.float32(qmax)
@@ -208,11 +208,18 @@ def _unpack(packed: np.ndarray, numel: int, bits: int, qmax: int) -> np.ndarray:
 # --- frames -----------------------------------------------------------------------------------
 
 
+def _unsigned(rows: np.ndarray, scale: np.ndarray, qmax: int) -> np.ndarray:
+    """``code + qmax`` as uint8, in place on one temporary (the rule, for the lossy path)."""
+    q = rows / scale[:, None]
+    np.rint(q, out=q)
+    np.clip(q, -qmax, qmax, out=q)
+    q += np.float32(qmax)
+    return q.astype(np.uint8).reshape(-1)
+
+
 def _quantized_frame(
-    x: np.ndarray, bits: int, per_token: bool, codes: np.ndarray, scale: np.ndarray, meta: dict
+    x: np.ndarray, bits: int, per_token: bool, u: np.ndarray, scale: np.ndarray, meta: dict
 ) -> TensorFrame:
-    qmax = 2 ** (bits - 1) - 1
-    u = (codes.reshape(-1) + qmax).astype(np.uint8)
     codec = f"{'tok' if per_token else ''}int{bits}"
     return TensorFrame(
         shape=tuple(x.shape),
@@ -331,10 +338,11 @@ def encode_tensor(
         if found is None:
             return encode_tensor(x, "none", **meta)
         scale, codes = found
+        u = (codes.reshape(-1) + np.float32(qmax)).astype(np.uint8)
     else:
         scale = _scales(rows, qmax)
-        codes = _codes(rows, scale, qmax)
-    return _quantized_frame(x, bits, per_token, codes.astype(np.int8), scale, meta)
+        u = _unsigned(rows, scale, qmax)
+    return _quantized_frame(x, bits, per_token, u, scale, meta)
 
 
 @np.errstate(over="ignore")  # code*scale near float32's max is inf, as in torch
@@ -366,14 +374,14 @@ def decode_tensor(frame: TensorFrame) -> np.ndarray:
         raise WireError("malformed", "a codec scale is not a finite positive float")
     numel = frame.numel
     u = _unpack(np.frombuffer(views[1], dtype=np.uint8), numel, bits, qmax)
-    table = (np.arange(256, dtype=np.float32) - np.float32(qmax)).astype(np.float32)
-    codes = table[u]
-    if per_token:
-        d = frame.shape[-1]
-        if d == 0:
-            return codes.reshape(frame.shape)
-        return (codes.reshape(-1, d) * scale[:, None]).reshape(frame.shape)
-    return (codes * scale[0]).reshape(frame.shape)
+    codes = np.arange(256, dtype=np.float32) - np.float32(qmax)  # u -> code, exact
+    if not per_token:
+        # one gather: table[u] = fl(code * scale), the same float32 product as the rule's
+        return (codes * scale[0])[u].reshape(frame.shape)
+    d = frame.shape[-1]
+    if d == 0:
+        return codes[u].reshape(frame.shape)
+    return (codes[u].reshape(-1, d) * scale[:, None]).reshape(frame.shape)
 
 
 def wire_nbytes(shape: tuple[int, ...], codec: str) -> int:

@@ -88,13 +88,54 @@ def message(type_name: str) -> Callable[[type[_M]], type[_M]]:
             if f.name in _RESERVED and f.name != "id":
                 raise ValueError(f"message {cls.__qualname__}: field name {f.name!r} is reserved")
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            checkers[f.name] = (_checker(hints[f.name], f"{cls.__qualname__}.{f.name}"), required)
+            check = _checker(hints[f.name], f"{cls.__qualname__}.{f.name}")
+            meta = f.metadata
+            check = _bounded(check, meta.get("min"), meta.get("max"), meta.get("max_len"))
+            checkers[f.name] = (check, required)
         cls.TYPE = type_name
         _REGISTRY[type_name] = cls
         _CHECKERS[cls] = checkers
         return cls
 
     return register
+
+
+def wire_field(
+    *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    min: float | None = None,
+    max: float | None = None,
+    max_len: int | None = None,
+) -> Any:
+    """A message field with a range (``min``/``max``, numbers) or ``max_len`` (str, bytes,
+    list, dict) that :func:`encode` and :func:`decode` enforce, naming the field."""
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={"min": min, "max": max, "max_len": max_len},
+    )
+
+
+def _bounded(
+    check: Callable[[Any, str], Any], lo: Any, hi: Any, max_len: Any
+) -> Callable[[Any, str], Any]:
+    if lo is None and hi is None and max_len is None:
+        return check
+
+    def bounded(value: Any, path: str) -> Any:
+        value = check(value, path)
+        if value is None:
+            return value
+        if lo is not None and value < lo:
+            raise _Bad(f"{path} must be >= {lo}, got {_describe(value)}")
+        if hi is not None and value > hi:
+            raise _Bad(f"{path} must be <= {hi}, got {_describe(value)}")
+        if max_len is not None and len(value) > max_len:
+            raise _Bad(f"{path} has length {len(value)}, at most {max_len} allowed")
+        return value
+
+    return bounded
 
 
 def message_types() -> dict[str, type[Message]]:
@@ -342,15 +383,15 @@ class ErrorReply(Message):
 class Hello(Message):
     """What a peer says first: who it is, which protocol versions and features it speaks."""
 
-    node_id: str
-    name: str
-    versions: list[int]
-    capabilities: list[str]
-    software: str = ""
+    node_id: str = wire_field(max_len=128)
+    name: str = wire_field(max_len=128)
+    versions: list[int] = wire_field(max_len=32)
+    capabilities: list[str] = wire_field(max_len=128)
+    software: str = wire_field(default="", max_len=64)
     """The swarmp2p release the peer runs, for error messages."""
-    swarm_id: str = ""
+    swarm_id: str = wire_field(default="", max_len=64)
     """The public swarm id the peer belongs to (``SwarmSecret.swarm_id``)."""
-    control_port: int = 0
+    control_port: int = wire_field(default=0, min=0, max=65535)
     """The peer's RPC port (0: not listening)."""
 
     def __post_init__(self) -> None:
@@ -360,8 +401,6 @@ class Hello(Message):
             raise ValueError(
                 f"versions must be a non-empty list of versions >= 1, got {self.versions}"
             )
-        if not 0 <= self.control_port <= 65535:
-            raise ValueError(f"control_port must be in 0..65535, got {self.control_port}")
 
 
 def common_version(ours: list[int] | tuple[int, ...], theirs: list[int] | tuple[int, ...]) -> int:

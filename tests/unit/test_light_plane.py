@@ -8,8 +8,14 @@ import sys
 
 import pytest
 
-LIGHT_PACKAGES = ["swarmp2p.plan", "swarmp2p.wire", "swarmp2p.net", "swarmp2p.node"]
-LIGHT_MODULES = ["swarmp2p", "swarmp2p.cli", "swarmp2p.runtime"]
+LIGHT_PACKAGES = [
+    "swarmp2p.plan",
+    "swarmp2p.wire",
+    "swarmp2p.net",
+    "swarmp2p.node",
+    "swarmp2p.data",
+]
+LIGHT_MODULES = ["swarmp2p", "swarmp2p.cli", "swarmp2p.runtime", "swarmp2p.runtime.models"]
 HEAVY = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors.torch"]
 
 _PROBE = r"""

@@ -13,13 +13,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from swarmp2p.runtime.models import resolve_model_ref
 from swarmp2p.runtime.torch.introspect import Topology, introspect
 from swarmp2p.runtime.torch.stage import Stage
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DISK_HEADROOM_BYTES = 512 * 2**20
+MAPPED_BYTES_PER_OPEN = 64 * 2**20
+"""Bytes read through one safetensors handle before it is closed and the file mapped afresh:
+the pages read stay resident while it is open (bench/shard_load.py measures the effect)."""
 """Free space kept on the cache's filesystem beyond the files a stage downloads (the reference)."""
+
+
+"""A Hub model id: ``name`` or ``org/name``."""
 
 
 class NotLoadableByName(ValueError):
@@ -58,27 +65,27 @@ class _Checkpoint:
     def __init__(self, model_ref: str | os.PathLike) -> None:
         self.repo_id: str | None = None
         ref = os.fspath(model_ref)
-        if ref == "embedded":
-            from swarmp2p.runtime.torch.embedded import ensure_embedded
-
-            self.folder = Path(ensure_embedded())
-        elif Path(ref).is_dir():
-            self.folder = Path(ref)
-        elif Path(ref).exists() or ref.startswith((".", "/", "~")) or ref.count("/") != 1:
-            raise FileNotFoundError(
-                f"model {ref!r} is neither a checkpoint folder, a Hub id (owner/name) nor "
-                "'embedded'"
-            )
+        resolved = resolve_model_ref(ref)
+        if Path(resolved).is_dir():
+            self.folder = Path(resolved)
         else:
-            self.repo_id = ref
+            self.repo_id = resolved
             self.folder = Path(self._fetch("config.json")).parent
         self.ref = ref
         self.weight_map = self._weight_map()
 
     def _fetch(self, filename: str) -> str:
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-        return hf_hub_download(self.repo_id, filename)
+        try:
+            return hf_hub_download(self.repo_id, filename)
+        except (LocalEntryNotFoundError, HfHubHTTPError) as error:
+            raise FileNotFoundError(
+                f"model {self.repo_id!r}: {filename} is neither in the local Hugging Face cache "
+                f"nor reachable on the Hub ({type(error).__name__}); check the name, go online, "
+                "or pass a local checkpoint folder"
+            ) from error
 
     def _weight_map(self) -> dict[str, str]:
         index = self.folder / INDEX_FILE
@@ -164,34 +171,63 @@ def _conversions(model):
 def _plan_reads(model, topology: Topology, checkpoint_keys, wanted: set[str]):
     """Map the checkpoint's keys to the model's with transformers' own renames and converters.
 
-    Returns ``{model_key: [(checkpoint_key, converter_pattern | None), ...]}`` for wanted keys.
+    Returns ``{model_key: [(checkpoint_key, converter_pattern | None), ...]}`` for the wanted
+    keys (sources in transformers' order: experts by index), and the converters by pattern.
     """
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = _conversions(model)
     meta = model.state_dict()
     prefix = model.base_model_prefix
-    plan: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+    renamed: dict[str, tuple[str, str | None]] = {}
     for key in sorted(checkpoint_keys, key=dot_natural_key):
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
-        if renamed not in meta and key in meta:
-            renamed, pattern = key, None
-        if renamed in wanted:
-            plan[renamed].append((key, pattern))
-    if topology.tied:
-        head_key = f"{topology.names['head']}.weight"
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        renamed[key] = (key, None) if target not in meta and key in meta else (target, pattern)
+
+    plan: dict[str, list[tuple[str, str | None]]] = defaultdict(list)
+    for key, (target, pattern) in renamed.items():
+        if target in wanted:
+            plan[target].append((key, pattern))
+    head_key = f"{topology.names['head']}.weight"
+    if topology.tied and head_key in wanted and head_key not in plan:
+        # the checkpoint stores no head: it aliases the input embedding (the reference's rule)
         embed_key = f"{topology.names['embed']}.weight"
-        if head_key in wanted and head_key not in plan:
-            # the checkpoint stores no head: it aliases the input embedding (the reference's rule)
-            plan[head_key] = [(key, None) for key, _ in plan.get(embed_key, [])] or [
-                (key, pattern)
-                for key in checkpoint_keys
-                for renamed, pattern in [
-                    rename_source_key(key, renamings, converters, prefix, meta)
-                ]
-                if renamed == embed_key
-            ]
-    return plan, {p: c for c in converters for p in c.source_patterns}
+        plan[head_key] = [(k, p) for k, (target, p) in renamed.items() if target == embed_key]
+    return dict(plan), {p: c for c in converters for p in c.source_patterns}
+
+
+def _read(checkpoint: _Checkpoint, plan, build) -> tuple[str, ...]:
+    """Read each planned checkpoint tensor once, one file open at a time, and hand every model
+    key to ``build(model_key, {checkpoint_key: tensor})`` as soon as all its sources are read
+    (a fused MoE weight waits for all its experts); returns the files read."""
+    by_file: dict[str, set[str]] = defaultdict(set)
+    waiting_on: dict[str, list[str]] = defaultdict(list)
+    pending = {model_key: {key for key, _ in sources} for model_key, sources in plan.items()}
+    for model_key, keys in pending.items():
+        for key in keys:
+            by_file[checkpoint.weight_map[key]].add(key)
+            waiting_on[key].append(model_key)
+    checkpoint.ensure_disk_for(set(by_file))
+    held: dict[str, torch.Tensor] = {}
+    for filename in sorted(by_file):
+        path = checkpoint.path(filename)
+        keys = sorted(by_file[filename])
+        while keys:
+            # safetensors maps the file: every page read stays resident until the handle
+            # closes, so a long read is split into handles of at most MAPPED_BYTES_PER_OPEN
+            mapped = 0
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                while keys and mapped <= MAPPED_BYTES_PER_OPEN:
+                    key = keys.pop(0)
+                    held[key] = handle.get_tensor(key)
+                    mapped += held[key].nbytes
+                    for model_key in waiting_on[key]:
+                        pending[model_key].discard(key)
+                        if not pending[model_key]:
+                            build(model_key, {k: held[k] for k, _ in plan[model_key]})
+                    for done in [k for k in held if all(not pending[m] for m in waiting_on[k])]:
+                        del held[done]  # one full-precision tensor at a time
+    return tuple(sorted(by_file))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +237,10 @@ def _plan_reads(model, topology: Topology, checkpoint_keys, wanted: set[str]):
 def _set_tensor(model: nn.Module, key: str, value: torch.Tensor) -> None:
     module_name, _, name = key.rpartition(".")
     module = model.get_submodule(module_name)
-    if name in module._parameters:
+    if isinstance(value, nn.Module):  # an ExpertStack takes the fused parameter's place
+        del module._parameters[name]
+        module.add_module(name, value)
+    elif name in module._parameters:
         old = module._parameters[name]
         if isinstance(value, nn.Parameter):
             module._parameters[name] = value
@@ -229,13 +268,15 @@ def _dtype_for(model, dtype: torch.dtype):
     return pick
 
 
-def _empty_model(config, dtype: torch.dtype):
+def _empty_model(config, dtype: torch.dtype, attn_implementation: str | None = None):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     # buffers stay real: rotary tables and embedding scales are recomputed, not read
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
     model.tie_weights()  # from_pretrained ties after loading; introspection must see it now
     return model
 
@@ -249,19 +290,25 @@ def load_stage_shard(
     dtype: torch.dtype | str = torch.float32,
     quantization: dict | None = None,
     device: str | torch.device = "cpu",
+    *,
+    attn_implementation: str | None = None,
 ) -> Stage:
     """Materialise blocks ``[layer_start, layer_end)`` of ``model_ref`` (a folder, a Hub id or
     ``"embedded"``) and nothing else: a meta-device model from the config, then only the stage's
-    tensors read from only the files that hold them."""
+    tensors read from only the files that hold them. The stage comes back in eval mode.
+
+    ``attn_implementation`` is transformers' (``"sdpa"`` by default, ``"eager"``, ...); every
+    block is handed the causal mask of its own layer type whichever it is."""
     from transformers import AutoConfig
 
     from swarmp2p.runtime.torch import quantization as _quant
 
     dtype = resolve_dtype(dtype)
+    device = torch.device(device)
     spec = _quant.normalize_spec(quantization)
     checkpoint = _Checkpoint(model_ref)
     config = AutoConfig.from_pretrained(checkpoint.folder)
-    model = _empty_model(config, dtype)
+    model = _empty_model(config, dtype, attn_implementation)
     topology = introspect(model)
     stage = Stage(
         topology,
@@ -284,55 +331,33 @@ def load_stage_shard(
             "it names its weights differently from transformers' model"
         )
 
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for sources in plan.values():
-        for key, _ in sources:
-            by_file[checkpoint.weight_map[key]].append(key)
-    checkpoint.ensure_disk_for(set(by_file))
-    # one file open at a time; converters (fused MoE experts) need all of a key's sources first
-    read: dict[str, torch.Tensor] = {}
     pick_dtype = _dtype_for(model, dtype)
 
-    def finish(model_key: str, value: torch.Tensor) -> None:
+    def build(model_key: str, pieces: dict[str, torch.Tensor]) -> None:
+        sources = plan[model_key]
+        if sources[0][1] is None:
+            value = pieces[sources[0][0]]
+        else:
+            value = _convert(model, config, model_key, sources, pieces, converter_of)
+        # straight to the device: a GPU stage holds one host tensor at a time, and bitsandbytes
+        # quantizes on the card as from_pretrained does with a device map
         if quantizer is not None and quantizer.owns(model_key):
-            value = quantizer.quantize(model_key, value.to(dtype))
+            value = quantizer.quantize(model_key, value.to(device=device, dtype=dtype))
         elif value.is_floating_point():
-            value = value.to(pick_dtype(model_key, meta[model_key].dtype))
+            value = value.to(device=device, dtype=pick_dtype(model_key, meta[model_key].dtype))
+        else:
+            value = value.to(device)
         _set_tensor(model, model_key, value)
 
-    pending = {k: {key for key, _ in v} for k, v in plan.items()}
-    waiting_on: dict[str, list[str]] = defaultdict(list)
-    for model_key, keys in pending.items():
-        for key in keys:
-            waiting_on[key].append(model_key)
-    for filename in sorted(by_file):
-        with safe_open(checkpoint.path(filename), framework="pt", device="cpu") as handle:
-            for key in sorted(set(by_file[filename])):
-                read[key] = handle.get_tensor(key)
-        for key in sorted(set(by_file[filename])):
-            for model_key in waiting_on[key]:
-                pending[model_key].discard(key)
-                if pending[model_key]:
-                    continue
-                sources = plan[model_key]
-                if sources[0][1] is None:
-                    finish(model_key, read[sources[0][0]])
-                else:
-                    finish(
-                        model_key, _convert(model, config, model_key, sources, read, converter_of)
-                    )
-        for key in list(read):
-            if all(not pending[m] for m in waiting_on[key]):
-                del read[key]
-
+    loaded_files = _read(checkpoint, plan, build)
     if topology.tied and stage.embed is not None and stage.head is not None:
         stage.head.weight = stage.embed.weight
     _check_materialised(stage, checkpoint.ref)
-    stage.loaded_files = tuple(sorted(by_file))
-    stage.to(device)
-    if quantizer is not None:
-        stage.eval()  # as from_pretrained hands back a quantized model: bnb int8 differs in train
-    return stage
+    stage.loaded_files = loaded_files
+    stage.to(device)  # the recomputed buffers (rotary tables, embedding scales)
+    # eval mode, as from_pretrained hands a model back (dropout off; bnb int8 differs in train);
+    # a trainer calls stage.train() itself
+    return stage.eval()
 
 
 def _convert(model, config, model_key, sources, read, converter_of) -> torch.Tensor:

@@ -3,106 +3,26 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from swarmp2p.plan.quantization import QuantSpec
+from swarmp2p.plan.quantization import normalize as normalize_quantization
 from swarmp2p.runtime.torch.introspect import Topology
 
 INSTALL_HINT = "pip install bitsandbytes (or run ./install.sh)"
 
-_KEYS = frozenset(
-    {
-        "bits",
-        "method",
-        "quant_type",
-        "double_quant",
-        "compute_dtype",
-        "threshold",
-        "cpu_offload",
-        "skip_modules",
-    }
-)
-_METHODS = {"int8": (8, None), "nf4": (4, "nf4"), "fp4": (4, "fp4"), "none": (None, None)}
-_COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class QuantSpec:
-    """A normalised weight-quantization spec (the reference's table)."""
-
-    bits: int
-    """8 (LLM.int8()) or 4."""
-    quant_type: str = "nf4"
-    """4-bit data type: ``nf4`` or ``fp4``."""
-    double_quant: bool = True
-    """Quantize the 4-bit block scales too."""
-    compute_dtype: str = "bfloat16"
-    """Dtype the dequantized 4-bit matmul runs in."""
-    threshold: float = 6.0
-    """LLM.int8() outlier threshold."""
-    cpu_offload: bool = False
-    skip_modules: tuple[str, ...] | None = None
-    """Modules kept in full precision; ``None`` means the output head, found by introspection."""
-
 
 def normalize_spec(spec: dict | QuantSpec | None) -> QuantSpec | None:
-    """A spec dict -> ``QuantSpec``, or ``None`` for no quantization; bad fields are named."""
+    """A spec dict -> the planner's ``QuantSpec``, or ``None`` for no quantization.
+
+    One normaliser for the whole swarm (``swarmp2p.plan.quantization``): the leader's memory
+    check and the stage that loads the weights cannot disagree on what a spec means.
+    """
     if spec is None or isinstance(spec, QuantSpec):
         return spec
-    if not isinstance(spec, dict):
-        raise TypeError(f"quantization must be a dict like {{'bits': 4}}, got {spec!r}")
-    unknown = sorted(set(spec) - _KEYS)
-    if unknown:
-        raise ValueError(
-            f"quantization: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}"
-        )
-    bits = spec.get("bits")
-    quant_type = spec.get("quant_type")
-    if "method" in spec:
-        if spec["method"] not in _METHODS:
-            raise ValueError(
-                f"quantization.method {spec['method']!r} is not one of {', '.join(_METHODS)}"
-            )
-        method_bits, method_type = _METHODS[spec["method"]]
-        if bits is not None and bits != method_bits and bits not in (16, 32):
-            raise ValueError(f"quantization: bits {bits} contradicts method {spec['method']!r}")
-        if quant_type is not None and method_type is not None and quant_type != method_type:
-            raise ValueError(
-                f"quantization: quant_type {quant_type!r} contradicts method {spec['method']!r}"
-            )
-        bits, quant_type = method_bits, quant_type or method_type
-    if bits in (None, 16, 32):
-        return None
-    if bits not in (4, 8):
-        raise ValueError(f"quantization.bits must be 4, 8, 16, 32 or null, got {bits!r}")
-    quant_type = quant_type or "nf4"
-    if quant_type not in ("nf4", "fp4"):
-        raise ValueError(f"quantization.quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
-    compute_dtype = spec.get("compute_dtype", "bfloat16")
-    if compute_dtype not in _COMPUTE_DTYPES:
-        raise ValueError(
-            f"quantization.compute_dtype must be one of {', '.join(_COMPUTE_DTYPES)}, "
-            f"got {compute_dtype!r}"
-        )
-    skip = spec.get("skip_modules")
-    if skip is not None and (
-        not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip)
-    ):
-        raise ValueError(f"quantization.skip_modules must be a list of module names, got {skip!r}")
-    threshold = spec.get("threshold", 6.0)
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0:
-        raise ValueError(f"quantization.threshold must be a positive number, got {threshold!r}")
-    return QuantSpec(
-        bits=bits,
-        quant_type=quant_type,
-        double_quant=bool(spec.get("double_quant", True)),
-        compute_dtype=compute_dtype,
-        threshold=float(threshold),
-        cpu_offload=bool(spec.get("cpu_offload", False)),
-        skip_modules=None if skip is None else tuple(skip),
-    )
+    return normalize_quantization(spec)
 
 
 def import_bitsandbytes():
@@ -159,6 +79,52 @@ def full_precision_modules(topology: Topology, spec: QuantSpec) -> list[str]:
     return [topology.names["head"]]
 
 
+class ExpertStack(nn.Module):
+    """A fused MoE expert weight ``[E, out, in]`` with every expert's matrix quantized on its
+    own (bitsandbytes replaces only ``nn.Linear``, which would leave the experts, nearly all of
+    an MoE's weights, in 16 bits). Indexing an expert, which is how transformers' eager experts
+    forward reads one, dequantizes only that expert."""
+
+    def __init__(self, weight: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        bnb = import_bitsandbytes()
+        self.num_experts, self.out_features, self.in_features = weight.shape
+        self.bits = spec.bits
+        self.dtype = dtype
+        for index in range(self.num_experts):
+            matrix = weight[index].contiguous()
+            if spec.bits == 4:
+                param = bnb.nn.Params4bit(
+                    matrix,
+                    requires_grad=False,
+                    quant_type=spec.quant_type,
+                    compress_statistics=spec.double_quant,
+                )
+            else:
+                param = bnb.nn.Int8Params(matrix.cpu(), requires_grad=False, has_fp16_weights=False)
+            self.register_parameter(f"expert_{index}", param.to(weight.device))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, self.out_features, self.in_features))
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, index) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        param = getattr(self, f"expert_{int(index)}")
+        if self.bits == 4:
+            return F.dequantize_4bit(param.data, param.quant_state).to(self.dtype)
+        return F.int8_vectorwise_dequant(param.data, param.SCB).to(self.dtype)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    # transformers marks fused expert modules with its experts-implementation wrapper
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "is_transposed")
+
+
 class StageQuantizer:
     """Turns an empty model's linear layers into bitsandbytes ones, then quantizes each owned
     weight as it is read, by transformers' own quantize ops (GPT-2 Conv1D turned around first)."""
@@ -166,6 +132,7 @@ class StageQuantizer:
     def __init__(self, model: nn.Module, topology: Topology, spec: QuantSpec) -> None:
         bnb = import_bitsandbytes()
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+        from transformers.quantizers.quantizers_utils import should_convert_module
 
         silence_cast_warning()
         self.spec = spec
@@ -176,14 +143,31 @@ class StageQuantizer:
             model, modules_to_not_convert=self.skip or None, quantization_config=self.config
         )
         self._layers = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+        self._experts = {
+            name
+            for name, module in model.named_modules()
+            if _is_experts(module)
+            and not module.is_transposed
+            and should_convert_module(name, self.skip or None)
+        }
+        if self._experts:
+            # the eager experts forward reads one expert at a time: what ExpertStack serves
+            topology.config._experts_implementation = "eager"
 
     def owns(self, key: str) -> bool:
+        """Whether the weight ``key`` is quantized as it loads."""
         module_name, _, name = key.rpartition(".")
-        return name == "weight" and isinstance(self.model.get_submodule(module_name), self._layers)
+        module = self.model.get_submodule(module_name)
+        if module_name in self._experts:
+            return getattr(module, name).ndim == 3
+        return name == "weight" and isinstance(module, self._layers)
 
-    def quantize(self, key: str, value: torch.Tensor) -> nn.Parameter:
+    def quantize(self, key: str, value: torch.Tensor) -> nn.Parameter | ExpertStack:
+        """The quantized form of ``value``: a bnb parameter, or an ``ExpertStack``."""
         from transformers.integrations.bitsandbytes import Bnb4bitQuantize, Bnb8bitQuantize
 
+        if key.rpartition(".")[0] in self._experts:
+            return ExpertStack(value, self.spec, value.dtype)
         op = Bnb8bitQuantize(None) if self.spec.bits == 8 else Bnb4bitQuantize(None)
         return op.convert({key: [value]}, model=self.model, full_layer_name=key)[key]
 

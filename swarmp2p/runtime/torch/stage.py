@@ -66,6 +66,8 @@ class Stage(nn.Module):
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
         self.config = topology.config
+        self.loaded_files: tuple[str, ...] = ()
+        """Checkpoint files this stage was read from (set by ``load_stage_shard``)."""
         self.block_indices = tuple(range(layer_start, layer_end))
         self.block_types = topology.layer_types[layer_start:layer_end]
         self.blocks = nn.ModuleList(topology.blocks[i] for i in self.block_indices)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from swarmp2p.net import SecureContext, SwarmSecret
+from swarmp2p.net import SecureContext, SwarmSecret, auth
 from swarmp2p.net.links import InProcLink, Link, LinkClosed, LinkTimeout, ZmqLink
-from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor
+from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor, fake_quantize
 
 LINKS = ["inproc", "zmq-curve", "zmq-plain"]
 
@@ -196,4 +201,89 @@ def test_send_times_out_when_the_queue_is_full(ctx, secret):
         with pytest.raises(LinkTimeout, match="could not queue"):
             a.send([b"x"], timeout=0.2)
     finally:
+        a.close()
+
+
+_CHILD = r"""
+import sys
+import numpy as np
+import zmq
+from swarmp2p.net import SwarmSecret, ZmqLink, stop_zero_copy_collector
+from swarmp2p.wire import TensorFrame, encode_tensor, fake_quantize
+
+token, endpoint = sys.argv[1], sys.argv[2]
+x = np.random.default_rng(42).standard_normal((128, 64)).astype(np.float32)
+with zmq.Context() as ctx:
+    link = ZmqLink.dial(ctx, SwarmSecret.from_token(token), endpoint)
+    link.send(encode_tensor(fake_quantize(x, 8), "int8", exact=True, step=9).to_parts())
+    reply = TensorFrame.from_parts(link.recv(10.0))
+    print(reply.step, reply.codec)
+    link.close()
+stop_zero_copy_collector()
+"""
+
+
+def test_a_frame_crosses_between_processes(ctx, secret):
+    a = ZmqLink.bind(ctx, secret, "127.0.0.1", 0)
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, secret.token, a.endpoint],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        frame = TensorFrame.from_parts(a.recv(30.0))
+        x = np.random.default_rng(42).standard_normal((128, 64)).astype(np.float32)
+        assert (frame.codec, frame.step) == ("int8", 9)  # codes crossed, not floats
+        assert np.array_equal(decode_tensor(frame), fake_quantize(x, 8))
+        assert a.bytes_received == frame.nbytes + len(frame.header())
+        a.send(encode_tensor(np.zeros(1, np.float32), step=10).to_parts())
+        out, err = child.communicate(timeout=30)
+        assert child.returncode == 0, err
+        assert out.split() == ["10", "none"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        a.close()
+
+
+_FROZEN_CHILD = r"""
+import sys, time
+import zmq
+from swarmp2p.net import SwarmSecret, ZmqLink
+
+with zmq.Context() as ctx:
+    link = ZmqLink.dial(ctx, SwarmSecret.from_token(sys.argv[1]), sys.argv[2])
+    link.send([b"hello"])
+    time.sleep(60)  # the parent stops (SIGSTOP) and then kills this process
+"""
+
+
+def test_heartbeats_drop_a_peer_that_went_silent(ctx, secret, monkeypatch):
+    """A frozen peer (SIGSTOP: a hung host) is disconnected, not waited on forever."""
+    monkeypatch.setattr(auth, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(auth, "HEARTBEAT_TIMEOUT_MS", 500)
+    a = ZmqLink.bind(ctx, secret, "127.0.0.1", 0)
+    mon = a._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_CHILD, secret.token, a.endpoint],
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert as_bytes(a.recv(30.0)) == [b"hello"]
+        child.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert mon.poll(5000), "the silent peer was never disconnected"
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        child.kill()
+        child.send_signal(signal.SIGCONT)
+        child.wait()
+        a._sock.disable_monitor()
+        mon.close(0)
         a.close()

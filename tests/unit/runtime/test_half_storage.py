@@ -33,6 +33,7 @@ def _rounded(folder, dtype):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "weight_dtype"), [("qwen3", "float16"), ("gpt2", "bfloat16"), ("llama", "float16")]
 )

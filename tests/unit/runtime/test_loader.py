@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -56,6 +57,7 @@ def opened(monkeypatch):
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_slices_equal_the_whole_load_and_read_only_their_files(family, checkpoints, opened):
     folder = checkpoints(family)
@@ -74,9 +76,10 @@ def test_slices_equal_the_whole_load_and_read_only_their_files(family, checkpoin
             stage = load_stage_shard(folder, start, end, start == 0, end == n, dtype)
             expected, every = _expected_files(folder, start, end, start == 0, end == n, tied)
             assert set(opened) == expected == set(stage.loaded_files), (family, start, end)
-            assert len(opened) == len(set(opened)), "each file opened once"
+            assert len(opened) == len(set(opened)), "each small file opened once"
             if start > 0 and end < n:
                 assert len(expected) < len(every)
+            assert not stage.training, "eval mode, as from_pretrained returns a model"
             for name, param in stage.named_parameters():
                 assert param.dtype == whole_params[_whole_name(stage, name, whole)].dtype
             with torch.no_grad():
@@ -139,8 +142,13 @@ def test_bad_layer_ranges_are_refused(checkpoints, args, error, match):
 
 
 def test_bad_references_and_dtypes_are_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
-        load_stage_shard(str(tmp_path / "nope"), 0, 1, True, True, torch.float32)
+    for ref, message in (
+        (str(tmp_path / "nope"), "does not exist; name a folder"),
+        ("not a/hub id", "is neither 'embedded', an existing folder, nor a Hub id"),
+        ("org/name/extra", "is neither 'embedded', an existing folder, nor a Hub id"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_stage_shard(ref, 0, 1, True, True, torch.float32)
     with pytest.raises(ValueError, match="dtype 'int8' is not a torch floating dtype"):
         resolve_dtype("int8")
     assert resolve_dtype("bfloat16") is torch.bfloat16
@@ -150,3 +158,82 @@ def test_free_disk_check_names_the_numbers():
     check_free_disk(10**9, 2 * 10**9, "/cache")
     with pytest.raises(OSError, match=r"needs 1.00 GB .* /cache, which has 1.20 GB free"):
         check_free_disk(10**9, 12 * 10**8, "/cache")
+
+
+def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path, monkeypatch):
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny--llama"
+    shutil.copytree(checkpoints("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    stage = load_stage_shard("tiny/llama", 1, 3, False, False, torch.float32)
+    local = load_stage_shard(checkpoints("llama"), 1, 3, False, False, torch.float32)
+    assert stage.loaded_files == local.loaded_files
+    for (name, a), (_, b) in zip(stage.state_dict().items(), local.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(
+        FileNotFoundError, match=r"'tiny/absent': config\.json is neither in the local"
+    ):
+        load_stage_shard("tiny/absent", 0, 1, True, False, torch.float32)
+
+
+def test_embedded_resolves_through_ensure_embedded(checkpoints, monkeypatch, tmp_path):
+    import types
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # not converted yet in this cache
+    calls = []
+    fake = types.ModuleType("swarmp2p.runtime.torch.embedded")
+    fake.ensure_embedded = lambda: calls.append(1) or checkpoints("llama")
+    monkeypatch.setitem(sys.modules, "swarmp2p.runtime.torch.embedded", fake)
+    stage = load_stage_shard("embedded", 0, 2, True, False, torch.float32)
+    assert calls == [1]
+    assert stage.block_indices == (0, 1)
+
+
+def test_long_reads_remap_the_file_and_load_the_same(checkpoints, opened, monkeypatch):
+    folder = checkpoints("mixtral")  # fused experts: sources of one weight span handles
+    whole = load_stage_shard(folder, 1, 3, False, False, torch.float32)
+    files = len(opened)
+    opened.clear()
+    monkeypatch.setattr(loader, "MAPPED_BYTES_PER_OPEN", 0)  # a fresh handle per tensor
+    remapped = load_stage_shard(folder, 1, 3, False, False, torch.float32)
+    assert len(opened) > files and set(opened) == set(remapped.loaded_files)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), remapped.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_free_disk_is_checked_before_any_weight_download(checkpoints, tmp_path, monkeypatch):
+    import shutil
+    import types
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "models--tiny--remote"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors.index.json"):  # weights not downloaded yet
+        shutil.copy(checkpoints("llama") / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    asked = []
+
+    def sizes(self, repo_id, paths, **kwargs):
+        asked.append((repo_id, sorted(paths)))
+        return [types.SimpleNamespace(path=p, size=10**15) for p in paths]
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", sizes)
+    with pytest.raises(OSError, match=r"needs [1-9]000000\.00 GB of checkpoint files .* GB free"):
+        load_stage_shard("tiny/remote", 1, 3, False, False, torch.float32)
+    expected, _ = _expected_files(checkpoints("llama"), 1, 3, False, False, False)
+    assert asked == [("tiny/remote", sorted(expected))], "sizes of exactly the stage's files"

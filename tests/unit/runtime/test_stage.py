@@ -96,3 +96,68 @@ def test_cached_decode_equals_the_whole_models(family, whole):
             for step, (a, b) in enumerate(zip(got, reference)):
                 assert (a - b).abs().max().item() <= TOL, (family, cuts, step)
             assert all(c.seen_tokens == 7 + len(steps) for c in caches)
+            for stage, cache in zip(stages, caches):
+                filled = [i for i, layer in enumerate(cache.cache.layers) if _filled(layer)]
+                assert filled == list(stage.block_indices), "laid out by whole-model index"
+
+
+def _filled(layer) -> bool:
+    """A cache layer holds state: keys/values, or a linear-attention block's recurrent state."""
+    recurrent = getattr(layer, "is_recurrent_states_initialized", {})
+    return bool(getattr(layer, "is_initialized", False) or any(recurrent.values()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_eager_attention_is_handed_its_causal_mask(family, checkpoints):
+    """Eager attention given no mask attends to future tokens silently (DESIGN pitfall)."""
+    from swarmp2p.runtime.torch import load_stage_shard
+
+    folder = checkpoints(family)
+    sdpa = load_whole(folder)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(7))
+    stages = [
+        load_stage_shard(folder, 0, 1, True, False, attn_implementation="eager"),
+        load_stage_shard(folder, 1, 4, False, True, attn_implementation="eager"),
+    ]
+    assert stages[0].config._attn_implementation == "eager"
+    with torch.no_grad():
+        got = _chain(stages, ids)
+        expected = sdpa(ids).logits
+    assert (got - expected).abs().max().item() <= TOL
+
+
+S, F, L = "sliding_attention", "full_attention", "linear_attention"
+
+
+@pytest.mark.parametrize(
+    ("family", "blocks", "head", "types", "tied", "cache_kwarg", "position_embed"),
+    [
+        ("gpt2", "transformer.h", "lm_head", (F,) * 4, True, "cache", "transformer.wpe"),
+        ("llama", "model.layers", "lm_head", (F,) * 4, False, "cache", None),
+        ("mistral", "model.layers", "lm_head", (S,) * 4, False, "cache", None),
+        ("qwen2", "model.layers", "lm_head", (F, F, S, S), False, "cache", None),
+        ("gemma3", "model.layers", "lm_head", (S, F, S, F), True, "cache", None),
+        ("gpt_neox", "gpt_neox.layers", "lm_head", (F,) * 4, False, "layer_past", None),
+        ("qwen3_5", "model.layers", "lm_head", (L, F, L, F), False, "cache", None),
+    ],
+)
+def test_introspection_finds_each_part(
+    family, blocks, head, types, tied, cache_kwarg, position_embed, whole
+):
+    topology = introspect(whole(family))
+    assert topology.names["blocks"] == blocks
+    assert topology.names["head"] == head
+    assert topology.layer_types == types
+    assert topology.tied is tied
+    assert topology.cache_kwarg == cache_kwarg
+    assert topology.names["position_embed"] == position_embed
+
+
+def test_introspection_refuses_a_model_without_a_head(checkpoints):
+    from transformers import AutoModel
+
+    bare = AutoModel.from_pretrained(checkpoints("llama"))
+    with pytest.raises(
+        ValueError, match="LlamaModel has no base model under a language-model head"
+    ):
+        introspect(bare)

@@ -80,6 +80,15 @@ def _configs():
                 num_position_embeddings=16,
             ),
         ),
+        "granite": lambda: tf.GraniteConfig(
+            **_common(
+                embedding_multiplier=3.0,
+                logits_scaling=4.0,
+                residual_multiplier=0.5,
+                attention_multiplier=0.2,
+            )
+        ),
+        "cohere": lambda: tf.CohereConfig(**_common(logit_scale=0.5, tie_word_embeddings=True)),
         "mixtral": lambda: tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(
             **_common(
@@ -105,6 +114,8 @@ FAMILIES = (
     "qwen3_5",
     "mixtral",
     "qwen3_moe",
+    "granite",
+    "cohere",
 )
 
 

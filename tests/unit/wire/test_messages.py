@@ -23,6 +23,7 @@ from swarmp2p.wire import (
     message,
     message_types,
     shared_capabilities,
+    wire_field,
 )
 from swarmp2p.wire.messages import MAX_PLAIN_DEPTH
 
@@ -308,7 +309,7 @@ def test_round_trip_every_type(type_name):
 
 
 def test_every_registered_type_has_a_round_trip_strategy():
-    builtin = {n for n in message_types() if not n.startswith("test.")}
+    builtin = {n for n, c in message_types().items() if c.__module__.startswith("swarmp2p.wire")}
     assert builtin <= set(STRATEGIES)
 
 
@@ -337,3 +338,34 @@ def test_mutated_and_truncated_messages_give_wire_errors(msg, data):
     except WireError:
         return
     assert isinstance(out, Message)  # a mutation may land on another valid message
+
+
+@message("test.bounded")
+class Bounded(Message):
+    port: int = wire_field(default=0, min=0, max=65535)
+    ratio: float | None = wire_field(default=None, min=0.0, max=1.0)
+    tags: list[str] = wire_field(default_factory=list, max_len=2)
+    name: str = wire_field(default="", max_len=4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"port": -1}, "test.bounded.port must be >= 0, got -1"),
+        ({"port": 65536}, "port must be <= 65535, got 65536"),
+        ({"ratio": 1.5}, "ratio must be <= 1.0"),
+        ({"tags": ["a", "b", "c"]}, "tags has length 3, at most 2"),
+        ({"name": "abcde"}, "name has length 5, at most 4"),
+    ],
+)
+def test_ranges_and_lengths_are_enforced_both_ways(fields, fragment):
+    with pytest.raises(WireError, match=fragment):
+        decode(_packed(t="test.bounded", **fields))
+    with pytest.raises(WireError, match=fragment):
+        encode(Bounded(**fields))
+
+
+def test_bounds_accept_the_edges():
+    msg = Bounded(port=65535, ratio=None, tags=["a", "b"], name="abcd")
+    assert decode(encode(msg)) == msg
+    assert decode(encode(Bounded(port=0, ratio=0.0))).ratio == 0.0

@@ -1,0 +1,152 @@
+"""The local API between the CLI and its daemon: JSON lines over a unix socket.
+
+Why a unix socket: it lives in the 0700 state directory and is itself 0600, so the kernel lets
+only the user who runs the daemon (and root) open it -- no key is needed, and nothing on it is
+ever reachable from the network. Each request is one JSON object ``{"op": ..., ...}`` on one
+line; each reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+MAX_LINE_BYTES = 1 << 20
+API_OPS = ("status", "peers", "submit", "down")
+
+
+class ApiError(RuntimeError):
+    """The daemon is not running, not answering, or refused the request."""
+
+
+ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+"""``async handler(request) -> result``; raise ApiError or ValueError to refuse."""
+
+_log = logging.getLogger(__name__)
+
+
+class ApiServer:
+    """The daemon's side: a 0600 unix socket at ``path`` answering ``handlers[op]``."""
+
+    def __init__(self, path: Path, handlers: Mapping[str, ApiHandler]) -> None:
+        unknown = set(handlers) - set(API_OPS)
+        if unknown:
+            raise ValueError(f"no such local API op(s) {sorted(unknown)}; known: {list(API_OPS)}")
+        self.path = path
+        self._handlers = dict(handlers)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The umask is process-wide: change it only around the synchronous bind, never across an
+        # await, where another daemon in this process could save and restore it out of order.
+        old_umask = os.umask(0o077)  # the socket is never, even briefly, open to others
+        try:
+            sock.bind(str(self.path))
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old_umask)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE_BYTES)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            reply = await self._answer(await reader.readline())
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, line: bytes) -> dict[str, Any]:
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict) or req.get("op") not in self._handlers:
+                raise ValueError(f"op must be one of {sorted(self._handlers)}")
+            return {"ok": True, "result": await self._handlers[req["op"]](req)}
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"ok": False, "error": f"bad request: {exc}"}
+        except ApiError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:
+            _log.exception("local API request failed")
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+
+
+def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any) -> Any:
+    """Send one request to the daemon whose API socket is ``socket_path``; its result."""
+    if op not in API_OPS:
+        raise ValueError(f"unknown local API op {op!r}; one of {list(API_OPS)}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(socket_path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise ApiError(
+                f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)"
+            ) from None
+        sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise ApiError(
+                    f"the swarm daemon did not answer {op!r} within {timeout:g} s"
+                ) from None
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_LINE_BYTES * 16:
+                raise ApiError("the swarm daemon's reply is too large")
+    finally:
+        sock.close()
+    if not data:
+        raise ApiError(f"the swarm daemon closed the connection without answering {op!r}")
+    reply = json.loads(data)
+    if not reply.get("ok"):
+        raise ApiError(reply.get("error", "the swarm daemon refused the request"))
+    return reply.get("result")
+
+
+def wait_until_up(socket_path: Path, timeout: float, *, alive=None) -> dict[str, Any]:
+    """Poll ``status`` until the daemon answers (or ``alive()`` says it died); its status."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise ApiError("the swarm daemon exited during start-up")
+        try:
+            return request(socket_path, "status", timeout=2.0)
+        except ApiError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise ApiError(f"the swarm daemon did not answer within {timeout:g} s: {last}")

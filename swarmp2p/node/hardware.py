@@ -1,0 +1,261 @@
+"""Hardware probe: GPUs through NVML (nvidia-ml-py), CPU cores, RAM, free disk; fake devices.
+
+``probe`` returns the cluster.json node record of ``swarmp2p.plan.hardware`` (plain dicts,
+bytes everywhere): ``{"node_id", "name", "ram", "disk_free", "capabilities", "version",
+"devices": [{"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}]}``
+with ``"fake": true`` added on fake devices only (``planner_record`` drops it), and a host dict
+``{"cpu_cores", "driver"}`` that the planner does not take.
+
+``SWARM_FAKE_DEVICES`` (tests and demos only) replaces the GPUs NVML would report with
+described ones, each marked ``"fake": true``. Two forms:
+
+- short: ``"A5000:24,1660S:6"`` -- comma-separated ``NAME:GIB[:CAPABILITY]`` CUDA devices
+  (memory in GiB, all free; capability like ``8.6``, ``""`` when left out);
+- JSON: a list of device objects with at least ``name`` and ``memory_total`` (bytes);
+  ``kind`` defaults to ``"cuda"``, ``memory_free`` to ``memory_total``,
+  ``compute_capability`` to ``""``, ``index`` to the position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+FAKE_DEVICES_ENV = "SWARM_FAKE_DEVICES"
+"""Environment variable describing fake devices (see the module docstring)."""
+
+DEVICE_KINDS = ("cuda", "cpu", "mps")
+GIB = 1 << 30
+_SHORT_ITEM = re.compile(r"^([A-Za-z0-9 ._-]+):(\d+(?:\.\d+)?)(?::(\d+\.\d+))?$")
+
+
+def parse_fake_devices(text: str) -> list[dict[str, Any]]:
+    """Parse a ``SWARM_FAKE_DEVICES`` value into device dicts marked ``fake``; ValueError if bad."""
+    text = text.strip()
+    if not text:
+        raise ValueError(
+            f"{FAKE_DEVICES_ENV} is empty; unset it or describe devices like 'A5000:24'"
+        )
+    if text.startswith("["):
+        return _parse_fake_json(text)
+    devices = []
+    for index, item in enumerate(text.split(",")):
+        match = _SHORT_ITEM.match(item.strip())
+        if match is None:
+            raise ValueError(
+                f"{FAKE_DEVICES_ENV} item {index} {item.strip()!r} is not NAME:GIB[:CAPABILITY]; "
+                "write e.g. 'A5000:24:8.6,1660S:6' or a JSON list of device objects"
+            )
+        name, gib, capability = match.group(1).strip(), float(match.group(2)), match.group(3)
+        if gib <= 0:
+            raise ValueError(f"{FAKE_DEVICES_ENV} item {index} {name!r}: memory must be > 0 GiB")
+        memory = int(gib * GIB)
+        devices.append(_device("cuda", index, name, memory, memory, capability or "", fake=True))
+    return devices
+
+
+def _parse_fake_json(text: str) -> list[dict[str, Any]]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{FAKE_DEVICES_ENV} is not valid JSON: {exc}") from None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{FAKE_DEVICES_ENV} must be a non-empty JSON list of device objects")
+    devices = []
+    for index, item in enumerate(items):
+        where = f"{FAKE_DEVICES_ENV}[{index}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object, got {type(item).__name__}")
+        unknown = set(item) - {
+            "kind",
+            "index",
+            "name",
+            "memory_total",
+            "memory_free",
+            "compute_capability",
+            "fake",
+        }
+        if unknown:
+            raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}")
+        kind = item.get("kind", "cuda")
+        if kind not in DEVICE_KINDS:
+            raise ValueError(f"{where}.kind {kind!r} is not one of {list(DEVICE_KINDS)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.name must be a non-empty string")
+        total = item.get("memory_total")
+        if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
+            raise ValueError(
+                f"{where}.memory_total must be a positive integer (bytes), got {total!r}"
+            )
+        free = item.get("memory_free", total)
+        if not isinstance(free, int) or isinstance(free, bool) or not 0 <= free <= total:
+            raise ValueError(
+                f"{where}.memory_free must be an integer in [0, memory_total], got {free!r}"
+            )
+        capability = item.get("compute_capability", "")
+        if not isinstance(capability, str) or (
+            capability and not re.match(r"^\d+\.\d+$", capability)
+        ):
+            raise ValueError(
+                f"{where}.compute_capability must be like '8.6' or '', got {capability!r}"
+            )
+        idx = item.get("index", index)
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            raise ValueError(f"{where}.index must be a non-negative integer, got {idx!r}")
+        devices.append(_device(kind, idx, name, total, free, capability, fake=True))
+    return devices
+
+
+def _device(
+    kind: str, index: int, name: str, total: int, free: int, capability: str, *, fake: bool
+) -> dict[str, Any]:
+    device = {
+        "kind": kind,
+        "index": index,
+        "name": name,
+        "memory_total": total,
+        "memory_free": free,
+        "compute_capability": capability,
+    }
+    if fake:
+        device["fake"] = True
+    return device
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def probe_gpus(nvml: ModuleType | None = None) -> tuple[list[dict[str, Any]], str]:
+    """CUDA devices and the driver version from NVML; ``([], "")`` quietly when NVML is absent."""
+    if nvml is None:
+        try:
+            import pynvml as nvml  # provided by nvidia-ml-py
+        except ImportError:
+            return [], ""
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: a CPU machine
+        if isinstance(exc, getattr(nvml, "NVMLError", ())):
+            return [], ""
+        raise
+    try:
+        driver = _text(nvml.nvmlSystemGetDriverVersion())
+        devices = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+                capability = f"{major}.{minor}"
+            except nvml.NVMLError:
+                capability = ""
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            devices.append(
+                _device(
+                    "cuda", index, name, int(memory.total), int(memory.free), capability, fake=False
+                )
+            )
+        return devices, driver
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def model_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where model weights are cached (the Hugging Face hub cache); its disk is what we report."""
+    env = os.environ if env is None else env
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"])
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _disk_free(path: Path) -> int:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
+def probe(
+    *,
+    node_id: str,
+    name: str,
+    version: str,
+    capabilities: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    nvml: ModuleType | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This machine's node record and host dict; ``SWARM_FAKE_DEVICES`` in ``env`` replaces
+    the GPUs. ``capabilities`` are the runtime features this node declares (none by default)."""
+    env = os.environ if env is None else env
+    fake = env.get(FAKE_DEVICES_ENV)
+    if fake is not None:
+        gpus, driver = parse_fake_devices(fake), ""
+    else:
+        gpus, driver = probe_gpus(nvml)
+    ram = _ram_bytes()
+    cpu = _device("cpu", 0, "cpu", ram, _available_ram(ram), "", fake=False)
+    record = {
+        "node_id": node_id,
+        "name": name,
+        "ram": ram,
+        "disk_free": _disk_free(model_cache_dir(env)),
+        "capabilities": sorted(capabilities or []),
+        "version": version,
+        "devices": [*gpus, cpu],
+    }
+    return record, {"cpu_cores": _cpu_cores(), "driver": driver}
+
+
+def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` as ``swarmp2p.plan.hardware.Node.from_dict`` takes it (no ``fake`` marks)."""
+    out = dict(record)
+    out["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in record["devices"]]
+    return out
+
+
+def _available_ram(total: int) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
+def summary(record: Mapping[str, Any], host: Mapping[str, Any]) -> str:
+    """A short hardware line for the mDNS TXT record, e.g. ``"2xcuda:30G,cpu:4c/23G"``."""
+    gpus = [d for d in record.get("devices", []) if d.get("kind") != "cpu"]
+    parts = []
+    if gpus:
+        total = sum(int(d.get("memory_total", 0)) for d in gpus) // GIB
+        parts.append(f"{len(gpus)}x{gpus[0].get('kind', 'cuda')}:{total}G")
+    parts.append(f"cpu:{host.get('cpu_cores', 0)}c/{int(record.get('ram', 0)) // GIB}G")
+    return ",".join(parts)

@@ -1,0 +1,104 @@
+"""The daemon's control messages (type names ``node.*``), on the wire registry."""
+
+from __future__ import annotations
+
+from swarmp2p.node.election import check_node_id
+from swarmp2p.wire.messages import Message, message
+
+
+def _check_id(node_id: str) -> None:
+    check_node_id(node_id)
+
+
+@message("node.hello")
+class NodeHello(Message):
+    """Who a node is, how to reach it, its hardware and its table; the reply is the same."""
+
+    node_id: str
+    name: str
+    versions: list[int]
+    software: str
+    swarm_id: str
+    control_port: int
+    addresses: list[str]
+    """IPv4 addresses its control port listens on, best first."""
+    record: dict
+    """The hardware node record (cluster.json form)."""
+    host: dict
+    """CPU cores and the NVIDIA driver version."""
+    term: int
+    version: int
+
+    def __post_init__(self) -> None:
+        _check_id(self.node_id)
+        if not 0 < self.control_port < 65536:
+            raise ValueError(f"control_port must be in 1..65535, got {self.control_port}")
+        if not self.addresses:
+            raise ValueError("addresses must list at least one IPv4 address")
+        if not self.versions:
+            raise ValueError("versions must not be empty")
+
+
+@message("node.heartbeat")
+class Heartbeat(Message):
+    """I am alive; my table is at ``(term, version)``; I see ``leader`` leading."""
+
+    node_id: str
+    term: int
+    version: int
+    leader: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.node_id)
+
+
+@message("node.leave")
+class Leave(Message):
+    """I am stopping cleanly; forget me."""
+
+    node_id: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.node_id)
+
+
+@message("node.table_fetch")
+class TableFetch(Message):
+    """Send me your job table (a new leader collects them)."""
+
+    node_id: str
+
+
+@message("node.table")
+class TablePush(Message):
+    """A whole job table (a reply to a fetch, or pushed by the leader)."""
+
+    node_id: str
+    table: dict
+
+
+@message("node.table_ack")
+class TableAck(Message):
+    """The table this node now holds, durably."""
+
+    node_id: str
+    term: int
+    version: int
+
+
+@message("node.submit")
+class Submit(Message):
+    """Add an opaque job record to the table (forwarded to the leader by a follower)."""
+
+    job_id: str
+    record: dict
+
+
+@message("node.submitted")
+class Submitted(Message):
+    """The job is in the table at ``version``, durable on ``replicas`` nodes."""
+
+    job_id: str
+    term: int
+    version: int
+    replicas: int

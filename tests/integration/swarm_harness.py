@@ -1,0 +1,166 @@
+"""Real `swarm up --foreground` daemons as processes, for integration and system tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from swarmp2p.node import api
+from swarmp2p.node.state import StateDir
+
+ROOT = Path(__file__).resolve().parents[2]
+HEARTBEAT_S = 0.2
+FAILURE_TIMEOUT_S = 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Poll ``predicate`` until truthy; its value. AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = predicate()
+        except (api.ApiError, OSError, ValueError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout:g} s waiting for {what}; last: {last!r}"
+            )
+        time.sleep(interval)
+
+
+def swarm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+class NodeProc:
+    """One daemon: ``swarm up --foreground`` with its own state dir, optionally in a netns."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        args: Sequence[str],
+        *,
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+        failure_timeout_s: float = FAILURE_TIMEOUT_S,
+    ) -> None:
+        self.state = StateDir(root=state_dir)
+        self.args = [
+            *args,
+            "--heartbeat",
+            str(heartbeat_s),
+            "--failure-timeout",
+            str(failure_timeout_s),
+        ]
+        self.prefix = list(prefix)
+        self.env = swarm_env(env)
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.log_path = state_dir.parent / f"{state_dir.name}.out"
+
+    def start(self) -> NodeProc:
+        self.state.root.mkdir(parents=True, exist_ok=True)
+        cmd = [*self.prefix, sys.executable, "-m", "swarmp2p", "up", "--foreground"]
+        cmd += ["--state-dir", str(self.state.root), *self.args]
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        return api.request(self.state.api_socket, "status", timeout=timeout)
+
+    def submit(self, record: dict, job_id: str = "") -> dict[str, Any]:
+        from swarmp2p.node.control import submit_job
+
+        return submit_job(self.state.root, record, job_id)
+
+    def wait_up(self, timeout: float = 30.0) -> dict[str, Any]:
+        return wait_until(self._up, timeout, f"daemon {self.state.root.name} to answer")
+
+    def _up(self) -> dict[str, Any] | None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+        return self.status()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.running():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM and wait (SIGKILL past ``timeout``); the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+
+def leaders(nodes: Sequence[NodeProc]) -> dict[str, str]:
+    """node id -> the leader it names, for every node that answers."""
+    out = {}
+    for node in nodes:
+        s = node.status()
+        out[s["node_id"]] = s["leader"]
+    return out
+
+
+def agreed_on(nodes: Sequence[NodeProc], leader: str, count: int) -> bool:
+    """Every node sees ``count`` live nodes and names ``leader``."""
+    for node in nodes:
+        s = node.status()
+        if s["leader"] != leader or sum(p["alive"] for p in s["peers"]) != count:
+            return False
+    return True
+
+
+def dump(nodes: Sequence[NodeProc]) -> str:
+    parts = []
+    for node in nodes:
+        try:
+            parts.append(json.dumps(node.status(2.0), indent=1)[:3000])
+        except Exception as exc:
+            parts.append(f"{node.state.root.name}: {exc}")
+        parts.append(node.log()[-3000:])
+    return "\n".join(parts)

@@ -1,0 +1,163 @@
+"""`swarm up` without --foreground daemonises, returns once the API answers; `swarm down` stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from swarm_harness import ROOT, free_port, swarm_env, wait_until
+
+from swarmp2p.node import api
+from swarmp2p.node.state import StateDir
+
+pytestmark = pytest.mark.slow
+
+
+def _swarm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+@pytest.fixture
+def state(tmp_path):
+    state = StateDir(root=tmp_path / "state")
+    yield state
+    pid = state.read_pid()
+    if pid is not None:  # the test failed before `swarm down`
+        os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_up_creates_a_swarm_daemonises_and_down_stops_it(state):
+    common = ["--state-dir", str(state.root)]
+    port = free_port()
+    out = _swarm(
+        "up",
+        *common,
+        "--port",
+        str(port),
+        "--interface",
+        "127.0.0.1",
+        "--no-mdns",
+        "--node-id",
+        "solo",
+    )
+    assert "node solo" in out.stdout and "created a new swarm" in out.stdout
+    join = out.stdout.strip().splitlines()[-1].strip()
+    assert join.startswith("swarm up --token swarm1-")
+    assert _swarm("token", *common).stdout.strip() == join
+
+    pid = state.read_pid()
+    assert pid is not None and pid != os.getpid()
+    assert stat.S_IMODE(state.root.stat().st_mode) == 0o700
+    for path in (state.secret_file, state.api_socket, state.node_id_file):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    s = api.request(state.api_socket, "status")
+    assert s["node_id"] == "solo" and s["port"] == port and s["pid"] == pid
+
+    again = _swarm("up", *common, "--port", str(port), check=False)
+    assert again.returncode != 0 and "already runs" in again.stderr
+
+    out = _swarm("down", *common)
+    assert f"pid {pid}" in out.stdout
+    wait_until(lambda: _gone(pid), 5, "the daemon to exit")
+    assert not state.pid_file.exists() and not state.api_socket.exists()
+    assert "stopped" in state.log_file.read_text()
+    assert "solo" in state.log_file.read_text()
+
+    refused = _swarm("down", *common, check=False)
+    assert refused.returncode != 0 and "no swarm daemon is running" in refused.stderr
+
+
+def test_token_for_another_swarm_is_refused_on_existing_state(state):
+    from swarmp2p.net.security import SwarmSecret
+
+    state.ensure()
+    SwarmSecret.generate().save(state.secret_file)
+    other = SwarmSecret.generate()
+    out = _swarm("up", "--state-dir", str(state.root), "--token", other.token, check=False)
+    assert out.returncode != 0 and "already belongs to swarm" in out.stderr
+    bad = _swarm("up", "--state-dir", str(state.root), "--token", "swarm1-nope", check=False)
+    assert bad.returncode != 0 and "token" in bad.stderr.lower()
+
+
+def test_sigterm_stops_a_foreground_daemon_cleanly(tmp_path):
+    state = StateDir(root=tmp_path / "s")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p",
+            "up",
+            "--foreground",
+            "--state-dir",
+            str(state.root),
+            "--port",
+            "0",
+            "--interface",
+            "127.0.0.1",
+            "--no-mdns",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=swarm_env(),
+        cwd=ROOT,
+    )
+    try:
+        wait_until(lambda: api.request(state.api_socket, "status", timeout=1), 30, "the daemon")
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - start < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+    assert "created swarm" in err and "stopped" in err
+    assert not state.api_socket.exists() and not state.pid_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--interface", "eth-none"], {}, "--interface 'eth-none' matches no interface"),
+        (["--node-id", "Bad Id"], {}, "node id 'Bad Id' is not valid"),
+        (["--peer", "nohost"], {}, "--peer 'nohost' is not HOST:PORT"),
+        ([], {"SWARM_FAKE_DEVICES": "oops"}, "SWARM_FAKE_DEVICES item 0 'oops'"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, args, env, message):
+    state_dir = tmp_path / "never"
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state_dir), *args],
+        capture_output=True,
+        text=True,
+        env=swarm_env(env),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert not state_dir.exists()

@@ -1,0 +1,157 @@
+"""Pure parts of the daemon and its CLI library: config checks, messages, rate limit, tables."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from swarmp2p.node import api, control
+from swarmp2p.node.config import NodeConfig, parse_peer
+from swarmp2p.node.daemon import _RateLimitedLog
+from swarmp2p.node.messages import Heartbeat, NodeHello, Submit, TablePush
+from swarmp2p.wire.messages import WireError, decode, encode
+
+
+def test_parse_peer():
+    assert parse_peer("10.0.0.2:7737") == "tcp://10.0.0.2:7737"
+    assert parse_peer("box.lan:1") == "tcp://box.lan:1"
+    for bad in ("10.0.0.2", ":7737", "h:0", "h:x", "h:70000"):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            parse_peer(bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"port": 70000}, "--port 70000"),
+        ({"heartbeat_s": 3.0, "failure_timeout_s": 2.0}, "must be > 0 and below the failure"),
+        ({"heartbeat_s": 0.0}, "must be > 0"),
+        ({"peers": ("nope",)}, "--peer 'nope'"),
+    ],
+)
+def test_config_refuses_bad_values(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        NodeConfig(state_dir=tmp_path, **fields)
+
+
+HELLO = NodeHello(
+    node_id="a1",
+    name="box",
+    versions=[1],
+    software="0.1.0",
+    swarm_id="0123456789abcdef",
+    control_port=7737,
+    addresses=["10.0.0.1"],
+    record={"node_id": "a1", "devices": [{"kind": "cpu", "memory_total": 1 << 40}]},
+    host={"cpu_cores": 8, "driver": ""},
+    term=3,
+    version=9,
+)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        HELLO,
+        Heartbeat(node_id="a1", term=1, version=2, leader="a0"),
+        TablePush(node_id="a1", table={"format": 1, "jobs": {}}),
+        Submit(job_id="", record={"model": "m", "nested": {"x": [1, 2.5, None]}}),
+    ],
+)
+def test_messages_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"node_id": "A B"}, "node id 'A B' is not valid"),
+        ({"control_port": 0}, "control_port must be in 1..65535"),
+        ({"addresses": []}, "at least one IPv4 address"),
+    ],
+)
+def test_bad_hello_is_a_wire_error(change, message):
+    import dataclasses
+
+    data = encode(HELLO)
+    import msgpack
+
+    body = msgpack.unpackb(data)
+    body.update(change)
+    with pytest.raises(WireError, match=message):
+        decode(msgpack.packb(body))
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(HELLO, **change)
+
+
+def test_rate_limited_log_counts_what_it_drops(caplog):
+    now = [100.0]
+    limited = _RateLimitedLog(per_second=3, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="swarmp2p.node"):
+        for i in range(50):
+            limited.warning("bad %d", i)
+        now[0] += 0.5
+        limited.flush()  # window not over yet: nothing
+        now[0] += 0.6
+        limited.flush()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["bad 0", "bad 1", "bad 2", "... 47 more bad requests in the last second"]
+
+
+def test_api_without_daemon_says_how_to_start_one(tmp_path):
+    with pytest.raises(api.ApiError, match=r"no swarm daemon is running .* `swarm up`"):
+        api.request(tmp_path / "api.sock", "status", timeout=1)
+    with pytest.raises(ValueError, match="unknown local API op 'reboot'"):
+        api.request(tmp_path / "api.sock", "reboot")
+
+
+def test_token_needs_a_swarm(tmp_path):
+    with pytest.raises(ValueError, match=r"no swarm in .*: run `swarm up` first"):
+        control.token(tmp_path)
+
+
+def test_status_table():
+    status = {
+        "node_id": "a",
+        "name": "box",
+        "port": 7737,
+        "swarm_id": "s" * 16,
+        "leader": "a",
+        "leader_ready": True,
+        "term": 2,
+        "table_version": 5,
+        "jobs": [{"job_id": "j1"}],
+        "peers": [
+            {
+                "node_id": "a",
+                "name": "box",
+                "address": "10.0.0.1:7737",
+                "alive": True,
+                "is_leader": True,
+                "devices": [
+                    {
+                        "kind": "cuda",
+                        "name": "A5000",
+                        "memory_total": 24 << 30,
+                        "memory_free": 20 << 30,
+                        "compute_capability": "8.6",
+                        "fake": True,
+                    },
+                ],
+            },
+            {
+                "node_id": "b",
+                "name": "b",
+                "address": "10.0.0.2:7737",
+                "alive": False,
+                "is_leader": False,
+                "devices": [],
+            },
+        ],
+    }
+    text = control.format_status(status)
+    assert "leader  a" in text and "term 2, version 5, 1 job(s)" in text
+    assert "cuda:A5000 20.0G/24.0G cc8.6 (fake)" in text
+    row_b = next(line for line in text.splitlines() if line.startswith("b "))
+    assert " NO " in row_b

@@ -1,0 +1,208 @@
+"""job.json version 1: defaults, finetune mode precedence, every error with its path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmp2p.plan import FieldError, JobError, load_job, parse_job
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def errors_of(data) -> list[tuple[str, str]]:
+    with pytest.raises(JobError) as info:
+        parse_job(data)
+    return [(e.path, e.message) for e in info.value.errors]
+
+
+def test_defaults():
+    job = parse_job({"model": {"pretrained": "embedded"}})
+    assert job.name == "job" and job.version == 1
+    assert job.model.dtype is None and job.model.quantization is None
+    assert (
+        not job.model.lora.enabled and job.model.lora.r == 8 and job.model.lora.export == "merged"
+    )
+    assert job.split.stages == "auto" and job.split.mode == "weighted"
+    assert [c.method for c in job.split.compression] == ["none"]
+    assert (job.data.source, job.data.text_field) == ("embedded", "text")
+    t = job.train
+    assert (t.steps, t.batch_size, t.seq_len, t.lr, t.micro_batches) == (100, 4, 128, 2e-4, 4)
+    assert (t.schedule, t.recompute, t.eval_batches, t.seed, t.checkpoint_every) == (
+        "1f1b",
+        "auto",
+        16,
+        0,
+        25,
+    )
+    assert job.finetune_mode == "full"
+
+
+LEARNED = {"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}
+
+
+@pytest.mark.parametrize(
+    ("lora", "freeze", "compression", "mode"),
+    [
+        (False, False, "none", "full"),
+        (False, False, "fixed_int8", "full"),
+        (True, False, "none", "lora"),
+        (True, True, "fixed_int4", "lora"),  # lora wins over freeze_backbone
+        (True, True, LEARNED, "lora"),
+        (False, True, LEARNED, "compressor_only"),
+        (False, True, "fixed_int4", "none"),  # a quantizer has no parameters
+        (False, True, "none", "none"),
+        (False, True, ["fixed_int8", LEARNED], "compressor_only"),
+    ],
+)
+def test_finetune_mode_precedence(lora, freeze, compression, mode):
+    data = {
+        "model": {"pretrained": "x/y", "freeze_backbone": freeze, "lora": {"enabled": lora}},
+        "split": {"stages": 3 if isinstance(compression, list) else "auto",
+                  "compression": compression},
+    }  # fmt: skip
+    assert parse_job(data).finetune_mode == mode
+
+
+def test_every_error_is_reported_with_its_path():
+    data = {
+        "name": "",
+        "modle": {},
+        "model": {"pretrained": "embedded", "dtype": "fp8", "lora": {"r": 0, "alpha": "x"},
+                  "quantization": {"bits": 3}},
+        "split": {"stages": 0, "mode": "fast", "compression": ["fixed_int9", "fp16"]},
+        "data": {"source": "", "extra": 1},
+        "train": {"steps": -3, "lr": 0, "micro_batches": 64, "schedule": "zb",
+                  "recompute": "sometimes", "seed": 1.5, "checkpoint_every": True},
+    }  # fmt: skip
+    errors = dict(errors_of(data))
+    assert errors["train.steps"] == "must be an integer >= 1, got -3"
+    expected_paths = {
+        "name", "modle", "model.dtype", "model.lora.r", "model.lora.alpha", "model.quantization.bits",
+        "split.stages", "split.mode", "split.compression[0]", "data.source", "data.extra",
+        "train.steps", "train.lr", "train.micro_batches", "train.schedule", "train.recompute",
+        "train.seed", "train.checkpoint_every",
+    }  # fmt: skip
+    assert expected_paths <= set(errors), sorted(set(expected_paths) - set(errors))
+    assert "unknown key" in errors["modle"]
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({}, "model"),
+        ({"model": {}}, "model.pretrained"),
+        ({"model": {"pretrained": "e", "lora": {"enable": True}}}, "model.lora.enable"),
+        ({"model": {"pretrained": "e"}, "train": {"step": 3}}, "train.step"),
+        ({"model": {"pretrained": "e"}, "split": {"stage": 2}}, "split.stage"),
+        ({"model": {"pretrained": "e"}, "version": 2}, "version"),
+        (
+            {"model": {"pretrained": "e"}, "train": {"batch_size": 6, "micro_batches": 4}},
+            "train.micro_batches",
+        ),
+        (
+            {"model": {"pretrained": "e"}, "split": {"stages": 2, "compression": ["fp16"] * 3}},
+            "split.compression",
+        ),
+        ({"model": {"pretrained": "e", "lora": {"dropout": 1.0}}}, "model.lora.dropout"),
+        (
+            {"model": {"pretrained": "e", "lora": {"target_modules": []}}},
+            "model.lora.target_modules",
+        ),
+        ({"model": {"pretrained": "e", "quantization": {"bits": 4}}}, "model.quantization"),
+        (
+            {
+                "model": {
+                    "pretrained": "e",
+                    "weight_dtype": "float16",
+                    "quantization": {"bits": 4},
+                    "lora": {"enabled": True},
+                }
+            },
+            "model.weight_dtype",
+        ),
+        ({"model": {"pretrained": "e", "freeze_backbone": 1}}, "model.freeze_backbone"),
+        ({"model": {"pretrained": "e"}, "train": "fast"}, "train"),
+    ],
+)
+def test_single_errors(data, path):
+    paths = [p for p, _ in errors_of(data)]
+    assert path in paths
+
+
+def test_small_batch_adapts_the_default_micro_batches():
+    job = parse_job({"model": {"pretrained": "e"}, "train": {"batch_size": 2}})
+    assert job.train.micro_batches == 2
+
+
+def test_not_an_object():
+    assert errors_of([1, 2]) == [("(job)", "must be a JSON object")]
+
+
+def test_load_reports_bad_json(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text("{nope")
+    with pytest.raises(JobError) as info:
+        load_job(path)
+    assert "not valid JSON" in info.value.errors[0].message
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        ("full", "full"),
+        ("lora", "lora"),
+        ("qlora", "lora"),
+        ("compressor_only", "compressor_only"),
+        ("none", "none"),
+    ],
+)
+def test_examples_parse_to_their_mode(name, mode):
+    assert load_job(EXAMPLES / f"{name}.json").finetune_mode == mode
+
+
+def test_lora_example_uses_the_embedded_model():
+    data = json.loads((EXAMPLES / "lora.json").read_text())
+    assert data["model"]["pretrained"] == "embedded"
+
+
+def test_field_error_str():
+    assert str(FieldError(path="train.steps", message="bad")) == "train.steps: bad"
+
+
+@pytest.mark.parametrize("name", ["full", "lora", "qlora", "compressor_only", "none"])
+def test_to_dict_round_trips(name):
+    job = load_job(EXAMPLES / f"{name}.json")
+    data = job.to_dict()
+    assert parse_job(json.loads(json.dumps(data))) == job
+    assert set(data) == {"version", "name", "model", "split", "data", "train"}
+
+
+BAD_VALUES = {
+    ("model", "dtype"): "fp8",
+    ("model", "freeze_backbone"): "no",
+    ("split", "mode"): "fast",
+    ("split", "stages"): -1,
+    ("data", "text_field"): "",
+    ("train", "steps"): 0,
+    ("train", "seq_len"): 1.5,
+    ("train", "lr"): -1,
+    ("train", "schedule"): "zb",
+    ("train", "recompute"): "maybe",
+    ("train", "eval_batches"): -2,
+    ("train", "seed"): "0",
+    ("train", "checkpoint_every"): None,
+}
+
+
+@given(st.sets(st.sampled_from(sorted(BAD_VALUES)), min_size=1))
+def test_every_bad_field_is_reported_once(bad):
+    data = json.loads((EXAMPLES / "lora.json").read_text())
+    for section, key in bad:
+        data[section][key] = BAD_VALUES[(section, key)]
+    paths = [p for p, _ in errors_of(data)]
+    assert sorted(paths) == sorted(f"{s}.{k}" for s, k in bad)
