@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from swarmp2p.net import Link, LinkTimeout
 from swarmp2p.runtime.torch.sampling import new_generator, sample_token
@@ -57,18 +56,6 @@ def apply_boundary(hidden: torch.Tensor, compression: str) -> torch.Tensor:
     raise ValueError(f"boundary compression {compression!r} cannot be served in the graph")
 
 
-class _LastPosition(nn.Module):
-    """The final norm over the last position only, so the head computes one row of logits
-    (what ``generate``'s ``logits_to_keep=1`` does; a long prompt's prefill skips T-1 rows)."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden[:, -1:])
-
-
 @dataclass(kw_only=True, slots=True)
 class _Session:
     cache: StageCache
@@ -83,9 +70,8 @@ class SessionRefused(RuntimeError):
 
 class StageServer:
     """Serve one stage between two links. ``handle`` is the whole protocol for one message;
-    ``serve_forever`` loops it until a stop event. The server owns the stage: a last stage's
-    final norm is wrapped to keep only the last position (the stage's own modules, shared with
-    a whole model or not, are untouched)."""
+    ``serve_forever`` loops it until a stop event. A last stage computes its head for the last
+    position only."""
 
     def __init__(
         self,
@@ -99,8 +85,6 @@ class StageServer:
         max_context: int = 2048,
         send_timeout: float = 30.0,
     ) -> None:
-        if stage.is_last_stage and not isinstance(stage.final_norm, _LastPosition):
-            stage.final_norm = _LastPosition(stage.final_norm)
         self.stage = stage
         self.inbound = inbound
         self.outbound = outbound
@@ -228,7 +212,9 @@ class StageServer:
                 f"over max_context {self.max_context}"
             )
         with torch.inference_mode():
-            out = self.stage(x, cache=session.cache)
+            # the head over the last position only (generate's logits_to_keep=1): a long
+            # prompt's prefill skips T-1 rows of the vocabulary-wide matmul
+            out = self.stage(x, cache=session.cache, logits_to_keep=1)
             if self.stage.is_last_stage:
                 token = sample_token(out[0, -1], session.params, session.generator)
             else:

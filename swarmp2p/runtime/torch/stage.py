@@ -40,6 +40,9 @@ class Stage(nn.Module):
 
     ``stage(x, position_ids=None, cache=None)``: ``x`` is input ids ``[B, T]`` on the first stage,
     hidden states ``[B, T, H]`` otherwise; returns hidden states, or logits on the last stage.
+    On the last stage, ``logits_to_keep=k`` computes the head for the last ``k`` positions only
+    (what ``generate`` does), and ``hidden_only=True`` returns the hidden states before the final
+    norm, for a caller that applies ``logits()`` chunk by chunk (the chunked training loss).
     """
 
     def __init__(
@@ -109,7 +112,12 @@ class Stage(nn.Module):
             hidden = self.embed_dropout(hidden)
         return hidden
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's final norm and head (with the config's scaling) over ``hidden``."""
+        if not self.is_last_stage:
+            raise RuntimeError(
+                f"stage [{self.layer_start}, {self.layer_end}) is not the last; it has no head"
+            )
         logits = self.head(self.final_norm(hidden))
         if self._logits_divisor is not None:
             logits = logits / self._logits_divisor
@@ -124,6 +132,9 @@ class Stage(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cache: StageCache | None = None,
+        *,
+        logits_to_keep: int = 0,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
         past = cache.seen_tokens if cache is not None else 0
         if position_ids is None:
@@ -163,7 +174,9 @@ class Stage(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         if cache is not None:
             cache.seen_tokens = past + x.shape[1]
-        return self._logits(hidden) if self.is_last_stage else hidden
+        if not self.is_last_stage or hidden_only:
+            return hidden
+        return self.logits(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden)
 
 
 def build_stage(

@@ -248,6 +248,32 @@ def chunked_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) 
     return (total / flat.shape[0]).to(logits.dtype)
 
 
+def _head_loss_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(head(hidden).float(), labels, reduction="sum")
+
+
+def chunked_head_loss(
+    head, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """``chunked_loss`` of ``head(hidden)`` without ever holding the whole logits tensor: each
+    chunk of ``chunk_tokens`` tokens runs the head and its float32 loss under checkpoint, so
+    forward and backward keep one chunk's logits at a time (the reference's head loss; a
+    248k-token vocabulary at 4x2048 tokens is 8 GB of float32 logits otherwise)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).to(flat.device)
+    if flat.shape[0] != flat_labels.shape[0]:
+        raise ValueError(f"{flat.shape[0]} hidden rows but {flat_labels.shape[0]} labels")
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part = flat[start : start + chunk_tokens]
+        part_labels = flat_labels[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_head_loss_sum, head, part, part_labels, use_reentrant=False)
+        else:
+            total = total + _head_loss_sum(head, part, part_labels)
+    return (total / flat.shape[0]).to(hidden.dtype)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
     """What a stage reports after each step."""
@@ -376,14 +402,15 @@ def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> 
         state.inputs[micro] = x
         hidden_in = bundle.receive(x)
     state.tokens += labels.numel()
-    out = bundle.stage(hidden_in)
     if bundle.is_last:
-        loss = chunked_loss(out, labels, settings.loss_chunk_tokens) / settings.micro_batches
-        state.losses[micro] = loss
-    else:
-        state.sent[micro] = send_through(
-            next, bundle.send(out), step=step, micro=micro, labels=labels, codec=bundle.send_codec
-        )
+        hidden = bundle.stage(hidden_in, hidden_only=True)
+        loss = chunked_head_loss(bundle.stage.logits, hidden, labels, settings.loss_chunk_tokens)
+        state.losses[micro] = loss / settings.micro_batches
+        return
+    out = bundle.stage(hidden_in)
+    state.sent[micro] = send_through(
+        next, bundle.send(out), step=step, micro=micro, labels=labels, codec=bundle.send_codec
+    )
 
 
 def _backward(bundle, state, step, micro, prev) -> None:

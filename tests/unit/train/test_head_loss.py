@@ -1,0 +1,59 @@
+"""The last stage's loss runs the head chunk by chunk and equals the whole-logits loss."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+torch = pytest.importorskip("torch")
+
+from train_models import VOCAB, build_model  # noqa: E402
+
+from swarmp2p.runtime.torch.stage import build_stage  # noqa: E402
+from swarmp2p.runtime.torch.train import chunked_head_loss, chunked_loss  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_head_loss_equals_the_whole_logits_loss(family, chunk):
+    torch.manual_seed(0)
+    model = build_model(family)
+    stage = build_stage(model, 2, 4)
+    hidden = torch.randn(3, 11, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (3, 11))
+
+    whole = chunked_loss(stage(hidden), labels, 10**6)
+    whole.backward()
+    expected = [hidden.grad.clone()] + [p.grad.clone() for p in stage.parameters()]
+    for p in [hidden, *stage.parameters()]:
+        p.grad = None
+
+    loss = chunked_head_loss(stage.logits, stage(hidden, hidden_only=True), labels, chunk)
+    loss.backward()
+    got = [hidden.grad] + [p.grad for p in stage.parameters()]
+    assert torch.allclose(loss, whole, atol=1e-6, rtol=0)
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_logits_to_keep_is_the_last_rows_of_the_whole_head():
+    torch.manual_seed(0)
+    model = build_model("llama")
+    stage = build_stage(model, 2, 4)
+    hidden = torch.randn(2, 9, model.config.hidden_size)
+    with torch.no_grad():
+        full = stage(hidden)
+        last = stage(hidden, logits_to_keep=1)
+        two = stage(hidden, logits_to_keep=2)
+    assert last.shape == (2, 1, VOCAB) and two.shape == (2, 2, VOCAB)
+    # a matmul over fewer rows may block differently: equal to float32 round-off
+    assert torch.allclose(last, full[:, -1:], atol=1e-6, rtol=0)
+    assert torch.allclose(two, full[:, -2:], atol=1e-6, rtol=0)
+
+
+def test_a_stage_without_the_head_refuses_logits():
+    model = build_model("llama")
+    stage = build_stage(model, 0, 2)
+    with pytest.raises(RuntimeError, match="is not the last; it has no head"):
+        stage.logits(torch.zeros(1, 1, model.config.hidden_size))
