@@ -337,7 +337,8 @@ def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_pat
 
     from swarmp2p.runtime.torch.evaluation import score_logits
     from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
-    from swarmp2p.runtime.worker import DataSpec, TrainSpec, WorkerSpec, eval_batches
+    from swarmp2p.runtime.torch.stage_runner import eval_batches
+    from swarmp2p.runtime.worker import DataSpec, TrainSpec, WorkerSpec
 
     dirs = [tmp_path / "stage-0", tmp_path / "stage-1"]
     assert read_manifest(dirs[1])["weights_included"] is False

@@ -85,7 +85,7 @@ def test_main_reports_a_bad_spec_as_an_event_and_exit_code():
 def test_batches_are_a_function_of_the_step_and_held_out_is_separate(tmp_path):
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
-    from swarmp2p.runtime.worker import _load_tokens, eval_batches, train_batch
+    from swarmp2p.runtime.torch.stage_runner import _load_tokens, eval_batches, train_batch
 
     spec = parse_worker_spec({**GOOD, "train": {"batch_size": 2, "seq_len": 4, "eval_batches": 3}})
     assert torch.equal(train_batch(spec, 5, 100), train_batch(spec, 5, 100))

@@ -1,0 +1,314 @@
+"""Running one training stage from a parsed worker spec (imports torch): data, build, links,
+evaluation, calibration, the steps, snapshots, export. ``swarmp2p.runtime.worker`` parses the
+spec and calls ``run_stage``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swarmp2p.data.split import HELD_OUT_EVERY
+from swarmp2p.runtime.worker import WorkerSpec, _clean
+
+BYE_WAIT_S = 5.0
+"""How long a stage waits for the stage before it to confirm the end before closing anyway."""
+
+
+def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
+    """The ``[batch, seq_len + 1]`` token batch of ``step``: a pure function of the spec and the
+    step, so a resumed run reads exactly what the uninterrupted one would."""
+    import torch
+
+    t = spec.train
+    if spec.data.source == "random":
+        gen = torch.Generator().manual_seed(spec.data.seed * 1_000_003 + step)
+        return torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen)
+    windows = tokens["train"]
+    if len(windows) < t.batch_size:
+        raise ValueError(
+            f"data.path {spec.data.path} holds {len(windows)} training windows of "
+            f"{t.seq_len + 1} tokens; train.batch_size needs {t.batch_size}"
+        )
+    start = (step * t.batch_size) % (len(windows) - t.batch_size + 1)
+    return windows[start : start + t.batch_size]
+
+
+def eval_batches(spec: WorkerSpec, vocab: int, tokens=None) -> list:
+    """The held-out batches (``train.eval_batches`` of them, fewer if the data has fewer)."""
+    import torch
+
+    t = spec.train
+    if spec.data.source == "random":
+        gen = torch.Generator().manual_seed(spec.data.seed * 1_000_003 - 1)
+        return [
+            torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen)
+            for _ in range(t.eval_batches)
+        ]
+    held = tokens["held_out"]
+    n = min(t.eval_batches, len(held) // t.batch_size)
+    return [held[i * t.batch_size : (i + 1) * t.batch_size] for i in range(n)]
+
+
+def _load_tokens(spec: WorkerSpec):
+    import numpy as np
+    import torch
+
+    try:
+        ids = np.load(spec.data.path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"data.path {spec.data.path!r} is not a readable .npy file: {exc}"
+        ) from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"data.path {spec.data.path!r} must hold a 1-D integer array of token ids")
+    w = spec.train.seq_len + 1
+    windows = torch.from_numpy(ids[: len(ids) // w * w].astype(np.int64)).reshape(-1, w)
+    if len(windows) < HELD_OUT_EVERY:  # too small to hold anything out: evaluate nothing
+        return {"train": windows, "held_out": windows[:0]}
+    held = max(1, len(windows) // HELD_OUT_EVERY)
+    return {"train": windows[:-held], "held_out": windows[-held:]}
+
+
+def _build(spec: WorkerSpec):
+    import torch
+
+    from swarmp2p.runtime.torch import decoder_config, load_stage_shard
+    from swarmp2p.runtime.torch.compression import compressor_from_spec
+    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.train import build_bundle
+
+    torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
+    a, b = spec.layers
+    stage = load_stage_shard(
+        spec.model,
+        a,
+        b,
+        spec.is_first,
+        spec.is_last,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        device=spec.device,
+    )
+    if b - a != len(stage.blocks) or (spec.is_last and b != spec.n_layers):
+        raise ValueError(
+            f"layers [{a}, {b}) with n_layers {spec.n_layers} do not match the model "
+            f"({len(stage.blocks)} blocks loaded)"
+        )
+    config = decoder_config(stage.config)
+    hidden = config.hidden_size
+    i = spec.stage
+    recv = compressor_from_spec(spec.compression[i - 1], hidden, i - 1) if i > 0 else None
+    send = compressor_from_spec(spec.compression[i], hidden, i) if not spec.is_last else None
+    fingerprint = None
+    if spec.finetune_mode == "lora":
+        lora = spec.lora
+        settings = LoraSettings(
+            r=lora.r,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            export=lora.export,
+        )
+        fingerprint = apply_lora(stage, settings)
+        targets = resolve_targets(stage, settings)
+    else:
+        settings, targets = None, ()
+    dtype = getattr(torch, spec.dtype)
+    for comp in (recv, send):
+        if comp is not None:
+            comp.to(dtype)
+    bundle = build_bundle(
+        stage,
+        index=i,
+        n_stages=spec.n_stages,
+        recv_compressor=recv,
+        send_compressor=send,
+        finetune_mode=spec.finetune_mode,
+        block_devices=[spec.device] * len(stage.blocks),
+        wire_v2=spec.wire_v2,
+    )
+    lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
+    return bundle, config.vocab_size, lora_info
+
+
+def _open_links(spec: WorkerSpec, emit):
+    from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink
+
+    try:
+        secret = SwarmSecret.from_token(spec.token)
+    except ValueError as exc:
+        raise ValueError(f"token: {exc}") from None
+    ctx = SecureContext()
+    prev_link = next_link = None
+    try:
+        if not spec.is_first:
+            prev_link = ZmqLink.bind(ctx, secret, spec.host, spec.port)
+        emit("ready", port=prev_link.port if prev_link is not None else None)
+        if not spec.is_last:
+            next_link = ZmqLink.dial(ctx, secret, spec.next)
+    except BaseException:
+        for link in (prev_link, next_link):
+            if link is not None:
+                link.close()
+        ctx.destroy(linger=0)
+        raise
+    return ctx, prev_link, next_link
+
+
+def run_stage(spec: WorkerSpec, emit: Callable[..., None]) -> None:
+    """Run one stage of a training job end to end, reporting through ``emit``."""
+    ctx, prev_link, next_link = _open_links(spec, emit)
+    try:
+        _run(spec, emit, prev_link, next_link)
+    finally:
+        for link in (prev_link, next_link):
+            if link is not None:
+                link.close()
+        ctx.destroy(linger=0)
+
+
+def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
+    import time
+
+    from swarmp2p.plan.schedule import stage_schedule
+    from swarmp2p.plan.split import parse_compression
+    from swarmp2p.runtime.torch.boundary import Channel
+    from swarmp2p.runtime.torch.calibration import calibrate_stage
+    from swarmp2p.runtime.torch.evaluation import evaluate_stage
+    from swarmp2p.runtime.torch.snapshot import latest_snapshot, load_snapshot, save_snapshot
+    from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage
+
+    bundle, vocab, lora_info = _build(spec)
+    fingerprint = lora_info["fingerprint"]
+    evaluation: dict[str, dict] = {}
+    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
+    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
+    t = spec.train
+    tokens = _load_tokens(spec) if spec.is_first and spec.data.source == "tokens" else None
+    held_out = eval_batches(spec, vocab, tokens) if spec.is_first else None
+    emit(
+        "built",
+        trainable_parameters=sum(p.numel() for p in bundle.trainable_parameters),
+        finetune_mode=spec.finetune_mode,
+        lora_fingerprint=fingerprint,
+    )
+
+    settings = TrainSettings(
+        steps=t.steps,
+        micro_batches=t.micro_batches,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        recompute=t.recompute,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+    )
+    trains = spec.finetune_mode != "none" and t.steps > 0
+    optimizer = make_optimizer(bundle, settings) if trains and bundle.trainable_parameters else None
+    start = 0
+    if spec.resume:
+        path = latest_snapshot(spec.snapshot_dir, spec.stage)
+        if path is None:
+            raise ValueError(f"resume: no snapshot of stage {spec.stage} under {spec.snapshot_dir}")
+        start = load_snapshot(path, bundle, optimizer)
+        emit("resumed", step=start, snapshot=str(path))
+
+    def evaluate(name: str, through: bool) -> None:
+        result = evaluate_stage(
+            bundle,
+            name,
+            prev=prev,
+            next=nxt,
+            batches=held_out,
+            through_compressors=through,
+            chunk_tokens=t.loss_chunk_tokens,
+        )
+        numbers = {k: v for k, v in result.as_dict().items() if k != "name"}
+        evaluation[name] = {k: _clean(v) for k, v in numbers.items()}
+        emit("eval", **{"pass": name}, **numbers)
+
+    boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
+    learned = [b.is_learned for b in boundaries]
+    compressed = any(b.method != "none" for b in boundaries)
+    if not spec.resume:
+        if t.eval_batches:
+            evaluate("base", False)
+        if any(learned):
+            seen = calibrate_stage(
+                bundle,
+                learned=learned,
+                prev=prev,
+                next=nxt,
+                batches=(train_batch(spec, s, vocab, tokens) for s in range(10**9))
+                if spec.is_first
+                else None,
+                calibration_tokens=t.calibration_tokens,
+            )
+            emit("calibrated", tokens=seen)
+        if t.eval_batches and compressed:
+            evaluate("calibrated_boundary", True)
+
+    def on_step(m) -> None:
+        emit("step", **m.as_dict())
+        done = m.step + 1
+        if spec.snapshot_dir and t.checkpoint_every and done % t.checkpoint_every == 0:
+            path = save_snapshot(spec.snapshot_dir, bundle, optimizer, step=done)
+            emit("snapshot", step=done, path=str(path))
+
+    steps_left = max(0, t.steps - start)
+    if trains and steps_left:
+        ops = stage_schedule(t.schedule, spec.stage, spec.n_stages, t.micro_batches)
+        batches = (train_batch(spec, s, vocab, tokens) for s in range(start, t.steps))
+        train_stage(
+            bundle,
+            TrainSettings(**{**_fields(settings), "steps": steps_left}),
+            ops,
+            prev=prev,
+            next=nxt,
+            batches=batches if spec.is_first else None,
+            optimizer=optimizer,
+            start_step=start,
+            on_step=on_step,
+        )
+    if t.eval_batches:
+        evaluate("trained", True)
+    _say_goodbye(prev, nxt, time)
+    if spec.export_dir is not None:
+        from pathlib import Path
+
+        from swarmp2p.runtime.torch.export import export_stage
+
+        manifest = export_stage(
+            bundle,
+            Path(spec.export_dir) / f"stage-{spec.stage}",
+            layers=spec.layers,
+            n_layers=spec.n_layers,
+            compression=spec.compression,
+            lora=lora_info["settings"],
+            lora_targets=lora_info["targets"],
+            lora_fingerprint=fingerprint,
+            evaluation=evaluation,
+            base_is_quantized=spec.quantization is not None
+            and spec.quantization.get("bits") in (4, 8),
+        )
+        emit("exported", manifest=str(manifest))
+    emit("done", steps=t.steps if trains else 0)
+
+
+def _fields(settings) -> dict:
+    return {k: getattr(settings, k) for k in settings.__slots__}
+
+
+def _say_goodbye(prev, nxt, time) -> None:
+    """Close the pipeline in order: a stage tells the next it has received everything, then
+    waits (briefly) for the stage before to say the same, so no final message is cut off."""
+    from swarmp2p.runtime.torch.boundary import LinkTimeout
+
+    if nxt is not None:
+        nxt.send_control("bye")
+        time.sleep(0.05)  # the link drops queued messages on close; let this one leave
+    if prev is not None:
+        old, prev.timeout = prev.timeout, min(prev.timeout, BYE_WAIT_S)
+        try:
+            prev.recv_control("bye")
+        except LinkTimeout:
+            pass  # the stage before finished and closed; nothing of ours is pending
+        finally:
+            prev.timeout = old
