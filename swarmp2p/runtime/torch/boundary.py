@@ -1,0 +1,283 @@
+"""The pipeline boundary: a ``torch.autograd.Function`` over a channel to the next stage.
+
+Forward sends the stage's payload (with the labels, which travel forward to the last stage);
+backward receives the next stage's reply (the loss and the gradient of the payload) and returns
+the gradient. Every frame carries (step, micro); a reply for another (step, micro) raises
+``StaleReply`` rather than applying a stale gradient.
+
+A ``Channel`` speaks this protocol over any ``swarmp2p.net`` link (``send(parts, timeout)`` /
+``recv(timeout)``): a message is a JSON header (kind, step, micro, parts per tensor) then each
+tensor as a wire ``TensorFrame``. A quantized payload (intN / tokintN / fp16) crosses as its
+codes (wire v2, ``encode_tensor(exact=True)``), which decode to exactly the floats training
+computed; if a round trip were ever not exact, the plain floats go instead (reference, "What a
+distributed job sends").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
+
+ACT, GRAD, CONTROL = "act", "grad", "control"
+"""Message kinds: an activation (upstream to downstream), a reply (back), a control message."""
+
+DEFAULT_LINK_TIMEOUT_S = 60.0
+"""How long a stage waits for its neighbour before it gives up with ``LinkTimeout``."""
+
+
+class BoundaryError(RuntimeError):
+    """A boundary protocol failure."""
+
+
+class StaleReply(BoundaryError):
+    """A message arrived for another (step, micro) or of another kind than the one awaited."""
+
+
+class LinkTimeout(BoundaryError, TimeoutError):
+    """The neighbour said nothing within the link timeout."""
+
+
+def to_frame(
+    tensor: torch.Tensor, codec: str = "none", *, step: int = 0, micro: int = 0
+) -> TensorFrame:
+    """A tensor as a wire TensorFrame; a quantizing ``codec`` is used only if lossless (wire v2:
+    the peer decodes exactly ``tensor``), else the plain floats go."""
+    t = tensor.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return encode_tensor(
+            t.view(torch.int16).numpy().view(np.uint16), dtype="bfloat16", step=step, micro=micro
+        )
+    if t.dtype not in _WIRE_DTYPES:
+        raise TypeError(f"cannot send a tensor of dtype {t.dtype}; the wire takes {sorted(DTYPES)}")
+    if codec != "none" and t.dtype != torch.float32:
+        codec = "none"
+    return encode_tensor(t.numpy(), codec, exact=True, step=step, micro=micro)
+
+
+def from_frame(frame: TensorFrame) -> torch.Tensor:
+    """The tensor a TensorFrame carries (a fresh, writable copy)."""
+    try:
+        arr = decode_tensor(frame)
+    except ValueError as exc:  # WireError is a ValueError
+        raise BoundaryError(f"bad tensor frame: {exc}") from None
+    if frame.dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+_WIRE_DTYPES = {
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+}
+
+
+@dataclass
+class Channel:
+    """The boundary protocol over one link to a neighbour stage.
+
+    Counts the bytes it sends of each kind (``sent_bytes[ACT]``, ``sent_bytes[GRAD]``, ...).
+    """
+
+    link: Any
+    timeout: float = DEFAULT_LINK_TIMEOUT_S
+    sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
+
+    def _send(self, header: dict[str, Any], payloads: list[tuple[torch.Tensor, str]]) -> None:
+        step, micro = header.get("step") or 0, header.get("micro") or 0
+        counts, parts = [], []
+        for tensor, codec in payloads:
+            frame_parts = to_frame(tensor, codec, step=step, micro=micro).to_parts()
+            counts.append(len(frame_parts))
+            parts.extend(frame_parts)
+        message = [json.dumps({**header, "tensors": counts}).encode(), *parts]
+        self.sent_bytes[header["kind"]] += sum(memoryview(p).nbytes for p in message)
+        try:
+            self.link.send(message, timeout=self.timeout)
+        except TimeoutError as exc:
+            raise LinkTimeout(
+                f"could not send to the neighbour within {self.timeout:g} s: {exc}"
+            ) from None
+
+    def _recv(self, kind: str, step: int | None, micro: int | None) -> tuple[dict, list]:
+        try:
+            message = self.link.recv(self.timeout)
+        except TimeoutError:
+            raise LinkTimeout(
+                f"no message from the neighbour within {self.timeout:g} s (waiting for {kind}"
+                + ("" if step is None else f" of step {step}, micro {micro}")
+                + "); is it alive?"
+            ) from None
+        if not message:
+            raise BoundaryError("empty message on the boundary link")
+        try:
+            header = json.loads(bytes(message[0]))
+        except ValueError as exc:
+            raise BoundaryError(f"bad boundary message header: {exc}") from None
+        counts = header.get("tensors") if isinstance(header, dict) else None
+        if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 1 for c in counts):
+            raise BoundaryError(f"bad boundary message header {header!r}")
+        got = (header.get("kind"), header.get("step"), header.get("micro"))
+        want = (kind, step, micro)
+        if header.get("kind") != kind or (step is not None and got[1:] != want[1:]):
+            raise StaleReply(
+                f"expected {kind} for (step {step}, micro {micro}), got {got[0]} for "
+                f"(step {got[1]}, micro {got[2]}); the stages are out of step"
+            )
+        if sum(counts) != len(message) - 1:
+            raise BoundaryError(
+                f"boundary message has {len(message) - 1} tensor parts, its header lists {sum(counts)}"
+            )
+        tensors, at = [], 1
+        for n in counts:
+            try:
+                frame = TensorFrame.from_parts(message[at : at + n])
+            except ValueError as exc:
+                raise BoundaryError(f"bad tensor frame: {exc}") from None
+            if step is not None and (frame.step, frame.micro) != (step, micro):
+                raise StaleReply(
+                    f"tensor frame of (step {frame.step}, micro {frame.micro}) in a message for "
+                    f"(step {step}, micro {micro})"
+                )
+            tensors.append(from_frame(frame))
+            at += n
+        return header, tensors
+
+    def send_activation(
+        self,
+        step: int,
+        micro: int,
+        payload: torch.Tensor,
+        labels: torch.Tensor,
+        codec: str = "none",
+    ) -> None:
+        """Send a micro-batch's payload and labels to the next stage."""
+        header = {"kind": ACT, "step": step, "micro": micro}
+        self._send(header, [(payload, codec), (labels, "none")])
+
+    def recv_activation(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload and labels of (step, micro) from the stage before."""
+        _, (payload, labels) = self._recv(ACT, step, micro)
+        return payload, labels
+
+    def send_reply(self, step: int, micro: int, grad: torch.Tensor | None, loss: float) -> None:
+        """Answer the stage before: the loss and the gradient of what it sent (None: no grad)."""
+        header = {"kind": GRAD, "step": step, "micro": micro, "loss": float(loss)}
+        self._send(header, [] if grad is None else [(grad, "none")])
+
+    def recv_reply(self, step: int, micro: int) -> tuple[torch.Tensor | None, float]:
+        """The next stage's reply to (step, micro): gradient (or None) and loss."""
+        header, tensors = self._recv(GRAD, step, micro)
+        loss = header.get("loss")
+        if not isinstance(loss, (int, float)) or len(tensors) > 1:
+            raise BoundaryError(f"bad reply header {header!r}")
+        return (tensors[0] if tensors else None), float(loss)
+
+    def send_control(self, name: str, tensors: list[torch.Tensor] = (), **fields: Any) -> None:
+        """A named control message (calibration frames, evaluation numbers)."""
+        header = {"kind": CONTROL, "step": None, "micro": None, "name": name, **fields}
+        self._send(header, [(t, "none") for t in tensors])
+
+    def recv_control(self, name: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The next control message, which must be ``name``."""
+        return self.recv_control_any((name,))
+
+    def recv_control_any(self, names: tuple[str, ...]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The next control message, which must be one of ``names``."""
+        header, tensors = self._recv(CONTROL, None, None)
+        if header.get("name") not in names:
+            want = " or ".join(repr(n) for n in names)
+            raise StaleReply(f"expected control message {want}, got {header.get('name')!r}")
+        return header, tensors
+
+
+@dataclass
+class _Session:
+    channel: Channel
+    step: int
+    micro: int
+    labels: torch.Tensor
+    codec: str
+    loss: float | None = None
+    received: bool = False
+
+    def receive(self) -> torch.Tensor | None:
+        if self.received:
+            raise BoundaryError(f"reply for (step {self.step}, micro {self.micro}) taken twice")
+        grad, self.loss = self.channel.recv_reply(self.step, self.micro)
+        self.received = True
+        return grad
+
+
+class PipelineBoundary(torch.autograd.Function):
+    """Forward sends the payload and labels; backward returns the reply's gradient."""
+
+    @staticmethod
+    def forward(ctx, payload: torch.Tensor, session: _Session) -> torch.Tensor:
+        session.channel.send_activation(
+            session.step, session.micro, payload, session.labels, session.codec
+        )
+        ctx.session = session
+        ctx.shape, ctx.dtype = payload.shape, payload.dtype
+        return payload.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        session = ctx.session
+        grad = session.receive()
+        if grad is None:
+            raise BoundaryError(
+                f"the next stage sent no gradient for (step {session.step}, micro {session.micro})"
+            )
+        if tuple(grad.shape) != tuple(ctx.shape):
+            raise BoundaryError(
+                f"gradient shape {tuple(grad.shape)} != payload shape {tuple(ctx.shape)}"
+            )
+        return grad.to(ctx.dtype), None
+
+
+class SentMicroBatch:
+    """A micro-batch sent through the boundary; ``backward()`` waits for its reply."""
+
+    def __init__(self, token: torch.Tensor, session: _Session) -> None:
+        self._token, self._session = token, session
+
+    @property
+    def loss(self) -> float:
+        """The loss the reply carried (after ``backward()``)."""
+        if self._session.loss is None:
+            raise BoundaryError("no reply received yet")
+        return self._session.loss
+
+    def backward(self) -> None:
+        """Receive the reply and backpropagate its gradient into this stage."""
+        if self._token.requires_grad:
+            self._token.backward()
+        else:  # nothing on this side needs a gradient; keep the protocol in step all the same
+            self._session.receive()
+
+
+def send_through(
+    channel: Channel,
+    payload: torch.Tensor,
+    *,
+    step: int,
+    micro: int,
+    labels: torch.Tensor,
+    codec: str = "none",
+) -> SentMicroBatch:
+    """Send ``payload`` through the boundary as (step, micro); call ``backward()`` on the result
+    when the schedule says so."""
+    session = _Session(channel, step, micro, labels, codec)
+    token = PipelineBoundary.apply(payload, session)
+    return SentMicroBatch(token, session)

@@ -1,0 +1,459 @@
+"""Training one pipeline stage: build its bundle, then run the schedule's ops step after step.
+
+A stage of an N-stage pipeline (any N >= 2) runs between up to two channels. Per step it splits
+the batch into M micro-batches and runs its op list (GPipe or 1F1B, from ``plan.schedule``):
+
+- ``F m``: the first stage embeds micro-batch m's ids; the others receive its payload and labels
+  from the stage before and run the receiver. Then the blocks; the last stage computes the
+  micro-batch's chunked float32 loss scaled by 1/M; the others run the sender and send the
+  payload on through a ``PipelineBoundary``.
+- ``B m``: the last stage backpropagates the loss; the others wait for the next stage's reply and
+  backpropagate its gradient. A stage with a stage before it answers with the loss and the
+  gradient of what it received.
+
+One AdamW step per step: the accumulated gradient equals the full batch's (reference,
+"Micro-batched schedules").
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from swarmp2p.runtime.torch.boundary import ACT, GRAD, Channel, SentMicroBatch, send_through
+from swarmp2p.runtime.torch.compression import Compressor, LearnedBottleneck
+
+FINETUNE_MODES = ("full", "compressor_only", "lora", "none")
+
+DEFAULT_LOSS_CHUNK_TOKENS = 2048
+"""Tokens whose float32 logits the last stage holds at once while scoring (reference, "Long
+sequences"); each chunk is recomputed in backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSettings:
+    """How a stage trains; every stage of a job gets the same one."""
+
+    steps: int
+    """Optimizer steps to run."""
+    micro_batches: int = 1
+    """M: each step's batch is split into this many micro-batches (the batch size must divide)."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    recompute: bool = False
+    """Activation checkpointing per block: keep block inputs only, recompute in backward."""
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+    """The last stage scores this many tokens at a time."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps!r}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens!r}")
+
+
+@dataclass(kw_only=True, eq=False)
+class StageBundle:
+    """One stage, ready to train: its module, its compressor halves, what it optimises."""
+
+    index: int
+    n_stages: int
+    stage: nn.Module
+    """``stage(x, position_ids=None)``: ids on the first stage, hidden states otherwise; hidden
+    states out, logits on the last stage. ``stage.blocks`` is its decoder blocks."""
+    recv_compressor: Compressor | None = None
+    """The compressor of the boundary this stage reads from (it runs the receiver half)."""
+    send_compressor: Compressor | None = None
+    """The compressor of the boundary this stage writes to (it runs the sender half)."""
+    finetune_mode: str = "full"
+    trainable_parameters: list[nn.Parameter] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    wire_v2: bool = True
+    """Send a quantized payload as its codes (lossless); False sends the floats (wire v1)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    @property
+    def send_codec(self) -> str:
+        if self.send_compressor is None or not self.wire_v2:
+            return "none"
+        return self.send_compressor.payload_codec
+
+    def receive(self, payload: torch.Tensor) -> torch.Tensor:
+        """The receiver half of the incoming boundary (identity without one)."""
+        return payload if self.recv_compressor is None else self.recv_compressor.receiver()(payload)
+
+    def send(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sender half of the outgoing boundary (identity without one)."""
+        return hidden if self.send_compressor is None else self.send_compressor.sender()(hidden)
+
+
+def _compressor_parameters(bundle: StageBundle) -> list[nn.Parameter]:
+    params: list[nn.Parameter] = []
+    if bundle.recv_compressor is not None:
+        params += list(bundle.recv_compressor.receiver().parameters())
+    if bundle.send_compressor is not None:
+        params += list(bundle.send_compressor.sender().parameters())
+    return params
+
+
+def build_bundle(
+    stage: nn.Module,
+    *,
+    index: int,
+    n_stages: int,
+    recv_compressor: Compressor | None = None,
+    send_compressor: Compressor | None = None,
+    finetune_mode: str = "full",
+    block_devices: Sequence[str] | None = None,
+    wire_v2: bool = True,
+) -> StageBundle:
+    """Place a stage's blocks on ``block_devices`` and resolve what it trains.
+
+    ``trainable_parameters`` is never empty unless the mode is ``none``, or ``compressor_only`` on
+    a stage with no learned bottleneck half (it only relays). For ``lora``, apply the adapters
+    first (``lora.apply_lora``): the bundle trains the adapter weights inside the stage.
+    """
+    if n_stages < 2 or not 0 <= index < n_stages:
+        raise ValueError(
+            f"stage index {index} of {n_stages} stages: need n_stages >= 2, 0 <= index < n"
+        )
+    if finetune_mode not in FINETUNE_MODES:
+        raise ValueError(
+            f"finetune_mode {finetune_mode!r} is not one of {', '.join(FINETUNE_MODES)}"
+        )
+    if (recv_compressor is None) != (index == 0):
+        raise ValueError(f"stage {index}: a receive compressor exactly when the stage is not first")
+    if (send_compressor is None) != (index == n_stages - 1):
+        raise ValueError(f"stage {index}: a send compressor exactly when the stage is not last")
+    blocks = list(stage.blocks)
+    device = torch.device("cpu")
+    if block_devices is not None:
+        if len(block_devices) != len(blocks):
+            raise ValueError(
+                f"stage {index} has {len(blocks)} blocks but block_devices lists "
+                f"{len(block_devices)}; give one device per block"
+            )
+        if len(set(block_devices)) > 1:
+            raise ValueError(
+                f"stage {index}: blocks on several devices {sorted(set(block_devices))} are not "
+                "supported by this runtime yet; give one device"
+            )
+        device = torch.device(block_devices[0])
+    stage.to(device)
+    for comp in (recv_compressor, send_compressor):
+        if comp is not None:
+            comp.to(device)
+
+    compressor_params = _compressor_parameters(
+        StageBundle(
+            index=index,
+            n_stages=n_stages,
+            stage=stage,
+            recv_compressor=recv_compressor,
+            send_compressor=send_compressor,
+        )
+    )
+    if finetune_mode == "full":
+        params = [p for p in stage.parameters()] + compressor_params
+    elif finetune_mode == "compressor_only":
+        params = compressor_params
+    elif finetune_mode == "lora":
+        adapters = [p for n, p in stage.named_parameters() if "lora_" in n]
+        if not adapters:
+            raise ValueError(
+                f"stage {index} has no LoRA adapters in its blocks: target_modules matched "
+                "nothing here; check model.lora.target_modules"
+            )
+        params = adapters + compressor_params
+    else:
+        params = []
+    trainable = {id(p) for p in params}
+    for p in (*stage.parameters(), *_all_compressor_parameters(recv_compressor, send_compressor)):
+        p.requires_grad_(id(p) in trainable)
+    if not params and finetune_mode in ("full", "lora"):
+        raise ValueError(f"stage {index} has nothing to train in finetune mode {finetune_mode!r}")
+    # deduplicate (a tied head and embedding are one parameter)
+    unique = list({id(p): p for p in params}.values())
+    return StageBundle(
+        index=index,
+        n_stages=n_stages,
+        stage=stage,
+        recv_compressor=recv_compressor,
+        send_compressor=send_compressor,
+        finetune_mode=finetune_mode,
+        trainable_parameters=unique,
+        device=device,
+        wire_v2=wire_v2,
+    )
+
+
+def _all_compressor_parameters(*comps: Compressor | None) -> list[nn.Parameter]:
+    return [p for c in comps if c is not None for p in c.parameters()]
+
+
+def set_recompute(stage: nn.Module, enabled: bool) -> None:
+    """Activation checkpointing per block (transformers' ``GradientCheckpointingLayer``)."""
+    for i, block in enumerate(stage.blocks):
+        if not hasattr(type(block), "gradient_checkpointing"):
+            raise ValueError(
+                f"block {i} ({type(block).__name__}) does not support recompute; "
+                "set train.recompute to false"
+            )
+        block.gradient_checkpointing = enabled
+        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+
+def _chunk_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def chunked_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Mean next-token cross-entropy, scored ``chunk_tokens`` at a time in float32 (each chunk
+    recomputed in backward), returned in the logits' dtype."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).to(flat.device)
+    if flat.shape[0] != flat_labels.shape[0]:
+        raise ValueError(f"{flat.shape[0]} logits rows but {flat_labels.shape[0]} labels")
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part, part_labels = (
+            flat[start : start + chunk_tokens],
+            flat_labels[start : start + chunk_tokens],
+        )
+        if flat.requires_grad:
+            total = total + checkpoint(_chunk_loss_sum, part, part_labels, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(part, part_labels)
+    return (total / flat.shape[0]).to(logits.dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    """What a stage reports after each step."""
+
+    step: int
+    loss: float
+    """The step's mean token loss, as computed by the last stage."""
+    tokens: int
+    tokens_per_s: float
+    act_bytes: int
+    """Bytes this stage sent forward this step."""
+    grad_bytes: int
+    """Bytes this stage sent backward this step."""
+    step_s: float
+    peak_memory_bytes: int
+    """Peak accelerator memory (CUDA) or peak resident set of the process (CPU)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def make_optimizer(bundle: StageBundle, settings: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW over exactly the bundle's trainable parameters."""
+    if not bundle.trainable_parameters:
+        raise ValueError(f"stage {bundle.index} has no trainable parameters to optimise")
+    return torch.optim.AdamW(
+        bundle.trainable_parameters,
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _op(op: Any) -> tuple[str, int]:
+    if isinstance(op, tuple):
+        return op[0], op[1]
+    return op.kind, op.micro
+
+
+def split_batch(
+    tokens: torch.Tensor, micro_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids, labels) per micro-batch of a ``[B, T + 1]`` token batch (labels are the ids shifted)."""
+    if tokens.dim() != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"a batch is [batch, seq_len + 1] token ids, got {tuple(tokens.shape)}")
+    if tokens.shape[0] % micro_batches:
+        raise ValueError(
+            f"batch size {tokens.shape[0]} does not divide into {micro_batches} micro-batches"
+        )
+    return [(mb[:, :-1], mb[:, 1:]) for mb in tokens.chunk(micro_batches, dim=0)]
+
+
+class _Step:
+    """The in-flight state of one step on one stage."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.sent: dict[int, SentMicroBatch] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.loss_values: dict[int, float] = {}
+        self.tokens = 0
+
+
+def run_step(
+    bundle: StageBundle,
+    settings: TrainSettings,
+    optimizer: torch.optim.Optimizer | None,
+    ops: Sequence[Any],
+    *,
+    step: int,
+    prev: Channel | None,
+    next: Channel | None,
+    tokens: torch.Tensor | None = None,
+) -> StepMetrics:
+    """One training step of one stage: the op list, then one optimizer step."""
+    m = settings.micro_batches
+    started = time.perf_counter()
+    act0 = next.sent_bytes[ACT] if next is not None else 0
+    grad0 = prev.sent_bytes[GRAD] if prev is not None else 0
+    micro_inputs = split_batch(tokens.to(bundle.device), m) if bundle.is_first else None
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    state = _Step()
+    bundle.stage.train()
+    for op in ops:
+        kind, micro = _op(op)
+        if kind == "F":
+            _forward(bundle, settings, state, step, micro, prev, next, micro_inputs)
+        elif kind == "B":
+            _backward(bundle, state, step, micro, prev)
+        else:
+            raise ValueError(f"unknown schedule op {kind!r}; ops are F and B")
+    if len(state.loss_values) != m:
+        raise ValueError(f"the op list answered {len(state.loss_values)} of {m} micro-batches")
+    if optimizer is not None:
+        optimizer.step()
+    elapsed = time.perf_counter() - started
+    return StepMetrics(
+        step=step,
+        loss=sum(state.loss_values.values()),
+        tokens=state.tokens,
+        tokens_per_s=state.tokens / elapsed if elapsed > 0 else 0.0,
+        act_bytes=(next.sent_bytes[ACT] - act0) if next is not None else 0,
+        grad_bytes=(prev.sent_bytes[GRAD] - grad0) if prev is not None else 0,
+        step_s=elapsed,
+        peak_memory_bytes=_peak_memory(bundle.device),
+    )
+
+
+def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> None:
+    if bundle.is_first:
+        x, labels = micro_inputs[micro]
+        hidden_in = x
+    else:
+        payload, labels = prev.recv_activation(step, micro)
+        x = payload.to(bundle.device)
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        state.inputs[micro] = x
+        hidden_in = bundle.receive(x)
+    state.tokens += labels.numel()
+    out = bundle.stage(hidden_in)
+    if bundle.is_last:
+        loss = chunked_loss(out, labels, settings.loss_chunk_tokens) / settings.micro_batches
+        state.losses[micro] = loss
+    else:
+        state.sent[micro] = send_through(
+            next, bundle.send(out), step=step, micro=micro, labels=labels, codec=bundle.send_codec
+        )
+
+
+def _backward(bundle, state, step, micro, prev) -> None:
+    if bundle.is_last:
+        loss = state.losses.pop(micro)
+        if loss.requires_grad:
+            loss.backward()
+        value = float(loss.detach())
+    else:
+        sent = state.sent.pop(micro)
+        sent.backward()
+        value = sent.loss
+    state.loss_values[micro] = value
+    if prev is not None:
+        x = state.inputs.pop(micro)
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        prev.send_reply(step, micro, grad, value)
+
+
+def train_stage(
+    bundle: StageBundle,
+    settings: TrainSettings,
+    ops: Sequence[Any],
+    *,
+    prev: Channel | None = None,
+    next: Channel | None = None,
+    batches: Iterator[torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    start_step: int = 0,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> list[StepMetrics]:
+    """Run ``settings.steps`` steps (from ``start_step``) of one stage; return each step's metrics.
+
+    ``ops`` is this stage's op list for one step (``plan.schedule.stage_schedule``: items with
+    ``kind`` "F"/"B" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
+    ``[B, T + 1]`` token batch per step from ``batches``.
+    """
+    if bundle.is_first != (prev is None) or bundle.is_last != (next is None):
+        raise ValueError(
+            f"stage {bundle.index} of {bundle.n_stages}: a prev channel exactly when not first, "
+            "a next channel exactly when not last"
+        )
+    if bundle.is_first and batches is None:
+        raise ValueError("the first stage needs batches")
+    if optimizer is None and bundle.trainable_parameters:
+        optimizer = make_optimizer(bundle, settings)
+    set_recompute(bundle.stage, settings.recompute)
+    metrics = []
+    for step in range(start_step, start_step + settings.steps):
+        tokens = next_batch(batches, step) if bundle.is_first else None
+        result = run_step(
+            bundle, settings, optimizer, ops, step=step, prev=prev, next=next, tokens=tokens
+        )
+        metrics.append(result)
+        if on_step is not None:
+            on_step(result)
+    return metrics
+
+
+def next_batch(batches: Iterator[torch.Tensor], step: int) -> torch.Tensor:
+    """The next batch, with a clear error when the data runs out."""
+    try:
+        return next(batches)
+    except StopIteration:
+        raise ValueError(
+            f"the training data ran out at step {step}; give more data or fewer steps"
+        ) from None
+
+
+def learned_bottlenecks(bundle: StageBundle) -> list[LearnedBottleneck]:
+    """The stage's learned bottleneck compressors (incoming first)."""
+    comps = (bundle.recv_compressor, bundle.send_compressor)
+    return [c for c in comps if isinstance(c, LearnedBottleneck)]

@@ -1,0 +1,391 @@
+"""Real stage workers (``python -m swarmp2p.runtime.worker``) over CURVE ZmqLinks on loopback:
+loss and trained parameters equal a single process; a dead neighbour fails fast; bad specs
+name their field; a resumed run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+try:  # tqdm's monitor thread (transformers' progress bars) would trip the thread-leak check
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 128
+
+
+def _model(family: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+        )
+    else:
+        config = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    saved = {}
+
+    def get(family: str) -> Path:
+        if family not in saved:
+            folder = tmp_path_factory.mktemp(family)
+            _model(family).save_pretrained(folder, max_shard_size="40KB")
+            saved[family] = folder
+        return saved[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def token():
+    from swarmp2p.net import SwarmSecret
+
+    return SwarmSecret.generate().token
+
+
+class Worker:
+    """One worker process; its stdout events and stderr drained on threads."""
+
+    def __init__(self, spec: dict) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmp2p.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        self.events: list[dict] = []
+        self.stderr: list[str] = []
+        self._ready = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._out, daemon=True),
+            threading.Thread(target=self._err, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self.proc.stdin.write(json.dumps(spec))
+        self.proc.stdin.close()
+
+    def _out(self) -> None:
+        for line in self.proc.stdout:
+            event = json.loads(line)
+            self.events.append(event)
+            if event["event"] in ("ready", "error"):
+                self._ready.set()
+        self._ready.set()
+
+    def _err(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def port(self, timeout: float = 60) -> int | None:
+        assert self._ready.wait(timeout), "worker never said ready"
+        ready = [e for e in self.events if e["event"] == "ready"]
+        assert ready, self.describe()
+        return ready[0]["port"]
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for t in self._threads:
+            t.join(5)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def describe(self) -> str:
+        return f"events {self.events}\nstderr tail:\n{''.join(self.stderr[-30:])}"
+
+
+def spec_for(i, n, folder, token, cuts, **extra) -> dict:
+    bounds = [0, *cuts, 4]
+    spec = {
+        "stage": i,
+        "n_stages": n,
+        "model": str(folder),
+        "layers": [bounds[i], bounds[i + 1]],
+        "n_layers": 4,
+        "token": token,
+        "compression": ["none"] * (n - 1),
+        "link_timeout_s": 30,
+        "train": {"steps": 2, "batch_size": 4, "seq_len": 9, "lr": 1e-3, "loss_chunk_tokens": 7},
+        "data": {"source": "random", "seed": 3},
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def run_workers(n, folder, token, cuts, per_stage=None, **extra) -> list[Worker]:
+    """Start stages last to first (each dials the bound port of the next); wait for all."""
+    workers: list[Worker | None] = [None] * n
+    nxt = None
+    try:
+        for i in reversed(range(n)):
+            spec = spec_for(i, n, folder, token, cuts, **extra)
+            if per_stage:
+                spec.update(per_stage(i))
+            if nxt is not None:
+                spec["next"] = f"tcp://127.0.0.1:{nxt}"
+            workers[i] = Worker(spec)
+            nxt = workers[i].port()
+        for w in workers:
+            w.wait()
+    finally:
+        for w in workers:
+            if w is not None:
+                w.stop()
+    return workers
+
+
+def reference(folder, steps, batch_size, seq_len, seed, lr):
+    """Single process: the loss of each step and the parameters after the last."""
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.train import chunked_loss
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=gen)
+        opt.zero_grad()
+        loss = chunked_loss(model(tokens[:, :-1]).logits, tokens[:, 1:], 7)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _snapshot_params(snap_dir: Path, i: int, step: int, layer_start: int) -> dict:
+    """A stage snapshot's parameters under the whole model's names."""
+    payload = torch.load(snap_dir / f"stage-{i}" / f"step-{step:08d}.pt", weights_only=True)
+    return payload["state"]
+
+
+@pytest.mark.parametrize(
+    ("family", "n", "schedule", "m"),
+    [("llama", 2, "1f1b", 4), ("llama", 3, "gpipe", 4), ("gpt2", 4, "1f1b", 1)],
+)
+def test_workers_match_a_single_process(checkpoint, token, tmp_path, family, n, schedule, m):
+    folder = checkpoint(family)
+    cuts = {2: [2], 3: [1, 3], 4: [1, 2, 3]}[n]
+    workers = run_workers(
+        n,
+        folder,
+        token,
+        cuts,
+        train={"micro_batches": m, "schedule": schedule, "checkpoint_every": 2},
+        snapshot_dir=str(tmp_path),
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    ref_losses, ref_params = reference(folder, 2, 4, 9, 3, 1e-3)
+    for w in workers:
+        assert [e["loss"] for e in w.of("step")] == pytest.approx(ref_losses, abs=1e-5)
+    # every trained parameter after 2 AdamW steps equals the single process's
+    from swarmp2p.runtime.torch import build_stage
+
+    whole = copy.deepcopy(_model_from(folder))
+    bounds = [0, *cuts, 4]
+    compared = 0
+    for i in range(n):
+        stage = build_stage(whole, bounds[i], bounds[i + 1])
+        names = {id(p): name for name, p in whole.named_parameters()}
+        state = _snapshot_params(tmp_path, i, 2, bounds[i])
+        for name, p in stage.named_parameters():
+            got = state[f"stage.{name}"]
+            torch.testing.assert_close(got, ref_params[names[id(p)]], atol=1e-5, rtol=0, msg=name)
+            compared += 1
+    assert compared == len(ref_params)
+    first = workers[0].of("step")[0]
+    assert first["act_bytes"] > 4 * 9 * 32 * 4 and first["grad_bytes"] == 0
+    assert workers[-1].of("step")[0]["grad_bytes"] > 4 * 9 * 32 * 4
+
+
+def _model_from(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float()
+
+
+def test_a_killed_neighbour_fails_the_survivor_within_the_link_timeout(checkpoint, token):
+    folder = checkpoint("llama")
+    last = Worker(spec_for(1, 2, folder, token, [2], link_timeout_s=3, train={"steps": 1000}))
+    try:
+        port = last.port()
+        first = Worker(
+            {
+                **spec_for(0, 2, folder, token, [2], link_timeout_s=3, train={"steps": 1000}),
+                "next": f"tcp://127.0.0.1:{port}",
+            }
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not first.of("step") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert first.of("step"), first.describe()
+            first.proc.kill()
+            killed_at = time.monotonic()
+            assert last.wait(30) == 1, last.describe()
+            assert time.monotonic() - killed_at < 3 + 10
+            (error,) = last.of("error")
+            assert error["type"] == "LinkTimeout" and "within 3 s" in error["message"]
+        finally:
+            first.stop()
+    finally:
+        last.stop()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"stage": 5}, "stage: must be < n_stages (2), got 5"),
+        ({"layers": [3, 2]}, "layers: must be [start, end)"),
+        ({"compression": ["fixed_int9"]}, "compression[0]"),
+        ({"train": {"micro_batches": 3}}, "train.micro_batches: must divide train.batch_size 4"),
+        ({"finetune_mode": "lora"}, 'lora: is required when finetune_mode is "lora"'),
+        ({"bogus": 1}, "bogus: unknown field"),
+        ({"next": None}, "next: is required on every stage but the last"),
+    ],
+)
+def test_bad_specs_name_the_field(change, field, token):
+    spec = {**spec_for(0, 2, "/nonexistent", token, [2]), "next": "tcp://127.0.0.1:1"}
+    spec.update(change)
+    if change.get("next", 0) is None:
+        del spec["next"]
+    w = Worker(spec)
+    assert w.wait(60) == 2, w.describe()
+    (error,) = w.of("error")
+    assert error["type"] == "WorkerSpecError" and field in error["message"]
+
+
+def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_path):
+    folder = checkpoint("llama")
+    workers = run_workers(
+        2,
+        folder,
+        token,
+        [2],
+        finetune_mode="lora",
+        lora={"r": 4, "alpha": 8, "dropout": 0.0, "export": "adapters"},
+        train={"steps": 3, "eval_batches": 2, "lr": 1e-2},
+        export_dir=str(tmp_path),
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    passes = [[(e["pass"], e["loss"], e["tokens"]) for e in w.of("eval")] for w in workers]
+    assert passes[0] == passes[1]  # every stage reports the last stage's numbers
+    assert [p[0] for p in passes[0]] == ["base", "trained"]  # no compressor: no calibrated pass
+    (_, base_loss, tokens), (_, trained_loss, _) = passes[0]
+    assert tokens == 2 * 4 * 9
+    built = [w.of("built")[0] for w in workers]
+    assert built[0]["lora_fingerprint"] == built[1]["lora_fingerprint"] is not None
+
+    from swarmp2p.runtime.torch.evaluation import score_logits
+    from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
+    from swarmp2p.runtime.worker import DataSpec, TrainSpec, WorkerSpec, eval_batches
+
+    dirs = [tmp_path / "stage-0", tmp_path / "stage-1"]
+    assert read_manifest(dirs[1])["weights_included"] is False
+    model = reconstruct_from_shards(folder, dirs).eval()
+    spec = WorkerSpec(
+        stage=0,
+        n_stages=2,
+        model="",
+        layers=(0, 2),
+        n_layers=4,
+        token="",
+        train=TrainSpec(batch_size=4, seq_len=9, eval_batches=2),
+        data=DataSpec(seed=3),
+    )
+    loss_sum, n = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(spec, VOCAB):
+            s, _, k = score_logits(model(batch[:, :-1]).logits, batch[:, 1:])
+            loss_sum, n = loss_sum + s, n + k
+    assert loss_sum / n == pytest.approx(trained_loss, abs=1e-5)
+    assert trained_loss != base_loss  # the adapters moved (random tokens: nothing to learn)
+
+
+def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
+    folder = checkpoint("llama")
+    learned = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
+    workers = run_workers(
+        3,
+        folder,
+        token,
+        [1, 3],
+        compression=[learned, learned],
+        finetune_mode="compressor_only",
+        train={
+            "steps": 4,
+            "eval_batches": 1,
+            "lr": 1e-2,
+            "calibration_tokens": 72,
+            "micro_batches": 2,
+        },
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    assert [w.of("calibrated")[0]["tokens"] for w in workers] == [72, 72, 0]
+    names = [e["pass"] for e in workers[1].of("eval")]
+    assert names == ["base", "calibrated_boundary", "trained"]
+    trainable = [w.of("built")[0]["trainable_parameters"] for w in workers]
+    # the halves only: down (32x16 + 16) on a sender, up (16x32 + 32) on a receiver
+    assert trainable == [528, 544 + 528, 544]
+    steps = workers[0].of("step")
+    assert steps[0]["act_bytes"] < 2 * (2 * 9 * 16 + 2 * 4 + 2 * 9 * 8) + 600  # codes, not floats

@@ -1,0 +1,132 @@
+"""LoRA across stages: target resolution by module names, in-place adapters, each stage
+training only its blocks' adapters, fingerprints, clear failure when nothing trains."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_pipeline import _reference_lora, run_pipeline  # noqa: E402
+from train_models import build_model, stage_copies, token_batches  # noqa: E402
+
+from swarmp2p.runtime.torch import introspect  # noqa: E402
+from swarmp2p.runtime.torch.compression import NoCompression  # noqa: E402
+from swarmp2p.runtime.torch.lora import (  # noqa: E402
+    LoraSettings,
+    apply_lora,
+    default_target_modules,
+    lora_fingerprint,
+    resolve_targets,
+)
+from swarmp2p.runtime.torch.train import TrainSettings, build_bundle  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        ("llama", ("q_proj", "k_proj", "v_proj", "o_proj")),
+        ("gpt2", ("c_attn",)),
+        ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ],
+)
+def test_default_targets_follow_the_family_table(family, targets):
+    assert default_target_modules(list(introspect(build_model(family, layers=2)).blocks)) == targets
+
+
+def test_unknown_architecture_falls_back_to_every_2d_weight():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            from transformers.pytorch_utils import Conv1D
+
+            self.fused = Conv1D(12, 4)  # GPT-2 style: matched on its 2-D weight, not nn.Linear
+
+    assert default_target_modules([Block(), Block()]) == ("fused", "mix")
+
+
+def test_fingerprint_depends_on_every_setting():
+    base = LoraSettings(r=8, alpha=16, dropout=0.0)
+    fp = lora_fingerprint(base, ["q_proj", "v_proj"])
+    assert fp == lora_fingerprint(base, ["v_proj", "q_proj"])
+    assert fp == lora_fingerprint(
+        LoraSettings(r=8, alpha=16, dropout=0.0, export="adapters"), ["q_proj", "v_proj"]
+    )
+    others = [
+        lora_fingerprint(
+            LoraSettings(r=4, alpha=8, dropout=0.0), ["q_proj", "v_proj"]
+        ),  # scaling same, rank not
+        lora_fingerprint(LoraSettings(r=8, alpha=32, dropout=0.0), ["q_proj", "v_proj"]),
+        lora_fingerprint(LoraSettings(r=8, alpha=16, dropout=0.1), ["q_proj", "v_proj"]),
+        lora_fingerprint(base, ["q_proj"]),
+    ]
+    assert len({fp, *others}) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"r": 0}, r"model\.lora\.r must be an integer >= 1, got 0"),
+        ({"dropout": 1.0}, r"model\.lora\.dropout must be in \[0, 1\)"),
+        ({"export": "zip"}, "model.lora.export must be merged or adapters, got 'zip'"),
+        ({"target_modules": ()}, "target_modules must be a non-empty list"),
+    ],
+)
+def test_bad_lora_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoraSettings(**kwargs)
+
+
+def test_targets_that_match_nothing_fail_at_once():
+    model = build_model("llama", layers=2)
+    with pytest.raises(ValueError, match=r"target_modules \['c_attn'\] matched nothing"):
+        apply_lora(model, LoraSettings(target_modules=("c_attn",)))
+
+
+def test_stage_without_adapters_fails_clearly():
+    model = build_model("llama", layers=2)
+    (stage, _), _ = stage_copies(model, [1])
+    with pytest.raises(ValueError, match="stage 0 has no LoRA adapters in its blocks"):
+        build_bundle(
+            stage, index=0, n_stages=2, send_compressor=NoCompression(), finetune_mode="lora"
+        )
+
+
+@pytest.mark.parametrize(("family", "n"), [("llama", 2), ("gpt2", 3)])
+def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n):
+    model = build_model(family)
+    apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():  # a non-zero B so that A's gradient is not zero either
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    batches = token_batches(2, 4, 9)
+    ref_losses, ref_params = _reference_lora(model, batches, settings)
+    metrics, bundles = run_pipeline(model, n, batches, settings, "1f1b", mode="lora")
+    assert [m.loss for m in metrics[-1]] == pytest.approx(ref_losses, abs=1e-5)
+    before = dict(model.named_parameters())
+    for bundle, names in bundles:
+        trained = {names[id(p)] for p in bundle.trainable_parameters}
+        assert trained and all("lora_" in t for t in trained)
+        for p in bundle.stage.parameters():
+            name = names[id(p)]
+            if name in trained:
+                assert not torch.equal(p, before[name]), name
+                torch.testing.assert_close(p.detach(), ref_params[name], atol=1e-5, rtol=0)
+            else:
+                assert torch.equal(p, before[name]), name
+    owned = [{names[id(p)] for p in b.trainable_parameters} for b, names in bundles]
+    assert set().union(*owned) == {n for n in before if "lora_" in n}
+    assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint halves
+    copy.deepcopy(model)  # the adapted model stays copyable
+    # resolution reads through the adapters: the same targets before and after injection
+    assert resolve_targets(model, LoraSettings()) == default_target_modules(
+        list(introspect(build_model(family, layers=2)).blocks)
+    )
