@@ -68,6 +68,8 @@ class Dispatcher:
         self._outbox: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
         self._busy: dict[str, asyncio.Task] = {}
         """Leader: job id -> its placing / launching / recovering task."""
+        self._report_lock = asyncio.Lock()
+        """Leader: reports are folded one at a time (read, fold, write)."""
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -254,6 +256,10 @@ class Dispatcher:
 
     async def on_report(self, msg: StageReport) -> None:
         """Leader: fold one batch of a stage's events into the job."""
+        async with self._report_lock:
+            await self._fold_report(msg)
+
+    async def _fold_report(self, msg: StageReport) -> None:
         entry = self.d.table.jobs.get(msg.job_id)
         if entry is None or entry["state"] in jobs.FINAL_STATES:
             return

@@ -270,8 +270,9 @@ def fold_event(record: Mapping[str, Any], event: Mapping[str, Any]) -> dict[str,
                 tokens_per_s=event.get("tokens_per_s"),
                 step_s=event.get("step_s"),
             )
+            attempt = int(record.get("attempt", 0))
             losses = list(metrics.get("losses", []))[-499:]
-            losses.append(event.get("loss"))
+            losses.append([attempt, event["step"], event.get("loss")])
             metrics["losses"] = losses
             out["step"] = event["step"] + 1
         return out
@@ -281,20 +282,17 @@ def fold_event(record: Mapping[str, Any], event: Mapping[str, Any]) -> dict[str,
             k: event.get(k) for k in ("loss", "perplexity", "top1", "tokens")
         }
         return {"evaluation": evaluation}
-    if kind == "snapshot":
-        snaps = _copy(record.get("snapshots", {}))
-        snaps[str(stage)] = event["step"]
-        return {"snapshots": snaps}
     return {}
 
 
 def resume_step(record: Mapping[str, Any]) -> int:
-    """The step every stage has a snapshot of (0: none)."""
+    """The newest step every stage has a snapshot of (0: none). ``record["snapshots"]`` maps
+    a stage to ``{"step", "nodes"}``: its newest snapshot and the nodes holding a copy."""
     n = len(record.get("plan", {}).get("stages", []))
     snaps = record.get("snapshots", {})
     if not n or any(str(i) not in snaps for i in range(n)):
         return 0
-    return min(snaps[str(i)] for i in range(n))
+    return min(int(snaps[str(i)]["step"]) for i in range(n))
 
 
 def failure(
@@ -354,7 +352,7 @@ def job_view(entry: Mapping[str, Any]) -> dict[str, Any]:
             "features": plan.get("features", []),
         },
         "history": record.get("history", []),
-        "metrics": {k: v for k, v in record.get("metrics", {}).items() if k != "losses"},
+        "metrics": record.get("metrics", {}),
         "evaluation": record.get("evaluation", {}),
         "reason": record.get("reason"),
         "error": record.get("error"),
