@@ -357,6 +357,7 @@ def job_view(entry: Mapping[str, Any]) -> dict[str, Any]:
         "reason": record.get("reason"),
         "error": record.get("error"),
         "model": record.get("model"),
+        "snapshots": record.get("snapshots", {}),
         "job": job,
     }
 
