@@ -16,6 +16,8 @@ from swarmp2p.net.security import SwarmSecret
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
 
 VOCAB = 128
+ENV = {"OMP_NUM_THREADS": "1"}
+"""Every host shares this machine's cores: one torch thread per stage worker."""
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def _job(model, name="tiny", stages=3, **train):
+    """A LoRA job on the tiny Llama: no dropout, so a resumed step repeats bit for bit."""
     return {
         "name": name,
         "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4, "alpha": 8,
@@ -72,7 +75,7 @@ def _write(tmp_path, data, name="job.json"):
 
 
 def _start(hosts, ids, token, env=None):
-    nodes = [h.swarm_up(i, token, env=env) for h, i in zip(hosts, ids)]
+    nodes = [h.swarm_up(i, token, env={**ENV, **(env or {})}) for h, i in zip(hosts, ids)]
     for n in nodes:
         n.start()
     leader = min(ids)
@@ -95,6 +98,11 @@ def _submit(node, job_file):
     out = swarm(node, "train", str(job_file), "--detach", "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["job_id"]
+
+
+def _raw(node, job_id):
+    """The job's table entry straight from the daemon's API (faster than the CLI)."""
+    return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
 
 
 def _wait_state(node, job_id, states, timeout, nodes):
@@ -152,38 +160,49 @@ def test_three_hosts_train_from_a_follower_register_and_export(netns_lab, tiny_l
         torch.testing.assert_close(exported(ids).logits, rebuilt(ids).logits)
 
 
-def _kill_mid_run(netns_lab, tiny_llama, tmp_path, victim_is_leader):
-    hosts = netns_lab(4)
-    nodes = _start(hosts, ["a", "b", "c", "d"], SwarmSecret.generate().token)
+def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader):
+    hosts = netns_lab(len(ids))
+    nodes = _start(hosts, ids, SwarmSecret.generate().token)
     by_id = {n.state.root.name: n for n in nodes}
-    steps = 40
-    job = _job(tiny_llama, steps=steps, checkpoint_every=4, eval_batches=0, seq_len=16)
-    job_id = _submit(by_id["d"], _write(tmp_path, job))
-    watcher = by_id["d"]
-    view = _wait_state(watcher, job_id, ("RUNNING",), 60, nodes)
-    stage_nodes = [s["node"] for s in view["plan"]["stages"]]
+    steps = 300
+    job = _job(tiny_llama, stages=stages, steps=steps, checkpoint_every=10, eval_batches=0,
+               batch_size=8, seq_len=32)  # fmt: skip
+    watcher = by_id[ids[-1]]
+    job_id = _submit(watcher, _write(tmp_path, job))
+    entry = wait_until(
+        lambda: (e := _raw(watcher, job_id))["state"] == "running" and e, 60, "the job to run"
+    )
+    stage_nodes = [s["node_id"] for s in entry["record"]["plan"]["stages"]]
     victim = "a" if victim_is_leader else next(n for n in stage_nodes if n != "a")
-    assert victim in stage_nodes
-    # kill once every stage holds a snapshot (with its copy) and before the end
+    replanned = victim in stage_nodes
+    # kill once every stage holds a snapshot with a copy on another peer, before the end
     wait_until(
-        lambda: (v := _show(watcher, job_id))["snapshots"]
-        and all(len(v["snapshots"].get(str(i), {}).get("nodes", [])) >= 2 for i in range(3)),
+        lambda: all(
+            len(_raw(watcher, job_id)["record"].get("snapshots", {}).get(str(i), {})
+                .get("nodes", [])) >= 2
+            for i in range(stages)
+        ),
         60, "a snapshot copy of every stage", interval=0.1,
     )  # fmt: skip
-    before = _show(watcher, job_id)
-    assert before["state"] == "RUNNING" and before["step"] < steps, "the job ended too soon"
+    before = _raw(watcher, job_id)
+    assert before["state"] == "running", "the job ended before the kill; make it longer"
     by_id[victim].kill()
     final = _wait_state(watcher, job_id, ("COMPLETED", "FAILED"), 150, nodes)
     assert final["state"] == "COMPLETED", json.dumps(final, indent=1)
+    t0 = final["history"][0]["at"]
+    print("\nhistory:", [(h["state"], round(h["at"] - t0, 1)) for h in final["history"]])
     states = [h["state"] for h in final["history"]]
-    assert "resuming" in states and final["attempt"] == 2
     assert victim not in [s["node"] for s in final["plan"]["stages"]]
+    if not replanned:  # the leader ran no stage: its workers never stopped
+        assert "resuming" not in states and final["attempt"] == 1
+        return by_id, victim
+    assert "resuming" in states and final["attempt"] == 2
     losses = {}
     for attempt, step, loss in final["metrics"]["losses"]:
         losses.setdefault(attempt, {})[step] = loss
     first, second = losses[1], losses[2]
     resumed_from = min(second)
-    assert resumed_from > 0 and resumed_from % 4 == 0  # from a snapshot, not from scratch
+    assert resumed_from > 0 and resumed_from % 10 == 0  # from a snapshot, not from scratch
     assert max(second) == steps - 1
     for step in set(first) & set(second):  # re-run steps give the same loss
         assert second[step] == pytest.approx(first[step], abs=1e-5), step
@@ -191,12 +210,12 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, victim_is_leader):
 
 
 def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama, tmp_path):
-    _kill_mid_run(netns_lab, tiny_llama, tmp_path, victim_is_leader=False)
+    _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c", "d"], 3, False)
 
 
 def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llama, tmp_path):
-    by_id, _ = _kill_mid_run(netns_lab, tiny_llama, tmp_path, victim_is_leader=True)
-    assert by_id["d"].status()["leader"] == "b"
+    by_id, _ = _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c"], 2, True)
+    assert by_id["c"].status()["leader"] == "b"
 
 
 def test_a_job_no_device_can_run_waits_until_a_capable_node_joins(netns_lab, tiny_llama, tmp_path):
