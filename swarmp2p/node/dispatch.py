@@ -109,6 +109,9 @@ class Dispatcher:
                 lost = sorted(nodes - alive)
                 if lost:
                     self._run(job_id, self._recover(job_id, lost))
+                elif record.get("placed_by") != self.d.node_id and state != "running":
+                    # a leader that died while wiring the stages: start the wiring over
+                    self._run(job_id, self._recover(job_id, []))
 
     def _run(self, job_id: str, coro: Any) -> None:
         task = self.d._spawn(coro, f"job:{job_id}")
@@ -171,6 +174,7 @@ class Dispatcher:
                 "done_stages": [],
                 "shards": {},
                 "resume_step": resume,
+                "placed_by": self.d.node_id,
             },
         )
         log.info("job %s attempt %d placed on %s", job_id, attempt, [s["node_id"] for s in plan["stages"]])  # fmt: skip
@@ -214,8 +218,9 @@ class Dispatcher:
 
     async def _recover(self, job_id: str, lost: list[str]) -> None:
         record = self._entry(job_id)["record"]
-        log.warning("job %s lost stage node(s) %s; re-planning", job_id, lost)
-        await self._set(job_id, "resuming", {"reason": f"node(s) {', '.join(lost)} lost"})
+        why = f"node(s) {', '.join(lost)} lost" if lost else "the leader that placed it was lost"
+        log.warning("job %s: %s; re-planning", job_id, why)
+        await self._set(job_id, "resuming", {"reason": why})
         await self._stop_everywhere(job_id, int(record.get("attempt", 0)))
         await self._place(job_id, lost)
 

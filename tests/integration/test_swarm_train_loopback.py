@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
 TOKEN = SwarmSecret.generate().token
 VOCAB = 128
+ENV = {"OMP_NUM_THREADS": "1"}  # the daemons share this machine's cores
 
 
 def _tiny_llama(folder):
@@ -90,8 +92,8 @@ def test_bad_job_exits_2_listing_every_error_and_submits_nothing(loopback_swarm,
 def test_train_on_two_nodes_completes_registers_and_exports(loopback_swarm, tmp_path):
     model = _tiny_llama(tmp_path / "tiny-llama")
     loopback_swarm.reserve("a", "b")
-    a = loopback_swarm.node("a", token=TOKEN)
-    b = loopback_swarm.node("b", token=TOKEN)
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV)
+    b = loopback_swarm.node("b", token=TOKEN, env=ENV)
     for n in (a, b):
         n.start()
     try:
@@ -152,3 +154,74 @@ def test_train_on_two_nodes_completes_registers_and_exports(loopback_swarm, tmp_
         torch.testing.assert_close(exported(ids).logits, rebuilt(ids).logits)
         base = AutoModelForCausalLM.from_pretrained(model).eval()
         assert not torch.allclose(base(ids).logits, exported(ids).logits)  # LoRA moved it
+
+
+def _two_nodes(loopback_swarm):
+    loopback_swarm.reserve("a", "b")
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV)
+    b = loopback_swarm.node("b", token=TOKEN, env=ENV)
+    for n in (a, b):
+        n.start()
+    wait_until(lambda: agreed_on([a, b], "a", 2), 20, "two nodes to agree on a")
+    wait_until(lambda: a.status()["leader_ready"], 10, "a to take over")
+    return a, b
+
+
+def _workers_of(node) -> list[int]:
+    """Live stage worker processes whose parent is ``node``'s daemon."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == node.proc.pid and fields[0] != "Z" and b"runtime.worker" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _entry(node, job_id):
+    return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
+
+
+def test_a_failing_stage_fails_the_job_with_stage_node_message_and_stderr(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job = _job(model)
+    job["data"] = {"source": str(tmp_path / "missing.npy")}
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    out = swarm(a, "train", str(job_file))  # the progress display, then the error
+    assert out.returncode == 1, out.stdout + out.stderr + dump([a, b])
+    assert "FAILED" in out.stdout and "missing.npy" in out.stdout
+    job_id = a.status()["jobs"][0]["job_id"]
+    view = json.loads(swarm(b, "jobs", "show", job_id, "--json").stdout)
+    assert view["state"] == "FAILED" and view["model"] is None
+    error = view["error"]
+    assert error["stage"] == 0 and error["node"] == "a"
+    assert "missing.npy" in error["message"] and "exited with code 1" in error["message"]
+    assert any("Traceback" in line for line in error["stderr_tail"])
+    assert json.loads(swarm(a, "models", "--json").stdout) == []
+
+
+def test_cancel_stops_the_workers_and_the_job_stays_cancelled(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(_job(model, steps=100000, eval_batches=0)))
+    out = swarm(b, "train", str(job_file), "--detach", "--json")
+    job_id = json.loads(out.stdout)["job_id"]
+    wait_until(lambda: (_entry(a, job_id)["record"].get("step") or 0) >= 2, 60, "steps")
+    out = swarm(b, "jobs", "cancel", job_id)  # from the follower, forwarded to the leader
+    assert out.returncode == 0, out.stderr
+    assert _entry(a, job_id)["state"] == "cancelled"
+    step = _entry(a, job_id)["record"]["step"]
+    time.sleep(1.5)
+    assert _entry(b, job_id)["state"] == "cancelled"
+    assert _entry(a, job_id)["record"]["step"] <= step + 1  # no worker trains on
+    assert _workers_of(a) == [] and _workers_of(b) == []
+    again = swarm(a, "jobs", "cancel", job_id)
+    assert again.returncode != 0 and "already CANCELLED" in again.stderr
