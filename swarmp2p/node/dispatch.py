@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import jobs
+from swarmp2p.node.corpus import prepare_tokens
 from swarmp2p.node.messages import (
     FilePull,
     JobAck,
@@ -440,6 +441,18 @@ class Dispatcher:
             await self._ensure_snapshot(msg, snap_dir)
         plan_dict = json.loads(msg.plan)
         device, visible = jobs.device_for(plan_dict["stages"][msg.stage], self.d.record)
+        tokens = None
+        if msg.stage == 0 and jobs.needs_tokens(msg.job):
+            data = msg.job["data"]
+            try:
+                tokens = await prepare_tokens(
+                    msg.job["model"]["pretrained"],
+                    data["source"],
+                    data["text_field"],
+                    folder / "data" / "tokens.npy",
+                )
+            except ValueError as exc:
+                raise RpcError("bad_data", f"node {self.d.node_id}: {exc}") from None
         try:
             spec = jobs.worker_spec(
                 msg.job,
@@ -452,6 +465,7 @@ class Dispatcher:
                 snapshot_dir=str(snap_dir) if msg.job["train"]["checkpoint_every"] else None,
                 export_dir=str(folder / "export"),
                 resume=bool(msg.resume_step),
+                tokens_path=str(tokens) if tokens is not None else None,
             )
         except ValueError as exc:
             raise RpcError("bad_job", str(exc)) from None

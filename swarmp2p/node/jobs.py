@@ -146,16 +146,25 @@ def plan_from_dict_stage(plan: Mapping[str, Any], stage: int) -> Mapping[str, An
     return plan["stages"][stage]
 
 
-def _data_spec(job: Mapping[str, Any]) -> dict[str, Any]:
+def needs_tokens(job: Mapping[str, Any]) -> bool:
+    """Whether the job's corpus must be tokenized (``corpus.prepare_tokens``) for stage 0."""
+    source = job["data"]["source"]
+    return source != "random" and not source.endswith(".npy")
+
+
+def _data_spec(job: Mapping[str, Any], stage: int, tokens_path: str | None) -> dict[str, Any]:
     source = job["data"]["source"]
     seed = job["train"]["seed"]
     if source == "random":
         return {"source": "random", "seed": seed}
     if source.endswith(".npy"):
         return {"source": "tokens", "path": source, "seed": seed}
+    if tokens_path is not None:
+        return {"source": "tokens", "path": tokens_path, "seed": seed}
+    if stage > 0:  # only the first stage reads data
+        return {"source": "random", "seed": seed}
     raise ValueError(
-        f"data.source {source!r}: stage workers read a .npy file of token ids or 'random'; "
-        "tokenize the corpus to a .npy file of token ids first"
+        f"data.source {source!r} must be tokenized for stage 0 first (corpus.prepare_tokens)"
     )
 
 
@@ -186,6 +195,7 @@ def worker_spec(
     snapshot_dir: str | None,
     export_dir: str | None,
     resume: bool,
+    tokens_path: str | None = None,
 ) -> dict[str, Any]:
     """The worker spec (``python -m swarmp2p.runtime.worker`` stdin) of one planned stage."""
     st = plan["stages"][stage]
@@ -217,7 +227,7 @@ def worker_spec(
             "eval_batches": plan["eval_batches"],
             "checkpoint_every": train["checkpoint_every"] if snapshot_dir else 0,
         },
-        "data": _data_spec(job),
+        "data": _data_spec(job, stage, tokens_path),
         "resume": resume,
     }
     if next_endpoint is not None:

@@ -164,23 +164,21 @@ def test_worker_specs_of_a_plan_pass_the_worker_validation():
     assert no_snap["train"]["checkpoint_every"] == 0
 
 
-def test_a_corpus_the_worker_cannot_read_is_named():
+def test_a_text_corpus_is_read_by_stage_0_from_its_token_file():
     cluster = jobs.cluster_records([_node("a"), _node("b")])
     job = _canonical({**JOB, "data": {"source": "embedded"}})
+    assert jobs.needs_tokens(job) and not jobs.needs_tokens(_canonical())
     plan = jobs.compute_plan(job, cluster).to_dict()
-    with pytest.raises(ValueError, match=r"data\.source 'embedded'"):
-        jobs.worker_spec(
-            job,
-            plan,
-            0,
-            token="t",
-            host="h",
-            next_endpoint="tcp://h:1",
-            device="cpu",
-            snapshot_dir=None,
-            export_dir=None,
-            resume=False,
-        )
+    common = dict(token="t" * 10, host="h", device="cpu", snapshot_dir=None, export_dir=None,
+                  resume=False)  # fmt: skip
+    with pytest.raises(ValueError, match="must be tokenized for stage 0 first"):
+        jobs.worker_spec(job, plan, 0, next_endpoint="tcp://h:1", **common)
+    first = jobs.worker_spec(
+        job, plan, 0, next_endpoint="tcp://h:1", tokens_path="/t.npy", **common
+    )
+    assert parse_worker_spec(first).data.path == "/t.npy"
+    last = jobs.worker_spec(job, plan, 1, next_endpoint=None, **common)
+    assert parse_worker_spec(last).data.source == "random"  # stages past the first read none
 
 
 def _record(n=3, attempt=1):
