@@ -256,8 +256,8 @@ def worker_spec(
 def fold_event(record: Mapping[str, Any], event: Mapping[str, Any]) -> dict[str, Any]:
     """The record fields to update for one worker event (``{}``: nothing to record).
 
-    Step metrics come from the last stage (it holds the loss); boundary traffic from every
-    stage that sends; evaluation from the last stage (every stage reports the same numbers).
+    Step metrics come from the last stage (it holds the loss); boundary traffic from the
+    stages on either side of it; evaluation from the last stage (every stage reports the same numbers).
     """
     kind = event.get("event")
     stage = event.get("stage")
@@ -266,12 +266,14 @@ def fold_event(record: Mapping[str, Any], event: Mapping[str, Any]) -> dict[str,
     if kind == "step":
         metrics = _copy(record.get("metrics", {}))
         boundaries = metrics.setdefault("boundaries", {})
+        secs = max(float(event.get("step_s") or 0.0), 1e-9)
+        # a stage sends activations over the boundary after it, gradients over the one before
         if stage is not None and stage < n - 1:
-            secs = max(float(event.get("step_s") or 0.0), 1e-9)
-            boundaries[str(stage)] = {
-                "act_mb_s": round((event.get("act_bytes") or 0) / secs / 1e6, 3),
-                "grad_mb_s": round((event.get("grad_bytes") or 0) / secs / 1e6, 3),
-            }
+            rates = boundaries.setdefault(str(stage), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
+            rates["act_mb_s"] = round((event.get("act_bytes") or 0) / secs / 1e6, 3)
+        if stage is not None and 0 < stage < n:
+            rates = boundaries.setdefault(str(stage - 1), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
+            rates["grad_mb_s"] = round((event.get("grad_bytes") or 0) / secs / 1e6, 3)
         out: dict[str, Any] = {"metrics": metrics}
         if last:
             metrics.update(

@@ -191,12 +191,19 @@ def test_progress_folds_loss_from_the_last_stage_and_traffic_per_boundary():
             "act_bytes": 1_000_000, "grad_bytes": 2_000_000}  # fmt: skip
     first = jobs.fold_event(record, {**step, "stage": 0})
     assert "step" not in first
-    assert first["metrics"]["boundaries"]["0"] == {"act_mb_s": 2.0, "grad_mb_s": 4.0}
+    assert first["metrics"]["boundaries"] == {"0": {"act_mb_s": 2.0, "grad_mb_s": 0.0}}
     record = {**record, **first}
-    last = jobs.fold_event(record, {**step, "stage": 2, "act_bytes": 0, "grad_bytes": 0})
+    middle = jobs.fold_event(record, {**step, "stage": 1})
+    assert middle["metrics"]["boundaries"] == {
+        "0": {"act_mb_s": 2.0, "grad_mb_s": 4.0},  # stage 1 sends gradients back over 0
+        "1": {"act_mb_s": 2.0, "grad_mb_s": 0.0},
+    }
+    record = {**record, **middle}
+    last = jobs.fold_event(record, {**step, "stage": 2, "act_bytes": 0})
     assert last["step"] == 1 and last["metrics"]["loss"] == 4.5
     assert last["metrics"]["losses"] == [[1, 0, 4.5]]
-    assert "2" not in last["metrics"]["boundaries"] and "0" in last["metrics"]["boundaries"]
+    assert set(last["metrics"]["boundaries"]) == {"0", "1"}
+    assert last["metrics"]["boundaries"]["1"]["grad_mb_s"] == 4.0
     ev = {"event": "eval", "pass": "base", "loss": 4.0, "perplexity": 54.6, "top1": 0.1,
           "tokens": 64}  # fmt: skip
     assert jobs.fold_event(record, {**ev, "stage": 1}) == {}
