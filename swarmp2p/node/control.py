@@ -325,12 +325,14 @@ def export_model(state_dir: Path, model_id: str, out: Path) -> dict[str, Any]:
     out = Path(out).resolve()
     shards = out / ".shards"
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
+    from swarmp2p.runtime.models import resolve_model_ref
     from swarmp2p.runtime.torch.export import reconstruct_from_shards
 
     model = got["model"]
     lora = model["manifest"]["lora"]
     merged = lora is None or lora["export"] == "merged"
-    built = reconstruct_from_shards(model["base"], got["shards"], merge_adapters=merged)
+    base = resolve_model_ref(model["base"])
+    built = reconstruct_from_shards(base, got["shards"], merge_adapters=merged)
     built.save_pretrained(out)
     (out / "swarm-model.json").write_text(json.dumps(model, indent=2, sort_keys=True))
     shutil.rmtree(shards)

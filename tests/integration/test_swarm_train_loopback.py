@@ -205,6 +205,8 @@ def test_a_failing_stage_fails_the_job_with_stage_node_message_and_stderr(loopba
     assert "missing.npy" in error["message"] and "exited with code 1" in error["message"]
     assert any("Traceback" in line for line in error["stderr_tail"])
     assert json.loads(swarm(a, "models", "--json").stdout) == []
+    logs = swarm(b, "jobs", "logs", job_id, "--stage", "0")  # fetched from node a
+    assert logs.returncode == 0 and "missing.npy" in logs.stdout, logs.stderr
 
 
 def test_cancel_stops_the_workers_and_the_job_stays_cancelled(loopback_swarm, tmp_path):
