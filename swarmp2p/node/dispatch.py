@@ -373,8 +373,8 @@ class Dispatcher:
             await self.stop_job(msg.job_id, msg.attempt)
             return JobAck(job_id=msg.job_id)
         if isinstance(msg, StageReport):
-            if self.d.leader != self.d.node_id:
-                raise RpcError("not_leader", f"node {self.d.node_id} is not the leader")
+            if not self.leading:  # the sender keeps the events and retries
+                raise RpcError("not_leader", f"node {self.d.node_id} is not leading (yet)")
             await self.on_report(msg)
             return JobAck(job_id=msg.job_id)
         if isinstance(msg, JobCancel):

@@ -345,7 +345,7 @@ def job_view(entry: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "id": entry.get("job_id"),
         "name": record.get("name", job.get("name")),
-        "state": str(entry.get("state", "")).upper(),
+        "state": "PENDING" if entry.get("state") == "submitted" else str(entry["state"]).upper(),
         "step": record.get("step", 0),
         "steps": job.get("train", {}).get("steps"),
         "attempt": record.get("attempt", 0),
