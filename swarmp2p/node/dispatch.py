@@ -148,7 +148,7 @@ class Dispatcher:
                 log.info("job %s waits: %s", job_id, result.reason)
                 await self._set(job_id, "pending", {"reason": result.reason})
             return
-        resume = jobs.resume_step(record) if record.get("plan") else 0
+        resume = jobs.resume_step(record, self._alive()) if record.get("plan") else 0
         if resume:
             old = [s["layers"] for s in record["plan"]["stages"]]
             if old != [[s.layer_start, s.layer_end] for s in result.stages]:
@@ -187,7 +187,6 @@ class Dispatcher:
         n = len(plan["stages"])
         nxt = ""
         resume = int(record.get("resume_step") or 0)
-        snaps = record.get("snapshots", {})
         for i in reversed(range(n)):
             node_id = plan["stages"][i]["node_id"]
             msg = StageStart(
@@ -199,7 +198,7 @@ class Dispatcher:
                 plan=record["plan_json"],
                 next=nxt,
                 resume_step=resume,
-                snapshot_nodes=list(snaps.get(str(i), {}).get("nodes", [])) if resume else [],
+                snapshot_nodes=jobs.snapshot_holders(record, i, resume) if resume else [],
                 leader=self.d.node_id,
             )
             try:
@@ -280,8 +279,9 @@ class Dispatcher:
             kind = event.get("event")
             if kind == "snapshot":
                 snaps = fields.get("snapshots", record.get("snapshots", {}))
-                snaps = {**snaps, str(msg.stage): {"step": event["step"], "nodes": [msg.node_id]}}
-                fields["snapshots"] = snaps
+                fields["snapshots"] = jobs.add_snapshot(
+                    snaps, msg.stage, event["step"], msg.node_id
+                )
                 self._replicate(msg.job_id, msg.stage, msg.node_id, event)
                 continue
             update = jobs.fold_event({**record, **fields}, event)
@@ -352,13 +352,14 @@ class Dispatcher:
             except (RpcError, RpcTimeout) as exc:
                 log.warning("snapshot copy of job %s stage %d failed: %s", job_id, stage, exc)
                 return
-            entry = self.d.table.jobs.get(job_id)
-            if entry is None:
-                return
-            snaps = jobs._copy(entry["record"].get("snapshots", {}))
-            snap = snaps.get(str(stage))
-            if snap and snap["step"] == event["step"] and target not in snap["nodes"]:
-                snap["nodes"].append(target)
+            async with self._report_lock:
+                entry = self.d.table.jobs.get(job_id)
+                if entry is None or not self.leading:
+                    return
+                snaps = entry["record"].get("snapshots", {})
+                if str(event["step"]) not in snaps.get(str(stage), {}).get("steps", {}):
+                    return  # already forgotten: newer snapshots came since
+                snaps = jobs.add_snapshot(snaps, stage, event["step"], target)
                 await self.d.update_job(job_id, {"snapshots": snaps}, "")
 
         self.d._spawn(pull(), f"replicate:{job_id}:{stage}")

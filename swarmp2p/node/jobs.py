@@ -297,14 +297,48 @@ def fold_event(record: Mapping[str, Any], event: Mapping[str, Any]) -> dict[str,
     return {}
 
 
-def resume_step(record: Mapping[str, Any]) -> int:
-    """The newest step every stage has a snapshot of (0: none). ``record["snapshots"]`` maps
-    a stage to ``{"step", "nodes"}``: its newest snapshot and the nodes holding a copy."""
+SNAPSHOTS_KEPT = 4
+"""Snapshot steps remembered per stage (a copy may land after the next snapshot is taken)."""
+
+
+def add_snapshot(snapshots: Mapping[str, Any], stage: int, step: int, node: str) -> dict[str, Any]:
+    """``snapshots`` with ``node`` holding stage ``stage``'s snapshot after ``step`` steps.
+
+    Shape: ``{stage: {"steps": {step: [node, ...]}}}`` (string keys: the table is JSON).
+    """
+    out = _copy(snapshots)
+    steps = out.setdefault(str(stage), {}).setdefault("steps", {})
+    holders = steps.setdefault(str(step), [])
+    if node not in holders:
+        holders.append(node)
+    for old in sorted(steps, key=int)[:-SNAPSHOTS_KEPT]:
+        del steps[old]
+    return out
+
+
+def snapshot_holders(record: Mapping[str, Any], stage: int, step: int) -> list[str]:
+    entry = record.get("snapshots", {}).get(str(stage), {})
+    return list(entry.get("steps", {}).get(str(step), []))
+
+
+def resume_step(
+    record: Mapping[str, Any], alive: frozenset[str] | set[str] | None = None, copies: int = 1
+) -> int:
+    """The newest step every stage has a snapshot of, held by at least ``copies`` nodes (live
+    ones, when ``alive`` is given); 0 when there is none."""
     n = len(record.get("plan", {}).get("stages", []))
     snaps = record.get("snapshots", {})
-    if not n or any(str(i) not in snaps for i in range(n)):
+    if not n:
         return 0
-    return min(int(snaps[str(i)]["step"]) for i in range(n))
+    common: set[str] | None = None
+    for i in range(n):
+        steps = {
+            step
+            for step, holders in snaps.get(str(i), {}).get("steps", {}).items()
+            if len([h for h in holders if alive is None or h in alive]) >= copies
+        }
+        common = steps if common is None else common & steps
+    return max((int(s) for s in common or ()), default=0)
 
 
 def failure(

@@ -176,12 +176,10 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
     victim = "a" if victim_is_leader else next(n for n in stage_nodes if n != "a")
     replanned = victim in stage_nodes
     # kill once every stage holds a snapshot with a copy on another peer, before the end
+    from swarmp2p.node.jobs import resume_step
+
     wait_until(
-        lambda: all(
-            len(_raw(watcher, job_id)["record"].get("snapshots", {}).get(str(i), {})
-                .get("nodes", [])) >= 2
-            for i in range(stages)
-        ),
+        lambda: resume_step(_raw(watcher, job_id)["record"], copies=2),
         60, "a snapshot copy of every stage", interval=0.1,
     )  # fmt: skip
     before = _raw(watcher, job_id)

@@ -210,13 +210,27 @@ def test_progress_folds_loss_from_the_last_stage_and_traffic_per_boundary():
     assert jobs.fold_event(record, {**ev, "stage": 2})["evaluation"]["base"]["tokens"] == 64
 
 
-def test_resume_step_is_the_newest_every_stage_has():
+def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
     record = _record()
     assert jobs.resume_step(record) == 0
-    record["snapshots"] = {"0": {"step": 6, "nodes": ["a"]}, "1": {"step": 4, "nodes": ["b"]}}
-    assert jobs.resume_step(record) == 0  # stage 2 has none
-    record["snapshots"]["2"] = {"step": 6, "nodes": ["c", "a"]}
-    assert jobs.resume_step(record) == 4
+    snaps = {}
+    for stage, node in ((0, "a"), (1, "b"), (2, "c")):
+        for step in (10, 20):
+            snaps = jobs.add_snapshot(snaps, stage, step, node)
+    snaps = jobs.add_snapshot(snaps, 0, 30, "a")  # stage 0 ran ahead
+    record["snapshots"] = snaps
+    assert jobs.resume_step(record) == 20
+    assert jobs.resume_step(record, copies=2) == 0  # no copy anywhere yet
+    for stage, copy in ((0, "b"), (1, "c"), (2, "a")):
+        snaps = jobs.add_snapshot(snaps, stage, 10, copy)
+    record["snapshots"] = snaps
+    assert jobs.resume_step(record, copies=2) == 10
+    assert jobs.resume_step(record, alive={"a", "b"}) == 10  # c's stage-2 step 20 is gone
+    assert jobs.snapshot_holders(record, 2, 10) == ["c", "a"]
+    for step in (40, 50, 60, 70):
+        snaps = jobs.add_snapshot(snaps, 0, step, "a")
+    assert sorted(snaps["0"]["steps"], key=int) == ["40", "50", "60", "70"]  # the newest kept
+    assert jobs.add_snapshot(snaps, 0, 70, "a") == snaps  # a holder is listed once
 
 
 def test_exit_messages_name_the_signal():
