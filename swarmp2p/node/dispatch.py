@@ -99,8 +99,8 @@ class Dispatcher:
             raise RpcError("no_job", f"no job {job_id!r} in the table; see `swarm jobs`")
         return {"state": entry["state"], "record": jobs._copy(entry["record"])}
 
-    def _history(self, record: dict[str, Any], state: str, **extra: Any) -> list[dict]:
-        return [*record.get("history", []), {"state": state, "at": round(self.wall(), 3), **extra}]
+    def _history(self, record: dict[str, Any], state: str) -> list[dict]:
+        return [*record.get("history", []), {"state": state, "at": round(self.wall(), 3)}]
 
     async def _set(self, job_id: str, state: str | None, fields: dict[str, Any]) -> None:
         record = self._entry(job_id)["record"]
@@ -108,7 +108,7 @@ class Dispatcher:
             fields = {**fields, "history": self._history(record, state)}
         await self.d.update_job(job_id, fields, state or "")
 
-    async def _place(self, job_id: str, lost: list[str] | None = None) -> None:
+    async def _place(self, job_id: str) -> None:
         entry = self._entry(job_id)
         record = entry["record"]
         cluster = self._cluster()
@@ -196,7 +196,7 @@ class Dispatcher:
         log.warning("job %s: %s; re-planning", job_id, why)
         await self._set(job_id, "resuming", {"reason": why})
         await self._stop_everywhere(job_id, int(record.get("attempt", 0)))
-        await self._place(job_id, lost)
+        await self._place(job_id)
 
     async def _stop_everywhere(self, job_id: str, attempt: int) -> None:
         msg = StageStop(job_id=job_id, attempt=attempt)

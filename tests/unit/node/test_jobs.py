@@ -294,3 +294,16 @@ def test_job_folder_files_are_readable(file):
     from swarmp2p.node.stages import _safe
 
     assert _safe(file) == file
+
+
+def test_a_daemon_declares_the_runtime_features_only_where_torch_is_importable(monkeypatch):
+    import importlib.util
+
+    from swarmp2p.node.daemon import runtime_capabilities
+
+    assert runtime_capabilities() == sorted(CAPABILITIES)  # torch is installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert runtime_capabilities() == []
