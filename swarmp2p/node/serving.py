@@ -218,6 +218,8 @@ class _Served:
     port: int
     api_key: str | None
     attempt: int = 0
+    live_attempt: int = 0
+    """The attempt whose workers form the ring now (0: none)."""
     placed: list[dict[str, Any]] = field(default_factory=list)
     ctx: Any = None
     links: list[Any] = field(default_factory=list)
@@ -501,7 +503,7 @@ class Serving:
                 link.close()
             raise
         old = served.placed
-        served.placed = placed
+        served.placed, served.live_attempt = placed, attempt
         served.links.extend(links)
         if old:
             log.info(
@@ -531,8 +533,9 @@ class Serving:
         if served.client is not None:
             await asyncio.to_thread(served.client.close)
             served.client = None
-        for attempt in range(1, served.attempt + 1):
-            await self._stop_stages(served.serve_id, attempt, {s["node_id"] for s in served.placed})
+        if served.live_attempt:
+            nodes = {s["node_id"] for s in served.placed}
+            await self._stop_stages(served.serve_id, served.live_attempt, nodes)
         for link in served.links:
             link.close()
         served.links = []
@@ -571,7 +574,7 @@ class Serving:
     async def _failover(self, served: _Served, lost: list[str]) -> None:
         if lost:
             log.warning("serving %s: lost stage node(s) %s; re-placing", served.name, lost)
-        old_attempt, old_nodes = served.attempt, {s["node_id"] for s in served.placed}
+        old_attempt, old_nodes = served.live_attempt, {s["node_id"] for s in served.placed}
         try:
             first, back = await self._build(served)
         except (ServeError, RuntimeError, OSError) as exc:

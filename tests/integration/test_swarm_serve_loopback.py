@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from swarm_harness import ROOT, agreed_on, dump, free_port, swarm_env, wait_until
@@ -218,3 +219,36 @@ def test_serve_refuses_bad_requests_with_the_reason(loopback_swarm, tiny, tmp_pa
         assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
     assert a.status()["served"] == []
     assert _workers(a) == 0
+
+
+def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bounded_time(
+    loopback_swarm, tiny
+):
+    # each node: one fake GPU with ~51 MiB usable; 300 sessions of 512 tokens fit one stage
+    # per node, but not two stages on one node once a node is gone
+    env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55"}
+    loopback_swarm.reserve("a", "b", "c")
+    a, b, c = (loopback_swarm.node(n, token=TOKEN, env=env).start() for n in "abc")
+    for node in (a, b, c):
+        node.wait_up()
+    wait_until(lambda: agreed_on([a, b, c], "a", 3), 30, "3 nodes agreeing on leader a")
+    wait_until(lambda: a.status()["leader_ready"], 30, "leader a ready")
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port",
+                 str(free_port()), "--max-context", "512", "--max-sessions", "300", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b, c])
+    url = json.loads(done.stdout)["url"]
+
+    from swarmp2p.serve.client import ApiClientError, stream_text
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+    stream = stream_text(url, "/v1/completions", body)
+    next(stream)
+    c.kill()
+    started = time.monotonic()
+    with pytest.raises(ApiClientError, match="cannot be re-placed on the live nodes") as info:
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 20
+    assert "needs" in str(info.value) and "MiB usable" in str(info.value)
+    served = a.status()["served"][0]
+    assert served["state"] == "degraded" and "cannot be re-placed" in served["reason"]
