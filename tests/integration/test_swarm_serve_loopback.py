@@ -193,7 +193,7 @@ def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged
     assert not reader.is_alive()
     assert not errors, f"{errors!r}\n" + dump([a, b])
     served = a.status()["served"][0]
-    assert served["failovers"] == 1 and served["state"] == "serving"
+    assert served["failovers"] == 1 and served["replayed"] == 1 and served["state"] == "serving"
     assert {s["node"] for s in served["stages"]} == {"a", "b"}
     assert len(pieces) > at_kill, "the stream ended before the stage host was killed"
     assert "".join(pieces) == expected
