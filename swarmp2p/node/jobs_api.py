@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import jobs, registry
 from swarmp2p.node.api import ApiError
-from swarmp2p.node.dispatch import CHUNK_BYTES
 from swarmp2p.node.messages import ShardChunk, ShardRead
+from swarmp2p.node.stages import CHUNK_BYTES
 
 if TYPE_CHECKING:
     from swarmp2p.node.daemon import Daemon
@@ -42,6 +42,9 @@ def handlers(d: Daemon) -> dict[str, Any]:
         except ValueError as exc:
             raise ApiError(str(exc)) from None
         out = result.to_dict()
+        if out.get("reason"):
+            out["reason"] = jobs.blocked_note(out["reason"], d.jobs._records())
+        out["cluster"] = cluster  # the planner's inputs, as every assigned peer gets them
         free = {r["node_id"]: r.get("disk_free", 0) for r in cluster}
         for s in out.get("stages", []):
             s["disk_free"] = free.get(s["node_id"], 0)
