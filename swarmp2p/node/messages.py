@@ -201,3 +201,92 @@ class ShardChunk(Message):
 
     data: bytes
     total: int
+
+
+# --- serving across the swarm (``swarm serve``) ----------------------------------------------
+
+
+@message("serve.plan")
+class ServePlace(Message):
+    """Issuing node to the leader: place ``stages`` serving stages of a model over the live
+    nodes (memory priced with the KV cache of ``max_sessions`` x ``max_context`` tokens)."""
+
+    serve_id: str
+    model: str
+    """The resolved model folder (or Hub id) every stage loads."""
+    stages: int
+    """0: one stage per live node (at most one per block)."""
+    max_sessions: int
+    max_context: int
+    dtype: str
+    quantization: dict | None = None
+
+
+@message("serve.placed")
+class ServePlaced(Message):
+    """The leader's placement: ``stages`` is a list of ``{"node_id", "endpoint", "device",
+    "layer_start", "layer_end", "memory"}``, first to last."""
+
+    serve_id: str
+    leader: str
+    stages: list
+
+
+@message("serve.stage_start")
+class ServeStageStart(Message):
+    """Issuing node to a stage's node: start a serve worker with ``spec`` (a StageServeSpec
+    without ``token`` and ``host``: the node fills in its own)."""
+
+    serve_id: str
+    attempt: int
+    spec: dict
+    env: dict
+    issuer: str
+    """The issuing node: told with ``serve.stage_exit`` if the worker dies."""
+    """Extra environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+
+
+@message("serve.stage_connect")
+class ServeStageConnect(Message):
+    """Tell a started stage where the next stage (or the return link) listens."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    next: str
+
+
+@message("serve.stage_stop")
+class ServeStageStop(Message):
+    """Stop one stage's worker (``stage`` -1: every stage of ``serve_id`` on that node)."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+
+
+@message("serve.stage")
+class ServeStage(Message):
+    """A stage's node answers: the worker's input endpoint and what it reported."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    endpoint: str
+    state: str
+    """"ready", "serving" or "stopped"."""
+
+
+@message("serve.stage_exit")
+class ServeStageExit(Message):
+    """A stage's node to the issuing node: the stage's worker died (its node lives on)."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    node_id: str
+    message: str
+
+
+SERVE_MESSAGES = (ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit)
+"""The requests the daemon hands to its serving side."""
