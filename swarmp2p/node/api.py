@@ -20,7 +20,19 @@ from pathlib import Path
 from typing import Any
 
 MAX_LINE_BYTES = 1 << 20
-API_OPS = ("status", "peers", "submit", "down")
+API_OPS = (
+    "status",
+    "peers",
+    "submit",
+    "down",
+    "live_plan",
+    "jobs",
+    "job",
+    "cancel",
+    "logs",
+    "models",
+    "export",
+)
 
 
 class ApiError(RuntimeError):

@@ -249,3 +249,109 @@ def format_status(s: dict[str, Any]) -> str:
         format_peers(s["peers"]),
     ]
     return "\n".join(lines)
+
+
+# --- training jobs and models (issue 7) ------------------------------------------------------
+
+JOB_FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
+    return api.request(StateDir(root=state_dir).api_socket, op, timeout=timeout, **fields)
+
+
+def load_train_job(path: str, overrides: dict[str, Any]):
+    """A parsed Job from JOB.json with the `swarm train` flags applied; JobError lists every
+    problem with its field path."""
+    import json
+
+    from swarmp2p.node.jobs import apply_overrides
+    from swarmp2p.plan import FieldError, JobError, parse_job
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise JobError(
+            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
+        ) from None
+    except ValueError as exc:
+        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
+    return parse_job(apply_overrides(data, overrides))
+
+
+def live_plan(state_dir: Path, job) -> dict[str, Any]:
+    """The plan the leader would make now over the live nodes (each stage with its node's
+    free disk beside its download share); nothing is submitted."""
+    return _api(state_dir, "live_plan", job=job.to_dict())
+
+
+def submit_train(state_dir: Path, job) -> dict[str, Any]:
+    """Submit a parsed training Job; returns ``{"job_id", ...}`` once durable."""
+    from swarmp2p.node.jobs import job_record
+
+    return submit_job(state_dir, job_record(job, submitted_by="cli", submitted_at=time.time()))
+
+
+def jobs(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "jobs")
+
+
+def job(state_dir: Path, job_id: str) -> dict[str, Any]:
+    return _api(state_dir, "job", job_id=job_id)
+
+
+def cancel_job(state_dir: Path, job_id: str) -> dict[str, Any]:
+    return _api(state_dir, "cancel", timeout=30.0, job_id=job_id)
+
+
+def job_logs(state_dir: Path, job_id: str, stage: int | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"job_id": job_id}
+    if stage is not None:
+        fields["stage"] = stage
+    return _api(state_dir, "logs", timeout=30.0, **fields)
+
+
+def models(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "models")
+
+
+def export_model(state_dir: Path, model_id: str, out: Path) -> dict[str, Any]:
+    """Gather a model's shards over the swarm (sha256-checked) and write a Hugging Face folder
+    in ``out``: the merged model, or (adapters export) a PEFT adapter beside a base reference.
+    Imports the torch runtime (only here, never in the daemon)."""
+    import json
+    import shutil
+
+    out = Path(out).resolve()
+    shards = out / ".shards"
+    got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
+    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+
+    model = got["model"]
+    lora = model["manifest"]["lora"]
+    merged = lora is None or lora["export"] == "merged"
+    base = resolve_model_ref(model["base"])
+    built = reconstruct_from_shards(base, got["shards"], merge_adapters=merged)
+    built.save_pretrained(out)
+    (out / "swarm-model.json").write_text(json.dumps(model, indent=2, sort_keys=True))
+    shutil.rmtree(shards)
+    return {"model": model_id, "out": str(out), "kind": "merged" if merged else "adapter"}
+
+
+def format_jobs(rows: list[dict[str, Any]]) -> str:
+    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "LOSS")]
+    for j in rows:
+        loss = j["metrics"].get("loss")
+        table.append(
+            (
+                j["id"],
+                j["name"] or "",
+                j["state"],
+                f"{j['step']}/{j['steps']}",
+                ",".join(s["node"] for s in j["plan"]["stages"]) or "-",
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -43,13 +44,20 @@ from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import hardware, jobtable
 from swarmp2p.node.api import ApiError, ApiServer
 from swarmp2p.node.config import SUBMIT_TIMEOUT_S, NodeConfig, parse_peer
+from swarmp2p.node.dispatch import Dispatcher
 from swarmp2p.node.election import leader as elect
 from swarmp2p.node.jobtable import JobEvent, JobTable
 from swarmp2p.node.membership import Change, Membership
 from swarmp2p.node.messages import (
+    FilePull,
     Heartbeat,
+    JobCancel,
     Leave,
     NodeHello,
+    ShardRead,
+    StageReport,
+    StageStart,
+    StageStop,
     Submit,
     Submitted,
     TableAck,
@@ -120,7 +128,11 @@ class Daemon:
         self._networks = local_networks()
         self.bind_host = self.addresses[0] if config.interface else "0.0.0.0"
         self.record, self.host = hardware.probe(
-            node_id=self.node_id, name=self.name, version=__version__, env=env
+            node_id=self.node_id,
+            name=self.name,
+            version=__version__,
+            env=env,
+            capabilities=runtime_capabilities(),
         )
         self.table = jobtable.load(self.state.table_file)
         self.members = Membership(self.node_id)
@@ -141,6 +153,7 @@ class Daemon:
         self.port = 0
         self._env = os.environ if env is None else env
         self._dashboard, self._dashboard_note = None, ""
+        self.jobs = Dispatcher(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -172,6 +185,7 @@ class Daemon:
                 "peers": self._api_peers,
                 "submit": self._api_submit,
                 "down": self._api_down,
+                **self._job_api(),
             },
         )
         await self._api.start()
@@ -207,6 +221,7 @@ class Daemon:
         log.info("stopping node %s", self.node_id)
         self._closing = True
         # stop heartbeats and hellos first: a hello sent after our leave would re-add us
+        await self.jobs.close()
         for task in list(self._rt.tasks):
             task.cancel()
         for task in list(self._rt.tasks):
@@ -387,6 +402,7 @@ class Daemon:
         self._bad.flush()
         if self.leader == self.node_id and self._should_take_over():
             self._start_takeover()
+        self.jobs.tick()
 
     def _known_endpoints(self) -> set[str]:
         return (
@@ -563,6 +579,31 @@ class Daemon:
         log.info("job %s submitted at version %d, on %d node(s)", job_id, table.version, 1 + acks)
         return Submitted(job_id=job_id, term=table.term, version=table.version, replicas=1 + acks)
 
+    async def update_job(self, job_id: str, fields: dict[str, Any], state: str = "") -> None:
+        """Leader: set ``fields`` (and ``state``) of a job, durably here, pushed to the peers."""
+        if self.leader != self.node_id:
+            raise RpcError("not_leader", f"node {self.node_id} is not the leader")
+        async with self._table_lock:
+            event = JobEvent(
+                version=self.table.version + 1,
+                kind="update",
+                job_id=job_id,
+                record=fields,
+                state=state,
+            )
+            table = jobtable.apply(self.table, event)
+            jobtable.save(self.state.table_file, table)
+            self.table = table
+        self._spawn(self._push_all(table), f"push:{job_id}")
+
+    def _own_endpoint(self) -> str:
+        return f"tcp://{self.addresses[0]}:{self.port}"
+
+    def _job_api(self) -> dict[str, Any]:
+        from swarmp2p.node import jobs_api
+
+        return jobs_api.handlers(self)
+
     # --- the control socket ------------------------------------------------------------------
 
     async def _handle(self, msg: Message, identity: bytes) -> Message:
@@ -606,6 +647,8 @@ class Daemon:
         if isinstance(msg, TablePush):
             self._accept_table(msg.table)
             return TableAck(node_id=self.node_id, term=self.table.term, version=self.table.version)
+        if isinstance(msg, (StageStart, StageStop, StageReport, JobCancel, ShardRead, FilePull)):
+            return await self.jobs.handle(msg)
         if isinstance(msg, Submit):
             if self.leader != self.node_id:
                 raise RpcError(
@@ -693,6 +736,14 @@ class Daemon:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+def runtime_capabilities() -> list[str]:
+    """The plan's CAPABILITIES when the torch runtime is importable here, else none (the
+    daemon only looks for torch; it never imports it)."""
+    from swarmp2p.plan.hardware import CAPABILITIES
+
+    return sorted(CAPABILITIES) if importlib.util.find_spec("torch") is not None else []
 
 
 def _devices(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,7 +20,16 @@ from types import MappingProxyType
 from typing import Any
 
 EVENT_KINDS = ("lead", "submit", "update", "remove")
-JOB_STATES = ("submitted", "pending", "running", "completed", "failed", "cancelled")
+JOB_STATES = (
+    "submitted",
+    "pending",
+    "placed",
+    "running",
+    "resuming",
+    "completed",
+    "failed",
+    "cancelled",
+)
 TABLE_FORMAT = 1
 
 

@@ -104,3 +104,100 @@ class Submitted(Message):
     term: int
     version: int
     replicas: int
+
+
+# --- training jobs (issue 7) ---------------------------------------------------------------
+
+
+@message("job.stage_start")
+class StageStart(Message):
+    """Leader to a stage's node: check the plan from these inputs, start the stage's worker."""
+
+    job_id: str
+    attempt: int
+    stage: int
+    job: dict
+    """The canonical job.json the plan was made from."""
+    cluster: list
+    """The exact node records the leader planned on."""
+    plan: str
+    """The leader's plan, canonical JSON (``Plan.to_json()``)."""
+    next: str
+    """The next stage's bound endpoint; empty on the last stage."""
+    resume_step: int
+    """0: start fresh; else resume from the snapshot after this many steps."""
+    snapshot_nodes: list
+    """Nodes holding a copy of this stage's snapshot at ``resume_step``."""
+    leader: str
+
+
+@message("job.stage_ready")
+class StageReady(Message):
+    """The stage's worker is up; the stage before dials ``tcp://host:port`` (0 on stage 0)."""
+
+    job_id: str
+    attempt: int
+    stage: int
+    host: str
+    port: int
+
+
+@message("job.stage_stop")
+class StageStop(Message):
+    """Stop this job's workers on the receiving node (``attempt`` -1: every attempt)."""
+
+    job_id: str
+    attempt: int
+
+
+@message("job.report")
+class StageReport(Message):
+    """A node's worker events for the leader (``exit`` events carry code and stderr tail)."""
+
+    node_id: str
+    job_id: str
+    attempt: int
+    stage: int
+    events: list
+
+
+@message("job.cancel")
+class JobCancel(Message):
+    """Cancel a job (forwarded to the leader)."""
+
+    job_id: str
+
+
+@message("job.ack")
+class JobAck(Message):
+    """Done."""
+
+    job_id: str
+
+
+@message("job.shard_read")
+class ShardRead(Message):
+    """Read ``size`` bytes at ``offset`` of a file in a job's folder on the receiving node
+    (exported shards, snapshots, stage logs)."""
+
+    job_id: str
+    file: str
+    offset: int
+    size: int
+
+
+@message("job.file_pull")
+class FilePull(Message):
+    """Copy ``file`` of a job's folder from node ``source`` (``tcp://`` control endpoint)."""
+
+    job_id: str
+    file: str
+    source: str
+
+
+@message("job.shard_chunk")
+class ShardChunk(Message):
+    """Bytes of a shard file; ``total`` is the file's size."""
+
+    data: bytes
+    total: int

@@ -1,0 +1,73 @@
+"""A job's text corpus as the token file its first stage reads, made on that stage's node.
+
+The daemon never imports a tokenizer: ``prepare_tokens`` runs ``python -m
+swarmp2p.node.corpus`` (which imports transformers) in a subprocess and waits for it. The file
+is one 1-D int32 ``.npy`` stream (each document's tokens, then EOS), written atomically; the
+worker cuts it into windows and holds out the last one in twenty for evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+PREPARE_TIMEOUT_S = 600.0
+
+
+async def prepare_tokens(model: str, source: str, text_field: str, out: Path) -> Path:
+    """Tokenize ``source`` with ``model``'s tokenizer into ``out`` (kept if already there)."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "swarmp2p.node.corpus",
+        model,
+        source,
+        text_field,
+        str(out),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), PREPARE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise ValueError(
+            f"data.source {source!r}: tokenizing took over {PREPARE_TIMEOUT_S:g} s"
+        ) from None
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise ValueError(f"data.source {source!r}: {lines[-1] if lines else 'tokenizing failed'}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python -m swarmp2p.node.corpus MODEL SOURCE TEXT_FIELD OUT.npy``."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from swarmp2p.data import load_rows, tokenize_rows
+    from swarmp2p.runtime.models import resolve_model_ref
+
+    model, source, text_field, out = argv
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(model))
+    stream = tokenize_rows(load_rows(source, text_field=text_field), tokenizer)
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, stream, allow_pickle=False)
+    os.replace(tmp, path)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,82 @@
+"""The model registry: a COMPLETED job's model, kept in its job-table record. Pure.
+
+A model's manifest names the base model, split, compression, LoRA, dtype, evaluation, and
+where each stage shard is (node, folder inside the job folder) with the sha256 of every file.
+Shards stay on the nodes that trained them; ``swarm export`` gathers them (``gather_plan``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def unique_model_id(name: str, taken: Iterable[str]) -> str:
+    """``name`` made a model id (``[A-Za-z0-9_.-]``) not in ``taken``: ``name``, ``name-2``..."""
+    base = re.sub(r"[^\w.-]+", "-", name).strip("-") or "model"
+    taken = set(taken)
+    if base not in taken:
+        return base
+    n = 2
+    while f"{base}-{n}" in taken:
+        n += 1
+    return f"{base}-{n}"
+
+
+def model_entry(model_id: str, job_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    """The registry entry of a completed job's model (``record``: its job record)."""
+    job, plan = record["job"], record["plan"]
+    shards = record.get("shards", {})
+    stages = []
+    for s in plan["stages"]:
+        shard = shards.get(str(s["index"]), {})
+        manifest = shard.get("manifest") or {}
+        stages.append(
+            {
+                "stage": s["index"],
+                "node": shard.get("node", s["node_id"]),
+                "folder": shard.get("folder", f"export/stage-{s['index']}"),
+                "layers": s["layers"],
+                "files": manifest.get("files", {}),
+                "weights_included": manifest.get("weights_included", True),
+            }
+        )
+    lora = job["model"]["lora"]
+    return {
+        "id": model_id,
+        "job_id": job_id,
+        "base": job["model"]["pretrained"],
+        "manifest": {
+            "base": job["model"]["pretrained"],
+            "split": [s["layers"] for s in plan["stages"]],
+            "compression": [b["compression"] for b in plan["boundaries"]],
+            "lora": {"r": lora["r"], "alpha": lora["alpha"], "export": lora["export"]}
+            if plan["finetune_mode"] == "lora"
+            else None,
+            "finetune_mode": plan["finetune_mode"],
+            "dtype": plan["dtype"],
+            "evaluation": record.get("evaluation", {}),
+            "stages": stages,
+        },
+    }
+
+
+def models(jobs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every registered model in a job table's jobs, by id."""
+    out = [
+        dict(entry["record"]["model"])
+        for entry in jobs.values()
+        if isinstance(entry.get("record", {}).get("model"), Mapping)
+    ]
+    return sorted(out, key=lambda m: m["id"])
+
+
+def find_model(jobs: Mapping[str, Mapping[str, Any]], model_id: str) -> dict[str, Any]:
+    """The model ``model_id``; ValueError listing the known ones."""
+    known = models(jobs)
+    for m in known:
+        if m["id"] == model_id:
+            return m
+    ids = ", ".join(m["id"] for m in known) or "none yet"
+    raise ValueError(f"no model {model_id!r} in the registry (known: {ids}); see `swarm models`")

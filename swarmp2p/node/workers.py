@@ -1,0 +1,169 @@
+"""Stage worker subprocesses: start one, drain stdout (JSON-lines events) and stderr at once,
+keep a bounded stderr tail, and report how it ended (the signal it died of, if any).
+
+A worker dies with its daemon: on Linux it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so
+a SIGKILLed daemon never leaves a stage running on a job the swarm has re-planned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from swarmp2p.node.jobs import STDERR_TAIL_LINES, exit_message
+
+log = logging.getLogger("swarmp2p.node.workers")
+
+WORKER_MODULE = "swarmp2p.runtime.worker"
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class WorkerProcess:
+    """One stage worker. ``on_event(event)`` gets each stdout event; ``on_exit(code, tail)``
+    the exit code (negative: killed by that signal) and the last stderr lines."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        attempt: int,
+        stage: int,
+        spec: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        on_event: Callable[[dict[str, Any]], None],
+        on_exit: Callable[[int, list[str]], None],
+        log_path: str | None = None,
+    ) -> None:
+        self.job_id, self.attempt, self.stage = job_id, attempt, stage
+        self._spec = dict(spec)
+        self._env = dict(env or {})
+        self._on_event, self._on_exit = on_event, on_exit
+        self._log_path = log_path
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready: asyncio.Future[dict[str, Any]] | None = None
+        self.returncode: int | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.job_id, self.attempt, self.stage)
+
+    async def start(self) -> None:
+        env = {**os.environ, **self._env}
+        self.ready = asyncio.get_running_loop().create_future()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            WORKER_MODULE,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            limit=1 << 22,
+        )
+        self.proc.stdin.write(json.dumps(self._spec).encode())
+        await self.proc.stdin.drain()
+        self.proc.stdin.close()
+        self._tasks = [
+            asyncio.ensure_future(self._read_stdout()),
+            asyncio.ensure_future(self._read_stderr()),
+        ]
+        self._tasks.append(asyncio.ensure_future(self._wait()))
+
+    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """The ``ready`` event (with the bound port); RuntimeError if the worker ends first."""
+        assert self.ready is not None
+        return await asyncio.wait_for(asyncio.shield(self.ready), timeout)
+
+    async def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                self.stderr_tail.append(f"(stdout) {line}")
+                continue
+            if not isinstance(event, dict):
+                continue
+            if event.get("event") == "ready" and self.ready and not self.ready.done():
+                self.ready.set_result(event)
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("worker event handler failed")
+
+    async def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        out = open(self._log_path, "a") if self._log_path else None  # noqa: SIM115
+        try:
+            async for raw in self.proc.stderr:
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.stderr_tail.append(line)
+                if out is not None:
+                    out.write(line + "\n")
+                    out.flush()
+        finally:
+            if out is not None:
+                out.close()
+
+    async def _wait(self) -> None:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        # let the readers hand over what the worker wrote last
+        await asyncio.gather(*self._tasks[:2], return_exceptions=True)
+        self.returncode = code
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_exception(
+                RuntimeError(
+                    f"stage {self.stage} worker {exit_message(code)} before it was ready"
+                    + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
+                )
+            )
+        if self._stopping:
+            return
+        try:
+            self._on_exit(code, list(self.stderr_tail))
+        except Exception:
+            log.exception("worker exit handler failed")
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; no exit report is made."""
+        self._stopping = True
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 2.0)
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()

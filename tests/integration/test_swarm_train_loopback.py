@@ -1,0 +1,229 @@
+"""`swarm train` end to end on real daemons on 127.0.0.1: plan, dispatch, progress, registry,
+export; and a bad job refused with every error listed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
+
+from swarmp2p.net.security import SwarmSecret
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+TOKEN = SwarmSecret.generate().token
+VOCAB = 128
+ENV = {"OMP_NUM_THREADS": "1"}  # the daemons share this machine's cores
+
+
+def _tiny_llama(folder):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+def _job(model, **train):
+    return {
+        "name": "tiny",
+        "model": {
+            "pretrained": str(model),
+            "lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0},
+        },
+        "split": {"stages": 2},
+        "data": {"source": "random"},
+        "train": {
+            "steps": 4,
+            "batch_size": 4,
+            "seq_len": 8,
+            "micro_batches": 1,
+            "lr": 0.01,
+            "eval_batches": 2,
+            "checkpoint_every": 0,
+            **train,
+        },
+    }
+
+
+def swarm(node, *args, timeout=180):
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def test_bad_job_exits_2_listing_every_error_and_submits_nothing(loopback_swarm, tmp_path):
+    a = loopback_swarm.node("a", token=TOKEN).start()
+    a.wait_up()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": {"pretrained": "x", "lora": {"r": 0}},
+                               "train": {"steps": -3, "lr": "fast"}, "typo": 1}))  # fmt: skip
+    out = swarm(a, "train", str(bad))
+    assert out.returncode == 2, out.stderr
+    for path in ("model.lora.r", "train.steps", "train.lr", "typo"):
+        assert path in out.stderr, out.stderr
+    out = swarm(a, "train", str(bad), "--json")
+    errors = json.loads(out.stdout)["errors"]
+    assert {e["path"] for e in errors} >= {"model.lora.r", "train.steps", "train.lr", "typo"}
+    assert a.status()["jobs"] == []
+
+
+def test_train_on_two_nodes_completes_registers_and_exports(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    loopback_swarm.reserve("a", "b")
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV)
+    b = loopback_swarm.node("b", token=TOKEN, env=ENV)
+    for n in (a, b):
+        n.start()
+    try:
+        wait_until(lambda: agreed_on([a, b], "a", 2), 20, "two nodes to agree on a")
+        wait_until(lambda: a.status()["leader_ready"], 10, "a to take over")
+    except AssertionError:
+        raise AssertionError(dump([a, b])) from None
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(_job(model)))
+
+    planned = swarm(b, "train", str(job_file), "--plan", "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert [s["node_id"] for s in plan["stages"]] == ["a", "b"]
+    assert all(s["disk_free"] > 0 for s in plan["stages"])
+    assert a.status()["jobs"] == []  # --plan submits nothing
+
+    out = swarm(b, "train", str(job_file), "--json")  # a follower's CLI, forwarded to a
+    assert out.returncode == 0, out.stdout + out.stderr + dump([a, b])
+    view = json.loads(out.stdout)
+    assert view["state"] == "COMPLETED" and view["step"] == view["steps"] == 4
+    assert [s["layers"] for s in view["plan"]["stages"]] == [[0, 2], [2, 4]]
+    states = [h["state"] for h in view["history"]]
+    assert states[0] == "pending" and states[-1] == "completed" and "running" in states
+    ev = view["evaluation"]
+    assert set(ev) == {"base", "trained"}
+    assert ev["base"]["tokens"] == 2 * 4 * 8 and ev["trained"]["loss"] != ev["base"]["loss"]
+    assert view["model"]["id"] == "tiny"
+
+    show = json.loads(swarm(a, "jobs", "show", view["id"], "--json").stdout)
+    assert show["state"] == "COMPLETED" and show["evaluation"] == ev
+    listed = json.loads(swarm(a, "jobs", "--json").stdout)
+    assert [j["id"] for j in listed] == [view["id"]]
+    logs = swarm(a, "jobs", "logs", view["id"], "--stage", "1")
+    assert logs.returncode == 0, logs.stderr
+
+    models = json.loads(swarm(a, "models", "--json").stdout)
+    assert [(m["id"], m["job_id"], m["base"]) for m in models] == [("tiny", view["id"], str(model))]
+    stages = models[0]["manifest"]["stages"]
+    assert [s["node"] for s in stages] == ["a", "b"]
+    assert all(len(d) == 64 for s in stages for d in s["files"].values())
+
+    out_dir = tmp_path / "exported"
+    done = swarm(b, "export", "tiny", "--out", str(out_dir))
+    assert done.returncode == 0, done.stderr
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+
+    exported = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    shards = [a.state.root / "jobs" / view["id"] / "export" / "stage-0",
+              b.state.root / "jobs" / view["id"] / "export" / "stage-1"]  # fmt: skip
+    rebuilt = reconstruct_from_shards(model, shards).eval()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, rebuilt(ids).logits)
+        base = AutoModelForCausalLM.from_pretrained(model).eval()
+        assert not torch.allclose(base(ids).logits, exported(ids).logits)  # LoRA moved it
+
+
+def _two_nodes(loopback_swarm):
+    loopback_swarm.reserve("a", "b")
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV)
+    b = loopback_swarm.node("b", token=TOKEN, env=ENV)
+    for n in (a, b):
+        n.start()
+    wait_until(lambda: agreed_on([a, b], "a", 2), 20, "two nodes to agree on a")
+    wait_until(lambda: a.status()["leader_ready"], 10, "a to take over")
+    return a, b
+
+
+def _workers_of(node) -> list[int]:
+    """Live stage worker processes whose parent is ``node``'s daemon."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == node.proc.pid and fields[0] != "Z" and b"runtime.worker" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _entry(node, job_id):
+    return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
+
+
+def test_a_failing_stage_fails_the_job_with_stage_node_message_and_stderr(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job = _job(model)
+    job["data"] = {"source": str(tmp_path / "missing.npy")}
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    out = swarm(a, "train", str(job_file))  # the progress display, then the error
+    assert out.returncode == 1, out.stdout + out.stderr + dump([a, b])
+    assert "FAILED" in out.stdout and "missing.npy" in out.stdout
+    job_id = a.status()["jobs"][0]["job_id"]
+    view = json.loads(swarm(b, "jobs", "show", job_id, "--json").stdout)
+    assert view["state"] == "FAILED" and view["model"] is None
+    error = view["error"]
+    assert error["stage"] == 0 and error["node"] == "a"
+    assert "missing.npy" in error["message"] and "exited with code 1" in error["message"]
+    assert any("Traceback" in line for line in error["stderr_tail"])
+    assert json.loads(swarm(a, "models", "--json").stdout) == []
+    logs = swarm(b, "jobs", "logs", job_id, "--stage", "0")  # fetched from node a
+    assert logs.returncode == 0 and "missing.npy" in logs.stdout, logs.stderr
+
+
+def test_cancel_stops_the_workers_and_the_job_stays_cancelled(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(_job(model, steps=100000, eval_batches=0)))
+    out = swarm(b, "train", str(job_file), "--detach", "--json")
+    job_id = json.loads(out.stdout)["job_id"]
+    wait_until(lambda: (_entry(a, job_id)["record"].get("step") or 0) >= 2, 60, "steps")
+    out = swarm(b, "jobs", "cancel", job_id)  # from the follower, forwarded to the leader
+    assert out.returncode == 0, out.stderr
+    assert _entry(a, job_id)["state"] == "cancelled"
+    step = _entry(a, job_id)["record"]["step"]
+    time.sleep(1.5)
+    assert _entry(b, job_id)["state"] == "cancelled"
+    assert _entry(a, job_id)["record"]["step"] <= step + 1  # no worker trains on
+    assert _workers_of(a) == [] and _workers_of(b) == []
+    again = swarm(a, "jobs", "cancel", job_id)
+    assert again.returncode != 0 and "already CANCELLED" in again.stderr

@@ -1,0 +1,236 @@
+"""`swarm train` on real hosts in network namespaces: a 3-stage LoRA job end to end, a stage
+host and the leader SIGKILLed mid-run, a job waiting for a capable device, a bad job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
+
+from swarmp2p.net.security import SwarmSecret
+
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
+
+VOCAB = 128
+ENV = {"OMP_NUM_THREADS": "1"}
+"""Every host shares this machine's cores: one torch thread per stage worker."""
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama in a folder every namespace host reads (they share the filesystem)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+def _job(model, name="tiny", stages=3, **train):
+    """A LoRA job on the tiny Llama: no dropout, so a resumed step repeats bit for bit."""
+    return {
+        "name": name,
+        "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4, "alpha": 8,
+                                                     "dropout": 0.0}},
+        "split": {"stages": stages, "mode": "equal"},
+        "data": {"source": "random"},
+        "train": {"steps": 6, "batch_size": 4, "seq_len": 8, "micro_batches": 2, "lr": 0.01,
+                  "eval_batches": 2, "checkpoint_every": 0, **train},
+    }  # fmt: skip
+
+
+def swarm(node, *args, timeout=240):
+    """The `swarm` CLI against ``node``'s daemon (over its unix socket)."""
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def _write(tmp_path, data, name="job.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _start(hosts, ids, token, env=None):
+    nodes = [h.swarm_up(i, token, env={**ENV, **(env or {})}) for h, i in zip(hosts, ids)]
+    for n in nodes:
+        n.start()
+    leader = min(ids)
+    try:
+        wait_until(lambda: agreed_on(nodes, leader, len(nodes)), 30, "the hosts to agree")
+        by_id = dict(zip(ids, nodes))
+        wait_until(lambda: by_id[leader].status()["leader_ready"], 15, "the leader to be ready")
+    except AssertionError:
+        raise AssertionError(dump(nodes)) from None
+    return nodes
+
+
+def _show(node, job_id):
+    out = swarm(node, "jobs", "show", job_id, "--json", timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _submit(node, job_file):
+    out = swarm(node, "train", str(job_file), "--detach", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["job_id"]
+
+
+def _raw(node, job_id):
+    """The job's table entry straight from the daemon's API (faster than the CLI)."""
+    return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
+
+
+def _wait_state(node, job_id, states, timeout, nodes):
+    try:
+        return wait_until(
+            lambda: (v := _show(node, job_id))["state"] in states and v, timeout,
+            f"job {job_id} to reach {states}", interval=0.2,
+        )  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
+
+
+def test_three_hosts_train_from_a_follower_register_and_export(netns_lab, tiny_llama, tmp_path):
+    hosts = netns_lab(3)
+    a, b, c = _start(hosts, ["a", "b", "c"], SwarmSecret.generate().token)
+
+    bad = _write(tmp_path, {"model": {"pretrained": str(tiny_llama), "lora": {"r": 0}},
+                            "train": {"steps": 0, "schedule": "zigzag"}}, "bad.json")  # fmt: skip
+    out = swarm(c, "train", str(bad))
+    assert out.returncode == 2
+    for path in ("model.lora.r", "train.steps", "train.schedule"):
+        assert path in out.stderr, out.stderr
+    assert a.status()["jobs"] == []  # nothing submitted
+
+    job_file = _write(tmp_path, _job(tiny_llama))
+    out = swarm(c, "train", str(job_file), "--json")  # c follows; a leads and places
+    assert out.returncode == 0, out.stdout + out.stderr + dump([a, b, c])
+    view = json.loads(out.stdout)
+    assert view["state"] == "COMPLETED", view
+    assert [s["node"] for s in view["plan"]["stages"]] == ["a", "b", "c"]
+    assert [s["layers"] for s in view["plan"]["stages"]] == [[0, 2], [2, 4], [4, 6]]
+    assert set(view["evaluation"]) == {"base", "trained"}
+    assert view["evaluation"]["trained"]["loss"] != view["evaluation"]["base"]["loss"]
+    assert set(view["metrics"]["boundaries"]) == {"0", "1"}
+
+    models = json.loads(swarm(b, "models", "--json").stdout)
+    assert [(m["id"], m["job_id"]) for m in models] == [("tiny", view["id"])]
+    assert [s["node"] for s in models[0]["manifest"]["stages"]] == ["a", "b", "c"]
+
+    out_dir = tmp_path / "export"
+    done = swarm(b, "export", "tiny", "--out", str(out_dir))
+    assert done.returncode == 0, done.stderr
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+
+    exported = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    shards = [n.state.root / "jobs" / view["id"] / "export" / f"stage-{i}"
+              for i, n in enumerate((a, b, c))]  # fmt: skip
+    rebuilt = reconstruct_from_shards(tiny_llama, shards).eval()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, rebuilt(ids).logits)
+
+
+def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader):
+    hosts = netns_lab(len(ids))
+    nodes = _start(hosts, ids, SwarmSecret.generate().token)
+    by_id = {n.state.root.name: n for n in nodes}
+    steps = 300
+    job = _job(tiny_llama, stages=stages, steps=steps, checkpoint_every=10, eval_batches=0,
+               batch_size=8, seq_len=32)  # fmt: skip
+    watcher = by_id[ids[-1]]
+    job_id = _submit(watcher, _write(tmp_path, job))
+    entry = wait_until(
+        lambda: (e := _raw(watcher, job_id))["state"] == "running" and e, 60, "the job to run"
+    )
+    stage_nodes = [s["node_id"] for s in entry["record"]["plan"]["stages"]]
+    victim = "a" if victim_is_leader else next(n for n in stage_nodes if n != "a")
+    replanned = victim in stage_nodes
+    # kill once every stage holds a snapshot with a copy on another peer, before the end
+    from swarmp2p.node.jobs import resume_step
+
+    wait_until(
+        lambda: resume_step(_raw(watcher, job_id)["record"], copies=2),
+        60, "a snapshot copy of every stage", interval=0.1,
+    )  # fmt: skip
+    before = _raw(watcher, job_id)
+    assert before["state"] == "running", "the job ended before the kill; make it longer"
+    by_id[victim].kill()
+    final = _wait_state(watcher, job_id, ("COMPLETED", "FAILED"), 150, nodes)
+    assert final["state"] == "COMPLETED", json.dumps(final, indent=1)
+    t0 = final["history"][0]["at"]
+    print("\nhistory:", [(h["state"], round(h["at"] - t0, 1)) for h in final["history"]])
+    states = [h["state"] for h in final["history"]]
+    assert victim not in [s["node"] for s in final["plan"]["stages"]]
+    if not replanned:  # the leader ran no stage: its workers never stopped
+        assert "resuming" not in states and final["attempt"] == 1
+        return by_id, victim
+    assert "resuming" in states and final["attempt"] == 2
+    losses = {}
+    for attempt, step, loss in final["metrics"]["losses"]:
+        losses.setdefault(attempt, {})[step] = loss
+    first, second = losses[1], losses[2]
+    resumed_from = min(second)
+    assert resumed_from > 0 and resumed_from % 10 == 0  # from a snapshot, not from scratch
+    assert max(second) == steps - 1
+    for step in set(first) & set(second):  # re-run steps give the same loss
+        assert second[step] == pytest.approx(first[step], abs=1e-5), step
+    return by_id, victim
+
+
+def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama, tmp_path):
+    _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c", "d"], 3, False)
+
+
+def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llama, tmp_path):
+    by_id, _ = _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c"], 2, True)
+    assert by_id["c"].status()["leader"] == "b"
+
+
+def test_a_job_no_device_can_run_waits_until_a_capable_node_joins(netns_lab, tiny_llama, tmp_path):
+    hosts = netns_lab(3)
+    token = SwarmSecret.generate().token
+    nodes = _start(hosts[:2], ["a", "b"], token)
+    job = _job(tiny_llama, stages=2, steps=2, eval_batches=0)
+    job["model"]["dtype"] = "float16"
+    job_id = _submit(nodes[1], _write(tmp_path, job))
+    view = _wait_state(nodes[0], job_id, ("PENDING",), 30, nodes)
+    assert "dtype float16" in view["reason"] and view["plan"]["stages"] == []
+    time.sleep(1.0)
+    assert _show(nodes[0], job_id)["state"] == "PENDING"  # still waiting, nothing started
+
+    gpu = hosts[2].swarm_up("c", token, env={"SWARM_FAKE_DEVICES": "A5000:24:8.6,A5000:24:8.6"})
+    gpu.start()
+    final = _wait_state(nodes[0], job_id, ("COMPLETED", "FAILED"), 120, [*nodes, gpu])
+    assert final["state"] == "COMPLETED", json.dumps(final, indent=1)
+    assert [s["node"] for s in final["plan"]["stages"]] == ["c", "c"]
+    assert final["plan"]["dtype"] == "float16"

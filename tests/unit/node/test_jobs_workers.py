@@ -1,0 +1,70 @@
+"""Stage worker subprocesses: events drained, stderr tail kept, exit code and signal reported."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from swarmp2p.net import SwarmSecret
+from swarmp2p.node.jobs import exit_message
+from swarmp2p.node.workers import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _spec(**extra):
+    spec = {
+        "stage": 1,
+        "n_stages": 2,
+        "model": "/nonexistent/model",
+        "layers": [1, 2],
+        "n_layers": 2,
+        "token": SwarmSecret.generate().token,
+    }
+    spec.update(extra)
+    return spec
+
+
+async def _run(spec, kill_after_ready=False):
+    events, exits = [], []
+    done = asyncio.Event()
+
+    def on_exit(code, tail):
+        exits.append((code, tail))
+        done.set()
+
+    w = WorkerProcess(job_id="j", attempt=1, stage=1, spec=spec, on_event=events.append,
+                      on_exit=on_exit)  # fmt: skip
+    await w.start()
+    try:
+        if kill_after_ready:
+            ready = await w.wait_ready(60)
+            assert ready["port"] > 0
+            os.kill(w.proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(done.wait(), 120)
+    finally:
+        await w.stop()
+    return events, exits
+
+
+def test_a_bad_spec_exits_2_with_the_field_named():
+    events, exits = asyncio.run(_run(_spec(layers=[2, 1])))
+    assert exits[0][0] == 2
+    assert events[-1]["event"] == "error" and "layers" in events[-1]["message"]
+
+
+def test_a_worker_that_fails_after_ready_reports_its_error_and_stderr_tail():
+    events, exits = asyncio.run(_run(_spec()))
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "ready" and kinds[-1] == "error"
+    code, tail = exits[0]
+    assert code == 1
+    assert any("nonexistent" in line for line in tail), tail  # the traceback on stderr
+
+
+def test_the_signal_a_worker_died_of_is_reported():
+    _, exits = asyncio.run(_run(_spec(), kill_after_ready=True))
+    assert exit_message(exits[0][0]) == "killed by SIGKILL"
