@@ -2,37 +2,71 @@
 
 from swarmp2p.node.api import ApiError
 from swarmp2p.node.config import DEFAULT_PORT, NodeConfig
-from swarmp2p.node.control import down, status, submit_job, token, up
-from swarmp2p.node.daemon import Daemon, serve
+from swarmp2p.node.control import (
+    cancel_job,
+    down,
+    export_model,
+    job_logs,
+    live_plan,
+    load_train_job,
+    status,
+    submit_job,
+    submit_train,
+    token,
+    up,
+)
+from swarmp2p.node.daemon import Daemon, runtime_capabilities, serve
+from swarmp2p.node.dispatch import Dispatcher
 from swarmp2p.node.election import check_node_id, leader
 from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices, planner_record, probe
+from swarmp2p.node.jobs import PlanMismatch, check_plan, compute_plan, job_record, job_view
 from swarmp2p.node.jobtable import JobEvent, JobTable, newest
 from swarmp2p.node.jobtable import apply as apply_job_event
 from swarmp2p.node.membership import Membership
+from swarmp2p.node.registry import find_model, unique_model_id
+from swarmp2p.node.stages import StageHost
 from swarmp2p.node.state import StateDir, default_state_dir
+from swarmp2p.node.workers import WorkerProcess
 
 __all__ = [
     "DEFAULT_PORT",
     "FAKE_DEVICES_ENV",
     "ApiError",
     "Daemon",
+    "Dispatcher",
     "JobEvent",
     "JobTable",
     "Membership",
     "NodeConfig",
+    "PlanMismatch",
+    "StageHost",
     "StateDir",
+    "WorkerProcess",
     "apply_job_event",
+    "cancel_job",
     "check_node_id",
+    "check_plan",
+    "compute_plan",
     "default_state_dir",
     "down",
+    "export_model",
+    "find_model",
+    "job_logs",
+    "job_record",
+    "job_view",
     "leader",
+    "live_plan",
+    "load_train_job",
     "newest",
     "parse_fake_devices",
     "planner_record",
     "probe",
+    "runtime_capabilities",
     "serve",
     "status",
     "submit_job",
+    "submit_train",
     "token",
+    "unique_model_id",
     "up",
 ]

@@ -142,10 +142,6 @@ def _first_diff(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def plan_from_dict_stage(plan: Mapping[str, Any], stage: int) -> Mapping[str, Any]:
-    return plan["stages"][stage]
-
-
 def needs_tokens(job: Mapping[str, Any]) -> bool:
     """Whether the job's corpus must be tokenized (``corpus.prepare_tokens``) for stage 0."""
     source = job["data"]["source"]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import jobs, registry
 from swarmp2p.node.api import ApiError
-from swarmp2p.node.dispatch import CHUNK_BYTES
 from swarmp2p.node.messages import ShardChunk, ShardRead
+from swarmp2p.node.stages import CHUNK_BYTES
 
 if TYPE_CHECKING:
     from swarmp2p.node.daemon import Daemon

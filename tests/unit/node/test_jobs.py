@@ -281,7 +281,7 @@ def test_model_ids_are_unique_and_the_registry_lists_completed_models():
 )
 def test_peers_read_only_files_inside_a_job_folder(file):
     from swarmp2p.net.rpc import RpcError
-    from swarmp2p.node.dispatch import _safe
+    from swarmp2p.node.stages import _safe
 
     with pytest.raises(RpcError, match="must be a relative path inside the job folder"):
         _safe(file)
@@ -291,6 +291,19 @@ def test_peers_read_only_files_inside_a_job_folder(file):
     "file", ["stage-0.log", "export/stage-1/manifest.json", "snapshots/stage-2/step-00000010.pt"]
 )
 def test_job_folder_files_are_readable(file):
-    from swarmp2p.node.dispatch import _safe
+    from swarmp2p.node.stages import _safe
 
     assert _safe(file) == file
+
+
+def test_a_daemon_declares_the_runtime_features_only_where_torch_is_importable(monkeypatch):
+    import importlib.util
+
+    from swarmp2p.node.daemon import runtime_capabilities
+
+    assert runtime_capabilities() == sorted(CAPABILITIES)  # torch is installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert runtime_capabilities() == []
