@@ -753,5 +753,124 @@ def export_command(model_id, out, state_dir) -> None:
     click.echo(f"exported {done['model']} ({done['kind']}) to {done['out']}")
 
 
+# --- swarm demo: a 3-node local swarm trains, evaluates, serves and generates (issue 9) ------
+
+
+@main.command("demo")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=30,
+    show_default=True,
+    help="Training steps of the LoRA job.",
+)
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Leave the swarm and the served model running; print how to reach and stop them.",
+)
+@click.option(
+    "--prompt",
+    default=None,
+    help='What the served model continues (default: "The capital of France is").',
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
+def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> None:
+    """Start 3 daemons on 127.0.0.1, fine-tune the embedded model with a 3-stage LoRA job on
+    the embedded corpus, print its evaluation, serve it over 3 stages, print a generation and
+    stop everything (Ctrl-C stops everything too). Takes a few minutes on a 2-core CPU box."""
+    import time
+
+    from swarmp2p import demo
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+    from swarmp2p.plan import JobError, parse_job
+
+    settings = demo.DemoSettings(steps=steps, **({"prompt": prompt} if prompt else {}))
+    err = _console(stderr=True)
+    say = (lambda text: None) if as_json else (lambda text: err.print(f"[bold]==>[/] {text}"))
+    started = time.monotonic()
+    step = "starting the swarm"
+    swarm = demo.LocalSwarm(nodes=settings.nodes)
+    result: dict = {}
+    try:
+        with demo.sigterm_as_interrupt():
+            say(f"starting {settings.nodes} nodes on 127.0.0.1 (state under {swarm.root})")
+            swarm.start()
+            lead = swarm.leader
+            say(
+                "swarm up: "
+                + ", ".join(f"{n.node_id} :{n.port}" for n in swarm.nodes)
+                + f"; leader {lead.node_id}"
+            )
+            step = "training"
+            try:
+                job = parse_job(demo.demo_job(settings))
+            except JobError as exc:  # a bug of the demo itself
+                raise demo.DemoError(f"the demo's own job is invalid: {exc}") from None
+            say(f"fine-tuning the embedded model: LoRA, {settings.nodes} stages, {steps} steps")
+            done = control.submit_train(lead.state_dir, job)
+            if as_json:
+                view = control.job(lead.state_dir, done["job_id"])
+                while view["state"] not in control.JOB_FINAL:
+                    time.sleep(0.5)
+                    view = control.job(lead.state_dir, done["job_id"])
+            else:
+                view = _follow(lead.state_dir, done["job_id"], as_json=False)
+            if view["state"] != "COMPLETED" or not view.get("model"):
+                raise demo.DemoError(
+                    f"the training job ended {view['state']}"
+                    + (f": {view['error']['message']}" if view.get("error") else "")
+                )
+            model_id = view["model"]["id"]
+            step = "serving"
+            say(f"serving {model_id} over {settings.nodes} stages")
+            served = demo.serve_exported(
+                lead.state_dir,
+                model_id,
+                swarm.root / "export" / model_id,
+                stages=settings.nodes,
+                threads=demo.threads_per_node(settings.nodes),
+            )
+            with served as url:
+                step = "generating"
+                text = demo.generate(url, model_id, settings.prompt, settings.max_tokens)
+                result = {
+                    "job": view,
+                    "model": model_id,
+                    "url": url,
+                    "prompt": settings.prompt,
+                    "generation": text,
+                    "elapsed_s": round(time.monotonic() - started, 1),
+                }
+                if as_json:
+                    click.echo(json.dumps(result, indent=2, sort_keys=True))
+                else:
+                    console = _console()
+                    console.print("[bold]generation[/]:", markup=True)
+                    console.print(f"{settings.prompt}[bold]{text}[/]")
+                    say(f"done in {result['elapsed_s']:.0f} s")
+                if keep:
+                    say(f"serving at {url}/v1 (model {model_id}) until Ctrl-C, e.g.:")
+                    say(f"  swarm generate {model_id} 'Once upon a time' --url {url}")
+                    say(
+                        "the swarm's nodes: "
+                        + "; ".join(f"swarm status --state-dir {n.state_dir}" for n in swarm.nodes)
+                    )
+                    while True:
+                        time.sleep(3600)
+    except KeyboardInterrupt:
+        err.print(f"interrupted while {step}; stopping the swarm")
+        swarm.close()
+        sys.exit(130)
+    except (demo.DemoError, ApiError, OSError, ValueError, RuntimeError) as exc:
+        err.print(f"[bold red]swarm demo failed while {step}[/]: {exc}")
+        for node in swarm.nodes:
+            err.print(f"--- {node.node_id} log (last lines):\n{swarm.log_tail(node)}", markup=False)
+        swarm.close()
+        sys.exit(1)
+    swarm.close()
+
+
 if __name__ == "__main__":
     main()

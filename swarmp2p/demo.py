@@ -1,0 +1,372 @@
+"""`swarm demo`: a local swarm of three real daemons on 127.0.0.1 that fine-tunes the embedded
+model with a 3-stage LoRA job, evaluates it, serves it and answers a prompt.
+
+Pure pieces (the job, the daemon command lines, the thread share) and :class:`LocalSwarm`, the
+three ``swarm up --foreground`` processes with their own state dirs and ports, static peers and
+one generated token. The CLI drives them (``swarmp2p.cli``'s ``demo`` command); nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarmp2p.node import api
+
+NODE_IDS = ("demo-1", "demo-2", "demo-3")
+"""The demo's node ids; the lowest (demo-1) leads."""
+PROMPT = "The capital of France is"
+START_TIMEOUT_S = 60.0
+"""How long the three daemons get to answer and agree on a leader."""
+STOP_TIMEOUT_S = 10.0
+HEARTBEAT_S = 0.5
+FAILURE_TIMEOUT_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message names the step and what to look at."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoSettings:
+    """The demo's knobs (``swarm demo`` flags)."""
+
+    steps: int = 30
+    seq_len: int = 64
+    batch_size: int = 4
+    eval_batches: int = 4
+    nodes: int = 3
+    prompt: str = PROMPT
+    max_tokens: int = 12
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "batch_size", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {value!r} is not an integer >= 1")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
+            raise ValueError(
+                f"eval_batches: {self.eval_batches!r} is not an integer >= 1 "
+                "(the demo prints an evaluation)"
+            )
+        if self.nodes not in range(1, len(NODE_IDS) + 1):
+            raise ValueError(f"nodes: {self.nodes!r} is not in [1, {len(NODE_IDS)}]")
+        if not self.prompt.strip():
+            raise ValueError("prompt: empty; give the text the served model should continue")
+
+
+def demo_job(settings: DemoSettings) -> dict[str, Any]:
+    """The job.json the demo trains: LoRA on the embedded model and corpus, one stage per node."""
+    return {
+        "version": 1,
+        "name": "demo",
+        "model": {
+            "pretrained": "embedded",
+            "lora": {"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0, "export": "merged"},
+        },
+        "split": {"stages": settings.nodes, "mode": "equal", "compression": "none"},
+        "data": {"source": "embedded"},
+        "train": {
+            "steps": settings.steps,
+            "batch_size": settings.batch_size,
+            "seq_len": settings.seq_len,
+            "lr": 1e-3,
+            "micro_batches": min(4, settings.batch_size),
+            "eval_batches": settings.eval_batches,
+            "checkpoint_every": 0,
+            "seed": 0,
+        },
+    }
+
+
+def threads_per_node(nodes: int, cores: int | None = None) -> int:
+    """Torch threads for each node's one CPU stage so the stages do not oversubscribe the
+    machine's cores (every daemon sees the whole machine as its own)."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+    return max(1, cores // max(1, nodes))
+
+
+def daemon_args(
+    state_dir: Path, node_id: str, port: int, peers: Sequence[int], token: str
+) -> list[str]:
+    """``swarm up --foreground`` for one demo node: loopback, static peers, no mDNS."""
+    args = ["up", "--foreground", "--state-dir", str(state_dir), "--port", str(port)]
+    args += ["--node-id", node_id, "--name", node_id, "--token", token]
+    args += ["--interface", "127.0.0.1", "--no-mdns"]
+    for p in peers:
+        args += ["--peer", f"127.0.0.1:{p}"]
+    args += ["--heartbeat", repr(HEARTBEAT_S), "--failure-timeout", repr(FAILURE_TIMEOUT_S)]
+    return args
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """A demo daemon gets SIGTERM (and stops its workers) when the demo process dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoNode:
+    node_id: str
+    port: int
+    state_dir: Path
+    log_file: Path
+
+
+class LocalSwarm:
+    """Three (``nodes``) real daemons on 127.0.0.1 under ``root``; ``close()`` stops them all
+    and removes ``root`` unless ``keep``. Use as a context manager."""
+
+    def __init__(
+        self,
+        *,
+        nodes: int = 3,
+        root: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        from swarmp2p.net.security import SwarmSecret
+
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="swarm-demo-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self.token = SwarmSecret.generate().token
+        ports = free_ports(nodes)
+        self.nodes = [
+            DemoNode(
+                node_id=NODE_IDS[i],
+                port=ports[i],
+                state_dir=self.root / NODE_IDS[i],
+                log_file=self.root / f"{NODE_IDS[i]}.out",
+            )
+            for i in range(nodes)
+        ]
+        base = dict(os.environ if env is None else env)
+        base = {k: v for k, v in base.items() if not k.startswith("SWARM_")}
+        base.setdefault("OMP_NUM_THREADS", str(threads_per_node(nodes)))
+        base["SWARM_DASHBOARD_PORT"] = "0"
+        pkg_root = str(Path(__file__).resolve().parents[1])
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, base.get("PYTHONPATH", "")) if p)
+        self.env = base
+        self.procs: list[subprocess.Popen] = []
+        self.keep = False
+
+    @property
+    def leader(self) -> DemoNode:
+        return self.nodes[0]
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> LocalSwarm:
+        """Start every daemon; return once all answer and agree on ``demo-1`` as a ready leader."""
+        for node in self.nodes:
+            node.state_dir.mkdir(parents=True, exist_ok=True)
+            peers = [n.port for n in self.nodes if n is not node]
+            cmd = [sys.executable, "-m", "swarmp2p"]
+            cmd += daemon_args(node.state_dir, node.node_id, node.port, peers, self.token)
+            with open(node.log_file, "ab") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=self.env,
+                        start_new_session=True,  # Ctrl-C reaches the demo, which stops them
+                        preexec_fn=_die_with_parent,
+                    )
+                )
+        self._wait(self._agreed, timeout, f"{len(self.nodes)} daemons to agree on a leader")
+        return self
+
+    def status(self, node: DemoNode, timeout: float = 5.0) -> dict[str, Any]:
+        from swarmp2p.node.state import StateDir
+
+        return api.request(StateDir(root=node.state_dir).api_socket, "status", timeout=timeout)
+
+    def _agreed(self) -> bool:
+        for node in self.nodes:
+            s = self.status(node)
+            alive = sum(p["alive"] for p in s["peers"])
+            if s["leader"] != self.leader.node_id or alive != len(self.nodes):
+                return False
+        return bool(self.status(self.leader)["leader_ready"])
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while True:
+            for node, proc in zip(self.nodes, self.procs):
+                if proc.poll() is not None:
+                    raise DemoError(
+                        f"daemon {node.node_id} exited with code {proc.returncode} while waiting "
+                        f"for {what}; its log {node.log_file}:\n{self.log_tail(node)}"
+                    )
+            try:
+                if predicate():
+                    return
+            except (api.ApiError, OSError, KeyError) as exc:
+                last = exc
+            if time.monotonic() > deadline:
+                raise DemoError(
+                    f"timed out after {timeout:g} s waiting for {what} (last: {last!r}); "
+                    f"daemon logs under {self.root}"
+                )
+            time.sleep(0.2)
+
+    def log_tail(self, node: DemoNode, lines: int = 20) -> str:
+        try:
+            return "\n".join(node.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop_commands(self) -> list[str]:
+        """How a person stops a kept swarm."""
+        return [f"swarm down --state-dir {n.state_dir}" for n in self.nodes]
+
+    def close(self) -> None:
+        """Stop every daemon (SIGTERM, then SIGKILL past the timeout) and remove the temp dir;
+        idempotent. With ``keep`` set it does nothing: the swarm stays up."""
+        if self.keep:
+            return
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs = []
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt in the main thread while inside (cleanup runs)."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def serve_exported(
+    state_dir: Path,
+    model_id: str,
+    out_dir: Path,
+    *,
+    stages: int,
+    threads: int = 0,
+    port: int = 0,
+):
+    """Export ``model_id`` from the swarm (its shards gathered over CURVE RPC, sha256-checked)
+    to ``out_dir`` and serve it on this machine: ``stages`` stage worker processes in a ring
+    behind the OpenAI-compatible API on 127.0.0.1. Yields the API's base URL.
+
+    This is the one-machine serving path (``swarmp2p.serve.local``); the daemon's own
+    ``swarm serve`` places the stages on the swarm's nodes instead."""
+    from swarmp2p.node import control
+    from swarmp2p.plan import model_shape
+    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.serve.api import ApiServer, ServedModel, build_app
+    from swarmp2p.serve.local import LocalRing, even_bounds
+    from swarmp2p.serve.text import TextCodec
+
+    control.export_model(state_dir, model_id, out_dir)
+    base = {m["id"]: m["base"] for m in control.models(state_dir)}[model_id]
+    copy_tokenizer(resolve_model_ref(base), out_dir)
+    shape = model_shape.load(out_dir)
+    context = min(2048, shape.max_positions)
+    with LocalRing(
+        str(out_dir),
+        bounds=even_bounds(shape.n_layers, stages),
+        threads=threads,
+        max_context=context,
+        max_sessions=2,
+    ) as ring:
+        served = ServedModel(
+            name=model_id,
+            client=ring.client,
+            codec=TextCodec.from_folder(out_dir),
+            max_context=context,
+        )
+        with ApiServer(build_app([served]), "127.0.0.1", port) as server:
+            yield server.url
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def copy_tokenizer(base: Path, out_dir: Path) -> list[str]:
+    """Copy the base model's tokenizer files the export lacks (it writes weights and config
+    only); the names copied. A base without ``tokenizer.json`` is an error: serving needs it."""
+    base, out_dir = Path(base), Path(out_dir)
+    if not (base / "tokenizer.json").is_file() and not (out_dir / "tokenizer.json").is_file():
+        raise DemoError(f"{base} has no tokenizer.json; the exported model cannot serve text")
+    copied = []
+    for name in TOKENIZER_FILES:
+        src, dst = base / name, out_dir / name
+        if src.is_file() and not dst.exists():
+            tmp = dst.with_name(f".{name}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+            copied.append(name)
+    return copied
+
+
+def generate(url: str, model: str, prompt: str, max_tokens: int) -> str:
+    """The served model's greedy continuation of ``prompt`` through the API."""
+    from swarmp2p.serve.client import complete_text
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    return complete_text(url, "/v1/completions", body)[0]
