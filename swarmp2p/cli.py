@@ -823,6 +823,15 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                     + (f": {view['error']['message']}" if view.get("error") else "")
                 )
             model_id = view["model"]["id"]
+            if not as_json:
+                _console().print(
+                    "stages: "
+                    + ", ".join(
+                        f"{s['node']} layers {s['layers'][0]}-{s['layers'][1] - 1}"
+                        for s in view["plan"]["stages"]
+                    ),
+                    markup=False,
+                )
             step = "serving"
             say(f"serving {model_id} over {settings.nodes} stages")
             served = demo.serve_exported(

@@ -1,0 +1,132 @@
+"""`swarm demo` end to end: three real daemons train, evaluate, serve and generate; Ctrl-C
+stops everything it started."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE_LINE = re.compile(r"state under (\S+)\)")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "160"
+    return env
+
+
+def _demo_processes(root: str) -> list[str]:
+    """Command lines of live processes that mention the demo's temp dir."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if root in cmd:
+            found.append(cmd)
+    return found
+
+
+def _wait_gone(root: str, timeout: float = 15.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _demo_processes(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _eval_rows(text: str) -> dict[str, list[float]]:
+    """pass -> [loss, perplexity, top-1] from the printed evaluation table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
+        if len(cells) == 5 and cells[0] in ("base", "trained"):
+            rows[cells[0]] = [float(c) for c in cells[1:4]]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+def test_demo_trains_evaluates_serves_and_generates_then_cleans_up():
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert re.search(r"swarm up: demo-1 :\d+, demo-2 :\d+, demo-3 :\d+; leader demo-1", text), text
+    assert "COMPLETED" in out.stdout, text
+    stages = re.search(r"stages: (.*)", out.stdout).group(1)
+    assert re.fullmatch(
+        r"demo-1 layers 0-(\d+), demo-2 layers (\d+)-(\d+), demo-3 layers (\d+)-29", stages
+    ), stages
+    rows = _eval_rows(out.stdout)
+    assert set(rows) == {"base", "trained"}, out.stdout
+    for loss, ppl, top1 in rows.values():
+        assert 0 < loss < 10 and math.isclose(ppl, math.exp(loss), rel_tol=1e-3)
+        assert 0 <= top1 <= 1
+    # the untrained embedded model on its own corpus: far from a random model's ln(49152)
+    assert rows["base"][0] < 6, rows
+    gen = re.search(r"generation:\n(.*)", out.stdout)
+    assert gen, out.stdout
+    line = gen.group(1)
+    assert line.startswith("The capital of France is") and len(line) > len(
+        "The capital of France is"
+    )
+    assert "Paris" in line, line  # greedy, two LoRA steps barely move a 135M model
+    root = STATE_LINE.search(text).group(1)
+    assert not Path(root).exists(), f"the demo left {root} behind"
+    assert _wait_gone(root) == [], "the demo left processes behind"
+    print(f"demo --steps 2 took {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_daemon_and_removes_the_state():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+    lines, root = [], None
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if root is None and (m := STATE_LINE.search(line)):
+                root = m.group(1)
+            if "swarm up:" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        assert root and _demo_processes(root), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text
+    assert "interrupted while" in text and "stopping the swarm" in text, text
+    assert _wait_gone(root) == [], "daemons outlived Ctrl-C"
+    assert not Path(root).exists()
