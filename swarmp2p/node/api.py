@@ -32,6 +32,10 @@ API_OPS = (
     "logs",
     "models",
     "export",
+    # swarm serve (node/serving.py)
+    "serve",
+    "serve_stop",
+    "served",
 )
 
 

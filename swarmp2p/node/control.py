@@ -355,3 +355,21 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+SERVE_TIMEOUT_S = 600.0
+"""`swarm serve` waits this long for every stage to load (a large model reads for minutes)."""
+
+
+def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
+    "stages", ...}`` once every stage serves and the HTTP API listens."""
+    return _api(state_dir, "serve", timeout=SERVE_TIMEOUT_S, **request)
+
+
+def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:
+    return _api(state_dir, "serve_stop", timeout=60.0, model=model)
+
+
+def served(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "served")

@@ -49,6 +49,7 @@ from swarmp2p.node.election import leader as elect
 from swarmp2p.node.jobtable import JobEvent, JobTable
 from swarmp2p.node.membership import Change, Membership
 from swarmp2p.node.messages import (
+    SERVE_MESSAGES,
     FilePull,
     Heartbeat,
     JobCancel,
@@ -64,6 +65,7 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
+from swarmp2p.node.serving import Serving
 from swarmp2p.node.state import StateDir
 from swarmp2p.wire.messages import Message
 
@@ -154,6 +156,7 @@ class Daemon:
         self._env = os.environ if env is None else env
         self._dashboard, self._dashboard_note = None, ""
         self.jobs = Dispatcher(self)
+        self.serving = Serving(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class Daemon:
                 "submit": self._api_submit,
                 "down": self._api_down,
                 **self._job_api(),
+                **self.serving.api_handlers(),
             },
         )
         await self._api.start()
@@ -221,6 +225,7 @@ class Daemon:
         log.info("stopping node %s", self.node_id)
         self._closing = True
         # stop heartbeats and hellos first: a hello sent after our leave would re-add us
+        await self.serving.close()
         await self.jobs.close()
         for task in list(self._rt.tasks):
             task.cancel()
@@ -403,6 +408,7 @@ class Daemon:
         if self.leader == self.node_id and self._should_take_over():
             self._start_takeover()
         self.jobs.tick()
+        self.serving.tick()
 
     def _known_endpoints(self) -> set[str]:
         return (
@@ -649,6 +655,8 @@ class Daemon:
             return TableAck(node_id=self.node_id, term=self.table.term, version=self.table.version)
         if isinstance(msg, (StageStart, StageStop, StageReport, JobCancel, ShardRead, FilePull)):
             return await self.jobs.handle(msg)
+        if isinstance(msg, SERVE_MESSAGES):
+            return await self.serving.handle(msg)
         if isinstance(msg, Submit):
             if self.leader != self.node_id:
                 raise RpcError(
@@ -703,6 +711,7 @@ class Daemon:
             "jobs": [jobtable._thaw(job) for _, job in sorted(self.table.jobs.items())],
             "dashboard": self._dashboard.url if self._dashboard else None,
             "dashboard_note": self._dashboard_note,
+            "served": self.serving.status(),
         }
 
     async def _api_submit(self, req: dict[str, Any]) -> dict[str, Any]:

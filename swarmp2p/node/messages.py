@@ -201,3 +201,79 @@ class ShardChunk(Message):
 
     data: bytes
     total: int
+
+
+# --- serving across the swarm (``swarm serve``) ----------------------------------------------
+
+
+@message("serve.plan")
+class ServePlace(Message):
+    """Issuing node to the leader: place ``stages`` serving stages of a model over the live
+    nodes (memory priced with the KV cache of ``max_sessions`` x ``max_context`` tokens)."""
+
+    serve_id: str
+    model: str
+    """The resolved model folder (or Hub id) every stage loads."""
+    stages: int
+    """0: one stage per live node (at most one per block)."""
+    max_sessions: int
+    max_context: int
+    dtype: str
+    quantization: dict | None = None
+
+
+@message("serve.placed")
+class ServePlaced(Message):
+    """The leader's placement: ``stages`` is a list of ``{"node_id", "endpoint", "device",
+    "layer_start", "layer_end", "memory"}``, first to last."""
+
+    serve_id: str
+    leader: str
+    stages: list
+
+
+@message("serve.stage_start")
+class ServeStageStart(Message):
+    """Issuing node to a stage's node: start a serve worker with ``spec`` (a StageServeSpec
+    without ``token`` and ``host``: the node fills in its own)."""
+
+    serve_id: str
+    attempt: int
+    spec: dict
+    env: dict
+    """Extra environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+
+
+@message("serve.stage_connect")
+class ServeStageConnect(Message):
+    """Tell a started stage where the next stage (or the return link) listens."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    next: str
+
+
+@message("serve.stage_stop")
+class ServeStageStop(Message):
+    """Stop one stage's worker (``stage`` -1: every stage of ``serve_id`` on that node)."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+
+
+@message("serve.stage")
+class ServeStage(Message):
+    """A stage's node answers: the worker's input endpoint and what it reported."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    endpoint: str
+    state: str
+    """"ready", "serving" or "stopped"."""
+
+
+SERVE_MESSAGES = (ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop)
+"""The requests the daemon hands to its serving side."""

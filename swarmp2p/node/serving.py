@@ -1,0 +1,763 @@
+"""``swarm serve`` across the swarm: placement, stage workers on their nodes, the HTTP API on the
+issuing node, and failover. Never imports torch.
+
+Roles:
+
+- The issuing node (the one whose CLI ran ``swarm serve``) asks the leader for a placement
+  (``serve.plan``), starts one serve worker per stage on the stages' nodes
+  (``serve.stage_start``, answered with the worker's bound input endpoint), tells each stage
+  where the next listens (``serve.stage_connect``; the last stage sends tokens back to a link
+  bound here), drives the ring with a :class:`~swarmp2p.serve.RingClient` and answers the
+  OpenAI-compatible API on ``--host``/``--port``.
+- The leader prices each stage with the KV cache of ``max_sessions`` x ``max_context`` tokens
+  (:class:`~swarmp2p.plan.StagePricer`) and places stages on the live nodes with the most free
+  memory; a stage that does not fit is refused with the node and the bytes.
+- Every node starts and stops serve workers (``python -m swarmp2p.runtime.serve_worker``)
+  with the jobs' worker-process management (drained pipes, stderr tail, death with the daemon).
+
+Failover: each heartbeat round the issuing node checks that every stage's node is alive. When
+one is lost it re-plans on the live nodes, stops the survivors' old workers, starts a new ring
+and hands it to ``RingClient.reroute``: every open session replays its prompt and the tokens
+generated so far, so a greedy request completes with the same text. When no placement fits,
+every open request fails at once with the reason, and the ring is retried each round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.net.rpc import RpcError, RpcTimeout
+from swarmp2p.node.jobs import device_for
+from swarmp2p.node.messages import (
+    ServePlace,
+    ServePlaced,
+    ServeStage,
+    ServeStageConnect,
+    ServeStageStart,
+    ServeStageStop,
+)
+from swarmp2p.node.workers import WorkerProcess, _die_with_parent
+
+if TYPE_CHECKING:
+    from swarmp2p.node.daemon import Daemon
+
+log = logging.getLogger("swarmp2p.node.serving")
+
+SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
+LOAD_TIMEOUT_S = 120.0
+"""How long a stage's node may take to load its slice and bind its link."""
+CONNECT_TIMEOUT_S = 30.0
+STEP_TIMEOUT_S = 60.0
+"""A session that gets no token for this long fails (covers a re-placement's reload)."""
+DTYPES = ("float32", "bfloat16", "float16")
+_NAME = re.compile(r"^[\w./:@+-]{1,200}$")
+
+
+class ServeError(ValueError):
+    """A serving request that cannot be met (bad field, no placement, a stage failed)."""
+
+
+# --- placement: a pure function of the model's shape and the live nodes' records -------------
+
+
+def _best_device(record: dict[str, Any]) -> tuple[str, int]:
+    """(planner device name, usable bytes) of a node's roomiest device, GPUs first."""
+    from swarmp2p.plan.placement import DEVICE_RESERVE
+
+    devices = record.get("devices") or []
+    gpus = [d for d in devices if d.get("kind") != "cpu"]
+    pool = gpus or [d for d in devices if d.get("kind") == "cpu"]
+    best = None
+    for d in pool:
+        usable = max(int(d.get("memory_free") or 0) - DEVICE_RESERVE.get(d.get("kind"), 0), 0)
+        name = "cpu" if d.get("kind") == "cpu" else f"{d.get('kind')}:{d.get('index')}"
+        if best is None or usable > best[1]:
+            best = (name, usable)
+    return best or ("cpu", 0)
+
+
+def place_stages(
+    shape: Any,
+    records: list[dict[str, Any]],
+    *,
+    stages: int,
+    max_sessions: int,
+    max_context: int,
+    dtype: str,
+    quantization: dict | None = None,
+) -> list[dict[str, Any]]:
+    """Stage placements first to last: ``{"node_id", "device", "layer_start", "layer_end",
+    "memory"}``. ``stages`` 0 is one per node (at most one per block). Nodes with the most
+    usable memory are chosen and kept in node-id order; more stages than nodes go round them.
+    ServeError names every stage that does not fit, with the bytes."""
+    from swarmp2p.plan import Pricing, StagePricer, Workload, normalize_quantization
+    from swarmp2p.serve.local import even_bounds
+
+    if not records:
+        raise ServeError("no live node to place a serving stage on")
+    n = stages or min(len(records), shape.n_layers)
+    if not 1 <= n <= shape.n_layers:
+        raise ServeError(f"stages: {n} is not in [1, {shape.n_layers}] (the model's blocks)")
+    quant = normalize_quantization(quantization) if quantization else None
+    pricer = StagePricer(
+        shape,
+        Pricing(dtype=dtype, finetune_mode="none", quantization=quant),
+        Workload(training=False, serving_sessions=max_sessions, serving_tokens=max_context),
+    )
+    devices = {r["node_id"]: _best_device(r) for r in records}
+    ranked = sorted(records, key=lambda r: (-devices[r["node_id"]][1], r["node_id"]))
+    chosen = sorted(r["node_id"] for r in ranked[:n])
+    left = {node: devices[node][1] for node in chosen}
+    out, problems = [], []
+    for i, (start, end) in enumerate(even_bounds(shape.n_layers, n)):
+        node = chosen[i % len(chosen)]
+        memory = pricer.price(start, end, first=i == 0, last=i == n - 1).peak
+        if memory > left[node]:
+            problems.append(
+                f"stage {i} (blocks {start}-{end - 1}) needs {memory / 2**20:.1f} MiB, node "
+                f"{node} ({devices[node][0]}) has {left[node] / 2**20:.1f} MiB usable"
+            )
+        left[node] -= memory
+        out.append(
+            {
+                "node_id": node,
+                "device": devices[node][0],
+                "layer_start": start,
+                "layer_end": end,
+                "memory": int(memory),
+            }
+        )
+    if problems:
+        raise ServeError(
+            f"cannot place {n} serving stage(s) for {max_sessions} session(s) of "
+            f"{max_context} tokens: "
+            + "; ".join(problems)
+            + "; lower --max-sessions/--max-context, quantize, or add nodes"
+        )
+    return out
+
+
+# --- the serve worker process ----------------------------------------------------------------
+
+
+class ServeWorkerProcess(WorkerProcess):
+    """A serve worker: the jobs' worker management, with stdin kept open for the connect
+    line (``send_line``) and a ``serving`` future set by the worker's ``serving`` event."""
+
+    serving: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.ready = loop.create_future()
+        self.serving = loop.create_future()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            SERVE_WORKER_MODULE,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **self._env},
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            limit=1 << 22,
+        )
+        await self.send_line(self._spec)
+        self._tasks = [
+            asyncio.ensure_future(self._read_stdout()),
+            asyncio.ensure_future(self._read_stderr()),
+        ]
+        self._tasks.append(asyncio.ensure_future(self._wait()))
+
+    async def send_line(self, obj: dict[str, Any]) -> None:
+        import json
+
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    def event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "serving" and self.serving and not self.serving.done():
+            self.serving.set_result(event)
+
+    async def wait_serving(self, timeout: float) -> None:
+        assert self.serving is not None and self.ready is not None
+        await asyncio.wait(
+            [asyncio.ensure_future(asyncio.shield(self.serving)), self._tasks[2]],
+            timeout=timeout,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if not self.serving.done():
+            tail = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
+            raise RuntimeError(
+                f"stage {self.stage} worker did not start serving within {timeout:g} s{tail}"
+            )
+
+
+# --- what the issuing node holds per served model ---------------------------------------------
+
+
+@dataclass(eq=False, kw_only=True)
+class _Served:
+    name: str
+    serve_id: str
+    folder: str
+    stages_wanted: int
+    max_sessions: int
+    max_context: int
+    dtype: str
+    quantization: dict | None
+    host: str
+    port: int
+    api_key: str | None
+    attempt: int = 0
+    live_attempt: int = 0
+    """The attempt whose workers form the ring now (0: none)."""
+    placed: list[dict[str, Any]] = field(default_factory=list)
+    ctx: Any = None
+    links: list[Any] = field(default_factory=list)
+    client: Any = None
+    api: Any = None
+    url: str = ""
+    state: str = "starting"
+    reason: str = ""
+    failovers: int = 0
+    rebuilding: asyncio.Task | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "url": self.url,
+            "state": self.state,
+            "reason": self.reason,
+            "failovers": self.failovers,
+            "stages": [
+                {
+                    "index": i,
+                    "node_id": s["node_id"],
+                    "node": s["node_id"],
+                    "devices": [s["device"]],
+                    "layers": [s["layer_start"], s["layer_end"]],
+                    "endpoint": s.get("worker", ""),
+                }
+                for i, s in enumerate(self.placed)
+            ],
+        }
+
+
+class Serving:
+    """The serving side of one daemon (issuing node, leader and stage host at once)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.served: dict[str, _Served] = {}
+        self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
+        self._lock = asyncio.Lock()
+
+    # --- status and the local API -------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        return [s.view() for _, s in sorted(self.served.items())]
+
+    def api_handlers(self) -> dict[str, Any]:
+        return {"serve": self._api_serve, "serve_stop": self._api_stop, "served": self._api_list}
+
+    async def _api_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.status()
+
+    async def _api_stop(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req.get("model")
+        served = self.served.get(name) if isinstance(name, str) else None
+        if served is None:
+            known = ", ".join(sorted(self.served)) or "none"
+            raise ServeError(f"model {name!r} is not served from this node (served: {known})")
+        await self._teardown(served)
+        self.served.pop(served.name, None)
+        log.info("stopped serving %s", served.name)
+        return {"model": served.name, "stopped": True}
+
+    async def _api_serve(self, req: dict[str, Any]) -> dict[str, Any]:
+        served = await self._parse(req)
+        async with self._lock:
+            if served.name in self.served:
+                raise ServeError(
+                    f"model {served.name!r} is already served at {self.served[served.name].url}; "
+                    f"`swarm serve --stop {served.name}` first"
+                )
+            self.served[served.name] = served
+        try:
+            await self._open(served)
+        except BaseException:
+            self.served.pop(served.name, None)
+            await self._teardown(served)
+            raise
+        served.state = "serving"
+        log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(served.placed))
+        return served.view()
+
+    async def _parse(self, req: dict[str, Any]) -> _Served:
+        from swarmp2p.serve.api import check_bind
+
+        model = req.get("model")
+        if not isinstance(model, str) or not model:
+            raise ServeError("model: name a local folder, a Hub id in the cache, or 'embedded'")
+        name = req.get("name") or model
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ServeError(f"name: {name!r} must be 1-200 of [A-Za-z0-9_./:@+-]")
+        ints = {}
+        for key, default, lo in (
+            ("stages", 0, 0),
+            ("port", 8080, 0),
+            ("max_sessions", 4, 1),
+            ("max_context", 0, 0),
+        ):
+            value = req.get(key, default)
+            value = default if value is None else value
+            if type(value) is not int or value < lo or (key == "port" and value > 65535):
+                raise ServeError(f"{key}: {value!r} is not an integer >= {lo}")
+            ints[key] = value
+        dtype = req.get("dtype") or "float32"
+        if dtype not in DTYPES:
+            raise ServeError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        quantization = req.get("quantization")
+        if quantization is not None and not isinstance(quantization, dict):
+            raise ServeError(f"quantization: {quantization!r} is not a map such as {{'bits': 4}}")
+        host = req.get("host") or "127.0.0.1"
+        api_key = req.get("api_key") or None
+        check_bind(host, api_key)
+        folder = await asyncio.to_thread(_resolve, self.d, model)
+        from swarmp2p.plan import model_shape
+
+        try:
+            shape = await asyncio.to_thread(model_shape.load, folder)
+        except (OSError, ValueError) as exc:
+            raise ServeError(
+                f"model {model!r}: cannot read its shape from {folder}: {exc}"
+            ) from None
+        context = min(ints["max_context"] or shape.max_positions, shape.max_positions)
+        return _Served(
+            name=name,
+            serve_id=f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}",
+            folder=folder,
+            stages_wanted=ints["stages"],
+            max_sessions=ints["max_sessions"],
+            max_context=context,
+            dtype=dtype,
+            quantization=quantization,
+            host=host,
+            port=ints["port"],
+            api_key=api_key,
+        )
+
+    # --- building a ring ------------------------------------------------------------------------
+
+    async def _open(self, served: _Served) -> None:
+        from swarmp2p.net import SecureContext
+        from swarmp2p.serve import RingClient, ServedModel, build_app
+        from swarmp2p.serve.api import ApiServer
+        from swarmp2p.serve.text import TextCodec
+
+        served.ctx = SecureContext()
+        codec = await asyncio.to_thread(TextCodec.from_folder, served.folder)
+        first, back = await self._build(served)
+        served.client = RingClient(
+            first,
+            back,
+            max_context=served.max_context,
+            max_sessions=served.max_sessions,
+            step_timeout=STEP_TIMEOUT_S,
+        ).start()
+        app = build_app(
+            [
+                ServedModel(
+                    name=served.name,
+                    client=served.client,
+                    codec=codec,
+                    max_context=served.max_context,
+                )
+            ],
+            api_key=served.api_key,
+        )
+        served.api = ApiServer(app, served.host, served.port)
+        try:
+            served.url = await asyncio.to_thread(served.api.start)
+        except OSError as exc:
+            served.api = None
+            raise ServeError(f"port: cannot listen on {served.host}:{served.port}: {exc}") from None
+
+    async def _plan(self, served: _Served) -> list[dict[str, Any]]:
+        ask = ServePlace(
+            serve_id=served.serve_id,
+            model=served.folder,
+            stages=served.stages_wanted,
+            max_sessions=served.max_sessions,
+            max_context=served.max_context,
+            dtype=served.dtype,
+            quantization=served.quantization,
+        )
+        if self.d.leader == self.d.node_id:
+            try:
+                reply = await self._place(ask)
+            except RpcError as exc:
+                raise ServeError(str(exc)) from None
+        else:
+            peer = self.d.members.peers.get(self.d.leader)
+            if peer is None or not peer.alive:
+                raise ServeError(f"the leader {self.d.leader} is not reachable; retry")
+            try:
+                reply = await self.d._call(peer.endpoint, ask, CONNECT_TIMEOUT_S)
+            except RpcError as exc:
+                raise ServeError(str(exc)) from None
+            except RpcTimeout:
+                raise ServeError(f"the leader {self.d.leader} did not answer serve.plan") from None
+        if not isinstance(reply, ServePlaced):
+            raise ServeError(f"the leader answered {type(reply).TYPE}, not serve.placed")
+        return [dict(s) for s in reply.stages]
+
+    async def _call_node(self, node_id: str, msg: Any, timeout: float) -> Any:
+        if node_id == self.d.node_id:
+            try:
+                return await self.handle(msg)
+            except RpcError as exc:
+                raise ServeError(f"node {node_id}: {exc}") from None
+        peer = self.d.members.peers.get(node_id)
+        if peer is None or not peer.alive:
+            raise ServeError(f"node {node_id} is not alive")
+        try:
+            return await self.d._call(peer.endpoint, msg, timeout)
+        except RpcTimeout:
+            raise ServeError(f"node {node_id} did not answer {msg.TYPE} in {timeout:g} s") from None
+        except RpcError as exc:
+            raise ServeError(f"node {node_id}: {exc}") from None
+
+    async def _build(self, served: _Served) -> tuple[Any, Any]:
+        """Place, start, connect; (first, back) links of the new ring. On failure every
+        worker started here is stopped and the new links closed."""
+        from swarmp2p.net import ZmqLink
+
+        served.attempt += 1
+        attempt = served.attempt
+        placed = await self._plan(served)
+        n = len(placed)
+        here: dict[str, int] = {}
+        for s in placed:
+            here[s["node_id"]] = here.get(s["node_id"], 0) + 1
+        links: list[Any] = []
+        started: list[str] = []
+        try:
+            back = ZmqLink.bind(served.ctx, self.d.secret, self.d.addresses[0])
+            links.append(back)
+
+            async def start(i: int, s: dict[str, Any]) -> ServeStage:
+                spec = {
+                    "model": served.folder,
+                    "stage_index": i,
+                    "layer_start": s["layer_start"],
+                    "layer_end": s["layer_end"],
+                    "is_first_stage": i == 0,
+                    "is_last_stage": i == n - 1,
+                    "dtype": served.dtype,
+                    "quantization": served.quantization,
+                    "max_sessions": served.max_sessions,
+                    "max_context": served.max_context,
+                }
+                msg = ServeStageStart(
+                    serve_id=served.serve_id,
+                    attempt=attempt,
+                    spec=spec,
+                    env={"stages_here": here[s["node_id"]], "device": s["device"]},
+                )
+                started.append(s["node_id"])
+                reply = await self._call_node(s["node_id"], msg, LOAD_TIMEOUT_S)
+                s["worker"] = reply.endpoint
+                return reply
+
+            await asyncio.gather(*(start(i, s) for i, s in enumerate(placed)))
+            await asyncio.gather(
+                *(
+                    self._call_node(
+                        s["node_id"],
+                        ServeStageConnect(
+                            serve_id=served.serve_id,
+                            attempt=attempt,
+                            stage=i,
+                            next=placed[i + 1]["worker"] if i + 1 < n else back.endpoint,
+                        ),
+                        CONNECT_TIMEOUT_S,
+                    )
+                    for i, s in enumerate(placed)
+                )
+            )
+            first = ZmqLink.dial(served.ctx, self.d.secret, placed[0]["worker"])
+            links.append(first)
+        except BaseException:
+            await self._stop_stages(served.serve_id, attempt, set(started))
+            for link in links:
+                link.close()
+            raise
+        old = served.placed
+        served.placed, served.live_attempt = placed, attempt
+        served.links.extend(links)
+        if old:
+            log.info(
+                "serving %s: ring rebuilt (attempt %d) on %s",
+                served.name,
+                attempt,
+                ", ".join(s["node_id"] for s in placed),
+            )
+        return first, back
+
+    async def _stop_stages(self, serve_id: str, attempt: int, nodes: set[str]) -> None:
+        alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+        stop = ServeStageStop(serve_id=serve_id, attempt=attempt, stage=-1)
+        await asyncio.gather(
+            *(self._call_node(node, stop, 15.0) for node in sorted(nodes & alive)),
+            return_exceptions=True,
+        )
+
+    async def _teardown(self, served: _Served) -> None:
+        if served.rebuilding is not None:
+            served.rebuilding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await served.rebuilding
+        if served.api is not None:
+            await asyncio.to_thread(served.api.close)
+            served.api = None
+        if served.client is not None:
+            await asyncio.to_thread(served.client.close)
+            served.client = None
+        if served.live_attempt:
+            nodes = {s["node_id"] for s in served.placed}
+            await self._stop_stages(served.serve_id, served.live_attempt, nodes)
+        for link in served.links:
+            link.close()
+        served.links = []
+        if served.ctx is not None:
+            from swarmp2p.net import stop_zero_copy_collector
+
+            stop_zero_copy_collector()
+            served.ctx.destroy(0)
+            served.ctx = None
+
+    async def close(self) -> None:
+        for served in list(self.served.values()):
+            with contextlib.suppress(Exception):
+                await self._teardown(served)
+        self.served.clear()
+        for worker in list(self.workers.values()):
+            await worker.stop()
+        self.workers.clear()
+
+    # --- failover -------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Each heartbeat round: rebuild a ring that lost a stage node."""
+        alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+        for served in self.served.values():
+            if served.state not in ("serving", "degraded") or served.client is None:
+                continue
+            if served.rebuilding is not None and not served.rebuilding.done():
+                continue
+            lost = sorted({s["node_id"] for s in served.placed} - alive)
+            if lost or served.state == "degraded":
+                served.rebuilding = self.d._spawn(
+                    self._failover(served, lost), f"serve-failover:{served.name}"
+                )
+
+    async def _failover(self, served: _Served, lost: list[str]) -> None:
+        if lost:
+            log.warning("serving %s: lost stage node(s) %s; re-placing", served.name, lost)
+        old_attempt, old_nodes = served.live_attempt, {s["node_id"] for s in served.placed}
+        try:
+            first, back = await self._build(served)
+        except (ServeError, RuntimeError, OSError) as exc:
+            reason = f"a stage node was lost ({', '.join(lost) or 'earlier'}) and the model "
+            reason += f"cannot be re-placed on the live nodes: {exc}"
+            if served.state != "degraded" or served.reason != reason:
+                log.warning("serving %s: %s", served.name, reason)
+            served.state, served.reason = "degraded", reason
+            _fail_open(served.client, reason)
+            return
+        await self._stop_stages(served.serve_id, old_attempt, old_nodes)
+        olds = await asyncio.to_thread(served.client.reroute, first, back)
+        for link in olds:
+            link.close()
+            with contextlib.suppress(ValueError):
+                served.links.remove(link)
+        served.failovers += 1
+        served.state, served.reason = "serving", ""
+
+    # --- the leader: placement ------------------------------------------------------------------
+
+    async def _place(self, msg: ServePlace) -> ServePlaced:
+        if self.d.leader != self.d.node_id:
+            raise RpcError("not_leader", f"node {self.d.node_id} is not the leader")
+        from swarmp2p.plan import model_shape
+
+        try:
+            shape = await asyncio.to_thread(model_shape.load, msg.model)
+        except (OSError, ValueError) as exc:
+            raise RpcError("bad_model", f"model {msg.model!r}: {exc}") from None
+        records = [self.d.record] + [p.record for p in self.d.members.alive_peers()]
+        try:
+            stages = place_stages(
+                shape,
+                records,
+                stages=msg.stages,
+                max_sessions=msg.max_sessions,
+                max_context=msg.max_context,
+                dtype=msg.dtype,
+                quantization=msg.quantization,
+            )
+        except ServeError as exc:
+            raise RpcError("blocked", str(exc)) from None
+        return ServePlaced(serve_id=msg.serve_id, leader=self.d.node_id, stages=stages)
+
+    # --- every node: stage workers --------------------------------------------------------------
+
+    async def handle(self, msg: Any) -> Any:
+        if isinstance(msg, ServePlace):
+            return await self._place(msg)
+        if isinstance(msg, ServeStageStart):
+            return await self._start_stage(msg)
+        if isinstance(msg, ServeStageConnect):
+            worker = self._worker(msg.serve_id, msg.attempt, msg.stage)
+            await worker.send_line({"op": "connect", "next": msg.next})
+            try:
+                await worker.wait_serving(CONNECT_TIMEOUT_S)
+            except RuntimeError as exc:
+                raise RpcError("stage_failed", str(exc)) from None
+            return ServeStage(
+                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+                state="serving",
+            )  # fmt: skip
+        if isinstance(msg, ServeStageStop):
+            keys = [
+                k
+                for k in self.workers
+                if k[0] == msg.serve_id
+                and k[1] == msg.attempt
+                and (msg.stage < 0 or k[2] == msg.stage)
+            ]
+            for key in keys:
+                await self.workers.pop(key).stop()
+            return ServeStage(
+                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+                state="stopped",
+            )  # fmt: skip
+        raise RpcError("unexpected", f"serving does not take {type(msg).TYPE}")
+
+    def _worker(self, serve_id: str, attempt: int, stage: int) -> ServeWorkerProcess:
+        worker = self.workers.get((serve_id, attempt, stage))
+        if worker is None:
+            raise RpcError(
+                "no_stage", f"no serve worker {serve_id} attempt {attempt} stage {stage} here"
+            )
+        return worker
+
+    async def _start_stage(self, msg: ServeStageStart) -> ServeStage:
+        from swarmp2p.serve.spec import StageServeSpec
+
+        device_name = str(msg.env.get("device", "cpu"))
+        device, visible = device_for({"devices": [device_name]}, self.d.record)
+        try:
+            spec = StageServeSpec.from_dict(
+                {
+                    **msg.spec,
+                    "token": self.d.secret.token,
+                    "host": self.d.addresses[0],
+                    "device": device,
+                }
+            )
+        except ValueError as exc:
+            raise RpcError("bad_field", str(exc)) from None
+        env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
+        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            here = max(int(msg.env.get("stages_here", 1) or 1), 1)
+            cores = int(self.d.host.get("cpu_cores") or 1)
+            env["OMP_NUM_THREADS"] = str(max(1, cores // here))
+        key = (msg.serve_id, msg.attempt, spec.stage_index)
+        if key in self.workers:
+            raise RpcError("exists", f"stage {spec.stage_index} of {msg.serve_id} already runs")
+        log_dir = self.d.state.root / "serve"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        worker: ServeWorkerProcess | None = None
+
+        def on_exit(code: int, tail: list[str]) -> None:
+            from swarmp2p.node.jobs import exit_message
+
+            log.warning(
+                "serve worker %s stage %d %s%s",
+                msg.serve_id,
+                spec.stage_index,
+                exit_message(code),
+                f": {tail[-1]}" if tail else "",
+            )
+
+        worker = ServeWorkerProcess(
+            job_id=msg.serve_id,
+            attempt=msg.attempt,
+            stage=spec.stage_index,
+            spec=replace(spec).to_dict(),
+            env=env,
+            on_event=lambda e: worker.event(e) if worker is not None else None,
+            on_exit=on_exit,
+            log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{spec.stage_index}.log"),
+        )
+        self.workers[key] = worker
+        try:
+            await worker.start()
+            ready = await worker.wait_ready(LOAD_TIMEOUT_S)
+        except (RuntimeError, asyncio.TimeoutError, OSError) as exc:
+            self.workers.pop(key, None)
+            await worker.stop()
+            what = str(exc) or f"no ready event in {LOAD_TIMEOUT_S:g} s"
+            raise RpcError("stage_failed", f"node {self.d.node_id}: {what}") from None
+        return ServeStage(
+            serve_id=msg.serve_id,
+            attempt=msg.attempt,
+            stage=spec.stage_index,
+            endpoint=str(ready["endpoint"]),
+            state="ready",
+        )
+
+
+def _fail_open(client: Any, reason: str) -> None:
+    """Fail every open session of ``client`` now with ``reason`` (RingClient has no public
+    "fail all"; ``cancel`` per session does it)."""
+    for session in list(getattr(client, "_sessions", {}).values()):
+        client.cancel(session, reason)
+
+
+def _resolve(d: Daemon, model: str) -> str:
+    """The folder (or Hub id) every stage loads for a ``swarm serve MODEL`` argument."""
+    from swarmp2p.node.registry import models as registry_models
+    from swarmp2p.runtime.models import EMBEDDED, embedded_dir, embedded_ready, resolve_model_ref
+
+    try:
+        trained = {m.get("id") for m in registry_models(d.table.jobs)}
+    except Exception:  # a registry this version cannot read: treat MODEL as a path or id
+        trained = set()
+    if model in trained:
+        raise ServeError(
+            f"model {model!r} is a trained model in the registry: serving its shards in place is "
+            f"not supported yet; `swarm export {model} FOLDER` and `swarm serve FOLDER`"
+        )
+    if model == EMBEDDED:
+        if not embedded_ready():
+            raise ServeError(
+                f"the embedded model is not converted yet ({embedded_dir()}); run `swarm doctor` "
+                "or any `swarm train`/`swarm plan` of it once on this node first"
+            )
+        return str(embedded_dir())
+    try:
+        return resolve_model_ref(model)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None

@@ -1,0 +1,254 @@
+"""`swarm serve` on real daemons on 127.0.0.1: three nodes each run a stage of a tiny Llama, the
+API on the issuing node answers `swarm generate` with `model.generate`'s greedy text, a stage
+host SIGKILLed mid-stream is re-placed and the stream completes with the same text, and
+`swarm serve --stop` frees every worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from swarm_harness import ROOT, agreed_on, dump, free_port, swarm_env, wait_until
+
+from swarmp2p.net.security import SwarmSecret
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+TOKEN = SwarmSecret.generate().token
+ENV = {"OMP_NUM_THREADS": "1"}  # the daemons and their workers share this machine's cores
+PROMPT = "The capital of France is"
+
+
+def tiny_llama_with_tokenizer(folder):
+    """A 4-block random Llama with the embedded model's tokenizer (its vocabulary size)."""
+    import torch
+    import transformers as tf
+
+    from swarmp2p.runtime.models import resolve_model_ref
+
+    embedded = resolve_model_ref("embedded")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    model.save_pretrained(folder, max_shard_size="2MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{embedded}/{name}", folder / name)
+    return folder
+
+
+def greedy_text(folder, prompt: str, max_new: int) -> str:
+    """What `model.generate` says greedily after ``prompt``, decoded as the API decodes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.serve.text import TextCodec
+
+    codec = TextCodec.from_folder(folder)
+    ids = codec.encode(prompt)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(codec.eos_ids),
+            pad_token_id=2,
+        )
+    return codec.decode(out[0, len(ids) :].tolist())
+
+
+def swarm(node, *args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def generate(url: str, prompt: str, max_tokens: int, *, stream: bool = False, timeout=300):
+    args = ["generate", "tiny", prompt, "--max-tokens", str(max_tokens), "--temperature", "0"]
+    args += ["--url", url, "--stream" if stream else "--no-stream"]
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def _workers(node) -> int:
+    """Serve workers this daemon runs now (its direct children running serve_worker)."""
+    out = subprocess.run(
+        ["pgrep", "-P", str(node.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
+        capture_output=True,
+        text=True,
+    )
+    return len(out.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _three(loopback_swarm):
+    loopback_swarm.reserve("a", "b", "c")
+    nodes = [loopback_swarm.node(n, token=TOKEN, env=ENV).start() for n in "abc"]
+    for node in nodes:
+        node.wait_up()
+    wait_until(lambda: agreed_on(nodes, "a", 3), 30, "3 nodes agreeing on leader a")
+    wait_until(lambda: nodes[0].status()["leader_ready"], 30, "leader a ready")
+    return nodes
+
+
+def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loopback_swarm, tiny):
+    a, b, c = _three(loopback_swarm)
+    port = free_port()
+    # issued on b (a follower): the leader a places the stages, the API runs on b
+    done = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(port),
+                 "--max-context", "256", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b, c])
+    view = json.loads(done.stdout)
+    assert view["url"] == f"http://127.0.0.1:{port}"
+    assert [s["node"] for s in view["stages"]] == ["a", "b", "c"]
+    assert [s["layers"] for s in view["stages"]] == [[0, 2], [2, 3], [3, 4]]
+    served = b.status()["served"]
+    assert [(s["model"], s["state"], len(s["stages"])) for s in served] == [("tiny", "serving", 3)]
+    assert a.status()["served"] == []  # the API lives on the issuing node only
+    assert [_workers(n) for n in (a, b, c)] == [1, 1, 1]
+
+    again = swarm(b, "serve", str(tiny), "--name", "tiny", "--port", str(free_port()))
+    assert again.returncode != 0 and "already served" in again.stderr
+
+    expected = greedy_text(tiny, PROMPT, 24)
+    out = generate(view["url"], PROMPT, 24)
+    assert out.returncode == 0, out.stderr + dump([a, b, c])
+    assert out.stdout.rstrip("\n") == expected
+    streamed = generate(view["url"], PROMPT, 24, stream=True)
+    assert streamed.stdout.rstrip("\n") == expected
+
+    stopped = swarm(b, "serve", "--stop", "tiny")
+    assert stopped.returncode == 0, stopped.stderr
+    assert b.status()["served"] == []
+    wait_until(lambda: [_workers(n) for n in (a, b, c)] == [0, 0, 0], 20, "workers gone")
+    unknown = swarm(b, "serve", "--stop", "tiny")
+    assert unknown.returncode != 0 and "not served from this node" in unknown.stderr
+
+
+def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged(
+    loopback_swarm, tiny
+):
+    a, b, c = _three(loopback_swarm)
+    port = free_port()
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(port),
+                 "--max-context", "512", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b, c])
+    url = json.loads(done.stdout)["url"]
+    max_new = 400
+    expected = greedy_text(tiny, PROMPT, max_new)
+
+    from swarmp2p.serve.client import stream_text
+
+    pieces: list[str] = []
+    first = threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_new, "temperature": 0}
+        try:
+            for piece in stream_text(url, "/v1/completions", body):
+                pieces.append(piece)
+                first.set()
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+        first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120), "no first token"
+    c.kill()  # SIGKILL: its serve worker dies with it
+    at_kill = len(pieces)
+    reader.join(180)
+    assert not reader.is_alive()
+    assert not errors, f"{errors!r}\n" + dump([a, b])
+    served = a.status()["served"][0]
+    assert served["failovers"] == 1 and served["state"] == "serving"
+    assert {s["node"] for s in served["stages"]} == {"a", "b"}
+    assert len(pieces) > at_kill, "the stream ended before the stage host was killed"
+    assert "".join(pieces) == expected
+    # the rebuilt ring keeps serving
+    again = generate(url, PROMPT, 8)
+    assert again.returncode == 0 and again.stdout.rstrip("\n") == greedy_text(tiny, PROMPT, 8)
+
+
+def test_serve_refuses_bad_requests_with_the_reason(loopback_swarm, tiny, tmp_path):
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV).start()
+    a.wait_up()
+    wait_until(lambda: a.status()["leader_ready"], 30, "leader ready")
+    cases = [
+        (["serve", str(tmp_path / "missing")], "does not exist"),
+        (["serve", str(tiny), "--host", "0.0.0.0"], "without an API key"),
+        (["serve", str(tiny), "--max-sessions", "100000", "--max-context", "512"],
+         "cannot place 1 serving stage"),
+        (["serve", str(tiny), "--stages", "9"], "stages: 9 is not in [1, 4]"),
+        (["serve"], "name a MODEL"),
+    ]  # fmt: skip
+    for args, message in cases:
+        out = swarm(a, *args)
+        assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
+    assert a.status()["served"] == []
+    assert _workers(a) == 0
+
+
+def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bounded_time(
+    loopback_swarm, tiny
+):
+    # each node: one fake GPU with ~51 MiB usable; 300 sessions of 512 tokens fit one stage
+    # per node, but not two stages on one node once a node is gone
+    env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55"}
+    loopback_swarm.reserve("a", "b", "c")
+    a, b, c = (loopback_swarm.node(n, token=TOKEN, env=env).start() for n in "abc")
+    for node in (a, b, c):
+        node.wait_up()
+    wait_until(lambda: agreed_on([a, b, c], "a", 3), 30, "3 nodes agreeing on leader a")
+    wait_until(lambda: a.status()["leader_ready"], 30, "leader a ready")
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port",
+                 str(free_port()), "--max-context", "512", "--max-sessions", "300", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b, c])
+    url = json.loads(done.stdout)["url"]
+
+    from swarmp2p.serve.client import ApiClientError, stream_text
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+    stream = stream_text(url, "/v1/completions", body)
+    next(stream)
+    c.kill()
+    started = time.monotonic()
+    with pytest.raises(ApiClientError, match="cannot be re-placed on the live nodes") as info:
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 20
+    assert "needs" in str(info.value) and "MiB usable" in str(info.value)
+    served = a.status()["served"][0]
+    assert served["state"] == "degraded" and "cannot be re-placed" in served["reason"]
