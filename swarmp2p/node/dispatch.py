@@ -61,9 +61,11 @@ class Dispatcher:
     def leading(self) -> bool:
         return self.d.leader == self.d.node_id and self.d._leader_ready
 
+    def _records(self) -> list[dict[str, Any]]:
+        return [self.d.record] + [p.record for p in self.d.members.alive_peers()]
+
     def _cluster(self) -> list[dict[str, Any]]:
-        records = [self.d.record] + [p.record for p in self.d.members.alive_peers()]
-        return jobs.cluster_records(records)
+        return jobs.cluster_records(self._records())
 
     def _alive(self) -> set[str]:
         return {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
@@ -118,9 +120,10 @@ class Dispatcher:
             await self._set(job_id, "failed", {"error": jobs.failure(stage=-1, node=self.d.node_id, message=str(exc))})  # fmt: skip
             return
         if not isinstance(result, Plan):
-            if entry["state"] != "pending" or record.get("reason") != result.reason:
-                log.info("job %s waits: %s", job_id, result.reason)
-                await self._set(job_id, "pending", {"reason": result.reason})
+            reason = jobs.blocked_note(result.reason, self._records())
+            if entry["state"] != "pending" or record.get("reason") != reason:
+                log.info("job %s waits: %s", job_id, reason)
+                await self._set(job_id, "pending", {"reason": reason})
             return
         resume = jobs.resume_step(record, self._alive()) if record.get("plan") else 0
         if resume:

@@ -90,10 +90,30 @@ def is_training(entry: Mapping[str, Any]) -> bool:
     return isinstance(record, Mapping) and record.get("kind") == JOB_KIND
 
 
+def without_runtime(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Names of the nodes that declare no runtime capability (torch is not importable there):
+    they cannot run a stage, so they are left out of planning."""
+    return sorted(r["name"] for r in records if not r.get("capabilities"))
+
+
+def blocked_note(reason: str, records: Sequence[Mapping[str, Any]]) -> str:
+    """A blocked reason, naming the live nodes left out for lack of the runtime."""
+    missing = without_runtime(records)
+    if not missing:
+        return reason
+    return (
+        f"{reason}\nnot placed (no torch runtime): {', '.join(missing)}; install swarmp2p "
+        "with its runtime there (install.sh)"
+    )
+
+
 def cluster_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Planner inputs from live nodes' hardware records, sorted by node id (order-free)."""
+    """Planner inputs from live nodes' hardware records, sorted by node id (order-free); nodes
+    without the runtime are left out."""
     out = []
     for r in sorted(records, key=lambda r: r["node_id"]):
+        if not r.get("capabilities"):
+            continue
         rec = _copy(r)
         rec["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in r["devices"]]
         out.append(rec)

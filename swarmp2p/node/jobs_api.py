@@ -42,6 +42,9 @@ def handlers(d: Daemon) -> dict[str, Any]:
         except ValueError as exc:
             raise ApiError(str(exc)) from None
         out = result.to_dict()
+        if out.get("reason"):
+            out["reason"] = jobs.blocked_note(out["reason"], d.jobs._records())
+        out["cluster"] = cluster  # the planner's inputs, as every assigned peer gets them
         free = {r["node_id"]: r.get("disk_free", 0) for r in cluster}
         for s in out.get("stages", []):
             s["disk_free"] = free.get(s["node_id"], 0)

@@ -227,3 +227,47 @@ def test_cancel_stops_the_workers_and_the_job_stays_cancelled(loopback_swarm, tm
     assert _workers_of(a) == [] and _workers_of(b) == []
     again = swarm(a, "jobs", "cancel", job_id)
     assert again.returncode != 0 and "already CANCELLED" in again.stderr
+
+
+def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_path):
+    """Version skew: node b recomputes the plan from the leader's inputs and refuses another."""
+    import asyncio
+
+    from swarmp2p.net.auth import AsyncSecureContext
+    from swarmp2p.net.rpc import RpcClient, RpcError
+    from swarmp2p.node.jobs import cluster_records, compute_plan
+    from swarmp2p.node.messages import StageStart
+    from swarmp2p.plan import parse_job
+
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    from swarmp2p.node import control
+
+    job = parse_job(_job(model))
+    cluster = control.live_plan(a.state.root, job)["cluster"]
+    assert cluster_records(cluster) == cluster
+    job = job.to_dict()
+    plan = compute_plan(job, cluster)
+    assert [s.node_id for s in plan.stages] == ["a", "b"]
+    skewed = plan.to_json().replace('"bubble_fraction":', '"bubble_fraction":0.5,"x":')
+
+    async def ask(plan_json):
+        ctx = AsyncSecureContext()
+        client = RpcClient(
+            ctx, SwarmSecret.from_token(TOKEN), f"tcp://127.0.0.1:{loopback_swarm.ports['b']}"
+        )
+        try:
+            msg = StageStart(job_id="jx", attempt=1, stage=1, job=job, cluster=cluster,
+                             plan=plan_json, next="", resume_step=0, snapshot_nodes=[],
+                             leader="a")  # fmt: skip
+            return await client.request(msg, 30.0)
+        finally:
+            await client.close()
+            ctx.destroy(linger=0)
+
+    with pytest.raises(RpcError) as refused:
+        asyncio.run(ask(skewed))
+    assert refused.value.code == "plan_mismatch"
+    assert "node b computes a different plan" in refused.value.detail
+    assert "same swarmp2p version" in refused.value.detail
+    assert _workers_of(b) == []  # nothing started

@@ -102,11 +102,22 @@ def test_every_peer_recomputes_the_same_plan_and_refuses_a_different_one():
 
 
 def test_features_need_every_assigned_peer():
-    cluster = jobs.cluster_records([_node("a"), _node("b", caps=frozenset())])
+    older = frozenset(CAPABILITIES - {"wire-v2"})
+    cluster = jobs.cluster_records([_node("a"), _node("b", caps=older)])
     plan = jobs.compute_plan(_canonical(), cluster)
-    assert isinstance(plan, Plan) and plan.features == ()
+    assert isinstance(plan, Plan) and "wire-v2" not in plan.features
     full = jobs.compute_plan(_canonical(), jobs.cluster_records([_node("a"), _node("b")]))
     assert "wire-v2" in full.features
+
+
+def test_a_node_without_the_runtime_is_not_planned_on_and_is_named():
+    records = [_node("a"), _node("b", caps=frozenset())]
+    assert [r["node_id"] for r in jobs.cluster_records(records)] == ["a"]
+    blocked = jobs.compute_plan(_canonical(), jobs.cluster_records(records))
+    assert blocked.status == "blocked"
+    reason = jobs.blocked_note(blocked.reason, records)
+    assert reason.startswith(blocked.reason) and "no torch runtime): host-b" in reason
+    assert jobs.blocked_note("r", [_node("a")]) == "r"
 
 
 def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_node():
