@@ -777,8 +777,10 @@ def export_command(model_id, out, state_dir) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> None:
     """Start 3 daemons on 127.0.0.1, fine-tune the embedded model with a 3-stage LoRA job on
-    the embedded corpus, print its evaluation, serve it over 3 stages, print a generation and
-    stop everything (Ctrl-C stops everything too). Takes a few minutes on a 2-core CPU box."""
+    the embedded corpus, print its evaluation, serve it across the 3 nodes, print a generation
+    and stop everything (Ctrl-C or a failure stops everything too; --keep leaves it serving).
+    About 3 minutes on a 2-core CPU box with the default 30 steps."""
+    import os
     import time
 
     from swarmp2p import demo
@@ -787,11 +789,12 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
     from swarmp2p.plan import JobError, parse_job
 
     settings = demo.DemoSettings(steps=steps, **({"prompt": prompt} if prompt else {}))
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the export's load/save bars
     err = _console(stderr=True)
     say = (lambda text: None) if as_json else (lambda text: err.print(f"[bold]==>[/] {text}"))
     started = time.monotonic()
     step = "starting the swarm"
-    swarm = demo.LocalSwarm(nodes=settings.nodes)
+    swarm = demo.LocalSwarm(nodes=settings.nodes, die_with_demo=not keep)
     result: dict = {}
     try:
         with demo.sigterm_as_interrupt():
@@ -832,42 +835,57 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                     ),
                     markup=False,
                 )
-            step = "serving"
-            say(f"serving {model_id} over {settings.nodes} stages")
-            served = demo.serve_exported(
-                lead.state_dir,
-                model_id,
-                swarm.root / "export" / model_id,
-                stages=settings.nodes,
-                threads=demo.threads_per_node(settings.nodes),
+            step = "exporting"
+            say(f"exporting {model_id}: its shards gathered from the nodes, sha256-checked")
+            folder = demo.export_for_serving(
+                lead.state_dir, model_id, swarm.root / "models" / model_id
             )
-            with served as url:
-                step = "generating"
-                text = demo.generate(url, model_id, settings.prompt, settings.max_tokens)
-                result = {
-                    "job": view,
-                    "model": model_id,
-                    "url": url,
-                    "prompt": settings.prompt,
-                    "generation": text,
-                    "elapsed_s": round(time.monotonic() - started, 1),
-                }
-                if as_json:
-                    click.echo(json.dumps(result, indent=2, sort_keys=True))
-                else:
-                    console = _console()
-                    console.print("[bold]generation[/]:", markup=True)
-                    console.print(f"{settings.prompt}[bold]{text}[/]")
-                    say(f"done in {result['elapsed_s']:.0f} s")
-                if keep:
-                    say(f"serving at {url}/v1 (model {model_id}) until Ctrl-C, e.g.:")
-                    say(f"  swarm generate {model_id} 'Once upon a time' --url {url}")
-                    say(
-                        "the swarm's nodes: "
-                        + "; ".join(f"swarm status --state-dir {n.state_dir}" for n in swarm.nodes)
-                    )
-                    while True:
-                        time.sleep(3600)
+            step = "serving"
+            say(f"serving {model_id} across the swarm ({settings.nodes} stages)")
+            served = demo.serve_on_swarm(swarm, folder, name=model_id, stages=settings.nodes)
+            url = served["url"]
+            if not as_json:
+                _console().print(
+                    f"serving at {url}/v1: "
+                    + ", ".join(
+                        f"{s['node']} layers {s['layers'][0]}-{s['layers'][1] - 1}"
+                        for s in served["stages"]
+                    ),
+                    markup=False,
+                )
+            step = "generating"
+            text = demo.generate(url, model_id, settings.prompt, settings.max_tokens)
+            result = {
+                "job": view,
+                "model": model_id,
+                "served": served,
+                "url": url,
+                "prompt": settings.prompt,
+                "generation": text,
+                "elapsed_s": round(time.monotonic() - started, 1),
+                "kept": keep,
+                "root": str(swarm.root) if keep else None,
+            }
+            if as_json:
+                click.echo(json.dumps(result, indent=2, sort_keys=True))
+            else:
+                console = _console()
+                console.print("[bold]generation[/]:")
+                console.print(f"{settings.prompt}[bold]{text}[/]")
+                say(f"done in {result['elapsed_s']:.0f} s")
+            if keep:
+                swarm.keep = True
+                if not as_json:
+                    lines = [
+                        f"the swarm keeps serving {model_id} at {url}/v1 (OpenAI-compatible):",
+                        f"  swarm generate {model_id} 'Once upon a time' --url {url}",
+                        f"  swarm chat {model_id} --url {url}",
+                        f"  swarm status --state-dir {lead.state_dir}",
+                        "stop it with:",
+                        *(f"  {c}" for c in swarm.stop_commands()),
+                        f"  rm -rf {swarm.root}",
+                    ]
+                    say("\n".join(lines))
     except KeyboardInterrupt:
         err.print(f"interrupted while {step}; stopping the swarm")
         swarm.close()

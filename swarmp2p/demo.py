@@ -157,6 +157,7 @@ class LocalSwarm:
         nodes: int = 3,
         root: Path | None = None,
         env: dict[str, str] | None = None,
+        die_with_demo: bool = True,
     ) -> None:
         from swarmp2p.net.security import SwarmSecret
 
@@ -183,6 +184,8 @@ class LocalSwarm:
         self.env = base
         self.procs: list[subprocess.Popen] = []
         self.keep = False
+        """Set once the demo succeeded with ``--keep``: ``close()`` then leaves all running."""
+        self._die_with_demo = die_with_demo
 
     @property
     def leader(self) -> DemoNode:
@@ -204,7 +207,7 @@ class LocalSwarm:
                         stderr=subprocess.STDOUT,
                         env=self.env,
                         start_new_session=True,  # Ctrl-C reaches the demo, which stops them
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=_die_with_parent if self._die_with_demo else None,
                     )
                 )
         self._wait(self._agreed, timeout, f"{len(self.nodes)} daemons to agree on a leader")
@@ -252,7 +255,7 @@ class LocalSwarm:
             return "(no log)"
 
     def stop_commands(self) -> list[str]:
-        """How a person stops a kept swarm."""
+        """How a person stops a kept swarm (its served models stop with their daemons)."""
         return [f"swarm down --state-dir {n.state_dir}" for n in self.nodes]
 
     def close(self) -> None:
@@ -294,49 +297,31 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-@contextlib.contextmanager
-def serve_exported(
-    state_dir: Path,
-    model_id: str,
-    out_dir: Path,
-    *,
-    stages: int,
-    threads: int = 0,
-    port: int = 0,
-):
-    """Export ``model_id`` from the swarm (its shards gathered over CURVE RPC, sha256-checked)
-    to ``out_dir`` and serve it on this machine: ``stages`` stage worker processes in a ring
-    behind the OpenAI-compatible API on 127.0.0.1. Yields the API's base URL.
-
-    This is the one-machine serving path (``swarmp2p.serve.local``); the daemon's own
-    ``swarm serve`` places the stages on the swarm's nodes instead."""
+def export_for_serving(state_dir: Path, model_id: str, out_dir: Path) -> Path:
+    """Gather ``model_id``'s shards over the swarm (sha256-checked) into a Hugging Face folder
+    ``out_dir`` with its base's tokenizer beside it, which ``swarm serve`` reads; the folder.
+    Imports the torch runtime (the export rebuilds the model)."""
     from swarmp2p.node import control
-    from swarmp2p.plan import model_shape
     from swarmp2p.runtime.models import resolve_model_ref
-    from swarmp2p.serve.api import ApiServer, ServedModel, build_app
-    from swarmp2p.serve.local import LocalRing, even_bounds
-    from swarmp2p.serve.text import TextCodec
 
     control.export_model(state_dir, model_id, out_dir)
     base = {m["id"]: m["base"] for m in control.models(state_dir)}[model_id]
     copy_tokenizer(resolve_model_ref(base), out_dir)
-    shape = model_shape.load(out_dir)
-    context = min(2048, shape.max_positions)
-    with LocalRing(
-        str(out_dir),
-        bounds=even_bounds(shape.n_layers, stages),
-        threads=threads,
-        max_context=context,
-        max_sessions=2,
-    ) as ring:
-        served = ServedModel(
-            name=model_id,
-            client=ring.client,
-            codec=TextCodec.from_folder(out_dir),
-            max_context=context,
-        )
-        with ApiServer(build_app([served]), "127.0.0.1", port) as server:
-            yield server.url
+    return Path(out_dir)
+
+
+def serve_on_swarm(
+    swarm: LocalSwarm, folder: Path, *, name: str, stages: int, port: int = 0
+) -> dict[str, Any]:
+    """Serve ``folder`` across the swarm's nodes (``stages`` stages placed by the leader) with
+    the OpenAI-compatible API on the first node; the daemon's view: ``url``, ``stages``."""
+    from swarmp2p.node import control
+
+    if port == 0:
+        port = free_ports(1)[0]
+    request = {"model": str(folder), "name": name, "stages": stages, "port": port}
+    request |= {"max_sessions": 2, "max_context": 2048}
+    return control.serve(swarm.leader.state_dir, request)
 
 
 TOKENIZER_FILES = (
