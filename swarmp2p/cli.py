@@ -791,7 +791,11 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
     settings = demo.DemoSettings(steps=steps, **({"prompt": prompt} if prompt else {}))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the export's load/save bars
     err = _console(stderr=True)
-    say = (lambda text: None) if as_json else (lambda text: err.print(f"[bold]==>[/] {text}"))
+    say = (
+        (lambda text: None)
+        if as_json
+        else (lambda text: err.print(f"[bold]==>[/] {text}", soft_wrap=True))
+    )
     started = time.monotonic()
     step = "starting the swarm"
     swarm = demo.LocalSwarm(nodes=settings.nodes, die_with_demo=not keep)
@@ -870,8 +874,10 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                 click.echo(json.dumps(result, indent=2, sort_keys=True))
             else:
                 console = _console()
+                from rich.text import Text
+
                 console.print("[bold]generation[/]:")
-                console.print(f"{settings.prompt}[bold]{text}[/]")
+                console.print(Text(settings.prompt) + Text(text, style="bold"), soft_wrap=True)
                 say(f"done in {result['elapsed_s']:.0f} s")
             if keep:
                 swarm.keep = True

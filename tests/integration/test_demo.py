@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "The capital of France is"
 STATE_LINE = re.compile(r"state under (\S+)\)")
 
 
@@ -47,6 +49,18 @@ def _wait_gone(root: str, timeout: float = 15.0) -> list[str]:
     return left
 
 
+def _kill_demo(root: str) -> None:
+    """SIGKILL whatever the demo left running (only after a failed assertion)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if root in cmd:
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+
+
 def _eval_rows(text: str) -> dict[str, list[float]]:
     """pass -> [loss, perplexity, top-1] from the printed evaluation table."""
     rows = {}
@@ -60,10 +74,10 @@ def _eval_rows(text: str) -> dict[str, list[float]]:
 @pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.timeout(600)
-def test_demo_trains_evaluates_serves_and_generates_then_cleans_up():
+def test_demo_trains_evaluates_serves_and_generates_and_keep_leaves_it_serving():
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "2"],
+        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "2", "--keep"],
         capture_output=True,
         text=True,
         env=_env(),
@@ -71,30 +85,57 @@ def test_demo_trains_evaluates_serves_and_generates_then_cleans_up():
         timeout=600,
     )
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text
-    assert re.search(r"swarm up: demo-1 :\d+, demo-2 :\d+, demo-3 :\d+; leader demo-1", text), text
-    assert "COMPLETED" in out.stdout, text
-    stages = re.search(r"stages: (.*)", out.stdout).group(1)
-    assert re.fullmatch(
-        r"demo-1 layers 0-(\d+), demo-2 layers (\d+)-(\d+), demo-3 layers (\d+)-29", stages
-    ), stages
-    rows = _eval_rows(out.stdout)
-    assert set(rows) == {"base", "trained"}, out.stdout
-    for loss, ppl, top1 in rows.values():
-        assert 0 < loss < 10 and math.isclose(ppl, math.exp(loss), rel_tol=1e-3)
-        assert 0 <= top1 <= 1
-    # the untrained embedded model on its own corpus: far from a random model's ln(49152)
-    assert rows["base"][0] < 6, rows
-    gen = re.search(r"generation:\n(.*)", out.stdout)
-    assert gen, out.stdout
-    line = gen.group(1)
-    assert line.startswith("The capital of France is") and len(line) > len(
-        "The capital of France is"
-    )
-    assert "Paris" in line, line  # greedy, two LoRA steps barely move a 135M model
     root = STATE_LINE.search(text).group(1)
-    assert not Path(root).exists(), f"the demo left {root} behind"
-    assert _wait_gone(root) == [], "the demo left processes behind"
+    try:
+        assert out.returncode == 0, text
+        assert re.search(r"swarm up: demo-1 :\d+, demo-2 :\d+, demo-3 :\d+; leader demo-1", text)
+        assert "COMPLETED" in out.stdout, text
+        split = r"demo-1 layers 0-(\d+), demo-2 layers (\d+)-(\d+), demo-3 layers (\d+)-29"
+        trained = re.search(r"stages: (.*)", out.stdout).group(1)
+        assert re.fullmatch(split, trained), trained
+        served = re.search(r"serving at (http://127\.0\.0\.1:\d+)/v1: (.*)", out.stdout)
+        assert served and re.fullmatch(split, served.group(2)), out.stdout
+        rows = _eval_rows(out.stdout)
+        assert set(rows) == {"base", "trained"}, out.stdout
+        for loss, ppl, top1 in rows.values():
+            assert 0 < loss < 10 and math.isclose(ppl, math.exp(loss), rel_tol=1e-3)
+            assert 0 <= top1 <= 1
+        # the embedded model on its own corpus: far below a random model's ln(49152) = 10.8
+        assert rows["base"][0] < 6, rows
+        assert "generation:\n" in out.stdout, out.stdout
+        generation = out.stdout.split("generation:\n", 1)[1].rstrip("\n")
+        assert generation.startswith(PROMPT) and len(generation) > len(PROMPT), generation
+        # greedy, and two LoRA steps barely move a 135M model
+        assert "Paris" in generation.splitlines()[0], generation
+
+        # --keep: the demo has exited, its three daemons still serve the model
+        assert Path(root).is_dir()
+        argv = ["generate", "demo", PROMPT, "--url", served.group(1), "--temperature", "0"]
+        again = subprocess.run(
+            [sys.executable, "-m", "swarmp2p", *argv, "--max-tokens", "12"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert again.returncode == 0, again.stderr
+        assert PROMPT + again.stdout.rstrip("\n") == generation, (again.stdout, generation)
+        stops = re.findall(r"^\s+(swarm down --state-dir \S+)$", out.stderr, re.M)
+        assert len(stops) == 3, out.stderr
+        for cmd in stops:
+            down = subprocess.run(
+                [sys.executable, "-m", "swarmp2p", *cmd.split()[1:]],
+                capture_output=True,
+                text=True,
+                env=_env(),
+                timeout=60,
+            )
+            assert down.returncode == 0, down.stderr
+        assert _wait_gone(root) == [], "`swarm down` left processes of the demo behind"
+    finally:
+        _kill_demo(root)
+        shutil.rmtree(root, ignore_errors=True)
     print(f"demo --steps 2 took {time.monotonic() - started:.0f} s")
 
 
