@@ -804,6 +804,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
         with demo.sigterm_as_interrupt():
             say(f"starting {settings.nodes} nodes on 127.0.0.1 (state under {swarm.root})")
             swarm.start()
+            swarm.watch()
             lead = swarm.leader
             say(
                 "swarm up: "
@@ -893,16 +894,22 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                     ]
                     say("\n".join(lines))
     except KeyboardInterrupt:
-        err.print(f"interrupted while {step}; stopping the swarm")
-        swarm.close()
-        sys.exit(130)
+        if swarm.failure is None:
+            err.print(f"interrupted while {step}; stopping the swarm")
+            swarm.close()
+            sys.exit(130)
+        failed: Exception = swarm.failure
     except (demo.DemoError, ApiError, OSError, ValueError, RuntimeError) as exc:
-        err.print(f"[bold red]swarm demo failed while {step}[/]: {exc}")
-        for node in swarm.nodes:
-            err.print(f"--- {node.node_id} log (last lines):\n{swarm.log_tail(node)}", markup=False)
+        failed = exc
+    else:
         swarm.close()
-        sys.exit(1)
+        return
+    err.print(f"[bold red]swarm demo failed while {step}[/]:", soft_wrap=True)
+    err.print(str(failed), markup=False, soft_wrap=True)
+    for node in swarm.nodes:
+        err.print(f"--- {node.node_id} log (last lines):\n{swarm.log_tail(node)}", markup=False)
     swarm.close()
+    sys.exit(1)
 
 
 # --- swarm serve: a model across the swarm behind the OpenAI-compatible API (issue 8) -------

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,6 +187,10 @@ class LocalSwarm:
         self.keep = False
         """Set once the demo succeeded with ``--keep``: ``close()`` then leaves all running."""
         self._die_with_demo = die_with_demo
+        self.failure: DemoError | None = None
+        """Set by the watcher when a daemon died; the main thread then gets KeyboardInterrupt."""
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def leader(self) -> DemoNode:
@@ -230,12 +235,7 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout
         last: object = None
         while True:
-            for node, proc in zip(self.nodes, self.procs):
-                if proc.poll() is not None:
-                    raise DemoError(
-                        f"daemon {node.node_id} exited with code {proc.returncode} while waiting "
-                        f"for {what}; its log {node.log_file}:\n{self.log_tail(node)}"
-                    )
+            self.check(f"waiting for {what}")
             try:
                 if predicate():
                     return
@@ -247,6 +247,39 @@ class LocalSwarm:
                     f"daemon logs under {self.root}"
                 )
             time.sleep(0.2)
+
+    def check(self, doing: str = "running") -> None:
+        """DemoError naming the first daemon that has exited, with the tail of its log."""
+        for node, proc in zip(self.nodes, self.procs):
+            if proc.poll() is not None:
+                raise DemoError(
+                    f"daemon {node.node_id} exited with code {proc.returncode} while {doing}; "
+                    f"its log {node.log_file}:\n{self.log_tail(node)}"
+                )
+
+    def watch(self, interval: float = 1.0) -> None:
+        """From now on a daemon that exits interrupts the main thread (KeyboardInterrupt) with
+        ``failure`` set, so a wait on a job or a served model never outlives the swarm."""
+        main = threading.main_thread().ident
+
+        def run() -> None:
+            while not self._watch_stop.wait(interval):
+                try:
+                    self.check("the demo ran")
+                except DemoError as exc:
+                    self.failure = exc
+                    # a real signal, so a blocking wait (a socket, a sleep) wakes up too
+                    signal.pthread_kill(main, signal.SIGINT)
+                    return
+
+        self._watcher = threading.Thread(target=run, name="demo-watch", daemon=True)
+        self._watcher.start()
+
+    def unwatch(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
 
     def log_tail(self, node: DemoNode, lines: int = 20) -> str:
         try:
@@ -261,6 +294,7 @@ class LocalSwarm:
     def close(self) -> None:
         """Stop every daemon (SIGTERM, then SIGKILL past the timeout) and remove the temp dir;
         idempotent. With ``keep`` set it does nothing: the swarm stays up."""
+        self.unwatch()
         if self.keep:
             return
         for proc in self.procs:

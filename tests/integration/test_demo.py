@@ -171,3 +171,28 @@ def test_ctrl_c_stops_every_daemon_and_removes_the_state():
     assert "interrupted while" in text and "stopping the swarm" in text, text
     assert _wait_gone(root) == [], "daemons outlived Ctrl-C"
     assert not Path(root).exists()
+
+
+@pytest.mark.slow
+def test_a_daemon_that_dies_interrupts_the_demo_naming_it_and_close_leaves_nothing(tmp_path):
+    from swarmp2p import demo
+
+    swarm = demo.LocalSwarm(nodes=3, root=tmp_path / "swarm", env=_env())
+    try:
+        swarm.start()
+        assert swarm.status(swarm.leader)["leader"] == "demo-1"
+        swarm.watch(interval=0.1)
+        victim = swarm.procs[1]
+        victim.send_signal(signal.SIGKILL)
+        with pytest.raises(KeyboardInterrupt):  # the watcher interrupts a wait of the demo
+            time.sleep(10)
+        assert isinstance(swarm.failure, demo.DemoError)
+        assert "daemon demo-2 exited with code -9" in str(swarm.failure)
+        with pytest.raises(demo.DemoError, match=r"daemon demo-2 exited with code -9") as err:
+            swarm.check("training")
+        assert "demo-2.out" in str(err.value)  # where to look
+    finally:
+        swarm.close()
+    assert swarm.procs == []
+    assert not (tmp_path / "swarm").exists()
+    assert _wait_gone(str(tmp_path / "swarm")) == []
