@@ -192,14 +192,14 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
     stage_nodes = [s["node_id"] for s in entry["record"]["plan"]["stages"]]
     victim = "a" if victim_is_leader else next(n for n in stage_nodes if n != "a")
     replanned = victim in stage_nodes
-    if replanned:
-        # freeze the victim's stage past the first snapshot, so the job cannot end however
-        # fast this machine is, then kill its host once every stage's snapshot has a copy
-        wait_until(lambda: (_raw(watcher, job_id)["record"].get("step") or 0) >= 12, 60, "step 12")
-        frozen = _workers_of(by_id[victim])
-        assert frozen, f"no stage worker under {victim}'s daemon"
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+    # freeze a stage past the first snapshot, so the job cannot end however fast this machine
+    # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
+    # has been noticed
+    wait_until(lambda: (_raw(watcher, job_id)["record"].get("step") or 0) >= 12, 60, "step 12")
+    frozen = _workers_of(by_id[victim if replanned else stage_nodes[0]])
+    assert frozen, "no stage worker to freeze"
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
     from swarmp2p.node.jobs import resume_step
 
     wait_until(
@@ -207,9 +207,16 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
         60, "a snapshot copy of every stage", interval=0.1,
     )  # fmt: skip
     before = _raw(watcher, job_id)
-    if replanned:
-        assert before["state"] == "running" and before["record"]["step"] < steps
+    assert before["state"] == "running" and before["record"]["step"] < steps
     by_id[victim].kill()
+    if not replanned:
+        survivors = [n for i, n in by_id.items() if i != victim]
+        wait_until(
+            lambda: agreed_on(survivors, "b", len(survivors)) and by_id["b"].status()["leader_ready"],
+            30, "b to lead",
+        )  # fmt: skip
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
     final = _wait_state(watcher, job_id, ("COMPLETED", "FAILED"), 150, nodes)
     assert final["state"] == "COMPLETED", json.dumps(final, indent=1)
     t0 = final["history"][0]["at"]
