@@ -229,6 +229,8 @@ class _Served:
     state: str = "starting"
     reason: str = ""
     failovers: int = 0
+    replayed: int = 0
+    """Sessions replayed onto a rebuilt ring, in all."""
     rebuilding: asyncio.Task | None = None
 
     def view(self) -> dict[str, Any]:
@@ -238,6 +240,7 @@ class _Served:
             "state": self.state,
             "reason": self.reason,
             "failovers": self.failovers,
+            "replayed": self.replayed,
             "stages": [
                 {
                     "index": i,
@@ -586,6 +589,7 @@ class Serving:
             _fail_open(served.client, reason)
             return
         await self._stop_stages(served.serve_id, old_attempt, old_nodes)
+        served.replayed += served.client.active
         olds = await asyncio.to_thread(served.client.reroute, first, back)
         for link in olds:
             link.close()

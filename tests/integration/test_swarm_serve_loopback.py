@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -112,18 +113,18 @@ def tiny(tmp_path_factory):
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _three(loopback_swarm):
-    loopback_swarm.reserve("a", "b", "c")
-    nodes = [loopback_swarm.node(n, token=TOKEN, env=ENV).start() for n in "abc"]
+def _swarm(loopback_swarm, ids="abc", env=ENV):
+    loopback_swarm.reserve(*ids)
+    nodes = [loopback_swarm.node(n, token=TOKEN, env=env).start() for n in ids]
     for node in nodes:
         node.wait_up()
-    wait_until(lambda: agreed_on(nodes, "a", 3), 30, "3 nodes agreeing on leader a")
+    wait_until(lambda: agreed_on(nodes, "a", len(ids)), 30, f"{ids} agreeing on leader a")
     wait_until(lambda: nodes[0].status()["leader_ready"], 30, "leader a ready")
     return nodes
 
 
 def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loopback_swarm, tiny):
-    a, b, c = _three(loopback_swarm)
+    a, b, c = _swarm(loopback_swarm)
     port = free_port()
     # issued on b (a follower): the leader a places the stages, the API runs on b
     done = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(port),
@@ -159,11 +160,12 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
 def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged(
     loopback_swarm, tiny
 ):
-    a, b, c = _three(loopback_swarm)
+    # two nodes keep it short: b's stage is re-placed on a, next to a's own stage
+    a, b = _swarm(loopback_swarm, "ab")
     port = free_port()
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(port),
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port", str(port),
                  "--max-context", "512", "--json")  # fmt: skip
-    assert done.returncode == 0, done.stderr + dump([a, b, c])
+    assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
     max_new = 400
     expected = greedy_text(tiny, PROMPT, max_new)
@@ -187,14 +189,14 @@ def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged
     reader = threading.Thread(target=read)
     reader.start()
     assert first.wait(120), "no first token"
-    c.kill()  # SIGKILL: its serve worker dies with it
+    b.kill()  # SIGKILL: its serve worker dies with it
     at_kill = len(pieces)
     reader.join(180)
     assert not reader.is_alive()
-    assert not errors, f"{errors!r}\n" + dump([a, b])
+    assert not errors, f"{errors!r}\n" + dump([a])
     served = a.status()["served"][0]
-    assert served["failovers"] == 1 and served["state"] == "serving"
-    assert {s["node"] for s in served["stages"]} == {"a", "b"}
+    assert served["failovers"] == 1 and served["replayed"] == 1 and served["state"] == "serving"
+    assert [s["node"] for s in served["stages"]] == ["a", "a"]
     assert len(pieces) > at_kill, "the stream ended before the stage host was killed"
     assert "".join(pieces) == expected
     # the rebuilt ring keeps serving
@@ -214,9 +216,15 @@ def test_serve_refuses_bad_requests_with_the_reason(loopback_swarm, tiny, tmp_pa
         (["serve", str(tiny), "--stages", "9"], "stages: 9 is not in [1, 4]"),
         (["serve"], "name a MODEL"),
     ]  # fmt: skip
-    for args, message in cases:
-        out = swarm(a, *args)
-        assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        # the ring loads, then the API cannot listen: the workers are stopped again
+        cases.append((["serve", str(tiny), "--port", port], f"cannot listen on 127.0.0.1:{port}"))
+        for args, message in cases:
+            out = swarm(a, *args)
+            assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
     assert a.status()["served"] == []
     assert _workers(a) == 0
 
@@ -227,12 +235,7 @@ def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bou
     # each node: one fake GPU with ~51 MiB usable; 300 sessions of 512 tokens fit one stage
     # per node, but not two stages on one node once a node is gone
     env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55"}
-    loopback_swarm.reserve("a", "b", "c")
-    a, b, c = (loopback_swarm.node(n, token=TOKEN, env=env).start() for n in "abc")
-    for node in (a, b, c):
-        node.wait_up()
-    wait_until(lambda: agreed_on([a, b, c], "a", 3), 30, "3 nodes agreeing on leader a")
-    wait_until(lambda: a.status()["leader_ready"], 30, "leader a ready")
+    a, b, c = _swarm(loopback_swarm, env=env)
     done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port",
                  str(free_port()), "--max-context", "512", "--max-sessions", "300", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr + dump([a, b, c])
