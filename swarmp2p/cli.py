@@ -756,6 +756,11 @@ def export_command(model_id, out, state_dir) -> None:
 # --- swarm demo: a 3-node local swarm trains, evaluates, serves and generates (issue 9) ------
 
 
+def _where(stages: list[dict]) -> str:
+    """'demo-1 layers 0-9, demo-2 layers 10-19, ...' for a plan's or a served model's stages."""
+    return ", ".join(f"{s['node']} layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in stages)
+
+
 @main.command("demo")
 @click.option(
     "--steps",
@@ -784,9 +789,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
     import time
 
     from swarmp2p import demo
-    from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
-    from swarmp2p.plan import JobError, parse_job
 
     settings = demo.DemoSettings(steps=steps, **({"prompt": prompt} if prompt else {}))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the export's load/save bars
@@ -799,7 +802,6 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
     started = time.monotonic()
     step = "starting the swarm"
     swarm = demo.LocalSwarm(nodes=settings.nodes, die_with_demo=not keep)
-    result: dict = {}
     try:
         with demo.sigterm_as_interrupt():
             say(f"starting {settings.nodes} nodes on 127.0.0.1 (state under {swarm.root})")
@@ -812,34 +814,12 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                 + f"; leader {lead.node_id}"
             )
             step = "training"
-            try:
-                job = parse_job(demo.demo_job(settings))
-            except JobError as exc:  # a bug of the demo itself
-                raise demo.DemoError(f"the demo's own job is invalid: {exc}") from None
             say(f"fine-tuning the embedded model: LoRA, {settings.nodes} stages, {steps} steps")
-            done = control.submit_train(lead.state_dir, job)
-            if as_json:
-                view = control.job(lead.state_dir, done["job_id"])
-                while view["state"] not in control.JOB_FINAL:
-                    time.sleep(0.5)
-                    view = control.job(lead.state_dir, done["job_id"])
-            else:
-                view = _follow(lead.state_dir, done["job_id"], as_json=False)
-            if view["state"] != "COMPLETED" or not view.get("model"):
-                raise demo.DemoError(
-                    f"the training job ended {view['state']}"
-                    + (f": {view['error']['message']}" if view.get("error") else "")
-                )
+            follow = None if as_json else (lambda sd, job_id: _follow(sd, job_id, as_json=False))
+            view = demo.train(swarm, settings, follow)
             model_id = view["model"]["id"]
             if not as_json:
-                _console().print(
-                    "stages: "
-                    + ", ".join(
-                        f"{s['node']} layers {s['layers'][0]}-{s['layers'][1] - 1}"
-                        for s in view["plan"]["stages"]
-                    ),
-                    markup=False,
-                )
+                _console().print("stages: " + _where(view["plan"]["stages"]), markup=False)
             step = "exporting"
             say(f"exporting {model_id}: its shards gathered from the nodes, sha256-checked")
             folder = demo.export_for_serving(
@@ -850,14 +830,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
             served = demo.serve_on_swarm(swarm, folder, name=model_id, stages=settings.nodes)
             url = served["url"]
             if not as_json:
-                _console().print(
-                    f"serving at {url}/v1: "
-                    + ", ".join(
-                        f"{s['node']} layers {s['layers'][0]}-{s['layers'][1] - 1}"
-                        for s in served["stages"]
-                    ),
-                    markup=False,
-                )
+                _console().print(f"serving at {url}/v1: " + _where(served["stages"]), markup=False)
             step = "generating"
             text = demo.generate(url, model_id, settings.prompt, settings.max_tokens)
             result = {

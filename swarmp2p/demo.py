@@ -331,6 +331,41 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def train(
+    swarm: LocalSwarm,
+    settings: DemoSettings,
+    follow: Callable[[Path, str], dict[str, Any]] | None = None,
+    poll_s: float = 0.5,
+) -> dict[str, Any]:
+    """Submit the demo's job through the leader and wait for it (``follow(state_dir, job_id)``
+    when given, e.g. the CLI's progress bar); the final job view. DemoError unless the job
+    completed with a registered model."""
+    from swarmp2p.node import control
+    from swarmp2p.plan import JobError, parse_job
+
+    try:
+        job = parse_job(demo_job(settings))
+    except JobError as exc:  # a bug of the demo itself
+        raise DemoError(f"the demo's own job is invalid: {exc}") from None
+    state_dir = swarm.leader.state_dir
+    job_id = control.submit_train(state_dir, job)["job_id"]
+    if follow is not None:
+        view = follow(state_dir, job_id)
+    else:
+        view = control.job(state_dir, job_id)
+        while view["state"] not in control.JOB_FINAL:
+            time.sleep(poll_s)
+            view = control.job(state_dir, job_id)
+    if view["state"] != "COMPLETED" or not view.get("model"):
+        error = view.get("error") or {}
+        where = f" (stage {error.get('stage')} on {error.get('node')})" if error else ""
+        raise DemoError(
+            f"the training job {job_id} ended {view['state']}{where}"
+            + (f": {error['message']}" if error.get("message") else "")
+        )
+    return view
+
+
 def export_for_serving(state_dir: Path, model_id: str, out_dir: Path) -> Path:
     """Gather ``model_id``'s shards over the swarm (sha256-checked) into a Hugging Face folder
     ``out_dir`` with its base's tokenizer beside it, which ``swarm serve`` reads; the folder.
