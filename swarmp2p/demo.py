@@ -47,12 +47,16 @@ class DemoSettings:
     """The demo's knobs (``swarm demo`` flags)."""
 
     steps: int = 30
+    """Optimizer steps: 30 take about 100 s on a 2-core CPU box (loss 3.68 -> 3.30)."""
     seq_len: int = 64
     batch_size: int = 4
     eval_batches: int = 4
+    """Held-out batches of each evaluation pass (base and trained)."""
     nodes: int = 3
+    """Daemons, one stage each."""
     prompt: str = PROMPT
     max_tokens: int = 12
+    """Tokens of the greedy generation."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "max_tokens"):

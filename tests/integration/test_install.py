@@ -79,6 +79,7 @@ def test_install_in_a_fresh_home_gives_a_working_shim_and_is_idempotent(tmp_path
     shim = home / ".local" / "bin" / "swarm"
     assert shim.is_symlink() and shim.resolve() == (venv / "bin" / "swarm").resolve()
     assert "no NVIDIA GPU: installing the CPU build of torch" in first.stderr, first.stderr
+    assert "next: swarm demo" in first.stderr, first.stderr  # ~/.local/bin is on this PATH
 
     version, _ = _run(["swarm", "--version"], env, home, timeout=60)  # found through the shim
     assert version.returncode == 0, version.stderr

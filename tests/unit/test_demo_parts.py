@@ -85,3 +85,11 @@ def test_importing_the_demo_imports_no_torch():
     probe = f"import sys, swarmp2p.demo; print(sorted(m for m in sys.modules if m in {heavy!r}))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_examples_demo_job_is_the_job_the_demo_trains():
+    import json
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "demo-job.json"
+    assert json.loads(example.read_text()) == demo.demo_job(demo.DemoSettings())
