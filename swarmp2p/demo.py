@@ -36,6 +36,9 @@ STOP_TIMEOUT_S = 10.0
 HEARTBEAT_S = 0.5
 FAILURE_TIMEOUT_S = 5.0
 _PR_SET_PDEATHSIG = 1
+MARK_ENV = "SWARMP2P_DEMO_ROOT"
+"""Set to the demo's temp dir in its daemons' environment (their workers inherit it), so every
+process of one demo can be found."""
 
 
 class DemoError(RuntimeError):
@@ -184,6 +187,7 @@ class LocalSwarm:
         base = {k: v for k, v in base.items() if not k.startswith("SWARM_")}
         base.setdefault("OMP_NUM_THREADS", str(threads_per_node(nodes)))
         base["SWARM_DASHBOARD_PORT"] = "0"
+        base[MARK_ENV] = str(self.root)
         pkg_root = str(Path(__file__).resolve().parents[1])
         base["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, base.get("PYTHONPATH", "")) if p)
         self.env = base

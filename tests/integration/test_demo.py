@@ -28,17 +28,24 @@ def _env() -> dict[str, str]:
 
 
 def _demo_processes(root: str) -> list[str]:
-    """Command lines of live processes that mention the demo's temp dir."""
+    """Command lines of live processes of the demo under ``root``: its daemons and their
+    workers, marked in their environment."""
+    from swarmp2p.demo import MARK_ENV
+
+    mark = f"{MARK_ENV}={root}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if mark not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] == "Z":  # exited, waiting to be reaped
+                continue
+            found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
         except OSError:
             continue
-        if root in cmd:
-            found.append(cmd)
     return found
 
 
@@ -51,13 +58,15 @@ def _wait_gone(root: str, timeout: float = 15.0) -> list[str]:
 
 def _kill_demo(root: str) -> None:
     """SIGKILL whatever the demo left running (only after a failed assertion)."""
+    from swarmp2p.demo import MARK_ENV
+
+    mark = f"{MARK_ENV}={root}".encode()
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
+        if proc.name.isdigit():
             try:
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                if root in cmd:
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
                     os.kill(int(proc.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
+            except OSError:
                 continue
 
 
@@ -140,9 +149,10 @@ def test_demo_trains_evaluates_serves_and_generates_and_keep_leaves_it_serving()
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_daemon_and_removes_the_state():
+@pytest.mark.torch
+def test_ctrl_c_while_training_stops_every_daemon_and_worker_and_removes_the_state():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "1"],
+        [sys.executable, "-m", "swarmp2p", "demo", "--steps", "50"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -151,15 +161,20 @@ def test_ctrl_c_stops_every_daemon_and_removes_the_state():
     )
     lines, root = [], None
     try:
-        deadline = time.monotonic() + 120
         for line in proc.stdout:
             lines.append(line)
             if root is None and (m := STATE_LINE.search(line)):
                 root = m.group(1)
-            if "swarm up:" in line:
+            if "fine-tuning" in line:
                 break
-            assert time.monotonic() < deadline, "".join(lines)
-        assert root and _demo_processes(root), "".join(lines)
+        assert root, "".join(lines)
+        # the stage workers are up (3 daemons + 3 workers), then Ctrl-C
+        deadline = time.monotonic() + 120
+        while len(_demo_processes(root)) < 6:
+            assert time.monotonic() < deadline, f"no workers: {_demo_processes(root)}"
+            assert proc.poll() is None, "".join(lines) + proc.stdout.read()
+            time.sleep(0.2)
+        assert any("swarmp2p.runtime.worker" in c for c in _demo_processes(root))
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -167,10 +182,13 @@ def test_ctrl_c_stops_every_daemon_and_removes_the_state():
             proc.kill()
             proc.communicate()
     text = "".join(lines) + rest
-    assert proc.returncode == 130, text
-    assert "interrupted while" in text and "stopping the swarm" in text, text
-    assert _wait_gone(root) == [], "daemons outlived Ctrl-C"
-    assert not Path(root).exists()
+    try:
+        assert proc.returncode == 130, text
+        assert "interrupted while training; stopping the swarm" in text, text
+        assert _wait_gone(root) == [], "daemons or workers outlived Ctrl-C"
+        assert not Path(root).exists()
+    finally:
+        _kill_demo(root)
 
 
 @pytest.mark.slow
