@@ -843,7 +843,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                 "elapsed_s": round(time.monotonic() - started, 1),
                 "kept": keep,
                 "root": str(swarm.root) if keep else None,
-                "stop": swarm.stop_commands() + [f"rm -rf {swarm.root}"] if keep else [],
+                "stop": [*swarm.stop_commands(), f"rm -rf {swarm.root}"] if keep else [],
             }
             if as_json:
                 click.echo(json.dumps(result, indent=2, sort_keys=True))
