@@ -248,6 +248,10 @@ def format_status(s: dict[str, Any]) -> str:
         "",
         format_peers(s["peers"]),
     ]
+    for m in s.get("served") or []:
+        stages = ", ".join(f"{st['node']} [{st['layers'][0]}-{st['layers'][1] - 1}]"
+                           for st in m["stages"])  # fmt: skip
+        lines.append(f"served  {m['model']} at {m['url']}/v1 ({m['state']}): {stages}")
     return "\n".join(lines)
 
 

@@ -241,6 +241,8 @@ class ServeStageStart(Message):
     attempt: int
     spec: dict
     env: dict
+    issuer: str
+    """The issuing node: told with ``serve.stage_exit`` if the worker dies."""
     """Extra environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
 
 
@@ -275,5 +277,16 @@ class ServeStage(Message):
     """"ready", "serving" or "stopped"."""
 
 
-SERVE_MESSAGES = (ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop)
+@message("serve.stage_exit")
+class ServeStageExit(Message):
+    """A stage's node to the issuing node: the stage's worker died (its node lives on)."""
+
+    serve_id: str
+    attempt: int
+    stage: int
+    node_id: str
+    message: str
+
+
+SERVE_MESSAGES = (ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit)
 """The requests the daemon hands to its serving side."""

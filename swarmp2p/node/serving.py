@@ -41,6 +41,7 @@ from swarmp2p.node.messages import (
     ServePlaced,
     ServeStage,
     ServeStageConnect,
+    ServeStageExit,
     ServeStageStart,
     ServeStageStop,
 )
@@ -55,6 +56,8 @@ SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 LOAD_TIMEOUT_S = 120.0
 """How long a stage's node may take to load its slice and bind its link."""
 CONNECT_TIMEOUT_S = 30.0
+MAX_CRASH_REBUILDS = 3
+"""Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
 STEP_TIMEOUT_S = 60.0
 """A session that gets no token for this long fails (covers a re-placement's reload)."""
 DTYPES = ("float32", "bfloat16", "float16")
@@ -231,6 +234,9 @@ class _Served:
     failovers: int = 0
     replayed: int = 0
     """Sessions replayed onto a rebuilt ring, in all."""
+    crashed: dict[int, str] = field(default_factory=dict)
+    """Stage index -> why its worker died, for the live ring (its node lives on)."""
+    crash_rebuilds: int = 0
     rebuilding: asyncio.Task | None = None
 
     def view(self) -> dict[str, Any]:
@@ -476,6 +482,7 @@ class Serving:
                     attempt=attempt,
                     spec=spec,
                     env={"stages_here": here[s["node_id"]], "device": s["device"]},
+                    issuer=self.d.node_id,
                 )
                 started.append(s["node_id"])
                 reply = await self._call_node(s["node_id"], msg, LOAD_TIMEOUT_S)
@@ -507,6 +514,7 @@ class Serving:
             raise
         old = served.placed
         served.placed, served.live_attempt = placed, attempt
+        served.crashed = {}
         served.links.extend(links)
         if old:
             log.info(
@@ -564,12 +572,26 @@ class Serving:
         """Each heartbeat round: rebuild a ring that lost a stage node."""
         alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
         for served in self.served.values():
+            if served.state == "failed" and served.client is not None:
+                _fail_open(served.client, served.reason)  # requests sent since fail at once
+                continue
             if served.state not in ("serving", "degraded") or served.client is None:
                 continue
             if served.rebuilding is not None and not served.rebuilding.done():
                 continue
             lost = sorted({s["node_id"] for s in served.placed} - alive)
-            if lost or served.state == "degraded":
+            if served.crashed and not lost and served.state == "serving":
+                served.crash_rebuilds += 1
+                if served.crash_rebuilds > MAX_CRASH_REBUILDS:
+                    reason = (
+                        f"stage worker(s) died {served.crash_rebuilds} times; last: "
+                        + "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items()))
+                    )
+                    served.state, served.reason = "failed", reason
+                    log.warning("serving %s: %s; giving up", served.name, reason)
+                    _fail_open(served.client, reason)
+                    continue
+            if lost or served.crashed or served.state == "degraded":
                 served.rebuilding = self.d._spawn(
                     self._failover(served, lost), f"serve-failover:{served.name}"
                 )
@@ -577,6 +599,9 @@ class Serving:
     async def _failover(self, served: _Served, lost: list[str]) -> None:
         if lost:
             log.warning("serving %s: lost stage node(s) %s; re-placing", served.name, lost)
+        elif served.crashed:
+            log.warning("serving %s: stage worker(s) died (%s); re-placing", served.name,
+                        "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items())))  # fmt: skip
         old_attempt, old_nodes = served.live_attempt, {s["node_id"] for s in served.placed}
         try:
             first, back = await self._build(served)
@@ -642,6 +667,14 @@ class Serving:
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="serving",
             )  # fmt: skip
+        if isinstance(msg, ServeStageExit):
+            served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
+            if served is not None and served.live_attempt == msg.attempt:
+                served.crashed[msg.stage] = f"node {msg.node_id}: {msg.message}"
+            return ServeStage(
+                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+                state="exited",
+            )  # fmt: skip
         if isinstance(msg, ServeStageStop):
             keys = [
                 k
@@ -657,6 +690,12 @@ class Serving:
                 state="stopped",
             )  # fmt: skip
         raise RpcError("unexpected", f"serving does not take {type(msg).TYPE}")
+
+    async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
+        try:
+            await self._call_node(issuer, msg, CONNECT_TIMEOUT_S)
+        except ServeError as exc:
+            log.info("could not tell %s that a serve worker died: %s", issuer, exc)
 
     def _worker(self, serve_id: str, attempt: int, stage: int) -> ServeWorkerProcess:
         worker = self.workers.get((serve_id, attempt, stage))
@@ -697,13 +736,18 @@ class Serving:
         def on_exit(code: int, tail: list[str]) -> None:
             from swarmp2p.node.jobs import exit_message
 
-            log.warning(
-                "serve worker %s stage %d %s%s",
-                msg.serve_id,
-                spec.stage_index,
-                exit_message(code),
-                f": {tail[-1]}" if tail else "",
+            why = exit_message(code) + (f": {tail[-1]}" if tail else "")
+            log.warning("serve worker %s stage %d %s", msg.serve_id, spec.stage_index, why)
+            if self.workers.get(key) is worker:
+                self.workers.pop(key)
+            exited = ServeStageExit(
+                serve_id=msg.serve_id,
+                attempt=msg.attempt,
+                stage=spec.stage_index,
+                node_id=self.d.node_id,
+                message=why,
             )
+            self.d._spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
 
         worker = ServeWorkerProcess(
             job_id=msg.serve_id,

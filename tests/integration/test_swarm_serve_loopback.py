@@ -6,7 +6,9 @@ host SIGKILLed mid-stream is re-placed and the stream completes with the same te
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -255,3 +257,31 @@ def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bou
     assert "needs" in str(info.value) and "MiB usable" in str(info.value)
     served = a.status()["served"][0]
     assert served["state"] == "degraded" and "cannot be re-placed" in served["reason"]
+
+
+def test_a_stage_worker_killed_on_a_live_node_is_restarted_and_the_text_is_unchanged(
+    loopback_swarm, tiny
+):
+    (a,) = _swarm(loopback_swarm, "a")
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
+                 str(free_port()), "--max-context", "512", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a])
+    url = json.loads(done.stdout)["url"]
+    workers = subprocess.run(
+        ["pgrep", "-P", str(a.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert len(workers) == 2
+    expected = greedy_text(tiny, PROMPT, 400)
+
+    from swarmp2p.serve.client import stream_text
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+    stream = stream_text(url, "/v1/completions", body)
+    pieces = [next(stream)]
+    os.kill(int(workers[-1]), signal.SIGKILL)  # the node lives on; its daemon reports the exit
+    pieces.extend(stream)
+    assert "".join(pieces) == expected
+    served = a.status()["served"][0]
+    assert (served["failovers"], served["replayed"], served["state"]) == (1, 1, "serving")
+    assert _workers(a) == 2

@@ -11,6 +11,7 @@ from swarmp2p.node.messages import (
     ServePlaced,
     ServeStage,
     ServeStageConnect,
+    ServeStageExit,
     ServeStageStart,
     ServeStageStop,
 )
@@ -137,7 +138,9 @@ def test_bad_placements_say_why(records, stages, message):
         ServePlace(serve_id="s1", model="/m", stages=0, max_sessions=4, max_context=256,
                    dtype="float32", quantization={"bits": 4}),
         ServePlaced(serve_id="s1", leader="a", stages=[{"node_id": "a", "layer_start": 0}]),
-        ServeStageStart(serve_id="s1", attempt=2, spec={"model": "/m"}, env={"device": "cpu"}),
+        ServeStageStart(serve_id="s1", attempt=2, spec={"model": "/m"}, env={"device": "cpu"},
+                        issuer="b"),
+        ServeStageExit(serve_id="s1", attempt=2, stage=1, node_id="c", message="killed by SIGKILL"),
         ServeStageConnect(serve_id="s1", attempt=2, stage=1, next="tcp://10.0.0.2:4000"),
         ServeStageStop(serve_id="s1", attempt=2, stage=-1),
         ServeStage(serve_id="s1", attempt=2, stage=0, endpoint="tcp://x:1", state="ready"),
@@ -148,4 +151,6 @@ def test_serve_messages_round_trip(msg):
 
 
 def test_the_daemon_routes_exactly_the_serve_requests():
-    assert set(SERVE_MESSAGES) == {ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop}
+    assert set(SERVE_MESSAGES) == {
+        ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit
+    }  # fmt: skip
