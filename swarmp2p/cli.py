@@ -862,6 +862,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
                         f"  swarm generate {model_id} 'Once upon a time' --url {url}",
                         f"  swarm chat {model_id} --url {url}",
                         f"  swarm status --state-dir {lead.state_dir}",
+                        f"  swarm dashboard --state-dir {lead.state_dir}   (its web page's URL)",
                         "stop it with:",
                         *(f"  {c}" for c in swarm.stop_commands()),
                         f"  rm -rf {swarm.root}",
