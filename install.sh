@@ -77,6 +77,7 @@ if [ "$mode" = dev ]; then
     fi
   fi
   say "done: $venv/bin/swarm --version -> $("$venv/bin/swarm" --version)"
+  say "next: $venv/bin/swarm demo   (a 3-node swarm on this machine trains, serves and answers)"
   exit 0
 fi
 
@@ -88,6 +89,7 @@ if command -v pipx >/dev/null 2>&1; then
   install_torch "$venv/bin/python" -m pip
   install_swarm "$here[runtime]"
   say "done: $(command -v swarm || echo "$venv/bin/swarm") ($("$venv/bin/swarm" --version))"
+  say "next: swarm demo   (a 3-node swarm on this machine trains, serves and answers)"
   exit 0
 fi
 
@@ -102,4 +104,7 @@ install_swarm "$here[runtime]"
 mkdir -p "$bindir"
 ln -sf "$venv/bin/swarm" "$bindir/swarm"
 say "done: $bindir/swarm ($("$venv/bin/swarm" --version))"
-case ":$PATH:" in *":$bindir:"*) ;; *) say "add $bindir to your PATH: export PATH=\"$bindir:\$PATH\"" ;; esac
+case ":$PATH:" in
+  *":$bindir:"*) say "next: swarm demo   (a 3-node swarm on this machine trains, serves and answers)" ;;
+  *) say "add $bindir to your PATH: export PATH=\"$bindir:\$PATH\"; or run $bindir/swarm demo now" ;;
+esac
