@@ -259,14 +259,24 @@ def down(state_dir) -> None:
 
 @main.command()
 @_STATE_DIR_OPTION
-def token(state_dir) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print {"command", "token", "swarm_id"}.')
+def token(state_dir, as_json) -> None:
     """Print the command that joins another machine to this swarm."""
     from swarmp2p.node import control
 
     try:
-        click.echo(control.token(_state_dir(state_dir)))
+        command = control.token(_state_dir(state_dir))
     except (ValueError, PermissionError) as exc:
         _fail(exc)
+    if as_json:
+        from swarmp2p.net import SwarmSecret
+
+        secret = SwarmSecret.from_token(command.rsplit(" ", 1)[-1])
+        click.echo(
+            json.dumps({"command": command, "token": secret.token, "swarm_id": secret.swarm_id})
+        )
+    else:
+        click.echo(command)
 
 
 @main.command()

@@ -20,6 +20,7 @@ LIGHT_PACKAGES = [
 LIGHT_MODULES = [
     "swarmp2p",
     "swarmp2p.cli",
+    "swarmp2p.demo",
     "swarmp2p.doctor",
     "swarmp2p.runtime",
     "swarmp2p.runtime.models",
