@@ -338,9 +338,28 @@ def export_model(state_dir: Path, model_id: str, out: Path) -> dict[str, Any]:
     base = resolve_model_ref(model["base"])
     built = reconstruct_from_shards(base, got["shards"], merge_adapters=merged)
     built.save_pretrained(out)
+    tokenizer = _save_tokenizer(base, out)
     (out / "swarm-model.json").write_text(json.dumps(model, indent=2, sort_keys=True))
     shutil.rmtree(shards)
-    return {"model": model_id, "out": str(out), "kind": "merged" if merged else "adapter"}
+    return {
+        "model": model_id,
+        "out": str(out),
+        "kind": "merged" if merged else "adapter",
+        "tokenizer": tokenizer,
+    }
+
+
+def _save_tokenizer(base: str, out: Path) -> bool:
+    """The base model's tokenizer beside the exported weights, so the folder serves text
+    (`swarm serve DIR`); False when the base has none (weights-only checkpoints)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError):
+        return False
+    tokenizer.save_pretrained(out)
+    return True
 
 
 def format_jobs(rows: list[dict[str, Any]]) -> str:
