@@ -379,11 +379,10 @@ def export_for_serving(state_dir: Path, model_id: str, out_dir: Path) -> Path:
     ``out_dir`` with its base's tokenizer beside it, which ``swarm serve`` reads; the folder.
     Imports the torch runtime (the export rebuilds the model)."""
     from swarmp2p.node import control
-    from swarmp2p.runtime.models import resolve_model_ref
 
-    control.export_model(state_dir, model_id, out_dir)
-    base = {m["id"]: m["base"] for m in control.models(state_dir)}[model_id]
-    copy_tokenizer(resolve_model_ref(base), out_dir)
+    done = control.export_model(state_dir, model_id, out_dir)
+    if not done["tokenizer"]:
+        raise DemoError(f"the export of {model_id} has no tokenizer; it cannot serve text")
     return Path(out_dir)
 
 
@@ -399,31 +398,6 @@ def serve_on_swarm(
     request = {"model": str(folder), "name": name, "stages": stages, "port": port}
     request |= {"max_sessions": 2, "max_context": 2048}
     return control.serve(swarm.leader.state_dir, request)
-
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-
-
-def copy_tokenizer(base: Path, out_dir: Path) -> list[str]:
-    """Copy the base model's tokenizer files the export lacks (it writes weights and config
-    only); the names copied. A base without ``tokenizer.json`` is an error: serving needs it."""
-    base, out_dir = Path(base), Path(out_dir)
-    if not (base / "tokenizer.json").is_file() and not (out_dir / "tokenizer.json").is_file():
-        raise DemoError(f"{base} has no tokenizer.json; the exported model cannot serve text")
-    copied = []
-    for name in TOKENIZER_FILES:
-        src, dst = base / name, out_dir / name
-        if src.is_file() and not dst.exists():
-            tmp = dst.with_name(f".{name}.tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
-            copied.append(name)
-    return copied
 
 
 def generate(url: str, model: str, prompt: str, max_tokens: int) -> str:

@@ -57,26 +57,6 @@ def test_free_ports_are_distinct():
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
 
 
-def test_copy_tokenizer_fills_in_only_what_the_export_lacks(tmp_path):
-    base, out = tmp_path / "base", tmp_path / "out"
-    base.mkdir()
-    out.mkdir()
-    (base / "tokenizer.json").write_text("{base}")
-    (base / "chat_template.jinja").write_text("tpl")
-    (out / "chat_template.jinja").write_text("mine")
-    assert demo.copy_tokenizer(base, out) == ["tokenizer.json"]
-    assert (out / "tokenizer.json").read_text() == "{base}"
-    assert (out / "chat_template.jinja").read_text() == "mine"
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
-
-
-def test_copy_tokenizer_refuses_a_base_without_one(tmp_path):
-    (tmp_path / "base").mkdir()
-    (tmp_path / "out").mkdir()
-    with pytest.raises(demo.DemoError, match=r"no tokenizer\.json"):
-        demo.copy_tokenizer(tmp_path / "base", tmp_path / "out")
-
-
 def test_importing_the_demo_imports_no_torch():
     import subprocess
     import sys
