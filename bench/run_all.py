@@ -21,10 +21,11 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from swarmp2p._atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(__file__).resolve().parent
@@ -196,19 +197,6 @@ def _demote(markdown: str) -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in markdown.splitlines())
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that each runs")
@@ -232,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(script, script_args, args.timeout))
     output = args.output if args.output is not None else (None if args.quick else DEFAULT_OUTPUT)
     if output is not None:
-        write_atomic(output, render(results, machine(), quick=args.quick))
+        write_atomic(output, render(results, machine(), quick=args.quick), mode=0o644)
     print("| benchmark | seconds | status |\n|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.seconds:.1f} | {'ok' if r.ok else 'FAILED: ' + r.error} |")

@@ -26,6 +26,8 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 
+from swarmp2p._atomic import write_atomic
+
 SECRET_BYTES = 32
 TOKEN_PREFIX = "swarm1-"
 _CHECKSUM_BYTES = 4
@@ -111,19 +113,7 @@ class SwarmSecret:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the token to ``path`` atomically with mode 0600 (temp file + rename)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(self.token + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)  # in case the umask was stricter than expected, or looser
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(path, self.token + "\n", mode=0o600)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SwarmSecret:

@@ -9,9 +9,10 @@ worker cuts it into windows and holds out the last one in twenty for evaluation.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
+
+from swarmp2p._atomic import write_atomic
 
 PREPARE_TIMEOUT_S = 600.0
 
@@ -58,10 +59,12 @@ def main(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(model))
     stream = tokenize_rows(load_rows(source, text_field=text_field), tokenizer)
     path = Path(out)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, stream, allow_pickle=False)
-    os.replace(tmp, path)
+
+    def save(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, stream, allow_pickle=False)
+
+    write_atomic(path, save)
     return 0
 
 

@@ -4,11 +4,11 @@ export (gather a model's shards here, every file checked against its sha256)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmp2p._atomic import write_atomic
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import jobs, registry
 from swarmp2p.node.api import ApiError
@@ -117,10 +117,7 @@ def handlers(d: Daemon) -> dict[str, Any]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(path, data)
 
 
 async def _read_whole(d: Daemon, node: str, job_id: str, file: str, tail: int = 0) -> bytes:

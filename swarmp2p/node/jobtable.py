@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from swarmp2p._atomic import write_atomic
 
 EVENT_KINDS = ("lead", "submit", "update", "remove")
 JOB_STATES = (
@@ -182,20 +182,7 @@ def save(path: Path, table: JobTable) -> None:
     """Write ``table`` to ``path`` atomically (temp file, fsync, rename) with a sha256 checksum."""
     body = json.dumps(table.to_dict(), sort_keys=True, separators=(",", ":"))
     text = json.dumps({"sha256": _checksum(body.encode()), "table": body})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, text)
 
 
 def load(path: Path) -> JobTable:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmp2p._atomic import write_atomic
 from swarmp2p.node.election import check_node_id
 
 
@@ -25,20 +25,7 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` atomically to a file only the owner may read (0600)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, text, mode=0o600)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,6 @@ import copy
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmp2p._atomic import write_atomic
 from swarmp2p.runtime.torch.lora import LoraSettings, _target_regex
 from swarmp2p.runtime.torch.train import StageBundle
 
@@ -35,17 +35,7 @@ SHARD_FORMAT = 1
 
 
 def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, write)
 
 
 def _sha256(path: Path) -> str:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
+from swarmp2p._atomic import write_atomic
 from swarmp2p.runtime.torch.train import StageBundle
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -54,16 +54,7 @@ def save_snapshot(
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "rng": torch.get_rng_state(),
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".snapshot-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: torch.save(payload, tmp))
     return path
 
 
