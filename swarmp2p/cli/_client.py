@@ -1,0 +1,93 @@
+"""`swarm generate` and `swarm chat`: thin clients of the API."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from swarmp2p.cli import (
+    main,
+)
+
+# --- swarm generate / swarm chat: thin clients of the OpenAI-compatible API (serve) ----------
+
+
+def _api_options(fn):
+    fn = click.option(
+        "--api-key",
+        envvar="SWARM_API_KEY",
+        default=None,
+        help="The API key the server was started with (or SWARM_API_KEY).",
+    )(fn)
+    fn = click.option(
+        "--url",
+        envvar="SWARM_API_URL",
+        default="http://127.0.0.1:8080",
+        show_default=True,
+        help="Where `swarm serve` listens (or SWARM_API_URL).",
+    )(fn)
+    return fn
+
+
+@main.command("generate")
+@click.argument("model")
+@click.argument("prompt")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.7, show_default=True)
+@click.option("--stream/--no-stream", default=False, help="Print tokens as they come.")
+@_api_options
+def generate_command(
+    model: str, prompt: str, max_tokens: int, temperature: float, stream: bool, url: str, api_key
+) -> None:
+    """Complete PROMPT with MODEL through the swarm's API."""
+    from swarmp2p.serve.client import ApiClientError, complete_text, stream_text
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    try:
+        if stream:
+            for piece in stream_text(url, "/v1/completions", body, api_key=api_key):
+                click.echo(piece, nl=False)
+            click.echo()
+        else:
+            click.echo(complete_text(url, "/v1/completions", body, api_key=api_key)[0])
+    except ApiClientError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("chat")
+@click.argument("model")
+@click.option("--system", default=None, help="A system message to start the conversation.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.7, show_default=True)
+@_api_options
+def chat_command(
+    model: str, system: str | None, max_tokens: int, temperature: float, url: str, api_key
+) -> None:
+    """Chat with MODEL through the swarm's API (empty line or end of input quits)."""
+    from swarmp2p.serve.client import ApiClientError, stream_text
+
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            click.echo("> ", nl=False)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+        }
+        pieces = []
+        try:
+            for piece in stream_text(url, "/v1/chat/completions", body, api_key=api_key):
+                pieces.append(piece)
+                click.echo(piece, nl=False)
+        except ApiClientError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo()
+        messages.append({"role": "assistant", "content": "".join(pieces)})

@@ -1,0 +1,332 @@
+"""`swarm train`, `swarm jobs`, `swarm models`, `swarm export`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from swarmp2p.cli import (
+    _STATE_DIR_OPTION,
+    EXIT_BLOCKED,
+    EXIT_INVALID,
+    EXIT_PLANNED,
+    _console,
+    _fail,
+    _gb,
+    _print_invalid,
+    _state_dir,
+    main,
+)
+
+# --- training jobs and models: train, jobs, models, export (issue 7) -------------------------
+
+EXIT_JOB_FAILED = 1
+
+
+def _train_overrides(**flags) -> dict:
+    out = dict(flags)
+    if out.get("compression") is not None:
+        text = out["compression"]
+        out["compression"] = json.loads(text) if text.strip()[:1] in "[{" else text
+    if out.get("quantization") is not None:
+        out["quantization"] = json.loads(out["quantization"])
+    return out
+
+
+@main.command()
+@click.argument("job_file", metavar="JOB.json", type=click.Path(dir_okay=False))
+@click.option("--plan", "plan_only", is_flag=True, help="Print the live plan; submit nothing.")
+@click.option("--detach", is_flag=True, help="Submit and return (no progress bar).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--pretrained", default=None, help="Override model.pretrained.")
+@click.option("--steps", type=int, default=None, help="Override train.steps.")
+@click.option("--stages", default=None, help='Override split.stages ("auto" or a number).')
+@click.option("--compression", default=None, help="Override split.compression (spec or JSON).")
+@click.option("--freeze-backbone/--no-freeze-backbone", default=None, help="model.freeze_backbone")
+@click.option("--lora/--no-lora", default=None, help="Override model.lora.enabled.")
+@click.option("--lora-export", type=click.Choice(["merged", "adapters"]), default=None)
+@click.option("--dtype", default=None, help="Override model.dtype.")
+@click.option("--weight-dtype", default=None, help="Override model.weight_dtype.")
+@click.option(
+    "--quantization", default=None, help='Override model.quantization (JSON, {"bits": 4}).'
+)
+@_STATE_DIR_OPTION
+def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> None:
+    """Train JOB.json on the swarm: exit 0 completed, 1 failed, 2 invalid job."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+    from swarmp2p.plan import JobError
+
+    if stages is not None:
+        stages = stages if stages == "auto" else (int(stages) if stages.isdigit() else stages)
+    try:
+        job = control.load_train_job(job_file, _train_overrides(stages=stages, **flags))
+    except (JobError, ValueError) as exc:
+        errors = getattr(exc, "errors", None)
+        rows = (
+            [{"path": e.path, "message": e.message} for e in errors]
+            if errors
+            else [{"path": "(flags)", "message": str(exc)}]
+        )
+        _print_invalid(rows, as_json)
+        sys.exit(EXIT_INVALID)
+    sd = _state_dir(state_dir)
+    try:
+        if plan_only:
+            result = control.live_plan(sd, job)
+            if as_json:
+                click.echo(json.dumps(result, sort_keys=True, indent=2))
+            else:
+                _print_live_plan(result)
+            sys.exit(EXIT_PLANNED if result["status"] == "planned" else EXIT_BLOCKED)
+        done = control.submit_train(sd, job)
+    except ApiError as exc:
+        _fail(exc)
+    if detach:
+        click.echo(json.dumps({"job_id": done["job_id"]}) if as_json else done["job_id"])
+        return
+    final = _follow(sd, done["job_id"], as_json)
+    sys.exit(0 if final["state"] == "COMPLETED" else EXIT_JOB_FAILED)
+
+
+def _print_live_plan(result: dict) -> None:
+    console = _console()
+    if result["status"] != "planned":
+        console.print("[bold yellow]blocked[/]: the job cannot be placed on the swarm now")
+        console.print(result["reason"], markup=False)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}")
+    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB"):
+        t.add_column(col)
+    for s in result["stages"]:
+        t.add_row(
+            str(s["index"]),
+            s["node"],
+            ", ".join(s["devices"]),
+            f"{s['layers'][0]}-{s['layers'][1] - 1}",
+            _gb(s["download"]),
+            _gb(s["disk_free"]),
+        )
+    console.print(t)
+    console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
+
+
+def _follow(sd, job_id: str, as_json: bool) -> dict:
+    """Poll the job until it ends, with a live progress bar; the final view."""
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+    from swarmp2p.node.jobs import eta_s
+
+    console = _console(stderr=True)
+    view: dict = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task(job_id, total=None, info="")
+        while True:
+            try:
+                view = control.job(sd, job_id)
+            except ApiError as exc:
+                bar.update(task, info=f"(daemon: {exc})")
+                time.sleep(1.0)
+                continue
+            m = view["metrics"]
+            info = [view["state"]]
+            if isinstance(m.get("loss"), (int, float)):
+                info.append(f"loss {m['loss']:.4f}")
+            if m.get("tokens_per_s"):
+                info.append(f"{m['tokens_per_s']:.0f} tok/s")
+            for b, r in sorted(m.get("boundaries", {}).items()):
+                info.append(f"b{b} {r['act_mb_s']:.2f}/{r['grad_mb_s']:.2f} MB/s")
+            eta = eta_s(view["step"], view["steps"] or 0, m.get("step_s"))
+            if eta is not None:
+                info.append(f"ETA {eta:.0f}s")
+            if view["reason"] and view["state"] in ("PENDING", "RESUMING"):
+                info.append(view["reason"].splitlines()[0])
+            bar.update(task, total=view["steps"], completed=view["step"], info=" · ".join(info))
+            if view["state"] in control.JOB_FINAL:
+                break
+            time.sleep(0.5)
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        _print_job_end(view)
+    return view
+
+
+def _print_job_end(view: dict) -> None:
+    console = _console()
+    console.print(f"job {view['id']} ({view['name']}): [bold]{view['state']}[/]")
+    if view["evaluation"]:
+        _print_evaluation(view["evaluation"])
+    if view["error"]:
+        e = view["error"]
+        console.print(f"stage {e['stage']} on node {e['node']}: {e['message']}", markup=False)
+        for line in e.get("stderr_tail", [])[-15:]:
+            console.print(f"  {line}", markup=False)
+    if view["model"]:
+        console.print(f"model {view['model']['id']} registered (see `swarm models`)")
+
+
+def _print_evaluation(evaluation: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title="evaluation (held-out)", title_justify="left")
+    for col in ("pass", "loss", "perplexity", "top-1", "tokens"):
+        t.add_column(col)
+    order = ["base", "calibrated_boundary", "trained"]
+    for name in sorted(evaluation, key=lambda k: (order.index(k) if k in order else 9, k)):
+        r = evaluation[name]
+        t.add_row(
+            name,
+            *(
+                f"{r[k]:.4f}" if isinstance(r.get(k), (int, float)) else "-"
+                for k in ("loss", "perplexity", "top1")
+            ),
+            str(r.get("tokens", "-")),
+        )
+    _console().print(t)
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
+@_STATE_DIR_OPTION
+@click.pass_context
+def jobs(ctx, as_json, state_dir) -> None:
+    """Training jobs in the swarm (show, cancel, logs)."""
+    ctx.ensure_object(dict)
+    ctx.obj["state_dir"] = state_dir
+    if ctx.invoked_subcommand is not None:
+        return
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        rows = control.jobs(_state_dir(state_dir))
+    except ApiError as exc:
+        _fail(exc)
+    click.echo(json.dumps(rows, indent=2, sort_keys=True) if as_json else control.format_jobs(rows))
+
+
+def _jobs_state_dir(ctx, state_dir):
+    return _state_dir(state_dir or ctx.obj.get("state_dir"))
+
+
+@jobs.command("show")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_STATE_DIR_OPTION
+@click.pass_context
+def jobs_show(ctx, job_id, as_json, state_dir) -> None:
+    """One job: plan, state history, metrics, evaluation, reason, error."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        view = control.job(_jobs_state_dir(ctx, state_dir), job_id)
+    except ApiError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True))
+        return
+    console = _console()
+    console.print(
+        f"job {view['id']} ({view['name']}): [bold]{view['state']}[/] step {view['step']}/{view['steps']}"
+    )
+    for s in view["plan"]["stages"]:
+        console.print(f"  stage on {s['node']} {s['devices']} layers {s['layers']}", markup=False)
+    for h in view["history"]:
+        console.print(f"  {h['at']:.3f} {h['state'].upper()}", markup=False)
+    if view["reason"]:
+        console.print(f"reason: {view['reason']}", markup=False)
+    _print_job_end(view)
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@_STATE_DIR_OPTION
+@click.pass_context
+def jobs_cancel(ctx, job_id, state_dir) -> None:
+    """Stop a job's workers and mark it CANCELLED."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        out = control.cancel_job(_jobs_state_dir(ctx, state_dir), job_id)
+    except ApiError as exc:
+        _fail(exc)
+    click.echo(f"{out['job_id']} {out['state']}")
+
+
+@jobs.command("logs")
+@click.argument("job_id")
+@click.option("--stage", type=int, default=None, help="Stage index (default: the last).")
+@_STATE_DIR_OPTION
+@click.pass_context
+def jobs_logs(ctx, job_id, stage, state_dir) -> None:
+    """A stage worker's stderr log, fetched from the node that ran it."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        out = control.job_logs(_jobs_state_dir(ctx, state_dir), job_id, stage)
+    except ApiError as exc:
+        _fail(exc)
+    click.echo(out["text"], nl=False)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
+@_STATE_DIR_OPTION
+def models(as_json, state_dir) -> None:
+    """Models trained on the swarm (the registry)."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        rows = control.models(_state_dir(state_dir))
+    except ApiError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    for m in rows:
+        ev = m["manifest"]["evaluation"].get("trained", {})
+        loss = ev.get("loss")
+        click.echo(
+            f"{m['id']}  job {m['job_id']}  base {m['base']}  "
+            f"{len(m['manifest']['stages'])} stage(s)  "
+            + (f"trained loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        )
+
+
+@main.command("export")
+@click.argument("model_id", metavar="MODEL")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@_STATE_DIR_OPTION
+def export_command(model_id, out, state_dir) -> None:
+    """Gather MODEL's shards over the swarm and write a Hugging Face folder."""
+
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        done = control.export_model(_state_dir(state_dir), model_id, Path(out))
+    except (ApiError, ValueError) as exc:
+        _fail(exc)
+    click.echo(f"exported {done['model']} ({done['kind']}) to {done['out']}")

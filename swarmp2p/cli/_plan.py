@@ -1,0 +1,127 @@
+"""`swarm plan`: the shared planner offline."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from swarmp2p.cli import (
+    EXIT_BLOCKED,
+    EXIT_INVALID,
+    EXIT_PLANNED,
+    _console,
+    _gb,
+    _print_invalid,
+    main,
+)
+
+
+@main.command("plan")
+@click.argument("job_file", metavar="JOB.json", type=click.Path(dir_okay=False))
+@click.option(
+    "--cluster",
+    "cluster_file",
+    required=True,
+    metavar="CLUSTER.json",
+    type=click.Path(dir_okay=False),
+    help="The nodes to plan on (the format `swarm up` advertises; see docs/job.md).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def plan_command(job_file: str, cluster_file: str, as_json: bool) -> None:
+    """Plan JOB.json on CLUSTER.json offline: exit 0 planned, 3 blocked, 2 invalid."""
+    from swarmp2p.plan import ClusterError, JobError, load_cluster, load_job, plan_job
+
+    errors: list[dict[str, str]] = []
+    job = cluster = None
+    try:
+        job = load_job(job_file)
+    except JobError as exc:
+        errors += [{"path": e.path, "message": e.message} for e in exc.errors]
+    try:
+        cluster = load_cluster(cluster_file)
+    except ClusterError as exc:
+        errors += [_split_error(e) for e in exc.errors]
+    result = None
+    if not errors:
+        try:
+            result = plan_job(job, cluster)
+        except JobError as exc:
+            errors += [{"path": e.path, "message": e.message} for e in exc.errors]
+        except ValueError as exc:  # the model could not be read (not in the cache, bad config)
+            errors.append(_split_error(str(exc), default_path="model.pretrained"))
+    if errors:
+        _print_invalid(errors, as_json)
+        sys.exit(EXIT_INVALID)
+    assert result is not None
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), sort_keys=True, indent=2))
+    elif result.status == "blocked":
+        _print_blocked(result)
+    else:
+        _print_plan(result)
+    sys.exit(EXIT_PLANNED if result.status == "planned" else EXIT_BLOCKED)
+
+
+def _split_error(text: str, default_path: str = "cluster") -> dict[str, str]:
+    path, sep, message = text.partition(": ")
+    if not sep or " " in path.strip():
+        return {"path": default_path, "message": text}
+    return {"path": path, "message": message}
+
+
+def _print_blocked(blocked) -> None:
+    console = _console(stderr=True)
+    console.print("[bold yellow]blocked[/]: the job cannot be placed on this cluster now")
+    console.print(blocked.placement_blocked_reason, markup=False)
+
+
+def _print_plan(plan) -> None:
+    from rich.table import Table
+
+    console = _console()
+    m = plan.model
+    console.print(
+        f"[bold green]planned[/] {plan.job_name}: {m['name']} ({m['n_layers']} layers, "
+        f"{m['params'] / 1e6:.1f}M params) over {len(plan.stages)} stage(s)"
+    )
+    console.print(
+        f"dtype {plan.dtype} · finetune {plan.finetune_mode} · weights {plan.weight_storage} · "
+        f"{plan.split_mode} split"
+    )
+    stages = Table(title="stages (GB = 2**30 bytes)", title_justify="left")
+    for col in ("stage", "node", "device", "layers", "weights", "train state", "activations",
+                "peak", "free", "download"):  # fmt: skip
+        stages.add_column(col, justify="right" if col not in ("node", "device") else "left")
+    for s in plan.stages:
+        mem = s.memory
+        stages.add_row(
+            str(s.index),
+            s.node_name,
+            ", ".join(f"{d} {n}" for d, n in zip(s.devices, s.device_names)),
+            f"{s.layer_start}-{s.layer_end - 1}",
+            _gb(mem.weights),
+            _gb(mem.trainable_state),
+            _gb(mem.activations + mem.loss + mem.transient),
+            _gb(mem.peak),
+            _gb(s.device_free),
+            _gb(s.download),
+        )
+    console.print(stages)
+    if plan.boundaries:
+        bounds = Table(title="boundaries", title_justify="left")
+        for col in ("boundary", "compression", "codec", "bytes/token"):
+            bounds.add_column(col)
+        for b in plan.boundaries:
+            comp = b.compression if isinstance(b.compression, str) else json.dumps(b.compression)
+            bounds.add_row(f"{b.index} -> {b.index + 1}", comp, b.codec, str(b.bytes_per_token))
+        console.print(bounds)
+    console.print(
+        f"schedule {plan.schedule}, {plan.micro_batches} micro-batch(es), bubble fraction "
+        f"{plan.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
+        f"eval batches {plan.eval_batches}"
+    )
+    console.print("features: " + (", ".join(plan.features) or "none"), markup=False)
+    for note in plan.notes:
+        console.print(f"note: {note}", markup=False)

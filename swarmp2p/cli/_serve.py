@@ -1,0 +1,67 @@
+"""`swarm serve`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from swarmp2p.cli import (
+    _STATE_DIR_OPTION,
+    _fail,
+    _state_dir,
+    main,
+)
+
+# --- swarm serve: a model across the swarm behind the OpenAI-compatible API (issue 8) -------
+
+
+@main.command("serve")
+@click.argument("model", required=False)
+@click.option("--stop", "stop_model", default=None, metavar="MODEL", help="Stop serving MODEL.")
+@click.option("--stages", type=click.IntRange(min=0), default=0, help="Stages (0: one per node).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the API listens.")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-context", type=click.IntRange(min=0), default=0, help="0: the model's.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32")
+@click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
+@click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
+@click.option("--api-key", envvar="SWARM_API_KEY", default=None, help="Or SWARM_API_KEY.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_STATE_DIR_OPTION
+def serve_command(model, stop_model, state_dir, as_json, quantization, **options) -> None:
+    """Serve MODEL (a folder, a cached Hub id, or "embedded") across the swarm.
+
+    The leader places the stages (memory priced with the KV cache of --max-sessions sessions
+    of --max-context tokens), each stage loads on its node, and this node answers the
+    OpenAI-compatible API until `swarm serve --stop MODEL`.
+    """
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    sd = _state_dir(state_dir)
+    try:
+        if stop_model is not None:
+            done = control.serve_stop(sd, stop_model)
+            click.echo(json.dumps(done) if as_json else f"stopped serving {done['model']}")
+            return
+        if not model:
+            raise click.UsageError("name a MODEL to serve, or --stop MODEL")
+        if quantization is not None:
+            try:
+                quantization = json.loads(quantization)
+            except ValueError as exc:
+                raise click.BadParameter(f"not JSON: {exc}", param_hint="--quantization") from None
+        view = control.serve(sd, {"model": model, "quantization": quantization, **options})
+    except (ApiError, ValueError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(view, indent=2))
+        return
+    where = ", ".join(
+        f"{s['node']} [{s['layers'][0]}-{s['layers'][1] - 1}]" for s in view["stages"]
+    )
+    click.echo(
+        f"serving {view['model']} at {view['url']}/v1 on {len(view['stages'])} stage(s): {where}"
+    )
