@@ -238,6 +238,8 @@ class _Served:
     """Stage index -> why its worker died, for the live ring (its node lives on)."""
     crash_rebuilds: int = 0
     rebuilding: asyncio.Task | None = None
+    degraded_since: float | None = None
+    """When the ring first could not be rebuilt (monotonic), for the retry grace."""
 
     def view(self) -> dict[str, Any]:
         return {
@@ -596,6 +598,9 @@ class Serving:
                     self._failover(served, lost), f"serve-failover:{served.name}"
                 )
 
+    def _rebuild_grace_s(self) -> float:
+        return 2 * self.d.config.failure_timeout_s
+
     async def _failover(self, served: _Served, lost: list[str]) -> None:
         if lost:
             log.warning("serving %s: lost stage node(s) %s; re-placing", served.name, lost)
@@ -610,8 +615,15 @@ class Serving:
             reason += f"cannot be re-placed on the live nodes: {exc}"
             if served.state != "degraded" or served.reason != reason:
                 log.warning("serving %s: %s", served.name, reason)
+            now = time.monotonic()
+            if served.degraded_since is None:
+                served.degraded_since = now
             served.state, served.reason = "degraded", reason
-            _fail_open(served.client, reason)
+            # The leader may still count the lost node alive for up to a failure timeout and
+            # place a stage on it: keep the open sessions and retry each round for a grace of
+            # two failure timeouts; only then fail them, with the reason.
+            if now - served.degraded_since > self._rebuild_grace_s():
+                _fail_open(served.client, reason)
             return
         await self._stop_stages(served.serve_id, old_attempt, old_nodes)
         served.replayed += served.client.active
@@ -621,7 +633,7 @@ class Serving:
             with contextlib.suppress(ValueError):
                 served.links.remove(link)
         served.failovers += 1
-        served.state, served.reason = "serving", ""
+        served.state, served.reason, served.degraded_since = "serving", "", None
 
     # --- the leader: placement ------------------------------------------------------------------
 
