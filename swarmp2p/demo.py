@@ -316,6 +316,14 @@ class LocalSwarm:
                 proc.kill()
                 proc.wait(5)
         self.procs = []
+        # The daemons' stage workers die with them (PDEATHSIG), but asynchronously: one still
+        # writing its log or snapshot would recreate what rmtree removes. Wait them out.
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while marked_processes(self.root) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid, _ in marked_processes(self.root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> LocalSwarm:
@@ -323,6 +331,27 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def marked_processes(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the live processes of the demo under ``root``: its daemons
+    and their workers, which carry ``MARK_ENV=root`` in their environment (zombies excluded)."""
+    mark = f"{MARK_ENV}={root}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            found.append(
+                (int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            )
+        except OSError:
+            continue
+    return found
 
 
 @contextlib.contextmanager

@@ -28,25 +28,10 @@ def _env() -> dict[str, str]:
 
 
 def _demo_processes(root: str) -> list[str]:
-    """Command lines of live processes of the demo under ``root``: its daemons and their
-    workers, marked in their environment."""
-    from swarmp2p.demo import MARK_ENV
+    """Command lines of live processes of the demo under ``root``."""
+    from swarmp2p.demo import marked_processes
 
-    mark = f"{MARK_ENV}={root}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if mark not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            if stat[0] == "Z":  # exited, waiting to be reaped
-                continue
-            found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return found
+    return [cmd for _, cmd in marked_processes(root)]
 
 
 def _wait_gone(root: str, timeout: float = 15.0) -> list[str]:
