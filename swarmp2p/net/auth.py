@@ -59,13 +59,8 @@ class _AuthMixin:
         if auth is not None:
             auth.stop()
 
-
-class SecureContext(_AuthMixin, zmq.Context):
-    """A sync context whose server sockets are guarded by a ZAP thread stopped with it."""
-
-    def _authenticator(self) -> Any:
-        return ThreadAuthenticator(self)
-
+    # The mixin comes first in each context's bases, so these wrap zmq's own term/destroy: no
+    # ZAP thread or task outlives its context.
     def term(self) -> None:
         self._stop_auth()
         super().term()
@@ -73,6 +68,13 @@ class SecureContext(_AuthMixin, zmq.Context):
     def destroy(self, linger: int | None = None) -> None:
         self._stop_auth()
         super().destroy(linger)
+
+
+class SecureContext(_AuthMixin, zmq.Context):
+    """A sync context whose server sockets are guarded by a ZAP thread stopped with it."""
+
+    def _authenticator(self) -> Any:
+        return ThreadAuthenticator(self)
 
 
 class AsyncSecureContext(_AuthMixin, zmq.asyncio.Context):
@@ -87,14 +89,6 @@ class AsyncSecureContext(_AuthMixin, zmq.asyncio.Context):
                 "(its ZAP authenticator is an asyncio task); call from async code"
             ) from None
         return AsyncioAuthenticator(self)
-
-    def term(self) -> None:
-        self._stop_auth()
-        super().term()
-
-    def destroy(self, linger: int | None = None) -> None:
-        self._stop_auth()
-        super().destroy(linger)
 
 
 TRANSPORT_SLACK_BYTES = 256
