@@ -24,14 +24,20 @@ from swarmp2p.cli import (
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the API listens.")
 @click.option("--max-sessions", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-context", type=click.IntRange(min=0), default=0, help="0: the model's.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="Default: float32, or the dtype a trained model was trained in.",
+)
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
 @click.option("--api-key", envvar="SWARM_API_KEY", default=None, help="Or SWARM_API_KEY.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_STATE_DIR_OPTION
 def serve_command(model, stop_model, state_dir, as_json, quantization, **options) -> None:
-    """Serve MODEL (a folder, a cached Hub id, or "embedded") across the swarm.
+    """Serve MODEL (a model from `swarm models`, a folder, a cached Hub id, or "embedded")
+    across the swarm.
 
     The leader places the stages (memory priced with the KV cache of --max-sessions sessions
     of --max-context tokens), each stage loads on its node, and this node answers the

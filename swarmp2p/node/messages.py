@@ -220,6 +220,13 @@ class ServePlace(Message):
     max_context: int
     dtype: str
     quantization: dict | None = None
+    shape: dict | None = None
+    """The model's shape (``plan.model_shape.shape_to_wire``): the leader need not hold the
+    model. None: the leader reads ``model`` itself."""
+    bounds: list | None = None
+    """``[[start, end], ...]`` per stage: a trained model keeps the split it was trained with."""
+    holders: list | None = None
+    """Per stage, the nodes holding its trained shard, best first: placed there when it fits."""
 
 
 @message("serve.placed")
@@ -242,8 +249,16 @@ class ServeStageStart(Message):
     spec: dict
     env: dict
     issuer: str
-    """The issuing node: told with ``serve.stage_exit`` if the worker dies."""
-    """Extra environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+    """The issuing node: told with ``serve.stage_exit`` if the worker dies. ``env``: extra
+    environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+    files: dict | None = None
+    """A folder model's files, ``{name: [bytes, sha256]}``: the node serves its own copy at the
+    same path (or its embedded model) only if every file matches, else it fetches them from
+    the issuer (``serve.file_read``)."""
+    shard: dict | None = None
+    """A trained model's stage: ``{"job_id", "folder", "files": {name: sha256}, "sources":
+    [node ids], "tied": {"file", "tensor", "sources"} or None}``; the node makes the shard
+    local (pulling it from a source when it holds no intact copy)."""
 
 
 @message("serve.stage_connect")
@@ -288,5 +303,23 @@ class ServeStageExit(Message):
     message: str
 
 
-SERVE_MESSAGES = (ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit)
+@message("serve.file_read")
+class ServeFileRead(Message):
+    """Stage node to the issuing node: ``size`` bytes at ``offset`` of file ``file`` of the
+    folder model served as ``serve_id`` (answered with ``job.shard_chunk``)."""
+
+    serve_id: str
+    file: str
+    offset: int
+    size: int
+
+
+SERVE_MESSAGES = (
+    ServeFileRead,
+    ServePlace,
+    ServeStageStart,
+    ServeStageConnect,
+    ServeStageStop,
+    ServeStageExit,
+)
 """The requests the daemon hands to its serving side."""

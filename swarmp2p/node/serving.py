@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.jobs import device_for
 from swarmp2p.node.messages import (
+    ServeFileRead,
     ServePlace,
     ServePlaced,
     ServeStage,
@@ -44,8 +45,11 @@ from swarmp2p.node.messages import (
     ServeStageExit,
     ServeStageStart,
     ServeStageStop,
+    ShardChunk,
+    ShardRead,
 )
 from swarmp2p.node.workers import WorkerProcess, _die_with_parent
+from swarmp2p.plan.model_shape import EMBEDDED
 
 if TYPE_CHECKING:
     from swarmp2p.node.daemon import Daemon
@@ -55,6 +59,9 @@ log = logging.getLogger("swarmp2p.node.serving")
 SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 LOAD_TIMEOUT_S = 120.0
 """How long a stage's node may take to load its slice and bind its link."""
+START_TIMEOUT_S = 540.0
+"""How long the issuing node waits for a stage to start: fetching the model's files or a
+trained shard to that node first, then loading."""
 CONNECT_TIMEOUT_S = 30.0
 MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
@@ -96,19 +103,26 @@ def place_stages(
     max_context: int,
     dtype: str,
     quantization: dict | None = None,
+    bounds: list[list[int]] | None = None,
+    holders: list[list[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Stage placements first to last: ``{"node_id", "device", "layer_start", "layer_end",
     "memory"}``. ``stages`` 0 is one per node (at most one per block). Nodes with the most
     usable memory are chosen and kept in node-id order; more stages than nodes go round them.
+
+    A trained model gives its ``bounds`` (the split it was trained with) and, per stage, the
+    ``holders`` of its shard: a stage goes to the first live holder it fits on, else to the
+    live node with the most room left (which then fetches the shard).
     ServeError names every stage that does not fit, with the bytes."""
     from swarmp2p.plan import Pricing, StagePricer, Workload, normalize_quantization
     from swarmp2p.serve.local import even_bounds
 
     if not records:
         raise ServeError("no live node to place a serving stage on")
-    n = stages or min(len(records), shape.n_layers)
+    n = len(bounds) if bounds else stages or min(len(records), shape.n_layers)
     if not 1 <= n <= shape.n_layers:
         raise ServeError(f"stages: {n} is not in [1, {shape.n_layers}] (the model's blocks)")
+    spans = [tuple(b) for b in bounds] if bounds else even_bounds(shape.n_layers, n)
     quant = normalize_quantization(quantization) if quantization else None
     pricer = StagePricer(
         shape,
@@ -118,11 +132,19 @@ def place_stages(
     devices = {r["node_id"]: _best_device(r) for r in records}
     ranked = sorted(records, key=lambda r: (-devices[r["node_id"]][1], r["node_id"]))
     chosen = sorted(r["node_id"] for r in ranked[:n])
-    left = {node: devices[node][1] for node in chosen}
+    left = {node: devices[node][1] for node in devices}
     out, problems = [], []
-    for i, (start, end) in enumerate(even_bounds(shape.n_layers, n)):
-        node = chosen[i % len(chosen)]
+    for i, (start, end) in enumerate(spans):
         memory = pricer.price(start, end, first=i == 0, last=i == n - 1).peak
+        if holders is None:
+            node = chosen[i % len(chosen)]
+        else:
+            mine = [h for h in holders[i] if h in devices]
+            others = sorted(
+                (nd for nd in devices if nd not in mine), key=lambda nd: (-left[nd], nd)
+            )
+            fits = [nd for nd in (*mine, *others) if left[nd] >= memory]
+            node = fits[0] if fits else (mine or others)[0]
         if memory > left[node]:
             problems.append(
                 f"stage {i} (blocks {start}-{end - 1}) needs {memory / 2**20:.1f} MiB, node "
@@ -220,6 +242,17 @@ class _Served:
     host: str
     port: int
     api_key: str | None
+    shape: Any = None
+    """The model's ModelShape, read here and sent to the leader with each placement."""
+    trained: dict[str, Any] | None = None
+    """A registry model's entry (``swarm models``) when MODEL names one; its stages load
+    the base model plus their trained shards."""
+    holders: list[list[str]] = field(default_factory=list)
+    """A trained model: per stage, the nodes known to hold an intact copy of its shard."""
+    files: dict[str, Any] | None = None
+    """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
+    fetch their copy against."""
+    embedded: bool = False
     attempt: int = 0
     live_attempt: int = 0
     """The attempt whose workers form the ring now (0: none)."""
@@ -244,6 +277,7 @@ class _Served:
     def view(self) -> dict[str, Any]:
         return {
             "model": self.name,
+            "trained": self.trained["id"] if self.trained else None,
             "url": self.url,
             "state": self.state,
             "reason": self.reason,
@@ -257,6 +291,7 @@ class _Served:
                     "devices": [s["device"]],
                     "layers": [s["layer_start"], s["layer_end"]],
                     "endpoint": s.get("worker", ""),
+                    **({"holders": list(self.holders[i])} if self.trained else {}),
                 }
                 for i, s in enumerate(self.placed)
             ],
@@ -270,7 +305,8 @@ class Serving:
         self.d = daemon
         self.served: dict[str, _Served] = {}
         self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
-        self._lock = asyncio.Lock()
+        self._serving_lock = asyncio.Lock()
+        self._pulls: dict[str, asyncio.Lock] = {}
 
     # --- status and the local API -------------------------------------------------------------
 
@@ -296,7 +332,7 @@ class Serving:
 
     async def _api_serve(self, req: dict[str, Any]) -> dict[str, Any]:
         served = await self._parse(req)
-        async with self._lock:
+        async with self._serving_lock:
             if served.name in self.served:
                 raise ServeError(
                     f"model {served.name!r} is already served at {self.served[served.name].url}; "
@@ -311,6 +347,7 @@ class Serving:
             raise
         served.state = "serving"
         log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(served.placed))
+        self._spawn_standby(served)
         return served.view()
 
     async def _parse(self, req: dict[str, Any]) -> _Served:
@@ -335,7 +372,7 @@ class Serving:
                 raise ServeError(f"{key}: {value!r} is not an integer >= {lo}")
             ints[key] = value
         dtype = req.get("dtype") or "float32"
-        if dtype not in DTYPES:
+        if req.get("dtype") is not None and dtype not in DTYPES:
             raise ServeError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
         quantization = req.get("quantization")
         if quantization is not None and not isinstance(quantization, dict):
@@ -343,7 +380,12 @@ class Serving:
         host = req.get("host") or "127.0.0.1"
         api_key = req.get("api_key") or None
         check_bind(host, api_key)
-        folder = await asyncio.to_thread(_resolve, self.d, model)
+        trained = _trained(self.d, model)
+        if trained is not None:
+            dtype, quantization = _trained_settings(trained, ints["stages"], req, quantization)
+        folder = await asyncio.to_thread(
+            _resolve, self.d, trained["base"] if trained else model, trained
+        )
         from swarmp2p.plan import model_shape
 
         try:
@@ -365,6 +407,10 @@ class Serving:
             host=host,
             port=ints["port"],
             api_key=api_key,
+            shape=shape,
+            trained=trained,
+            holders=[[st["node"]] for st in trained["manifest"]["stages"]] if trained else [],
+            embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
         )
 
     # --- building a ring ------------------------------------------------------------------------
@@ -377,6 +423,13 @@ class Serving:
 
         served.ctx = SecureContext()
         codec = await asyncio.to_thread(TextCodec.from_folder, served.folder)
+        if os.path.isdir(served.folder):
+            from swarmp2p.node.model_files import folder_listing
+
+            try:
+                served.files = await asyncio.to_thread(folder_listing, served.folder)
+            except (OSError, ValueError) as exc:
+                raise ServeError(f"model {served.name!r}: {exc}") from None
         first, back = await self._build(served)
         served.client = RingClient(
             first,
@@ -403,7 +456,27 @@ class Serving:
             served.api = None
             raise ServeError(f"port: cannot listen on {served.host}:{served.port}: {exc}") from None
 
+    def _alive(self) -> set[str]:
+        return {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+
+    def _alive_holders(self, served: _Served) -> list[list[str]]:
+        """Per stage, the live holders of its shard; ServeError when a stage has none."""
+        alive = self._alive()
+        out = [[h for h in held if h in alive] for held in served.holders]
+        lost = [(i, held) for i, (held, live) in enumerate(zip(served.holders, out)) if not live]
+        if lost:
+            raise ServeError(
+                "; ".join(
+                    f"stage {i}'s trained shard is held only by {', '.join(held)}, not alive"
+                    for i, held in lost
+                )
+                + f"; {served.trained['id']} cannot be served until one of them is back"
+            )
+        return out
+
     async def _plan(self, served: _Served) -> list[dict[str, Any]]:
+        from swarmp2p.plan.model_shape import shape_to_wire
+
         ask = ServePlace(
             serve_id=served.serve_id,
             model=served.folder,
@@ -412,6 +485,9 @@ class Serving:
             max_context=served.max_context,
             dtype=served.dtype,
             quantization=served.quantization,
+            shape=shape_to_wire(served.shape),
+            bounds=served.trained["manifest"]["split"] if served.trained else None,
+            holders=self._alive_holders(served) if served.trained else None,
         )
         if self.d.leader == self.d.node_id:
             try:
@@ -448,6 +524,24 @@ class Serving:
         except RpcError as exc:
             raise ServeError(f"node {node_id}: {exc}") from None
 
+    def _shard_ask(self, served: _Served, i: int, n: int) -> dict[str, Any]:
+        """What a stage node needs to make stage ``i``'s trained shard local."""
+        stages = served.trained["manifest"]["stages"]
+        holders = self._alive_holders(served)
+        tied = None
+        last_of_many = i == n - 1 and n > 1
+        if last_of_many and served.shape.tie_embeddings and stages[0].get("weights_included", True):
+            # export stores a tied head once, as stage 0's embedding: the last stage serves
+            # with that one, as the exported model does
+            tied = {"file": f"{stages[0]['folder']}/weights.safetensors", "sources": holders[0]}
+        return {
+            "job_id": served.trained["job_id"],
+            "folder": stages[i]["folder"],
+            "files": dict(stages[i]["files"]),
+            "sources": holders[i],
+            "tied": tied,
+        }
+
     async def _build(self, served: _Served) -> tuple[Any, Any]:
         """Place, start, connect; (first, back) links of the new ring. On failure every
         worker started here is stopped and the new links closed."""
@@ -479,16 +573,24 @@ class Serving:
                     "max_sessions": served.max_sessions,
                     "max_context": served.max_context,
                 }
+                env = {"stages_here": here[s["node_id"]], "device": s["device"]}
+                if served.trained:
+                    spec["send_codes"] = True  # every node runs this version's serve codec
+                env["embedded"] = served.embedded
                 msg = ServeStageStart(
                     serve_id=served.serve_id,
                     attempt=attempt,
                     spec=spec,
-                    env={"stages_here": here[s["node_id"]], "device": s["device"]},
+                    env=env,
                     issuer=self.d.node_id,
+                    files=served.files,
+                    shard=self._shard_ask(served, i, n) if served.trained else None,
                 )
                 started.append(s["node_id"])
-                reply = await self._call_node(s["node_id"], msg, LOAD_TIMEOUT_S)
+                reply = await self._call_node(s["node_id"], msg, START_TIMEOUT_S)
                 s["worker"] = reply.endpoint
+                if served.trained and s["node_id"] not in served.holders[i]:
+                    served.holders[i].append(s["node_id"])  # it fetched a copy
                 return reply
 
             await asyncio.gather(*(start(i, s) for i, s in enumerate(placed)))
@@ -634,6 +736,50 @@ class Serving:
                 served.links.remove(link)
         served.failovers += 1
         served.state, served.reason, served.degraded_since = "serving", "", None
+        self._spawn_standby(served)
+
+    # --- standby copies of a trained model's shards ---------------------------------------------
+
+    def _spawn_standby(self, served: _Served) -> None:
+        if served.trained is not None:
+            self.d._spawn(self._standby(served), f"serve-standby:{served.name}")
+
+    async def _standby(self, served: _Served) -> None:
+        """Give every stage's shard a second live holder (a copy in that node's job folder),
+        so losing a stage's node does not lose the only copy of its trained weights."""
+        from swarmp2p.node.messages import FilePull
+
+        job_id = served.trained["job_id"]
+        for i, st in enumerate(served.trained["manifest"]["stages"]):
+            alive = self._alive()
+            live = [h for h in served.holders[i] if h in alive]
+            others = sorted(alive - set(live))
+            if (
+                not live
+                or len(live) >= 2
+                or not others
+                or self.served.get(served.name) is not served
+            ):
+                continue
+            target, source = others[i % len(others)], live[0]
+            try:
+                endpoint = (
+                    self.d._own_endpoint()
+                    if source == self.d.node_id
+                    else self._peer_endpoint(source)
+                )
+                for name in [*sorted(st["files"]), "manifest.json"]:
+                    pull = FilePull(job_id=job_id, file=f"{st['folder']}/{name}", source=endpoint)
+                    if target == self.d.node_id:
+                        await self.d.jobs.stages.pull_file(pull.job_id, pull.file, pull.source)
+                    else:
+                        await self.d._call(self._peer_endpoint(target), pull, 120.0)
+            except (ServeError, RpcError, RpcTimeout, OSError) as exc:
+                log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
+                continue
+            if target not in served.holders[i]:
+                served.holders[i].append(target)
+            log.info("serving %s: stage %d's shard has a standby copy on %s", served.name, i, target)  # fmt: skip
 
     # --- the leader: placement ------------------------------------------------------------------
 
@@ -643,9 +789,18 @@ class Serving:
         from swarmp2p.plan import model_shape
 
         try:
-            shape = await asyncio.to_thread(model_shape.load, msg.model)
+            if msg.shape is not None:
+                shape = model_shape.shape_from_wire(msg.shape)
+            else:
+                shape = await asyncio.to_thread(model_shape.load, msg.model)
         except (OSError, ValueError) as exc:
             raise RpcError("bad_model", f"model {msg.model!r}: {exc}") from None
+        if (
+            msg.bounds is not None
+            and msg.holders is not None
+            and len(msg.holders) != len(msg.bounds)
+        ):
+            raise RpcError("bad_field", "holders: one list of nodes per stage of bounds")
         records = [self.d.record] + [p.record for p in self.d.members.alive_peers()]
         try:
             stages = place_stages(
@@ -656,9 +811,13 @@ class Serving:
                 max_context=msg.max_context,
                 dtype=msg.dtype,
                 quantization=msg.quantization,
+                bounds=msg.bounds,
+                holders=msg.holders,
             )
         except ServeError as exc:
             raise RpcError("blocked", str(exc)) from None
+        except (TypeError, ValueError) as exc:
+            raise RpcError("bad_field", f"serve.plan: {exc}") from None
         return ServePlaced(serve_id=msg.serve_id, leader=self.d.node_id, stages=stages)
 
     # --- every node: stage workers --------------------------------------------------------------
@@ -666,6 +825,8 @@ class Serving:
     async def handle(self, msg: Any) -> Any:
         if isinstance(msg, ServePlace):
             return await self._place(msg)
+        if isinstance(msg, ServeFileRead):
+            return await self._read_file(msg)
         if isinstance(msg, ServeStageStart):
             return await self._start_stage(msg)
         if isinstance(msg, ServeStageConnect):
@@ -717,15 +878,184 @@ class Serving:
             )
         return worker
 
+    # --- every node: the files a stage loads -----------------------------------------------
+
+    async def _read_file(self, msg: ServeFileRead) -> ShardChunk:
+        """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""
+        from swarmp2p.node.stages import CHUNK_BYTES
+
+        served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
+        if served is None or not served.files or msg.file not in served.files:
+            raise RpcError("no_file", f"node {self.d.node_id} serves no file {msg.file!r} of {msg.serve_id}")  # fmt: skip
+        if not 0 < msg.size <= CHUNK_BYTES or msg.offset < 0:
+            raise RpcError("bad_field", f"size must be in 1..{CHUNK_BYTES}, offset >= 0")
+
+        def read() -> ShardChunk:
+            with open(os.path.join(served.folder, msg.file), "rb") as f:
+                total = os.fstat(f.fileno()).st_size
+                f.seek(msg.offset)
+                return ShardChunk(data=f.read(msg.size), total=total)
+
+        return await asyncio.to_thread(read)
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._pulls.setdefault(key, asyncio.Lock())
+
+    def _peer_endpoint(self, node_id: str) -> str:
+        peer = self.d.members.peers.get(node_id)
+        if peer is None or not peer.alive:
+            raise ServeError(f"node {node_id} is not alive")
+        return peer.endpoint
+
+    def _reader(self, node_id: str, read_msg: Any) -> Any:
+        """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
+        endpoint = self._peer_endpoint(node_id)
+
+        async def read(file: str, offset: int, size: int) -> tuple[bytes, int]:
+            reply = await self.d._call(endpoint, read_msg(file, offset, size), 30.0)
+            if not isinstance(reply, ShardChunk):
+                raise ServeError(f"node {node_id} answered {type(reply).TYPE} to a file read")
+            return reply.data, reply.total
+
+        return read
+
+    async def _local_model(self, msg: ServeStageStart) -> str:
+        """The folder this node loads a folder model from: its own copy when every file
+        matches the issuer's listing (at the same path, or its embedded model), else a copy
+        fetched from the issuer into ``<state>/serve/models/<digest>``."""
+        from pathlib import Path
+
+        from swarmp2p.node import model_files
+        from swarmp2p.node.stages import CHUNK_BYTES
+        from swarmp2p.runtime.models import embedded_dir
+
+        model = str(msg.spec.get("model", ""))
+        if msg.files is None:
+            return model  # a Hub id: each node reads its own cache
+        listing = model_files.check_listing(msg.files)
+        cache = self.d.state.root / "serve" / "models" / model_files.listing_digest(listing)
+        candidates = [Path(model)] + ([embedded_dir()] if msg.env.get("embedded") else [])
+        async with self._lock(str(cache)):
+            for folder in (*candidates, cache):
+                if await asyncio.to_thread(model_files.matches, folder, listing):
+                    return str(folder)
+            if msg.issuer == self.d.node_id:
+                raise ServeError(f"{model} changed while it was being served; serve it again")
+            log.info("fetching %s (%d files) from %s", model, len(listing), msg.issuer)
+            serve_id = msg.serve_id
+            read = self._reader(
+                msg.issuer,
+                lambda f, o, n: ServeFileRead(serve_id=serve_id, file=f, offset=o, size=n),
+            )
+            await model_files.pull_files(
+                read, {k: v[1] for k, v in listing.items()}, cache, CHUNK_BYTES
+            )
+        return str(cache)
+
+    async def _local_shard(self, ask: dict[str, Any]) -> tuple[str, str | None]:
+        """(shard folder, tied-head file or None) of a trained stage on this node: the copy in
+        its job folder when intact, else fetched from a holder first."""
+        import json
+
+        from swarmp2p.node import model_files
+        from swarmp2p.node.stages import CHUNK_BYTES, _safe
+
+        job_id = str(ask.get("job_id", ""))
+        job_dir = self.d.jobs.stages.job_dir(job_id)
+        rel = _safe(str(ask.get("folder", "")))
+        folder = job_dir / rel
+        files = ask.get("files")
+        if not isinstance(files, dict) or not files:
+            raise ServeError(f"shard {rel}: no file list")
+        for name in files:
+            _safe(str(name))
+
+        def intact() -> bool:
+            try:
+                manifest = json.loads((folder / "manifest.json").read_text())
+            except (OSError, ValueError):
+                return False
+            if manifest.get("files") != files:
+                return False
+            return all(
+                (folder / n).is_file() and model_files.sha256_file(folder / n) == sha
+                for n, sha in files.items()
+            )
+
+        def job_reader(node: str, prefix: str) -> Any:
+            if node == self.d.node_id:
+                return model_files.local_reader(job_dir / prefix)
+            return self._reader(
+                node,
+                lambda f, o, n: ShardRead(job_id=job_id, file=f"{prefix}/{f}", offset=o, size=n),
+            )
+
+        async def from_any(sources: list[str], what: str, fetch: Any) -> None:
+            errors = []
+            for node in sources:
+                if node == self.d.node_id and what == "shard":
+                    continue  # this node's copy is the damaged one
+                try:
+                    await fetch(node)
+                    return
+                except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
+                    errors.append(f"{node}: {exc}")
+            raise ServeError(
+                f"cannot fetch {what} of job {job_id} from any holder ("
+                + ("; ".join(errors) or "none alive")
+                + ")"
+            )
+
+        async with self._lock(str(folder)):
+            if not await asyncio.to_thread(intact):
+                log.info("fetching shard %s of job %s", rel, job_id)
+                await from_any(
+                    list(ask.get("sources") or []),
+                    "shard",
+                    lambda node: model_files.pull_files(
+                        job_reader(node, rel),
+                        {**files, "manifest.json": None},
+                        folder,
+                        CHUNK_BYTES,
+                        last="manifest.json",
+                    ),
+                )
+                if not await asyncio.to_thread(intact):
+                    raise ServeError(f"shard {rel} of job {job_id}: its manifest lists other files than the registry")  # fmt: skip
+        tied = ask.get("tied")
+        if not tied:
+            return str(folder), None
+        file = _safe(str(tied.get("file", "")))
+        dest = job_dir / "serve" / (file.replace("/", "-") + ".head.safetensors")
+        async with self._lock(str(dest)):
+            if not dest.is_file():
+                prefix, name = file.rsplit("/", 1)
+                await from_any(
+                    list(tied.get("sources") or []),
+                    f"{file}'s embedding",
+                    lambda node: model_files.pull_non_block_tensors(
+                        job_reader(node, prefix), name, dest, CHUNK_BYTES
+                    ),
+                )
+        return str(folder), str(dest)
+
     async def _start_stage(self, msg: ServeStageStart) -> ServeStage:
         from swarmp2p.serve.spec import StageServeSpec
 
         device_name = str(msg.env.get("device", "cpu"))
         device, visible = device_for({"devices": [device_name]}, self.d.record)
+        local: dict[str, Any] = {}
+        try:
+            local["model"] = await self._local_model(msg)
+            if msg.shard is not None:
+                local["shard"], local["tied_head"] = await self._local_shard(msg.shard)
+        except (ServeError, ValueError, OSError, RpcTimeout) as exc:
+            raise RpcError("stage_failed", f"node {self.d.node_id}: {exc}") from None
         try:
             spec = StageServeSpec.from_dict(
                 {
                     **msg.spec,
+                    **local,
                     "token": self.d.secret.token,
                     "host": self.d.addresses[0],
                     "device": device,
@@ -796,28 +1126,68 @@ def _fail_open(client: Any, reason: str) -> None:
         client.cancel(session, reason)
 
 
-def _resolve(d: Daemon, model: str) -> str:
-    """The folder (or Hub id) every stage loads for a ``swarm serve MODEL`` argument."""
+def _trained(d: Daemon, model: str) -> dict[str, Any] | None:
+    """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
+    None when MODEL names no trained model."""
     from swarmp2p.node.registry import models as registry_models
-    from swarmp2p.runtime.models import EMBEDDED, embedded_dir, embedded_ready, resolve_model_ref
 
     try:
-        trained = {m.get("id") for m in registry_models(d.table.jobs)}
-    except Exception:  # a registry this version cannot read: treat MODEL as a path or id
-        trained = set()
-    if model in trained:
+        known = registry_models(d.table.jobs)
+    except (KeyError, TypeError, ValueError):  # a registry this version cannot read
+        return None
+    entry = next((m for m in known if m.get("id") == model), None)
+    if entry is None:
+        return None
+    job = d.table.jobs.get(entry["job_id"], {}).get("record", {}).get("job", {})
+    return {**entry, "quantization": (job.get("model") or {}).get("quantization")}
+
+
+def _trained_settings(
+    trained: dict[str, Any], stages: int, req: dict[str, Any], quantization: dict | None
+) -> tuple[str, dict | None]:
+    """(dtype, quantization) a trained model serves with: the split, the quantization and by
+    default the dtype it was trained with."""
+    manifest = trained["manifest"]
+    split = manifest["split"]
+    if stages and stages != len(split):
         raise ServeError(
-            f"model {model!r} is a trained model in the registry: serving its shards in place is "
-            f"not supported yet; `swarm export {model} FOLDER` and `swarm serve FOLDER`"
+            f"stages: {trained['id']} was trained in {len(split)} stages {split}; it is served "
+            f"with that split (leave --stages out or give --stages {len(split)})"
         )
+    theirs = trained.get("quantization")
+    if quantization is not None and quantization != theirs:
+        raise ServeError(
+            f"quantization: {trained['id']} was trained with quantization {theirs}; its shards "
+            "are served on the base they were trained on (leave --quantization out)"
+        )
+    missing = [s["stage"] for s in manifest["stages"] if not s.get("files")]
+    if missing:
+        raise ServeError(
+            f"model {trained['id']}: stage(s) {missing} have no exported shard in the registry"
+        )
+    return req.get("dtype") or manifest["dtype"], theirs
+
+
+def _resolve(d: Daemon, model: str, trained: dict[str, Any] | None = None) -> str:
+    """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
+    on this node: its shape and tokenizer are read here."""
+    from swarmp2p.runtime.models import embedded_dir, embedded_ready, resolve_model_ref
+
+    what = f"the base model {model!r} of {trained['id']}" if trained else f"model {model!r}"
     if model == EMBEDDED:
         if not embedded_ready():
             raise ServeError(
-                f"the embedded model is not converted yet ({embedded_dir()}); run `swarm doctor` "
-                "or any `swarm train`/`swarm plan` of it once on this node first"
+                f"{what}: the embedded model is not converted yet on this node "
+                f"({embedded_dir()}); run `swarm doctor` or any `swarm plan` of it first"
             )
         return str(embedded_dir())
     try:
         return resolve_model_ref(model)
     except ValueError as exc:
+        if trained:
+            nodes = sorted({s["node"] for s in trained["manifest"]["stages"]})
+            raise ServeError(
+                f"{what} is not on this node ({exc}); serve it from a node that has its base "
+                f"(it trained on {', '.join(nodes)})"
+            ) from None
         raise ServeError(str(exc)) from None

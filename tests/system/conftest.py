@@ -55,12 +55,19 @@ class Host:
         self.address = f"{SUBNET}.{index + 1}"
         self.node: NodeProc | None = None
 
-    def swarm_up(self, node_id: str, token: str, *extra: str, env=None) -> NodeProc:
+    def swarm_up(
+        self, node_id: str, token: str, *extra: str, env=None, hide: Path | None = None
+    ) -> NodeProc:
+        """A daemon on this host; ``hide``: a folder this host does not have (an empty tmpfs is
+        mounted over it in the daemon's own mount namespace), as on a separate machine."""
         args = ["--node-id", node_id, "--name", f"host-{node_id}", "--port", str(CONTROL_PORT)]
         args += ["--token", token, *extra]
-        self.node = NodeProc(
-            self.lab.tmp_path / node_id, args, prefix=["ip", "netns", "exec", self.ns], env=env
-        )
+        prefix = ["ip", "netns", "exec", self.ns]
+        if hide is not None:
+            mount = 'mount -t tmpfs -o size=1m swarm-hidden "$0" && exec "$@"'
+            prefix += ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+            prefix += [str(hide)]
+        self.node = NodeProc(self.lab.tmp_path / node_id, args, prefix=prefix, env=env)
         self.lab.nodes.append(self.node)
         return self.node
 

@@ -1,5 +1,7 @@
-"""`swarm serve` on real hosts in network namespaces: a tiny Llama served across 3 hosts, one
-stage host SIGKILLed mid-stream, the streamed request completes with the identical greedy text."""
+"""`swarm serve` on real hosts in network namespaces: a tiny Llama that only the issuing host
+has (the others see an empty folder at its path) served across 3 hosts, which fetch their copy
+from it; one stage host SIGKILLed mid-stream, the streamed request completes with the identical
+greedy text."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ MAX_NEW = 400
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny Llama every namespace host reads (they share the filesystem)."""
+    """A tiny Llama; only the issuing host b sees it (a and c have an empty folder there)."""
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"))
 
 
@@ -39,7 +41,10 @@ def _in(host, *args, **kw):
 def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tiny):
     hosts = netns_lab(3)
     token = SwarmSecret.generate().token
-    nodes = [h.swarm_up(i, token, env=ENV) for h, i in zip(hosts, "abc")]
+    nodes = [
+        h.swarm_up(i, token, env=ENV, hide=None if i == "b" else tiny)
+        for h, i in zip(hosts, "abc")
+    ]
     for node in nodes:
         node.start()
     a, b, c = nodes
@@ -84,3 +89,6 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
         and {s["node"] for s in served["stages"]} == {"a", "b"}
     )
     assert time.monotonic() - killed < 120
+    # a fetched its copy from b (it cannot see the folder); b served its own folder
+    fetched = list((a.state.root / "serve" / "models").glob("*/model*.safetensors"))
+    assert fetched and not (b.state.root / "serve" / "models").exists()

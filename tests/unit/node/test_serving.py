@@ -7,6 +7,7 @@ import pytest
 
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
+    ServeFileRead,
     ServePlace,
     ServePlaced,
     ServeStage,
@@ -17,6 +18,7 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.serving import ServeError, place_stages
 from swarmp2p.plan import Pricing, StagePricer, Workload, from_config
+from swarmp2p.plan.model_shape import shape_from_wire, shape_to_wire
 from swarmp2p.wire.messages import decode, encode
 
 MIB = 2**20
@@ -144,6 +146,14 @@ def test_bad_placements_say_why(records, stages, message):
         ServeStageConnect(serve_id="s1", attempt=2, stage=1, next="tcp://10.0.0.2:4000"),
         ServeStageStop(serve_id="s1", attempt=2, stage=-1),
         ServeStage(serve_id="s1", attempt=2, stage=0, endpoint="tcp://x:1", state="ready"),
+        ServePlace(serve_id="s1", model="/m", stages=0, max_sessions=4, max_context=256,
+                   dtype="float32", shape=shape_to_wire(SHAPE), bounds=[[0, 4], [4, 6]],
+                   holders=[["a"], ["b", "c"]]),
+        ServeStageStart(serve_id="s1", attempt=1, spec={"model": "/m"}, env={}, issuer="b",
+                        files={"config.json": [10, "0" * 64]},
+                        shard={"job_id": "j1", "folder": "export/stage-1", "files": {},
+                               "sources": ["a"], "tied": None}),
+        ServeFileRead(serve_id="s1", file="model.safetensors", offset=0, size=1 << 20),
     ],
 )  # fmt: skip
 def test_serve_messages_round_trip(msg):
@@ -152,5 +162,42 @@ def test_serve_messages_round_trip(msg):
 
 def test_the_daemon_routes_exactly_the_serve_requests():
     assert set(SERVE_MESSAGES) == {
-        ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit
+        ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit,
+        ServeFileRead,
     }  # fmt: skip
+
+
+def test_a_shape_crosses_the_wire_unchanged_and_a_bad_one_is_named():
+    wire = decode(encode(ServePlace(serve_id="s", model="/m", stages=0, max_sessions=1,
+                                    max_context=8, dtype="float32", shape=shape_to_wire(SHAPE))))  # fmt: skip
+    assert shape_from_wire(wire.shape) == SHAPE
+    with pytest.raises(ValueError, match="unknown field"):
+        shape_from_wire({**shape_to_wire(SHAPE), "colour": 1})
+    with pytest.raises(ValueError, match="layer_params"):
+        shape_from_wire({**shape_to_wire(SHAPE), "layer_params": [1]})
+
+
+def trained(records, holders, bounds=([0, 2], [2, 6]), sessions=4):
+    return place_stages(SHAPE, records, stages=0, max_sessions=sessions, max_context=256,
+                        dtype="float32", bounds=[list(b) for b in bounds], holders=holders)  # fmt: skip
+
+
+def test_a_trained_model_keeps_its_split_and_goes_where_its_shards_are():
+    records = [cpu_node(n, 8 * GIB) for n in "abc"]
+    out = trained(records, [["c"], ["a"]])
+    assert [(s["node_id"], s["layer_start"], s["layer_end"]) for s in out] == [
+        ("c", 0, 2), ("a", 2, 6)
+    ]  # fmt: skip
+    # a holder that is not live is passed over for the roomiest live node (it fetches a copy)
+    out = trained(records[:2], [["c", "b"], ["x"]])
+    assert [s["node_id"] for s in out] == ["b", "a"]
+
+
+def test_a_trained_stage_leaves_a_holder_without_room_and_says_why_when_none_fits():
+    stage_bytes = price(0, 2, first=True, last=False)
+    small = cpu_node("a", stage_bytes // 2)  # usable: half a stage
+    big = cpu_node("b", 8 * GIB)
+    out = trained([small, big], [["a"], ["a"]])
+    assert [s["node_id"] for s in out] == ["b", "b"]
+    with pytest.raises(ServeError, match=r"stage 0 \(blocks 0-1\) needs .* node a"):
+        trained([small], [["a"], ["a"]])
