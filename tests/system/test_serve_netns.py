@@ -42,8 +42,7 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
     hosts = netns_lab(3)
     token = SwarmSecret.generate().token
     nodes = [
-        h.swarm_up(i, token, env=ENV, hide=None if i == "b" else tiny)
-        for h, i in zip(hosts, "abc")
+        h.swarm_up(i, token, env=ENV, hide=None if i == "b" else tiny) for h, i in zip(hosts, "abc")
     ]
     for node in nodes:
         node.start()

@@ -52,7 +52,7 @@ def test_a_listing_names_the_weights_and_config_with_their_sha256(tmp_path):
     other = _model(tmp_path / "other", seed=1)  # same names and sizes, other weights
     assert not model_files.matches(other, listing)
     assert not model_files.matches(tmp_path / "missing", listing)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         model_files.folder_listing(tmp_path)
 
 
