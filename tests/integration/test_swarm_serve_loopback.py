@@ -27,7 +27,7 @@ ENV = {"OMP_NUM_THREADS": "1"}  # the daemons and their workers share this machi
 PROMPT = "The capital of France is"
 
 
-def tiny_llama_with_tokenizer(folder):
+def tiny_llama_with_tokenizer(folder, *, tied: bool = False):
     """A 4-block random Llama with the embedded model's tokenizer (its vocabulary size)."""
     import torch
     import transformers as tf
@@ -44,7 +44,7 @@ def tiny_llama_with_tokenizer(folder):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         eos_token_id=2,
         bos_token_id=1,
     )
@@ -55,8 +55,9 @@ def tiny_llama_with_tokenizer(folder):
     return folder
 
 
-def greedy_text(folder, prompt: str, max_new: int) -> str:
-    """What `model.generate` says greedily after ``prompt``, decoded as the API decodes."""
+def greedy_text(folder, prompt: str, max_new: int, model=None) -> str:
+    """What `model.generate` says greedily after ``prompt``, decoded as the API decodes
+    (``model``: these weights instead of the folder's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,7 +65,9 @@ def greedy_text(folder, prompt: str, max_new: int) -> str:
 
     codec = TextCodec.from_folder(folder)
     ids = codec.encode(prompt)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = model.eval()
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
@@ -285,3 +288,31 @@ def test_a_stage_worker_killed_on_a_live_node_is_restarted_and_the_text_is_uncha
     served = a.status()["served"][0]
     assert (served["failovers"], served["replayed"], served["state"]) == (1, 1, "serving")
     assert _workers(a) == 2
+
+
+def test_a_quantized_serve_equals_the_same_quantization_in_one_process(loopback_swarm, tiny):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.quantization import bnb_config, normalize_spec
+
+    a, b = _swarm(loopback_swarm, "ab")
+    quant = {"bits": 8}  # NF4's CPU kernel needs wider layers than this tiny model's 32
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
+                 str(free_port()), "--max-context", "256", "--quantization", json.dumps(quant),
+                 "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b])
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny,
+        dtype=torch.float32,
+        quantization_config=bnb_config(normalize_spec(quant), ["lm_head"]),
+        device_map="cpu",
+    )
+    ids = torch.tensor([[5, 17, 300, 42]])
+    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():  # the quantization is real: it moves the logits
+        assert not torch.allclose(reference(ids).logits, plain(ids).logits)
+    expected = greedy_text(tiny, PROMPT, 24, reference)
+    out = generate(json.loads(done.stdout)["url"], PROMPT, 24)
+    assert out.returncode == 0, out.stderr + dump([a, b])
+    assert out.stdout.rstrip("\n") == expected
