@@ -9,8 +9,9 @@ from typing import Any
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
 BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
-"""What a serving boundary applies to the hidden state it sends (a learned bottleneck is
-served by the train issue's compressor halves, not here yet)."""
+"""What a serving boundary applies to the hidden state it sends. A learned bottleneck is not
+named here: a stage served from a trained shard runs its compressor halves, per the shard's
+manifest (``swarmp2p.runtime.torch.trained``)."""
 
 
 def boundary_codec(compression: str, send_codes: bool) -> str:

@@ -2,7 +2,9 @@
 
 It reads ring messages (``swarmp2p.serve.protocol``) from the link before it, runs its blocks
 on the session's cache (prefill, then one token per decode step), and sends the hidden state
-on, through the boundary's compression, to the link after it. The last stage samples the next
+on, through the boundary's compression, to the link after it (a trained learned bottleneck:
+the receive half runs on what arrives, the send half on what leaves, so only the k-dim code
+crosses, as its codes when ``send_codes``). The last stage samples the next
 token, so only a token id goes back to the session manager. Sessions interleave freely: while
 one session's step runs on stage 1, stage 0 runs another's. Decode steps are not batched
 across sessions (each step is its own forward).

@@ -23,7 +23,11 @@ from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import introspect, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.export import export_stage, reconstruct_from_shards  # noqa: E402
+from swarmp2p.runtime.torch.export import (  # noqa: E402
+    export_stage,
+    read_manifest,
+    reconstruct_from_shards,
+)
 from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
 from swarmp2p.runtime.torch.serve import apply_boundary  # noqa: E402
 from swarmp2p.runtime.torch.train import TrainSettings, build_bundle, train_stage  # noqa: E402
@@ -42,6 +46,8 @@ except ImportError:
 PROMPT = [5, 17, 99, 3, 64, 21, 8]
 NEW = 10
 LEARNED = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
+LR = 2e-3
+"""Enough to move every trained tensor, not enough to collapse the tiny model's greedy text."""
 EOS = 2
 """The tiny llamas' end-of-sequence id, at which ``generate`` stops too."""
 NF4 = {"method": "nf4", "compute_dtype": "float32"}
@@ -57,17 +63,38 @@ def _save_base(folder: Path, *, tied: bool = False, wide: bool = False) -> Path:
         from transformers import AutoModelForCausalLM
 
         model.config.tie_word_embeddings = True
+        model.config.initializer_range = 0.2  # blocks that move the token: not argmax = input
         torch.manual_seed(1)
         model = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa")
     model.save_pretrained(folder)
     return folder
 
 
+def _projections(base, bounds, compression):
+    """Boundary index -> the PCA projection of the base's hidden states at that cut (what
+    calibration starts a learned bottleneck from), for each learned boundary."""
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection
+
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        states = model(token_batches(1, 8, 31, seed=5)[0], output_hidden_states=True)
+    found = {}
+    for j, spec in enumerate(compression):
+        if isinstance(spec, dict):
+            acc = CovarianceAccumulator(model.config.hidden_size)
+            acc.update(states.hidden_states[bounds[j][1]])
+            found[j] = principal_projection(acc, spec["learned_dim"])
+    return found
+
+
 def _train_and_export(base, root, bounds, compression, *, lora=None, quantization=None):
-    """Build each stage as ``swarm train`` does (base slice, LoRA, compressors), train 2 steps
-    as threads over in-process links, export each stage's shard; return the shard folders and
-    the trained bundles."""
+    """Build each stage as ``swarm train`` does (base slice, LoRA, calibrated compressors),
+    train 2 steps as threads over in-process links, export each stage's shard; return the
+    shard folders and the trained bundles."""
     n = len(bounds)
+    projections = _projections(base, bounds, compression)
     links = [InProcLink.pair() for _ in range(n - 1)]
     bundles, fingerprint, targets = [], None, ()
     for i, (a, b) in enumerate(bounds):
@@ -79,6 +106,9 @@ def _train_and_export(base, root, bounds, compression, *, lora=None, quantizatio
         hidden = stage.config.hidden_size
         recv = compressor_from_spec(compression[i - 1], hidden, i - 1) if i > 0 else None
         send = compressor_from_spec(compression[i], hidden, i) if i < n - 1 else None
+        for comp, j in ((recv, i - 1), (send, i)):
+            if j in projections and comp is not None:
+                comp.set_projection(projections[j].mean, projections[j].basis)
         bundles.append(
             build_bundle(
                 stage,
@@ -89,7 +119,7 @@ def _train_and_export(base, root, bounds, compression, *, lora=None, quantizatio
                 finetune_mode="full" if lora is None else "lora",
             )
         )
-    settings = TrainSettings(steps=2, micro_batches=2, lr=2e-2)
+    settings = TrainSettings(steps=2, micro_batches=2, lr=LR)
     batches = token_batches(2, 4, 9)
 
     def run(i):
@@ -232,6 +262,7 @@ def test_full_finetune_of_a_tied_model_serves_as_reconstructed_with_codes_or_flo
     folder, dirs, bounds, bundles, head = tied
     reference = reconstruct_from_shards(folder, dirs).eval()
     want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
+    assert want != reference_generate(reference, PROMPT, NEW), "the bottleneck changes the text"
     trained = _load(folder, dirs, bounds, tied_head=head)
     assert trained[0].send_compression == "learned" and trained[0].send_codec == "tokint8"
     assert trained[1].receiver is not None and trained[1].sender is None
@@ -264,6 +295,11 @@ def test_lora_merged_with_a_fixed_int8_boundary(base, tmp_path):
     trained = _load(base, dirs, bounds)
     assert trained[0].send_compression == "fixed_int8" and trained[0].sender is None
     assert not any("lora_" in n for t in trained for n, _ in t.stage.named_parameters())
+    untrained = load_stage_shard(base, 0, 2, True, False)
+    assert not torch.equal(
+        trained[0].stage.blocks[0].self_attn.q_proj.weight,
+        untrained.blocks[0].self_attn.q_proj.weight,
+    ), "merged weights loaded"
     for codes in (False, True):  # per token in the graph, or as tokint8 codes
         assert _serve(trained, codes)[0] == want
 
@@ -298,7 +334,7 @@ def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process
     bounds = [(0, 2), (2, 4)]
     lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="merged")  # exported as adapters
     dirs, _ = _train_and_export(base, tmp_path, bounds, ["none"], lora=lora, quantization=NF4)
-    assert not (dirs[0] / "weights.safetensors").stat().st_size > 1024
+    assert not any(read_manifest(d)["weights_included"] for d in dirs)
     reference = AutoModelForCausalLM.from_pretrained(
         base,
         dtype=torch.float32,
@@ -316,11 +352,16 @@ def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process
     trained = _load(base, dirs, bounds, quantization=NF4)
     kinds = {type(m).__name__ for t in trained for m in t.stage.modules()}
     assert "Linear4bit" in kinds
+    lora_b = [p for t in trained for n, p in t.stage.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b), "unmerged, trained adapters"
     assert _serve(trained)[0] == want
 
 
-def test_three_stages_with_both_bottleneck_halves_on_the_middle_stage(base, tmp_path):
-    bounds, compression = [(0, 1), (1, 3), (3, 4)], [LEARNED, LEARNED]
+@pytest.mark.parametrize(
+    "compression", [[LEARNED, LEARNED], ["fixed_int4", LEARNED]], ids=["learned", "int4-learned"]
+)
+def test_three_stages_with_the_compressor_halves_on_the_middle_stage(base, tmp_path, compression):
+    bounds = [(0, 1), (1, 3), (3, 4)]
     dirs, _ = _train_and_export(base, tmp_path, bounds, compression)
     assert {"compressor-recv.pt", "compressor-send.pt"} <= {p.name for p in dirs[1].iterdir()}
     want = _reference_with_boundaries(
@@ -328,10 +369,11 @@ def test_three_stages_with_both_bottleneck_halves_on_the_middle_stage(base, tmp_
     )
     trained = _load(base, dirs, bounds)
     middle = trained[1]
-    assert middle.receiver is not None and middle.sender is not None
-    tokens, sent = _serve(trained, codes=True)
-    assert tokens == want
-    assert len(sent) == 2 and all(b > 0 for b in sent)
+    assert (middle.receiver is not None) is (compression[0] == LEARNED)
+    assert middle.sender is not None and middle.send_compression == "learned"
+    assert trained[0].send_compression == ("learned" if compression[0] == LEARNED else "fixed_int4")
+    for codes in (False, True):
+        assert _serve(trained, codes)[0] == want
 
 
 def test_a_corrupted_shard_file_is_refused(base, tmp_path):
