@@ -54,6 +54,31 @@ def _watch_stdin(stop: threading.Event) -> None:
     stop.set()
 
 
+def _load_trained(spec):
+    """The stage from its base and shard; the manifest's boundary compression is the one
+    served, and a spec that names another one is refused."""
+    from swarmp2p.runtime.torch.trained import load_trained_stage
+
+    trained = load_trained_stage(
+        spec.model,
+        spec.shard,
+        layer_start=spec.layer_start,
+        layer_end=spec.layer_end,
+        is_first=spec.is_first_stage,
+        is_last=spec.is_last_stage,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        device=spec.device,
+        tied_head=spec.tied_head,
+    )
+    if spec.send_compression not in ("none", trained.send_compression):
+        raise ValueError(
+            f"send_compression: the stage spec asks for {spec.send_compression!r}, but shard "
+            f"{spec.shard} was trained with {trained.send_compression!r} on that boundary"
+        )
+    return trained
+
+
 def run() -> int:
     from swarmp2p.serve.spec import StageServeSpec
 
@@ -68,16 +93,28 @@ def run() -> int:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     started = time.monotonic()
-    stage = load_stage_shard(
-        spec.model,
-        spec.layer_start,
-        spec.layer_end,
-        spec.is_first_stage,
-        spec.is_last_stage,
-        dtype=spec.dtype,
-        quantization=spec.quantization,
-        device=spec.device,
-    )
+    halves: dict = {}
+    send_compression = spec.send_compression
+    if spec.shard is None:
+        stage = load_stage_shard(
+            spec.model,
+            spec.layer_start,
+            spec.layer_end,
+            spec.is_first_stage,
+            spec.is_last_stage,
+            dtype=spec.dtype,
+            quantization=spec.quantization,
+            device=spec.device,
+        )
+    else:
+        trained = _load_trained(spec)
+        stage = trained.stage
+        halves = {
+            "receiver": trained.receiver,
+            "sender": trained.sender,
+            "send_codec": trained.send_codec,
+        }
+        send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
     secret = SwarmSecret.from_token(spec.token)
     ctx = SecureContext()
@@ -98,8 +135,9 @@ def run() -> int:
             stage,
             inbound=inbound,
             outbound=outbound,
-            send_compression=spec.send_compression,
+            send_compression=send_compression,
             send_codes=spec.send_codes,
+            **halves,
             max_sessions=spec.max_sessions,
             max_context=spec.max_context,
         )

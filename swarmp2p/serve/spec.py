@@ -9,8 +9,9 @@ from typing import Any
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
 BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
-"""What a serving boundary applies to the hidden state it sends (a learned bottleneck is
-served by the train issue's compressor halves, not here yet)."""
+"""What a serving boundary applies to the hidden state it sends. A learned bottleneck is not
+named here: a stage served from a trained shard runs its compressor halves, per the shard's
+manifest (``swarmp2p.runtime.torch.trained``)."""
 
 
 def boundary_codec(compression: str, send_codes: bool) -> str:
@@ -62,6 +63,14 @@ class StageServeSpec:
     max_sessions: int = 16
     max_context: int = 2048
     """Tokens a session may hold in this stage's cache."""
+    shard: str | None = None
+    """A local folder holding this stage's exported shard (``swarm train``'s export): then
+    ``model`` is the base the job trained from, and the worker loads the base slice and the
+    shard on top (weights, adapters, boundary compressors, per its manifest)."""
+    tied_head: str | None = None
+    """A safetensors file holding one tensor, the tied output head's weight under its
+    whole-model name (the first stage's trained embedding): only for the last stage of a
+    tied-embedding model served from a shard that includes its weights."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -104,6 +113,14 @@ class StageServeSpec:
                 f"send_compression: {self.send_compression!r} is not one of "
                 f"{', '.join(BOUNDARY_COMPRESSIONS)}"
             )
+        for name in ("shard", "tied_head"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                errors.append(f"{name}: {value!r} is not a non-empty path or null")
+        if self.tied_head is not None and self.shard is None:
+            errors.append("tied_head: only a stage served from a shard takes a tied head")
+        if self.tied_head is not None and self.is_last_stage is not True:
+            errors.append("tied_head: only the last stage has an output head")
         for name in ("max_sessions", "max_context"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

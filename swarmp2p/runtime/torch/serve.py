@@ -2,7 +2,9 @@
 
 It reads ring messages (``swarmp2p.serve.protocol``) from the link before it, runs its blocks
 on the session's cache (prefill, then one token per decode step), and sends the hidden state
-on, through the boundary's compression, to the link after it. The last stage samples the next
+on, through the boundary's compression, to the link after it (a trained learned bottleneck:
+the receive half runs on what arrives, the send half on what leaves, so only the k-dim code
+crosses, as its codes when ``send_codes``). The last stage samples the next
 token, so only a token id goes back to the session manager. Sessions interleave freely: while
 one session's step runs on stage 1, stage 0 runs another's. Decode steps are not batched
 across sessions (each step is its own forward).
@@ -19,11 +21,12 @@ import numpy as np
 import torch
 
 from swarmp2p.net import Link, LinkTimeout
+from swarmp2p.runtime.torch.boundary import to_frame
 from swarmp2p.runtime.torch.sampling import new_generator, sample_token
 from swarmp2p.runtime.torch.stage import Stage, StageCache
 from swarmp2p.serve.protocol import RingMessage, SamplingParams
 from swarmp2p.serve.spec import boundary_codec, fixed_bits
-from swarmp2p.wire import TensorFrame, WireError, decode_tensor, encode_tensor
+from swarmp2p.wire import CODECS, TensorFrame, WireError, decode_tensor, encode_tensor
 
 POLL_S = 0.1
 """How often an idle server looks at its stop event."""
@@ -84,12 +87,34 @@ class StageServer:
         max_sessions: int = 16,
         max_context: int = 2048,
         send_timeout: float = 30.0,
+        receiver: torch.nn.Module | None = None,
+        sender: torch.nn.Module | None = None,
+        send_codec: str = "none",
     ) -> None:
+        if receiver is not None and stage.is_first_stage:
+            raise ValueError(
+                "receiver: the first stage reads token ids, it has no boundary before it"
+            )
+        if sender is not None and (stage.is_last_stage or send_compression != "none"):
+            raise ValueError(
+                "sender: a learned boundary's send half replaces send_compression "
+                f"({send_compression!r}); the last stage sends no hidden state"
+            )
+        if send_codec != "none" and (sender is None or send_codec not in CODECS):
+            raise ValueError(
+                f"send_codec: {send_codec!r} goes with a sender, as one of the wire's codecs"
+            )
         self.stage = stage
         self.inbound = inbound
         self.outbound = outbound
+        self.receiver = receiver
+        self.sender = sender
         self.send_compression = "none" if stage.is_last_stage else send_compression
-        self.codec = boundary_codec(self.send_compression, send_codes)
+        if sender is not None:
+            # the sender's output crosses as its codes (exact, wire v2) or as plain floats
+            self.codec = send_codec if send_codes else "none"
+        else:
+            self.codec = boundary_codec(self.send_compression, send_codes)
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.send_timeout = send_timeout
@@ -212,6 +237,8 @@ class StageServer:
                 f"over max_context {self.max_context}"
             )
         with torch.inference_mode():
+            if self.receiver is not None:  # a learned boundary's receive half: code -> hidden
+                x = self.receiver(x)
             # the head over the last position only (generate's logits_to_keep=1): a long
             # prompt's prefill skips T-1 rows of the vocabulary-wide matmul
             out = self.stage(x, cache=session.cache, logits_to_keep=1)
@@ -219,7 +246,9 @@ class StageServer:
                 token = sample_token(out[0, -1], session.params, session.generator)
             else:
                 hidden = out
-                if self.codec == "none":
+                if self.sender is not None:
+                    hidden = self.sender(hidden)
+                elif self.codec == "none":
                     hidden = apply_boundary(hidden, self.send_compression)
         self.steps += 1
         if self.stage.is_last_stage:
@@ -229,6 +258,8 @@ class StageServer:
 
     def _frame(self, hidden: torch.Tensor) -> TensorFrame:
         hidden = hidden.detach().cpu().contiguous()
+        if self.sender is not None:
+            return to_frame(hidden, self.codec)  # codes only where they decode exactly
         if self.codec != "none":
             return encode_tensor(hidden.float().numpy(), self.codec)
         if hidden.dtype == torch.bfloat16:

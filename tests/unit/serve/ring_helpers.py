@@ -58,6 +58,34 @@ def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **
             yield client
 
 
+@contextmanager
+def served_ring(servers, *, max_context=64, **client_kw):
+    """A RingClient over prebuilt stages, each served on its own thread: ``servers`` holds one
+    dict of StageServer keyword arguments (``stage`` and any others) per stage, in order."""
+    n = len(servers)
+    links = [InProcLink.pair() for _ in range(n + 1)]  # links[i]: into stage i (n: manager)
+    stop = threading.Event()
+    threads = []
+    try:
+        for i, kwargs in enumerate(servers):
+            server = StageServer(
+                inbound=links[i][1], outbound=links[i + 1][0], max_context=max_context, **kwargs
+            )
+            thread = threading.Thread(
+                target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}"
+            )
+            thread.start()
+            threads.append(thread)
+        client = RingClient(links[0][0], links[n][1], max_context=max_context, **client_kw)
+        client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, n)]
+        with client:
+            yield client
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
 def reference_generate(model, prompt, max_new_tokens, *, cuts=(), compression=None):
     """``model.generate`` greedy, with each boundary's compression applied in the graph at the
     output of the block before each cut (the same quantization in one process)."""
