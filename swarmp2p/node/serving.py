@@ -1165,7 +1165,13 @@ def _trained_settings(
         raise ServeError(
             f"model {trained['id']}: stage(s) {missing} have no exported shard in the registry"
         )
-    return req.get("dtype") or manifest["dtype"], theirs
+    dtype = req.get("dtype") or manifest["dtype"]
+    if dtype != manifest["dtype"]:
+        raise ServeError(
+            f"dtype: {trained['id']} was trained in {manifest['dtype']}; it is served in that "
+            "dtype (leave --dtype out)"
+        )
+    return dtype, theirs
 
 
 def _resolve(d: Daemon, model: str, trained: dict[str, Any] | None = None) -> str:
