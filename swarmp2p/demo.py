@@ -403,28 +403,17 @@ def train(
     return view
 
 
-def export_for_serving(state_dir: Path, model_id: str, out_dir: Path) -> Path:
-    """Gather ``model_id``'s shards over the swarm (sha256-checked) into a Hugging Face folder
-    ``out_dir`` with its base's tokenizer beside it, which ``swarm serve`` reads; the folder.
-    Imports the torch runtime (the export rebuilds the model)."""
-    from swarmp2p.node import control
-
-    done = control.export_model(state_dir, model_id, out_dir)
-    if not done["tokenizer"]:
-        raise DemoError(f"the export of {model_id} has no tokenizer; it cannot serve text")
-    return Path(out_dir)
-
-
 def serve_on_swarm(
-    swarm: LocalSwarm, folder: Path, *, name: str, stages: int, port: int = 0
+    swarm: LocalSwarm, model: str, *, name: str, stages: int = 0, port: int = 0
 ) -> dict[str, Any]:
-    """Serve ``folder`` across the swarm's nodes (``stages`` stages placed by the leader) with
-    the OpenAI-compatible API on the first node; the daemon's view: ``url``, ``stages``."""
+    """Serve ``model`` (a registry model in place from its trained shards, or a folder)
+    across the swarm's nodes with the OpenAI-compatible API on the first node; the daemon's
+    view: ``url``, ``stages``."""
     from swarmp2p.node import control
 
     if port == 0:
         port = free_ports(1)[0]
-    request = {"model": str(folder), "name": name, "stages": stages, "port": port}
+    request = {"model": str(model), "name": name, "stages": stages, "port": port}
     request |= {"max_sessions": 2, "max_context": 2048}
     return control.serve(swarm.leader.state_dir, request)
 

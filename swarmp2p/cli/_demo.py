@@ -52,7 +52,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
     from swarmp2p.node.api import ApiError
 
     settings = demo.DemoSettings(steps=steps, **({"prompt": prompt} if prompt else {}))
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the export's load/save bars
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' load bars
     err = _console(stderr=True)
     say = (
         (lambda text: None)
@@ -80,14 +80,9 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
             model_id = view["model"]["id"]
             if not as_json:
                 _console().print("stages: " + _where(view["plan"]["stages"]), markup=False)
-            step = "exporting"
-            say(f"exporting {model_id}: its shards gathered from the nodes, sha256-checked")
-            folder = demo.export_for_serving(
-                lead.state_dir, model_id, swarm.root / "models" / model_id
-            )
             step = "serving"
-            say(f"serving {model_id} across the swarm ({settings.nodes} stages)")
-            served = demo.serve_on_swarm(swarm, folder, name=model_id, stages=settings.nodes)
+            say(f"serving {model_id} in place: each stage loads its trained shard where it lives")
+            served = demo.serve_on_swarm(swarm, model_id, name=model_id)
             url = served["url"]
             if not as_json:
                 _console().print(f"serving at {url}/v1: " + _where(served["stages"]), markup=False)
