@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -277,11 +278,29 @@ def test_full_finetune_of_a_tied_model_serves_as_reconstructed_with_codes_or_flo
     assert code_bytes[0] < 0.7 * float_bytes[0]
 
 
-def test_a_tied_last_stage_without_its_tied_head_is_refused(tied):
-    folder, dirs, _, _, _ = tied
+def test_a_tied_last_stage_needs_its_tied_head(tied, tmp_path):
+    from safetensors.torch import save_file
+
+    folder, dirs, _, bundles, head = tied
+    last = dict(layer_start=2, layer_end=4, is_first=False, is_last=True)
     with pytest.raises(ValueError, match=r"tied-embedding model and holds no output head.*pass "):
+        load_trained_stage(folder, dirs[1], **last)
+    # a copy of the first stage's whole weights file serves too: the embedding is picked by name
+    whole = load_trained_stage(folder, dirs[1], tied_head=dirs[0] / "weights.safetensors", **last)
+    assert torch.equal(whole.stage.head.weight, bundles[0].stage.embed.weight.detach())
+    two = tmp_path / "two.safetensors"
+    save_file({"a": torch.zeros(128, 32), "b": torch.zeros(128, 32)}, two)
+    with pytest.raises(ValueError, match=r"must hold one tensor, or .* model.embed_tokens.weight"):
+        load_trained_stage(folder, dirs[1], tied_head=two, **last)
+    with pytest.raises(ValueError, match=r"tied_head .* only for the last stage"):
         load_trained_stage(
-            folder, dirs[1], layer_start=2, layer_end=4, is_first=False, is_last=True
+            folder,
+            dirs[0],
+            layer_start=0,
+            layer_end=2,
+            is_first=True,
+            is_last=False,
+            tied_head=head,
         )
 
 
@@ -491,3 +510,35 @@ def test_serve_worker_processes_serve_trained_shards(tied):
             link.close()
         stop_zero_copy_collector()
         ctx.destroy(0)
+
+
+def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another_is_refused(tied):
+    from swarmp2p.net import InProcLink
+    from swarmp2p.runtime.serve_worker import _load_trained
+    from swarmp2p.runtime.torch.serve import StageServer
+
+    folder, dirs, _, _, _ = tied
+    spec = StageServeSpec(
+        model=str(folder),
+        stage_index=0,
+        layer_start=0,
+        layer_end=2,
+        is_first_stage=True,
+        is_last_stage=False,
+        token="t",
+        shard=str(dirs[0]),
+        send_compression="fixed_int8",
+    )
+    with pytest.raises(ValueError, match=r"asks for 'fixed_int8', but shard .* 'learned'"):
+        _load_trained(spec)
+    first = _load_trained(replace(spec, send_compression="none"))
+    a, b = InProcLink.pair()
+    kw = dict(stage=first.stage, inbound=b, outbound=a)
+    with pytest.raises(ValueError, match="sender: a learned boundary's send half replaces"):
+        StageServer(**kw, sender=first.sender, send_compression="fixed_int8")
+    with pytest.raises(ValueError, match="receiver: the first stage reads token ids"):
+        StageServer(**kw, receiver=first.sender)
+    with pytest.raises(ValueError, match="send_codec: 'int9' goes with a sender"):
+        StageServer(**kw, sender=first.sender, send_codec="int9")
+    server = StageServer(**kw, sender=first.sender, send_codec="tokint8", send_codes=True)
+    assert server.codec == "tokint8"
