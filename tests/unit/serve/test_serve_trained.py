@@ -90,7 +90,9 @@ def _projections(base, bounds, compression):
     return found
 
 
-def _train_and_export(base, root, bounds, compression, *, lora=None, quantization=None):
+def _train_and_export(
+    base, root, bounds, compression, *, lora=None, quantization=None, dtype="float32"
+):
     """Build each stage as ``swarm train`` does (base slice, LoRA, calibrated compressors),
     train 2 steps as threads over in-process links, export each stage's shard; return the
     shard folders and the trained bundles."""
@@ -100,7 +102,9 @@ def _train_and_export(base, root, bounds, compression, *, lora=None, quantizatio
     bundles, fingerprint, targets = [], None, ()
     for i, (a, b) in enumerate(bounds):
         torch.manual_seed(0)  # every stage draws the same LoRA A matrices
-        stage = load_stage_shard(base, a, b, i == 0, i == n - 1, quantization=quantization)
+        stage = load_stage_shard(
+            base, a, b, i == 0, i == n - 1, dtype=dtype, quantization=quantization
+        )
         if lora is not None:
             fingerprint = apply_lora(stage, lora)
             targets = resolve_targets(stage, lora)
@@ -108,6 +112,8 @@ def _train_and_export(base, root, bounds, compression, *, lora=None, quantizatio
         recv = compressor_from_spec(compression[i - 1], hidden, i - 1) if i > 0 else None
         send = compressor_from_spec(compression[i], hidden, i) if i < n - 1 else None
         for comp, j in ((recv, i - 1), (send, i)):
+            if comp is not None:
+                comp.to(getattr(torch, dtype))  # as stage_runner builds them
             if j in projections and comp is not None:
                 comp.set_projection(projections[j].mean, projections[j].basis)
         bundles.append(
@@ -210,13 +216,14 @@ def _reference_with_boundaries(model, dirs, bounds, compression):
         return torch.load(dirs[i] / name, weights_only=True)
 
     hidden = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
     blocks = introspect(model).blocks
     handles = []
     for j, spec in enumerate(compression):
         if isinstance(spec, dict):
-            send = compressor_from_spec(spec, hidden, j)
+            send = compressor_from_spec(spec, hidden, j).to(dtype)
             send.load_state_dict(state(j, "send"))
-            recv = compressor_from_spec(spec, hidden, j)
+            recv = compressor_from_spec(spec, hidden, j).to(dtype)
             recv.load_state_dict(state(j + 1, "recv"))
 
             def boundary(x, send=send, recv=recv):
@@ -393,6 +400,23 @@ def test_three_stages_with_the_compressor_halves_on_the_middle_stage(base, tmp_p
     assert trained[0].send_compression == ("learned" if compression[0] == LEARNED else "fixed_int4")
     for codes in (False, True):
         assert _serve(trained, codes)[0] == want
+
+
+def test_a_bfloat16_shard_serves_in_bfloat16(base, tmp_path):
+    """A bfloat16 code is not exactly a tokint8 code (the rounded value is cast to bfloat16),
+    so it crosses as its bfloat16 bits either way; both paths give the reference's tokens."""
+    bounds = [(0, 2), (2, 4)]
+    dirs, _ = _train_and_export(base, tmp_path, bounds, [LEARNED], dtype="bfloat16")
+    assert read_manifest(dirs[0])["dtype"] == "bfloat16"
+    reference = reconstruct_from_shards(base, dirs).eval().to(torch.bfloat16)
+    want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
+    trained = _load(base, dirs, bounds, dtype="bfloat16")
+    assert trained[0].sender[0].weight.dtype == trained[1].receiver.weight.dtype == torch.bfloat16
+    floats, float_bytes = _serve(trained, codes=False)
+    codes, code_bytes = _serve(trained, codes=True)
+    assert floats == codes == want
+    # the same bfloat16 payload both ways (message headers aside: session ids grow)
+    assert abs(code_bytes[0] - float_bytes[0]) < 0.1 * float_bytes[0]
 
 
 def test_a_corrupted_shard_file_is_refused(base, tmp_path):
