@@ -21,7 +21,7 @@ from train_models import build_model, run_threads, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch import introspect, load_stage_shard  # noqa: E402
+from swarmp2p.runtime.torch import decoder_config, introspect, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.export import (  # noqa: E402
@@ -84,7 +84,7 @@ def _projections(base, bounds, compression):
     found = {}
     for j, spec in enumerate(compression):
         if isinstance(spec, dict):
-            acc = CovarianceAccumulator(model.config.hidden_size)
+            acc = CovarianceAccumulator(decoder_config(model.config).hidden_size)
             acc.update(states.hidden_states[bounds[j][1]])
             found[j] = principal_projection(acc, spec["learned_dim"])
     return found
@@ -108,7 +108,7 @@ def _train_and_export(
         if lora is not None:
             fingerprint = apply_lora(stage, lora)
             targets = resolve_targets(stage, lora)
-        hidden = stage.config.hidden_size
+        hidden = decoder_config(stage.config).hidden_size
         recv = compressor_from_spec(compression[i - 1], hidden, i - 1) if i > 0 else None
         send = compressor_from_spec(compression[i], hidden, i) if i < n - 1 else None
         for comp, j in ((recv, i - 1), (send, i)):
@@ -215,7 +215,7 @@ def _reference_with_boundaries(model, dirs, bounds, compression):
         name = "compressor.pt" if i in (0, n - 1) else f"compressor-{side}.pt"
         return torch.load(dirs[i] / name, weights_only=True)
 
-    hidden = model.config.hidden_size
+    hidden = decoder_config(model.config).hidden_size
     dtype = next(model.parameters()).dtype
     blocks = introspect(model).blocks
     handles = []
@@ -400,6 +400,20 @@ def test_three_stages_with_the_compressor_halves_on_the_middle_stage(base, tmp_p
     assert trained[0].send_compression == ("learned" if compression[0] == LEARNED else "fixed_int4")
     for codes in (False, True):
         assert _serve(trained, codes)[0] == want
+
+
+def test_a_hybrid_qwen3_5_with_lora_adapters_and_a_learned_bottleneck(tmp_path):
+    """Gated DeltaNet and attention blocks, LoRA over both kinds of projection, unmerged."""
+    base = tmp_path / "base"
+    build_wide_model("qwen3_5").save_pretrained(base)
+    bounds, compression = [(0, 2), (2, 4)], [LEARNED]
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
+    dirs, _ = _train_and_export(base, tmp_path, bounds, compression, lora=lora)
+    assert "in_proj_qkv" in read_manifest(dirs[0])["lora"]["target_modules"]
+    reference = reconstruct_from_shards(base, dirs, merge_adapters=False).eval()
+    want = _reference_with_boundaries(reference.get_base_model(), dirs, bounds, compression)
+    trained = _load(base, dirs, bounds)
+    assert _serve(trained, codes=True)[0] == want
 
 
 def test_a_bfloat16_shard_serves_in_bfloat16(base, tmp_path):
