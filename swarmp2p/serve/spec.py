@@ -69,8 +69,9 @@ class StageServeSpec:
     shard on top (weights, adapters, boundary compressors, per its manifest)."""
     tied_head: str | None = None
     """A safetensors file holding one tensor, the tied output head's weight under its
-    whole-model name (the first stage's trained embedding): only for the last stage of a
-    tied-embedding model served from a shard that includes its weights."""
+    whole-model name (the first stage's trained embedding; a copy of the first stage's
+    ``weights.safetensors`` works too, its embedding is picked by name): only for the last stage
+    of a tied-embedding model served from a shard that includes its weights."""
 
     def __post_init__(self) -> None:
         errors = []

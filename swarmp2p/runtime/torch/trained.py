@@ -216,7 +216,7 @@ def _load_weights(stage: Stage, shard: Path, tied_head: str | os.PathLike | None
                 f"output head ({head}): export stores the tied head once, as the first "
                 "stage's embedding; pass tied_head (a safetensors file with that one tensor)"
             )
-        weights[head] = _tied_head_tensor(tied_head, own[wanted[head]].shape)
+        weights[head] = _tied_head_tensor(tied_head, own[wanted[head]].shape, _embed_name(stage))
     elif tied_head is not None:
         raise ValueError(
             f"tied_head {tied_head} was given, but shard {shard} is not the last stage of a "
@@ -239,25 +239,43 @@ def _load_weights(stage: Stage, shard: Path, tied_head: str | os.PathLike | None
             target.copy_(value)
 
 
-def _tied_head_tensor(path: str | os.PathLike, shape: torch.Size) -> torch.Tensor:
-    from safetensors.torch import load_file
+def _tied_head_tensor(path: str | os.PathLike, shape: torch.Size, embed: str) -> torch.Tensor:
+    """The head from ``path``: its one tensor, or the tensor named ``embed`` (the first stage's
+    embedding under its whole-model name, e.g. in a copy of the first stage's weights file)."""
+    from safetensors import safe_open
 
     try:
-        tensors = load_file(path)
+        handle = safe_open(str(path), framework="pt")
     except Exception as exc:  # OSError, or safetensors' own SafetensorError
         raise ValueError(f"tied_head {path} is not a readable safetensors file: {exc}") from None
-    if len(tensors) != 1:
-        raise ValueError(
-            f"tied_head {path} must hold exactly one tensor (the first stage's embedding), "
-            f"it holds {len(tensors)}: {sorted(tensors)[:5]}"
-        )
-    ((name, value),) = tensors.items()
+    with handle:
+        names = list(handle.keys())
+        if len(names) == 1 or embed in names:
+            name = names[0] if len(names) == 1 else embed
+            value = handle.get_tensor(name)
+        else:
+            raise ValueError(
+                f"tied_head {path} must hold one tensor, or the first stage's embedding as "
+                f"{embed}; it holds {len(names)}: {sorted(names)[:5]}"
+            )
     if tuple(value.shape) != tuple(shape):
         raise ValueError(
             f"tied_head {path}: {name} has shape {tuple(value.shape)}, the head needs "
             f"{tuple(shape)}"
         )
     return value
+
+
+def _embed_name(stage: Stage) -> str:
+    """The embedding's weight under its whole-model name (from a meta-device model)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.introspect import introspect
+
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(stage.config)
+    return f"{introspect(meta).names['embed']}.weight"
 
 
 def _load_adapters(stage: Stage, shard: Path, lora: Mapping[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from train_models import build_model, run_threads, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch import introspect, load_stage_shard  # noqa: E402
+from swarmp2p.runtime.torch import decoder_config, introspect, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.export import (  # noqa: E402
@@ -83,13 +84,15 @@ def _projections(base, bounds, compression):
     found = {}
     for j, spec in enumerate(compression):
         if isinstance(spec, dict):
-            acc = CovarianceAccumulator(model.config.hidden_size)
+            acc = CovarianceAccumulator(decoder_config(model.config).hidden_size)
             acc.update(states.hidden_states[bounds[j][1]])
             found[j] = principal_projection(acc, spec["learned_dim"])
     return found
 
 
-def _train_and_export(base, root, bounds, compression, *, lora=None, quantization=None):
+def _train_and_export(
+    base, root, bounds, compression, *, lora=None, quantization=None, dtype="float32"
+):
     """Build each stage as ``swarm train`` does (base slice, LoRA, calibrated compressors),
     train 2 steps as threads over in-process links, export each stage's shard; return the
     shard folders and the trained bundles."""
@@ -99,14 +102,18 @@ def _train_and_export(base, root, bounds, compression, *, lora=None, quantizatio
     bundles, fingerprint, targets = [], None, ()
     for i, (a, b) in enumerate(bounds):
         torch.manual_seed(0)  # every stage draws the same LoRA A matrices
-        stage = load_stage_shard(base, a, b, i == 0, i == n - 1, quantization=quantization)
+        stage = load_stage_shard(
+            base, a, b, i == 0, i == n - 1, dtype=dtype, quantization=quantization
+        )
         if lora is not None:
             fingerprint = apply_lora(stage, lora)
             targets = resolve_targets(stage, lora)
-        hidden = stage.config.hidden_size
+        hidden = decoder_config(stage.config).hidden_size
         recv = compressor_from_spec(compression[i - 1], hidden, i - 1) if i > 0 else None
         send = compressor_from_spec(compression[i], hidden, i) if i < n - 1 else None
         for comp, j in ((recv, i - 1), (send, i)):
+            if comp is not None:
+                comp.to(getattr(torch, dtype))  # as stage_runner builds them
             if j in projections and comp is not None:
                 comp.set_projection(projections[j].mean, projections[j].basis)
         bundles.append(
@@ -208,14 +215,15 @@ def _reference_with_boundaries(model, dirs, bounds, compression):
         name = "compressor.pt" if i in (0, n - 1) else f"compressor-{side}.pt"
         return torch.load(dirs[i] / name, weights_only=True)
 
-    hidden = model.config.hidden_size
+    hidden = decoder_config(model.config).hidden_size
+    dtype = next(model.parameters()).dtype
     blocks = introspect(model).blocks
     handles = []
     for j, spec in enumerate(compression):
         if isinstance(spec, dict):
-            send = compressor_from_spec(spec, hidden, j)
+            send = compressor_from_spec(spec, hidden, j).to(dtype)
             send.load_state_dict(state(j, "send"))
-            recv = compressor_from_spec(spec, hidden, j)
+            recv = compressor_from_spec(spec, hidden, j).to(dtype)
             recv.load_state_dict(state(j + 1, "recv"))
 
             def boundary(x, send=send, recv=recv):
@@ -277,11 +285,29 @@ def test_full_finetune_of_a_tied_model_serves_as_reconstructed_with_codes_or_flo
     assert code_bytes[0] < 0.7 * float_bytes[0]
 
 
-def test_a_tied_last_stage_without_its_tied_head_is_refused(tied):
-    folder, dirs, _, _, _ = tied
+def test_a_tied_last_stage_needs_its_tied_head(tied, tmp_path):
+    from safetensors.torch import save_file
+
+    folder, dirs, _, bundles, head = tied
+    last = dict(layer_start=2, layer_end=4, is_first=False, is_last=True)
     with pytest.raises(ValueError, match=r"tied-embedding model and holds no output head.*pass "):
+        load_trained_stage(folder, dirs[1], **last)
+    # a copy of the first stage's whole weights file serves too: the embedding is picked by name
+    whole = load_trained_stage(folder, dirs[1], tied_head=dirs[0] / "weights.safetensors", **last)
+    assert torch.equal(whole.stage.head.weight, bundles[0].stage.embed.weight.detach())
+    two = tmp_path / "two.safetensors"
+    save_file({"a": torch.zeros(128, 32), "b": torch.zeros(128, 32)}, two)
+    with pytest.raises(ValueError, match=r"must hold one tensor, or .* model.embed_tokens.weight"):
+        load_trained_stage(folder, dirs[1], tied_head=two, **last)
+    with pytest.raises(ValueError, match=r"tied_head .* only for the last stage"):
         load_trained_stage(
-            folder, dirs[1], layer_start=2, layer_end=4, is_first=False, is_last=True
+            folder,
+            dirs[0],
+            layer_start=0,
+            layer_end=2,
+            is_first=True,
+            is_last=False,
+            tied_head=head,
         )
 
 
@@ -374,6 +400,37 @@ def test_three_stages_with_the_compressor_halves_on_the_middle_stage(base, tmp_p
     assert trained[0].send_compression == ("learned" if compression[0] == LEARNED else "fixed_int4")
     for codes in (False, True):
         assert _serve(trained, codes)[0] == want
+
+
+def test_a_hybrid_qwen3_5_with_lora_adapters_and_a_learned_bottleneck(tmp_path):
+    """Gated DeltaNet and attention blocks, LoRA over both kinds of projection, unmerged."""
+    base = tmp_path / "base"
+    build_wide_model("qwen3_5").save_pretrained(base)
+    bounds, compression = [(0, 2), (2, 4)], [LEARNED]
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
+    dirs, _ = _train_and_export(base, tmp_path, bounds, compression, lora=lora)
+    assert "in_proj_qkv" in read_manifest(dirs[0])["lora"]["target_modules"]
+    reference = reconstruct_from_shards(base, dirs, merge_adapters=False).eval()
+    want = _reference_with_boundaries(reference.get_base_model(), dirs, bounds, compression)
+    trained = _load(base, dirs, bounds)
+    assert _serve(trained, codes=True)[0] == want
+
+
+def test_a_bfloat16_shard_serves_in_bfloat16(base, tmp_path):
+    """A bfloat16 code is not exactly a tokint8 code (the rounded value is cast to bfloat16),
+    so it crosses as its bfloat16 bits either way; both paths give the reference's tokens."""
+    bounds = [(0, 2), (2, 4)]
+    dirs, _ = _train_and_export(base, tmp_path, bounds, [LEARNED], dtype="bfloat16")
+    assert read_manifest(dirs[0])["dtype"] == "bfloat16"
+    reference = reconstruct_from_shards(base, dirs).eval().to(torch.bfloat16)
+    want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
+    trained = _load(base, dirs, bounds, dtype="bfloat16")
+    assert trained[0].sender[0].weight.dtype == trained[1].receiver.weight.dtype == torch.bfloat16
+    floats, float_bytes = _serve(trained, codes=False)
+    codes, code_bytes = _serve(trained, codes=True)
+    assert floats == codes == want
+    # the same bfloat16 payload both ways (message headers aside: session ids grow)
+    assert abs(code_bytes[0] - float_bytes[0]) < 0.1 * float_bytes[0]
 
 
 def test_a_corrupted_shard_file_is_refused(base, tmp_path):
@@ -491,3 +548,35 @@ def test_serve_worker_processes_serve_trained_shards(tied):
             link.close()
         stop_zero_copy_collector()
         ctx.destroy(0)
+
+
+def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another_is_refused(tied):
+    from swarmp2p.net import InProcLink
+    from swarmp2p.runtime.serve_worker import _load_trained
+    from swarmp2p.runtime.torch.serve import StageServer
+
+    folder, dirs, _, _, _ = tied
+    spec = StageServeSpec(
+        model=str(folder),
+        stage_index=0,
+        layer_start=0,
+        layer_end=2,
+        is_first_stage=True,
+        is_last_stage=False,
+        token="t",
+        shard=str(dirs[0]),
+        send_compression="fixed_int8",
+    )
+    with pytest.raises(ValueError, match=r"asks for 'fixed_int8', but shard .* 'learned'"):
+        _load_trained(spec)
+    first = _load_trained(replace(spec, send_compression="none"))
+    a, b = InProcLink.pair()
+    kw = dict(stage=first.stage, inbound=b, outbound=a)
+    with pytest.raises(ValueError, match="sender: a learned boundary's send half replaces"):
+        StageServer(**kw, sender=first.sender, send_compression="fixed_int8")
+    with pytest.raises(ValueError, match="receiver: the first stage reads token ids"):
+        StageServer(**kw, receiver=first.sender)
+    with pytest.raises(ValueError, match="send_codec: 'int9' goes with a sender"):
+        StageServer(**kw, sender=first.sender, send_codec="int9")
+    server = StageServer(**kw, sender=first.sender, send_codec="tokint8", send_codes=True)
+    assert server.codec == "tokint8"
