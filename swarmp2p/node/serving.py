@@ -9,11 +9,14 @@ Roles:
   where the next listens (``serve.stage_connect``; the last stage sends tokens back to a link
   bound here), drives the ring with a :class:`~swarmp2p.serve.RingClient` and answers the
   OpenAI-compatible API on ``--host``/``--port``.
-- The leader prices each stage with the KV cache of ``max_sessions`` x ``max_context`` tokens
-  (:class:`~swarmp2p.plan.StagePricer`) and places stages on the live nodes with the most free
-  memory; a stage that does not fit is refused with the node and the bytes.
-- Every node starts and stops serve workers (``python -m swarmp2p.runtime.serve_worker``)
-  with the jobs' worker-process management (drained pipes, stderr tail, death with the daemon).
+- The leader places the stages from the shape it is sent (``node/serve_placement.py``): each
+  priced with the KV cache of ``max_sessions`` x ``max_context`` tokens, on the live nodes
+  with the most free memory, or a trained model's stages where their shards are; a stage that
+  does not fit is refused with the node and the bytes.
+- Every node starts and stops serve workers (``node/serve_stages.py``), fetching the files a
+  stage loads when it holds no intact copy: from the issuing node (``serve.file_read``,
+  answered here) or from a node holding a trained stage's shard.
+- Once a trained model serves, every shard gets a standby copy on a second node.
 
 Failover: each heartbeat round the issuing node checks that every stage's node is alive. When
 one is lost it re-plans on the live nodes, stops the survivors' old workers, starts a new ring
@@ -29,13 +32,11 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.net.rpc import RpcError, RpcTimeout
-from swarmp2p.node.jobs import device_for
 from swarmp2p.node.messages import (
     ServeFileRead,
     ServePlace,
@@ -46,9 +47,16 @@ from swarmp2p.node.messages import (
     ServeStageStart,
     ServeStageStop,
     ShardChunk,
-    ShardRead,
 )
-from swarmp2p.node.workers import WorkerProcess, _die_with_parent
+from swarmp2p.node.serve_placement import (
+    DTYPES,
+    ServeError,
+    place_stages,
+    resolve_model,
+    trained_entry,
+    trained_settings,
+)
+from swarmp2p.node.serve_stages import CONNECT_TIMEOUT_S, ServeStages
 from swarmp2p.plan.model_shape import EMBEDDED
 
 if TYPE_CHECKING:
@@ -56,174 +64,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.serving")
 
-SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
-LOAD_TIMEOUT_S = 120.0
-"""How long a stage's node may take to load its slice and bind its link."""
 START_TIMEOUT_S = 540.0
 """How long the issuing node waits for a stage to start: fetching the model's files or a
 trained shard to that node first, then loading."""
-CONNECT_TIMEOUT_S = 30.0
 MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
 STEP_TIMEOUT_S = 60.0
 """A session that gets no token for this long fails (covers a re-placement's reload)."""
-DTYPES = ("float32", "bfloat16", "float16")
 _NAME = re.compile(r"^[\w./:@+-]{1,200}$")
-
-
-class ServeError(ValueError):
-    """A serving request that cannot be met (bad field, no placement, a stage failed)."""
-
-
-# --- placement: a pure function of the model's shape and the live nodes' records -------------
-
-
-def _best_device(record: dict[str, Any]) -> tuple[str, int]:
-    """(planner device name, usable bytes) of a node's roomiest device, GPUs first."""
-    from swarmp2p.plan.placement import DEVICE_RESERVE
-
-    devices = record.get("devices") or []
-    gpus = [d for d in devices if d.get("kind") != "cpu"]
-    pool = gpus or [d for d in devices if d.get("kind") == "cpu"]
-    best = None
-    for d in pool:
-        usable = max(int(d.get("memory_free") or 0) - DEVICE_RESERVE.get(d.get("kind"), 0), 0)
-        name = "cpu" if d.get("kind") == "cpu" else f"{d.get('kind')}:{d.get('index')}"
-        if best is None or usable > best[1]:
-            best = (name, usable)
-    return best or ("cpu", 0)
-
-
-def place_stages(
-    shape: Any,
-    records: list[dict[str, Any]],
-    *,
-    stages: int,
-    max_sessions: int,
-    max_context: int,
-    dtype: str,
-    quantization: dict | None = None,
-    bounds: list[list[int]] | None = None,
-    holders: list[list[str]] | None = None,
-) -> list[dict[str, Any]]:
-    """Stage placements first to last: ``{"node_id", "device", "layer_start", "layer_end",
-    "memory"}``. ``stages`` 0 is one per node (at most one per block). Nodes with the most
-    usable memory are chosen and kept in node-id order; more stages than nodes go round them.
-
-    A trained model gives its ``bounds`` (the split it was trained with) and, per stage, the
-    ``holders`` of its shard: a stage goes to the first live holder it fits on, else to the
-    live node with the most room left (which then fetches the shard).
-    ServeError names every stage that does not fit, with the bytes."""
-    from swarmp2p.plan import Pricing, StagePricer, Workload, normalize_quantization
-    from swarmp2p.serve.local import even_bounds
-
-    if not records:
-        raise ServeError("no live node to place a serving stage on")
-    n = len(bounds) if bounds else stages or min(len(records), shape.n_layers)
-    if not 1 <= n <= shape.n_layers:
-        raise ServeError(f"stages: {n} is not in [1, {shape.n_layers}] (the model's blocks)")
-    spans = [tuple(b) for b in bounds] if bounds else even_bounds(shape.n_layers, n)
-    quant = normalize_quantization(quantization) if quantization else None
-    pricer = StagePricer(
-        shape,
-        Pricing(dtype=dtype, finetune_mode="none", quantization=quant),
-        Workload(training=False, serving_sessions=max_sessions, serving_tokens=max_context),
-    )
-    devices = {r["node_id"]: _best_device(r) for r in records}
-    ranked = sorted(records, key=lambda r: (-devices[r["node_id"]][1], r["node_id"]))
-    chosen = sorted(r["node_id"] for r in ranked[:n])
-    left = {node: devices[node][1] for node in devices}
-    out, problems = [], []
-    for i, (start, end) in enumerate(spans):
-        memory = pricer.price(start, end, first=i == 0, last=i == n - 1).peak
-        if holders is None:
-            node = chosen[i % len(chosen)]
-        else:
-            mine = [h for h in holders[i] if h in devices]
-            others = sorted(
-                (nd for nd in devices if nd not in mine), key=lambda nd: (-left[nd], nd)
-            )
-            fits = [nd for nd in (*mine, *others) if left[nd] >= memory]
-            node = fits[0] if fits else (mine or others)[0]
-        if memory > left[node]:
-            problems.append(
-                f"stage {i} (blocks {start}-{end - 1}) needs {memory / 2**20:.1f} MiB, node "
-                f"{node} ({devices[node][0]}) has {left[node] / 2**20:.1f} MiB usable"
-            )
-        left[node] -= memory
-        out.append(
-            {
-                "node_id": node,
-                "device": devices[node][0],
-                "layer_start": start,
-                "layer_end": end,
-                "memory": int(memory),
-            }
-        )
-    if problems:
-        raise ServeError(
-            f"cannot place {n} serving stage(s) for {max_sessions} session(s) of "
-            f"{max_context} tokens: "
-            + "; ".join(problems)
-            + "; lower --max-sessions/--max-context, quantize, or add nodes"
-        )
-    return out
-
-
-# --- the serve worker process ----------------------------------------------------------------
-
-
-class ServeWorkerProcess(WorkerProcess):
-    """A serve worker: the jobs' worker management, with stdin kept open for the connect
-    line (``send_line``) and a ``serving`` future set by the worker's ``serving`` event."""
-
-    serving: asyncio.Future | None = None
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.ready = loop.create_future()
-        self.serving = loop.create_future()
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            SERVE_WORKER_MODULE,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **self._env},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            limit=1 << 22,
-        )
-        await self.send_line(self._spec)
-        self._tasks = [
-            asyncio.ensure_future(self._read_stdout()),
-            asyncio.ensure_future(self._read_stderr()),
-        ]
-        self._tasks.append(asyncio.ensure_future(self._wait()))
-
-    async def send_line(self, obj: dict[str, Any]) -> None:
-        import json
-
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
-        await self.proc.stdin.drain()
-
-    def event(self, event: dict[str, Any]) -> None:
-        if event.get("event") == "serving" and self.serving and not self.serving.done():
-            self.serving.set_result(event)
-
-    async def wait_serving(self, timeout: float) -> None:
-        assert self.serving is not None and self.ready is not None
-        await asyncio.wait(
-            [asyncio.ensure_future(asyncio.shield(self.serving)), self._tasks[2]],
-            timeout=timeout,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        if not self.serving.done():
-            tail = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
-            raise RuntimeError(
-                f"stage {self.stage} worker did not start serving within {timeout:g} s{tail}"
-            )
 
 
 # --- what the issuing node holds per served model ---------------------------------------------
@@ -304,9 +152,8 @@ class Serving:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.served: dict[str, _Served] = {}
-        self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
+        self.stages = ServeStages(daemon, self._call_node)
         self._serving_lock = asyncio.Lock()
-        self._pulls: dict[str, asyncio.Lock] = {}
 
     # --- status and the local API -------------------------------------------------------------
 
@@ -380,11 +227,11 @@ class Serving:
         host = req.get("host") or "127.0.0.1"
         api_key = req.get("api_key") or None
         check_bind(host, api_key)
-        trained = _trained(self.d, model)
+        trained = trained_entry(self.d, model)
         if trained is not None:
-            dtype, quantization = _trained_settings(trained, ints["stages"], req, quantization)
+            dtype, quantization = trained_settings(trained, ints["stages"], req, quantization)
         folder = await asyncio.to_thread(
-            _resolve, self.d, trained["base"] if trained else model, trained
+            resolve_model, self.d, trained["base"] if trained else model, trained
         )
         from swarmp2p.plan import model_shape
 
@@ -666,9 +513,7 @@ class Serving:
             with contextlib.suppress(Exception):
                 await self._teardown(served)
         self.served.clear()
-        for worker in list(self.workers.values()):
-            await worker.stop()
-        self.workers.clear()
+        await self.stages.close()
 
     # --- failover -------------------------------------------------------------------------------
 
@@ -766,14 +611,14 @@ class Serving:
                 endpoint = (
                     self.d._own_endpoint()
                     if source == self.d.node_id
-                    else self._peer_endpoint(source)
+                    else self.stages.peer_endpoint(source)
                 )
                 for name in [*sorted(st["files"]), "manifest.json"]:
                     pull = FilePull(job_id=job_id, file=f"{st['folder']}/{name}", source=endpoint)
                     if target == self.d.node_id:
                         await self.d.jobs.stages.pull_file(pull.job_id, pull.file, pull.source)
                     else:
-                        await self.d._call(self._peer_endpoint(target), pull, 120.0)
+                        await self.d._call(self.stages.peer_endpoint(target), pull, 120.0)
             except (ServeError, RpcError, RpcTimeout, OSError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
@@ -820,26 +665,13 @@ class Serving:
             raise RpcError("bad_field", f"serve.plan: {exc}") from None
         return ServePlaced(serve_id=msg.serve_id, leader=self.d.node_id, stages=stages)
 
-    # --- every node: stage workers --------------------------------------------------------------
+    # --- every node: dispatch ---------------------------------------------------------------
 
     async def handle(self, msg: Any) -> Any:
         if isinstance(msg, ServePlace):
             return await self._place(msg)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
-        if isinstance(msg, ServeStageStart):
-            return await self._start_stage(msg)
-        if isinstance(msg, ServeStageConnect):
-            worker = self._worker(msg.serve_id, msg.attempt, msg.stage)
-            await worker.send_line({"op": "connect", "next": msg.next})
-            try:
-                await worker.wait_serving(CONNECT_TIMEOUT_S)
-            except RuntimeError as exc:
-                raise RpcError("stage_failed", str(exc)) from None
-            return ServeStage(
-                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
-                state="serving",
-            )  # fmt: skip
         if isinstance(msg, ServeStageExit):
             served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
             if served is not None and served.live_attempt == msg.attempt:
@@ -848,37 +680,9 @@ class Serving:
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="exited",
             )  # fmt: skip
-        if isinstance(msg, ServeStageStop):
-            keys = [
-                k
-                for k in self.workers
-                if k[0] == msg.serve_id
-                and k[1] == msg.attempt
-                and (msg.stage < 0 or k[2] == msg.stage)
-            ]
-            for key in keys:
-                await self.workers.pop(key).stop()
-            return ServeStage(
-                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
-                state="stopped",
-            )  # fmt: skip
+        if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop)):
+            return await self.stages.handle(msg)
         raise RpcError("unexpected", f"serving does not take {type(msg).TYPE}")
-
-    async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
-        try:
-            await self._call_node(issuer, msg, CONNECT_TIMEOUT_S)
-        except ServeError as exc:
-            log.info("could not tell %s that a serve worker died: %s", issuer, exc)
-
-    def _worker(self, serve_id: str, attempt: int, stage: int) -> ServeWorkerProcess:
-        worker = self.workers.get((serve_id, attempt, stage))
-        if worker is None:
-            raise RpcError(
-                "no_stage", f"no serve worker {serve_id} attempt {attempt} stage {stage} here"
-            )
-        return worker
-
-    # --- every node: the files a stage loads -----------------------------------------------
 
     async def _read_file(self, msg: ServeFileRead) -> ShardChunk:
         """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""
@@ -898,226 +702,6 @@ class Serving:
 
         return await asyncio.to_thread(read)
 
-    def _lock(self, key: str) -> asyncio.Lock:
-        return self._pulls.setdefault(key, asyncio.Lock())
-
-    def _peer_endpoint(self, node_id: str) -> str:
-        peer = self.d.members.peers.get(node_id)
-        if peer is None or not peer.alive:
-            raise ServeError(f"node {node_id} is not alive")
-        return peer.endpoint
-
-    def _reader(self, node_id: str, read_msg: Any) -> Any:
-        """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
-        endpoint = self._peer_endpoint(node_id)
-
-        async def read(file: str, offset: int, size: int) -> tuple[bytes, int]:
-            reply = await self.d._call(endpoint, read_msg(file, offset, size), 30.0)
-            if not isinstance(reply, ShardChunk):
-                raise ServeError(f"node {node_id} answered {type(reply).TYPE} to a file read")
-            return reply.data, reply.total
-
-        return read
-
-    async def _local_model(self, msg: ServeStageStart) -> str:
-        """The folder this node loads a folder model from: its own copy when every file
-        matches the issuer's listing (at the same path, or its embedded model), else a copy
-        fetched from the issuer into ``<state>/serve/models/<digest>``."""
-        from pathlib import Path
-
-        from swarmp2p.node import model_files
-        from swarmp2p.node.stages import CHUNK_BYTES
-        from swarmp2p.runtime.models import embedded_dir
-
-        model = str(msg.spec.get("model", ""))
-        if msg.files is None:
-            return model  # a Hub id: each node reads its own cache
-        listing = model_files.check_listing(msg.files)
-        cache = self.d.state.root / "serve" / "models" / model_files.listing_digest(listing)
-        candidates = [Path(model)] + ([embedded_dir()] if msg.env.get("embedded") else [])
-        async with self._lock(str(cache)):
-            for folder in (*candidates, cache):
-                if await asyncio.to_thread(model_files.matches, folder, listing):
-                    return str(folder)
-            if msg.issuer == self.d.node_id:
-                raise ServeError(f"{model} changed while it was being served; serve it again")
-            log.info("fetching %s (%d files) from %s", model, len(listing), msg.issuer)
-            serve_id = msg.serve_id
-            read = self._reader(
-                msg.issuer,
-                lambda f, o, n: ServeFileRead(serve_id=serve_id, file=f, offset=o, size=n),
-            )
-            await model_files.pull_files(
-                read, {k: v[1] for k, v in listing.items()}, cache, CHUNK_BYTES
-            )
-        return str(cache)
-
-    async def _local_shard(self, ask: dict[str, Any]) -> tuple[str, str | None]:
-        """(shard folder, tied-head file or None) of a trained stage on this node: the copy in
-        its job folder when intact, else fetched from a holder first."""
-        import json
-
-        from swarmp2p.node import model_files
-        from swarmp2p.node.stages import CHUNK_BYTES, _safe
-
-        job_id = str(ask.get("job_id", ""))
-        job_dir = self.d.jobs.stages.job_dir(job_id)
-        rel = _safe(str(ask.get("folder", "")))
-        folder = job_dir / rel
-        files = ask.get("files")
-        if not isinstance(files, dict) or not files:
-            raise ServeError(f"shard {rel}: no file list")
-        for name in files:
-            _safe(str(name))
-
-        def intact() -> bool:
-            try:
-                manifest = json.loads((folder / "manifest.json").read_text())
-            except (OSError, ValueError):
-                return False
-            if manifest.get("files") != files:
-                return False
-            return all(
-                (folder / n).is_file() and model_files.sha256_file(folder / n) == sha
-                for n, sha in files.items()
-            )
-
-        def job_reader(node: str, prefix: str) -> Any:
-            if node == self.d.node_id:
-                return model_files.local_reader(job_dir / prefix)
-            return self._reader(
-                node,
-                lambda f, o, n: ShardRead(job_id=job_id, file=f"{prefix}/{f}", offset=o, size=n),
-            )
-
-        async def from_any(sources: list[str], what: str, fetch: Any) -> None:
-            errors = []
-            for node in sources:
-                if node == self.d.node_id and what == "shard":
-                    continue  # this node's copy is the damaged one
-                try:
-                    await fetch(node)
-                    return
-                except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
-                    errors.append(f"{node}: {exc}")
-            raise ServeError(
-                f"cannot fetch {what} of job {job_id} from any holder ("
-                + ("; ".join(errors) or "none alive")
-                + ")"
-            )
-
-        async with self._lock(str(folder)):
-            if not await asyncio.to_thread(intact):
-                log.info("fetching shard %s of job %s", rel, job_id)
-                await from_any(
-                    list(ask.get("sources") or []),
-                    "shard",
-                    lambda node: model_files.pull_files(
-                        job_reader(node, rel),
-                        {**files, "manifest.json": None},
-                        folder,
-                        CHUNK_BYTES,
-                        last="manifest.json",
-                    ),
-                )
-                if not await asyncio.to_thread(intact):
-                    raise ServeError(f"shard {rel} of job {job_id}: its manifest lists other files than the registry")  # fmt: skip
-        tied = ask.get("tied")
-        if not tied:
-            return str(folder), None
-        file = _safe(str(tied.get("file", "")))
-        dest = job_dir / "serve" / (file.replace("/", "-") + ".head.safetensors")
-        async with self._lock(str(dest)):
-            if not dest.is_file():
-                prefix, name = file.rsplit("/", 1)
-                await from_any(
-                    list(tied.get("sources") or []),
-                    f"{file}'s embedding",
-                    lambda node: model_files.pull_non_block_tensors(
-                        job_reader(node, prefix), name, dest, CHUNK_BYTES
-                    ),
-                )
-        return str(folder), str(dest)
-
-    async def _start_stage(self, msg: ServeStageStart) -> ServeStage:
-        from swarmp2p.serve.spec import StageServeSpec
-
-        device_name = str(msg.env.get("device", "cpu"))
-        device, visible = device_for({"devices": [device_name]}, self.d.record)
-        local: dict[str, Any] = {}
-        try:
-            local["model"] = await self._local_model(msg)
-            if msg.shard is not None:
-                local["shard"], local["tied_head"] = await self._local_shard(msg.shard)
-        except (ServeError, ValueError, OSError, RpcTimeout) as exc:
-            raise RpcError("stage_failed", f"node {self.d.node_id}: {exc}") from None
-        try:
-            spec = StageServeSpec.from_dict(
-                {
-                    **msg.spec,
-                    **local,
-                    "token": self.d.secret.token,
-                    "host": self.d.addresses[0],
-                    "device": device,
-                }
-            )
-        except ValueError as exc:
-            raise RpcError("bad_field", str(exc)) from None
-        env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
-        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            here = max(int(msg.env.get("stages_here", 1) or 1), 1)
-            cores = int(self.d.host.get("cpu_cores") or 1)
-            env["OMP_NUM_THREADS"] = str(max(1, cores // here))
-        key = (msg.serve_id, msg.attempt, spec.stage_index)
-        if key in self.workers:
-            raise RpcError("exists", f"stage {spec.stage_index} of {msg.serve_id} already runs")
-        log_dir = self.d.state.root / "serve"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        worker: ServeWorkerProcess | None = None
-
-        def on_exit(code: int, tail: list[str]) -> None:
-            from swarmp2p.node.jobs import exit_message
-
-            why = exit_message(code) + (f": {tail[-1]}" if tail else "")
-            log.warning("serve worker %s stage %d %s", msg.serve_id, spec.stage_index, why)
-            if self.workers.get(key) is worker:
-                self.workers.pop(key)
-            exited = ServeStageExit(
-                serve_id=msg.serve_id,
-                attempt=msg.attempt,
-                stage=spec.stage_index,
-                node_id=self.d.node_id,
-                message=why,
-            )
-            self.d._spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
-
-        worker = ServeWorkerProcess(
-            job_id=msg.serve_id,
-            attempt=msg.attempt,
-            stage=spec.stage_index,
-            spec=replace(spec).to_dict(),
-            env=env,
-            on_event=lambda e: worker.event(e) if worker is not None else None,
-            on_exit=on_exit,
-            log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{spec.stage_index}.log"),
-        )
-        self.workers[key] = worker
-        try:
-            await worker.start()
-            ready = await worker.wait_ready(LOAD_TIMEOUT_S)
-        except (RuntimeError, asyncio.TimeoutError, OSError) as exc:
-            self.workers.pop(key, None)
-            await worker.stop()
-            what = str(exc) or f"no ready event in {LOAD_TIMEOUT_S:g} s"
-            raise RpcError("stage_failed", f"node {self.d.node_id}: {what}") from None
-        return ServeStage(
-            serve_id=msg.serve_id,
-            attempt=msg.attempt,
-            stage=spec.stage_index,
-            endpoint=str(ready["endpoint"]),
-            state="ready",
-        )
-
 
 def _fail_open(client: Any, reason: str) -> None:
     """Fail every open session of ``client`` now with ``reason`` (RingClient has no public
@@ -1126,74 +710,4 @@ def _fail_open(client: Any, reason: str) -> None:
         client.cancel(session, reason)
 
 
-def _trained(d: Daemon, model: str) -> dict[str, Any] | None:
-    """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
-    None when MODEL names no trained model."""
-    from swarmp2p.node.registry import models as registry_models
-
-    try:
-        known = registry_models(d.table.jobs)
-    except (KeyError, TypeError, ValueError):  # a registry this version cannot read
-        return None
-    entry = next((m for m in known if m.get("id") == model), None)
-    if entry is None:
-        return None
-    job = d.table.jobs.get(entry["job_id"], {}).get("record", {}).get("job", {})
-    return {**entry, "quantization": (job.get("model") or {}).get("quantization")}
-
-
-def _trained_settings(
-    trained: dict[str, Any], stages: int, req: dict[str, Any], quantization: dict | None
-) -> tuple[str, dict | None]:
-    """(dtype, quantization) a trained model serves with: the split, the quantization and by
-    default the dtype it was trained with."""
-    manifest = trained["manifest"]
-    split = manifest["split"]
-    if stages and stages != len(split):
-        raise ServeError(
-            f"stages: {trained['id']} was trained in {len(split)} stages {split}; it is served "
-            f"with that split (leave --stages out or give --stages {len(split)})"
-        )
-    theirs = trained.get("quantization")
-    if quantization is not None and quantization != theirs:
-        raise ServeError(
-            f"quantization: {trained['id']} was trained with quantization {theirs}; its shards "
-            "are served on the base they were trained on (leave --quantization out)"
-        )
-    missing = [s["stage"] for s in manifest["stages"] if not s.get("files")]
-    if missing:
-        raise ServeError(
-            f"model {trained['id']}: stage(s) {missing} have no exported shard in the registry"
-        )
-    dtype = req.get("dtype") or manifest["dtype"]
-    if dtype != manifest["dtype"]:
-        raise ServeError(
-            f"dtype: {trained['id']} was trained in {manifest['dtype']}; it is served in that "
-            "dtype (leave --dtype out)"
-        )
-    return dtype, theirs
-
-
-def _resolve(d: Daemon, model: str, trained: dict[str, Any] | None = None) -> str:
-    """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
-    on this node: its shape and tokenizer are read here."""
-    from swarmp2p.runtime.models import embedded_dir, embedded_ready, resolve_model_ref
-
-    what = f"the base model {model!r} of {trained['id']}" if trained else f"model {model!r}"
-    if model == EMBEDDED:
-        if not embedded_ready():
-            raise ServeError(
-                f"{what}: the embedded model is not converted yet on this node "
-                f"({embedded_dir()}); run `swarm doctor` or any `swarm plan` of it first"
-            )
-        return str(embedded_dir())
-    try:
-        return resolve_model_ref(model)
-    except ValueError as exc:
-        if trained:
-            nodes = sorted({s["node"] for s in trained["manifest"]["stages"]})
-            raise ServeError(
-                f"{what} is not on this node ({exc}); serve it from a node that has its base "
-                f"(it trained on {', '.join(nodes)})"
-            ) from None
-        raise ServeError(str(exc)) from None
+__all__ = ["ServeError", "Serving", "place_stages"]

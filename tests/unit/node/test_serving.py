@@ -16,7 +16,7 @@ from swarmp2p.node.messages import (
     ServeStageStart,
     ServeStageStop,
 )
-from swarmp2p.node.serving import ServeError, place_stages
+from swarmp2p.node.serve_placement import ServeError, place_stages
 from swarmp2p.plan import Pricing, StagePricer, Workload, from_config
 from swarmp2p.plan.model_shape import shape_from_wire, shape_to_wire
 from swarmp2p.wire.messages import decode, encode
