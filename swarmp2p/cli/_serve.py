@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -59,7 +60,9 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
                 quantization = json.loads(quantization)
             except ValueError as exc:
                 raise click.BadParameter(f"not JSON: {exc}", param_hint="--quantization") from None
-        view = control.serve(sd, {"model": model, "quantization": quantization, **options})
+        # the daemon runs in another folder: it reads a relative MODEL folder from this one
+        request = {"model": model, "quantization": quantization, "cwd": os.getcwd(), **options}
+        view = control.serve(sd, request)
     except (ApiError, ValueError) as exc:
         _fail(exc)
     if as_json:

@@ -220,6 +220,7 @@ class Daemon:
             await self._discovery.start()
         self._spawn(self._heartbeat_loop(), "heartbeats")
         self._elect()
+        self.serving.restore()
 
     async def _close(self) -> None:
         log.info("stopping node %s", self.node_id)
@@ -375,6 +376,7 @@ class Daemon:
             version=self.table.version,
             leader=self.leader,
             wall_time=time.time(),
+            serving=self.serving.issued(),
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -433,6 +435,7 @@ class Daemon:
         if not isinstance(reply, Heartbeat) or reply.node_id != node_id:
             return
         self.members.seen(node_id, self.clock())
+        self.serving.stages.issuer_claims(node_id, reply.serving, self.clock())
         if reply.wall_time:
             self._rt.skews[node_id] = reply.wall_time - (sent + time.time()) / 2
         theirs = (reply.term, reply.version)
@@ -629,6 +632,7 @@ class Daemon:
         if isinstance(msg, Heartbeat):
             if not self.members.seen(msg.node_id, now):
                 raise RpcError("unknown_peer", f"node {msg.node_id} must send node.hello first")
+            self.serving.stages.issuer_claims(msg.node_id, msg.serving, now)
             return self._heartbeat_msg()
         if isinstance(msg, NodeHello):
             self._check_hello(msg)

@@ -49,6 +49,9 @@ class Heartbeat(Message):
     leader: str
     wall_time: float = 0.0
     """The sender's ``time.time()``; peers estimate clock skew from it (0: not sent)."""
+    serving: list | None = None
+    """The serve ids the sender issues now (``swarm serve`` run there): a node stops the serve
+    workers of an id its issuer no longer claims (the issuer restarted or stopped it)."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)

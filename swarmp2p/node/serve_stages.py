@@ -104,6 +104,42 @@ class ServeStages:
         self._call_node = call_node
         self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
         self._pulls: dict[str, asyncio.Lock] = {}
+        self._issuers: dict[str, tuple[str, float]] = {}
+        """serve id -> (issuing node, when its first stage started here)."""
+        self._claims: dict[str, tuple[set[str], float]] = {}
+        """node -> (the serve ids its last heartbeat claimed, when it came)."""
+
+    # --- workers nobody issues any more ---------------------------------------------------------
+
+    def issuer_claims(self, node_id: str, serving: list | None, now: float) -> None:
+        """A heartbeat from ``node_id`` lists the serve ids it issues (None: a peer that does
+        not say; its workers are then reaped only when it dies)."""
+        if serving is not None:
+            self._claims[node_id] = ({str(s) for s in serving}, now)
+
+    def reap(self, alive: set[str], mine: set[str], now: float) -> None:
+        """Stop the workers of every serve id whose issuer died, or no longer claims it (it
+        restarted, or stopped serving while this node was unreachable)."""
+        grace = 2 * self.d.config.heartbeat_s
+        for serve_id in sorted({k[0] for k in self.workers}):
+            issuer, since = self._issuers.get(serve_id, ("", now))
+            if issuer == self.d.node_id:
+                why = None if serve_id in mine else "this node no longer serves it"
+            elif issuer not in alive:
+                why = f"its issuing node {issuer} is gone"
+            else:
+                claimed, at = self._claims.get(issuer, (None, 0.0))
+                stale = claimed is not None and at > since + grace and serve_id not in claimed
+                why = f"its issuing node {issuer} no longer serves it" if stale else None
+            if why is not None:
+                log.warning("stopping the serve workers of %s: %s", serve_id, why)
+                victims = [self.workers.pop(k) for k in list(self.workers) if k[0] == serve_id]
+                self.d._spawn(
+                    asyncio.gather(*(w.stop() for w in victims)), f"serve-reap:{serve_id}"
+                )
+        running = {k[0] for k in self.workers}
+        for serve_id in [s for s in self._issuers if s not in running]:
+            del self._issuers[serve_id]
 
     async def handle(self, msg: Any) -> Any:
         if isinstance(msg, ServeStageStart):
@@ -324,6 +360,7 @@ class ServeStages:
         key = (msg.serve_id, msg.attempt, spec.stage_index)
         if key in self.workers:
             raise RpcError("exists", f"stage {spec.stage_index} of {msg.serve_id} already runs")
+        self._issuers.setdefault(msg.serve_id, (msg.issuer, self.d.clock()))
         log_dir = self.d.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)
         worker: ServeWorkerProcess | None = None

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmp2p._atomic import write_atomic
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.messages import (
     ServeFileRead,
@@ -71,6 +74,14 @@ MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
 STEP_TIMEOUT_S = 60.0
 """A session that gets no token for this long fails (covers a re-placement's reload)."""
+SAVED_FILE = "served.json"
+RESTORE_FOR_S = 600.0
+"""How long a restarted daemon keeps trying to serve its saved models again."""
+RESTORE_EVERY_S = 5.0
+REQUEST_KEYS = (
+    "model", "name", "stages", "port", "host", "max_sessions", "max_context", "dtype",
+    "quantization", "api_key", "cwd",
+)  # fmt: skip
 _NAME = re.compile(r"^[\w./:@+-]{1,200}$")
 
 
@@ -90,6 +101,8 @@ class _Served:
     host: str
     port: int
     api_key: str | None
+    request: dict[str, Any] = field(default_factory=dict)
+    """The request it was served with (saved, to serve it again after a restart)."""
     shape: Any = None
     """The model's ModelShape, read here and sent to the leader with each placement."""
     trained: dict[str, Any] | None = None
@@ -154,11 +167,71 @@ class Serving:
         self.served: dict[str, _Served] = {}
         self.stages = ServeStages(daemon, self._call_node)
         self._serving_lock = asyncio.Lock()
+        self._restoring: dict[str, tuple[dict[str, Any], str, asyncio.Task | None]] = {}
+        """name -> (request, why it does not serve yet, its retry task): saved models being
+        served again after this daemon restarted."""
+
+    # --- served models outlive a restart of this daemon ----------------------------------------
+
+    @property
+    def _saved_file(self) -> Path:
+        return self.d.state.root / "serve" / SAVED_FILE
+
+    def _save(self) -> None:
+        """Record the requests of every served (and still restoring) model, 0600: a request
+        may hold an API key."""
+        saved = {name: req for name, (req, _, _) in self._restoring.items()}
+        saved.update({name: s.request for name, s in self.served.items() if s.request})
+        write_atomic(self._saved_file, json.dumps(saved, indent=2, sort_keys=True), mode=0o600)
+
+    def restore(self) -> None:
+        """Serve again what this node served when it stopped (``swarm serve --stop`` forgets a
+        model); each is retried until it serves or RESTORE_FOR_S has passed."""
+        try:
+            saved = json.loads(self._saved_file.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read %s (%s); serving nothing again", self._saved_file, exc)
+            return
+        for name, req in sorted(saved.items()) if isinstance(saved, dict) else []:
+            if isinstance(req, dict):
+                task = self.d._spawn(self._restore(name, req), f"serve-restore:{name}")
+                self._restoring[name] = (req, "waiting for the swarm to gather", task)
+
+    async def _restore(self, name: str, req: dict[str, Any]) -> None:
+        await asyncio.sleep(2 * self.d.config.failure_timeout_s)  # peers find each other first
+        deadline = self.d.clock() + RESTORE_FOR_S
+        while True:
+            try:
+                await self._api_serve(req, restoring=True)
+            except (ServeError, ValueError, OSError) as exc:
+                self._restoring[name] = (req, str(exc), self._restoring[name][2])
+                if self.d.clock() > deadline:
+                    log.warning("gave up serving %s again after a restart: %s", name, exc)
+                    self._restoring[name] = (req, f"gave up: {exc}", None)
+                    return
+                await asyncio.sleep(RESTORE_EVERY_S)
+                continue
+            self._restoring.pop(name, None)
+            log.info("serving %s again after a restart", name)
+            return
 
     # --- status and the local API -------------------------------------------------------------
 
+    def issued(self) -> list[str]:
+        """The serve ids this node issues now (sent with every heartbeat)."""
+        return sorted(s.serve_id for s in self.served.values())
+
     def status(self) -> list[dict[str, Any]]:
-        return [s.view() for _, s in sorted(self.served.items())]
+        views = {name: s.view() for name, s in self.served.items()}
+        for name, (_, why, task) in self._restoring.items():
+            views.setdefault(name, {
+                "model": name, "trained": None, "url": "", "failovers": 0, "replayed": 0,
+                "state": "restoring" if task is not None else "failed", "reason": why,
+                "stages": [],
+            })  # fmt: skip
+        return [views[name] for name in sorted(views)]
 
     def api_handlers(self) -> dict[str, Any]:
         return {"serve": self._api_serve, "serve_stop": self._api_stop, "served": self._api_list}
@@ -169,16 +242,26 @@ class Serving:
     async def _api_stop(self, req: dict[str, Any]) -> dict[str, Any]:
         name = req.get("model")
         served = self.served.get(name) if isinstance(name, str) else None
-        if served is None:
-            known = ", ".join(sorted(self.served)) or "none"
+        pending = self._restoring.pop(name, None) if isinstance(name, str) else None
+        if pending is not None and pending[2] is not None:
+            pending[2].cancel()
+        if served is None and pending is None:
+            known = ", ".join(sorted({*self.served, *self._restoring})) or "none"
             raise ServeError(f"model {name!r} is not served from this node (served: {known})")
-        await self._teardown(served)
-        self.served.pop(served.name, None)
-        log.info("stopped serving %s", served.name)
-        return {"model": served.name, "stopped": True}
+        if served is not None:
+            await self._teardown(served)
+            self.served.pop(served.name, None)
+        await asyncio.to_thread(self._save)
+        log.info("stopped serving %s", name)
+        return {"model": name, "stopped": True}
 
-    async def _api_serve(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_serve(self, req: dict[str, Any], restoring: bool = False) -> dict[str, Any]:
         served = await self._parse(req)
+        if not restoring and served.name in self._restoring:
+            raise ServeError(
+                f"model {served.name!r} is being served again after a restart "
+                f"({self._restoring[served.name][1]}); `swarm serve --stop {served.name}` first"
+            )
         async with self._serving_lock:
             if served.name in self.served:
                 raise ServeError(
@@ -194,6 +277,8 @@ class Serving:
             raise
         served.state = "serving"
         log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(served.placed))
+        self._restoring.pop(served.name, None)
+        await asyncio.to_thread(self._save)
         self._spawn_standby(served)
         return served.view()
 
@@ -228,10 +313,21 @@ class Serving:
         api_key = req.get("api_key") or None
         check_bind(host, api_key)
         trained = trained_entry(self.d, model)
+        cwd = req.get("cwd")
+        if (
+            trained is None
+            and isinstance(cwd, str)
+            and model != EMBEDDED
+            and not os.path.isabs(model)
+        ):
+            here = os.path.join(cwd, os.path.expanduser(model))
+            model_arg = os.path.abspath(here) if os.path.isdir(here) else model
+        else:
+            model_arg = model
         if trained is not None:
             dtype, quantization = trained_settings(trained, ints["stages"], req, quantization)
         folder = await asyncio.to_thread(
-            resolve_model, self.d, trained["base"] if trained else model, trained
+            resolve_model, self.d, trained["base"] if trained else model_arg, trained
         )
         from swarmp2p.plan import model_shape
 
@@ -254,6 +350,7 @@ class Serving:
             host=host,
             port=ints["port"],
             api_key=api_key,
+            request={k: req[k] for k in REQUEST_KEYS if req.get(k) is not None},
             shape=shape,
             trained=trained,
             holders=[[st["node"]] for st in trained["manifest"]["stages"]] if trained else [],
@@ -518,8 +615,10 @@ class Serving:
     # --- failover -------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Each heartbeat round: rebuild a ring that lost a stage node."""
+        """Each heartbeat round: stop stage workers nobody issues any more; rebuild a ring that
+        lost a stage node."""
         alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+        self.stages.reap(alive, set(self.issued()), self.d.clock())
         for served in self.served.values():
             if served.state == "failed" and served.client is not None:
                 _fail_open(served.client, served.reason)  # requests sent since fail at once

@@ -113,6 +113,16 @@ def _workers(node) -> int:
     return len(out.stdout.split())
 
 
+def _worker_pids(node) -> set[int]:
+    """Pids of the serve workers ``node``'s daemon runs now."""
+    out = subprocess.run(
+        ["pgrep", "-P", str(node.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
+        capture_output=True,
+        text=True,
+    )
+    return {int(p) for p in out.stdout.split()}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"))
@@ -316,3 +326,48 @@ def test_a_quantized_serve_equals_the_same_quantization_in_one_process(loopback_
     out = generate(json.loads(done.stdout)["url"], PROMPT, 24)
     assert out.returncode == 0, out.stderr + dump([a, b])
     assert out.stdout.rstrip("\n") == expected
+
+
+def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm, tiny):
+    a, b = _swarm(loopback_swarm, "ab")
+    port = free_port()
+    # issued on b from a relative path: the daemon reads it from the CLI's folder
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "serve", tiny.name, "--name", "tiny", "--stages", "2",
+         "--port", str(port), "--max-context", "256", "--api-key", "k3y", "--host", "127.0.0.1",
+         "--json", "--state-dir", str(b.state.root)],
+        capture_output=True, text=True, env=swarm_env(), cwd=tiny.parent, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b])
+    url = json.loads(done.stdout)["url"]
+    saved = b.state.root / "serve" / "served.json"
+    assert oct(saved.stat().st_mode & 0o777) == "0o600"  # it holds the API key
+    expected = greedy_text(tiny, PROMPT, 12)
+    before = _worker_pids(a)
+    assert len(before) == 1
+
+    # SIGKILL the issuer and bring it straight back, faster than a failure timeout: a reaps
+    # its stage worker when b's heartbeats stop claiming the old serve id; b serves again
+    b.kill()
+    b.start()
+    b.wait_up()
+    wait_until(lambda: [s["state"] for s in b.status()["served"]] == ["serving"], 90,
+               "b serving tiny again")  # fmt: skip
+    wait_until(lambda: len(_worker_pids(a)) == 1 and not before & _worker_pids(a), 30,
+               "a's old worker reaped and one new worker")  # fmt: skip
+    from swarmp2p.serve.client import complete_text
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    assert complete_text(url, "/v1/completions", body, api_key="k3y")[0] == expected
+
+    # stopped for good: forgotten, and a's worker stops
+    stopped = swarm(b, "serve", "--stop", "tiny")
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(saved.read_text()) == {}
+    wait_until(lambda: _workers(a) == 0, 20, "a's worker stopped")
+    # an issuer that goes away for good takes its remote workers with it
+    again = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port", str(port))
+    assert again.returncode == 0, again.stderr
+    assert _workers(a) == 1
+    b.kill()
+    wait_until(lambda: _workers(a) == 0, 30, "a reaping the workers of the dead issuer")
