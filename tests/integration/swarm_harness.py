@@ -55,6 +55,18 @@ def swarm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def swarm(node, *args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The `swarm` CLI against ``node``'s daemon (over its unix socket), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
 class NodeProc:
     """One daemon: ``swarm up --foreground`` with its own state dir, optionally in a netns."""
 

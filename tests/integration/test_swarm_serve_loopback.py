@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, free_port, swarm_env, wait_until
+from swarm_harness import ROOT, agreed_on, dump, free_port, swarm, swarm_env, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -77,17 +77,6 @@ def greedy_text(folder, prompt: str, max_new: int, model=None) -> str:
             pad_token_id=2,
         )
     return codec.decode(out[0, len(ids) :].tolist())
-
-
-def swarm(node, *args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
-        capture_output=True,
-        text=True,
-        env=swarm_env(),
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def generate(url: str, prompt: str, max_tokens: int, *, stream: bool = False, timeout=300):
@@ -332,12 +321,8 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     a, b = _swarm(loopback_swarm, "ab")
     port = free_port()
     # issued on b from a relative path: the daemon reads it from the CLI's folder
-    done = subprocess.run(
-        [sys.executable, "-m", "swarmp2p", "serve", tiny.name, "--name", "tiny", "--stages", "2",
-         "--port", str(port), "--max-context", "256", "--api-key", "k3y", "--host", "127.0.0.1",
-         "--json", "--state-dir", str(b.state.root)],
-        capture_output=True, text=True, env=swarm_env(), cwd=tiny.parent, timeout=300,
-    )  # fmt: skip
+    done = swarm(b, "serve", tiny.name, "--name", "tiny", "--stages", "2", "--port", str(port),
+                 "--max-context", "256", "--api-key", "k3y", "--json", cwd=tiny.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
     saved = b.state.root / "serve" / "served.json"

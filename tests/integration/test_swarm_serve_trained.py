@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, free_port, swarm_env, wait_until
+from swarm_harness import ROOT, agreed_on, dump, free_port, swarm, swarm_env, wait_until
 from test_swarm_serve_loopback import PROMPT, greedy_text, tiny_llama_with_tokenizer
 
 from swarmp2p.net.security import SwarmSecret
@@ -23,17 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch]
 TOKEN = SwarmSecret.generate().token
 ENV = {"OMP_NUM_THREADS": "1"}
 BOTTLENECK = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
-
-
-def swarm(node, *args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
-        capture_output=True,
-        text=True,
-        env=swarm_env(),
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def _swarm(loopback_swarm, ids):

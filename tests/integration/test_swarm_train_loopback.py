@@ -4,12 +4,10 @@ export; and a bad job refused with every error listed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
+from swarm_harness import agreed_on, dump, swarm, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -60,17 +58,6 @@ def _job(model, **train):
             **train,
         },
     }
-
-
-def swarm(node, *args, timeout=180):
-    return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
-        capture_output=True,
-        text=True,
-        env=swarm_env(),
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def test_bad_job_exits_2_listing_every_error_and_submits_nothing(loopback_swarm, tmp_path):

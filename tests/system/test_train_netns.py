@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
+from swarm_harness import agreed_on, dump, swarm, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -57,18 +55,6 @@ def _job(model, name="tiny", stages=3, **train):
         "train": {"steps": 6, "batch_size": 4, "seq_len": 8, "micro_batches": 2, "lr": 0.01,
                   "eval_batches": 2, "checkpoint_every": 0, **train},
     }  # fmt: skip
-
-
-def swarm(node, *args, timeout=240):
-    """The `swarm` CLI against ``node``'s daemon (over its unix socket)."""
-    return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
-        capture_output=True,
-        text=True,
-        env=swarm_env(),
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def _write(tmp_path, data, name="job.json"):
