@@ -93,15 +93,15 @@ def handlers(d: Daemon) -> dict[str, Any]:
             dest = out / f"stage-{stage['stage']}"
             if dest.exists():
                 shutil.rmtree(dest)
-            for rel in ["manifest.json", *sorted(stage["files"])]:
-                data = await _read_whole(d, stage["node"], model["job_id"], f"{stage['folder']}/{rel}")  # fmt: skip
-                want = stage["files"].get(rel)
-                if want is not None and hashlib.sha256(data).hexdigest() != want:
-                    raise ApiError(
-                        f"model {model['id']} stage {stage['stage']}: {rel} from node "
-                        f"{stage['node']} does not match its sha256; the shard is damaged"
-                    )
-                _write_atomic(dest / rel, data)
+            problems = []
+            for node in registry.holders(stage):  # the trainer first, then its copies
+                try:
+                    await _gather_stage(d, model, stage, node, dest)
+                    break
+                except ApiError as exc:
+                    problems.append(str(exc))
+            else:
+                raise ApiError("; ".join(problems))
             dirs.append(str(dest))
         return {"model": model, "shards": dirs}
 
@@ -114,6 +114,21 @@ def handlers(d: Daemon) -> dict[str, Any]:
         "models": models,
         "export": export,
     }
+
+
+async def _gather_stage(
+    d: Daemon, model: dict[str, Any], stage: dict[str, Any], node: str, dest: Path
+) -> None:
+    """Copy one stage's shard from ``node`` into ``dest``, every file checked."""
+    for rel in ["manifest.json", *sorted(stage["files"])]:
+        data = await _read_whole(d, node, model["job_id"], f"{stage['folder']}/{rel}")
+        want = stage["files"].get(rel)
+        if want is not None and hashlib.sha256(data).hexdigest() != want:
+            raise ApiError(
+                f"model {model['id']} stage {stage['stage']}: {rel} from node {node} does not "
+                "match its sha256; the shard is damaged"
+            )
+        _write_atomic(dest / rel, data)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -317,6 +317,17 @@ class ServeFileRead(Message):
     size: int
 
 
+@message("model.shard_copy")
+class ShardCopy(Message):
+    """To the leader: ``node_id`` now holds an intact copy of stage ``stage``'s shard of the
+    model job ``job_id`` trained; the registry lists it beside the node that trained it, so
+    serving and ``swarm export`` still find the shard when that node is gone."""
+
+    job_id: str
+    stage: int
+    node_id: str
+
+
 SERVE_MESSAGES = (
     ServeFileRead,
     ServePlace,
@@ -324,5 +335,6 @@ SERVE_MESSAGES = (
     ServeStageConnect,
     ServeStageStop,
     ServeStageExit,
+    ShardCopy,
 )
 """The requests the daemon hands to its serving side."""

@@ -1,8 +1,9 @@
 """The model registry: a COMPLETED job's model, kept in its job-table record. Pure.
 
 A model's manifest names the base model, split, compression, LoRA, dtype, evaluation, and
-where each stage shard is (node, folder inside the job folder) with the sha256 of every file.
-Shards stay on the nodes that trained them; ``swarm export`` gathers them (``gather_plan``).
+where each stage shard is (node, folder inside the job folder, and the nodes holding copies)
+with the sha256 of every file. Shards stay on the nodes that trained them (``swarm serve``
+adds a standby copy of each); ``swarm export`` gathers them from any holder.
 """
 
 from __future__ import annotations
@@ -60,6 +61,27 @@ def model_entry(model_id: str, job_id: str, record: Mapping[str, Any]) -> dict[s
             "stages": stages,
         },
     }
+
+
+def holders(stage: Mapping[str, Any]) -> list[str]:
+    """The nodes holding a registry stage's shard: the one that trained it, then the copies
+    made since (``swarm serve`` keeps a standby copy of every shard)."""
+    return [stage["node"], *(n for n in stage.get("copies", []) if n != stage["node"])]
+
+
+def add_copy(model: Mapping[str, Any], stage: int, node_id: str) -> dict[str, Any] | None:
+    """``model`` with ``node_id`` listed as holding a copy of stage ``stage``'s shard; None
+    when it is listed already. ValueError for a stage the model does not have."""
+    import copy
+
+    out = copy.deepcopy(dict(model))
+    stages = out["manifest"]["stages"]
+    if not 0 <= stage < len(stages):
+        raise ValueError(f"model {out['id']} has no stage {stage} (it has {len(stages)})")
+    if node_id in holders(stages[stage]):
+        return None
+    stages[stage]["copies"] = [*stages[stage].get("copies", []), node_id]
+    return out
 
 
 def models(jobs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p._atomic import write_atomic
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.messages import (
+    JobAck,
     ServeFileRead,
     ServePlace,
     ServePlaced,
@@ -50,7 +51,9 @@ from swarmp2p.node.messages import (
     ServeStageStart,
     ServeStageStop,
     ShardChunk,
+    ShardCopy,
 )
+from swarmp2p.node.registry import add_copy, holders
 from swarmp2p.node.serve_placement import (
     DTYPES,
     ServeError,
@@ -167,6 +170,7 @@ class Serving:
         self.served: dict[str, _Served] = {}
         self.stages = ServeStages(daemon, self._call_node)
         self._serving_lock = asyncio.Lock()
+        self._copy_lock = asyncio.Lock()
         self._restoring: dict[str, tuple[dict[str, Any], str, asyncio.Task | None]] = {}
         """name -> (request, why it does not serve yet, its retry task): saved models being
         served again after this daemon restarted."""
@@ -353,7 +357,7 @@ class Serving:
             request={k: req[k] for k in REQUEST_KEYS if req.get(k) is not None},
             shape=shape,
             trained=trained,
-            holders=[[st["node"]] for st in trained["manifest"]["stages"]] if trained else [],
+            holders=[holders(st) for st in trained["manifest"]["stages"]] if trained else [],
             embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
         )
 
@@ -534,7 +538,7 @@ class Serving:
                 reply = await self._call_node(s["node_id"], msg, START_TIMEOUT_S)
                 s["worker"] = reply.endpoint
                 if served.trained and s["node_id"] not in served.holders[i]:
-                    served.holders[i].append(s["node_id"])  # it fetched a copy
+                    self._note_copy(served, i, s["node_id"])  # it fetched a copy
                 return reply
 
             await asyncio.gather(*(start(i, s) for i, s in enumerate(placed)))
@@ -684,6 +688,40 @@ class Serving:
 
     # --- standby copies of a trained model's shards ---------------------------------------------
 
+    def _note_copy(self, served: _Served, stage: int, node: str) -> None:
+        """``node`` holds a copy of ``stage``'s shard now: use it here, and have the leader
+        list it in the registry (best effort: a copy it misses is only not found later)."""
+        served.holders[stage].append(node)
+        note = ShardCopy(job_id=served.trained["job_id"], stage=stage, node_id=node)
+
+        async def tell() -> None:
+            try:
+                if self.d.leader == self.d.node_id:
+                    await self._record_copy(note)
+                else:
+                    await self.d._call(self.stages.peer_endpoint(self.d.leader), note, 10.0)
+            except (ServeError, RpcError, RpcTimeout) as exc:
+                log.info("the registry does not list %s's copy of stage %d: %s", node, stage, exc)
+
+        self.d._spawn(tell(), f"shard-copy:{note.job_id}:{stage}")
+
+    async def _record_copy(self, msg: ShardCopy) -> JobAck:
+        """Leader: list ``msg.node_id`` as holding a copy of the stage's shard."""
+        if self.d.leader != self.d.node_id:
+            raise RpcError("not_leader", f"node {self.d.node_id} is not the leader")
+        async with self._copy_lock:
+            entry = self.d.table.jobs.get(msg.job_id)
+            model = (entry or {}).get("record", {}).get("model")
+            if not isinstance(model, dict):
+                raise RpcError("no_model", f"job {msg.job_id} registered no model")
+            try:
+                updated = add_copy(model, msg.stage, msg.node_id)
+            except ValueError as exc:
+                raise RpcError("bad_field", str(exc)) from None
+            if updated is not None:
+                await self.d.update_job(msg.job_id, {"model": updated}, "")
+        return JobAck(job_id=msg.job_id)
+
     def _spawn_standby(self, served: _Served) -> None:
         if served.trained is not None:
             self.d._spawn(self._standby(served), f"serve-standby:{served.name}")
@@ -722,7 +760,7 @@ class Serving:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
             if target not in served.holders[i]:
-                served.holders[i].append(target)
+                self._note_copy(served, i, target)
             log.info("serving %s: stage %d's shard has a standby copy on %s", served.name, i, target)  # fmt: skip
 
     # --- the leader: placement ------------------------------------------------------------------
@@ -771,6 +809,8 @@ class Serving:
             return await self._place(msg)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
+        if isinstance(msg, ShardCopy):
+            return await self._record_copy(msg)
         if isinstance(msg, ServeStageExit):
             served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
             if served is not None and served.live_attempt == msg.attempt:

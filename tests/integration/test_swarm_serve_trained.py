@@ -140,7 +140,10 @@ def test_a_trained_lora_bottleneck_model_serves_in_place_and_survives_a_stage_ho
     reader = threading.Thread(target=_generate_stream, args=(served["url"], body, pieces, errors, first))  # fmt: skip
     reader.start()
     assert first.wait(120), "no first token"
-    victim = by_id[trained_on[1]]  # the last stage's host: its shard survives as the standby
+    # a stage's host (not the leader a: leader failover is tested elsewhere); its shard lives
+    # on as the standby copy
+    k = 1 if trained_on[1] != "a" else 0
+    victim = by_id[trained_on[k]]
     victim.kill()
     at_kill = len(pieces)
     reader.join(180)
@@ -150,7 +153,38 @@ def test_a_trained_lora_bottleneck_model_serves_in_place_and_survives_a_stage_ho
     assert "".join(pieces) == expected
     after = issuer.status()["served"][0]
     assert after["failovers"] == 1 and after["replayed"] == 1
-    assert after["stages"][1]["node"] == holders[1][1]  # re-placed on the standby copy
+    assert after["stages"][k]["node"] == holders[k][1]  # re-placed on the standby copy
+
+    # the registry lists the copies, so the model outlives the node that trained stage k:
+    # `swarm export` gathers that stage from its copy
+    def listed():
+        models = json.loads(swarm(issuer, "models", "--json").stdout)
+        return [[s["node"], *s.get("copies", [])] for s in models[0]["manifest"]["stages"]]
+
+    # after the failover stage k gets a new standby copy too (its old holder is gone)
+    wait_until(
+        lambda: (
+            listed() == [s["holders"] for s in issuer.status()["served"][0]["stages"]]
+            and all(len(h) >= 2 for h in listed())
+        ),
+        60,
+        "the registry to list every copy",
+    )
+    assert [h[: len(old)] for h, old in zip(listed(), holders)] == holders
+    out = tmp_path / "exported"
+    exported = swarm(issuer, "export", "tuned", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
+    trained = reconstruct_from_shards(base, shards, merge_adapters=False).eval()
+    ids = torch.tensor([[5, 17, 300, 42, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(ids).logits, trained(ids).logits)
 
 
 def test_a_tied_model_fully_fine_tuned_serves_with_stage_0s_embedding_as_exported(

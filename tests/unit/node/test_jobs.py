@@ -284,6 +284,14 @@ def test_model_ids_are_unique_and_the_registry_lists_completed_models():
     assert [m["id"] for m in registry.models(table)] == ["t"]
     with pytest.raises(ValueError, match="no model 'u' in the registry \\(known: t\\)"):
         registry.find_model(table, "u")
+    # a copy of a shard is listed after the node that trained it, once
+    assert [registry.holders(s) for s in entry["manifest"]["stages"]] == [["a"], ["b"]]
+    copied = registry.add_copy(entry, 1, "c")
+    assert [registry.holders(s) for s in copied["manifest"]["stages"]] == [["a"], ["b", "c"]]
+    assert entry["manifest"]["stages"][1].get("copies") is None  # the entry itself is unchanged
+    assert registry.add_copy(copied, 1, "c") is None and registry.add_copy(copied, 1, "b") is None
+    with pytest.raises(ValueError, match="has no stage 2"):
+        registry.add_copy(entry, 2, "c")
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from swarmp2p.node.messages import (
     ServeStageExit,
     ServeStageStart,
     ServeStageStop,
+    ShardCopy,
 )
 from swarmp2p.node.serve_placement import ServeError, place_stages
 from swarmp2p.plan import Pricing, StagePricer, Workload, from_config
@@ -154,6 +155,7 @@ def test_bad_placements_say_why(records, stages, message):
                         shard={"job_id": "j1", "folder": "export/stage-1", "files": {},
                                "sources": ["a"], "tied": None}),
         ServeFileRead(serve_id="s1", file="model.safetensors", offset=0, size=1 << 20),
+        ShardCopy(job_id="j1", stage=1, node_id="c"),
     ],
 )  # fmt: skip
 def test_serve_messages_round_trip(msg):
@@ -163,7 +165,7 @@ def test_serve_messages_round_trip(msg):
 def test_the_daemon_routes_exactly_the_serve_requests():
     assert set(SERVE_MESSAGES) == {
         ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit,
-        ServeFileRead,
+        ServeFileRead, ShardCopy,
     }  # fmt: skip
 
 
