@@ -10,7 +10,7 @@ import pytest
 # the suite imports test modules with --import-mode=importlib: make the harness importable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from swarm_harness import NodeProc, free_port
+from swarm_harness import NodeProc, agreed_on, free_port, wait_until
 
 
 class LoopbackSwarm:
@@ -41,6 +41,17 @@ class LoopbackSwarm:
         node = NodeProc(self.tmp_path / node_id, args, env=env)
         self.nodes.append(node)
         return node
+
+    def start(self, ids: str, *, token: str, env=None) -> list[NodeProc]:
+        """Daemons ``ids`` (one letter each) that all know each other, up, and agreed on the
+        first as leader."""
+        self.reserve(*ids)
+        nodes = [self.node(n, token=token, env=env).start() for n in ids]
+        for node in nodes:
+            node.wait_up()
+        wait_until(lambda: agreed_on(nodes, ids[0], len(ids)), 30, f"{ids} agreeing on a leader")
+        wait_until(lambda: nodes[0].status()["leader_ready"], 30, f"leader {ids[0]} ready")
+        return nodes
 
     def stop_all(self) -> None:
         for node in self.nodes:

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, free_port, swarm, swarm_env, wait_until
+from swarm_harness import ROOT, dump, free_port, swarm, swarm_env, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -118,13 +118,7 @@ def tiny(tmp_path_factory):
 
 
 def _swarm(loopback_swarm, ids="abc", env=ENV):
-    loopback_swarm.reserve(*ids)
-    nodes = [loopback_swarm.node(n, token=TOKEN, env=env).start() for n in ids]
-    for node in nodes:
-        node.wait_up()
-    wait_until(lambda: agreed_on(nodes, "a", len(ids)), 30, f"{ids} agreeing on leader a")
-    wait_until(lambda: nodes[0].status()["leader_ready"], 30, "leader a ready")
-    return nodes
+    return loopback_swarm.start(ids, token=TOKEN, env=env)
 
 
 def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loopback_swarm, tiny):

@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, free_port, swarm, swarm_env, wait_until
+from swarm_harness import ROOT, dump, free_port, swarm, swarm_env, wait_until
 from test_swarm_serve_loopback import PROMPT, greedy_text, tiny_llama_with_tokenizer
 
 from swarmp2p.net.security import SwarmSecret
@@ -26,13 +26,7 @@ BOTTLENECK = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
 
 
 def _swarm(loopback_swarm, ids):
-    loopback_swarm.reserve(*ids)
-    nodes = [loopback_swarm.node(n, token=TOKEN, env=ENV).start() for n in ids]
-    for node in nodes:
-        node.wait_up()
-    wait_until(lambda: agreed_on(nodes, "a", len(ids)), 30, f"{ids} agreeing on leader a")
-    wait_until(lambda: nodes[0].status()["leader_ready"], 30, "leader a ready")
-    return nodes
+    return loopback_swarm.start(ids, token=TOKEN, env=ENV)
 
 
 def _train(node, tmp_path, base, name, *, lora, compression="none", nodes=()):

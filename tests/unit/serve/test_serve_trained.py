@@ -480,6 +480,14 @@ def test_stage_spec_shard_fields_are_validated():
         StageServeSpec.from_dict({**good, "shard": ""})
 
 
+def _first_spec(folder, dirs, **fields):
+    """The spec of the first of two stages (blocks 0-1) serving ``dirs[0]``."""
+    return StageServeSpec(
+        model=str(folder), stage_index=0, layer_start=0, layer_end=2, is_first_stage=True,
+        is_last_stage=False, shard=str(dirs[0]), **{"token": "t", **fields},
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_serve_worker_processes_serve_trained_shards(tied):
     """Two real ``python -m swarmp2p.runtime.serve_worker`` processes over CURVE links: the tied
@@ -495,19 +503,7 @@ def test_serve_worker_processes_serve_trained_shards(tied):
     reference = reconstruct_from_shards(folder, dirs).eval()
     want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
     secret = SwarmSecret.generate()
-    spec = StageServeSpec(
-        model=str(folder),
-        stage_index=0,
-        layer_start=0,
-        layer_end=2,
-        is_first_stage=True,
-        is_last_stage=False,
-        token=secret.token,
-        shard=str(dirs[0]),
-        send_codes=True,
-        threads=1,
-        max_context=64,
-    )
+    spec = _first_spec(folder, dirs, token=secret.token, send_codes=True, threads=1, max_context=64)
     specs = [
         spec,
         replace(
@@ -556,17 +552,7 @@ def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another
     from swarmp2p.runtime.torch.serve import StageServer
 
     folder, dirs, _, _, _ = tied
-    spec = StageServeSpec(
-        model=str(folder),
-        stage_index=0,
-        layer_start=0,
-        layer_end=2,
-        is_first_stage=True,
-        is_last_stage=False,
-        token="t",
-        shard=str(dirs[0]),
-        send_compression="fixed_int8",
-    )
+    spec = _first_spec(folder, dirs, send_compression="fixed_int8")
     with pytest.raises(ValueError, match=r"asks for 'fixed_int8', but shard .* 'learned'"):
         _load_trained(spec)
     first = _load_trained(replace(spec, send_compression="none"))
