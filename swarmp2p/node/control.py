@@ -251,7 +251,9 @@ def format_status(s: dict[str, Any]) -> str:
     for m in s.get("served") or []:
         stages = ", ".join(f"{st['node']} [{st['layers'][0]}-{st['layers'][1] - 1}]"
                            for st in m["stages"])  # fmt: skip
-        lines.append(f"served  {m['model']} at {m['url']}/v1 ({m['state']}): {stages}")
+        where = f" at {m['url']}/v1" if m.get("url") else ""
+        why = f"; {m['reason']}" if m.get("reason") else ""
+        lines.append(f"served  {m['model']}{where} ({m['state']}): {stages or '-'}{why}")
     return "\n".join(lines)
 
 

@@ -155,3 +155,16 @@ def test_status_table():
     assert "cuda:A5000 20.0G/24.0G cc8.6 (fake)" in text
     row_b = next(line for line in text.splitlines() if line.startswith("b "))
     assert " NO " in row_b
+    status["served"] = [
+        {"model": "tiny", "url": "http://127.0.0.1:8080", "state": "serving", "reason": "",
+         "stages": [{"node": "a", "layers": [0, 2]}, {"node": "b", "layers": [2, 4]}]},
+        {"model": "tuned", "url": "", "state": "restoring", "stages": [],
+         "reason": "the leader a is not reachable; retry"},
+    ]  # fmt: skip
+    served = [
+        line for line in control.format_status(status).splitlines() if line.startswith("served")
+    ]
+    assert served == [
+        "served  tiny at http://127.0.0.1:8080/v1 (serving): a [0-1], b [2-3]",
+        "served  tuned (restoring): -; the leader a is not reachable; retry",
+    ]
