@@ -382,8 +382,10 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
 
 
-SERVE_TIMEOUT_S = 600.0
-"""`swarm serve` waits this long for every stage to load (a large model reads for minutes)."""
+SERVE_TIMEOUT_S = 3600.0
+"""`swarm serve` waits this long for every stage to start: a stage node may first fetch the
+model's files or a trained shard (tens of GB over 1 GbE take minutes), then load. A stalled
+fetch fails sooner: every chunk has its own timeout."""
 
 
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:

@@ -70,9 +70,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.serving")
 
-START_TIMEOUT_S = 540.0
+START_TIMEOUT_S = 3500.0
 """How long the issuing node waits for a stage to start: fetching the model's files or a
-trained shard to that node first, then loading."""
+trained shard to that node first (chunks time out on their own), then loading."""
+COPY_TIMEOUT_S = 3600.0
+"""How long one file of a standby copy may take (chunks time out on their own)."""
 MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
 STEP_TIMEOUT_S = 60.0
@@ -755,7 +757,7 @@ class Serving:
                     if target == self.d.node_id:
                         await self.d.jobs.stages.pull_file(pull.job_id, pull.file, pull.source)
                     else:
-                        await self.d._call(self.stages.peer_endpoint(target), pull, 120.0)
+                        await self.d._call(self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S)
             except (ServeError, RpcError, RpcTimeout, OSError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
