@@ -67,6 +67,53 @@ def swarm(node, *args: str, timeout: float = 300, cwd: Path = ROOT) -> subproces
     )
 
 
+def worker_pids(node, module: str = "swarmp2p.runtime.worker") -> set[int]:
+    """Pids of the live (not zombie) processes running ``module`` whose parent is ``node``'s
+    daemon: its training stage workers, or with ``swarmp2p.runtime.serve_worker`` its serve
+    workers."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == node.proc.pid and fields[0] != "Z" and module.encode() in argv:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def tiny_llama(
+    folder: Path,
+    *,
+    vocab: int = 128,
+    layers: int = 4,
+    max_positions: int = 64,
+    tied: bool = False,
+    shard_size: str = "40KB",
+    **config: Any,
+) -> Path:
+    """A random tiny Llama (hidden 32) saved in ``folder`` in several safetensors shards."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    llama = tf.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tied,
+        **config,
+    )
+    model = tf.AutoModelForCausalLM.from_config(llama, attn_implementation="sdpa").float()
+    model.save_pretrained(folder, max_shard_size=shard_size)
+    return folder
+
+
 class NodeProc:
     """One daemon: ``swarm up --foreground`` with its own state dir, optionally in a netns."""
 

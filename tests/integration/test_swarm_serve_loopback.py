@@ -16,7 +16,16 @@ import threading
 import time
 
 import pytest
-from swarm_harness import ROOT, dump, free_port, swarm, swarm_env, wait_until
+from swarm_harness import (
+    ROOT,
+    dump,
+    free_port,
+    swarm,
+    swarm_env,
+    tiny_llama,
+    wait_until,
+    worker_pids,
+)
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -29,27 +38,11 @@ PROMPT = "The capital of France is"
 
 def tiny_llama_with_tokenizer(folder, *, tied: bool = False):
     """A 4-block random Llama with the embedded model's tokenizer (its vocabulary size)."""
-    import torch
-    import transformers as tf
-
     from swarmp2p.runtime.models import resolve_model_ref
 
     embedded = resolve_model_ref("embedded")
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tied,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
-    model.save_pretrained(folder, max_shard_size="2MB")
+    tiny_llama(folder, vocab=49152, max_positions=512, tied=tied, shard_size="2MB",
+               eos_token_id=2, bos_token_id=1)  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{embedded}/{name}", folder / name)
     return folder
@@ -92,24 +85,13 @@ def generate(url: str, prompt: str, max_tokens: int, *, stream: bool = False, ti
     )
 
 
-def _workers(node) -> int:
-    """Serve workers this daemon runs now (its direct children running serve_worker)."""
-    out = subprocess.run(
-        ["pgrep", "-P", str(node.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
-        capture_output=True,
-        text=True,
-    )
-    return len(out.stdout.split())
-
-
 def _worker_pids(node) -> set[int]:
     """Pids of the serve workers ``node``'s daemon runs now."""
-    out = subprocess.run(
-        ["pgrep", "-P", str(node.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
-        capture_output=True,
-        text=True,
-    )
-    return {int(p) for p in out.stdout.split()}
+    return worker_pids(node, "swarmp2p.runtime.serve_worker")
+
+
+def _workers(node) -> int:
+    return len(_worker_pids(node))
 
 
 @pytest.fixture(scope="module")
@@ -263,10 +245,7 @@ def test_a_stage_worker_killed_on_a_live_node_is_restarted_and_the_text_is_uncha
                  str(free_port()), "--max-context", "512", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr + dump([a])
     url = json.loads(done.stdout)["url"]
-    workers = subprocess.run(
-        ["pgrep", "-P", str(a.proc.pid), "-f", "swarmp2p.runtime.serve_worker"],
-        capture_output=True, text=True,
-    ).stdout.split()  # fmt: skip
+    workers = sorted(_worker_pids(a))
     assert len(workers) == 2
     expected = greedy_text(tiny, PROMPT, 400)
 
@@ -275,7 +254,7 @@ def test_a_stage_worker_killed_on_a_live_node_is_restarted_and_the_text_is_uncha
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
     stream = stream_text(url, "/v1/completions", body)
     pieces = [next(stream)]
-    os.kill(int(workers[-1]), signal.SIGKILL)  # the node lives on; its daemon reports the exit
+    os.kill(workers[-1], signal.SIGKILL)  # the node lives on; its daemon reports the exit
     pieces.extend(stream)
     assert "".join(pieces) == expected
     served = a.status()["served"][0]

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from swarm_harness import agreed_on, dump, swarm, wait_until
+from swarm_harness import agreed_on, dump, swarm, tiny_llama, wait_until, worker_pids
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -19,23 +19,7 @@ ENV = {"OMP_NUM_THREADS": "1"}  # the daemons share this machine's cores
 
 
 def _tiny_llama(folder):
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
-    model.save_pretrained(folder, max_shard_size="40KB")
-    return folder
+    return tiny_llama(folder, vocab=VOCAB)
 
 
 def _job(model, **train):
@@ -156,18 +140,7 @@ def _two_nodes(loopback_swarm):
 
 def _workers_of(node) -> list[int]:
     """Live stage worker processes whose parent is ``node``'s daemon."""
-    from pathlib import Path
-
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == node.proc.pid and fields[0] != "Z" and b"runtime.worker" in cmd:
-            out.append(int(stat.parent.name))
-    return out
+    return sorted(worker_pids(node))
 
 
 def _entry(node, job_id):

@@ -7,10 +7,10 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from swarm_harness import agreed_on, dump, swarm, wait_until
+import swarm_harness
+from swarm_harness import agreed_on, dump, swarm, wait_until, worker_pids
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -24,24 +24,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """A tiny Llama in a folder every namespace host reads (they share the filesystem)."""
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
-    model.save_pretrained(folder, max_shard_size="40KB")
-    return folder
+    return swarm_harness.tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab=VOCAB, layers=6)
 
 
 def _job(model, name="tiny", stages=3, **train):
@@ -91,16 +74,7 @@ def _submit(node, job_file):
 
 def _workers_of(node) -> list[int]:
     """Live stage worker processes whose parent is ``node``'s daemon."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == node.proc.pid and fields[0] != "Z" and b"runtime.worker" in cmd:
-            out.append(int(stat.parent.name))
-    return out
+    return sorted(worker_pids(node))
 
 
 def _raw(node, job_id):
