@@ -23,6 +23,8 @@ MODEL_FILE = re.compile(
 )
 """The files of a model folder a stage loads (tokenizer files stay with the issuing node)."""
 HEADER_LIMIT = 100 * 2**20
+CHUNK_TIMEOUT_S = 30.0
+"""How long one chunk of a file may take to arrive: a stalled copy fails at this."""
 _BLOCK_TENSOR = re.compile(r"\.\d+\.")
 """A tensor name with a numeric path component belongs to a block (``model.layers.3.…``)."""
 
@@ -213,6 +215,25 @@ async def pull_non_block_tensors(read: Reader, file: str, dest: Path, chunk: int
     dest.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(dest, write)
     return wanted
+
+
+def rpc_reader(
+    call: Callable[[str, Any, float], Awaitable[Any]],
+    endpoint: str,
+    request: Callable[[str, int, int], Any],
+    timeout: float = CHUNK_TIMEOUT_S,
+) -> Reader:
+    """A Reader over the swarm's RPC: ``request(file, offset, size)`` is the message sent to
+    ``endpoint`` with ``call``; the answer must be a ``job.shard_chunk``."""
+    from swarmp2p.node.messages import ShardChunk
+
+    async def read(file: str, offset: int, size: int) -> tuple[bytes, int]:
+        reply = await call(endpoint, request(file, offset, size), timeout)
+        if not isinstance(reply, ShardChunk):
+            raise ValueError(f"{endpoint} answered {type(reply).TYPE} to a read of {file}")
+        return reply.data, reply.total
+
+    return read
 
 
 def local_reader(folder: Path) -> Reader:

@@ -21,7 +21,6 @@ from swarmp2p.node.messages import (
     ServeStageExit,
     ServeStageStart,
     ServeStageStop,
-    ShardChunk,
     ShardRead,
 )
 from swarmp2p.node.serve_placement import ServeError
@@ -198,15 +197,9 @@ class ServeStages:
 
     def _reader(self, node_id: str, read_msg: Any) -> Any:
         """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
-        endpoint = self.peer_endpoint(node_id)
+        from swarmp2p.node.model_files import rpc_reader
 
-        async def read(file: str, offset: int, size: int) -> tuple[bytes, int]:
-            reply = await self.d._call(endpoint, read_msg(file, offset, size), 30.0)
-            if not isinstance(reply, ShardChunk):
-                raise ServeError(f"node {node_id} answered {type(reply).TYPE} to a file read")
-            return reply.data, reply.total
-
-        return read
+        return rpc_reader(self.d._call, self.peer_endpoint(node_id), read_msg)
 
     async def _local_model(self, msg: ServeStageStart) -> str:
         """The folder this node loads a folder model from: its own copy when every file

@@ -758,7 +758,7 @@ class Serving:
                         await self.d.jobs.stages.pull_file(pull.job_id, pull.file, pull.source)
                     else:
                         await self.d._call(self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S)
-            except (ServeError, RpcError, RpcTimeout, OSError) as exc:
+            except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
             if target not in served.holders[i]:

@@ -69,24 +69,15 @@ class StageHost:
 
     async def pull_file(self, job_id: str, file: str, source: str) -> Path:
         """Copy a file of a job's folder from the node at ``source``, atomically."""
+        from swarmp2p.node import model_files
+
         dest = self.job_dir(job_id) / _safe(file)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.part")
-        offset = 0
-        with open(tmp, "wb") as out:
-            while True:
-                reply = await self.d._call(
-                    source,
-                    ShardRead(job_id=job_id, file=file, offset=offset, size=CHUNK_BYTES),
-                    30.0,
-                )
-                if not isinstance(reply, ShardChunk):
-                    raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.shard_chunk")
-                out.write(reply.data)
-                offset += len(reply.data)
-                if offset >= reply.total or not reply.data:
-                    break
-        os.replace(tmp, dest)
+        read = model_files.rpc_reader(
+            self.d._call,
+            source,
+            lambda f, offset, size: ShardRead(job_id=job_id, file=f, offset=offset, size=size),
+        )
+        await model_files.pull_file(read, file, dest, None, CHUNK_BYTES)
         return dest
 
     async def start_stage(self, msg: StageStart) -> StageReady:
@@ -193,7 +184,7 @@ class StageHost:
             if node_id == self.d.node_id or peer is None or not peer.alive:
                 continue
             file = f"snapshots/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
-            with contextlib.suppress(RpcError, RpcTimeout):
+            with contextlib.suppress(RpcError, RpcTimeout, OSError, ValueError):
                 await self.pull_file(msg.job_id, file, peer.endpoint)
                 return
         raise RpcError(
