@@ -19,25 +19,15 @@ Estimates are in GB of 2**30 bytes, the unit the reference's published numbers u
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show
 
 GB = 2**30
 """Bytes in the "GB" every message prints (the reference's unit)."""
 
-_KEYS = (
-    "bits",
-    "method",
-    "quant_type",
-    "double_quant",
-    "compute_dtype",
-    "threshold",
-    "cpu_offload",
-    "skip_modules",
-)
 _METHODS = {"int8": (8, None), "nf4": (4, "nf4"), "fp4": (4, "fp4"), "none": (None, None)}
 
 # Scale overhead per parameter, in bytes. 8 bits: int8 codes plus their float32 scales
@@ -64,6 +54,14 @@ class QuantSpec:
     skip_modules: tuple[str, ...] | None = None
     """None: the output head stays in full precision; () defers to transformers."""
 
+    @classmethod
+    def from_data(cls, value: Any, path: str) -> QuantSpec | None:
+        """A job's or spec's ``quantization`` field (None: no quantization)."""
+        return parse_quantization(value, path)
+
+    def to_data(self) -> dict[str, Any]:
+        return self.to_dict()
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "bits": self.bits,
@@ -76,76 +74,100 @@ class QuantSpec:
         }
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _QuantInput:
+    """A quantization spec as a user writes it (``method`` is an alias for ``bits``)."""
+
+    bits: Literal[4, 8, 16, 32] | None = None
+    method: Literal["int8", "nf4", "fp4", "none"] | None = None
+    quant_type: Literal["nf4", "fp4"] | None = None
+    double_quant: bool = True
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    threshold: float = field(default=6.0, gt=0)
+    cpu_offload: bool = False
+    skip_modules: tuple[str, ...] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        errors = []
+        m_bits, m_type = _METHODS[self.method] if self.method else (None, None)
+        if (
+            self.method
+            and self.bits is not None
+            and m_bits != (self.bits if self.bits in (4, 8) else None)
+        ):
+            errors.append(
+                f"method {self.method!r} contradicts bits {self.bits!r}; give one of them"
+            )
+        if m_type and self.quant_type is not None and self.quant_type != m_type:
+            errors.append(f"method {self.method!r} contradicts quant_type {self.quant_type!r}")
+        if self.skip_modules is not None and not all(self.skip_modules):
+            raise SchemaError([FieldError(path="skip_modules", message="must be a list of "
+                               "non-empty module names")])  # fmt: skip
+        if errors:
+            raise SchemaError([FieldError(path="", message=e) for e in errors])
+
+
+def _bits_message(errors: list[FieldError], path: str) -> list[FieldError]:
+    """The schema's messages, with the one for ``bits`` saying what each value means."""
+    out = []
+    for e in errors:
+        if e.path == f"{path}.bits":
+            got = e.message.rsplit(", got ", 1)[-1]
+            e = FieldError(path=e.path, message="must be 8 or 4 (16, 32 or null: no "
+                           f"quantization), got {got}")  # fmt: skip
+        out.append(e)
+    return out
+
+
+def parse_quantization(spec: Any, path: str = "quantization") -> QuantSpec | None:
+    """The normalised spec, None for no quantization; SchemaError naming every bad key/value."""
+    if spec is None or isinstance(spec, QuantSpec):
+        return spec
+    if not isinstance(spec, dict):
+        raise SchemaError(
+            [
+                FieldError(
+                    path=path,
+                    message=f'must be an object such as {{"bits": 4}} or null, got {show(spec)}',
+                )
+            ]
+        )
+    try:
+        q = parse(_QuantInput, spec)
+    except SchemaError as exc:
+        raise SchemaError(_bits_message(replace_errors(exc, path), path)) from None
+    bits, quant_type = q.bits, q.quant_type or "nf4"
+    if q.method:
+        m_bits, m_type = _METHODS[q.method]
+        bits, quant_type = m_bits, m_type or quant_type
+    if bits not in (4, 8):
+        return None
+    return QuantSpec(
+        bits=bits,
+        quant_type=quant_type,
+        double_quant=q.double_quant,
+        compute_dtype=q.compute_dtype,
+        threshold=q.threshold,
+        cpu_offload=q.cpu_offload,
+        skip_modules=q.skip_modules,
+    )
+
+
 def quantization_errors(spec: Any, path: str = "quantization") -> list[str]:
     """Every problem with `spec`, each prefixed with its field path; [] when valid."""
-    if spec is None:
-        return []
-    if not isinstance(spec, dict):
-        return [f'{path}: must be an object such as {{"bits": 4}} or null, got {spec!r}']
-    errors = [
-        f"{path}.{k}: unknown key; known keys: {', '.join(_KEYS)}" for k in spec if k not in _KEYS
-    ]
-    bits = spec.get("bits")
-    if "bits" in spec and (isinstance(bits, bool) or bits not in (4, 8, 16, 32, None)):
-        errors.append(
-            f"{path}.bits: must be 8 or 4 (16, 32 or null: no quantization), got {bits!r}"
-        )
-    method = spec.get("method")
-    if "method" in spec and method not in _METHODS:
-        errors.append(f"{path}.method: must be one of {', '.join(_METHODS)}, got {method!r}")
-    elif method in _METHODS and "bits" in spec and bits in (4, 8, 16, 32, None):
-        m_bits = _METHODS[method][0]
-        if (m_bits or None) != (bits if bits in (4, 8) else None):
-            errors.append(f"{path}: method {method!r} contradicts bits {bits!r}; give one of them")
-    qt = spec.get("quant_type")
-    if "quant_type" in spec and qt not in ("nf4", "fp4"):
-        errors.append(f'{path}.quant_type: must be "nf4" or "fp4", got {qt!r}')
-    elif method in ("nf4", "fp4") and "quant_type" in spec and qt != method:
-        errors.append(f"{path}: method {method!r} contradicts quant_type {qt!r}")
-    for key in ("double_quant", "cpu_offload"):
-        if key in spec and not isinstance(spec[key], bool):
-            errors.append(f"{path}.{key}: must be true or false, got {spec[key]!r}")
-    cd = spec.get("compute_dtype")
-    if "compute_dtype" in spec and cd not in DTYPE_BYTES:
-        errors.append(f"{path}.compute_dtype: must be one of {', '.join(DTYPE_BYTES)}, got {cd!r}")
-    th = spec.get("threshold")
-    if "threshold" in spec and not (
-        isinstance(th, (int, float)) and not isinstance(th, bool) and math.isfinite(th) and th > 0
-    ):
-        errors.append(f"{path}.threshold: must be a number > 0, got {th!r}")
-    sm = spec.get("skip_modules")
-    if "skip_modules" in spec and not (
-        sm is None or (isinstance(sm, list) and all(isinstance(m, str) and m for m in sm))
-    ):
-        errors.append(f"{path}.skip_modules: must be a list of module names, got {sm!r}")
-    return errors
+    try:
+        parse_quantization(spec, path)
+    except SchemaError as exc:
+        return [str(e) for e in exc.errors]
+    return []
 
 
 def normalize(spec: Any, path: str = "quantization") -> QuantSpec | None:
     """The normalised spec, None for no quantization; ValueError naming every bad key/value."""
-    errors = quantization_errors(spec, path)
-    if errors:
-        raise ValueError("; ".join(errors))
-    if spec is None:
-        return None
-    bits = spec.get("bits")
-    quant_type = spec.get("quant_type", "nf4")
-    if "method" in spec:
-        m_bits, m_type = _METHODS[spec["method"]]
-        bits = m_bits
-        quant_type = m_type or quant_type
-    if bits not in (4, 8):
-        return None
-    sm = spec.get("skip_modules")
-    return QuantSpec(
-        bits=bits,
-        quant_type=quant_type,
-        double_quant=spec.get("double_quant", True),
-        compute_dtype=spec.get("compute_dtype", "bfloat16"),
-        threshold=float(spec.get("threshold", 6.0)),
-        cpu_offload=spec.get("cpu_offload", False),
-        skip_modules=None if sm is None else tuple(sm),
-    )
+    try:
+        return parse_quantization(spec, path)
+    except SchemaError as exc:
+        raise ValueError("; ".join(str(e) for e in exc.errors)) from None
 
 
 def bytes_per_param(spec: QuantSpec | dict | None, dtype: str = "bfloat16") -> float:

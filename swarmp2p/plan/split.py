@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
-_LEARNED_KEYS = ("method", "learned_dim", "code_bits")
 _SCALE_BYTES = 4
 """One float32 scale travels with each token's codes (the per-token bound of the int codecs)."""
 
@@ -32,6 +32,14 @@ class Compression:
     """learned_bottleneck: code width k; None means half the hidden size, a multiple of 64."""
     code_bits: int = 8
     """learned_bottleneck: bits per code value, 2..8, or 16 for float16 codes."""
+
+    @classmethod
+    def from_data(cls, value: Any, path: str) -> Compression:
+        """One boundary's compression as job.json writes it (a string or an object)."""
+        return _parse_spec(value, path)
+
+    def to_data(self) -> str | dict[str, Any]:
+        return self.spec
 
     @property
     def spec(self) -> str | dict[str, Any]:
@@ -93,47 +101,53 @@ class Compression:
 NO_COMPRESSION = Compression(method="none")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LearnedInput:
+    """A learned bottleneck as job.json writes it."""
+
+    method: Literal["learned_bottleneck"]
+    learned_dim: int | None = field(default=None, ge=1)
+    code_bits: Literal[2, 3, 4, 5, 6, 7, 8, 16] = 8
+
+
+def _parse_spec(spec: Any, path: str) -> Compression:
+    if isinstance(spec, str):
+        if spec in _FIXED:
+            return Compression(method="fixed", bits=_FIXED[spec])
+        if spec in ("none", "fp16"):
+            return Compression(method=spec)
+        raise SchemaError([FieldError(path=path, message='must be "none", "fp16", '
+                           f'"fixed_int2".."fixed_int8" or a learned_bottleneck object, got {show(spec)}')])  # fmt: skip
+    if not isinstance(spec, dict):
+        raise SchemaError(
+            [FieldError(path=path, message=f"must be a string or an object, got {show(spec)}")]
+        )
+    try:
+        learned = parse(_LearnedInput, spec)
+    except SchemaError as exc:
+        raise SchemaError(replace_errors(exc, path)) from None
+    return Compression(
+        method="learned_bottleneck", learned_dim=learned.learned_dim, code_bits=learned.code_bits
+    )
+
+
 def compression_errors(spec: Any, path: str) -> list[str]:
     """Every problem with one compression spec, with its field path; [] when valid."""
-    if isinstance(spec, str):
-        if spec in ("none", "fp16") or spec in _FIXED:
-            return []
-        return [
-            f'{path}: must be "none", "fp16", "fixed_int2".."fixed_int8" or a '
-            f"learned_bottleneck object, got {spec!r}"
-        ]
-    if not isinstance(spec, dict):
-        return [f"{path}: must be a string or an object, got {spec!r}"]
-    errors = [
-        f"{path}.{k}: unknown key; known keys: {', '.join(_LEARNED_KEYS)}"
-        for k in spec
-        if k not in _LEARNED_KEYS
-    ]
-    if spec.get("method") != "learned_bottleneck":
-        errors.append(f'{path}.method: must be "learned_bottleneck", got {spec.get("method")!r}')
-    dim = spec.get("learned_dim")
-    if dim is not None and not (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1):
-        errors.append(f"{path}.learned_dim: must be an integer >= 1 or null, got {dim!r}")
-    bits = spec.get("code_bits", 8)
-    if isinstance(bits, bool) or bits not in (2, 3, 4, 5, 6, 7, 8, 16):
-        errors.append(f"{path}.code_bits: must be 2..8 or 16, got {bits!r}")
-    return errors
+    try:
+        _parse_spec(spec, path)
+    except SchemaError as exc:
+        return [str(e) for e in exc.errors]
+    return []
 
 
 def parse_compression(spec: Any, path: str = "split.compression") -> Compression:
     """One normalised Compression; ValueError naming the field on bad input."""
-    errors = compression_errors(spec, path)
-    if errors:
-        raise ValueError("; ".join(errors))
-    if isinstance(spec, str):
-        if spec in _FIXED:
-            return Compression(method="fixed", bits=_FIXED[spec])
-        return Compression(method=spec)
-    return Compression(
-        method="learned_bottleneck",
-        learned_dim=spec.get("learned_dim"),
-        code_bits=spec.get("code_bits", 8),
-    )
+    if isinstance(spec, Compression):
+        return spec
+    try:
+        return _parse_spec(spec, path)
+    except SchemaError as exc:
+        raise ValueError("; ".join(str(e) for e in exc.errors)) from None
 
 
 def layer_range(i: int, n: int, n_layers: int) -> tuple[int, int]:

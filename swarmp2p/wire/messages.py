@@ -3,28 +3,24 @@
 A message on the wire is ``{"v": protocol version, "t": type name, "id": request id, **fields}``.
 :func:`decode` is strict: it caps the size before unpacking, refuses ext types, non-string map
 keys, unknown types, newer versions, unknown fields, missing fields and values of the wrong
-type, and names the field in the :class:`WireError` it raises. A field annotated ``dict``,
-``list`` or ``Any`` takes nested plain data (None, bool, int, float, str, bytes, lists and
-string-keyed maps), at most :data:`MAX_PLAIN_DEPTH` levels deep.
+type, and names the field in the :class:`WireError` it raises. Fields are checked by
+``swarmp2p.schema`` (the one validator of every record): a field may be another record, and a
+field annotated ``dict``, ``list`` or ``Any`` takes nested plain data (None, bool, 64-bit int,
+float, str, bytes, lists and string-keyed maps), at most :data:`MAX_PLAIN_DEPTH` levels deep.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-from swarmp2p import PROTOCOL_VERSION
+from swarmp2p import PROTOCOL_VERSION, schema
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest encoded control message; larger ones are refused before unpacking."""
-
-MAX_PLAIN_DEPTH = 16
-"""Deepest nesting of lists/maps a plain-data field (``dict``, ``list``, ``Any``) may hold."""
 
 MAX_ID = 2**63 - 1
 """Request ids are non-negative and fit a signed 64-bit integer."""
@@ -61,7 +57,6 @@ class Message:
 _M = TypeVar("_M", bound=Message)
 
 _REGISTRY: dict[str, type[Message]] = {}
-_CHECKERS: dict[type[Message], dict[str, tuple[Callable[[Any, str], Any], bool]]] = {}
 
 
 def message(type_name: str) -> Callable[[type[_M]], type[_M]]:
@@ -82,19 +77,12 @@ def message(type_name: str) -> Callable[[type[_M]], type[_M]]:
         params = cls.__dataclass_params__  # type: ignore[attr-defined]
         if not params.frozen:
             raise TypeError(f"message {cls.__qualname__} must be a frozen dataclass")
-        hints = typing.get_type_hints(cls)
-        checkers: dict[str, tuple[Callable[[Any, str], Any], bool]] = {}
         for f in dataclasses.fields(cls):
             if f.name in _RESERVED and f.name != "id":
                 raise ValueError(f"message {cls.__qualname__}: field name {f.name!r} is reserved")
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            check = _checker(hints[f.name], f"{cls.__qualname__}.{f.name}")
-            meta = f.metadata
-            check = _bounded(check, meta.get("min"), meta.get("max"), meta.get("max_len"))
-            checkers[f.name] = (check, required)
+        schema.fields_of(cls)  # an unsupported field type fails here, at import
         cls.TYPE = type_name
         _REGISTRY[type_name] = cls
-        _CHECKERS[cls] = checkers
         return cls
 
     return register
@@ -109,33 +97,11 @@ def wire_field(
     max_len: int | None = None,
 ) -> Any:
     """A message field with a range (``min``/``max``, numbers) or ``max_len`` (str, bytes,
-    list, dict) that :func:`encode` and :func:`decode` enforce, naming the field."""
-    return dataclasses.field(
-        default=default,
-        default_factory=default_factory,
-        metadata={"min": min, "max": max, "max_len": max_len},
+    list, dict) that :func:`encode` and :func:`decode` enforce, naming the field: a
+    ``schema.field`` (the one validator) under the names the wire has always used."""
+    return schema.field(
+        default=default, default_factory=default_factory, ge=min, le=max, max_len=max_len
     )
-
-
-def _bounded(
-    check: Callable[[Any, str], Any], lo: Any, hi: Any, max_len: Any
-) -> Callable[[Any, str], Any]:
-    if lo is None and hi is None and max_len is None:
-        return check
-
-    def bounded(value: Any, path: str) -> Any:
-        value = check(value, path)
-        if value is None:
-            return value
-        if lo is not None and value < lo:
-            raise _Bad(f"{path} must be >= {lo}, got {_describe(value)}")
-        if hi is not None and value > hi:
-            raise _Bad(f"{path} must be <= {hi}, got {_describe(value)}")
-        if max_len is not None and len(value) > max_len:
-            raise _Bad(f"{path} has length {len(value)}, at most {max_len} allowed")
-        return value
-
-    return bounded
 
 
 def message_types() -> dict[str, type[Message]]:
@@ -143,140 +109,36 @@ def message_types() -> dict[str, type[Message]]:
     return dict(_REGISTRY)
 
 
-# --- field checkers -------------------------------------------------------------------------
-# A checker takes a decoded value and the field path and returns the value to store (lists may
-# become tuples), or raises _Bad naming the path.
-
-
-class _Bad(Exception):
-    pass
-
-
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _scalar(kind: type) -> Callable[[Any, str], Any]:
-    def check(value: Any, path: str) -> Any:
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if type(value) is not kind:
-            raise _Bad(
-                f"{path} must be {kind.__name__}, got {type(value).__name__} {_describe(value)}"
-            )
-        return value
-
-    return check
-
-
-def _plain(value: Any, path: str, depth: int = 0) -> Any:
-    if depth > MAX_PLAIN_DEPTH:
-        raise _Bad(f"{path} nests deeper than {MAX_PLAIN_DEPTH} levels")
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if type(value) is list:
-        return [_plain(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
-    if type(value) is dict:
-        for k in value:
-            if type(k) is not str:
-                raise _Bad(f"{path} has a non-string key {_describe(k)}")
-        return {k: _plain(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
-    raise _Bad(f"{path} holds {type(value).__name__}, which is not plain data")
-
-
-def _plain_of(kind: type) -> Callable[[Any, str], Any]:
-    def check(value: Any, path: str) -> Any:
-        if kind is not object and type(value) is not kind:
-            raise _Bad(f"{path} must be {kind.__name__}, got {type(value).__name__}")
-        return _plain(value, path)
-
-    return check
-
-
-def _checker(hint: Any, where: str) -> Callable[[Any, str], Any]:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint in (str, int, float, bool, bytes):
-        return _scalar(hint)
-    if hint is Any:
-        return _plain_of(object)
-    if hint in (dict, list):
-        return _plain_of(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1 or len(args) != 2:
-            raise TypeError(f"{where}: only `X | None` unions are supported, got {hint!r}")
-        check_inner = _checker(inner[0], where)
-        return lambda value, path: None if value is None else check_inner(value, path)
-    if origin is typing.Literal:
-        allowed = args
-
-        def check_literal(value: Any, path: str) -> Any:
-            if not any(type(value) is type(a) and value == a for a in allowed):
-                raise _Bad(f"{path} must be one of {list(allowed)}, got {_describe(value)}")
-            return value
-
-        return check_literal
-    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
-        item = _checker(args[0], where) if args else _plain
-        as_tuple = origin is tuple
-
-        def check_seq(value: Any, path: str) -> Any:
-            if type(value) not in (list, tuple):
-                raise _Bad(f"{path} must be a list, got {type(value).__name__}")
-            out = [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
-            return tuple(out) if as_tuple else out
-
-        return check_seq
-    if origin is dict:
-        if not args or args[0] is not str:
-            raise TypeError(f"{where}: dict fields need str keys, got {hint!r}")
-        val = _checker(args[1], where)
-
-        def check_map(value: Any, path: str) -> Any:
-            if type(value) is not dict:
-                raise _Bad(f"{path} must be a map, got {type(value).__name__}")
-            out = {}
-            for k, v in value.items():
-                if type(k) is not str:
-                    raise _Bad(f"{path} has a non-string key {_describe(k)}")
-                out[k] = val(v, f"{path}.{k}")
-            return out
-
-        return check_map
-    raise TypeError(f"{where}: unsupported field type {hint!r} for a wire message")
+def _first_error(errors: list[schema.FieldError]) -> str:
+    e = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{e.path} {e.message}{more}"
 
 
 # --- encode / decode ------------------------------------------------------------------------
 
 
-def _to_wire(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, list):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
-
-
 def encode(msg: Message) -> bytes:
     """One msgpack map; raises WireError("too_large") past MAX_MESSAGE_BYTES, "bad_field" on bad values."""
     cls = type(msg)
-    if cls not in _CHECKERS:
+    if cls.TYPE not in _REGISTRY or _REGISTRY[cls.TYPE] is not cls:
         raise WireError("unknown_type", f"{cls.__qualname__} is not registered with @message")
-    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": cls.TYPE, "id": msg.id}
-    for name, (check, _required) in _CHECKERS[cls].items():
-        value = getattr(msg, name)
-        try:
-            check(value, f"{cls.TYPE}.{name}")
-        except _Bad as e:
-            raise WireError("bad_field", str(e), msg_id=msg.id) from None
-        if name != "id":
-            body[name] = _to_wire(value)
     if not 0 <= msg.id <= MAX_ID:
         raise WireError("bad_field", f"{cls.TYPE}.id must be in 0..2**63-1, got {msg.id}")
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": cls.TYPE, "id": msg.id}
+    errors: list[schema.FieldError] = []
+    for f in schema.fields_of(cls):
+        value = schema.to_data(getattr(msg, f.name))
+        f.check(value, f"{cls.TYPE}.{f.name}", errors)
+        if f.name != "id":
+            body[f.name] = value
+    if errors:
+        raise WireError("bad_field", _first_error(errors), msg_id=msg.id)
     data = msgpack.packb(body, use_bin_type=True)
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(
@@ -346,8 +208,9 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise WireError(
             "unknown_type", f"unknown message type {_describe(type_name)}", msg_id=msg_id
         )
-    checkers = _CHECKERS[cls]
+    checkers = {f.name: f for f in schema.fields_of(cls)}
     values: dict[str, Any] = {}
+    errors: list[schema.FieldError] = []
     for key, value in obj.items():
         if key in ("v", "t"):
             continue
@@ -355,12 +218,13 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
             raise WireError(
                 "bad_field", f"{type_name} has no field {_describe(key)}", msg_id=msg_id
             )
-        try:
-            values[key] = checkers[key][0](value, f"{type_name}.{key}")
-        except _Bad as e:
-            raise WireError("bad_field", str(e), msg_id=msg_id) from None
-    for name, (_check, required) in checkers.items():
-        if required and name not in values:
+        out = checkers[key].check(value, f"{type_name}.{key}", errors)
+        if not errors:
+            values[key] = out
+    if errors:
+        raise WireError("bad_field", _first_error(errors), msg_id=msg_id)
+    for name, f in checkers.items():
+        if f.required and name not in values:
             raise WireError("bad_field", f"{type_name} is missing field {name!r}", msg_id=msg_id)
     try:
         return cls(**values)

@@ -56,7 +56,7 @@ def test_normalize(spec, expected):
     [
         ({"bits": 3}, "quantization.bits: must be 8 or 4"),
         ({"bitz": 4}, "quantization.bitz: unknown key"),
-        ({"method": "gptq"}, "quantization.method: must be one of int8, nf4, fp4, none"),
+        ({"method": "gptq"}, 'quantization.method: must be one of "int8", "nf4", "fp4", "none"'),
         ({"method": "int8", "bits": 4}, "method 'int8' contradicts bits 4"),
         ({"bits": 4, "quant_type": "int4"}, "quantization.quant_type"),
         ({"bits": 4, "double_quant": "yes"}, "quantization.double_quant: must be true or false"),

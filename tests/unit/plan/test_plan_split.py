@@ -61,7 +61,10 @@ def test_int8_is_about_a_quarter_of_float32():
     [
         ("fixed_int9", "fixed_int2"),
         ("int8", "must be"),
-        ({"method": "learned_bottleneck", "code_bits": 9}, "code_bits: must be 2..8 or 16"),
+        (
+            {"method": "learned_bottleneck", "code_bits": 9},
+            "code_bits: must be one of 2, 3, 4, 5, 6, 7, 8, 16",
+        ),
         ({"method": "learned_bottleneck", "learned_dim": 0}, "learned_dim"),
         ({"method": "learned_bottleneck", "dim": 64}, ".dim: unknown key"),
         ({"method": "pca"}, "method: must be"),

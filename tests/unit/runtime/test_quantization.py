@@ -110,7 +110,7 @@ def test_specs_normalise(spec, expected):
         ({"bits": 3}, r"quantization.bits: must be 8 or 4 .*got 3"),
         (
             {"method": "gptq"},
-            r"quantization.method: must be one of int8, nf4, fp4, none, got 'gptq'",
+            r'quantization.method: must be one of "int8", "nf4", "fp4", "none", got "gptq"',
         ),
         ({"bits": 8, "method": "nf4"}, "method 'nf4' contradicts bits 8"),
         ({"method": "fp4", "quant_type": "nf4"}, "method 'fp4' contradicts quant_type 'nf4'"),

@@ -99,22 +99,22 @@ def test_registration_errors_are_precise():
         (
             dict(t="test.everything", s=1, i=1, f=1.0, b=True, raw=b"", ints=[]),
             "bad_field",
-            "test.everything.s must be str, got int",
+            "test.everything.s must be a string, got 1",
         ),
         (
             dict(t="test.everything", s="", i=True, f=1.0, b=True, raw=b"", ints=[]),
             "bad_field",
-            ".i must be int, got bool",
+            ".i must be an integer, got true",
         ),
         (
             dict(t="test.everything", s="", i=1, f="x", b=True, raw=b"", ints=[]),
             "bad_field",
-            ".f must be float",
+            ".f must be a number",
         ),
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=1, raw=b"", ints=[]),
             "bad_field",
-            ".b must be bool",
+            ".b must be true or false",
         ),
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw="x", ints=[]),
@@ -124,17 +124,17 @@ def test_registration_errors_are_precise():
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw=b"", ints=[1, "2"]),
             "bad_field",
-            ".ints[1] must be int",
+            ".ints[1] must be an integer",
         ),
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw=b"", ints=[], table={"a": "b"}),
             "bad_field",
-            ".table.a must be float",
+            ".table.a must be a number",
         ),
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw=b"", ints=[], mode="eval"),
             "bad_field",
-            "one of ['train', 'serve']",
+            'one of "train", "serve"',
         ),
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw=b"", ints=[], extra=1),
@@ -144,7 +144,7 @@ def test_registration_errors_are_precise():
         (
             dict(t="test.everything", s="", i=1, f=1.0, b=True, raw=b"", ints=[], record=[1]),
             "bad_field",
-            ".record must be dict",
+            ".record must be an object",
         ),
         (
             dict(
@@ -219,7 +219,7 @@ def test_int_widens_to_float_and_tuples_come_back_as_tuples():
 
 
 def test_encode_refuses_what_decode_would_refuse():
-    with pytest.raises(WireError, match="ints\\[0\\] must be int"):
+    with pytest.raises(WireError, match="ints\\[0\\] must be an integer"):
         encode(Everything(s="", i=1, f=1.0, b=True, raw=b"", ints=["x"]))  # type: ignore[list-item]
     with pytest.raises(WireError) as err:
         encode(ErrorReply(code="x", detail="y" * MAX_MESSAGE_BYTES))
@@ -282,13 +282,15 @@ STRATEGIES = {
         Everything,
         id=_ids,
         s=st.text(),
-        i=st.integers(-(2**63), 2**64 - 1),
-        f=st.floats(allow_nan=False),
+        i=st.integers(-(2**63), 2**63 - 1),
+        f=st.floats(allow_nan=False, allow_infinity=False),
         b=st.booleans(),
         raw=st.binary(),
         ints=st.lists(st.integers(-(2**31), 2**31)),
         names=st.lists(st.text(max_size=5), max_size=4).map(tuple),
-        table=st.dictionaries(st.text(max_size=5), st.floats(allow_nan=False), max_size=4),
+        table=st.dictionaries(
+            st.text(max_size=5), st.floats(allow_nan=False, allow_infinity=False), max_size=4
+        ),
         maybe=st.one_of(st.none(), st.integers(-5, 5)),
         mode=st.sampled_from(["train", "serve"]),
         record=st.dictionaries(st.text(max_size=8), _plain, max_size=4),
@@ -351,9 +353,9 @@ class Bounded(Message):
 @pytest.mark.parametrize(
     ("fields", "fragment"),
     [
-        ({"port": -1}, "test.bounded.port must be >= 0, got -1"),
-        ({"port": 65536}, "port must be <= 65535, got 65536"),
-        ({"ratio": 1.5}, "ratio must be <= 1.0"),
+        ({"port": -1}, "test.bounded.port must be an integer >= 0 and <= 65535, got -1"),
+        ({"port": 65536}, "port must be an integer >= 0 and <= 65535, got 65536"),
+        ({"ratio": 1.5}, "ratio must be a number >= 0 and <= 1"),
         ({"tags": ["a", "b", "c"]}, "tags has length 3, at most 2"),
         ({"name": "abcde"}, "name has length 5, at most 4"),
     ],
@@ -369,3 +371,17 @@ def test_bounds_accept_the_edges():
     msg = Bounded(port=65535, ratio=None, tags=["a", "b"], name="abcd")
     assert decode(encode(msg)) == msg
     assert decode(encode(Bounded(port=0, ratio=0.0))).ratio == 0.0
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1, -(2**63) - 1])
+def test_integers_past_64_bits_are_refused_where_they_enter(value):
+    """A uint64 (or wider) integer is a clear bad_field, never an OverflowError later (issue 15)."""
+    body = dict(t="test.everything", s="", i=value, f=1.0, b=True, raw=b"", ints=[])
+    if -(2**63) <= value < 2**64:  # msgpack itself cannot carry wider ones
+        with pytest.raises(WireError, match=r"fits? 64 bits") as err:
+            decode(_packed(**body))
+        assert err.value.code == "bad_field"
+    with pytest.raises(WireError, match=r"fits? 64 bits"):
+        encode(Everything(s="", i=value, f=1.0, b=True, raw=b"", ints=[]))
+    with pytest.raises(WireError, match=r"fits? 64 bits"):
+        encode(Everything(s="", i=1, f=1.0, b=True, raw=b"", ints=[], rows=[[value]]))
