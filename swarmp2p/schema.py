@@ -17,7 +17,9 @@ Bounds come from :func:`field` metadata (``ge``, ``gt``, ``le``, ``lt``, ``min_l
 them: a peer's msgpack, a numpy array or an SQLite column cannot hold more, and a value past
 it must be refused where it enters, not fail later with OverflowError (issue 15).
 
-A record may define ``__schema_prepare__(data) -> data`` (defaults that depend on other
+A field with ``init=False`` is derived: :func:`to_data` writes it for readers, :func:`parse`
+accepts and ignores it (the record recomputes it). A record may define
+``__schema_prepare__(data) -> data`` (defaults that depend on other
 fields, before the fields are checked) and ``__post_init__`` raising ValueError (cross-field
 rules, reported at the record's path) or SchemaError (with paths relative to the record).
 """
@@ -450,9 +452,10 @@ def _parse_record(cls: type, data: Any, path: str, errors: list[FieldError]) -> 
         data = prepare(dict(data))
     plan = fields_of(cls)
     known = {f.name for f in plan}
+    derived = {f.name for f in dataclasses.fields(cls) if not f.init}
     before = len(errors)
     for key in data:
-        if key not in known:
+        if key not in known and key not in derived:  # derived values are recomputed
             errors.append(
                 FieldError(
                     path=join(path, str(key)) if path else str(key),
@@ -511,10 +514,8 @@ def to_data(value: Any) -> Any:
         return value
     if hasattr(type(value), "to_data"):  # a value with its own syntax (``from_data``)
         return value.to_data()
-    if dataclasses.is_dataclass(value):
-        return {
-            f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init
-        }
+    if dataclasses.is_dataclass(value):  # derived (init=False) fields travel too, for readers
+        return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [to_data(v) for v in value]
     if isinstance(value, Mapping):

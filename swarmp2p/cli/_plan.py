@@ -114,11 +114,11 @@ def _print_plan(plan) -> None:
         for col in ("boundary", "compression", "codec", "bytes/token"):
             bounds.add_column(col)
         for b in plan.boundaries:
-            comp = b.compression if isinstance(b.compression, str) else json.dumps(b.compression)
+            comp = b.compression.label
             bounds.add_row(f"{b.index} -> {b.index + 1}", comp, b.codec, str(b.bytes_per_token))
         console.print(bounds)
     console.print(
-        f"schedule {plan.schedule}, {plan.micro_batches} micro-batch(es), bubble fraction "
+        f"schedule {plan.schedule.kind}, {plan.micro_batches} micro-batch(es), bubble fraction "
         f"{plan.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
         f"eval batches {plan.eval_batches}"
     )

@@ -31,6 +31,7 @@ checks before anything is downloaded. Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from itertools import accumulate
 from typing import Any
 
@@ -38,6 +39,7 @@ from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.precision import DTYPE_BYTES
 from swarmp2p.plan.quantization import QuantSpec, bytes_per_param
 from swarmp2p.plan.split import Compression
+from swarmp2p.schema import to_data
 
 LOSS_CHUNK_BYTES = 64 * 2**20
 """Float32 logits one chunk of the chunked loss may hold."""
@@ -110,10 +112,11 @@ class StageMemory:
     loss: int
     kv_cache: int
     transient: int
+    peak: int = dataclass_field(init=False)
+    """The sum of the above: what the stage's device must have free (derived)."""
 
-    @property
-    def peak(self) -> int:
-        return (
+    def __post_init__(self) -> None:
+        total = (
             self.weights
             + self.trainable_state
             + self.activations
@@ -121,17 +124,10 @@ class StageMemory:
             + self.kv_cache
             + self.transient
         )
+        object.__setattr__(self, "peak", total)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "weights": self.weights,
-            "trainable_state": self.trainable_state,
-            "activations": self.activations,
-            "loss": self.loss,
-            "kv_cache": self.kv_cache,
-            "transient": self.transient,
-            "peak": self.peak,
-        }
+        return to_data(self)
 
 
 def lora_params_per_layer(shape: ModelShape, r: int, targets: tuple[str, ...] | None) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarmp2p.plan import model_shape as _model_shape
 from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
@@ -31,7 +31,7 @@ from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.precision import DTYPE_BYTES, resolve_dtype
 from swarmp2p.plan.quantization import GB
-from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedStage
+from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedSchedule, PlannedStage
 from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
 from swarmp2p.plan.split import Compression, SplitSpec
 
@@ -348,7 +348,7 @@ def plan_job(
         shape = _model_shape.load(job.model.pretrained)
     candidates = candidate_devices(cluster)
     if not candidates:
-        return Blocked(placement_blocked_reason="placed 0 of 1 required workers; no node "
+        return Blocked(reason="placed 0 of 1 required workers; no node "
                        "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
     per_boundary = len(job.split.compression) > 1  # a list of specs fixes the stage count
     auto = job.split.stages == "auto" and not per_boundary
@@ -368,7 +368,7 @@ def plan_job(
             if auto or len(ok) < required:
                 noun = "GPU(s)" if all(d.is_gpu for _, d in choice.excluded) else "device(s)"
                 return Blocked(
-                    placement_blocked_reason=(
+                    reason=(
                         f"placed {min(len(ok), required)} of {required} required workers; "
                         f"{len(choice.excluded)} {noun} excluded by dtype {requested}:\n"
                         + "\n".join(choice.reason_lines)
@@ -381,7 +381,7 @@ def plan_job(
     if len(candidates) < required:
         names = ", ".join(f"{n.name} {d.label}" for n, d in candidates)
         return Blocked(
-            placement_blocked_reason=(
+            reason=(
                 f"placed {len(candidates)} of {required} required workers; split.stages asks "
                 f"for {required} but the cluster has {len(candidates)} usable device(s): "
                 f"{names}; add nodes or lower split.stages"
@@ -440,7 +440,7 @@ def _plan_on(
     ]
     if lacking:
         return Blocked(
-            placement_blocked_reason=(
+            reason=(
                 f"placed 0 of {n} required workers; {len(lacking)} capability(ies) missing:\n"
                 + "\n".join(lacking)
             ),
@@ -474,7 +474,7 @@ def _plan_on(
         attempt = placer.split()
         if attempt.ranges is None:
             blocked = Blocked(
-                placement_blocked_reason=_memory_reason(placer, attempt, dtype, recompute),
+                reason=_memory_reason(placer, attempt, dtype, recompute),
                 dtype=dtype,
                 required=n,
                 placed=sum(p.peak <= f for p, f in zip(attempt.prices, placer.free)),
@@ -484,7 +484,7 @@ def _plan_on(
             notes.append("recompute turned on: the job fits only with it")
         disk, bad = _disk_reason(placer, attempt.ranges)
         if disk:
-            return Blocked(placement_blocked_reason=disk, dtype=dtype, required=n,
+            return Blocked(reason=disk, dtype=dtype, required=n,
                            placed=n - bad), False  # fmt: skip
         if micro != job.train.micro_batches:
             notes.append("micro_batches 1: not every node declares microbatch")
@@ -546,12 +546,11 @@ def _build_plan(
             PlannedStage(
                 index=i,
                 node_id=node.node_id,
-                node_name=node.name,
+                node=node.name,
                 devices=(_torch_device(dev),),
                 device_labels=(dev.label,),
                 device_names=(dev.name,),
-                layer_start=a,
-                layer_end=b,
+                layers=(a, b),
                 memory=placer.price(i, a, b),
                 device_free=dev.memory_free,
                 download=placer.pricer.download_bytes(a, b, i == 0, i == n - 1),
@@ -564,21 +563,24 @@ def _build_plan(
     for i, c in enumerate(placer.compression):
         codec, per_token = _codec(c, shape.hidden, dtype, wire_v2)
         boundaries.append(
-            PlannedBoundary(index=i, compression=c.spec if c.method != "learned_bottleneck" else {
-                "method": "learned_bottleneck", "learned_dim": c.code_dim(shape.hidden),
-                "code_bits": c.code_bits}, codec=codec, bytes_per_token=per_token)
-        )  # fmt: skip
+            PlannedBoundary(
+                index=i,
+                compression=replace(c, learned_dim=c.code_dim(shape.hidden)) if c.is_learned else c,
+                codec=codec,
+                bytes_per_token=per_token,
+            )
+        )
     return Plan(
-        job_name=job.name,
+        job=job.name,
         model=shape.to_dict(),
         dtype=dtype,
         finetune_mode=job.finetune_mode,
         split_mode=job.split.mode,
         stages=tuple(stages),
         boundaries=tuple(boundaries),
-        schedule=kind,
-        micro_batches=micro,
-        bubble_fraction=round(bubble_fraction(n, micro), 6),
+        schedule=PlannedSchedule(
+            kind=kind, micro_batches=micro, bubble_fraction=round(bubble_fraction(n, micro), 6)
+        ),
         recompute=recompute,
         eval_batches=job.train.eval_batches if "pipeline-eval" in features else 0,
         weight_storage=_weight_storage(job, dtype),

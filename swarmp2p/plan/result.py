@@ -4,124 +4,155 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.plan.memory import StageMemory
-from swarmp2p.plan.split import SplitSpec, StageSpec, parse_compression
+from swarmp2p.plan.split import Compression, SplitSpec, StageSpec
+from swarmp2p.schema import SchemaError, field, parse, to_data
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedStage:
     """One stage placed on one device of one node."""
 
-    index: int
-    node_id: str
-    node_name: str
-    devices: tuple[str, ...]
+    index: int = field(ge=0)
+    node_id: str = field(max_len=64)
+    node: str = field(max_len=256)
+    """The node's human name."""
+    devices: tuple[str, ...] = field(min_len=1)
     """Torch device strings on the node, such as ("cuda:0",)."""
     device_labels: tuple[str, ...]
     """Human names, such as ("GPU 0 (RTX A5000, compute 8.6)",)."""
     device_names: tuple[str, ...] = ()
     """Model names, such as ("RTX A5000",)."""
-    layer_start: int
-    layer_end: int
-    """End-exclusive."""
+    layers: tuple[int, int]
+    """``[start, end)`` of the model's decoder blocks."""
     memory: StageMemory
-    device_free: int
+    device_free: int = field(ge=0)
     """Bytes the device had free when planned."""
-    download: int
+    download: int = field(ge=0)
     """Checkpoint bytes this stage reads (its share)."""
     files: tuple[str, ...] = ()
     """Checkpoint files holding this stage's tensors, when the index names them."""
     ops: str = ""
     """This stage's schedule for one step, e.g. "F0 F1 B0 F2 B1 B2"."""
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}")  # fmt: skip
+
+    @property
+    def layer_start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def layer_end(self) -> int:
+        """End-exclusive."""
+        return self.layers[1]
+
+    @property
+    def node_name(self) -> str:
+        return self.node
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "node": self.node_name,
-            "node_id": self.node_id,
-            "devices": list(self.devices),
-            "device_labels": list(self.device_labels),
-            "device_names": list(self.device_names),
-            "layers": [self.layer_start, self.layer_end],
-            "memory": self.memory.to_dict(),
-            "device_free": self.device_free,
-            "download": self.download,
-            "files": list(self.files),
-            "ops": self.ops,
-        }
+        return to_data(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedBoundary:
     """The link between stage `index` and stage `index + 1`."""
 
-    index: int
-    compression: str | dict[str, Any]
+    index: int = field(ge=0)
+    compression: Compression
     """The spec as job.json writes it."""
     codec: str
     """What crosses the wire: "raw", "fp16", "intN" or "tokintN"."""
-    bytes_per_token: int
+    bytes_per_token: int = field(ge=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "compression": self.compression,
-            "codec": self.codec,
-            "bytes_per_token": self.bytes_per_token,
-        }
+        return to_data(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedSchedule:
+    """The pipeline schedule every stage runs."""
+
+    kind: Literal["gpipe", "1f1b"]
+    micro_batches: int = field(ge=1)
+    bubble_fraction: float = field(ge=0, le=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """A placed job. Same inputs, same `to_json()` bytes on every peer."""
+    """A placed job. Same inputs, same `to_json()` bytes on every peer; `Plan.from_json` reads
+    them back (a peer's, the job table's) through the one validator."""
 
-    job_name: str
+    status: Literal["planned"] = "planned"
+    version: int = PROTOCOL_VERSION
+    job: str
+    """The job's name."""
     model: dict[str, Any]
-    dtype: str
-    finetune_mode: str
+    """The model's shape (``ModelShape.to_dict()``)."""
+    dtype: Literal["float32", "bfloat16", "float16"]
+    finetune_mode: Literal["full", "compressor_only", "lora", "none"]
     split_mode: str
-    stages: tuple[PlannedStage, ...]
+    stages: tuple[PlannedStage, ...] = field(min_len=1)
     boundaries: tuple[PlannedBoundary, ...]
-    schedule: str
-    micro_batches: int
-    bubble_fraction: float
+    schedule: PlannedSchedule
     recompute: bool
-    eval_batches: int
+    eval_batches: int = field(ge=0)
     weight_storage: str
     """"float16", "nf4", "int8"...: how the backbone's layer weights are held."""
     features: tuple[str, ...]
     notes: tuple[str, ...] = ()
-    version: int = PROTOCOL_VERSION
+    reason: Literal[None] = None
+    """Always null: a Plan is not Blocked (the JSON shape both share)."""
+    errors: tuple[str, ...] = field(default=(), max_len=0)
 
-    status = "planned"
+    def __post_init__(self) -> None:
+        if len(self.boundaries) != len(self.stages) - 1:
+            raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} boundaries, got {len(self.boundaries)}")  # fmt: skip
+        for i, stage in enumerate(self.stages):
+            if stage.index != i:
+                raise ValueError(f"stages[{i}].index is {stage.index}")
+            if i and stage.layer_start != self.stages[i - 1].layer_end:
+                raise ValueError(f"stages[{i}] starts at block {stage.layer_start}, not where stage {i - 1} ends")  # fmt: skip
+        if self.stages[0].layer_start != 0:
+            raise ValueError("stages[0] must start at block 0")
+
+    @property
+    def job_name(self) -> str:
+        return self.job
+
+    @property
+    def micro_batches(self) -> int:
+        return self.schedule.micro_batches
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.schedule.bubble_fraction
+
+    @property
+    def n_layers(self) -> int:
+        return self.stages[-1].layer_end
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "version": self.version,
-            "job": self.job_name,
-            "model": dict(self.model),
-            "dtype": self.dtype,
-            "finetune_mode": self.finetune_mode,
-            "split_mode": self.split_mode,
-            "stages": [s.to_dict() for s in self.stages],
-            "boundaries": [b.to_dict() for b in self.boundaries],
-            "schedule": {
-                "kind": self.schedule,
-                "micro_batches": self.micro_batches,
-                "bubble_fraction": self.bubble_fraction,
-            },
-            "recompute": self.recompute,
-            "eval_batches": self.eval_batches,
-            "weight_storage": self.weight_storage,
-            "features": list(self.features),
-            "notes": list(self.notes),
-            "reason": None,
-            "errors": [],
-        }
+        return to_data(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """A plan from its JSON form; SchemaError naming every bad field."""
+        return parse(cls, data, title="invalid plan")
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        """A plan from ``to_json()`` bytes; ValueError when they are not a plan."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise SchemaError(f"a plan must be JSON: {exc}", title="invalid plan") from None
+        return cls.from_dict(data)
 
     @property
     def split_spec(self) -> SplitSpec:
@@ -129,7 +160,7 @@ class Plan:
         return SplitSpec(
             n_layers=self.stages[-1].layer_end,
             boundaries=tuple(s.layer_start for s in self.stages[1:]),
-            compression=tuple(parse_compression(b.compression) for b in self.boundaries),
+            compression=tuple(b.compression for b in self.boundaries),
         )
 
     def stage_spec(self, index: int) -> StageSpec:
@@ -143,29 +174,22 @@ class Plan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Blocked:
-    """A job that cannot be placed now; `placement_blocked_reason` names every rejected device."""
+    """A job that cannot be placed now; `reason` names every rejected device or node."""
 
-    placement_blocked_reason: str
+    status: Literal["blocked"] = "blocked"
+    reason: str
     dtype: str | None = None
-    required: int = 0
-    placed: int = 0
-
-    status = "blocked"
+    required: int = field(default=0, ge=0)
+    placed: int = field(default=0, ge=0)
+    stages: tuple[str, ...] = field(default=(), max_len=0)
+    errors: tuple[str, ...] = field(default=(), max_len=0)
 
     @property
-    def reason(self) -> str:
-        return self.placement_blocked_reason
+    def placement_blocked_reason(self) -> str:
+        return self.reason
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "dtype": self.dtype,
-            "required": self.required,
-            "placed": self.placed,
-            "stages": [],
-            "reason": self.placement_blocked_reason,
-            "errors": [],
-        }
+        return to_data(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
