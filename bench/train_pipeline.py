@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))  # run from a fresh checkout
 import torch  # noqa: E402
 
 from swarmp2p.net import InProcLink, SwarmSecret  # noqa: E402
-from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan import load_model_shape, parse_job, stage_schedule  # noqa: E402
+from swarmp2p.plan.worker_spec import local_plan, worker_spec  # noqa: E402
 from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
@@ -142,16 +143,11 @@ def run_swarm(folder: Path, n_layers: int, args, threads: int) -> list[float]:
     token = SwarmSecret.generate().token
     cut = n_layers // 2
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    procs, port = [], None
-    for i in (1, 0):
-        spec = {
-            "stage": i,
-            "n_stages": 2,
-            "model": str(folder),
-            "n_layers": n_layers,
-            "layers": [0, cut] if i == 0 else [cut, n_layers],
-            "token": token,
-            "link_timeout_s": 300,
+    job = parse_job(
+        {
+            "name": "bench",
+            "model": {"pretrained": str(folder)},
+            "data": {"source": "random"},
             "train": {
                 "steps": args.steps,
                 "batch_size": args.batch,
@@ -159,10 +155,17 @@ def run_swarm(folder: Path, n_layers: int, args, threads: int) -> list[float]:
                 "micro_batches": args.micro,
                 "schedule": "1f1b",
                 "lr": 1e-5,
+                "eval_batches": 0,
+                "recompute": False,
             },
         }
-        if port is not None:
-            spec["next"] = f"tcp://127.0.0.1:{port}"
+    )
+    plan = local_plan(job, load_model_shape(str(folder)), cuts=[cut])
+    procs, port = [], None
+    for i in (1, 0):
+        nxt = f"tcp://127.0.0.1:{port}" if port is not None else None
+        spec = worker_spec(job, plan, i, token=token, next_endpoint=nxt, link_timeout_s=300)
+        spec = spec.to_dict()
         proc = subprocess.Popen(
             [sys.executable, "-m", "swarmp2p.runtime.worker"],
             stdin=subprocess.PIPE,

@@ -162,28 +162,6 @@ def _first_diff(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def needs_tokens(job: Mapping[str, Any]) -> bool:
-    """Whether the job's corpus must be tokenized (``corpus.prepare_tokens``) for stage 0."""
-    source = job["data"]["source"]
-    return source != "random" and not source.endswith(".npy")
-
-
-def _data_spec(job: Mapping[str, Any], stage: int, tokens_path: str | None) -> dict[str, Any]:
-    source = job["data"]["source"]
-    seed = job["train"]["seed"]
-    if source == "random":
-        return {"source": "random", "seed": seed}
-    if source.endswith(".npy"):
-        return {"source": "tokens", "path": source, "seed": seed}
-    if tokens_path is not None:
-        return {"source": "tokens", "path": tokens_path, "seed": seed}
-    if stage > 0:  # only the first stage reads data
-        return {"source": "random", "seed": seed}
-    raise ValueError(
-        f"data.source {source!r} must be tokenized for stage 0 first (corpus.prepare_tokens)"
-    )
-
-
 def device_for(stage: Mapping[str, Any], record: Mapping[str, Any]) -> tuple[str, str | None]:
     """(torch device inside the worker, CUDA_VISIBLE_DEVICES or None) for a planned stage.
 
@@ -197,73 +175,6 @@ def device_for(stage: Mapping[str, Any], record: Mapping[str, Any]) -> tuple[str
         if d.get("kind") == kind and str(d.get("index")) == index and d.get("fake"):
             return "cpu", None
     return f"{kind}:0", index
-
-
-def worker_spec(
-    job: Mapping[str, Any],
-    plan: Mapping[str, Any],
-    stage: int,
-    *,
-    token: str,
-    host: str,
-    next_endpoint: str | None,
-    device: str,
-    snapshot_dir: str | None,
-    export_dir: str | None,
-    resume: bool,
-    tokens_path: str | None = None,
-) -> dict[str, Any]:
-    """The worker spec (``python -m swarmp2p.runtime.worker`` stdin) of one planned stage."""
-    st = plan["stages"][stage]
-    train, lora, model = job["train"], job["model"]["lora"], job["model"]
-    spec: dict[str, Any] = {
-        "stage": stage,
-        "n_stages": len(plan["stages"]),
-        "model": model["pretrained"],
-        "layers": list(st["layers"]),
-        "n_layers": plan["stages"][-1]["layers"][1],
-        "token": token,
-        "compression": [b["compression"] for b in plan["boundaries"]],
-        "finetune_mode": plan["finetune_mode"],
-        "dtype": plan["dtype"],
-        "device": device,
-        "host": host,
-        "port": 0,
-        "link_timeout_s": LINK_TIMEOUT_S,
-        "seed": train["seed"],
-        "wire_v2": "wire-v2" in plan["features"],
-        "train": {
-            "steps": train["steps"],
-            "batch_size": train["batch_size"],
-            "seq_len": train["seq_len"],
-            "micro_batches": plan["schedule"]["micro_batches"],
-            "schedule": plan["schedule"]["kind"],
-            "lr": train["lr"],
-            "recompute": plan["recompute"],
-            "eval_batches": plan["eval_batches"],
-            "checkpoint_every": train["checkpoint_every"] if snapshot_dir else 0,
-        },
-        "data": _data_spec(job, stage, tokens_path),
-        "resume": resume,
-    }
-    if next_endpoint is not None:
-        spec["next"] = next_endpoint
-    if plan["finetune_mode"] == "lora":
-        spec["lora"] = {
-            "r": lora["r"],
-            "alpha": lora["alpha"],
-            "dropout": lora["dropout"],
-            "export": lora["export"],
-        }
-        if lora["target_modules"] is not None:
-            spec["lora"]["target_modules"] = list(lora["target_modules"])
-    if model["quantization"] is not None:
-        spec["quantization"] = model["quantization"]
-    if snapshot_dir is not None:
-        spec["snapshot_dir"] = snapshot_dir
-    if export_dir is not None:
-        spec["export_dir"] = export_dir
-    return spec
 
 
 # --- progress: worker events folded into the record -------------------------------------------

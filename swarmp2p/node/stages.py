@@ -19,6 +19,8 @@ from swarmp2p.node import jobs
 from swarmp2p.node.corpus import prepare_tokens
 from swarmp2p.node.messages import ShardChunk, ShardRead, StageReady, StageReport, StageStart
 from swarmp2p.node.workers import WorkerProcess
+from swarmp2p.plan import parse_job
+from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
 
 if TYPE_CHECKING:
     from swarmp2p.node.daemon import Daemon
@@ -97,8 +99,9 @@ class StageHost:
             await self._ensure_snapshot(msg, snap_dir)
         plan_dict = json.loads(msg.plan)
         device, visible = jobs.device_for(plan_dict["stages"][msg.stage], self.d.record)
+        job = parse_job(msg.job)
         tokens = None
-        if msg.stage == 0 and jobs.needs_tokens(msg.job):
+        if msg.stage == 0 and needs_tokens(job):
             data = msg.job["data"]
             try:
                 tokens = await prepare_tokens(
@@ -110,19 +113,20 @@ class StageHost:
             except ValueError as exc:
                 raise RpcError("bad_data", f"node {self.d.node_id}: {exc}") from None
         try:
-            spec = jobs.worker_spec(
-                msg.job,
-                plan_dict,
+            spec = worker_spec(
+                job,
+                plan,
                 msg.stage,
                 token=self.d.secret.token,
                 host=self.d.addresses[0],
                 next_endpoint=msg.next or None,
                 device=device,
-                snapshot_dir=str(snap_dir) if msg.job["train"]["checkpoint_every"] else None,
+                snapshot_dir=str(snap_dir),
                 export_dir=str(folder / "export"),
                 resume=bool(msg.resume_step),
                 tokens_path=str(tokens) if tokens is not None else None,
-            )
+                link_timeout_s=jobs.LINK_TIMEOUT_S,
+            ).to_dict()
         except ValueError as exc:
             raise RpcError("bad_job", str(exc)) from None
         folder.mkdir(parents=True, exist_ok=True)

@@ -206,8 +206,13 @@ class _Placer:
     def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
         return all(self.fits(i, a, b) for i, (a, b) in enumerate(ranges))
 
-    def split(self) -> _Attempt:
+    def split(self, cuts: tuple[int, ...] | None = None) -> _Attempt:
         L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
+        if cuts is not None:  # the split is given (a trained model, a resume, a test)
+            found = tuple(itertools.pairwise((0, *cuts, L)))
+            prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
+            return _Attempt(ranges=found if self.all_fit(found) else None, prices=prices,
+                            tried=found)  # fmt: skip
         if mode == "equal":
             ranges = SplitSpec.even(L, n).boundaries
             cuts = (0, *ranges, L)
@@ -336,12 +341,15 @@ def plan_job(
     capabilities: frozenset[str] | None = None,
     *,
     shape: ModelShape | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> Plan | Blocked:
     """Place `job` on `cluster`: a Plan, or Blocked naming every rejected device or node.
 
     Pure and deterministic given `shape` (loaded from `job.model.pretrained` when None).
     `capabilities` are the planning peer's own (default: this version's CAPABILITIES).
-    Raises JobError when the job cannot fit this model at all (more stages than layers).
+    `cuts` fixes the split (the first block of every stage after the first): a trained model's
+    split, the cuts snapshots were taken at. Raises JobError when the job cannot fit this model
+    at all (more stages than layers, cuts out of order).
     """
     own = CAPABILITIES if capabilities is None else frozenset(capabilities)
     if shape is None:
@@ -351,8 +359,16 @@ def plan_job(
         return Blocked(reason="placed 0 of 1 required workers; no node "
                        "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
     per_boundary = len(job.split.compression) > 1  # a list of specs fixes the stage count
-    auto = job.split.stages == "auto" and not per_boundary
-    if job.split.stages != "auto":
+    auto = job.split.stages == "auto" and not per_boundary and cuts is None
+    if cuts is not None:
+        cuts = tuple(cuts)
+        if list(cuts) != sorted(set(cuts)) or (
+            cuts and not 0 < cuts[0] <= cuts[-1] < shape.n_layers
+        ):
+            raise JobError([FieldError(path="split", message=f"cuts {list(cuts)} must rise "
+                            f"strictly inside 1..{shape.n_layers - 1}")])  # fmt: skip
+        required = len(cuts) + 1
+    elif job.split.stages != "auto":
         required = int(job.split.stages)
     elif per_boundary:
         required = len(job.split.compression) + 1
@@ -401,7 +417,7 @@ def plan_job(
     first_blocked: Blocked | None = None
     for devices in attempts:
         dtype = resolve_dtype(devices, requested).dtype  # the best every used device runs
-        result, short_of_memory = _plan_on(job, shape, devices, dtype, own)
+        result, short_of_memory = _plan_on(job, shape, devices, dtype, own, cuts)
         if isinstance(result, Plan):
             if len(devices) < len(selected):
                 left = [f"{n.name} {d.label}" for n, d in selected if (n, d) not in devices]
@@ -423,7 +439,12 @@ def _with_note(plan: Plan, note: str) -> Plan:
 
 
 def _plan_on(
-    job: Job, shape: ModelShape, devices: list[Placed], dtype: str, own: frozenset[str]
+    job: Job,
+    shape: ModelShape,
+    devices: list[Placed],
+    dtype: str,
+    own: frozenset[str],
+    cuts: tuple[int, ...] | None = None,
 ) -> tuple[Plan | Blocked, bool]:
     """A plan on exactly these devices, or Blocked and whether memory was what fell short."""
     n = len(devices)
@@ -471,7 +492,7 @@ def _plan_on(
         )
         placer = _Placer(job, shape, devices, StagePricer(shape, pricing, workload), compression,
                          micro)  # fmt: skip
-        attempt = placer.split()
+        attempt = placer.split(cuts)
         if attempt.ranges is None:
             blocked = Blocked(
                 reason=_memory_reason(placer, attempt, dtype, recompute),

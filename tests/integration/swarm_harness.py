@@ -223,3 +223,36 @@ def dump(nodes: Sequence[NodeProc]) -> str:
             parts.append(f"{node.state.root.name}: {exc}")
         parts.append(node.log()[-3000:])
     return "\n".join(parts)
+
+
+def direct_plan(
+    folder: Path | str,
+    job: dict[str, Any] | None = None,
+    *,
+    cuts: Sequence[int] | None = None,
+    stages: int | None = None,
+    dtype: str | None = None,
+):
+    """(Job, Plan) for driving stage workers directly on this machine: ``job`` is job.json
+    (``model.pretrained`` defaults to ``folder``, data to random tokens), planned over local
+    stages with the given cuts. The same records the daemon builds, so a worker test runs
+    what ``swarm train`` runs."""
+    from swarmp2p.plan import load_model_shape, parse_job
+    from swarmp2p.plan.worker_spec import local_plan
+
+    data = json.loads(json.dumps(job or {}))
+    data.setdefault("model", {}).setdefault("pretrained", str(folder))
+    data.setdefault("data", {}).setdefault("source", "random")
+    parsed = parse_job(data)
+    plan = local_plan(parsed, load_model_shape(str(folder)), stages=stages, cuts=cuts, dtype=dtype)
+    return parsed, plan
+
+
+def direct_spec(job, plan, stage: int, *, token: str, next_port: int | None = None, **local):
+    """One stage's worker spec (JSON-able) of a ``direct_plan``; ``next_port``: the bound port
+    of the next stage on 127.0.0.1."""
+    from swarmp2p.plan.worker_spec import worker_spec
+
+    endpoint = f"tcp://127.0.0.1:{next_port}" if next_port is not None else None
+    spec = worker_spec(job, plan, stage, token=token, next_endpoint=endpoint, **local)
+    return spec.to_dict()

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from swarm_harness import direct_plan, direct_spec  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -146,40 +148,39 @@ class Worker:
         return f"events {self.events}\nstderr tail:\n{''.join(self.stderr[-30:])}"
 
 
-def spec_for(i, n, folder, token, cuts, **extra) -> dict:
-    bounds = [0, *cuts, 4]
-    spec = {
-        "stage": i,
-        "n_stages": n,
-        "model": str(folder),
-        "layers": [bounds[i], bounds[i + 1]],
-        "n_layers": 4,
-        "token": token,
-        "compression": ["none"] * (n - 1),
-        "link_timeout_s": 30,
-        "train": {"steps": 2, "batch_size": 4, "seq_len": 9, "lr": 1e-3, "loss_chunk_tokens": 7},
-        "data": {"source": "random", "seed": 3},
-    }
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
+BASE_JOB = {
+    "name": "pipeline-test",
+    "train": {"steps": 2, "batch_size": 4, "seq_len": 9, "lr": 1e-3, "micro_batches": 1,
+              "eval_batches": 0, "seed": 3},
+}  # fmt: skip
+
+
+def job_for(job: dict | None) -> dict:
+    """BASE_JOB with the sections of ``job`` merged in one level deep."""
+    out = copy.deepcopy(BASE_JOB)
+    for key, value in (job or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
         else:
-            spec[key] = value
-    return spec
+            out[key] = value
+    return out
 
 
-def run_workers(n, folder, token, cuts, per_stage=None, **extra) -> list[Worker]:
+def spec_for(i, n, folder, token, cuts, job=None, next_port=None, **local) -> dict:
+    """Stage i's worker spec, made as the daemon makes it (``worker_spec`` of a plan)."""
+    assert len(cuts) == n - 1
+    parsed, plan = direct_plan(folder, job_for(job), cuts=cuts)
+    local = {"loss_chunk_tokens": 7, "link_timeout_s": 30, **local}
+    return direct_spec(parsed, plan, i, token=token, next_port=next_port, **local)
+
+
+def run_workers(n, folder, token, cuts, job=None, **local) -> list[Worker]:
     """Start stages last to first (each dials the bound port of the next); wait for all."""
     workers: list[Worker | None] = [None] * n
     nxt = None
     try:
         for i in reversed(range(n)):
-            spec = spec_for(i, n, folder, token, cuts, **extra)
-            if per_stage:
-                spec.update(per_stage(i))
-            if nxt is not None:
-                spec["next"] = f"tcp://127.0.0.1:{nxt}"
-            workers[i] = Worker(spec)
+            workers[i] = Worker(spec_for(i, n, folder, token, cuts, job, next_port=nxt, **local))
             nxt = workers[i].port()
         for w in workers:
             w.wait()
@@ -228,7 +229,7 @@ def test_workers_match_a_single_process(checkpoint, token, tmp_path, family, n, 
         folder,
         token,
         cuts,
-        train={"micro_batches": m, "schedule": schedule, "checkpoint_every": 2},
+        job={"train": {"micro_batches": m, "schedule": schedule, "checkpoint_every": 2}},
         snapshot_dir=str(tmp_path),
     )
     for w in workers:
@@ -264,15 +265,11 @@ def _model_from(folder):
 
 def test_a_killed_neighbour_fails_the_survivor_within_the_link_timeout(checkpoint, token):
     folder = checkpoint("llama")
-    last = Worker(spec_for(1, 2, folder, token, [2], link_timeout_s=3, train={"steps": 1000}))
+    long = {"train": {"steps": 1000}}
+    last = Worker(spec_for(1, 2, folder, token, [2], long, link_timeout_s=3))
     try:
         port = last.port()
-        first = Worker(
-            {
-                **spec_for(0, 2, folder, token, [2], link_timeout_s=3, train={"steps": 1000}),
-                "next": f"tcp://127.0.0.1:{port}",
-            }
-        )
+        first = Worker(spec_for(0, 2, folder, token, [2], long, next_port=port, link_timeout_s=3))
         try:
             deadline = time.monotonic() + 60
             while not first.of("step") and time.monotonic() < deadline:
@@ -290,23 +287,38 @@ def test_a_killed_neighbour_fails_the_survivor_within_the_link_timeout(checkpoin
         last.stop()
 
 
+def _set(path: str, value):
+    def change(spec: dict) -> None:
+        *parents, leaf = path.split(".")
+        node = spec
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        if value is _DROP:
+            del node[leaf]
+        else:
+            node[int(leaf) if leaf.isdigit() else leaf] = value
+
+    return change
+
+
+_DROP = object()
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"stage": 5}, "stage: must be < n_stages (2), got 5"),
-        ({"layers": [3, 2]}, "layers: must be [start, end)"),
-        ({"compression": ["fixed_int9"]}, "compression[0]"),
-        ({"train": {"micro_batches": 3}}, "train.micro_batches: must divide train.batch_size 4"),
-        ({"finetune_mode": "lora"}, 'lora: is required when finetune_mode is "lora"'),
-        ({"bogus": 1}, "bogus: unknown field"),
-        ({"next": None}, "next: is required on every stage but the last"),
+        (_set("stage", 5), "stage: must be < the plan's 2 stage(s), got 5"),
+        (_set("plan.stages.1.layers", [3, 4]), "stages[1] starts at block 3"),
+        (_set("job.split.compression", ["fixed_int9"]), "job.split.compression[0]: must be"),
+        (_set("job.train.micro_batches", 3), "job.train.micro_batches: must divide"),
+        (_set("plan.finetune_mode", "lora"), "plan.finetune_mode: 'lora' is not the job's 'full'"),
+        (_set("bogus", 1), "bogus: unknown key"),
+        (_set("next", _DROP), "next: required on every stage but the last"),
     ],
 )
-def test_bad_specs_name_the_field(change, field, token):
-    spec = {**spec_for(0, 2, "/nonexistent", token, [2]), "next": "tcp://127.0.0.1:1"}
-    spec.update(change)
-    if change.get("next", 0) is None:
-        del spec["next"]
+def test_bad_specs_name_the_field(change, field, checkpoint, token):
+    spec = spec_for(0, 2, checkpoint("llama"), token, [2], next_port=1)
+    change(spec)
     w = Worker(spec)
     assert w.wait(60) == 2, w.describe()
     (error,) = w.of("error")
@@ -320,9 +332,12 @@ def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_pat
         folder,
         token,
         [2],
-        finetune_mode="lora",
-        lora={"r": 4, "alpha": 8, "dropout": 0.0, "export": "adapters"},
-        train={"steps": 3, "eval_batches": 2, "lr": 1e-2},
+        job={
+            "model": {
+                "lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "export": "adapters"}
+            },
+            "train": {"steps": 3, "eval_batches": 2, "lr": 1e-2},
+        },
         export_dir=str(tmp_path),
     )
     for w in workers:
@@ -338,20 +353,13 @@ def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_pat
     from swarmp2p.runtime.torch.evaluation import score_logits
     from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
     from swarmp2p.runtime.torch.stage_runner import eval_batches
-    from swarmp2p.runtime.worker import DataSpec, TrainSpec, WorkerSpec
+    from swarmp2p.runtime.worker import parse_worker_spec
 
     dirs = [tmp_path / "stage-0", tmp_path / "stage-1"]
     assert read_manifest(dirs[1])["weights_included"] is False
     model = reconstruct_from_shards(folder, dirs).eval()
-    spec = WorkerSpec(
-        stage=0,
-        n_stages=2,
-        model="",
-        layers=(0, 2),
-        n_layers=4,
-        token="",
-        train=TrainSpec(batch_size=4, seq_len=9, eval_batches=2),
-        data=DataSpec(seed=3),
+    spec = parse_worker_spec(
+        spec_for(0, 2, folder, token, [2], {"train": {"eval_batches": 2}}, next_port=1)
     )
     loss_sum, n = 0.0, 0
     with torch.no_grad():
@@ -370,15 +378,12 @@ def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
         folder,
         token,
         [1, 3],
-        compression=[learned, learned],
-        finetune_mode="compressor_only",
-        train={
-            "steps": 4,
-            "eval_batches": 1,
-            "lr": 1e-2,
-            "calibration_tokens": 72,
-            "micro_batches": 2,
+        job={
+            "model": {"freeze_backbone": True},
+            "split": {"compression": [learned, learned]},
+            "train": {"steps": 4, "eval_batches": 1, "lr": 1e-2, "micro_batches": 2},
         },
+        calibration_tokens=72,
     )
     for w in workers:
         assert w.proc.returncode == 0, w.describe()

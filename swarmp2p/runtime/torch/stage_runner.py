@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swarmp2p.data.split import HELD_OUT_EVERY
-from swarmp2p.runtime.worker import WorkerSpec, _clean
+from swarmp2p.plan.worker_spec import WorkerSpec
 
 BYE_WAIT_S = 5.0
 """How long a stage waits for the stage before it to confirm the end before closing anyway."""
@@ -20,7 +20,7 @@ def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
 
     t = spec.train
     if spec.data.source == "random":
-        gen = torch.Generator().manual_seed(spec.data.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
         return torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen)
     windows = tokens["train"]
     if len(windows) < t.batch_size:
@@ -38,7 +38,7 @@ def eval_batches(spec: WorkerSpec, vocab: int, tokens=None) -> list:
 
     t = spec.train
     if spec.data.source == "random":
-        gen = torch.Generator().manual_seed(spec.data.seed * 1_000_003 - 1)
+        gen = torch.Generator().manual_seed(spec.seed * 1_000_003 - 1)
         return [
             torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen)
             for _ in range(t.eval_batches)
@@ -221,7 +221,7 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
             chunk_tokens=t.loss_chunk_tokens,
         )
         numbers = {k: v for k, v in result.as_dict().items() if k != "name"}
-        evaluation[name] = {k: _clean(v) for k, v in numbers.items()}
+        evaluation[name] = {k: _finite(v) for k, v in numbers.items()}
         emit("eval", **{"pass": name}, **numbers)
 
     boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
@@ -290,6 +290,13 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
         )
         emit("exported", manifest=str(manifest))
     emit("done", steps=t.steps if trains else 0)
+
+
+def _finite(value):
+    """A number for a JSON manifest: inf and nan become null."""
+    import math
+
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _fields(settings) -> dict:

@@ -9,7 +9,6 @@ import pytest
 from swarmp2p.node import jobs, jobtable, registry
 from swarmp2p.node.jobtable import JobEvent, JobTable
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
-from swarmp2p.runtime.worker import parse_worker_spec
 
 GIB = 1 << 30
 
@@ -134,62 +133,6 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     real = _node("c", [_gpu(0), _gpu(1)])
     assert jobs.device_for({"devices": ["cuda:1"]}, real) == ("cuda:0", "1")
     assert jobs.device_for({"devices": ["cpu"]}, real) == ("cpu", None)
-
-
-def test_worker_specs_of_a_plan_pass_the_worker_validation():
-    cluster = jobs.cluster_records([_node("a"), _node("b")])
-    plan = jobs.compute_plan(_canonical(), cluster).to_dict()
-    specs = [
-        jobs.worker_spec(
-            _canonical(),
-            plan,
-            i,
-            token="t" * 10,
-            host="10.0.0.1",
-            next_endpoint="tcp://10.0.0.2:5555" if i == 0 else None,
-            device="cpu",
-            snapshot_dir="/s",
-            export_dir="/e",
-            resume=False,
-        )
-        for i in range(2)
-    ]
-    parsed = [parse_worker_spec(s) for s in specs]
-    assert [p.layers for p in parsed] == [tuple(s["layers"]) for s in plan["stages"]]
-    assert parsed[0].next == "tcp://10.0.0.2:5555" and parsed[1].next is None
-    assert parsed[0].finetune_mode == "lora" and parsed[0].lora.r == 4
-    assert parsed[1].train.micro_batches == 2 and parsed[1].train.checkpoint_every == 2
-    assert parsed[0].data.source == "random" and parsed[0].wire_v2
-    no_snap = jobs.worker_spec(
-        _canonical(),
-        plan,
-        1,
-        token="t" * 10,
-        host="h",
-        next_endpoint=None,
-        device="cpu",
-        snapshot_dir=None,
-        export_dir=None,
-        resume=False,
-    )
-    assert no_snap["train"]["checkpoint_every"] == 0
-
-
-def test_a_text_corpus_is_read_by_stage_0_from_its_token_file():
-    cluster = jobs.cluster_records([_node("a"), _node("b")])
-    job = _canonical({**JOB, "data": {"source": "embedded"}})
-    assert jobs.needs_tokens(job) and not jobs.needs_tokens(_canonical())
-    plan = jobs.compute_plan(job, cluster).to_dict()
-    common = dict(token="t" * 10, host="h", device="cpu", snapshot_dir=None, export_dir=None,
-                  resume=False)  # fmt: skip
-    with pytest.raises(ValueError, match="must be tokenized for stage 0 first"):
-        jobs.worker_spec(job, plan, 0, next_endpoint="tcp://h:1", **common)
-    first = jobs.worker_spec(
-        job, plan, 0, next_endpoint="tcp://h:1", tokens_path="/t.npy", **common
-    )
-    assert parse_worker_spec(first).data.path == "/t.npy"
-    last = jobs.worker_spec(job, plan, 1, next_endpoint=None, **common)
-    assert parse_worker_spec(last).data.source == "random"  # stages past the first read none
 
 
 def _record(n=3, attempt=1):

@@ -16,14 +16,15 @@ pytestmark = pytest.mark.slow
 
 
 def _spec(**extra):
-    spec = {
-        "stage": 1,
-        "n_stages": 2,
-        "model": "/nonexistent/model",
-        "layers": [1, 2],
-        "n_layers": 2,
-        "token": SwarmSecret.generate().token,
-    }
+    from swarmp2p.plan import from_config, parse_job
+    from swarmp2p.plan.worker_spec import local_plan, worker_spec
+
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 128, "max_position_embeddings": 64}  # fmt: skip
+    job = parse_job({"model": {"pretrained": "/nonexistent/model"}, "data": {"source": "random"}})
+    plan = local_plan(job, from_config(config), cuts=[1])
+    spec = worker_spec(job, plan, 1, token=SwarmSecret.generate().token).to_dict()
     spec.update(extra)
     return spec
 
@@ -51,9 +52,9 @@ async def _run(spec, kill_after_ready=False):
 
 
 def test_a_bad_spec_exits_2_with_the_field_named():
-    events, exits = asyncio.run(_run(_spec(layers=[2, 1])))
+    events, exits = asyncio.run(_run(_spec(stage=2)))
     assert exits[0][0] == 2
-    assert events[-1]["event"] == "error" and "layers" in events[-1]["message"]
+    assert events[-1]["event"] == "error" and "stage: must be <" in events[-1]["message"]
 
 
 def test_a_worker_that_fails_after_ready_reports_its_error_and_stderr_tail():

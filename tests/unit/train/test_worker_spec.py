@@ -1,4 +1,7 @@
-"""Worker spec validation (no torch needed) and the data rule (a batch is a function of the step)."""
+"""Worker spec validation (no torch needed) and the data rule (a batch is a function of the step).
+
+The spec is the job and its plan plus what only the stage's node knows; these tests build it
+with ``worker_spec()``, as the daemon does."""
 
 from __future__ import annotations
 
@@ -7,75 +10,105 @@ from io import StringIO
 
 import pytest
 
-from swarmp2p.runtime.worker import (
-    EXIT_BAD_SPEC,
-    WorkerSpecError,
-    main,
-    parse_worker_spec,
-)
+from swarmp2p.plan import from_config, parse_job
+from swarmp2p.plan.worker_spec import local_plan, worker_spec
+from swarmp2p.runtime.worker import EXIT_BAD_SPEC, WorkerSpecError, main, parse_worker_spec
 
-GOOD = {
-    "stage": 0,
-    "n_stages": 3,
-    "model": "/m",
-    "layers": [0, 2],
-    "n_layers": 6,
-    "token": "t",
-    "next": "tcp://127.0.0.1:5000",
-    "compression": ["none", {"method": "learned_bottleneck"}],
+CONFIG = {
+    "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 192,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "tie_word_embeddings": False, "max_position_embeddings": 512,
+}  # fmt: skip
+JOB = {
+    "name": "spec-test",
+    "model": {"pretrained": "/m", "lora": {"enabled": True, "r": 4}},
+    "data": {"source": "random"},
+    "train": {"steps": 3, "batch_size": 4, "seq_len": 8, "micro_batches": 2, "seed": 3},
+    "split": {"compression": ["none", {"method": "learned_bottleneck", "learned_dim": 16}]},
 }
 
 
-def test_a_good_spec_parses_with_defaults():
-    spec = parse_worker_spec(GOOD)
-    assert spec.is_first and not spec.is_last
-    assert spec.train.schedule == "1f1b" and spec.train.micro_batches == 1
-    assert spec.data.source == "random" and spec.finetune_mode == "full"
+def _job(**train):
+    return parse_job({**JOB, "train": {**JOB["train"], **train}})
+
+
+def _good(stage: int = 0, **local) -> dict:
+    job = _job()
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    nxt = "tcp://127.0.0.1:5000" if stage < 2 else None
+    return worker_spec(job, plan, stage, token="t", next_endpoint=nxt, **local).to_dict()
+
+
+def test_a_good_spec_round_trips_and_reads_the_job_and_plan():
+    data = json.loads(json.dumps(_good()))
+    spec = parse_worker_spec(data)
+    assert spec.to_dict() == data
+    assert spec.is_first and not spec.is_last and spec.n_stages == 3
+    assert spec.layers == (0, 2) and spec.n_layers == 6
+    assert spec.train.schedule == "1f1b" and spec.train.micro_batches == 2
+    assert spec.train.checkpoint_every == 0  # no snapshot_dir: no snapshots
+    assert spec.data.source == "random" and spec.finetune_mode == "lora" and spec.lora.r == 4
+    assert spec.compression[1] == {
+        "method": "learned_bottleneck",
+        "learned_dim": 16,
+        "code_bits": 8,
+    }
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"stage": 3}, "stage: must be < n_stages (3), got 3"),
-        ({"n_stages": 1}, "n_stages: must be an integer >= 2, got 1"),
-        ({"layers": [2, 9]}, "layers: must be [start, end) with 0 <= start < end <= n_layers"),
-        ({"compression": ["none"]}, "compression: must list one spec per boundary (2)"),
-        ({"compression": ["none", "zip"]}, "compression[1]"),
+        ({"stage": 3}, "stage: must be < the plan's 3 stage(s), got 3"),
+        ({"next": None}, "next: required on every stage but the last"),
+        ({"next": "udp://x"}, "next: "),
         (
-            {"train": {"schedule": "zigzag"}},
-            "train.schedule: must be one of gpipe, 1f1b, got 'zigzag'",
+            {"job": {**JOB, "train": {"schedule": "zigzag"}}},
+            'job.train.schedule: must be one of "gpipe", "1f1b", got "zigzag"',
         ),
-        ({"train": {"lr": 0}}, "train.lr: must be a number > 0.0, got 0"),
-        ({"train": {"batch_size": 4, "micro_batches": 3}}, "train.micro_batches: must divide"),
-        ({"train": {"steps": -1}}, "train.steps: must be an integer >= 0, got -1"),
-        ({"train": {"stpes": 3}}, "train.stpes: unknown field"),
-        ({"data": {"source": "tokens"}}, "data.path: is required"),
-        ({"lora": {"r": 0}}, "lora.r: must be an integer >= 1, got 0"),
-        ({"quantization": {"bits": 3}}, "quantization.bits"),
-        ({"next": "udp://x"}, "next: must be a tcp://host:port endpoint"),
+        ({"job": {**JOB, "train": {"lr": 0}}}, "job.train.lr: must be a number > 0, got 0"),
+        ({"job": {**JOB, "name": "other"}}, "plan.job: 'spec-test' is not the job's name 'other'"),
+        ({"data": {"source": "tokens"}}, 'data.path: required when source is "tokens"'),
         ({"resume": True}, "resume: needs snapshot_dir"),
         ({"model": ""}, "model: must be a non-empty string"),
+        ({"port": 2**64}, "port: must be an integer >= 0 and <= 65535"),
+        ({"extra": 1}, "extra: unknown key"),
     ],
 )
 def test_bad_fields_are_named(change, message):
     with pytest.raises(WorkerSpecError) as info:
-        parse_worker_spec({**GOOD, **change})
-    assert any(message in e for e in info.value.errors), info.value.errors
+        parse_worker_spec({**_good(), **change})
+    assert any(message in str(e) for e in info.value.errors), info.value.errors
+
+
+def test_a_tampered_plan_is_named_by_its_path():
+    data = _good()
+    data["plan"]["stages"][1]["layers"] = [3, 4]  # no longer where stage 0 ends
+    with pytest.raises(WorkerSpecError) as info:
+        parse_worker_spec(data)
+    assert any(e.path == "plan" and "stages[1] starts at block 3" in e.message for e in info.value.errors)  # fmt: skip
 
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(WorkerSpecError) as info:
         parse_worker_spec({"stage": 0})
-    fields = {e.split(":")[0] for e in info.value.errors}
-    assert {"n_stages", "n_layers", "layers", "model", "token", "next"} <= fields
+    assert {e.path for e in info.value.errors} >= {"job", "plan", "model", "token"}
+
+
+def test_a_one_stage_spec_needs_no_next():
+    job = _job()
+    job = parse_job({**JOB, "split": {"stages": 1}})
+    plan = local_plan(job, from_config(CONFIG))
+    spec = parse_worker_spec(worker_spec(job, plan, 0, token="t").to_dict())
+    assert spec.is_first and spec.is_last and spec.layers == (0, 6)
 
 
 def test_main_reports_a_bad_spec_as_an_event_and_exit_code():
     out = StringIO()
-    assert main(StringIO(json.dumps({**GOOD, "stage": "zero"})), out) == EXIT_BAD_SPEC
+    assert main(StringIO(json.dumps({**_good(), "stage": "zero"})), out) == EXIT_BAD_SPEC
     (event,) = [json.loads(line) for line in out.getvalue().splitlines()]
     assert event["event"] == "error" and event["type"] == "WorkerSpecError"
-    assert "stage: must be an integer >= 0, got 'zero'" in event["message"]
+    assert 'stage: must be an integer >= 0, got "zero"' in event["message"]
+    assert any(e.startswith("stage: ") for e in event["errors"])
     out = StringIO()
     assert main(StringIO("{not json"), out) == EXIT_BAD_SPEC
     assert "spec is not JSON" in out.getvalue()
@@ -87,21 +120,30 @@ def test_batches_are_a_function_of_the_step_and_held_out_is_separate(tmp_path):
     torch = pytest.importorskip("torch")
     from swarmp2p.runtime.torch.stage_runner import _load_tokens, eval_batches, train_batch
 
-    spec = parse_worker_spec({**GOOD, "train": {"batch_size": 2, "seq_len": 4, "eval_batches": 3}})
+    job = parse_job({**JOB, "train": {"batch_size": 2, "seq_len": 4, "eval_batches": 3}})
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    spec = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://h:1")
     assert torch.equal(train_batch(spec, 5, 100), train_batch(spec, 5, 100))
     assert not torch.equal(train_batch(spec, 5, 100), train_batch(spec, 6, 100))
     assert train_batch(spec, 0, 100).shape == (2, 5)
     path = tmp_path / "ids.npy"
     np.save(path, np.arange(5 * 40))
-    spec = parse_worker_spec(
-        {
-            **GOOD,
-            "data": {"source": "tokens", "path": str(path)},
-            "train": {"batch_size": 2, "seq_len": 4, "eval_batches": 3},
-        }
-    )
+    spec = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://h:1")
+    spec = parse_worker_spec({**spec.to_dict(), "data": {"source": "tokens", "path": str(path)}})
     tokens = _load_tokens(spec)
     assert tokens["train"].shape == (38, 5) and tokens["held_out"].shape == (2, 5)
     assert int(tokens["held_out"].min()) > int(tokens["train"].max())  # the last windows
     assert len(eval_batches(spec, 100, tokens)) == 1  # only one batch of 2 is held out
     assert torch.equal(train_batch(spec, 1, 100, tokens), tokens["train"][2:4])
+
+
+def test_a_text_corpus_is_read_by_stage_0_from_its_token_file():
+    from swarmp2p.plan.worker_spec import needs_tokens, stage_data
+
+    text = parse_job({**JOB, "data": {"source": "embedded"}})
+    assert needs_tokens(text) and not needs_tokens(_job())
+    assert not needs_tokens(parse_job({**JOB, "data": {"source": "/ids.npy"}}))
+    with pytest.raises(ValueError, match="must be tokenized for stage 0 first"):
+        stage_data(text, 0, None)
+    assert stage_data(text, 0, "/t.npy").path == "/t.npy"
+    assert stage_data(text, 1, None).source == "random"  # stages past the first read none

@@ -1,0 +1,318 @@
+"""The record a training stage worker runs from: the job and its plan as every peer holds them,
+which stage, and what only that stage's node knows. Pure, standard library only.
+
+``worker_spec(job, plan, stage, ...)`` is the one way to make one: the daemon builds it for
+each stage it starts, tests and benchmarks build it to drive workers directly, and the worker
+(``python -m swarmp2p.runtime.worker``) parses it from stdin with ``parse_worker_spec`` before
+it imports torch. Nothing in it is a second copy of a job.json setting: the worker reads the
+job's own ``train``/``model`` records and the plan's cuts, dtype, schedule and boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
+from swarmp2p.plan.job import Job, LoraConfig
+from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.plan.placement import plan_job
+from swarmp2p.plan.result import Plan
+from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
+
+LINK_TIMEOUT_S = 30.0
+"""How long a stage waits on a silent neighbour before it fails (the leader stops it sooner)."""
+DEFAULT_LOSS_CHUNK_TOKENS = 2048
+"""Tokens whose float32 logits the last stage holds at once while scoring (reference, "Long
+sequences")."""
+DEFAULT_CALIBRATION_TOKENS = 16384
+"""Tokens a learned bottleneck's PCA calibration reads (reference, "Calibration")."""
+
+
+class WorkerSpecError(SchemaError):
+    """A worker spec is invalid; ``errors`` lists every problem with its field path."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        super().__init__(errors, title="invalid worker spec")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageData:
+    """Where the first stage's tokens come from on its node."""
+
+    source: Literal["random", "tokens"] = "random"
+    """``random``: seeded uniform tokens (tests, benchmarks, and every stage but the first);
+    ``tokens``: a .npy file of token ids on this node, cut into windows of seq_len + 1."""
+    path: str | None = field(default=None, min_len=1)
+
+    def __post_init__(self) -> None:
+        if self.source == "tokens" and self.path is None:
+            raise SchemaError([FieldError(path="path", message='required when source is "tokens"')])  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageTraining:
+    """What one stage's training loop reads, derived from the job and the plan (never parsed:
+    ``WorkerSpec.train`` builds it)."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    micro_batches: int
+    schedule: str
+    lr: float
+    weight_decay: float
+    recompute: bool
+    loss_chunk_tokens: int
+    eval_batches: int
+    calibration_tokens: int
+    checkpoint_every: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSpec:
+    """One training stage's assignment (``python -m swarmp2p.runtime.worker`` stdin)."""
+
+    job: Job
+    """The job as submitted (canonical job.json)."""
+    plan: Plan
+    """The plan every assigned peer checked."""
+    stage: int = field(ge=0)
+    model: str = field(min_len=1, max_len=4096)
+    """What this node loads the stage from: a local folder (or a ref ``load_stage_shard``
+    resolves: "embedded", a Hub id in this node's cache)."""
+    token: str = field(min_len=1, max_len=256)
+    """The swarm token: links are CURVE-authenticated with keys derived from it (stdin only)."""
+    device: str = field(default="cpu", pattern=r"cpu|cuda(:\d+)?|mps(:\d+)?")
+    host: str = field(default="127.0.0.1", min_len=1, max_len=255)
+    """Where the link to the stage before binds."""
+    port: int = field(default=0, ge=0, le=65535)
+    next: str | None = field(default=None, pattern=r"tcp://[^\s]+:\d{1,5}")
+    """The endpoint of the next stage's bound link; None on the last stage."""
+    link_timeout_s: float = field(default=LINK_TIMEOUT_S, gt=0, le=86400)
+    data: StageData = dataclasses.field(default_factory=StageData)
+    snapshot_dir: str | None = field(default=None, min_len=1)
+    resume: bool = False
+    """Continue from the newest snapshot in ``snapshot_dir``."""
+    export_dir: str | None = field(default=None, min_len=1)
+    """Write this stage's shard to ``export_dir/stage-<i>`` after the last step."""
+    weight_decay: float = field(default=0.0, ge=0)
+    loss_chunk_tokens: int = field(default=DEFAULT_LOSS_CHUNK_TOKENS, ge=1)
+    calibration_tokens: int = field(default=DEFAULT_CALIBRATION_TOKENS, ge=1)
+
+    def __post_init__(self) -> None:
+        errors = []
+        n = len(self.plan.stages)
+        if self.stage >= n:
+            errors.append(FieldError(path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"))  # fmt: skip
+        elif self.stage < n - 1 and self.next is None:
+            errors.append(FieldError(path="next", message="required on every stage but the last (the next stage's endpoint)"))  # fmt: skip
+        if self.plan.job != self.job.name:
+            errors.append(FieldError(path="plan.job", message=f"{self.plan.job!r} is not the job's name {self.job.name!r}"))  # fmt: skip
+        if self.plan.finetune_mode != self.job.finetune_mode:
+            errors.append(FieldError(path="plan.finetune_mode", message=f"{self.plan.finetune_mode!r} is not the job's {self.job.finetune_mode!r}"))  # fmt: skip
+        if self.resume and self.snapshot_dir is None:
+            errors.append(FieldError(path="resume", message="needs snapshot_dir"))
+        if errors:
+            raise SchemaError(errors)
+
+    # --- what the stage runs, read from the job and the plan -----------------------------------
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.plan.stages)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """This stage's blocks ``[start, end)``."""
+        return self.plan.stages[self.stage].layers
+
+    @property
+    def n_layers(self) -> int:
+        return self.plan.n_layers
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    @property
+    def compression(self) -> tuple[Any, ...]:
+        """One compression spec per boundary (as job.json writes it)."""
+        return tuple(b.compression.spec for b in self.plan.boundaries)
+
+    @property
+    def finetune_mode(self) -> str:
+        return self.plan.finetune_mode
+
+    @property
+    def dtype(self) -> str:
+        return self.plan.dtype
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        return self.job.model.lora if self.finetune_mode == "lora" else None
+
+    @property
+    def quantization(self) -> dict | None:
+        q = self.job.model.quantization
+        return None if q is None else q.to_dict()
+
+    @property
+    def weight_dtype(self) -> str | None:
+        """Storage dtype of a frozen backbone, when the plan enabled it."""
+        if "half-weights" not in self.plan.features or self.finetune_mode == "full":
+            return None
+        return self.job.model.weight_dtype
+
+    @property
+    def seed(self) -> int:
+        return self.job.train.seed
+
+    @property
+    def wire_v2(self) -> bool:
+        return "wire-v2" in self.plan.features
+
+    @property
+    def train(self) -> StageTraining:
+        t = self.job.train
+        return StageTraining(
+            steps=t.steps,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            micro_batches=self.plan.micro_batches,
+            schedule=self.plan.schedule.kind,
+            lr=t.lr,
+            weight_decay=self.weight_decay,
+            recompute=self.plan.recompute,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            eval_batches=self.plan.eval_batches,
+            calibration_tokens=self.calibration_tokens,
+            checkpoint_every=t.checkpoint_every if self.snapshot_dir else 0,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_data(self)
+
+
+def parse_worker_spec(data: Any) -> WorkerSpec:
+    """A validated WorkerSpec, or WorkerSpecError listing every bad field."""
+    try:
+        return parse(WorkerSpec, data)
+    except SchemaError as exc:
+        raise WorkerSpecError(exc.errors) from None
+
+
+def needs_tokens(job: Job) -> bool:
+    """Whether the job's corpus must be tokenized for stage 0 (not random, not a .npy)."""
+    source = job.data.source
+    return source != "random" and not source.endswith(".npy")
+
+
+def stage_data(job: Job, stage: int, tokens_path: str | None) -> StageData:
+    """What the stage reads: stage 0 the job's tokens (a .npy, or the corpus tokenized to
+    ``tokens_path``); the stages after it read none."""
+    source = job.data.source
+    if source == "random" or stage > 0:
+        return StageData(source="random")
+    if source.endswith(".npy"):
+        return StageData(source="tokens", path=source)
+    if tokens_path is None:
+        raise ValueError(f"data.source {source!r} must be tokenized for stage 0 first")
+    return StageData(source="tokens", path=tokens_path)
+
+
+def worker_spec(
+    job: Job,
+    plan: Plan,
+    stage: int,
+    *,
+    model: str | None = None,
+    token: str,
+    host: str = "127.0.0.1",
+    next_endpoint: str | None = None,
+    device: str = "cpu",
+    snapshot_dir: str | None = None,
+    export_dir: str | None = None,
+    resume: bool = False,
+    tokens_path: str | None = None,
+    **tunables: Any,
+) -> WorkerSpec:
+    """The worker spec of one planned stage (``tunables``: ``link_timeout_s``,
+    ``weight_decay``, ``loss_chunk_tokens``, ``calibration_tokens``, ``port``)."""
+    return WorkerSpec(
+        job=job,
+        plan=plan,
+        stage=stage,
+        model=model or job.model.pretrained,
+        token=token,
+        device=device,
+        host=host,
+        next=next_endpoint,
+        data=stage_data(job, stage, tokens_path),
+        snapshot_dir=snapshot_dir if job.train.checkpoint_every or resume else None,
+        resume=resume,
+        export_dir=export_dir,
+        **tunables,
+    )
+
+
+def local_cluster(
+    n: int, *, kind: str = "cpu", memory: int = 1 << 40, disk: int = 1 << 40
+) -> list[Node]:
+    """``n`` nodes of one device each with room for anything: a plan for stages run on one
+    machine (tests, benchmarks), where only the cuts, the dtype and the schedule matter. A
+    ``cuda`` device of unknown compute capability runs every dtype (as a fake GPU does)."""
+    return [
+        Node(
+            node_id=f"local{i:03d}",
+            name=f"local{i}",
+            ram=memory,
+            disk_free=disk,
+            capabilities=CAPABILITIES,
+            devices=(
+                Device(kind=kind, index=0, name=kind, memory_total=memory, memory_free=memory),
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+def local_plan(
+    job: Job,
+    shape: ModelShape,
+    *,
+    stages: int | None = None,
+    cuts: Sequence[int] | None = None,
+    dtype: str | None = None,
+) -> Plan:
+    """The plan of ``job`` over ``stages`` local CPU stages (or the given ``cuts``), in
+    ``dtype`` (default: the job's, else float32). ValueError when it cannot be placed."""
+    n = len(cuts) + 1 if cuts is not None else stages or 1
+    if dtype is not None and job.model.dtype != dtype:
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, dtype=dtype))
+    kind = "cpu" if job.model.dtype in (None, "float32") else "cuda"
+    result = plan_job(job, local_cluster(n, kind=kind), shape=shape, cuts=cuts)
+    if not isinstance(result, Plan):
+        raise ValueError(f"cannot plan {job.name} on {n} local stage(s): {result.reason}")
+    return result
+
+
+__all__ = [
+    "LINK_TIMEOUT_S",
+    "StageData",
+    "StageTraining",
+    "WorkerSpec",
+    "WorkerSpecError",
+    "local_cluster",
+    "local_plan",
+    "needs_tokens",
+    "parse_worker_spec",
+    "stage_data",
+    "worker_spec",
+]
