@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from swarmp2p.net.auth import make_client_socket, make_server_socket
 from swarmp2p.net.security import SwarmSecret
+from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,22 @@ Handler = Callable[[Message, bytes], Awaitable["Message | None"]]
 """``async handler(request, peer_identity) -> reply`` (None: send no reply)."""
 
 
-class RpcTimeout(TimeoutError):
+class RpcTimeout(Unavailable, TimeoutError):
     """No reply arrived in time (peer down, overloaded, or not in our swarm)."""
 
+    default_code = "timeout"
 
-class RpcError(Exception):
-    """The peer answered with an ErrorReply; raise one in a handler to answer with one."""
+
+class RpcError(SwarmError):
+    """The peer answered with an ErrorReply; raise one in a handler to answer with one. Its
+    ``code`` is one of ``swarmp2p.errors.CODES`` (or a wire error code)."""
 
     def __init__(self, code: str, detail: str) -> None:
-        super().__init__(f"{code}: {detail}")
-        self.code = code
+        super().__init__(detail, code=code)
         self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}"
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> RpcError:
@@ -151,6 +157,8 @@ class RpcServer:
             raise
         except RpcError as e:
             reply = ErrorReply(code=e.code, detail=e.detail)
+        except SwarmError as e:  # a refusal with a stable code crosses as that code
+            reply = ErrorReply(code=e.code, detail=e.message)
         except Exception as e:
             log.exception("rpc handler failed on %s", type(request).TYPE)
             reply = ErrorReply(code="internal", detail=f"{type(e).__name__}: {e}")

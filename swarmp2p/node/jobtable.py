@@ -1,192 +1,398 @@
-"""The replicated job table: versioned events applied by one pure function, persisted atomically.
+"""The replicated job table: typed records changed only by ``apply(table, entry)``. No torch.
 
-Only the leader creates events. Every event bumps ``version``; a ``lead`` event (a new leader
-taking over) also bumps ``term``. Tables are ordered by ``(term, version)``: a new leader
-starts from the newest table among live peers, so its term wins over whatever a dead leader
-wrote and never replicated. Replication ships whole tables (they are small); a follower keeps
-a pushed table only if it is newer than its own.
+The table holds the swarm's members (who counts towards a majority) and every training job
+with its state, plan, snapshots, shards and registered model. Each event has its own
+``apply_<event>``; an event that does not follow from the table (an unknown job, a finished
+one, a stale attempt's step) raises ValueError naming why, so the leader never commits it.
+Tables are persisted atomically with a sha256 checksum.
+
+Job states: pending -> placed -> running -> completed | failed | cancelled; a lost stage node
+sends a running job to resuming -> placed (a new attempt) -> running.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p.node import events as ev
+from swarmp2p.plan import Job, Plan
+from swarmp2p.schema import SchemaError, field, parse, to_data
 
-EVENT_KINDS = ("lead", "submit", "update", "remove")
-JOB_STATES = (
-    "submitted",
-    "pending",
-    "placed",
-    "running",
-    "resuming",
-    "completed",
-    "failed",
-    "cancelled",
-)
-TABLE_FORMAT = 1
+log = logging.getLogger("swarmp2p.node.jobtable")
+
+TABLE_FORMAT = 2
+MAX_VERSION = 2**53
+"""Versions and terms stay below this (JSON-safe integers; a peer cannot wedge the table)."""
+SNAPSHOTS_KEPT = 4
+"""Snapshot steps remembered per stage (a copy may land after the next snapshot is taken)."""
+JOB_STATES = ("pending", "placed", "running", "resuming", "completed", "failed", "cancelled")
+ACTIVE_STATES = ("placed", "running", "resuming")
+"""States in which workers may run."""
+FINAL_STATES = ("completed", "failed", "cancelled")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class JobEvent:
-    """One change to the table, created by the leader at ``version`` (= table version + 1)."""
+class Member:
+    node_id: str = field(pattern=ev.NODE_PATTERN)
+    name: str = field(default="", max_len=256)
 
-    version: int
-    """The table version this event produces."""
-    kind: str
-    """One of ``EVENT_KINDS``."""
-    leader: str = ""
-    """For ``lead``: the node taking over."""
-    job_id: str = ""
-    """For ``submit``, ``update``, ``remove``: the job."""
-    record: Mapping[str, Any] = field(default_factory=dict)
-    """For ``submit``: the opaque job record; for ``update``: the fields to set."""
-    state: str = ""
-    """For ``update`` (optional): the job's new state."""
 
-    def __post_init__(self) -> None:
-        if self.kind not in EVENT_KINDS:
-            raise ValueError(f"job event kind {self.kind!r} is not one of {list(EVENT_KINDS)}")
-        if self.kind == "lead" and not self.leader:
-            raise ValueError("a 'lead' job event needs the leader's node id")
-        if self.kind != "lead" and not self.job_id:
-            raise ValueError(f"a {self.kind!r} job event needs a job_id")
-        if self.state and self.state not in JOB_STATES:
-            raise ValueError(f"job state {self.state!r} is not one of {list(JOB_STATES)}")
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateChange:
+    state: str
+    at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure:
+    """The first error of a FAILED job: where it happened and what it said."""
+
+    stage: int
+    node: str
+    message: str
+    stderr_tail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shard:
+    """Where a stage's exported shard is (a folder of the job's folder on ``node``)."""
+
+    node: str
+    folder: str
+    manifest: dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobEntry:
+    """One training job as every member holds it."""
+
+    job_id: str = field(pattern=ev.ID_PATTERN)
+    job: Job
+    state: Literal["pending", "placed", "running", "resuming", "completed", "failed", "cancelled"]
+    version: int = field(ge=1)
+    """The table version of its last change."""
+    submitted_by: str = ""
+    history: tuple[StateChange, ...] = ()
+    attempt: int = field(default=0, ge=0)
+    plan: Plan | None = None
+    cluster: tuple[dict, ...] = ()
+    """The node records the current attempt was planned on (every stage's node checks)."""
+    placed_by: str = ""
+    resume_step: int = field(default=0, ge=0)
+    reason: str | None = None
+    """Why it waits (pending) or was re-planned (resuming)."""
+    error: Failure | None = None
+    step: int = field(default=0, ge=0)
+    loss: float | None = None
+    done_stages: tuple[int, ...] = ()
+    snapshots: dict[str, dict[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    """Stage -> step -> the nodes holding that snapshot (string keys: the table is JSON)."""
+    shards: dict[str, Shard] = dataclasses.field(default_factory=dict)
+    evaluation: dict[str, dict] = dataclasses.field(default_factory=dict)
+    model: dict | None = None
+    """The registry entry, once the job completed (``swarm models``)."""
+
+    @property
+    def name(self) -> str:
+        return self.job.name
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.plan.stages) if self.plan is not None else 0
+
+    @property
+    def stage_nodes(self) -> tuple[str, ...]:
+        return tuple(s.node_id for s in self.plan.stages) if self.plan is not None else ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobTable:
-    """The job table at one version: jobs by id, each a JSON-able dict with ``state``."""
+    """The table at one version."""
 
-    term: int = 0
-    """How many leaders have taken over; a newer term beats any version of an older one."""
-    version: int = 0
-    """How many events made this table."""
+    format: Literal[2] = TABLE_FORMAT
+    epoch: str = field(default="", max_len=64)
+    """The swarm history this table belongs to (set by its founding leader)."""
+    term: int = field(default=0, ge=0, lt=MAX_VERSION)
+    """The term of the leader that wrote the latest event."""
+    version: int = field(default=0, ge=0, lt=MAX_VERSION)
     leader: str = ""
-    """Who versioned the latest events."""
-    jobs: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
-    """Job id -> job (``record``, ``state``, ``version`` submitted at)."""
+    members: tuple[Member, ...] = ()
+    jobs: dict[str, JobEntry] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> tuple[int, int]:
-        """Order of tables: newer is larger."""
+        """Order of tables of one history: newer is larger."""
         return (self.term, self.version)
 
+    @property
+    def member_ids(self) -> frozenset[str]:
+        return frozenset(m.node_id for m in self.members)
+
+    def majority(self) -> int:
+        """How many members make a majority (1 for a table with no members yet)."""
+        return len(self.members) // 2 + 1
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": TABLE_FORMAT,
-            "term": self.term,
-            "version": self.version,
-            "leader": self.leader,
-            "jobs": {job_id: _thaw(job) for job_id, job in sorted(self.jobs.items())},
-        }
+        return to_data(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> JobTable:
-        """Validate a table from JSON or the wire; ValueError naming the bad field."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a job table must be an object, got {type(data).__name__}")
-        if data.get("format") != TABLE_FORMAT:
-            raise ValueError(f"job table format {data.get('format')!r} is not {TABLE_FORMAT}")
-        for name in ("term", "version"):
-            value = data.get(name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"job table {name} must be a non-negative integer, got {value!r}")
-        leader = data.get("leader", "")
-        if not isinstance(leader, str):
-            raise ValueError(f"job table leader must be a string, got {leader!r}")
-        jobs = data.get("jobs")
-        if not isinstance(jobs, Mapping):
-            raise ValueError("job table jobs must be an object of job id -> job")
-        for job_id, job in jobs.items():
-            if not isinstance(job_id, str) or not isinstance(job, Mapping):
-                raise ValueError(f"job table jobs[{job_id!r}] must be an object under a string id")
-            if job.get("state") not in JOB_STATES:
-                raise ValueError(
-                    f"job table jobs[{job_id!r}].state {job.get('state')!r} is unknown"
-                )
-        return cls(
-            term=data["term"],
-            version=data["version"],
-            leader=leader,
-            jobs=MappingProxyType({k: _freeze(v) for k, v in jobs.items()}),
-        )
+        """A table from its JSON form; SchemaError naming the bad field."""
+        return parse(cls, data, title="invalid job table")
 
 
-def _freeze(job: Mapping[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType(dict(job))
+# --- apply ------------------------------------------------------------------------------------
 
 
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
+def _job(table: JobTable, job_id: str) -> JobEntry:
+    entry = table.jobs.get(job_id)
+    if entry is None:
+        raise ValueError(f"job {job_id!r} is not in the table")
+    return entry
 
 
-def apply(table: JobTable, event: JobEvent) -> JobTable:
-    """The table after ``event``; ValueError if the event does not follow this table."""
-    if event.version != table.version + 1:
+def _active(entry: JobEntry, what: str) -> None:
+    if entry.state in FINAL_STATES:
+        raise ValueError(f"job {entry.job_id} is {entry.state}; it cannot {what}")
+
+
+def _current(entry: JobEntry, attempt: int, what: str) -> None:
+    _active(entry, what)
+    if attempt != entry.attempt:
         raise ValueError(
-            f"job event version {event.version} does not follow table version {table.version}"
+            f"job {entry.job_id}: {what} of attempt {attempt}, the current one is {entry.attempt}"
         )
+
+
+def _moved(entry: JobEntry, state: str, at: float, **changes: Any) -> JobEntry:
+    """``entry`` in ``state`` (its history extended when the state changes)."""
+    history = entry.history
+    if state != entry.state:
+        history = (*history, StateChange(state=state, at=at))
+    return replace(entry, state=state, history=history, **changes)
+
+
+def apply_leader_elected(t: JobTable, e: ev.LeaderElected, entry: ev.Entry) -> JobTable:
+    return replace(t, leader=e.leader, epoch=e.epoch or t.epoch)
+
+
+def apply_member_joined(t: JobTable, e: ev.MemberJoined, entry: ev.Entry) -> JobTable:
+    if e.node_id in t.member_ids:
+        raise ValueError(f"node {e.node_id} is a member already")
+    members = sorted((*t.members, Member(node_id=e.node_id, name=e.name)), key=lambda m: m.node_id)
+    return replace(t, members=tuple(members))
+
+
+def apply_member_left(t: JobTable, e: ev.MemberLeft, entry: ev.Entry) -> JobTable:
+    if e.node_id not in t.member_ids:
+        raise ValueError(f"node {e.node_id} is not a member")
+    return replace(t, members=tuple(m for m in t.members if m.node_id != e.node_id))
+
+
+def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dict[str, JobEntry]:
+    if e.job_id in t.jobs:
+        raise ValueError(f"job {e.job_id!r} is already in the table")
+    return {
+        e.job_id: JobEntry(
+            job_id=e.job_id,
+            job=e.job,
+            state="pending",
+            version=entry.version,
+            submitted_by=e.submitted_by,
+            history=(StateChange(state="pending", at=e.at),),
+        )
+    }
+
+
+def apply_job_pending(t: JobTable, e: ev.JobPending, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _active(job, "wait")
+    return {e.job_id: _moved(job, "pending", e.at, reason=e.reason)}
+
+
+def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _active(job, "be placed")
+    if e.attempt != job.attempt + 1:
+        raise ValueError(f"job {e.job_id}: attempt {e.attempt} does not follow {job.attempt}")
+    state = "resuming" if e.resume_step else "placed"
+    return {
+        e.job_id: _moved(
+            job, state, e.at, attempt=e.attempt, plan=e.plan, cluster=e.cluster,
+            placed_by=e.placed_by, resume_step=e.resume_step, reason=None, done_stages=(),
+            shards={},
+        )
+    }  # fmt: skip
+
+
+def apply_job_running(t: JobTable, e: ev.JobRunning, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "run")
+    return {e.job_id: _moved(job, "running", e.at)}
+
+
+def apply_job_resuming(t: JobTable, e: ev.JobResuming, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _active(job, "resume")
+    return {e.job_id: _moved(job, "resuming", e.at, reason=e.reason)}
+
+
+def apply_steps_reported(t: JobTable, e: ev.StepsReported, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "report steps")
+    state = "running" if job.state in ("placed", "resuming") else job.state
+    return {e.job_id: _moved(job, state, e.at, step=max(e.step, 0), loss=e.loss)}
+
+
+def apply_snapshot_held(t: JobTable, e: ev.SnapshotHeld, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    snaps = {k: dict(v) for k, v in job.snapshots.items()}
+    steps = snaps.setdefault(str(e.stage), {})
+    holders = steps.get(str(e.step), ())
+    if e.node_id not in holders:
+        steps[str(e.step)] = (*holders, e.node_id)
+    for old in sorted(steps, key=int)[:-SNAPSHOTS_KEPT]:
+        del steps[old]
+    return {e.job_id: replace(job, snapshots=snaps)}
+
+
+def apply_evaluation_reported(
+    t: JobTable, e: ev.EvaluationReported, entry: ev.Entry
+) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    numbers = {"loss": e.loss, "perplexity": e.perplexity, "top1": e.top1, "tokens": e.tokens}
+    return {e.job_id: replace(job, evaluation={**job.evaluation, e.name: numbers})}
+
+
+def apply_stage_exported(t: JobTable, e: ev.StageExported, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "export")
+    shard = Shard(node=e.node_id, folder=e.folder, manifest=e.manifest)
+    return {e.job_id: replace(job, shards={**job.shards, str(e.stage): shard})}
+
+
+def apply_stage_finished(t: JobTable, e: ev.StageFinished, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "finish a stage")
+    done = tuple(sorted({*job.done_stages, e.stage}))
+    if len(done) < job.n_stages:
+        return {e.job_id: replace(job, done_stages=done)}
+    steps = job.job.train.steps
+    return {e.job_id: _moved(job, "completed", e.at, done_stages=done, step=steps, reason=None)}
+
+
+def apply_job_failed(t: JobTable, e: ev.JobFailed, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _active(job, "fail")
+    failure = Failure(stage=e.stage, node=e.node_id, message=e.message, stderr_tail=e.stderr_tail)
+    return {e.job_id: _moved(job, "failed", e.at, error=failure)}
+
+
+def apply_job_cancelled(t: JobTable, e: ev.JobCancelled, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _active(job, "be cancelled")
+    return {e.job_id: _moved(job, "cancelled", e.at, reason=e.reason)}
+
+
+def apply_model_registered(
+    t: JobTable, e: ev.ModelRegistered, entry: ev.Entry
+) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    if job.state != "completed":
+        raise ValueError(f"job {e.job_id} is {job.state}; only a completed job registers a model")
+    model_id = e.model.get("id")
+    taken = {j.model.get("id") for j in t.jobs.values() if j.model is not None}
+    if model_id in taken:
+        raise ValueError(f"model id {model_id!r} is taken")
+    return {e.job_id: replace(job, model=e.model)}
+
+
+def apply_shard_copied(t: JobTable, e: ev.ShardCopied, entry: ev.Entry) -> dict[str, JobEntry]:
+    from swarmp2p.node.registry import add_copy
+
+    job = _job(t, e.job_id)
+    if job.model is None:
+        raise ValueError(f"job {e.job_id} registered no model")
+    updated = add_copy(job.model, e.stage, e.node_id)
+    return {e.job_id: job if updated is None else replace(job, model=updated)}
+
+
+_APPLY: dict[type, Callable[..., Any]] = {
+    ev.LeaderElected: apply_leader_elected,
+    ev.MemberJoined: apply_member_joined,
+    ev.MemberLeft: apply_member_left,
+    ev.JobSubmitted: apply_job_submitted,
+    ev.JobPending: apply_job_pending,
+    ev.JobPlaced: apply_job_placed,
+    ev.JobRunning: apply_job_running,
+    ev.JobResuming: apply_job_resuming,
+    ev.StepsReported: apply_steps_reported,
+    ev.SnapshotHeld: apply_snapshot_held,
+    ev.EvaluationReported: apply_evaluation_reported,
+    ev.StageExported: apply_stage_exported,
+    ev.StageFinished: apply_stage_finished,
+    ev.JobFailed: apply_job_failed,
+    ev.JobCancelled: apply_job_cancelled,
+    ev.ModelRegistered: apply_model_registered,
+    ev.ShardCopied: apply_shard_copied,
+}
+
+
+def apply(table: JobTable, entry: ev.Entry) -> JobTable:
+    """The table after ``entry``; ValueError when the entry does not follow this table."""
+    if entry.version != table.version + 1:
+        raise ValueError(
+            f"table entry version {entry.version} does not follow table version {table.version}"
+        )
+    if entry.term < table.term:
+        raise ValueError(f"table entry of term {entry.term} after term {table.term}")
+    if entry.version >= MAX_VERSION or entry.term >= MAX_VERSION:
+        raise ValueError("table entry version/term out of range")
+    out = _APPLY[type(entry.event)](table, entry.event, entry)
+    if isinstance(out, JobTable):
+        return replace(out, term=entry.term, version=entry.version)
     jobs = dict(table.jobs)
-    term, leader = table.term, table.leader
-    if event.kind == "lead":
-        term, leader = term + 1, event.leader
-    elif event.kind == "submit":
-        if event.job_id in jobs:
-            raise ValueError(f"job {event.job_id!r} is already in the table")
-        jobs[event.job_id] = _freeze(
-            {
-                "job_id": event.job_id,
-                "state": "submitted",
-                "version": event.version,
-                "record": _thaw(event.record),
-            }
-        )
-    elif event.kind == "update":
-        if event.job_id not in jobs:
-            raise ValueError(f"job {event.job_id!r} is not in the table; cannot update it")
-        job = dict(jobs[event.job_id])
-        job["record"] = {**job.get("record", {}), **_thaw(event.record)}
-        if event.state:
-            job["state"] = event.state
-        job["version"] = event.version
-        jobs[event.job_id] = _freeze(job)
-    else:  # remove
-        if event.job_id not in jobs:
-            raise ValueError(f"job {event.job_id!r} is not in the table; cannot remove it")
-        del jobs[event.job_id]
-    return JobTable(term=term, version=event.version, leader=leader, jobs=MappingProxyType(jobs))
+    for job_id, job in out.items():
+        jobs[job_id] = replace(job, version=entry.version)
+    return replace(table, term=entry.term, version=entry.version, jobs=jobs)
 
 
-def newest(tables: Iterable[JobTable]) -> JobTable:
-    """The newest of ``tables`` by ``(term, version)``; an empty table when there are none."""
-    return max(tables, key=lambda t: t.key, default=JobTable())
+def apply_all(table: JobTable, entries: list[ev.Entry]) -> JobTable:
+    for entry in entries:
+        table = apply(table, entry)
+    return table
+
+
+# --- persistence ------------------------------------------------------------------------------
 
 
 def _checksum(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
-def save(path: Path, table: JobTable) -> None:
-    """Write ``table`` to ``path`` atomically (temp file, fsync, rename) with a sha256 checksum."""
-    body = json.dumps(table.to_dict(), sort_keys=True, separators=(",", ":"))
-    text = json.dumps({"sha256": _checksum(body.encode()), "table": body})
-    write_atomic(path, text)
+def encode(table: JobTable) -> str:
+    """The table's canonical JSON (sorted keys, no whitespace)."""
+    return json.dumps(table.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def save(path: Path, table: JobTable, body: str | None = None) -> None:
+    """Write ``table`` to ``path`` atomically (temp file, fsync, rename) with a sha256."""
+    body = encode(table) if body is None else body
+    write_atomic(path, json.dumps({"sha256": _checksum(body.encode()), "table": body}))
 
 
 def load(path: Path) -> JobTable:
-    """Read a table written by ``save``; an empty table if absent; ValueError if corrupt."""
+    """Read a table written by ``save``; an empty table if absent. A table of an older format
+    is moved aside (``.format-1``), never deleted, and an empty table returned; a corrupt one
+    raises ValueError saying what to do."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -201,4 +407,32 @@ def load(path: Path) -> JobTable:
         ) from None
     if _checksum(body.encode()) != expected:
         raise ValueError(f"job table {path} fails its sha256 checksum; move it away to start empty")
-    return JobTable.from_dict(json.loads(body))
+    data = json.loads(body)
+    if isinstance(data, dict) and data.get("format") == 1:
+        aside = path.with_name(path.name + ".format-1")
+        path.rename(aside)
+        log.warning("job table %s is of an older swarmp2p (format 1); kept as %s", path, aside)
+        return JobTable()
+    try:
+        return JobTable.from_dict(data)
+    except SchemaError as exc:
+        raise ValueError(f"job table {path}: {exc}; move it away to start empty") from None
+
+
+__all__ = [
+    "ACTIVE_STATES",
+    "FINAL_STATES",
+    "JOB_STATES",
+    "MAX_VERSION",
+    "Failure",
+    "JobEntry",
+    "JobTable",
+    "Member",
+    "Shard",
+    "StateChange",
+    "apply",
+    "apply_all",
+    "encode",
+    "load",
+    "save",
+]

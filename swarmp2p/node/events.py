@@ -1,0 +1,284 @@
+"""The job table's events: each a domain fact, a frozen record checked by the schema. No torch.
+
+Only the leader creates events; ``jobtable.apply`` applies one to a table (each has its own
+``apply_<name>``), and replication ships them to the members, so persistence, replication and
+replay are one code path. An event on the wire or on disk is ``{"event": NAME, **fields}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from swarmp2p.plan import Job, Plan
+from swarmp2p.schema import SchemaError, field, parse, to_data
+
+ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
+"""Job ids, model ids, serve ids: one path component, never ``.`` or ``..`` (issue 15)."""
+NODE_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"
+MAX_TAIL_LINES = 40
+
+
+class Event:
+    """Base of every table event; ``NAME`` is its wire name."""
+
+    NAME: ClassVar[str] = ""
+
+
+EVENTS: dict[str, type[Event]] = {}
+
+
+def event(name: str):
+    """Class decorator: a frozen record registered as table event ``name``."""
+
+    def register(cls):
+        cls = dataclass(frozen=True, kw_only=True, slots=True)(cls)
+        if name in EVENTS:
+            raise ValueError(f"table event {name!r} is registered twice")
+        cls.NAME = name
+        EVENTS[name] = cls
+        return cls
+
+    return register
+
+
+# --- the swarm -------------------------------------------------------------------------------
+
+
+@event("leader_elected")
+class LeaderElected(Event):
+    """``leader`` won the votes of a majority of the members for the entry's term."""
+
+    leader: str = field(pattern=NODE_PATTERN)
+    epoch: str = field(default="", max_len=64)
+    """The swarm history's id (set when a swarm's first leader founds its table)."""
+
+
+@event("member_joined")
+class MemberJoined(Event):
+    """A node belongs to the swarm from now on: it counts towards the majority."""
+
+    node_id: str = field(pattern=NODE_PATTERN)
+    name: str = field(default="", max_len=256)
+
+
+@event("member_left")
+class MemberLeft(Event):
+    """A node no longer belongs (it stopped cleanly, or was removed)."""
+
+    node_id: str = field(pattern=NODE_PATTERN)
+    reason: str = field(default="", max_len=1000)
+
+
+# --- a training job's life -------------------------------------------------------------------
+
+
+@event("job_submitted")
+class JobSubmitted(Event):
+    job_id: str = field(pattern=ID_PATTERN)
+    job: Job
+    submitted_by: str = field(max_len=256)
+    at: float
+
+
+@event("job_pending")
+class JobPending(Event):
+    """The job cannot be placed now; ``reason`` names every rejected device or node."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    reason: str = field(max_len=20000)
+    at: float
+
+
+@event("job_placed")
+class JobPlaced(Event):
+    """Attempt ``attempt`` of the job runs on ``plan`` (checked by every stage's node against
+    ``cluster``, the records it was planned on), from snapshot step ``resume_step`` (0: fresh)."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    plan: Plan
+    cluster: tuple[dict, ...]
+    resume_step: int = field(default=0, ge=0)
+    placed_by: str = field(pattern=NODE_PATTERN)
+    at: float
+
+
+@event("job_running")
+class JobRunning(Event):
+    """Every stage of ``attempt`` started and is wired to the next."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    at: float
+
+
+@event("job_resuming")
+class JobResuming(Event):
+    """A stage's node was lost (or the leader that placed it): the job is re-planned."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    reason: str = field(max_len=2000)
+    at: float
+
+
+@event("steps_reported")
+class StepsReported(Event):
+    """Progress of ``attempt``: ``step`` steps done, the last stage's loss then (a sample,
+    not the curve: loss curves stay out of the replicated table)."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    step: int = field(ge=0)
+    loss: float | None = None
+    at: float
+
+
+@event("snapshot_held")
+class SnapshotHeld(Event):
+    """``node_id`` holds stage ``stage``'s snapshot after ``step`` steps."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    stage: int = field(ge=0)
+    step: int = field(ge=1)
+    node_id: str = field(pattern=NODE_PATTERN)
+
+
+@event("evaluation_reported")
+class EvaluationReported(Event):
+    job_id: str = field(pattern=ID_PATTERN)
+    name: str = field(max_len=64)
+    """The pass: "base", "calibrated_boundary" or "trained"."""
+    loss: float | None = None
+    perplexity: float | None = None
+    top1: float | None = None
+    tokens: int = field(default=0, ge=0)
+
+
+@event("stage_exported")
+class StageExported(Event):
+    """Stage ``stage``'s shard is in ``folder`` of the job's folder on ``node_id``."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    stage: int = field(ge=0)
+    node_id: str = field(pattern=NODE_PATTERN)
+    folder: str = field(max_len=256)
+    manifest: dict
+
+
+@event("stage_finished")
+class StageFinished(Event):
+    """Stage ``stage`` of ``attempt`` ran every step and exited cleanly."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    stage: int = field(ge=0)
+    at: float
+
+
+@event("job_failed")
+class JobFailed(Event):
+    """The first error: where (``stage`` -1: not a stage's) and what."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=0)
+    stage: int = field(ge=-1)
+    node_id: str = field(max_len=64)
+    message: str = field(max_len=20000)
+    stderr_tail: tuple[str, ...] = field(default=(), max_len=MAX_TAIL_LINES)
+    at: float
+
+
+@event("job_cancelled")
+class JobCancelled(Event):
+    job_id: str = field(pattern=ID_PATTERN)
+    reason: str = field(max_len=1000)
+    at: float
+
+
+@event("model_registered")
+class ModelRegistered(Event):
+    """The completed job's model enters the registry as ``model["id"]``."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    model: dict
+
+
+@event("shard_copied")
+class ShardCopied(Event):
+    """``node_id`` holds an intact copy of stage ``stage``'s shard of the job's model."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+    stage: int = field(ge=0)
+    node_id: str = field(pattern=NODE_PATTERN)
+
+
+# --- the log ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One event at its table version, created by the leader of ``term``."""
+
+    version: int = field(ge=1)
+    term: int = field(ge=1)
+    event: Event
+
+
+def event_to_data(ev: Event) -> dict[str, Any]:
+    return {"event": ev.NAME, **to_data(ev)}
+
+
+def event_from_data(data: Any, path: str = "event") -> Event:
+    """An event from ``{"event": NAME, ...}``; SchemaError naming the bad field."""
+    if not isinstance(data, dict) or data.get("event") not in EVENTS:
+        name = data.get("event") if isinstance(data, dict) else None
+        raise SchemaError(f"{path}: unknown table event {name!r}; known: {', '.join(EVENTS)}")
+    fields = {k: v for k, v in data.items() if k != "event"}
+    return parse(EVENTS[data["event"]], fields, title=f"invalid {path} {data['event']}")
+
+
+def entry_to_data(entry: Entry) -> dict[str, Any]:
+    return {"version": entry.version, "term": entry.term, "event": event_to_data(entry.event)}
+
+
+def entry_from_data(data: Any) -> Entry:
+    if not isinstance(data, dict) or set(data) != {"version", "term", "event"}:
+        raise SchemaError("a table entry is {version, term, event}")
+    version, term = data["version"], data["term"]
+    if type(version) is not int or type(term) is not int or version < 1 or term < 1:
+        raise SchemaError(f"table entry version/term must be integers >= 1, got {version!r}/{term!r}")  # fmt: skip
+    if version > 2**62 or term > 2**62:
+        raise SchemaError("table entry version/term is out of range")
+    return Entry(version=version, term=term, event=event_from_data(data["event"]))
+
+
+__all__ = [
+    "EVENTS",
+    "ID_PATTERN",
+    "NODE_PATTERN",
+    "Entry",
+    "EvaluationReported",
+    "Event",
+    "JobCancelled",
+    "JobFailed",
+    "JobPending",
+    "JobPlaced",
+    "JobResuming",
+    "JobRunning",
+    "JobSubmitted",
+    "LeaderElected",
+    "MemberJoined",
+    "MemberLeft",
+    "ModelRegistered",
+    "ShardCopied",
+    "SnapshotHeld",
+    "StageExported",
+    "StageFinished",
+    "StepsReported",
+    "entry_from_data",
+    "entry_to_data",
+    "event_from_data",
+    "event_to_data",
+]
