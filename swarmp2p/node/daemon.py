@@ -194,7 +194,7 @@ class Daemon:
         )
         await self._api.start()
         self._dashboard, self._dashboard_note = await start_dashboard(self.status, self._env)
-        self.state.pid_file.write_text(f"{os.getpid()}\n")
+        self.state.write_pid()
         log.info(
             "node %s (%s) of swarm %s listening on %s port %d; table term %d version %d",
             self.node_id,

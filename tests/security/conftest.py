@@ -1,0 +1,8 @@
+"""Attacks against real daemons: the integration harness starts them (tests/integration)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
