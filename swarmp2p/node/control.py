@@ -166,10 +166,15 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
         )
     secret, created = swarm_secret(state, token_text)
     if foreground:
-        from swarmp2p.node.config import setup_logging
+        from swarmp2p.node.config import raise_open_file_limit, setup_logging
         from swarmp2p.node.daemon import serve
 
         setup_logging(state, foreground=True)
+        before, after = raise_open_file_limit()
+        if after != before:
+            import logging
+
+            logging.getLogger("swarmp2p.node").info("open files: limit %d -> %d", before, after)
         if created:
             print(
                 f"created swarm {secret.swarm_id}; join another machine with:\n  {join_command()}",
