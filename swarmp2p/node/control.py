@@ -371,7 +371,37 @@ def load_train_job(path: str, overrides: dict[str, Any]):
         ) from None
     except ValueError as exc:
         raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise _too_deep(path) from None
+    if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
+        raise _too_deep(path)
     return parse_job(apply_overrides(data, overrides))
+
+
+def _too_deep(path: str):
+    from swarmp2p.plan import FieldError, JobError
+
+    message = f"nested deeper than {MAX_JOB_DEPTH} levels; a job.json is a few levels deep"
+    return JobError([FieldError(path=str(path), message=message)])
+
+
+MAX_JOB_DEPTH = 32
+"""Levels of nesting a job.json may have (it needs about 4): deeper input is refused before
+any recursive code (validation, copies, msgpack) walks it."""
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0), counted without recursion; stops
+    counting past ``stop``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > stop:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
