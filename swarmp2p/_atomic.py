@@ -1,4 +1,5 @@
-"""Atomic file writes: a temp file beside the target, fsync, then one rename. Standard library.
+"""Atomic file writes: a temp file beside the target, fsync, one rename, fsync of the folder.
+Standard library.
 
 Every write of state, secrets, shards and manifests goes through ``write_atomic`` so a crash
 leaves the old file or the new one, never half of either (DESIGN: Failure model, Files).
@@ -48,3 +49,19 @@ def write_atomic(
             os.close(fd)
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable: until its folder is synced, a power cut may undo it
+    (ext4 and xfs journal the file's data, not the directory entry; see fsync(2))."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform whose folders cannot be opened (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder (EINVAL); the data is synced
+        pass
+    finally:
+        os.close(fd)

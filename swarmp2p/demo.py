@@ -112,12 +112,11 @@ def threads_per_node(nodes: int, cores: int | None = None) -> int:
     return max(1, cores // max(1, nodes))
 
 
-def daemon_args(
-    state_dir: Path, node_id: str, port: int, peers: Sequence[int], token: str
-) -> list[str]:
-    """``swarm up --foreground`` for one demo node: loopback, static peers, no mDNS."""
+def daemon_args(state_dir: Path, node_id: str, port: int, peers: Sequence[int]) -> list[str]:
+    """``swarm up --foreground`` for one demo node: loopback, static peers, no mDNS. The token
+    goes in its environment (``SWARM_TOKEN``), never in argv, where `ps` would show it."""
     args = ["up", "--foreground", "--state-dir", str(state_dir), "--port", str(port)]
-    args += ["--node-id", node_id, "--name", node_id, "--token", token]
+    args += ["--node-id", node_id, "--name", node_id]
     args += ["--interface", "127.0.0.1", "--no-mdns"]
     for p in peers:
         args += ["--peer", f"127.0.0.1:{p}"]
@@ -210,7 +209,7 @@ class LocalSwarm:
             node.state_dir.mkdir(parents=True, exist_ok=True)
             peers = [n.port for n in self.nodes if n is not node]
             cmd = [sys.executable, "-m", "swarmp2p"]
-            cmd += daemon_args(node.state_dir, node.node_id, node.port, peers, self.token)
+            cmd += daemon_args(node.state_dir, node.node_id, node.port, peers)
             with open(node.log_file, "ab") as out:
                 self.procs.append(
                     subprocess.Popen(
@@ -218,7 +217,7 @@ class LocalSwarm:
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,
-                        env=self.env,
+                        env={**self.env, "SWARM_TOKEN": self.token},
                         start_new_session=True,  # Ctrl-C reaches the demo, which stops them
                         preexec_fn=_die_with_parent if self._die_with_demo else None,
                     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -17,7 +18,19 @@ from swarmp2p.cli import (
 
 
 @main.command()
-@click.option("--token", default=None, envvar="SWARM_TOKEN", help="Join the swarm of this token.")
+@click.option(
+    "--token",
+    default=None,
+    metavar="-",
+    help="Join a swarm, reading its token from stdin ('-'). The token also comes from "
+    "$SWARM_TOKEN or --token-file; never in the command line, where `ps` shows it.",
+)
+@click.option(
+    "--token-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Join the swarm of the token in this file (mode 0600).",
+)
 @click.option("--name", default="", help="Human name of this node (default: host name).")
 @click.option("--node-id", default=None, help="Set this node's id (saved; the lowest id leads).")
 @click.option("--port", type=int, default=7737, show_default=True, help="Control port (0: any).")
@@ -44,6 +57,7 @@ from swarmp2p.cli import (
 )
 def up(
     token,
+    token_file,
     name,
     node_id,
     port,
@@ -61,6 +75,9 @@ def up(
     from swarmp2p.node.config import NodeConfig
 
     try:
+        token = control.read_token(token, token_file, os.environ)
+        # not for the daemon's workers to inherit
+        os.environ.pop(control.TOKEN_ENV, None)
         config = NodeConfig(
             state_dir=_state_dir(state_dir),
             name=name,
@@ -103,22 +120,27 @@ def down(state_dir) -> None:
 @_STATE_DIR_OPTION
 @click.option("--json", "as_json", is_flag=True, help='Print {"command", "token", "swarm_id"}.')
 def token(state_dir, as_json) -> None:
-    """Print the command that joins another machine to this swarm."""
+    """Print this swarm's token, which joins another machine: there, `swarm up --token -`
+    reads it on stdin (e.g. swarm token | ssh HOST swarm up --token -)."""
     from swarmp2p.node import control
 
     try:
-        command = control.token(_state_dir(state_dir))
+        secret = control.token(_state_dir(state_dir))
     except (ValueError, PermissionError) as exc:
         _fail(exc)
     if as_json:
-        from swarmp2p.net import SwarmSecret
-
-        secret = SwarmSecret.from_token(command.rsplit(" ", 1)[-1])
         click.echo(
-            json.dumps({"command": command, "token": secret.token, "swarm_id": secret.swarm_id})
+            json.dumps(
+                {
+                    "command": control.JOIN_COMMAND,
+                    "token": secret.token,
+                    "swarm_id": secret.swarm_id,
+                }
+            )
         )
     else:
-        click.echo(command)
+        # the token alone, for a pipe: swarm token | ssh HOST swarm up --token -
+        click.echo(secret.token)
 
 
 @main.command()

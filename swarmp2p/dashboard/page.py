@@ -168,6 +168,13 @@ function renderServed(s) {
 async function poll() {
   try {
     const r = await fetch("api/state", {cache: "no-store"});
+    if (r.status === 401) {
+      const box = document.getElementById("error");
+      box.textContent = "this page needs its key: open the URL that `swarm dashboard` prints";
+      box.style.display = "block";
+      setTimeout(poll, INTERVAL);
+      return;
+    }
     if (!r.ok) throw new Error("HTTP " + r.status);
     const s = await r.json();
     document.getElementById("swarm").textContent = `swarm ${s.swarm_id.slice(0, 12)} \u00b7 node ${s.node_id} \u00b7 v${s.version}`;

@@ -1,16 +1,25 @@
 """The dashboard's HTTP server: one page and one JSON endpoint, inside the daemon's loop.
 
 It binds 127.0.0.1 only and answers only requests whose ``Host`` names a loopback host, so a
-web page elsewhere cannot read it through DNS rebinding. To watch a remote node, forward the
+web page elsewhere cannot read it through DNS rebinding. ``/api/state`` also needs the user's
+key: every local user can reach 127.0.0.1, and the swarm's state is the user's alone (the
+local API is a 0600 unix socket). The URL `swarm dashboard` prints carries the key once
+(``/?key=...``); the server answers it with an HttpOnly, SameSite=Strict cookie and a
+redirect to ``/``, so the key leaves the address bar. The key lives 0600 in the state dir
+(``dashboard.key``); delete it and restart to change it. To watch a remote node, forward the
 port: ``ssh -L 7738:127.0.0.1:7738 HOST``.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +42,9 @@ _CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
 )
+
+KEY_BYTES = 32
+_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 log = logging.getLogger("swarmp2p.dashboard")
 
@@ -62,8 +74,28 @@ def _host_name(host_header: str) -> str:
     return host_header.rsplit(":", 1)[0] if ":" in host_header else host_header
 
 
+def dashboard_key(path: Path | None) -> str:
+    """The dashboard key saved 0600 at ``path`` (made there if absent, unreadable, malformed
+    or readable by others); a fresh one, not saved, when ``path`` is None."""
+    from swarmp2p._atomic import write_atomic
+
+    if path is not None:
+        try:
+            key = path.read_text(encoding="ascii").strip()
+            private = not stat.S_IMODE(path.stat().st_mode) & 0o077
+            if private and len(key) >= 32 and set(key) <= _KEY_CHARS:
+                return key
+        except (OSError, UnicodeDecodeError):
+            pass
+    key = secrets.token_urlsafe(KEY_BYTES)
+    if path is not None:
+        write_atomic(path, key + "\n", mode=0o600)
+    return key
+
+
 class DashboardServer:
-    """Serves ``/`` (the page) and ``/api/state`` (``dashboard_view`` of ``source()``)."""
+    """Serves ``/`` (the page) and ``/api/state`` (``dashboard_view`` of ``source()``, only to
+    a browser holding the key)."""
 
     def __init__(
         self,
@@ -71,16 +103,33 @@ class DashboardServer:
         *,
         port: int = DEFAULT_DASHBOARD_PORT,
         clock: Callable[[], float] = time.time,
+        key: str | None = None,
     ) -> None:
         self._source = source
         self._clock = clock
         self._want_port = port
         self._runner: web.AppRunner | None = None
+        self._key = key or secrets.token_urlsafe(KEY_BYTES)
         self.port = 0
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """The page's address, without the key (for logs)."""
         return f"http://{HOST}:{self.port}/"
+
+    @property
+    def url(self) -> str:
+        """The address with the key: what `swarm dashboard` prints, for its user only."""
+        return f"{self.address}?key={self._key}"
+
+    @property
+    def cookie(self) -> str:
+        """Per port: cookies are not, and two daemons on one machine have two keys."""
+        return f"swarmp2p_dashboard_{self.port}"
+
+    def _has_key(self, request: web.Request) -> bool:
+        got = request.cookies.get(self.cookie, "")
+        return hmac.compare_digest(got.encode(), self._key.encode())
 
     async def start(self) -> None:
         """Bind and serve; OSError if the port is taken."""
@@ -113,22 +162,39 @@ class DashboardServer:
         response.headers.update(_HEADERS)
         return response
 
-    async def _page(self, request: web.Request) -> web.Response:
+    async def _page(self, request: web.Request) -> web.StreamResponse:
+        key = request.query.get("key")
+        if key is not None:
+            if not hmac.compare_digest(key.encode(), self._key.encode()):
+                return web.Response(status=403, text=_WRONG_KEY)
+            # the key moves into a cookie and out of the address bar (and the history)
+            response = web.Response(status=303, headers={"Location": "/"})
+            response.set_cookie(self.cookie, self._key, path="/", httponly=True, samesite="Strict")
+            return response
         return web.Response(
             text=PAGE, content_type="text/html", charset="utf-8",
             headers={"Content-Security-Policy": _CSP},
         )  # fmt: skip
 
     async def _state(self, request: web.Request) -> web.Response:
+        if not self._has_key(request):
+            return web.json_response({"error": _WRONG_KEY.strip()}, status=401)
         view = dashboard_view(self._source(), now=self._clock())
         return web.Response(text=json.dumps(view), content_type="application/json")
 
 
+_WRONG_KEY = (
+    "this dashboard shows a user's swarm to that user only: open the URL `swarm dashboard` "
+    "prints (it carries the key once)\n"
+)
+
+
 async def start_dashboard(
-    source: StatusSource, env: Mapping[str, str]
+    source: StatusSource, env: Mapping[str, str], *, key_file: Path | None = None
 ) -> tuple[DashboardServer | None, str]:
-    """Start the daemon's dashboard as ``env`` says; ``(server, "")``, or ``(None, why)`` when
-    it is off or its port is taken -- the daemon runs on without it and says why in status."""
+    """Start the daemon's dashboard as ``env`` says, its key kept in ``key_file`` (0600);
+    ``(server, "")``, or ``(None, why)`` when it is off or its port is taken -- the daemon runs
+    on without it and says why in status."""
     try:
         port = parse_dashboard_port(env.get(DASHBOARD_PORT_ENV))
     except ValueError as exc:
@@ -136,7 +202,13 @@ async def start_dashboard(
         return None, str(exc)
     if port is None:
         return None, f"off ({DASHBOARD_PORT_ENV}=off)"
-    server = DashboardServer(source, port=port)
+    try:
+        key = dashboard_key(key_file)
+    except OSError as exc:
+        why = f"cannot save its key in {key_file}: {exc.strerror or exc}"
+        log.warning("no dashboard: %s", why)
+        return None, why
+    server = DashboardServer(source, port=port, key=key)
     try:
         await server.start()
     except OSError as exc:
@@ -146,5 +218,5 @@ async def start_dashboard(
         )
         log.warning("no dashboard: %s", why)
         return None, why
-    log.info("dashboard at %s", server.url)
+    log.info("dashboard at %s (its key: `swarm dashboard`)", server.address)
     return server, ""

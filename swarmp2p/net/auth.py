@@ -101,6 +101,13 @@ HEARTBEAT_TIMEOUT_MS = 6000
 socket reconnects instead of queueing into a dead TCP connection."""
 
 
+HANDSHAKE_IVL_MS = 5000
+"""A connection that has not finished its CURVE handshake in this long is closed. The handshake
+is four small messages (milliseconds on a LAN, well under a second on a loaded 2-core box);
+libzmq's default, 30 s, let idle unauthenticated connections hold a descriptor each for that
+long (issue 15). Set on server sockets, which accept from anyone."""
+
+
 def _common(sock: zmq.Socket, max_message_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -118,7 +125,8 @@ def make_server_socket(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     secure: bool = True,
 ) -> zmq.Socket:
-    """A CURVE server socket (not yet bound) that admits only clients holding ``secret``.
+    """A CURVE server socket (not yet bound) that admits only clients holding ``secret``, and
+    closes a connection whose handshake takes over ``HANDSHAKE_IVL_MS``.
 
     ``max_message_bytes`` (plus a small CURVE slack) becomes ``zmq.MAXMSGSIZE``: a peer
     sending a larger frame is disconnected before the frame is buffered (-1: no cap). ``secure=False`` (plain TCP, anyone may
@@ -138,6 +146,7 @@ def make_server_socket(
         if secure:
             domain = ctx._admit(secret)  # type: ignore[attr-defined]
             public, private = secret.curve_keypair()
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
             sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)

@@ -7,7 +7,9 @@ bad field is answered with an :class:`~swarmp2p.wire.ErrorReply` (code from
 :class:`~swarmp2p.wire.WireError`); a handler that raises :class:`RpcError` answers with its
 code, any other exception with code ``"internal"``. Nothing a peer sends stops the loop.
 A frame larger than ``MAX_MESSAGE_BYTES`` never reaches the loop: ``zmq.MAXMSGSIZE`` drops
-the connection, and the sender's request times out.
+the connection, and the sender's request times out. A :class:`~swarmp2p.net.guard.ConnectionGuard`
+caps the server's live connections per source address (a flood of idle connections from one
+host cannot take the daemon's file descriptors).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from swarmp2p.net.auth import make_client_socket, make_server_socket
+from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
@@ -69,8 +72,12 @@ class RpcServer:
         host: str,
         port: int,
         handler: Handler,
+        *,
+        max_per_source: int = MAX_PER_SOURCE,
     ) -> None:
         self._ctx = ctx
+        self._max_per_source = max_per_source
+        self.guard: ConnectionGuard | None = None
         self._secret = secret
         self._host = host
         self._requested_port = port
@@ -98,6 +105,10 @@ class RpcServer:
             raise
         self._sock = sock
         self.endpoint = f"tcp://{self._host}:{self.port}"
+        self.guard = ConnectionGuard(
+            sock, port=self.port, what=f"control port {self.port}", per_source=self._max_per_source
+        )
+        await self.guard.start()
         self._loop_task = asyncio.create_task(self._serve(), name=f"rpc-server:{self.port}")
 
     async def close(self) -> None:
@@ -110,6 +121,9 @@ class RpcServer:
                 await t
         self._tasks.clear()
         self._loop_task = None
+        if self.guard is not None:
+            await self.guard.close()
+            self.guard = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None

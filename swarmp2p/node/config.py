@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
 from swarmp2p.node.state import StateDir
@@ -55,15 +60,99 @@ def parse_peer(text: str) -> str:
     return f"tcp://{host}:{int(port)}"
 
 
-def setup_logging(state: StateDir, foreground: bool) -> None:
-    """Log to ``daemon.log`` in the state dir, and to stderr in the foreground."""
+LOG_MAX_BYTES = 10 << 20
+LOG_BACKUPS = 3
+"""``daemon.log`` rotates at 10 MB and keeps 3 old files: at most 40 MB, whatever a flood does."""
+RESOURCE_ERRORS_EVERY_S = 10.0
+"""At most one log line (without its traceback) per this many seconds about running out of
+descriptors or buffers; the ones in between are counted in the next line."""
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+NOFILE_CAP = 1 << 20
+"""The soft open-file limit is raised to the hard limit, but not past this (an unlimited hard
+limit would make a table of 2**63 descriptors)."""
+
+
+class ResourceErrorFilter(logging.Filter):
+    """Rate-limits records about running out of descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM):
+    asyncio logs a traceback on every failed ``accept()``, about 1 MB/s in a flood."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._clock = clock
+        self._last: float | None = None
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        verdict = getattr(record, "_swarm_resource_verdict", None)
+        if verdict is not None:  # a second handler sees the record this filter judged
+            return verdict
+        name = _resource_errno(record)
+        if name is None:
+            return True
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < RESOURCE_ERRORS_EVERY_S:
+                self._dropped += 1
+                verdict = False
+            else:
+                first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+                more = (
+                    f"; {self._dropped} more in the last {now - self._last:.0f} s"
+                    if self._last is not None and self._dropped
+                    else ""
+                )
+                record.msg = f"{first} ({name}: out of descriptors or buffers{more}; `ulimit -n`?)"
+                record.args = None
+                record.exc_info = record.exc_text = None
+                self._last, self._dropped = now, 0
+                verdict = True
+        record._swarm_resource_verdict = verdict
+        return verdict
+
+
+def _resource_errno(record: logging.LogRecord) -> str | None:
+    exc = record.exc_info[1] if record.exc_info else None
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            return errno.errorcode[exc.errno]
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def setup_logging(state: StateDir, foreground: bool, *, max_bytes: int = LOG_MAX_BYTES) -> None:
+    """Log to ``daemon.log`` in the state dir (rotated past ``max_bytes``, LOG_BACKUPS kept),
+    and to stderr in the foreground; errors about running out of descriptors are rate-limited."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.FileHandler(state.log_file)]
+    handlers: list[logging.Handler] = [
+        RotatingFileHandler(state.log_file, maxBytes=max_bytes, backupCount=LOG_BACKUPS)
+    ]
     if foreground:
         handlers.append(logging.StreamHandler())
+    limit = ResourceErrorFilter()
     for handler in handlers:
         handler.setFormatter(fmt)
+        handler.addFilter(limit)
         root.addHandler(handler)
     logging.getLogger("zeroconf").setLevel(logging.WARNING)
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (at most NOFILE_CAP); returns
+    ``(before, after)``. Many distributions start processes at 1024, which one flood or a few
+    hundred shard files and sockets use up."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = NOFILE_CAP if hard == resource.RLIM_INFINITY else min(hard, NOFILE_CAP)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # e.g. a cap below the hard limit (fs.nr_open)
+            return (soft, soft)
+        return (soft, want)
+    return (soft, soft)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import api
@@ -19,8 +22,75 @@ START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
 
-def join_command(secret: SwarmSecret) -> str:
-    return f"swarm up --token {secret.token}"
+TOKEN_ENV = "SWARM_TOKEN"
+JOIN_COMMAND = "swarm up --token -"
+"""How another machine joins: it reads the token on stdin. Never the token itself: printed
+text lands in terminals' scrollback and in logs, and a token in argv is read by ``ps``."""
+
+
+def join_command() -> str:
+    """What `swarm up` prints for joining another machine (no secret in it)."""
+    return (
+        f"{JOIN_COMMAND}   (then paste the token `swarm token` prints here; "
+        f"or set {TOKEN_ENV}, or pass --token-file FILE)"
+    )
+
+
+def read_token(
+    option: str | None,
+    token_file: str | None,
+    env: Mapping[str, str],
+    stdin: TextIO | None = None,
+) -> str | None:
+    """The swarm token handed to `swarm up`: ``--token -`` (stdin), ``--token-file FILE`` or
+    ``$SWARM_TOKEN``; None when none was given. ValueError for a token in argv (every local
+    user reads argv with ``ps``), for two ways at once, or an unreadable or shared file."""
+    given = [
+        name
+        for name, value in (
+            ("--token", option),
+            ("--token-file", token_file),
+            (TOKEN_ENV, env.get(TOKEN_ENV)),
+        )
+        if value is not None
+    ]
+    if option is not None and option != "-":
+        raise ValueError(
+            "--token takes only '-' (read the token from stdin): a token in the command line is "
+            f"readable by every local user with `ps`. Pass it as {TOKEN_ENV}=... in the "
+            "environment, with --token-file FILE (mode 0600), or run `swarm up --token -` and "
+            "paste it"
+        )
+    if len(given) > 1:
+        raise ValueError(f"the swarm token is given twice ({' and '.join(given)}); give it one way")
+    if option == "-":
+        stdin = sys.stdin if stdin is None else stdin
+        if stdin.isatty():
+            import getpass
+
+            text = getpass.getpass("swarm token: ")
+        else:
+            text = stdin.readline()
+        if not text.strip():
+            raise ValueError("--token -: nothing on stdin; pipe or paste the swarm token")
+        return text.strip()
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            info = path.stat()
+            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) & 0o077:
+                raise PermissionError(
+                    f"--token-file {path} has mode {stat.S_IMODE(info.st_mode):04o}, readable "
+                    f"by other users; run `chmod 600 {path}` (and consider the token seen)"
+                )
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            raise ValueError(f"--token-file {path}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"--token-file {path} is a folder, not a token file") from None
+        return text.strip()
+    value = env.get(TOKEN_ENV)
+    return None if value is None else value.strip()
 
 
 def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]:
@@ -45,12 +115,12 @@ def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]
     return secret, True
 
 
-def token(state_dir: Path) -> str:
-    """The command that joins another machine to this node's swarm."""
+def token(state_dir: Path) -> SwarmSecret:
+    """This node's swarm secret (its ``token`` joins another machine, on stdin)."""
     state = StateDir(root=state_dir)
     if not state.has_secret():
         raise ValueError(f"no swarm in {state_dir}: run `swarm up` first")
-    return join_command(SwarmSecret.load(state.secret_file))
+    return SwarmSecret.load(state.secret_file)
 
 
 def _running(state: StateDir) -> int | None:
@@ -96,18 +166,25 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
         )
     secret, created = swarm_secret(state, token_text)
     if foreground:
-        from swarmp2p.node.config import setup_logging
+        from swarmp2p.node.config import raise_open_file_limit, setup_logging
         from swarmp2p.node.daemon import serve
 
         setup_logging(state, foreground=True)
+        before, after = raise_open_file_limit()
+        if after != before:
+            import logging
+
+            logging.getLogger("swarmp2p.node").info("open files: limit %d -> %d", before, after)
         if created:
             print(
-                f"created swarm {secret.swarm_id}; join another machine with:\n  {join_command(secret)}",
+                f"created swarm {secret.swarm_id}; join another machine with:\n  {join_command()}",
                 file=sys.stderr,
                 flush=True,
             )
         serve(config, secret)
-        return {"status": None, "created": created, "join": join_command(secret)}
+        return {"status": None, "created": created, "join": join_command()}
+    # The daemon reads the secret from the state dir (saved 0600 above): no token in its argv
+    # or its environment.
     proc = subprocess.Popen(
         [sys.executable, "-m", "swarmp2p", *_daemon_args(config)],
         stdin=subprocess.DEVNULL,
@@ -115,6 +192,7 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         close_fds=True,
+        env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
     )
     try:
         status = api.wait_until_up(
@@ -125,7 +203,7 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
             proc.terminate()
             proc.wait(5)
         raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
-    return {"status": status, "created": created, "join": join_command(secret)}
+    return {"status": status, "created": created, "join": join_command()}
 
 
 def _preflight(config: NodeConfig) -> None:
@@ -149,14 +227,25 @@ def _log_tail(state: StateDir, lines: int = 15) -> str:
 
 
 def down(state_dir: Path) -> int:
-    """Stop the daemon cleanly (API first, SIGTERM if it does not answer); its pid."""
+    """Stop the daemon cleanly (API first, SIGTERM if it does not answer); its pid.
+
+    SIGTERM goes only to the process that ``daemon.pid`` names when it is this state dir's
+    daemon (its start-time stamp and command line match); a pid file left by a crash or a
+    reboot names some other process, so it is removed and nothing is signalled."""
     state = StateDir(root=state_dir)
-    pid = state.read_pid()
     try:
         pid = api.request(state.api_socket, "down", timeout=5.0)["pid"]
-    except api.ApiError:
+    except api.ApiError as exc:
+        pid, why = state.daemon_pid()
         if pid is None:
-            raise
+            if not state.pid_file.exists():
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                state.pid_file.unlink()
+            raise api.ApiError(
+                f"no swarm daemon is running for {state.root}: {why}; removed the stale "
+                f"{state.pid_file.name} (the local API said: {exc})"
+            ) from None
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -282,7 +371,37 @@ def load_train_job(path: str, overrides: dict[str, Any]):
         ) from None
     except ValueError as exc:
         raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise _too_deep(path) from None
+    if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
+        raise _too_deep(path)
     return parse_job(apply_overrides(data, overrides))
+
+
+def _too_deep(path: str):
+    from swarmp2p.plan import FieldError, JobError
+
+    message = f"nested deeper than {MAX_JOB_DEPTH} levels; a job.json is a few levels deep"
+    return JobError([FieldError(path=str(path), message=message)])
+
+
+MAX_JOB_DEPTH = 32
+"""Levels of nesting a job.json may have (it needs about 4): deeper input is refused before
+any recursive code (validation, copies, msgpack) walks it."""
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0), counted without recursion; stops
+    counting past ``stop``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > stop:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def live_plan(state_dir: Path, job) -> dict[str, Any]:

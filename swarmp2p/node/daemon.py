@@ -193,8 +193,10 @@ class Daemon:
             },
         )
         await self._api.start()
-        self._dashboard, self._dashboard_note = await start_dashboard(self.status, self._env)
-        self.state.pid_file.write_text(f"{os.getpid()}\n")
+        self._dashboard, self._dashboard_note = await start_dashboard(
+            self.status, self._env, key_file=self.state.dashboard_key_file
+        )
+        self.state.write_pid()
         log.info(
             "node %s (%s) of swarm %s listening on %s port %d; table term %d version %d",
             self.node_id,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-NODE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-"""Node ids are short lowercase strings; plain string order decides who leads."""
+NODE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+"""Node ids are short lowercase strings; plain string order decides who leads. Matched with
+``fullmatch``: ``$`` would let a trailing newline through."""
 
 
 def check_node_id(node_id: str) -> str:
     """Return ``node_id`` if well formed, else raise ValueError saying what is allowed."""
-    if not isinstance(node_id, str) or not NODE_ID_PATTERN.match(node_id):
+    if not isinstance(node_id, str) or not NODE_ID_PATTERN.fullmatch(node_id):
         raise ValueError(
             f"node id {node_id!r} is not valid: use 1-64 characters of a-z, 0-9, '.', '_', '-', "
             "starting with a letter or digit (the lowest id in string order leads)"

@@ -80,14 +80,24 @@ class StateDir:
         write_private(self.node_id_file, node_id + "\n")
         return node_id
 
+    @property
+    def dashboard_key_file(self) -> Path:
+        return self.root / "dashboard.key"
+
     def has_secret(self) -> bool:
         return self.secret_file.exists()
+
+    def write_pid(self, pid: int | None = None) -> None:
+        """Write ``daemon.pid`` (0600, atomic): the pid, its start time and the boot id, so a
+        later `swarm down` can tell this process from another that got the same pid."""
+        pid = os.getpid() if pid is None else pid
+        write_private(self.pid_file, f"{pid} {_start_time(pid) or '-'} {_boot_id() or '-'}\n")
 
     def read_pid(self) -> int | None:
         """The daemon pid from the pid file if that process still exists, else None."""
         try:
-            pid = int(self.pid_file.read_text().strip())
-        except (FileNotFoundError, ValueError):
+            pid = int(self.pid_file.read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
             return None
         try:
             os.kill(pid, 0)
@@ -96,3 +106,98 @@ class StateDir:
         except PermissionError:
             pass
         return pid
+
+    def daemon_pid(self) -> tuple[int | None, str]:
+        """``(pid, "")`` when the pid file names a live daemon of THIS state dir, else
+        ``(None, why)``: its start time and boot id match the stamp written beside the pid,
+        and its command line is ``swarm up --foreground`` for this directory (a pid file
+        left by a crash or a reboot, or written by someone else, names another process)."""
+        try:
+            fields = self.pid_file.read_text().split()
+            pid = int(fields[0])
+        except FileNotFoundError:
+            return None, f"there is no {self.pid_file.name}"
+        except (ValueError, IndexError, OSError):
+            return None, f"{self.pid_file} does not hold a pid"
+        if pid <= 0 or not _alive(pid):
+            return None, f"pid {pid} of {self.pid_file.name} is not running"
+        if len(fields) >= 3:
+            started, boot = _start_time(pid), _boot_id()
+            if (fields[2] != "-" and boot and fields[2] != boot) or (
+                fields[1] != "-" and started and fields[1] != started
+            ):
+                return None, f"pid {pid} of {self.pid_file.name} is another process now"
+        why = _not_daemon_of(pid, self.root)
+        if why:
+            return None, f"pid {pid} of {self.pid_file.name} {why}"
+        return pid, ""
+
+
+def _proc(pid: int, name: str) -> bytes:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        stat_fields = _proc(pid, "stat").rsplit(b")", 1)[1].split()
+        return stat_fields[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of /proc/PID/stat (clock ticks after boot); "" without procfs."""
+    try:
+        return _proc(pid, "stat").rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _not_daemon_of(pid: int, root: Path) -> str:
+    """ "" when ``pid``'s command line is a swarm daemon for ``root``, else what it is."""
+    try:
+        argv = [a.decode(errors="replace") for a in _proc(pid, "cmdline").split(b"\0")]
+    except PermissionError:
+        return "belongs to another user"
+    except OSError:
+        return "cannot be inspected (no /proc)"
+    ours = any(a == "swarmp2p" or Path(a).name == "swarm" for a in argv)
+    if not ours or "up" not in argv[1:] or "--foreground" not in argv:
+        return f"is not a swarm daemon ({' '.join(argv).strip()[:80]!r})"
+    named: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--state-dir" and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif arg.startswith("--state-dir="):
+            named = arg.split("=", 1)[1]
+    try:
+        if named is None:  # the daemon's own environment chose its default
+            env = dict(
+                kv.split("=", 1)
+                for kv in os.fsdecode(_proc(pid, "environ")).split("\0")
+                if "=" in kv
+            )
+            named = env.get("SWARM_STATE_DIR") or str(default_state_dir(env))
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return "cannot be inspected"
+    if os.path.realpath(os.path.join(cwd, named)) != os.path.realpath(root):
+        return f"is the daemon of another state dir ({named})"
+    return ""

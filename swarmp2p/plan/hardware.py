@@ -245,6 +245,8 @@ def load_cluster(path: str | Path) -> tuple[Node, ...]:
         raise ClusterError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
     except json.JSONDecodeError as exc:
         raise ClusterError([f"{path}: not valid JSON: {exc}"]) from exc
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise ClusterError([f"{path}: not readable JSON: nested too deeply"]) from None
     return parse_cluster(data)
 
 

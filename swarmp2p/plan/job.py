@@ -260,4 +260,8 @@ def load(path: str | Path) -> Job:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise JobError(
+            [FieldError(path=str(path), message="not readable JSON: nested too deeply")]
+        ) from None
     return parse(data)

@@ -34,8 +34,8 @@ class LoopbackSwarm:
             peers = [f"127.0.0.1:{p}" for n, p in self.ports.items() if n != node_id]
         args = ["--node-id", node_id, "--name", f"host-{node_id}", "--port", str(port)]
         args += ["--interface", "127.0.0.1"] + ([] if mdns else ["--no-mdns"])
-        if token:
-            args += ["--token", token]
+        if token:  # in the environment, never in argv
+            env = {**(env or {}), "SWARM_TOKEN": token}
         for peer in peers:
             args += ["--peer", peer]
         node = NodeProc(self.tmp_path / node_id, args, env=env)

@@ -89,11 +89,20 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
         node.wait_up()
     wait_until(lambda: agreed_on(nodes, "a", 3), 30, "three nodes agreeing on leader a")
     status = nodes[0].status()
-    assert status["dashboard"] == f"http://127.0.0.1:{port}/", dump(nodes)
+    assert status["dashboard"].startswith(f"http://127.0.0.1:{port}/?key="), dump(nodes)
     assert nodes[1].status()["dashboard"] is None
     assert "off" in nodes[1].status()["dashboard_note"]
 
+    browser.get(f"http://127.0.0.1:{port}/")  # without the key: the page asks for it
+    wait_until(
+        lambda: (
+            "swarm dashboard" in _js(browser, "return document.getElementById('error').textContent")
+        ),
+        20,
+        "the page to ask for its key",
+    )
     browser.get(status["dashboard"])
+    assert browser.current_url == f"http://127.0.0.1:{port}/"  # the key left the address bar
     alive = "return [...document.querySelectorAll('tr[data-node-id][data-alive=true]')].map(r => r.dataset.nodeId)"
     wait_until(
         lambda: sorted(_js(browser, alive)) == ["a", "b", "c"], 20, "three live nodes on the page"

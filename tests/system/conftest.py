@@ -61,7 +61,8 @@ class Host:
         """A daemon on this host; ``hide``: a folder this host does not have (an empty tmpfs is
         mounted over it in the daemon's own mount namespace), as on a separate machine."""
         args = ["--node-id", node_id, "--name", f"host-{node_id}", "--port", str(CONTROL_PORT)]
-        args += ["--token", token, *extra]
+        args += [*extra]
+        env = {**(env or {}), "SWARM_TOKEN": token}  # in the environment, never in argv
         prefix = ["ip", "netns", "exec", self.ns]
         if hide is not None:
             mount = 'mount -t tmpfs -o size=1m swarm-hidden "$0" && exec "$@"'

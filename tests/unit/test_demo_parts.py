@@ -41,12 +41,12 @@ def test_each_node_gets_its_share_of_the_cores(nodes, cores, threads):
 
 
 def test_daemon_args_keep_a_node_on_loopback_with_static_peers(tmp_path):
-    args = demo.daemon_args(tmp_path / "n", "demo-2", 4001, [4000, 4002], "swarm1-x")
+    args = demo.daemon_args(tmp_path / "n", "demo-2", 4001, [4000, 4002])
     assert args[:2] == ["up", "--foreground"]
     pairs = dict(zip(args[2::2], args[3::2]))
     assert pairs["--state-dir"] == str(tmp_path / "n")
     assert pairs["--node-id"] == "demo-2" and pairs["--port"] == "4001"
-    assert pairs["--interface"] == "127.0.0.1" and pairs["--token"] == "swarm1-x"
+    assert pairs["--interface"] == "127.0.0.1" and "--token" not in args  # never in argv
     assert "--no-mdns" in args
     peers = [args[i + 1] for i, a in enumerate(args) if a == "--peer"]
     assert peers == ["127.0.0.1:4000", "127.0.0.1:4002"]

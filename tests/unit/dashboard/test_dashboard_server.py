@@ -12,12 +12,19 @@ from swarmp2p.dashboard import DashboardServer, start_dashboard
 STATUS = {"node_id": "a", "leader": "a", "peers": [{"node_id": "a", "alive": True}], "jobs": []}
 
 
-def _get(port: int, path: str, host: str | None = None) -> tuple[int, dict, bytes]:
+KEY = "k" * 43
+
+
+def _get(
+    port: int, path: str, host: str | None = None, key: str | None = KEY
+) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.putrequest("GET", path, skip_host=host is not None)
         if host is not None:
             conn.putheader("Host", host)
+        if key is not None:
+            conn.putheader("Cookie", f"swarmp2p_dashboard_{port}={key}")
         conn.endheaders()
         resp = conn.getresponse()
         return resp.status, dict(resp.getheaders()), resp.read()
@@ -32,7 +39,7 @@ async def _serve_and(fn, **kw):
         calls.append(1)
         return STATUS
 
-    server = DashboardServer(source, port=0, clock=lambda: 42.0, **kw)
+    server = DashboardServer(source, port=0, clock=lambda: 42.0, key=KEY, **kw)
     await server.start()
     try:
         return await asyncio.to_thread(fn, server.port), calls, server.url
@@ -45,7 +52,7 @@ def test_page_and_state():
         return _get(port, "/"), _get(port, "/api/state"), _get(port, "/nope")
 
     (page, state, missing), calls, url = asyncio.run(_serve_and(fetch))
-    assert url.startswith("http://127.0.0.1:")
+    assert url.startswith("http://127.0.0.1:") and url.endswith(f"/?key={KEY}")
     assert page[0] == 200 and b"<title>swarmp2p</title>" in page[2]
     assert "script-src 'unsafe-inline'" in page[1]["Content-Security-Policy"]
     assert b"http://" not in page[2].replace(b"http://www.w3.org/2000/svg", b"")  # no CDN
@@ -88,3 +95,39 @@ def test_start_dashboard_off_taken_and_bad():
     assert off == (None, "off (SWARM_DASHBOARD_PORT=off)")
     assert bad[0] is None and "'x'" in bad[1]
     assert server.port > 0 and note == ""
+
+
+def test_state_needs_the_key_the_printed_url_sets_as_a_cookie():
+    def fetch(port):
+        return (
+            _get(port, "/api/state", key=None),
+            _get(port, "/api/state", key="x" * 43),
+            _get(port, "/?key=wrong", key=None),
+            _get(port, f"/?key={KEY}", key=None),
+            _get(port, "/", key=None),
+        )
+
+    (none, wrong, bad_url, login, page), calls, _ = asyncio.run(_serve_and(fetch))
+    assert none[0] == 401 and b"swarm dashboard" in none[2]
+    assert wrong[0] == 401 and bad_url[0] == 403
+    assert login[0] == 303 and login[1]["Location"] == "/"
+    cookie = login[1]["Set-Cookie"]
+    assert cookie.startswith("swarmp2p_dashboard_") and f"={KEY};" in cookie
+    for attribute in ("HttpOnly", "SameSite=Strict", "Path=/"):
+        assert attribute in cookie, cookie
+    assert page[0] == 200  # the page holds no data; it asks for the key when /api/state says 401
+    assert calls == []  # nothing was read for a request without the key
+
+
+def test_the_key_file_is_private_and_kept(tmp_path):
+    import stat
+
+    from swarmp2p.dashboard.server import dashboard_key
+
+    path = tmp_path / "dashboard.key"
+    key = dashboard_key(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(key) >= 43
+    assert dashboard_key(path) == key
+    path.chmod(0o644)  # others could read it: a new one
+    assert dashboard_key(path) != key and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert dashboard_key(None) != dashboard_key(None)

@@ -1,0 +1,98 @@
+"""A member names files with ``..``: nothing outside its folder may be read or written
+(issue 15, items 2 and 9). The daemon's call sites get :func:`swarmp2p.paths.confine` in the
+lead's redesign; until then the attacks that still work are marked xfail(strict=True), so a
+fix turns them into failures that say "remove the marker"."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from security_harness import member, member_request
+
+from swarmp2p.net import AsyncSecureContext, RpcClient, RpcError, RpcServer, SwarmSecret
+from swarmp2p.node.messages import FilePull, ServeStageStart, ShardChunk, ShardRead
+
+pytestmark = pytest.mark.slow
+
+LEAD = "the lead applies swarmp2p.paths.confine/check_id at this node/ call site (h15a report)"
+
+
+@pytest.mark.parametrize(
+    ("job_id", "file"),
+    [
+        pytest.param("..", "secret", marks=pytest.mark.xfail(strict=True, reason=LEAD)),
+        pytest.param("..", "node_id", marks=pytest.mark.xfail(strict=True, reason=LEAD)),
+        ("j1", "../../secret"),
+        ("j1", "x/../../../secret"),
+        ("j1", "/etc/passwd"),
+        ("../..", "etc/passwd"),
+    ],
+)
+def test_shard_read_reads_nothing_outside_the_job_folder(victim, job_id, file):
+    msg = ShardRead(job_id="j1", file="x", offset=0, size=4096)
+    with pytest.raises(RpcError) as info:
+        reply = member_request(victim.endpoint, victim.token, msg, job_id=job_id, file=file)
+        assert not (isinstance(reply, ShardChunk) and b"swarm1-" in reply.data), "read the token"
+    assert info.value.code == "bad_field", info.value
+
+
+def test_file_pull_writes_nothing_outside_the_job_folder(victim):
+    """The member serves a file and tells the victim to pull it into job ``..``: before the
+    fix it overwrote the victim's node_id (it came back as the member's choice and led)."""
+    node_id_before = victim.state.node_id_file.read_text()
+    secret = SwarmSecret.from_token(victim.token)
+
+    async def evil(msg, peer):
+        if isinstance(msg, ShardRead):
+            data = b"a0\n"
+            return ShardChunk(data=data[msg.offset : msg.offset + msg.size], total=len(data))
+        return None
+
+    async def attack() -> str:
+        ctx = AsyncSecureContext()
+        server = RpcServer(ctx, secret, "127.0.0.1", 0, evil)
+        await server.start()
+        client = RpcClient(ctx, secret, victim.endpoint)
+        try:
+            await client.request(FilePull(job_id="..", file="node_id", source=server.endpoint), 15)
+            return "pulled"
+        except RpcError as exc:
+            return exc.code
+        finally:
+            await client.close()
+            await server.close()
+            ctx.destroy(0)
+
+    code = asyncio.run(attack())
+    overwritten = victim.state.node_id_file.read_text() != node_id_before
+    if overwritten:  # put it back for the other tests
+        victim.state.node_id_file.write_text(node_id_before)
+    if code != "bad_field" or overwritten:
+        pytest.xfail(f"{LEAD}: file_pull(job_id='..') answered {code!r}, node_id overwritten: {overwritten}")  # fmt: skip
+    pytest.fail("file_pull(job_id='..') is refused now: make this a plain assertion")
+
+
+def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
+    """serve.stage_start(serve_id='../../x') made the worker's log outside the state dir."""
+    outside = victim.state.root.parent
+    before = set(outside.iterdir())
+    spec = {
+        "model": "/nonexistent-model", "stage_index": 0, "layer_start": 0, "layer_end": 1,
+        "is_first_stage": True, "is_last_stage": True,
+    }  # fmt: skip
+    msg = ServeStageStart(serve_id="s1", attempt=0, spec=spec, env={}, issuer="v")
+    code, created = None, []
+    with member(victim.endpoint, victim.token) as m:
+        m.send(msg, serve_id="../../escaped")
+        deadline = time.monotonic() + 30
+        while code is None and not created and time.monotonic() < deadline:
+            try:
+                m.reply(0.2)  # the worker fails to load: no reply, or an error
+            except RpcError as exc:
+                code = exc.code
+            created = sorted(p.name for p in set(outside.iterdir()) - before)
+    if created or code != "bad_field":
+        pytest.xfail(f"{LEAD}: answered {code!r}, created outside the state dir: {created}")
+    pytest.fail("serve_id '../../x' is refused now: make this a plain assertion")
