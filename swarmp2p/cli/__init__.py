@@ -47,7 +47,17 @@ def _state_dir(value: str | None):
 
 
 def _fail(exc: Exception) -> None:
-    raise click.ClickException(str(exc)) from None
+    """End the command with ``exc``'s message and its exit code: a SwarmError's kind decides
+    (user 2, unavailable 4, failed 1, internal 70: ``swarmp2p.errors.EXIT_CODES``); a plain
+    ValueError is the user's input (2); anything else failed (1)."""
+    from swarmp2p.errors import EXIT_CODES, SwarmError
+
+    err = click.ClickException(str(exc))
+    if isinstance(exc, SwarmError):
+        err.exit_code = exc.exit_code
+    elif isinstance(exc, ValueError):
+        err.exit_code = EXIT_CODES["user"]
+    raise err from None
 
 
 def _print_invalid(errors: list[dict[str, str]], as_json: bool) -> None:

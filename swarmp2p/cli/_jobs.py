@@ -124,7 +124,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
 
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
-    from swarmp2p.node.jobs import eta_s
+    from swarmp2p.node.views import eta_s
 
     console = _console(stderr=True)
     view: dict = {}

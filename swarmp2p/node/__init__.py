@@ -1,7 +1,8 @@
-"""The node daemon (`swarm up`): membership, election, the job table, workers. No torch."""
+"""The node daemon (`swarm up`): membership, the replicated table, jobs, serving. No torch."""
 
 from swarmp2p.node.api import ApiError
 from swarmp2p.node.config import DEFAULT_PORT, NodeConfig
+from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.control import (
     cancel_job,
     down,
@@ -16,14 +17,13 @@ from swarmp2p.node.control import (
     up,
 )
 from swarmp2p.node.daemon import Daemon, runtime_capabilities, serve
-from swarmp2p.node.dispatch import Dispatcher
 from swarmp2p.node.election import check_node_id, leader
 from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices, planner_record, probe
-from swarmp2p.node.jobs import PlanMismatch, check_plan, compute_plan, job_record, job_view
-from swarmp2p.node.jobtable import JobEvent, JobTable, newest
-from swarmp2p.node.jobtable import apply as apply_job_event
+from swarmp2p.node.jobs import PlanMismatch, check_plan, compute_plan
+from swarmp2p.node.jobtable import JobEntry, JobTable, apply
 from swarmp2p.node.membership import Membership
 from swarmp2p.node.registry import find_model, unique_model_id
+from swarmp2p.node.replication import Replication
 from swarmp2p.node.stages import StageHost
 from swarmp2p.node.state import StateDir, default_state_dir
 from swarmp2p.node.workers import WorkerProcess
@@ -33,16 +33,18 @@ __all__ = [
     "FAKE_DEVICES_ENV",
     "ApiError",
     "Daemon",
-    "Dispatcher",
-    "JobEvent",
+    "Identity",
+    "JobEntry",
     "JobTable",
     "Membership",
     "NodeConfig",
+    "NodeContext",
     "PlanMismatch",
+    "Replication",
     "StageHost",
     "StateDir",
     "WorkerProcess",
-    "apply_job_event",
+    "apply",
     "cancel_job",
     "check_node_id",
     "check_plan",
@@ -52,12 +54,9 @@ __all__ = [
     "export_model",
     "find_model",
     "job_logs",
-    "job_record",
-    "job_view",
     "leader",
     "live_plan",
     "load_train_job",
-    "newest",
     "parse_fake_devices",
     "planner_record",
     "probe",

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from swarmp2p.errors import SwarmError, UserError
+
 MAX_LINE_BYTES = 1 << 20
 API_OPS = (
     "status",
@@ -39,8 +41,11 @@ API_OPS = (
 )
 
 
-class ApiError(RuntimeError):
-    """The daemon is not running, not answering, or refused the request."""
+class ApiError(SwarmError):
+    """The daemon is not running, not answering, or refused the request; ``code`` and
+    ``kind`` are the daemon's (``swarmp2p.errors``)."""
+
+    default_code = "failed"
 
 
 ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -103,17 +108,23 @@ class ApiServer:
 
     async def _answer(self, line: bytes) -> dict[str, Any]:
         try:
-            req = json.loads(line)
+            try:
+                req = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise UserError(f"bad request: not JSON: {exc}") from None
             if not isinstance(req, dict) or req.get("op") not in self._handlers:
-                raise ValueError(f"op must be one of {sorted(self._handlers)}")
+                raise UserError(f"bad request: op must be one of {sorted(self._handlers)}")
             return {"ok": True, "result": await self._handlers[req["op"]](req)}
-        except (ValueError, KeyError, TypeError) as exc:
-            return {"ok": False, "error": f"bad request: {exc}"}
-        except ApiError as exc:
-            return {"ok": False, "error": str(exc)}
-        except Exception as exc:
-            _log.exception("local API request failed")
-            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+        except SwarmError as exc:
+            return {"ok": False, "error": exc.message, "code": exc.code, "kind": exc.kind}
+        except Exception as exc:  # a bug, not the user's mistake: say so, log the traceback
+            _log.exception("local API request %r failed", line[:200])
+            return {
+                "ok": False,
+                "error": f"internal error: {type(exc).__name__}: {exc} (see daemon.log)",
+                "code": "internal",
+                "kind": "internal",
+            }
 
 
 def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any) -> Any:
@@ -127,7 +138,8 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
             sock.connect(str(socket_path))
         except (FileNotFoundError, ConnectionRefusedError):
             raise ApiError(
-                f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)"
+                f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)",
+                code="no_daemon",
             ) from None
         sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
         data = b""
@@ -136,7 +148,7 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
                 chunk = sock.recv(65536)
             except TimeoutError:
                 raise ApiError(
-                    f"the swarm daemon did not answer {op!r} within {timeout:g} s"
+                    f"the swarm daemon did not answer {op!r} within {timeout:g} s", code="timeout"
                 ) from None
             if not chunk:
                 break
@@ -146,10 +158,13 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
     finally:
         sock.close()
     if not data:
-        raise ApiError(f"the swarm daemon closed the connection without answering {op!r}")
+        raise ApiError(
+            f"the swarm daemon closed the connection without answering {op!r}", code="internal"
+        )
     reply = json.loads(data)
     if not reply.get("ok"):
-        raise ApiError(reply.get("error", "the swarm daemon refused the request"))
+        code = reply.get("code") if isinstance(reply.get("code"), str) else "failed"
+        raise ApiError(reply.get("error", "the swarm daemon refused the request"), code=code)
     return reply.get("result")
 
 

@@ -275,24 +275,24 @@ def status(state_dir: Path) -> dict[str, Any]:
 
 
 def submit_job(
-    state_dir: Path, record: dict[str, Any], job_id: str = "", timeout: float = 20.0
+    state_dir: Path, job: dict[str, Any], job_id: str = "", timeout: float = 20.0
 ) -> dict[str, Any]:
-    """Submit an opaque job record through the local daemon (forwarded to the leader);
-    returns once it is durable on the leader and one other live peer. Retries while no leader
-    is ready."""
+    """Submit a job (job.json, as a dict) through the local daemon (forwarded to the leader);
+    returns once a majority of the members hold it. Retries while no leader is ready (an
+    ``unavailable`` refusal); a refusal of the job itself is raised at once."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return api.request(
                 StateDir(root=state_dir).api_socket,
                 "submit",
-                record=record,
+                job=job,
                 job_id=job_id,
+                submitted_by="cli",
                 timeout=timeout,
             )
         except api.ApiError as exc:
-            retry = any(code in str(exc) for code in ("not_ready", "no_leader", "not_leader"))
-            if not retry or time.monotonic() > deadline:
+            if exc.kind != "unavailable" or exc.code == "no_daemon" or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
 
@@ -412,9 +412,7 @@ def live_plan(state_dir: Path, job) -> dict[str, Any]:
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:
     """Submit a parsed training Job; returns ``{"job_id", ...}`` once durable."""
-    from swarmp2p.node.jobs import job_record
-
-    return submit_job(state_dir, job_record(job, submitted_by="cli", submitted_at=time.time()))
+    return submit_job(state_dir, job.to_dict())
 
 
 def jobs(state_dir: Path) -> list[dict[str, Any]]:

@@ -1,49 +1,57 @@
 """The daemon's local API for jobs and models: live plan, jobs, job, cancel, logs, models,
-export (gather a model's shards here, every file checked against its sha256)."""
+export (gather a model's shards here, every file checked against its sha256). Every stage
+name and file name read from the table is confined to its folder before it touches a path."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.net.rpc import RpcError, RpcTimeout
-from swarmp2p.node import jobs, registry
-from swarmp2p.node.api import ApiError
+from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.node import jobs, registry, views
 from swarmp2p.node.messages import ShardChunk, ShardRead
 from swarmp2p.node.stages import CHUNK_BYTES
+from swarmp2p.paths import UnsafeName, confine
 
 if TYPE_CHECKING:
-    from swarmp2p.node.daemon import Daemon
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.jobs_leader import JobsLeader
+    from swarmp2p.node.stages import StageHost
 
 LOG_BYTES = 256 * 1024
 """`swarm jobs logs` shows at most the last this many bytes of a stage's log."""
 
 
-def handlers(d: Daemon) -> dict[str, Any]:
-    def entry(req: dict[str, Any]) -> dict[str, Any]:
-        job_id = req.get("job_id")
-        if not isinstance(job_id, str) or not job_id:
-            raise ValueError("'job_id' must be a non-empty string")
-        found = d.table.jobs.get(job_id)
+def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[str, Any]:
+    def entry(req: dict[str, Any]):
+        key = req.get("job_id")
+        if not isinstance(key, str) or not key:
+            raise UserError("'job_id' must be a non-empty string", code="bad_field")
+        found = views.find_entry(ctx.table, key)
         if found is None:
-            by_name = [e for e in d.table.jobs.values() if e["record"].get("name") == job_id]
-            if len(by_name) != 1:
-                raise ApiError(f"no job {job_id!r} in the table; see `swarm jobs`")
-            found = by_name[0]
-        return jobs._copy(found)
+            raise UserError(f"no job {key!r} in the table; see `swarm jobs`", code="no_job")
+        return found
 
     async def live_plan(req: dict[str, Any]) -> dict[str, Any]:
-        cluster = d.jobs._cluster()
+        from swarmp2p.plan import JobError, parse_job
+
         try:
-            result = jobs.compute_plan(req["job"], cluster)
+            job = parse_job(req.get("job"))
+        except JobError as exc:
+            raise UserError(str(exc), code="invalid_job") from None
+        records = ctx.live_records()
+        cluster = jobs.cluster_records(records)
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, job, cluster)
         except ValueError as exc:
-            raise ApiError(str(exc)) from None
+            raise UserError(str(exc), code="invalid_job") from None
         out = result.to_dict()
         if out.get("reason"):
-            out["reason"] = jobs.blocked_note(out["reason"], d.jobs._records())
+            out["reason"] = jobs.blocked_note(out["reason"], records)
         out["cluster"] = cluster  # the planner's inputs, as every assigned peer gets them
         free = {r["node_id"]: r.get("disk_free", 0) for r in cluster}
         for s in out.get("stages", []):
@@ -51,58 +59,54 @@ def handlers(d: Daemon) -> dict[str, Any]:
         return out
 
     async def list_jobs(req: dict[str, Any]) -> list[dict[str, Any]]:
-        return [
-            jobs.job_view(jobs._copy(e))
-            for _, e in sorted(d.table.jobs.items(), key=lambda kv: kv[1].get("version", 0))
-            if jobs.is_training(e)
-        ]
+        return views.jobs_list(ctx.table, {j: leader.metrics.get(j) for j in ctx.table.jobs})
 
     async def show(req: dict[str, Any]) -> dict[str, Any]:
-        return jobs.job_view(entry(req))
+        e = entry(req)
+        return views.job_view(e, await leader.job_metrics(e.job_id))
 
     async def cancel(req: dict[str, Any]) -> dict[str, Any]:
-        job_id = entry(req)["job_id"]
-        try:
-            return await d.jobs.cancel(job_id)
-        except (RpcError, RpcTimeout) as exc:
-            raise ApiError(str(exc)) from None
+        return await leader.cancel(entry(req).job_id)
 
     async def logs(req: dict[str, Any]) -> dict[str, Any]:
         e = entry(req)
-        stages = e["record"].get("plan", {}).get("stages", [])
-        if not stages:
-            raise ApiError(f"job {e['job_id']} was never placed: it has no stage logs")
-        stage = req.get("stage", len(stages) - 1)
-        if not isinstance(stage, int) or not 0 <= stage < len(stages):
-            raise ValueError(f"'stage' must be in 0..{len(stages) - 1}, got {stage!r}")
-        node = stages[stage]["node_id"]
-        data = await _read_whole(d, node, e["job_id"], f"stage-{stage}.log", tail=LOG_BYTES)
-        return {"job_id": e["job_id"], "stage": stage, "node": node, "text": data.decode(errors="replace")}  # fmt: skip
+        if e.plan is None:
+            raise UserError(f"job {e.job_id} was never placed: it has no stage logs", code="no_file")  # fmt: skip
+        n = e.n_stages
+        stage = req.get("stage", n - 1)
+        if type(stage) is not int or not 0 <= stage < n:
+            raise UserError(f"'stage' must be in 0..{n - 1}, got {stage!r}", code="bad_field")
+        node = e.plan.stages[stage].node_id
+        data = await read_whole(ctx, node, e.job_id, f"stage-{stage}.log", tail=LOG_BYTES)
+        return {"job_id": e.job_id, "stage": stage, "node": node, "text": data.decode(errors="replace")}  # fmt: skip
 
     async def models(req: dict[str, Any]) -> list[dict[str, Any]]:
-        return registry.models(d.table.jobs)
+        return registry.models(ctx.table.jobs)
 
     async def export(req: dict[str, Any]) -> dict[str, Any]:
-        try:
-            model = registry.find_model(d.table.jobs, req["model"])
-        except ValueError as exc:
-            raise ApiError(str(exc)) from None
-        out = Path(req["dest"])
+        model = registry.find_model(ctx.table.jobs, str(req.get("model")))
+        dest = req.get("dest")
+        if not isinstance(dest, str) or not dest:
+            raise UserError("'dest' must be a folder path", code="bad_field")
+        out = Path(dest)
         dirs = []
         for stage in model["manifest"]["stages"]:
-            dest = out / f"stage-{stage['stage']}"
-            if dest.exists():
-                shutil.rmtree(dest)
+            index = stage.get("stage")
+            if type(index) is not int or index < 0:
+                raise Failed(f"model {model['id']}: a stage index {index!r} in the registry", code="internal")  # fmt: skip
+            target = confine(out, f"stage-{index}", what="stage folder")
+            if target.exists():
+                await asyncio.to_thread(shutil.rmtree, target)
             problems = []
             for node in registry.holders(stage):  # the trainer first, then its copies
                 try:
-                    await _gather_stage(d, model, stage, node, dest)
+                    await _gather_stage(ctx, model, stage, node, target)
                     break
-                except ApiError as exc:
+                except SwarmError as exc:
                     problems.append(str(exc))
             else:
-                raise ApiError("; ".join(problems))
-            dirs.append(str(dest))
+                raise Failed("; ".join(problems), code="no_file")
+            dirs.append(str(target))
         return {"model": model, "shards": dirs}
 
     return {
@@ -117,35 +121,40 @@ def handlers(d: Daemon) -> dict[str, Any]:
 
 
 async def _gather_stage(
-    d: Daemon, model: dict[str, Any], stage: dict[str, Any], node: str, dest: Path
+    ctx: NodeContext, model: dict[str, Any], stage: dict[str, Any], node: str, dest: Path
 ) -> None:
     """Copy one stage's shard from ``node`` into ``dest``, every file checked."""
-    for rel in ["manifest.json", *sorted(stage["files"])]:
-        data = await _read_whole(d, node, model["job_id"], f"{stage['folder']}/{rel}")
-        want = stage["files"].get(rel)
+    folder = stage.get("folder")
+    files = stage.get("files")
+    if not isinstance(folder, str) or not isinstance(files, dict):
+        raise Failed(f"model {model['id']} stage {stage.get('stage')}: bad registry entry", code="internal")  # fmt: skip
+    try:
+        targets = {rel: confine(dest, rel, what="shard file") for rel in ["manifest.json", *sorted(files)]}  # fmt: skip
+    except UnsafeName as exc:
+        raise Failed(f"model {model['id']}: {exc}", code="bad_field") from None
+    for rel, target in targets.items():
+        data = await read_whole(ctx, node, model["job_id"], f"{folder}/{rel}")
+        want = files.get(rel)
         if want is not None and hashlib.sha256(data).hexdigest() != want:
-            raise ApiError(
+            raise Failed(
                 f"model {model['id']} stage {stage['stage']}: {rel} from node {node} does not "
-                "match its sha256; the shard is damaged"
+                "match its sha256; the shard is damaged",
+                code="no_file",
             )
-        _write_atomic(dest / rel, data)
+        await asyncio.to_thread(write_atomic, target, data)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    write_atomic(path, data)
-
-
-async def _read_whole(d: Daemon, node: str, job_id: str, file: str, tail: int = 0) -> bytes:
+async def read_whole(ctx: NodeContext, node: str, job_id: str, file: str, tail: int = 0) -> bytes:
     """A file of a job's folder on ``node`` (this one or a peer), over CURVE RPC in chunks."""
     offset, parts, total = 0, [], None
     while total is None or offset < total:
         msg = ShardRead(job_id=job_id, file=file, offset=offset, size=CHUNK_BYTES)
         try:
-            reply = await d.jobs._send(node, msg, 30.0)
-        except (RpcError, RpcTimeout) as exc:
-            raise ApiError(f"cannot read {file} of job {job_id} from node {node}: {exc}") from None
+            reply = await ctx.call(node, msg, 30.0)
+        except SwarmError as exc:
+            raise Failed(f"cannot read {file} of job {job_id} from node {node}: {exc}", code="no_file") from None  # fmt: skip
         if not isinstance(reply, ShardChunk):
-            raise ApiError(f"node {node} answered {type(reply).TYPE} to a file read")
+            raise Failed(f"node {node} answered {type(reply).TYPE} to a file read", code="internal")
         if total is None and tail and reply.total > tail:
             total, offset, parts = reply.total, reply.total - tail, []
             continue

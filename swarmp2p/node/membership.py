@@ -22,6 +22,8 @@ class Peer:
     """Its hardware node record from the hello."""
     host: dict[str, Any] = field(default_factory=dict)
     """Its host dict (CPU cores, driver) from the hello."""
+    software: str = ""
+    """The swarmp2p release it runs (from its hello)."""
     alive: bool = True
     last_seen: float = 0.0
     """``now`` of the last hello, heartbeat or reply from it."""

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from swarmp2p.node.election import check_node_id
+from swarmp2p.node.events import ID_PATTERN, NODE_PATTERN
+from swarmp2p.node.jobtable import MAX_VERSION
+from swarmp2p.plan import Job
+from swarmp2p.schema import field
 from swarmp2p.wire.messages import Message, message
 
 
@@ -67,36 +71,79 @@ class Leave(Message):
         _check_id(self.node_id)
 
 
+@message("node.lead_request")
+class LeadRequest(Message):
+    """A candidate asks for this node's vote for ``term`` (it leads once a majority of the
+    members voted for it)."""
+
+    candidate: str = field(pattern=NODE_PATTERN)
+    term: int = field(ge=1, lt=MAX_VERSION)
+
+
+@message("node.lead_vote")
+class LeadVote(Message):
+    """A vote, with the table the voter holds (the candidate continues from the newest)."""
+
+    node_id: str = field(pattern=NODE_PATTERN)
+    granted: bool
+    reason: str = field(default="", max_len=1000)
+    term: int = field(ge=0, lt=MAX_VERSION)
+    version: int = field(ge=0, lt=MAX_VERSION)
+    epoch: str = field(default="", max_len=64)
+    members: int = field(default=0, ge=0, le=100000)
+
+
 @message("node.table_fetch")
 class TableFetch(Message):
-    """Send me your job table (a new leader collects them)."""
+    """Send me your job table (a new leader fetches the newest of its voters')."""
 
     node_id: str
 
 
 @message("node.table")
 class TablePush(Message):
-    """A whole job table (a reply to a fetch, or pushed by the leader)."""
+    """A whole job table: a reply to a fetch, or the leader's to a follower that holds another
+    history or is too far behind for a delta."""
 
-    node_id: str
+    node_id: str = field(pattern=NODE_PATTERN)
+    term: int = field(ge=0, lt=MAX_VERSION)
+    """The sender's term (the leader's, when pushed)."""
     table: dict
+    commit: int = field(default=0, ge=0, lt=MAX_VERSION)
+
+
+@message("node.table_events")
+class TableEvents(Message):
+    """The leader's entries after ``prev_version`` (whose term was ``prev_term``)."""
+
+    leader: str = field(pattern=NODE_PATTERN)
+    term: int = field(ge=1, lt=MAX_VERSION)
+    prev_version: int = field(ge=0, lt=MAX_VERSION)
+    prev_term: int = field(ge=0, lt=MAX_VERSION)
+    entries: list = field(max_len=4096)
+    commit: int = field(default=0, ge=0, lt=MAX_VERSION)
 
 
 @message("node.table_ack")
 class TableAck(Message):
-    """The table this node now holds, durably."""
+    """What this node now holds durably; ``ok`` false with the reason when it refused."""
 
     node_id: str
-    term: int
-    version: int
+    term: int = field(ge=0, lt=MAX_VERSION)
+    version: int = field(ge=0, lt=MAX_VERSION)
+    ok: bool = True
+    reason: str = field(default="", max_len=2000)
 
 
 @message("node.submit")
 class Submit(Message):
-    """Add an opaque job record to the table (forwarded to the leader by a follower)."""
+    """Add a training job to the table (forwarded to the leader by a follower); answered once
+    a majority of the members hold it."""
 
-    job_id: str
-    record: dict
+    job_id: str = field(default="", max_len=128)
+    """Empty: the leader names it."""
+    job: Job
+    submitted_by: str = field(default="", max_len=256)
 
 
 @message("node.submitted")
@@ -116,11 +163,11 @@ class Submitted(Message):
 class StageStart(Message):
     """Leader to a stage's node: check the plan from these inputs, start the stage's worker."""
 
-    job_id: str
-    attempt: int
-    stage: int
-    job: dict
-    """The canonical job.json the plan was made from."""
+    job_id: str = field(pattern=ID_PATTERN)
+    attempt: int = field(ge=1)
+    stage: int = field(ge=0)
+    job: Job
+    """The job the plan was made from."""
     cluster: list
     """The exact node records the leader planned on."""
     plan: str
@@ -176,6 +223,19 @@ class JobAck(Message):
     """Done."""
 
     job_id: str
+
+
+@message("job.metrics_fetch")
+class JobMetricsFetch(Message):
+    """To the leader: a job's metrics (loss curve, throughput, boundary traffic)."""
+
+    job_id: str = field(pattern=ID_PATTERN)
+
+
+@message("job.metrics")
+class JobMetrics(Message):
+    job_id: str
+    metrics: dict
 
 
 @message("job.shard_read")
@@ -335,6 +395,5 @@ SERVE_MESSAGES = (
     ServeStageConnect,
     ServeStageStop,
     ServeStageExit,
-    ShardCopy,
 )
 """The requests the daemon hands to its serving side."""

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import UserError
+
+if TYPE_CHECKING:
+    from swarmp2p.node.jobtable import JobEntry
 
 
 def unique_model_id(name: str, taken: Iterable[str]) -> str:
@@ -25,39 +30,39 @@ def unique_model_id(name: str, taken: Iterable[str]) -> str:
     return f"{base}-{n}"
 
 
-def model_entry(model_id: str, job_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
-    """The registry entry of a completed job's model (``record``: its job record)."""
-    job, plan = record["job"], record["plan"]
-    shards = record.get("shards", {})
+def model_entry(model_id: str, entry: JobEntry) -> dict[str, Any]:
+    """The registry entry of a completed job's model."""
+    job, plan = entry.job, entry.plan
+    assert plan is not None
     stages = []
-    for s in plan["stages"]:
-        shard = shards.get(str(s["index"]), {})
-        manifest = shard.get("manifest") or {}
+    for s in plan.stages:
+        shard = entry.shards.get(str(s.index))
+        manifest = shard.manifest if shard is not None else {}
         stages.append(
             {
-                "stage": s["index"],
-                "node": shard.get("node", s["node_id"]),
-                "folder": shard.get("folder", f"export/stage-{s['index']}"),
-                "layers": s["layers"],
+                "stage": s.index,
+                "node": shard.node if shard is not None else s.node_id,
+                "folder": shard.folder if shard is not None else f"export/stage-{s.index}",
+                "layers": list(s.layers),
                 "files": manifest.get("files", {}),
                 "weights_included": manifest.get("weights_included", True),
             }
         )
-    lora = job["model"]["lora"]
+    lora = job.model.lora
     return {
         "id": model_id,
-        "job_id": job_id,
-        "base": job["model"]["pretrained"],
+        "job_id": entry.job_id,
+        "base": job.model.pretrained,
         "manifest": {
-            "base": job["model"]["pretrained"],
-            "split": [s["layers"] for s in plan["stages"]],
-            "compression": [b["compression"] for b in plan["boundaries"]],
-            "lora": {"r": lora["r"], "alpha": lora["alpha"], "export": lora["export"]}
-            if plan["finetune_mode"] == "lora"
+            "base": job.model.pretrained,
+            "split": [list(s.layers) for s in plan.stages],
+            "compression": [b.compression.spec for b in plan.boundaries],
+            "lora": {"r": lora.r, "alpha": lora.alpha, "export": lora.export}
+            if plan.finetune_mode == "lora"
             else None,
-            "finetune_mode": plan["finetune_mode"],
-            "dtype": plan["dtype"],
-            "evaluation": record.get("evaluation", {}),
+            "finetune_mode": plan.finetune_mode,
+            "dtype": plan.dtype,
+            "evaluation": dict(entry.evaluation),
             "stages": stages,
         },
     }
@@ -84,21 +89,19 @@ def add_copy(model: Mapping[str, Any], stage: int, node_id: str) -> dict[str, An
     return out
 
 
-def models(jobs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def models(jobs: Mapping[str, JobEntry]) -> list[dict[str, Any]]:
     """Every registered model in a job table's jobs, by id."""
-    out = [
-        dict(entry["record"]["model"])
-        for entry in jobs.values()
-        if isinstance(entry.get("record", {}).get("model"), Mapping)
-    ]
+    out = [dict(entry.model) for entry in jobs.values() if entry.model is not None]
     return sorted(out, key=lambda m: m["id"])
 
 
-def find_model(jobs: Mapping[str, Mapping[str, Any]], model_id: str) -> dict[str, Any]:
+def find_model(jobs: Mapping[str, JobEntry], model_id: str) -> dict[str, Any]:
     """The model ``model_id``; ValueError listing the known ones."""
     known = models(jobs)
     for m in known:
         if m["id"] == model_id:
             return m
     ids = ", ".join(m["id"] for m in known) or "none yet"
-    raise ValueError(f"no model {model_id!r} in the registry (known: {ids}); see `swarm models`")
+    raise UserError(
+        f"no model {model_id!r} in the registry (known: {ids}); see `swarm models`", code="no_model"
+    )

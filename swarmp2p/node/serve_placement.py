@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.plan.model_shape import EMBEDDED
 
 if TYPE_CHECKING:
-    from swarmp2p.node.daemon import Daemon
+    from swarmp2p.node.jobtable import JobTable
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -114,20 +114,16 @@ def place_stages(
 # --- the model a MODEL argument names ---------------------------------------------------------
 
 
-def trained_entry(d: Daemon, model: str) -> dict[str, Any] | None:
+def trained_entry(table: JobTable, model: str) -> dict[str, Any] | None:
     """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
     None when MODEL names no trained model."""
     from swarmp2p.node.registry import models as registry_models
 
-    try:
-        known = registry_models(d.table.jobs)
-    except (KeyError, TypeError, ValueError):  # a registry this version cannot read
+    entry = next((m for m in registry_models(table.jobs) if m.get("id") == model), None)
+    if entry is None or entry["job_id"] not in table.jobs:
         return None
-    entry = next((m for m in known if m.get("id") == model), None)
-    if entry is None:
-        return None
-    job = d.table.jobs.get(entry["job_id"], {}).get("record", {}).get("job", {})
-    return {**entry, "quantization": (job.get("model") or {}).get("quantization")}
+    quant = table.jobs[entry["job_id"]].job.model.quantization
+    return {**entry, "quantization": None if quant is None else quant.to_dict()}
 
 
 def trained_settings(
@@ -162,7 +158,7 @@ def trained_settings(
     return dtype, theirs
 
 
-def resolve_model(d: Daemon, model: str, trained: dict[str, Any] | None = None) -> str:
+def resolve_model(model: str, trained: dict[str, Any] | None = None) -> str:
     """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
     on this node: its shape and tokenizer are read here."""
     from swarmp2p.runtime.models import embedded_dir, embedded_ready, resolve_model_ref

@@ -29,7 +29,8 @@ from swarmp2p.node.workers import WorkerProcess, _die_with_parent
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from swarmp2p.node.daemon import Daemon
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.stages import StageHost
 
 log = logging.getLogger("swarmp2p.node.serve_stages")
 
@@ -97,9 +98,13 @@ class ServeStages:
     included), for telling an issuing node that its stage's worker died."""
 
     def __init__(
-        self, daemon: Daemon, call_node: Callable[[str, Any, float], Awaitable[Any]]
+        self,
+        ctx: NodeContext,
+        stage_host: StageHost,
+        call_node: Callable[[str, Any, float], Awaitable[Any]],
     ) -> None:
-        self.d = daemon
+        self.ctx = ctx
+        self.stage_host = stage_host
         self._call_node = call_node
         self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
         self._pulls: dict[str, asyncio.Lock] = {}
@@ -119,10 +124,10 @@ class ServeStages:
     def reap(self, alive: set[str], mine: set[str], now: float) -> None:
         """Stop the workers of every serve id whose issuer died, or no longer claims it (it
         restarted, or stopped serving while this node was unreachable)."""
-        grace = 2 * self.d.config.heartbeat_s
+        grace = 2 * self.ctx.config.heartbeat_s
         for serve_id in sorted({k[0] for k in self.workers}):
             issuer, since = self._issuers.get(serve_id, ("", now))
-            if issuer == self.d.node_id:
+            if issuer == self.ctx.node_id:
                 why = None if serve_id in mine else "this node no longer serves it"
             elif issuer not in alive:
                 why = f"its issuing node {issuer} is gone"
@@ -133,7 +138,7 @@ class ServeStages:
             if why is not None:
                 log.warning("stopping the serve workers of %s: %s", serve_id, why)
                 victims = [self.workers.pop(k) for k in list(self.workers) if k[0] == serve_id]
-                self.d._spawn(
+                self.ctx.spawn(
                     asyncio.gather(*(w.stop() for w in victims)), f"serve-reap:{serve_id}"
                 )
         running = {k[0] for k in self.workers}
@@ -190,7 +195,7 @@ class ServeStages:
         return self._pulls.setdefault(key, asyncio.Lock())
 
     def peer_endpoint(self, node_id: str) -> str:
-        peer = self.d.members.peers.get(node_id)
+        peer = self.ctx.members.peers.get(node_id)
         if peer is None or not peer.alive:
             raise ServeError(f"node {node_id} is not alive")
         return peer.endpoint
@@ -199,7 +204,7 @@ class ServeStages:
         """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
         from swarmp2p.node.model_files import rpc_reader
 
-        return rpc_reader(self.d._call, self.peer_endpoint(node_id), read_msg)
+        return rpc_reader(self.ctx.call_endpoint, self.peer_endpoint(node_id), read_msg)
 
     async def _local_model(self, msg: ServeStageStart) -> str:
         """The folder this node loads a folder model from: its own copy when every file
@@ -215,13 +220,13 @@ class ServeStages:
         if msg.files is None:
             return model  # a Hub id: each node reads its own cache
         listing = model_files.check_listing(msg.files)
-        cache = self.d.state.root / "serve" / "models" / model_files.listing_digest(listing)
+        cache = self.ctx.state.root / "serve" / "models" / model_files.listing_digest(listing)
         candidates = [Path(model)] + ([embedded_dir()] if msg.env.get("embedded") else [])
         async with self._lock(str(cache)):
             for folder in (*candidates, cache):
                 if await asyncio.to_thread(model_files.matches, folder, listing):
                     return str(folder)
-            if msg.issuer == self.d.node_id:
+            if msg.issuer == self.ctx.node_id:
                 raise ServeError(f"{model} changed while it was being served; serve it again")
             log.info("fetching %s (%d files) from %s", model, len(listing), msg.issuer)
             serve_id = msg.serve_id
@@ -243,7 +248,7 @@ class ServeStages:
         from swarmp2p.node.stages import CHUNK_BYTES, _safe
 
         job_id = str(ask.get("job_id", ""))
-        job_dir = self.d.jobs.stages.job_dir(job_id)
+        job_dir = self.stage_host.job_dir(job_id)
         rel = _safe(str(ask.get("folder", "")))
         folder = job_dir / rel
         files = ask.get("files")
@@ -265,7 +270,7 @@ class ServeStages:
             )
 
         def job_reader(node: str, prefix: str) -> Any:
-            if node == self.d.node_id:
+            if node == self.ctx.node_id:
                 return model_files.local_reader(job_dir / prefix)
             return self._reader(
                 node,
@@ -275,7 +280,7 @@ class ServeStages:
         async def from_any(sources: list[str], what: str, fetch: Any) -> None:
             errors = []
             for node in sources:
-                if node == self.d.node_id and what == "shard":
+                if node == self.ctx.node_id and what == "shard":
                     continue  # this node's copy is the damaged one
                 try:
                     await fetch(node)
@@ -325,21 +330,21 @@ class ServeStages:
         from swarmp2p.serve.spec import StageServeSpec
 
         device_name = str(msg.env.get("device", "cpu"))
-        device, visible = device_for({"devices": [device_name]}, self.d.record)
+        device, visible = device_for([device_name], self.ctx.me.record)
         local: dict[str, Any] = {}
         try:
             local["model"] = await self._local_model(msg)
             if msg.shard is not None:
                 local["shard"], local["tied_head"] = await self._local_shard(msg.shard)
         except (ServeError, ValueError, OSError, RpcTimeout) as exc:
-            raise RpcError("stage_failed", f"node {self.d.node_id}: {exc}") from None
+            raise RpcError("stage_failed", f"node {self.ctx.node_id}: {exc}") from None
         try:
             spec = StageServeSpec.from_dict(
                 {
                     **msg.spec,
                     **local,
-                    "token": self.d.secret.token,
-                    "host": self.d.addresses[0],
+                    "token": self.ctx.secret.token,
+                    "host": self.ctx.me.addresses[0],
                     "device": device,
                 }
             )
@@ -348,13 +353,13 @@ class ServeStages:
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             here = max(int(msg.env.get("stages_here", 1) or 1), 1)
-            cores = int(self.d.host.get("cpu_cores") or 1)
+            cores = int(self.ctx.me.host.get("cpu_cores") or 1)
             env["OMP_NUM_THREADS"] = str(max(1, cores // here))
         key = (msg.serve_id, msg.attempt, spec.stage_index)
         if key in self.workers:
             raise RpcError("exists", f"stage {spec.stage_index} of {msg.serve_id} already runs")
-        self._issuers.setdefault(msg.serve_id, (msg.issuer, self.d.clock()))
-        log_dir = self.d.state.root / "serve"
+        self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
+        log_dir = self.ctx.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)
         worker: ServeWorkerProcess | None = None
 
@@ -369,10 +374,10 @@ class ServeStages:
                 serve_id=msg.serve_id,
                 attempt=msg.attempt,
                 stage=spec.stage_index,
-                node_id=self.d.node_id,
+                node_id=self.ctx.node_id,
                 message=why,
             )
-            self.d._spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
+            self.ctx.spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
 
         worker = ServeWorkerProcess(
             job_id=msg.serve_id,
@@ -392,7 +397,7 @@ class ServeStages:
             self.workers.pop(key, None)
             await worker.stop()
             what = str(exc) or f"no ready event in {LOAD_TIMEOUT_S:g} s"
-            raise RpcError("stage_failed", f"node {self.d.node_id}: {what}") from None
+            raise RpcError("stage_failed", f"node {self.ctx.node_id}: {what}") from None
         return ServeStage(
             serve_id=msg.serve_id,
             attempt=msg.attempt,

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p.errors import SwarmError
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.messages import (
-    JobAck,
     ServeFileRead,
     ServePlace,
     ServePlaced,
@@ -53,7 +53,7 @@ from swarmp2p.node.messages import (
     ShardChunk,
     ShardCopy,
 )
-from swarmp2p.node.registry import add_copy, holders
+from swarmp2p.node.registry import holders
 from swarmp2p.node.serve_placement import (
     DTYPES,
     ServeError,
@@ -66,7 +66,9 @@ from swarmp2p.node.serve_stages import CONNECT_TIMEOUT_S, ServeStages
 from swarmp2p.plan.model_shape import EMBEDDED
 
 if TYPE_CHECKING:
-    from swarmp2p.node.daemon import Daemon
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.jobs_leader import JobsLeader
+    from swarmp2p.node.stages import StageHost
 
 log = logging.getLogger("swarmp2p.node.serving")
 
@@ -167,12 +169,13 @@ class _Served:
 class Serving:
     """The serving side of one daemon (issuing node, leader and stage host at once)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, ctx: NodeContext, stage_host: StageHost, jobs: JobsLeader) -> None:
+        self.ctx = ctx
+        self.stage_host = stage_host
+        self.jobs = jobs
         self.served: dict[str, _Served] = {}
-        self.stages = ServeStages(daemon, self._call_node)
+        self.stages = ServeStages(ctx, stage_host, self._call_node)
         self._serving_lock = asyncio.Lock()
-        self._copy_lock = asyncio.Lock()
         self._restoring: dict[str, tuple[dict[str, Any], str, asyncio.Task | None]] = {}
         """name -> (request, why it does not serve yet, its retry task): saved models being
         served again after this daemon restarted."""
@@ -181,7 +184,7 @@ class Serving:
 
     @property
     def _saved_file(self) -> Path:
-        return self.d.state.root / "serve" / SAVED_FILE
+        return self.ctx.state.root / "serve" / SAVED_FILE
 
     def _save(self) -> None:
         """Record the requests of every served (and still restoring) model, 0600: a request
@@ -202,18 +205,18 @@ class Serving:
             return
         for name, req in sorted(saved.items()) if isinstance(saved, dict) else []:
             if isinstance(req, dict):
-                task = self.d._spawn(self._restore(name, req), f"serve-restore:{name}")
+                task = self.ctx.spawn(self._restore(name, req), f"serve-restore:{name}")
                 self._restoring[name] = (req, "waiting for the swarm to gather", task)
 
     async def _restore(self, name: str, req: dict[str, Any]) -> None:
-        await asyncio.sleep(2 * self.d.config.failure_timeout_s)  # peers find each other first
-        deadline = self.d.clock() + RESTORE_FOR_S
+        await asyncio.sleep(2 * self.ctx.config.failure_timeout_s)  # peers find each other first
+        deadline = self.ctx.clock() + RESTORE_FOR_S
         while True:
             try:
                 await self._api_serve(req, restoring=True)
             except (ServeError, ValueError, OSError) as exc:
                 self._restoring[name] = (req, str(exc), self._restoring[name][2])
-                if self.d.clock() > deadline:
+                if self.ctx.clock() > deadline:
                     log.warning("gave up serving %s again after a restart: %s", name, exc)
                     self._restoring[name] = (req, f"gave up: {exc}", None)
                     return
@@ -318,7 +321,7 @@ class Serving:
         host = req.get("host") or "127.0.0.1"
         api_key = req.get("api_key") or None
         check_bind(host, api_key)
-        trained = trained_entry(self.d, model)
+        trained = trained_entry(self.ctx.table, model)
         cwd = req.get("cwd")
         if (
             trained is None
@@ -333,7 +336,7 @@ class Serving:
         if trained is not None:
             dtype, quantization = trained_settings(trained, ints["stages"], req, quantization)
         folder = await asyncio.to_thread(
-            resolve_model, self.d, trained["base"] if trained else model_arg, trained
+            resolve_model, trained["base"] if trained else model_arg, trained
         )
         from swarmp2p.plan import model_shape
 
@@ -407,7 +410,7 @@ class Serving:
             raise ServeError(f"port: cannot listen on {served.host}:{served.port}: {exc}") from None
 
     def _alive(self) -> set[str]:
-        return {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+        return {self.ctx.node_id} | {p.node_id for p in self.ctx.members.alive_peers()}
 
     def _alive_holders(self, served: _Served) -> list[list[str]]:
         """Per stage, the live holders of its shard; ServeError when a stage has none."""
@@ -439,36 +442,36 @@ class Serving:
             bounds=served.trained["manifest"]["split"] if served.trained else None,
             holders=self._alive_holders(served) if served.trained else None,
         )
-        if self.d.leader == self.d.node_id:
+        if self.ctx.leader == self.ctx.node_id:
             try:
                 reply = await self._place(ask)
             except RpcError as exc:
                 raise ServeError(str(exc)) from None
         else:
-            peer = self.d.members.peers.get(self.d.leader)
+            peer = self.ctx.members.peers.get(self.ctx.leader)
             if peer is None or not peer.alive:
-                raise ServeError(f"the leader {self.d.leader} is not reachable; retry")
+                raise ServeError(f"the leader {self.ctx.leader} is not reachable; retry")
             try:
-                reply = await self.d._call(peer.endpoint, ask, CONNECT_TIMEOUT_S)
+                reply = await self.ctx.call_endpoint(peer.endpoint, ask, CONNECT_TIMEOUT_S)
             except RpcError as exc:
                 raise ServeError(str(exc)) from None
             except RpcTimeout:
-                raise ServeError(f"the leader {self.d.leader} did not answer serve.plan") from None
+                raise ServeError(f"the leader {self.ctx.leader} did not answer serve.plan") from None
         if not isinstance(reply, ServePlaced):
             raise ServeError(f"the leader answered {type(reply).TYPE}, not serve.placed")
         return [dict(s) for s in reply.stages]
 
     async def _call_node(self, node_id: str, msg: Any, timeout: float) -> Any:
-        if node_id == self.d.node_id:
+        if node_id == self.ctx.node_id:
             try:
                 return await self.handle(msg)
             except RpcError as exc:
                 raise ServeError(f"node {node_id}: {exc}") from None
-        peer = self.d.members.peers.get(node_id)
+        peer = self.ctx.members.peers.get(node_id)
         if peer is None or not peer.alive:
             raise ServeError(f"node {node_id} is not alive")
         try:
-            return await self.d._call(peer.endpoint, msg, timeout)
+            return await self.ctx.call_endpoint(peer.endpoint, msg, timeout)
         except RpcTimeout:
             raise ServeError(f"node {node_id} did not answer {msg.TYPE} in {timeout:g} s") from None
         except RpcError as exc:
@@ -507,7 +510,7 @@ class Serving:
         links: list[Any] = []
         started: list[str] = []
         try:
-            back = ZmqLink.bind(served.ctx, self.d.secret, self.d.addresses[0])
+            back = ZmqLink.bind(served.ctx, self.ctx.secret, self.ctx.me.addresses[0])
             links.append(back)
 
             async def start(i: int, s: dict[str, Any]) -> ServeStage:
@@ -532,7 +535,7 @@ class Serving:
                     attempt=attempt,
                     spec=spec,
                     env=env,
-                    issuer=self.d.node_id,
+                    issuer=self.ctx.node_id,
                     files=served.files,
                     shard=self._shard_ask(served, i, n) if served.trained else None,
                 )
@@ -559,7 +562,7 @@ class Serving:
                     for i, s in enumerate(placed)
                 )
             )
-            first = ZmqLink.dial(served.ctx, self.d.secret, placed[0]["worker"])
+            first = ZmqLink.dial(served.ctx, self.ctx.secret, placed[0]["worker"])
             links.append(first)
         except BaseException:
             await self._stop_stages(served.serve_id, attempt, set(started))
@@ -580,7 +583,7 @@ class Serving:
         return first, back
 
     async def _stop_stages(self, serve_id: str, attempt: int, nodes: set[str]) -> None:
-        alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
+        alive = {self.ctx.node_id} | {p.node_id for p in self.ctx.members.alive_peers()}
         stop = ServeStageStop(serve_id=serve_id, attempt=attempt, stage=-1)
         await asyncio.gather(
             *(self._call_node(node, stop, 15.0) for node in sorted(nodes & alive)),
@@ -623,8 +626,8 @@ class Serving:
     def tick(self) -> None:
         """Each heartbeat round: stop stage workers nobody issues any more; rebuild a ring that
         lost a stage node."""
-        alive = {self.d.node_id} | {p.node_id for p in self.d.members.alive_peers()}
-        self.stages.reap(alive, set(self.issued()), self.d.clock())
+        alive = {self.ctx.node_id} | {p.node_id for p in self.ctx.members.alive_peers()}
+        self.stages.reap(alive, set(self.issued()), self.ctx.clock())
         for served in self.served.values():
             if served.state == "failed" and served.client is not None:
                 _fail_open(served.client, served.reason)  # requests sent since fail at once
@@ -646,12 +649,12 @@ class Serving:
                     _fail_open(served.client, reason)
                     continue
             if lost or served.crashed or served.state == "degraded":
-                served.rebuilding = self.d._spawn(
+                served.rebuilding = self.ctx.spawn(
                     self._failover(served, lost), f"serve-failover:{served.name}"
                 )
 
     def _rebuild_grace_s(self) -> float:
-        return 2 * self.d.config.failure_timeout_s
+        return 2 * self.ctx.config.failure_timeout_s
 
     async def _failover(self, served: _Served, lost: list[str]) -> None:
         if lost:
@@ -698,35 +701,15 @@ class Serving:
 
         async def tell() -> None:
             try:
-                if self.d.leader == self.d.node_id:
-                    await self._record_copy(note)
-                else:
-                    await self.d._call(self.stages.peer_endpoint(self.d.leader), note, 10.0)
-            except (ServeError, RpcError, RpcTimeout) as exc:
+                await self.ctx.to_leader(note, 10.0)
+            except (ServeError, SwarmError) as exc:
                 log.info("the registry does not list %s's copy of stage %d: %s", node, stage, exc)
 
-        self.d._spawn(tell(), f"shard-copy:{note.job_id}:{stage}")
-
-    async def _record_copy(self, msg: ShardCopy) -> JobAck:
-        """Leader: list ``msg.node_id`` as holding a copy of the stage's shard."""
-        if self.d.leader != self.d.node_id:
-            raise RpcError("not_leader", f"node {self.d.node_id} is not the leader")
-        async with self._copy_lock:
-            entry = self.d.table.jobs.get(msg.job_id)
-            model = (entry or {}).get("record", {}).get("model")
-            if not isinstance(model, dict):
-                raise RpcError("no_model", f"job {msg.job_id} registered no model")
-            try:
-                updated = add_copy(model, msg.stage, msg.node_id)
-            except ValueError as exc:
-                raise RpcError("bad_field", str(exc)) from None
-            if updated is not None:
-                await self.d.update_job(msg.job_id, {"model": updated}, "")
-        return JobAck(job_id=msg.job_id)
+        self.ctx.spawn(tell(), f"shard-copy:{note.job_id}:{stage}")
 
     def _spawn_standby(self, served: _Served) -> None:
         if served.trained is not None:
-            self.d._spawn(self._standby(served), f"serve-standby:{served.name}")
+            self.ctx.spawn(self._standby(served), f"serve-standby:{served.name}")
 
     async def _standby(self, served: _Served) -> None:
         """Give every stage's shard a second live holder (a copy in that node's job folder),
@@ -748,16 +731,16 @@ class Serving:
             target, source = others[i % len(others)], live[0]
             try:
                 endpoint = (
-                    self.d._own_endpoint()
-                    if source == self.d.node_id
+                    self.ctx.own_endpoint
+                    if source == self.ctx.node_id
                     else self.stages.peer_endpoint(source)
                 )
                 for name in [*sorted(st["files"]), "manifest.json"]:
                     pull = FilePull(job_id=job_id, file=f"{st['folder']}/{name}", source=endpoint)
-                    if target == self.d.node_id:
-                        await self.d.jobs.stages.pull_file(pull.job_id, pull.file, pull.source)
+                    if target == self.ctx.node_id:
+                        await self.stage_host.pull_file(pull.job_id, pull.file, pull.source)
                     else:
-                        await self.d._call(self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S)
+                        await self.ctx.call_endpoint(self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S)
             except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
@@ -768,8 +751,8 @@ class Serving:
     # --- the leader: placement ------------------------------------------------------------------
 
     async def _place(self, msg: ServePlace) -> ServePlaced:
-        if self.d.leader != self.d.node_id:
-            raise RpcError("not_leader", f"node {self.d.node_id} is not the leader")
+        if self.ctx.leader != self.ctx.node_id:
+            raise RpcError("not_leader", f"node {self.ctx.node_id} is not the leader")
         from swarmp2p.plan import model_shape
 
         try:
@@ -785,7 +768,7 @@ class Serving:
             and len(msg.holders) != len(msg.bounds)
         ):
             raise RpcError("bad_field", "holders: one list of nodes per stage of bounds")
-        records = [self.d.record] + [p.record for p in self.d.members.alive_peers()]
+        records = [self.ctx.me.record] + [p.record for p in self.ctx.members.alive_peers()]
         try:
             stages = place_stages(
                 shape,
@@ -802,7 +785,7 @@ class Serving:
             raise RpcError("blocked", str(exc)) from None
         except (TypeError, ValueError) as exc:
             raise RpcError("bad_field", f"serve.plan: {exc}") from None
-        return ServePlaced(serve_id=msg.serve_id, leader=self.d.node_id, stages=stages)
+        return ServePlaced(serve_id=msg.serve_id, leader=self.ctx.node_id, stages=stages)
 
     # --- every node: dispatch ---------------------------------------------------------------
 
@@ -811,8 +794,6 @@ class Serving:
             return await self._place(msg)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
-        if isinstance(msg, ShardCopy):
-            return await self._record_copy(msg)
         if isinstance(msg, ServeStageExit):
             served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
             if served is not None and served.live_attempt == msg.attempt:
@@ -831,7 +812,7 @@ class Serving:
 
         served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
         if served is None or not served.files or msg.file not in served.files:
-            raise RpcError("no_file", f"node {self.d.node_id} serves no file {msg.file!r} of {msg.serve_id}")  # fmt: skip
+            raise RpcError("no_file", f"node {self.ctx.node_id} serves no file {msg.file!r} of {msg.serve_id}")  # fmt: skip
         if not 0 < msg.size <= CHUNK_BYTES or msg.offset < 0:
             raise RpcError("bad_field", f"size must be in 1..{CHUNK_BYTES}, offset >= 0")
 

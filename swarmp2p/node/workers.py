@@ -51,8 +51,14 @@ class WorkerProcess:
         on_event: Callable[[dict[str, Any]], None],
         on_exit: Callable[[int, list[str]], None],
         log_path: str | None = None,
+        module: str = WORKER_MODULE,
+        keep_stdin: bool = False,
     ) -> None:
         self.job_id, self.attempt, self.stage = job_id, attempt, stage
+        self._module, self._keep_stdin = module, keep_stdin
+        self._events: dict[str, asyncio.Future] = {}
+        self.last_error: str | None = None
+        """The message of the worker's last ``error`` event."""
         self._spec = dict(spec)
         self._env = dict(env or {})
         self._on_event, self._on_exit = on_event, on_exit
@@ -74,7 +80,7 @@ class WorkerProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            WORKER_MODULE,
+            self._module,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -82,19 +88,51 @@ class WorkerProcess:
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             limit=1 << 22,
         )
-        self.proc.stdin.write(json.dumps(self._spec).encode())
-        await self.proc.stdin.drain()
-        self.proc.stdin.close()
+        if self._keep_stdin:  # a serve worker reads its spec, then ops, one JSON line each
+            await self.send_line(self._spec)
+        else:
+            self.proc.stdin.write(json.dumps(self._spec).encode())
+            await self.proc.stdin.drain()
+            self.proc.stdin.close()
         self._tasks = [
             asyncio.ensure_future(self._read_stdout()),
             asyncio.ensure_future(self._read_stderr()),
         ]
         self._tasks.append(asyncio.ensure_future(self._wait()))
 
+    async def send_line(self, obj: Mapping[str, Any]) -> None:
+        """One JSON line on the worker's stdin (a serve worker's ``connect`` op)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        await self.proc.stdin.drain()
+
     async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
         """The ``ready`` event (with the bound port); RuntimeError if the worker ends first."""
         assert self.ready is not None
         return await asyncio.wait_for(asyncio.shield(self.ready), timeout)
+
+    async def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
+        """The first ``name`` event; RuntimeError naming why when the worker ends first or
+        sends none within ``timeout``."""
+        future = self._event_future(name)
+        waiter = asyncio.ensure_future(asyncio.shield(future))
+        ended = self._tasks[2] if len(self._tasks) > 2 else None
+        done, _ = await asyncio.wait(
+            [waiter, *([ended] if ended else [])], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if future.done():
+            return future.result()
+        waiter.cancel()
+        tail = f": {self.last_error or (self.stderr_tail[-1] if self.stderr_tail else '')}"
+        if ended is not None and ended.done():
+            raise RuntimeError(f"stage {self.stage} worker {exit_message(self.returncode)} before {name!r}{tail}")  # fmt: skip
+        raise RuntimeError(f"stage {self.stage} worker sent no {name!r} within {timeout:g} s{tail}")
+
+    def _event_future(self, name: str) -> asyncio.Future:
+        future = self._events.get(name)
+        if future is None:
+            future = self._events[name] = asyncio.get_running_loop().create_future()
+        return future
 
     async def _read_stdout(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -109,8 +147,15 @@ class WorkerProcess:
                 continue
             if not isinstance(event, dict):
                 continue
-            if event.get("event") == "ready" and self.ready and not self.ready.done():
+            kind = event.get("event")
+            if kind == "ready" and self.ready and not self.ready.done():
                 self.ready.set_result(event)
+            if kind == "error":
+                self.last_error = str(event.get("message"))
+            if isinstance(kind, str):
+                future = self._event_future(kind)
+                if not future.done():
+                    future.set_result(event)
             try:
                 self._on_event(event)
             except Exception:
@@ -167,3 +212,6 @@ class WorkerProcess:
                 await asyncio.wait_for(task, 2.0)
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()
+        for future in self._events.values():
+            if not future.done():
+                future.cancel()

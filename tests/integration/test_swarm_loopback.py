@@ -15,6 +15,7 @@ from swarmp2p.net.security import SwarmSecret
 pytestmark = pytest.mark.slow
 
 TOKEN = SwarmSecret.generate().token
+JOB = {"name": "t", "model": {"pretrained": "/nonexistent/model"}, "data": {"source": "random"}}
 
 
 def test_three_nodes_form_a_swarm_and_status_has_the_issue_shape(loopback_swarm):
@@ -121,7 +122,7 @@ def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(l
         20,
         "agreement",
     )
-    done = nodes["c"].submit({"model": "tiny", "steps": 5}, job_id="j1")  # forwarded to a
+    done = nodes["c"].submit(JOB, job_id="j1")  # forwarded to a
     assert done["job_id"] == "j1" and done["replicas"] >= 2
     wait_until(
         lambda: all([j["job_id"] for j in n.status()["jobs"]] == ["j1"] for n in all3),
@@ -136,7 +137,7 @@ def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(l
     took = time.monotonic() - killed
     assert took <= FAILURE_TIMEOUT_S + 1.0 + 1.0, took  # timeout + 1 s, plus polling slack
     wait_until(lambda: nodes["b"].status()["leader_ready"], 10, "b to take over")
-    done = nodes["c"].submit({"model": "tiny", "steps": 6}, job_id="j2")
+    done = nodes["c"].submit(JOB, job_id="j2")
     assert done["replicas"] == 2
     newest = nodes["b"].status()
     assert [j["job_id"] for j in newest["jobs"]] == ["j1", "j2"]

@@ -206,7 +206,6 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
     job = parse_job(_job(model))
     cluster = control.live_plan(a.state.root, job)["cluster"]
     assert cluster_records(cluster) == cluster
-    job = job.to_dict()
     plan = compute_plan(job, cluster)
     assert [s.node_id for s in plan.stages] == ["a", "b"]
     skewed = plan.to_json().replace('"bubble_fraction":', '"bubble_fraction":0.5,"x":')

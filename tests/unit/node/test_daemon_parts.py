@@ -9,7 +9,16 @@ import pytest
 from swarmp2p.node import api, control
 from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.daemon import _RateLimitedLog
-from swarmp2p.node.messages import Heartbeat, NodeHello, Submit, TablePush
+from swarmp2p.node.messages import (
+    Heartbeat,
+    LeadRequest,
+    LeadVote,
+    NodeHello,
+    Submit,
+    TableAck,
+    TablePush,
+)
+from swarmp2p.plan import parse_job
 from swarmp2p.wire.messages import WireError, decode, encode
 
 
@@ -55,8 +64,11 @@ HELLO = NodeHello(
     [
         HELLO,
         Heartbeat(node_id="a1", term=1, version=2, leader="a0"),
-        TablePush(node_id="a1", table={"format": 1, "jobs": {}}),
-        Submit(job_id="", record={"model": "m", "nested": {"x": [1, 2.5, None]}}),
+        TablePush(node_id="a1", term=2, table={"format": 2, "jobs": {}}, commit=1),
+        Submit(job_id="", job=parse_job({"model": {"pretrained": "m"}}), submitted_by="cli"),
+        LeadRequest(candidate="a0", term=4),
+        LeadVote(node_id="a1", granted=False, reason="no", term=3, version=9, epoch="e", members=3),
+        TableAck(node_id="a1", term=3, version=9, ok=False, reason="need the whole table"),
     ],
 )
 def test_messages_round_trip(msg):

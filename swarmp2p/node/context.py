@@ -1,0 +1,190 @@
+"""The narrow interface a daemon's parts get instead of the daemon. Never imports torch.
+
+A part (the table's replication, the jobs' leader side, a node's stages, serving) needs to know
+who this node is, who is alive, who leads, how to reach a node (this one included) and how to
+run a task; it gets a :class:`NodeContext` and nothing else. Every "is X alive", "send to a
+node or to myself" and "forward to the leader" of the daemon lives here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import Unavailable
+from swarmp2p.net.rpc import RpcClient
+from swarmp2p.node.election import leader as lowest_live
+from swarmp2p.node.membership import Membership
+
+if TYPE_CHECKING:
+    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.node.config import NodeConfig
+    from swarmp2p.node.jobtable import JobTable
+    from swarmp2p.node.state import StateDir
+    from swarmp2p.wire.messages import Message
+
+log = logging.getLogger("swarmp2p.node")
+
+LocalHandler = Callable[["Message"], Awaitable["Message"]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Identity:
+    """Who this node is and where it listens."""
+
+    node_id: str
+    name: str
+    addresses: tuple[str, ...]
+    record: dict[str, Any]
+    """Its hardware node record (cluster.json form)."""
+    host: dict[str, Any]
+    """CPU cores, NVIDIA driver."""
+
+
+class NodeContext:
+    """This node, its live view of the swarm, and the ways to reach any member."""
+
+    def __init__(
+        self,
+        *,
+        me: Identity,
+        state: StateDir,
+        secret: SwarmSecret,
+        config: NodeConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.me = me
+        self.node_id = me.node_id
+        self.state = state
+        self.secret = secret
+        self.config = config
+        self.clock = clock
+        self.members = Membership(me.node_id)
+        """The live view: who answered lately (not the table's members)."""
+        self.started_at = clock()
+        self.port = 0
+        self.zmq = None
+        """The daemon's zmq.asyncio context, once it started."""
+        self.closing = False
+        self._clients: dict[str, RpcClient] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._local: LocalHandler | None = None
+        self._replication: Any = None
+
+    def attach(self, *, local: LocalHandler, replication: Any) -> None:
+        """The daemon's own request handler (a call to this node) and the table's replication."""
+        self._local, self._replication = local, replication
+
+    # --- who is who ------------------------------------------------------------------------
+
+    @property
+    def leader(self) -> str:
+        """The lowest live node id in this node's view."""
+        return lowest_live(self.members.live_view())
+
+    @property
+    def leading(self) -> bool:
+        """This node is the leader in its view and holds the votes of a majority."""
+        return self.leader == self.node_id and self._replication is not None and self._replication.ready  # fmt: skip
+
+    @property
+    def table(self) -> JobTable:
+        return self._replication.table
+
+    async def append(self, events: list[Any]) -> int:
+        """Leader: add table events (validated, persisted, replicated); the last version."""
+        return await self._replication.append(events)
+
+    def live_nodes(self) -> frozenset[str]:
+        return frozenset({self.node_id, *(p.node_id for p in self.members.alive_peers())})
+
+    def live_records(self) -> list[dict[str, Any]]:
+        """The hardware records of the live nodes, this one first."""
+        return [self.me.record, *(p.record for p in self.members.alive_peers())]
+
+    def is_alive(self, node_id: str) -> bool:
+        return node_id in self.live_nodes()
+
+    @property
+    def own_endpoint(self) -> str:
+        return f"tcp://{self.me.addresses[0]}:{self.port}"
+
+    def endpoint_of(self, node_id: str) -> str:
+        """``tcp://host:port`` of a live node's control socket; Unavailable when it is not live."""
+        if node_id == self.node_id:
+            return self.own_endpoint
+        peer = self.members.peers.get(node_id)
+        if peer is None or not peer.alive:
+            raise Unavailable(f"node {node_id} is not a live member", code="no_peer")
+        return peer.endpoint
+
+    # --- reaching nodes --------------------------------------------------------------------
+
+    def client(self, endpoint: str) -> RpcClient:
+        c = self._clients.get(endpoint)
+        if c is None:
+            c = self._clients[endpoint] = RpcClient(self.zmq, self.secret, endpoint)
+        return c
+
+    async def call_endpoint(self, endpoint: str, msg: Message, timeout: float) -> Message:
+        return await self.client(endpoint).request(msg, timeout)
+
+    async def call(self, node_id: str, msg: Message, timeout: float) -> Message:
+        """A request to a live node; to this node it goes straight to the local handler."""
+        if node_id == self.node_id:
+            assert self._local is not None
+            return await self._local(msg)
+        return await self.call_endpoint(self.endpoint_of(node_id), msg, timeout)
+
+    async def to_leader(self, msg: Message, timeout: float) -> Message:
+        """A request for the leader (this node, or forwarded); Unavailable when none is ready."""
+        leader = self.leader
+        if leader == self.node_id and not self.leading:
+            why = self._replication.why_not_ready() if self._replication else "starting"
+            raise Unavailable(f"leader {leader} is not ready: {why}", code="not_ready")
+        return await self.call(leader, msg, timeout)
+
+    async def prune_clients(self, keep: set[str]) -> None:
+        """Close the clients of endpoints nobody names any more."""
+        for endpoint in [e for e in self._clients if e not in keep]:
+            await self._clients.pop(endpoint).close()
+
+    async def close_clients(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
+
+    # --- tasks -----------------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any] | Awaitable[Any], name: str) -> asyncio.Task:
+        """Run ``coro`` as a task the daemon cancels when it stops; failures are logged."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def running(self, name: str) -> bool:
+        return any(t.get_name() == name and not t.done() for t in self._tasks)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - a stopping daemon ignores what its tasks raised
+                pass
+
+
+__all__ = ["Identity", "NodeContext"]

@@ -1,0 +1,246 @@
+"""What a node does next, as pure functions of the job table and its view. No torch, no I/O.
+
+The leader's part: ``leader_actions`` (who to admit as a member, which jobs to place, recover
+or rewire, which completed jobs to register), ``placement`` (the events a plan — or a blocked
+one — makes) and ``fold_report`` (the table events a batch of a stage's worker events makes).
+Every node's part: ``stale_workers`` (its workers the table no longer wants). Thin async code
+in ``jobs_leader`` and ``stages`` executes what these return.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarmp2p.node import events as ev
+from swarmp2p.node.jobs import blocked_note, exit_message, resume_step
+from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
+from swarmp2p.node.registry import model_entry, unique_model_id
+from swarmp2p.plan import Blocked, Plan
+
+PROGRESS_EVERY_S = 5.0
+"""The leader writes a job's progress (step, loss) to the replicated table at most this often
+(and at every snapshot and at the end); the curve stays in its memory (``metrics``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaderView:
+    """What the leader knows beside the table."""
+
+    node_id: str
+    alive: frozenset[str]
+    names: Mapping[str, str]
+    """Live node id -> its name."""
+    busy: frozenset[str] = frozenset()
+    """Jobs a task of the leader is placing, wiring or recovering now."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AddMember:
+    node_id: str
+    name: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Place:
+    job_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recover:
+    """Stop the job's workers and place it again (``lost``: the stage nodes that died; empty
+    when the leader that placed it died before every stage was wired)."""
+
+    job_id: str
+    lost: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Register:
+    job_id: str
+
+
+Action = AddMember | Place | Recover | Register
+
+
+def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
+    """The leader's next steps, in a stable order."""
+    out: list[Action] = []
+    if table.members:  # a founded swarm admits the live nodes that are not members yet
+        for node_id in sorted(view.alive - table.member_ids):
+            out.append(AddMember(node_id=node_id, name=view.names.get(node_id, "")))
+    for job_id, entry in sorted(table.jobs.items()):
+        if job_id in view.busy:
+            continue
+        if entry.state == "pending":
+            out.append(Place(job_id=job_id))
+        elif entry.state in ACTIVE_STATES:
+            lost = tuple(sorted(set(entry.stage_nodes) - view.alive))
+            if lost:
+                out.append(Recover(job_id=job_id, lost=lost))
+            elif entry.placed_by != view.node_id and entry.state != "running":
+                out.append(Recover(job_id=job_id, lost=()))
+        elif entry.state == "completed" and entry.model is None:
+            out.append(Register(job_id=job_id))
+    return out
+
+
+def placement(
+    entry: JobEntry,
+    result: Plan | Blocked,
+    *,
+    cluster: Sequence[Mapping[str, Any]],
+    records: Sequence[Mapping[str, Any]],
+    alive: Iterable[str],
+    me: str,
+    now: float,
+) -> list[ev.Event]:
+    """The events that place ``entry`` on ``result`` (a new attempt), or make it wait."""
+    if isinstance(result, Blocked):
+        return _pending(entry, blocked_note(result.reason, records), now)
+    resume = resume_step(entry, alive) if entry.plan is not None else 0
+    if resume:
+        old = [s.layers for s in entry.plan.stages]
+        new = [s.layers for s in result.stages]
+        if old != new:
+            # per-stage snapshots fit only the same cuts; a learned boundary is never re-split
+            # (its bottleneck was trained on these cuts): wait for a node instead
+            why = (
+                f"the nodes left give cuts {[list(c) for c in new]}, not the snapshots' "
+                f"{[list(c) for c in old]}; waiting for a node to return"
+            )
+            return _pending(entry, why, now)
+    return [
+        ev.JobPlaced(
+            job_id=entry.job_id, attempt=entry.attempt + 1, plan=result,
+            cluster=tuple(dict(r) for r in cluster), resume_step=resume, placed_by=me, at=now,
+        )
+    ]  # fmt: skip
+
+
+def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
+    if entry.state == "pending" and entry.reason == reason:
+        return []
+    return [ev.JobPending(job_id=entry.job_id, reason=reason, at=now)]
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else None
+
+
+def fold_report(
+    entry: JobEntry,
+    *,
+    attempt: int,
+    stage: int,
+    node_id: str,
+    events: Sequence[Mapping[str, Any]],
+    now: float,
+    progress_due: bool,
+) -> list[ev.Event]:
+    """The table events one batch of stage ``stage``'s worker events makes (none for another
+    attempt's stage, already stopped). Steps become one progress sample when ``progress_due``
+    (or at the last step); loss curves are the leader's metrics, not table events."""
+    if attempt != entry.attempt or entry.state in FINAL_STATES or entry.plan is None:
+        return []
+    last = stage == entry.n_stages - 1
+    out: list[ev.Event] = []
+    newest_step: Mapping[str, Any] | None = None
+    for event in events:
+        kind = event.get("event")
+        if kind == "step" and last and isinstance(event.get("step"), int):
+            newest_step = event
+        elif kind == "snapshot" and isinstance(event.get("step"), int) and event["step"] >= 1:
+            out.append(ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event["step"], node_id=node_id))  # fmt: skip
+            progress_due = True
+        elif kind == "eval" and last and isinstance(event.get("pass"), str):
+            tokens = event.get("tokens")
+            out.append(ev.EvaluationReported(
+                job_id=entry.job_id, name=event["pass"][:64], loss=_number(event.get("loss")),
+                perplexity=_number(event.get("perplexity")), top1=_number(event.get("top1")),
+                tokens=tokens if isinstance(tokens, int) and tokens >= 0 else 0,
+            ))  # fmt: skip
+        elif kind == "exported" and isinstance(event.get("manifest_data"), dict):
+            out.append(ev.StageExported(
+                job_id=entry.job_id, attempt=attempt, stage=stage, node_id=node_id,
+                folder=f"export/stage-{stage}", manifest=event["manifest_data"],
+            ))  # fmt: skip
+        elif kind == "done":
+            if newest_step is not None:
+                out.append(_progress(entry, attempt, newest_step, now))
+                newest_step = None
+            out.append(ev.StageFinished(job_id=entry.job_id, attempt=attempt, stage=stage, at=now))
+        elif kind == "exit" and event.get("code") != 0:
+            code = event.get("code")
+            how = exit_message(code if isinstance(code, int) else None)
+            message = event.get("error")
+            tail = [str(line)[:2000] for line in (event.get("stderr_tail") or [])][-ev.MAX_TAIL_LINES :]  # fmt: skip
+            out.append(ev.JobFailed(
+                job_id=entry.job_id, attempt=attempt, stage=stage, node_id=node_id,
+                message=f"{message} ({how})" if message else how, stderr_tail=tuple(tail), at=now,
+            ))  # fmt: skip
+    if newest_step is not None:
+        steps = entry.job.train.steps
+        if progress_due or newest_step["step"] + 1 >= steps or entry.state != "running":
+            out.insert(0, _progress(entry, attempt, newest_step, now))
+    return out
+
+
+def _progress(entry: JobEntry, attempt: int, step: Mapping[str, Any], now: float) -> ev.Event:
+    return ev.StepsReported(
+        job_id=entry.job_id, attempt=attempt, step=step["step"] + 1,
+        loss=_number(step.get("loss")), at=now,
+    )  # fmt: skip
+
+
+def registration(table: JobTable, job_id: str) -> list[ev.Event]:
+    """A completed job's model, under an id no other model has."""
+    entry = table.jobs[job_id]
+    if entry.state != "completed" or entry.model is not None:
+        return []
+    taken = [j.model["id"] for j in table.jobs.values() if j.model is not None]
+    model = model_entry(unique_model_id(entry.name, taken), entry)
+    return [ev.ModelRegistered(job_id=job_id, model=model)]
+
+
+def stale_workers(
+    table: JobTable, workers: Iterable[tuple[str, int, int]]
+) -> list[tuple[str, int, int]]:
+    """This node's workers ``(job, attempt, stage)`` the table no longer wants: the job ended,
+    or a newer attempt replaced theirs. A job the table does not hold yet is left alone (its
+    placement may not have reached this node)."""
+    out = []
+    for key in workers:
+        entry = table.jobs.get(key[0])
+        if entry is not None and (entry.state in FINAL_STATES or entry.attempt > key[1]):
+            out.append(key)
+    return out
+
+
+_NEW_ID = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def new_job_id(version: int, token: str) -> str:
+    """A job id for a submission that named none: ``j<version>-<random hex>``."""
+    return _NEW_ID.sub("", f"j{version:06d}-{token}")
+
+
+__all__ = [
+    "PROGRESS_EVERY_S",
+    "Action",
+    "AddMember",
+    "LeaderView",
+    "Place",
+    "Recover",
+    "Register",
+    "fold_report",
+    "leader_actions",
+    "new_job_id",
+    "placement",
+    "registration",
+    "stale_workers",
+]

@@ -1,0 +1,304 @@
+"""The leader's side of training jobs: it executes what ``decide`` returns. Never imports torch.
+
+Each heartbeat round ``tick()`` asks ``decide.leader_actions`` what to do and runs each action
+as one task per job: admit a node as a member, place a waiting job (PENDING with a reason when
+the plan is blocked), start its stages last to first (each ``job.stage_start`` answers with the
+worker's bound port, which the stage before dials), re-plan a job that lost a stage node
+(from the newest snapshot every stage holds), register a completed job's model. Worker reports
+become table events through ``decide.fold_report``; their step numbers become metrics here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
+from swarmp2p.net.rpc import RpcError
+from swarmp2p.node import decide, jobs
+from swarmp2p.node import events as ev
+from swarmp2p.node.jobtable import FINAL_STATES
+from swarmp2p.node.messages import (
+    FilePull,
+    JobAck,
+    JobCancel,
+    JobMetrics,
+    JobMetricsFetch,
+    ShardCopy,
+    StageReady,
+    StageReport,
+    StageStart,
+    StageStop,
+    Submit,
+    Submitted,
+)
+from swarmp2p.node.metrics import MetricsStore
+from swarmp2p.node.replication import check_job_id
+from swarmp2p.node.workers import READY_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.replication import Replication
+
+log = logging.getLogger("swarmp2p.node.jobs")
+
+STOP_TIMEOUT_S = 5.0
+COPY_TIMEOUT_S = 60.0
+
+
+class JobsLeader:
+    """The leader's job side; every node has one (only the leader's acts)."""
+
+    def __init__(
+        self, ctx: NodeContext, replication: Replication, wall: Callable[[], float] = time.time
+    ) -> None:
+        self.ctx, self.rep, self.wall = ctx, replication, wall
+        self.metrics = MetricsStore()
+        self._busy: dict[str, asyncio.Task] = {}
+        self._progress_at: dict[str, float] = {}
+        self._report_lock = asyncio.Lock()
+
+    # --- deciding ---------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Leader: run what the table and the live view call for."""
+        if not self.ctx.leading:
+            return
+        view = decide.LeaderView(
+            node_id=self.ctx.node_id,
+            alive=self.ctx.live_nodes(),
+            names={p.node_id: p.name for p in self.ctx.members.alive_peers()}
+            | {self.ctx.node_id: self.ctx.me.name},
+            busy=frozenset(self._busy),
+        )
+        for action in decide.leader_actions(self.ctx.table, view):
+            if isinstance(action, decide.AddMember):
+                self._run(f"member:{action.node_id}", self._admit(action))
+            elif isinstance(action, decide.Place):
+                self._run(action.job_id, self._place(action.job_id))
+            elif isinstance(action, decide.Recover):
+                self._run(action.job_id, self._recover(action.job_id, action.lost))
+            elif isinstance(action, decide.Register):
+                self._run(action.job_id, self._register(action.job_id))
+
+    def _run(self, key: str, coro: Any) -> None:
+        task = self.ctx.spawn(coro, f"job:{key}")
+        self._busy[key] = task
+        task.add_done_callback(lambda t: self._busy.pop(key, None))
+
+    async def _append(self, events: list[ev.Event], *, wait: bool = False) -> int:
+        return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
+
+    async def _admit(self, action: decide.AddMember) -> None:
+        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name)])
+        log.info("node %s is a member of the swarm now", action.node_id)
+
+    # --- placing ------------------------------------------------------------------------------
+
+    async def _place(self, job_id: str) -> None:
+        entry = self.ctx.table.jobs[job_id]
+        records = self.ctx.live_records()
+        cluster = jobs.cluster_records(records)
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster)
+        except ValueError as exc:  # the model cannot be read here, or cannot take this job
+            await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
+            return
+        events = decide.placement(
+            self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
+            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+        )  # fmt: skip
+        if not events:
+            return
+        await self._append(events)
+        placed = self.ctx.table.jobs[job_id]
+        if isinstance(events[0], ev.JobPending):
+            log.info("job %s waits: %s", job_id, placed.reason)
+            return
+        log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
+        await self._launch(job_id, placed.attempt)
+
+    async def _launch(self, job_id: str, attempt: int) -> None:
+        entry = self.ctx.table.jobs[job_id]
+        assert entry.plan is not None
+        plan_json = entry.plan.to_json()
+        nxt = ""
+        for i in reversed(range(entry.n_stages)):
+            node_id = entry.plan.stages[i].node_id
+            msg = StageStart(
+                job_id=job_id, attempt=attempt, stage=i, job=entry.job, cluster=list(entry.cluster),
+                plan=plan_json, next=nxt, resume_step=entry.resume_step,
+                snapshot_nodes=jobs.snapshot_holders(entry, i, entry.resume_step) if entry.resume_step else [],
+                leader=self.ctx.node_id,
+            )  # fmt: skip
+            try:
+                reply = await self.ctx.call(node_id, msg, READY_TIMEOUT_S + 30)
+                if not isinstance(reply, StageReady):
+                    raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.stage_ready")
+            except (SwarmError, OSError, asyncio.TimeoutError) as exc:
+                if self.ctx.table.jobs[job_id].attempt != attempt:
+                    return
+                await self._stop_everywhere(job_id, -1)
+                await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not start: {exc}", at=self.wall())])  # fmt: skip
+                return
+            nxt = f"tcp://{reply.host}:{reply.port}"
+        if self.ctx.table.jobs[job_id].state in ("placed", "resuming"):
+            await self._append([ev.JobRunning(job_id=job_id, attempt=attempt, at=self.wall())])
+
+    async def _recover(self, job_id: str, lost: tuple[str, ...]) -> None:
+        entry = self.ctx.table.jobs[job_id]
+        why = f"node(s) {', '.join(lost)} lost" if lost else "the leader that placed it was lost"
+        log.warning("job %s: %s; re-planning", job_id, why)
+        await self._append([ev.JobResuming(job_id=job_id, reason=why, at=self.wall())])
+        await self._stop_everywhere(job_id, entry.attempt)
+        await self._place(job_id)
+
+    async def _register(self, job_id: str) -> None:
+        events = decide.registration(self.ctx.table, job_id)
+        if events:
+            await self._append(events)
+            log.info("job %s registered model %s", job_id, events[0].model["id"])
+
+    async def _stop_everywhere(self, job_id: str, attempt: int) -> None:
+        msg = StageStop(job_id=job_id, attempt=attempt)
+        await asyncio.gather(
+            *(self.ctx.call(n, msg, STOP_TIMEOUT_S) for n in sorted(self.ctx.live_nodes())),
+            return_exceptions=True,
+        )
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def submit(self, msg: Submit) -> Submitted:
+        """Leader: add the job; answered once a majority of the members hold it."""
+        self.rep.require_ready()
+        job_id = msg.job_id or decide.new_job_id(self.ctx.table.version + 1, secrets.token_hex(3))
+        check_job_id(job_id)
+        if job_id in self.ctx.table.jobs:
+            raise UserError(f"job {job_id!r} is already in the table", code="exists")
+        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall())  # fmt: skip
+        version = await self.rep.append([event], wait=True)
+        log.info("job %s submitted at version %d", job_id, version)
+        return Submitted(job_id=job_id, term=self.ctx.table.term, version=version, replicas=self.rep.holders(version))  # fmt: skip
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        """Leader (a follower forwards): stop the job's workers, mark it CANCELLED."""
+        if not self.ctx.leading:
+            await self.ctx.to_leader(JobCancel(job_id=job_id), STOP_TIMEOUT_S * 3)
+            return {"job_id": job_id, "state": "CANCELLED"}
+        entry = self.ctx.table.jobs.get(job_id)
+        if entry is None:
+            raise UserError(f"no job {job_id!r} in the table; see `swarm jobs`", code="no_job")
+        if entry.state in FINAL_STATES:
+            raise UserError(f"job {job_id} is already {entry.state.upper()}; nothing to cancel", code="final")  # fmt: skip
+        task = self._busy.pop(job_id, None)
+        if task is not None:
+            task.cancel()
+        await self._append([ev.JobCancelled(job_id=job_id, reason="cancelled by the user", at=self.wall())])  # fmt: skip
+        await self._stop_everywhere(job_id, -1)
+        return {"job_id": job_id, "state": "CANCELLED"}
+
+    async def on_report(self, msg: StageReport) -> None:
+        """Leader: fold one batch of a stage's events into metrics and the table."""
+        async with self._report_lock:
+            entry = self.ctx.table.jobs.get(msg.job_id)
+            if entry is None or entry.attempt != msg.attempt or entry.state in FINAL_STATES:
+                return
+            self.metrics.fold(msg.job_id, attempt=msg.attempt, stage=msg.stage, n_stages=entry.n_stages, events=msg.events)  # fmt: skip
+            now = self.wall()
+            due = now - self._progress_at.get(msg.job_id, 0.0) >= decide.PROGRESS_EVERY_S
+            events = decide.fold_report(
+                entry, attempt=msg.attempt, stage=msg.stage, node_id=msg.node_id,
+                events=[e for e in msg.events if isinstance(e, dict)], now=now, progress_due=due,
+            )  # fmt: skip
+            if not events:
+                return
+            if any(isinstance(e, ev.StepsReported) for e in events):
+                self._progress_at[msg.job_id] = now
+            await self._append(events)
+        for event in events:
+            if isinstance(event, ev.SnapshotHeld):
+                files = [e.get("file") for e in msg.events if isinstance(e, dict) and e.get("event") == "snapshot" and e.get("step") == event.step]  # fmt: skip
+                if files and isinstance(files[0], str):
+                    self._copy_snapshot(msg.job_id, msg.stage, msg.node_id, event.step, files[0])
+            elif isinstance(event, ev.JobFailed):
+                self.ctx.spawn(self._stop_everywhere(msg.job_id, msg.attempt), f"stop:{msg.job_id}")
+        if self.ctx.table.jobs[msg.job_id].state == "completed":
+            await self._register(msg.job_id)
+
+    def _copy_snapshot(self, job_id: str, stage: int, holder: str, step: int, file: str) -> None:
+        """Have another live node pull a copy of a stage's snapshot."""
+        others = sorted(self.ctx.live_nodes() - {holder})
+        if not others:
+            return
+        target = others[stage % len(others)]
+
+        async def pull() -> None:
+            try:
+                source = self.ctx.endpoint_of(holder)
+                await self.ctx.call(target, FilePull(job_id=job_id, file=file, source=source), COPY_TIMEOUT_S)  # fmt: skip
+            except (SwarmError, OSError) as exc:
+                log.warning("snapshot copy of job %s stage %d failed: %s", job_id, stage, exc)
+                return
+            entry = self.ctx.table.jobs.get(job_id)
+            if entry is None or not self.ctx.leading:
+                return
+            if str(step) not in entry.snapshots.get(str(stage), {}):
+                return  # already forgotten: newer snapshots came since
+            await self._append([ev.SnapshotHeld(job_id=job_id, stage=stage, step=step, node_id=target)])  # fmt: skip
+
+        self.ctx.spawn(pull(), f"replicate:{job_id}:{stage}")
+
+    async def shard_copied(self, msg: ShardCopy) -> JobAck:
+        """Leader: list ``msg.node_id`` as holding a copy of a stage's shard."""
+        self.rep.require_ready()
+        entry = self.ctx.table.jobs.get(msg.job_id)
+        if entry is None or entry.model is None:
+            raise UserError(f"job {msg.job_id} registered no model", code="no_model")
+        await self._append([ev.ShardCopied(job_id=msg.job_id, stage=msg.stage, node_id=msg.node_id)])  # fmt: skip
+        return JobAck(job_id=msg.job_id)
+
+    async def job_metrics(self, job_id: str) -> dict[str, Any]:
+        """The job's metrics from the leader (this node, or asked)."""
+        if self.ctx.leading:
+            return self.metrics.get(job_id)
+        try:
+            reply = await self.ctx.to_leader(JobMetricsFetch(job_id=job_id), 5.0)
+        except (SwarmError, OSError):
+            return self.metrics.get(job_id)  # what this node fetched last
+        if isinstance(reply, JobMetrics):
+            self.metrics.put(job_id, reply.metrics)
+            return reply.metrics
+        return {}
+
+    async def handle(self, msg: Any) -> Any:
+        """The job requests the leader answers."""
+        if isinstance(msg, Submit):
+            if not self.ctx.leading:
+                raise Unavailable(self._not_leading(), code="not_leader")
+            return await self.submit(msg)
+        if isinstance(msg, StageReport):
+            if not self.ctx.leading:  # the sender keeps the events and retries
+                raise Unavailable(self._not_leading(), code="not_leader")
+            await self.on_report(msg)
+            return JobAck(job_id=msg.job_id)
+        if isinstance(msg, JobCancel):
+            await self.cancel(msg.job_id)
+            return JobAck(job_id=msg.job_id)
+        if isinstance(msg, JobMetricsFetch):
+            if not self.ctx.leading:
+                raise Unavailable(self._not_leading(), code="not_leader")
+            return JobMetrics(job_id=msg.job_id, metrics=self.metrics.get(msg.job_id))
+        if isinstance(msg, ShardCopy):
+            return await self.shard_copied(msg)
+        raise Failed(f"no job handler for {type(msg).TYPE}", code="internal")
+
+    def _not_leading(self) -> str:
+        why = self.rep.why_not_ready()
+        return f"node {self.ctx.node_id} is not leading ({self.ctx.leader} leads in its view{'; ' + why if why else ''})"  # fmt: skip
+
+
+__all__ = ["COPY_TIMEOUT_S", "STOP_TIMEOUT_S", "JobsLeader"]

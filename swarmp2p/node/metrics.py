@@ -1,0 +1,82 @@
+"""A job's high-rate numbers (the loss curve, throughput, boundary traffic) on the leader.
+
+They do not ride the replicated, fsynced table (a 500-point curve pushed to every member at
+every report batch was most of its traffic): the leader folds the stages' step events into
+memory here; followers ask the leader for them (``job.metrics``) when `swarm jobs show` or the
+dashboard wants them. A new leader starts each running job's curve afresh from the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+CURVE_POINTS = 500
+"""Loss points kept per job: the newest ones, as ``[attempt, step, loss]``."""
+
+
+def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, event: dict) -> None:
+    """Fold one worker ``step`` event of stage ``stage`` into ``metrics`` (in place).
+
+    Step metrics come from the last stage (it holds the loss); boundary traffic from the stages
+    on either side of it."""
+    if event.get("event") != "step" or not isinstance(event.get("step"), int):
+        return
+    boundaries = metrics.setdefault("boundaries", {})
+    secs = max(_float(event.get("step_s")) or 0.0, 1e-9)
+    # a stage sends activations over the boundary after it, gradients over the one before
+    if stage < n_stages - 1:
+        rates = boundaries.setdefault(str(stage), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
+        rates["act_mb_s"] = round((_float(event.get("act_bytes")) or 0.0) / secs / 1e6, 3)
+    if 0 < stage < n_stages:
+        rates = boundaries.setdefault(str(stage - 1), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
+        rates["grad_mb_s"] = round((_float(event.get("grad_bytes")) or 0.0) / secs / 1e6, 3)
+    stages = metrics.setdefault("stages", {})
+    stages[str(stage)] = {
+        k: _float(event.get(k)) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")
+    }
+    if stage == n_stages - 1:
+        loss = _float(event.get("loss"))
+        metrics.update(
+            step=event["step"] + 1,
+            loss=loss,
+            tokens_per_s=_float(event.get("tokens_per_s")),
+            step_s=_float(event.get("step_s")),
+        )
+        losses = metrics.setdefault("losses", [])
+        losses.append([attempt, event["step"], loss])
+        del losses[:-CURVE_POINTS]
+
+
+def _float(value: Any) -> float | None:
+    import math
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+class MetricsStore:
+    """The leader's metrics of every job it has heard from, by job id."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[str, Any]] = {}
+
+    def fold(self, job_id: str, *, attempt: int, stage: int, n_stages: int, events: list) -> None:
+        metrics = self._jobs.setdefault(job_id, {})
+        for event in events:
+            if isinstance(event, dict):
+                fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return copy.deepcopy(self._jobs.get(job_id, {}))
+
+    def put(self, job_id: str, metrics: dict[str, Any]) -> None:
+        """Metrics fetched from the leader (a follower's cache for its dashboard)."""
+        self._jobs[job_id] = copy.deepcopy(metrics)
+
+    def forget(self, keep: set[str]) -> None:
+        for job_id in [j for j in self._jobs if j not in keep]:
+            del self._jobs[job_id]
+
+
+__all__ = ["CURVE_POINTS", "MetricsStore", "fold"]

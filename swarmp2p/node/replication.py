@@ -1,0 +1,522 @@
+"""The job table across the members: votes, the leader's log, deltas, acks, quorum. No torch.
+
+- **Election.** The leader is the lowest live node id in a node's view; it leads only once a
+  majority of the table's members voted for it in a new term (``node.lead_request``). A member
+  votes once per term, and only for the node its own view says should lead. The candidate then
+  continues from the newest table among its voters: every committed version is held by a
+  majority, and any two majorities meet, so nothing committed is lost. Its first event,
+  ``LeaderElected``, commits like any other; until then it is not ready.
+- **Writes.** Only the ready leader appends events. Each is applied (validated) and persisted
+  here, then shipped to every live peer as a delta (``node.table_events``: the entries after
+  the follower's version, checked against the version and term it holds) or, when a follower
+  holds another history or is too far behind, as the whole table (``node.table``).
+- **Commit.** A version commits once a majority of the members the table lists hold it
+  durably (acks carry what a follower saved). A submission returns only when committed.
+- **Minority.** A node whose view holds fewer than a majority of the members cannot lead; it
+  keeps its stages running, accepts no writes, and says why (``why_not_ready``).
+- **Followers** take events only from the leader of the newest term they know (``term`` and
+  sender), never from an older term.
+
+Brand-new swarm: when no table has members yet, the first leader founds it with itself and
+every live peer that voted with an empty table. Later nodes join by ``MemberJoined``; a node
+that stops cleanly leaves by ``MemberLeft`` (so the rest keep their majority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p._atomic import write_atomic
+from swarmp2p.errors import Unavailable, UserError
+from swarmp2p.net.rpc import RpcError, RpcTimeout
+from swarmp2p.node import events as ev
+from swarmp2p.node import jobtable
+from swarmp2p.node.jobtable import MAX_VERSION, JobTable
+from swarmp2p.node.messages import LeadRequest, LeadVote, TableAck, TableEvents, TableFetch, TablePush
+from swarmp2p.schema import SchemaError
+
+if TYPE_CHECKING:
+    from swarmp2p.node.context import NodeContext
+
+log = logging.getLogger("swarmp2p.node.replication")
+
+LOG_KEEP = 4096
+"""Entries the leader keeps to send followers deltas; one further behind gets the table."""
+MAX_EVENTS_PER_PUSH = 256
+COMMIT_TIMEOUT_S = 10.0
+"""How long a submission waits for a majority to hold it."""
+
+
+class Replication:
+    """This node's copy of the table and its part in keeping the members' copies equal."""
+
+    def __init__(self, ctx: NodeContext, table_file: Path, vote_file: Path) -> None:
+        self.ctx = ctx
+        self.table_file, self.vote_file = table_file, vote_file
+        self.table = jobtable.load(table_file)
+        self.voted_term, self.voted_for = self._load_vote()
+        self.ready = False
+        self.commit = 0
+        """The newest version known to be held by a majority."""
+        self._reason = "starting"
+        self._log: collections.deque[ev.Entry] = collections.deque(maxlen=LOG_KEEP)
+        self._match: dict[str, int] = {}
+        """Leader: node id -> the version it acknowledged holding."""
+        self._pushing: set[str] = set()
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._write_lock = asyncio.Lock()
+        self._saved = self.table.version
+        self._takeover: asyncio.Task | None = None
+        self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
+        """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
+
+    # --- votes on disk ------------------------------------------------------------------------
+
+    def _load_vote(self) -> tuple[int, str]:
+        try:
+            data = json.loads(self.vote_file.read_text())
+            term, who = int(data["term"]), str(data["for"])
+        except FileNotFoundError:
+            return 0, ""
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s is unreadable; voting afresh", self.vote_file)
+            return 0, ""
+        return (term, who) if 0 <= term < MAX_VERSION else (0, "")
+
+    def _vote(self, term: int, candidate: str) -> None:
+        self.voted_term, self.voted_for = term, candidate
+        write_atomic(self.vote_file, json.dumps({"term": term, "for": candidate}), mode=0o600)
+
+    # --- status ---------------------------------------------------------------------------
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(term, version) this node holds durably: what its heartbeats report."""
+        return (self.table.term, self._saved)
+
+    def holders(self, version: int) -> int:
+        """How many members hold ``version`` durably, this leader included."""
+        held = {**self._match, self.ctx.node_id: self._saved}
+        members = self.table.member_ids or {self.ctx.node_id}
+        return sum(1 for m in members if held.get(m, 0) >= version)
+
+    def why_not_ready(self) -> str:
+        return "" if self.ready else self._reason
+
+    def quorum(self) -> dict[str, Any]:
+        """What `swarm status` says about the majority, from this node's view."""
+        members = sorted(self.table.member_ids)
+        live = self.ctx.live_nodes()
+        reachable = [m for m in members if m in live]
+        need = self.table.majority()
+        ok = not members or len(reachable) >= need
+        reason = ""
+        if not ok:
+            reason = (
+                f"this node sees {len(reachable)} of {len(members)} member(s) "
+                f"({', '.join(reachable) or 'none'}); the swarm accepts new jobs only on a side "
+                f"that sees {need}; stages already running keep running"
+            )
+        elif self.ctx.leader == self.ctx.node_id and not self.ready:
+            reason = self._reason
+        return {
+            "members": members,
+            "reachable": reachable,
+            "majority": need,
+            "ok": ok,
+            "commit": self.commit,
+            "reason": reason,
+        }
+
+    # --- leading ---------------------------------------------------------------------------
+
+    def lost_lead(self) -> None:
+        """This node is no longer the leader in its view: stop writing."""
+        if self.ready:
+            log.info("no longer leading (term %d)", self.table.term)
+        self.ready = False
+        self._reason = f"{self.ctx.leader} leads in this node's view"
+        self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
+
+    def start_takeover(self) -> None:
+        if self._takeover is None or self._takeover.done():
+            self._takeover = self.ctx.spawn(self._take_over(), "takeover")
+
+    async def _take_over(self) -> None:
+        grace = self.ctx.started_at + self.ctx.config.failure_timeout_s - self.ctx.clock()
+        if grace > 0:  # a restarted node first meets its swarm, never leads from a stale table
+            self._reason = "meeting the swarm before leading"
+            await asyncio.sleep(grace)
+        if self.ctx.leader != self.ctx.node_id or self.ready:
+            return
+        async with self._write_lock:
+            await self._elect()
+
+    async def _elect(self) -> None:
+        me = self.ctx.node_id
+        term = max(self.table.term, self.voted_term) + 1
+        self._vote(term, me)
+        peers = [p for p in self.ctx.members.alive_peers()]
+        ask = LeadRequest(candidate=me, term=term)
+        replies = await asyncio.gather(
+            *(self.ctx.call_endpoint(p.endpoint, ask, self._rpc_timeout) for p in peers),
+            return_exceptions=True,
+        )
+        votes: dict[str, LeadVote] = {}
+        refusals = []
+        for peer, reply in zip(peers, replies):
+            if isinstance(reply, LeadVote) and reply.node_id == peer.node_id:
+                if reply.granted:
+                    votes[peer.node_id] = reply
+                else:
+                    refusals.append(f"{peer.node_id}: {reply.reason}")
+                    if reply.term >= term:  # a newer term is about: start above it next time
+                        self.voted_term = max(self.voted_term, reply.term)
+        if self.ctx.leader != me:
+            return
+        base = await self._newest_of(votes)
+        if base is None:
+            return
+        founding = not base.members
+        members = (
+            {me, *(n for n, v in votes.items() if v.members == 0)} if founding else base.member_ids
+        )
+        granted = {me, *votes} & members
+        need = len(members) // 2 + 1
+        if len(granted) < need:
+            self._reason = (
+                f"no quorum: {len(granted)} of {len(members)} member(s) voted for {me} (needs "
+                f"{need}); reachable: {', '.join(sorted(granted))}"
+                + (f"; refused by {'; '.join(refusals)}" if refusals else "")
+            )
+            log.info("cannot lead yet: %s", self._reason)
+            return
+        self.table, self._log = base, collections.deque(maxlen=LOG_KEEP)
+        epoch = base.epoch or secrets.token_hex(8)
+        events: list[ev.Event] = [ev.LeaderElected(leader=me, epoch=epoch)]
+        if founding:
+            names = {p.node_id: p.name for p in peers}
+            names[me] = self.ctx.me.name
+            events += [ev.MemberJoined(node_id=n, name=names.get(n, "")) for n in sorted(members)]
+        self._match = {n: (v.version if v.term == base.term else 0) for n, v in votes.items()}
+        version = self._apply_local(events, term)
+        await self._persist()
+        log.info(
+            "leading swarm %s: term %d, table version %d, %d job(s), %d member(s)",
+            self.ctx.secret.swarm_id, term, version, len(self.table.jobs), len(self.table.members),
+        )  # fmt: skip
+        self._push_all()
+        self._reason = "waiting for a majority to hold the new term"
+        if await self._wait_commit(version, COMMIT_TIMEOUT_S):
+            self.ready = self.ctx.leader == me
+            self._reason = ""
+        else:
+            self._reason = "a majority did not acknowledge the new term in time"
+
+    async def _newest_of(self, votes: dict[str, LeadVote]) -> JobTable | None:
+        """The newest table among this node's and its voters' (of the history most of them
+        share), fetched when a voter holds a newer one."""
+        mine = (self.table.epoch, self.table.key)
+        epochs = collections.Counter([self.table.epoch, *(v.epoch for v in votes.values())])
+        best_epoch = max(epochs, key=lambda e: (bool(e), epochs[e]))
+        candidates = [(v.term, v.version, n) for n, v in votes.items() if v.epoch == best_epoch]
+        if self.table.epoch == best_epoch:
+            candidates.append((*self.table.key, self.ctx.node_id))
+        if not candidates:
+            return self.table
+        term, version, holder = max(candidates)
+        if holder == self.ctx.node_id or (best_epoch, (term, version)) == mine:
+            return self.table
+        try:
+            reply = await self.ctx.call(holder, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4)  # fmt: skip
+            table = JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
+        except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
+            self._reason = f"could not fetch the newest table from {holder}: {exc}"
+            return None
+        if table is None or table.key < (term, version):
+            self._reason = f"{holder} did not send the table it voted with"
+            return None
+        if table.epoch != self.table.epoch and self.table.jobs:
+            self._set_aside(self.table, "another history won the election")
+        return table
+
+    @property
+    def _rpc_timeout(self) -> float:
+        return max(self.ctx.config.heartbeat_s * 2, 0.2)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def _apply_local(self, events: list[ev.Event], term: int) -> int:
+        """Apply events as new entries of ``term``; the ones that do not follow are dropped."""
+        for event in events:
+            entry = ev.Entry(version=self.table.version + 1, term=term, event=event)
+            try:
+                self.table = jobtable.apply(self.table, entry)
+            except ValueError as exc:
+                log.debug("dropped %s: %s", event.NAME, exc)
+                continue
+            self._log.append(entry)
+        return self.table.version
+
+    async def append(self, events: list[ev.Event], *, wait: bool = False) -> int:
+        """Leader: apply, persist and replicate ``events``; the table version after them.
+        ``wait``: return only once a majority holds them (Unavailable if not in time)."""
+        if not self.ready:
+            raise Unavailable(f"node {self.ctx.node_id} cannot write the table: {self._reason or 'not the leader'}", code="not_ready")  # fmt: skip
+        version = self._apply_local(events, self.table.term)
+        await self._persist()
+        self._push_all()
+        if wait and not await self._wait_commit(version, COMMIT_TIMEOUT_S):
+            members = ", ".join(sorted(self.table.member_ids))
+            raise Unavailable(
+                f"version {version} is saved on the leader but not yet on a majority of the "
+                f"members ({members}); check `swarm status`",
+                code="no_quorum",
+            )
+        return version
+
+    async def _persist(self) -> None:
+        table = self.table
+        if table.version <= self._saved:
+            return
+        body = jobtable.encode(table)
+        await asyncio.to_thread(jobtable.save, self.table_file, table, body)
+        self._saved = max(self._saved, table.version)
+        self._advance_commit()
+
+    def _advance_commit(self) -> None:
+        if not self.ready and self.table.leader != self.ctx.node_id:
+            return
+        held = dict(self._match)
+        held[self.ctx.node_id] = self._saved
+        members = self.table.member_ids or {self.ctx.node_id}
+        versions = sorted((held.get(m, 0) for m in members), reverse=True)
+        commit = versions[self.table.majority() - 1] if len(versions) >= self.table.majority() else 0
+        if commit > self.commit:
+            self.commit = commit
+        for version, future in list(self._waiters):
+            if version <= self.commit and not future.done():
+                future.set_result(True)
+        self._waiters = [(v, f) for v, f in self._waiters if not f.done()]
+
+    async def _wait_commit(self, version: int, timeout: float) -> bool:
+        if version <= self.commit:
+            return True
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append((version, future))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except (asyncio.TimeoutError, Unavailable):
+            return False
+
+    def _fail_waiters(self, exc: Exception) -> None:
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_exception(exc)
+        self._waiters = []
+
+    # --- shipping to followers ------------------------------------------------------------
+
+    def _push_all(self) -> None:
+        for peer in self.ctx.members.alive_peers():
+            self.push(peer.node_id)
+
+    def push(self, node_id: str, have: tuple[int, int] | None = None) -> None:
+        """Bring ``node_id`` up to date (``have``: the (term, version) it reported)."""
+        if node_id in self._pushing or self.table.leader != self.ctx.node_id:
+            return
+        if have is not None:
+            self._match[node_id] = max(self._match.get(node_id, 0), have[1] if self._same(*have) else 0)  # fmt: skip
+            self._advance_commit()
+        if self._match.get(node_id, -1) >= self.table.version:
+            return
+        self._pushing.add(node_id)
+        self.ctx.spawn(self._push(node_id, have), f"push:{node_id}")
+
+    def _same(self, term: int, version: int) -> bool:
+        """Whether a follower at (term, version) holds this leader's history up to it."""
+        if version == 0:
+            return True
+        if (term, version) == self.table.key:
+            return True
+        entry = self._entry(version)
+        return entry is not None and entry.term == term
+
+    def _entry(self, version: int) -> ev.Entry | None:
+        if not self._log or not self._log[0].version <= version <= self._log[-1].version:
+            return None
+        return self._log[version - self._log[0].version]
+
+    async def _push(self, node_id: str, have: tuple[int, int] | None) -> None:
+        try:
+            endpoint = self.ctx.endpoint_of(node_id)
+            base = self._match.get(node_id)
+            if base is None and have is not None and self._same(*have):
+                base = have[1]
+            msg = self._delta(base) if base is not None else None
+            if msg is None:
+                msg = TablePush(node_id=self.ctx.node_id, term=self.table.term, table=self.table.to_dict(), commit=self.commit)  # fmt: skip
+                self.stats["snapshots"] += 1
+            else:
+                self.stats["deltas"] += 1
+                self.stats["events"] += len(msg.entries)
+            self.stats["bytes_sent"] += _size(msg)
+            reply = await self.ctx.call_endpoint(endpoint, msg, self._rpc_timeout * 4)
+            if isinstance(reply, TableAck):
+                if reply.ok:
+                    self._match[node_id] = max(self._match.get(node_id, 0), reply.version)
+                elif reply.term > self.table.term:
+                    log.warning("node %s is at term %d, newer than ours; leading again", node_id, reply.term)  # fmt: skip
+                    self.ready = False
+                    self.start_takeover()
+                else:
+                    self._match.pop(node_id, None)  # it needs the whole table next time
+        except (RpcError, RpcTimeout, Unavailable, OSError) as exc:
+            log.debug("table push to %s failed: %s", node_id, exc)
+        finally:
+            self._pushing.discard(node_id)
+        self._advance_commit()
+        if self._match.get(node_id, -1) < self.table.version and self.ready and self.ctx.is_alive(node_id):  # fmt: skip
+            self.push(node_id)
+
+    def _delta(self, base: int) -> TableEvents | None:
+        """The entries after ``base`` (None when the log no longer holds them all)."""
+        prev = self._entry(base) if base else None
+        if base and prev is None and base != self.table.version:
+            return None
+        if self._log and base + 1 < self._log[0].version:
+            return None
+        entries = [e for e in self._log if e.version > base][:MAX_EVENTS_PER_PUSH]
+        if base < self.table.version and not entries:
+            return None
+        return TableEvents(
+            leader=self.ctx.node_id,
+            term=self.table.term,
+            prev_version=base,
+            prev_term=prev.term if prev is not None else (self.table.term if base else 0),
+            entries=[ev.entry_to_data(e) for e in entries],
+            commit=self.commit,
+        )
+
+    # --- the requests this node answers ------------------------------------------------------
+
+    def on_vote_request(self, msg: LeadRequest) -> LeadVote:
+        newest = max(self.table.term, self.voted_term)
+        reason = ""
+        if msg.term <= newest and not (msg.term == self.voted_term and self.voted_for == msg.candidate):  # fmt: skip
+            reason = f"term {msg.term} is not newer than {newest}"
+        elif self.ctx.leader != msg.candidate:
+            reason = f"this node's view says {self.ctx.leader} should lead"
+        granted = not reason
+        if granted:
+            self._vote(msg.term, msg.candidate)
+            if self.ready and self.ctx.node_id != msg.candidate:
+                self.lost_lead()
+        return LeadVote(
+            node_id=self.ctx.node_id, granted=granted, reason=reason, term=self.table.term,
+            version=self.table.version, epoch=self.table.epoch, members=len(self.table.members),
+        )  # fmt: skip
+
+    def on_fetch(self, msg: TableFetch) -> TablePush:
+        return TablePush(node_id=self.ctx.node_id, term=self.table.term, table=self.table.to_dict(), commit=self.commit)  # fmt: skip
+
+    async def on_events(self, msg: TableEvents) -> TableAck:
+        """A delta from a leader: applied when it follows what this node holds."""
+        refusal = self._refuse_writer(msg.leader, msg.term)
+        if refusal:
+            return self._ack(False, refusal)
+        if (self.table.version, self.table.term if self.table.version else 0) != (msg.prev_version, msg.prev_term):  # fmt: skip
+            return self._ack(False, "need the whole table")
+        async with self._write_lock:
+            table = self.table
+            try:
+                for data in msg.entries:
+                    table = jobtable.apply(table, ev.entry_from_data(data))
+            except (SchemaError, ValueError) as exc:
+                log.warning("refused a delta from %s: %s", msg.leader, exc)
+                return self._ack(False, f"bad delta: {exc}")
+            self.table = table
+            await self._persist_follower(msg.commit)
+        return self._ack(True, "")
+
+    async def on_table(self, msg: TablePush) -> TableAck:
+        """A whole table from a leader (a follower that was behind, or of another history)."""
+        refusal = self._refuse_writer(msg.node_id, msg.term)
+        if refusal:
+            return self._ack(False, refusal)
+        try:
+            table = JobTable.from_dict(msg.table)
+        except SchemaError as exc:
+            log.warning("refused a table from %s: %s", msg.node_id, exc)
+            return self._ack(False, f"bad table: {exc}")
+        async with self._write_lock:
+            if table.epoch != self.table.epoch and self.table.jobs:
+                self._set_aside(self.table, f"node {msg.node_id} leads another history")
+            elif table.epoch == self.table.epoch and table.key < self.table.key:
+                return self._ack(False, "older than this node's table")
+            self.table = table
+            await self._persist_follower(msg.commit)
+        return self._ack(True, "")
+
+    def _refuse_writer(self, sender: str, term: int) -> str:
+        """Why a write from ``sender`` at ``term`` is refused ("" when it is accepted): only
+        the leader of the newest term this node knows may write."""
+        newest = max(self.table.term, self.voted_term)
+        if term < newest:
+            return f"term {term} is older than {newest}"
+        if term == self.table.term and self.table.leader and self.table.leader != sender:
+            return f"{self.table.leader} leads term {term}, not {sender}"
+        if sender == self.ctx.node_id:
+            return "a node does not write its own table over the wire"
+        if self.ready:
+            self.lost_lead()
+        return ""
+
+    async def _persist_follower(self, commit: int) -> None:
+        if self.table.version > self._saved or self.table.version < self._saved:
+            body = jobtable.encode(self.table)
+            await asyncio.to_thread(jobtable.save, self.table_file, self.table, body)
+            self._saved = self.table.version
+        self.commit = min(max(self.commit, commit), self.table.version)
+
+    def _ack(self, ok: bool, reason: str) -> TableAck:
+        return TableAck(
+            node_id=self.ctx.node_id, term=max(self.table.term, self.voted_term),
+            version=self._saved, ok=ok, reason=reason,
+        )  # fmt: skip
+
+    def _set_aside(self, table: JobTable, why: str) -> None:
+        aside = self.table_file.with_name(f"{self.table_file.name}.{table.epoch or 'old'}-{table.version}")  # fmt: skip
+        jobtable.save(aside, table)
+        log.warning("kept this node's table of %d job(s) as %s: %s", len(table.jobs), aside, why)
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            raise Unavailable(f"node {self.ctx.node_id} is not leading: {self._reason}", code="not_ready")  # fmt: skip
+
+
+def _size(msg: Any) -> int:
+    from swarmp2p.wire.messages import encode
+
+    try:
+        return len(encode(msg))
+    except Exception:  # noqa: BLE001 - a count, never a reason to fail a push
+        return 0
+
+
+def check_job_id(job_id: str) -> str:
+    """A job id a user or peer chose: one safe path component."""
+    import re
+
+    if not re.fullmatch(ev.ID_PATTERN, job_id):
+        raise UserError(f"job id {job_id!r} must be 1-128 of [A-Za-z0-9_-], starting with a letter or digit", code="bad_field")  # fmt: skip
+    return job_id
+
+
+__all__ = ["COMMIT_TIMEOUT_S", "Replication", "check_job_id"]

@@ -1,0 +1,120 @@
+"""What `swarm status`, `swarm jobs` and the dashboard show: pure functions of the table, the
+live view and the leader's metrics. No torch, no I/O."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from swarmp2p.node.jobtable import JobEntry, JobTable
+from swarmp2p.schema import to_data
+
+
+def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One job as `swarm status --json` lists it: ``{"job_id", "state", "version", "record"}``."""
+    data = to_data(entry)
+    record = {
+        k: v for k, v in data.items() if k not in ("job_id", "state", "version")
+    }
+    record["kind"] = "train"
+    record["name"] = entry.name
+    record["metrics"] = dict(metrics or {})
+    if entry.plan is not None:
+        record["plan"] = entry.plan.to_dict()
+    return {"job_id": entry.job_id, "state": entry.state, "version": entry.version, "record": record}
+
+
+def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`swarm jobs show ID --json`: one job's public shape."""
+    plan = entry.plan
+    metrics = dict(metrics or {})
+    metrics.setdefault("step", entry.step)
+    if entry.loss is not None:
+        metrics.setdefault("loss", entry.loss)
+    return {
+        "id": entry.job_id,
+        "name": entry.name,
+        "state": entry.state.upper(),
+        "step": max(entry.step, metrics.get("step") or 0),
+        "steps": entry.job.train.steps,
+        "attempt": entry.attempt,
+        "plan": {
+            "stages": [
+                {"node": s.node_id, "node_name": s.node, "devices": list(s.devices), "layers": list(s.layers)}  # fmt: skip
+                for s in (plan.stages if plan is not None else ())
+            ],
+            "dtype": plan.dtype if plan is not None else None,
+            "finetune_mode": plan.finetune_mode if plan is not None else None,
+            "features": list(plan.features) if plan is not None else [],
+        },
+        "history": [to_data(h) for h in entry.history],
+        "metrics": metrics,
+        "evaluation": dict(entry.evaluation),
+        "reason": entry.reason,
+        "error": to_data(entry.error) if entry.error is not None else None,
+        "model": entry.model,
+        "snapshots": to_data(entry.snapshots),
+        "job": entry.job.to_dict(),
+    }
+
+
+def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`swarm jobs --json`: every job, oldest first."""
+    entries = sorted(table.jobs.values(), key=lambda e: (e.history[0].at if e.history else 0, e.job_id))  # fmt: skip
+    return [job_view(e, metrics.get(e.job_id)) for e in entries]
+
+
+def find_entry(table: JobTable, key: str) -> JobEntry | None:
+    """A job by id, or by name when exactly one job has it."""
+    if key in table.jobs:
+        return table.jobs[key]
+    named = [e for e in table.jobs.values() if e.name == key]
+    return named[0] if len(named) == 1 else None
+
+
+def devices(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability")
+    return [
+        {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
+        for d in record.get("devices", [])
+    ]
+
+
+def peer_rows(
+    *,
+    me: Mapping[str, Any],
+    peers: Sequence[Any],
+    leader: str,
+    now: float,
+    skews: Mapping[str, float],
+) -> list[dict[str, Any]]:
+    """This node first, then every peer in its view, as `swarm peers --json` lists them."""
+    rows = [me]
+    for peer in sorted(peers, key=lambda p: p.node_id):
+        skew = skews.get(peer.node_id)
+        rows.append(
+            {
+                "node_id": peer.node_id,
+                "name": peer.name,
+                "address": peer.endpoint.removeprefix("tcp://"),
+                "alive": peer.alive,
+                "is_leader": peer.alive and peer.node_id == leader,
+                "last_seen_s": round(now - peer.last_seen, 3),
+                "clock_skew_s": None if skew is None or not math.isfinite(skew) else round(skew, 4),
+                "host": peer.host,
+                "devices": devices(peer.record),
+                "version": getattr(peer, "software", None),
+            }
+        )
+    return rows
+
+
+def eta_s(step: int, steps: int, step_s: float | None) -> float | None:
+    """Seconds left at ``step_s`` per step; None when unknown or done."""
+    if not step_s or step >= steps or not math.isfinite(step_s):
+        return None
+    return (steps - step) * step_s
+
+
+__all__ = ["devices", "eta_s", "entry_json", "find_entry", "job_view", "jobs_list", "peer_rows"]
