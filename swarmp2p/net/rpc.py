@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.net.auth import make_client_socket, make_server_socket
 from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)

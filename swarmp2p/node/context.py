@@ -183,7 +183,7 @@ class NodeContext:
         for task in tasks:
             try:
                 await task
-            except BaseException:  # noqa: BLE001 - a stopping daemon ignores what its tasks raised
+            except BaseException:
                 pass
 
 

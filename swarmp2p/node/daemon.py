@@ -41,8 +41,8 @@ from swarmp2p.net.discovery import (
 )
 from swarmp2p.net.rpc import RpcError, RpcServer, RpcTimeout
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node import hardware, jobs_api, views
 from swarmp2p.node import events as ev
+from swarmp2p.node import hardware, jobs_api, views
 from swarmp2p.node.api import ApiServer
 from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
@@ -522,7 +522,13 @@ class Daemon:
             "port": ctx.port,
             "pid": os.getpid(),
             "uptime_s": round(now - ctx.started_at, 3),
-            "peers": views.peer_rows(me=me, peers=list(ctx.members.peers.values()), leader=ctx.leader, now=now, skews=self._skews),  # fmt: skip
+            "peers": views.peer_rows(
+                me=me,
+                peers=list(ctx.members.peers.values()),
+                leader=ctx.leader,
+                now=now,
+                skews=self._skews,
+            ),
             "jobs": [
                 views.entry_json(e, self.jobs.metrics.get(job_id))
                 for job_id, e in sorted(table.jobs.items())

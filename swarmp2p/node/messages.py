@@ -118,6 +118,8 @@ class TableEvents(Message):
 
     leader: str = field(pattern=NODE_PATTERN)
     term: int = field(ge=1, lt=MAX_VERSION)
+    epoch: str = field(default="", max_len=64)
+    """The swarm history the entries belong to (a follower of another one needs the table)."""
     prev_version: int = field(ge=0, lt=MAX_VERSION)
     prev_term: int = field(ge=0, lt=MAX_VERSION)
     entries: list = field(max_len=4096)

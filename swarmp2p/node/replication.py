@@ -38,7 +38,14 @@ from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
 from swarmp2p.node.jobtable import MAX_VERSION, JobTable
-from swarmp2p.node.messages import LeadRequest, LeadVote, TableAck, TableEvents, TableFetch, TablePush
+from swarmp2p.node.messages import (
+    LeadRequest,
+    LeadVote,
+    TableAck,
+    TableEvents,
+    TableFetch,
+    TablePush,
+)
 from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
@@ -73,6 +80,7 @@ class Replication:
         self._write_lock = asyncio.Lock()
         self._saved = self.table.version
         self._takeover: asyncio.Task | None = None
+        self.commit_timeout = COMMIT_TIMEOUT_S
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
 
@@ -213,7 +221,7 @@ class Replication:
         )  # fmt: skip
         self._push_all()
         self._reason = "waiting for a majority to hold the new term"
-        if await self._wait_commit(version, COMMIT_TIMEOUT_S):
+        if await self._wait_commit(version, self.commit_timeout):
             self.ready = self.ctx.leader == me
             self._reason = ""
         else:
@@ -272,7 +280,7 @@ class Replication:
         version = self._apply_local(events, self.table.term)
         await self._persist()
         self._push_all()
-        if wait and not await self._wait_commit(version, COMMIT_TIMEOUT_S):
+        if wait and not await self._wait_commit(version, self.commit_timeout):
             members = ", ".join(sorted(self.table.member_ids))
             raise Unavailable(
                 f"version {version} is saved on the leader but not yet on a majority of the "
@@ -297,7 +305,9 @@ class Replication:
         held[self.ctx.node_id] = self._saved
         members = self.table.member_ids or {self.ctx.node_id}
         versions = sorted((held.get(m, 0) for m in members), reverse=True)
-        commit = versions[self.table.majority() - 1] if len(versions) >= self.table.majority() else 0
+        commit = (
+            versions[self.table.majority() - 1] if len(versions) >= self.table.majority() else 0
+        )
         if commit > self.commit:
             self.commit = commit
         for version, future in list(self._waiters):
@@ -398,6 +408,7 @@ class Replication:
         return TableEvents(
             leader=self.ctx.node_id,
             term=self.table.term,
+            epoch=self.table.epoch,
             prev_version=base,
             prev_term=prev.term if prev is not None else (self.table.term if base else 0),
             entries=[ev.entry_to_data(e) for e in entries],
@@ -431,7 +442,10 @@ class Replication:
         refusal = self._refuse_writer(msg.leader, msg.term)
         if refusal:
             return self._ack(False, refusal)
-        if (self.table.version, self.table.term if self.table.version else 0) != (msg.prev_version, msg.prev_term):  # fmt: skip
+        held = (self.table.epoch, self.table.version, self.table.term if self.table.version else 0)
+        if held != (msg.epoch, msg.prev_version, msg.prev_term) and msg.prev_version:
+            return self._ack(False, "need the whole table")
+        if msg.prev_version == 0 and self.table.version:
             return self._ack(False, "need the whole table")
         async with self._write_lock:
             table = self.table
@@ -506,7 +520,7 @@ def _size(msg: Any) -> int:
 
     try:
         return len(encode(msg))
-    except Exception:  # noqa: BLE001 - a count, never a reason to fail a push
+    except Exception:
         return 0
 
 

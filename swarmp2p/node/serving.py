@@ -456,7 +456,9 @@ class Serving:
             except RpcError as exc:
                 raise ServeError(str(exc)) from None
             except RpcTimeout:
-                raise ServeError(f"the leader {self.ctx.leader} did not answer serve.plan") from None
+                raise ServeError(
+                    f"the leader {self.ctx.leader} did not answer serve.plan"
+                ) from None
         if not isinstance(reply, ServePlaced):
             raise ServeError(f"the leader answered {type(reply).TYPE}, not serve.placed")
         return [dict(s) for s in reply.stages]
@@ -740,7 +742,9 @@ class Serving:
                     if target == self.ctx.node_id:
                         await self.stage_host.pull_file(pull.job_id, pull.file, pull.source)
                     else:
-                        await self.ctx.call_endpoint(self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S)
+                        await self.ctx.call_endpoint(
+                            self.stages.peer_endpoint(target), pull, COPY_TIMEOUT_S
+                        )
             except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue

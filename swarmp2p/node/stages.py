@@ -124,7 +124,10 @@ class StageHost:
             data = msg.job.data
             try:
                 tokens = await prepare_tokens(
-                    msg.job.model.pretrained, data.source, data.text_field, folder / "data" / "tokens.npy"  # fmt: skip
+                    msg.job.model.pretrained,
+                    data.source,
+                    data.text_field,
+                    folder / "data" / "tokens.npy",
                 )
             except ValueError as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="failed") from None

@@ -14,15 +14,18 @@ from swarmp2p.schema import to_data
 def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One job as `swarm status --json` lists it: ``{"job_id", "state", "version", "record"}``."""
     data = to_data(entry)
-    record = {
-        k: v for k, v in data.items() if k not in ("job_id", "state", "version")
-    }
+    record = {k: v for k, v in data.items() if k not in ("job_id", "state", "version")}
     record["kind"] = "train"
     record["name"] = entry.name
     record["metrics"] = dict(metrics or {})
     if entry.plan is not None:
         record["plan"] = entry.plan.to_dict()
-    return {"job_id": entry.job_id, "state": entry.state, "version": entry.version, "record": record}
+    return {
+        "job_id": entry.job_id,
+        "state": entry.state,
+        "version": entry.version,
+        "record": record,
+    }
 
 
 def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -41,7 +44,12 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[
         "attempt": entry.attempt,
         "plan": {
             "stages": [
-                {"node": s.node_id, "node_name": s.node, "devices": list(s.devices), "layers": list(s.layers)}  # fmt: skip
+                {
+                    "node": s.node_id,
+                    "node_name": s.node,
+                    "devices": list(s.devices),
+                    "layers": list(s.layers),
+                }
                 for s in (plan.stages if plan is not None else ())
             ],
             "dtype": plan.dtype if plan is not None else None,
@@ -117,4 +125,4 @@ def eta_s(step: int, steps: int, step_s: float | None) -> float | None:
     return (steps - step) * step_s
 
 
-__all__ = ["devices", "eta_s", "entry_json", "find_entry", "job_view", "jobs_list", "peer_rows"]
+__all__ = ["devices", "entry_json", "eta_s", "find_entry", "job_view", "jobs_list", "peer_rows"]

@@ -117,8 +117,10 @@ class WorkerProcess:
         future = self._event_future(name)
         waiter = asyncio.ensure_future(asyncio.shield(future))
         ended = self._tasks[2] if len(self._tasks) > 2 else None
-        done, _ = await asyncio.wait(
-            [waiter, *([ended] if ended else [])], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        _done, _ = await asyncio.wait(
+            [waiter, *([ended] if ended else [])],
+            timeout=timeout,
+            return_when=asyncio.FIRST_COMPLETED,
         )
         if future.done():
             return future.result()

@@ -258,7 +258,7 @@ def load(path: str | Path) -> Job:
         ) from exc
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except json.JSONDecodeError as exc:
         raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
     except RecursionError:  # e.g. 200,000 nested brackets
         raise JobError(

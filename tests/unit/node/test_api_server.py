@@ -30,7 +30,7 @@ def test_answers_and_refusals(tmp_path):
     async def submit(req):
         if req.get("record") == "boom":
             raise RuntimeError("kaput")
-        raise ApiError("not_durable: saved on the leader only")
+        raise ApiError("saved on the leader only", code="not_durable")
 
     async def scenario():
         server = ApiServer(path, {"status": status, "submit": submit})
@@ -42,15 +42,19 @@ def test_answers_and_refusals(tmp_path):
                 "result": {"node_id": "a"},
             }
             refused = await _ask(path, b'{"op": "submit"}\n')
-            assert refused == {"ok": False, "error": "not_durable: saved on the leader only"}
+            assert refused == {
+                "ok": False,
+                "error": "saved on the leader only",
+                "code": "not_durable",
+                "kind": "failed",
+            }
             internal = await _ask(path, b'{"op": "submit", "record": "boom"}\n')
-            assert (
-                internal["ok"] is False
-                and "internal error: RuntimeError: kaput" in internal["error"]
-            )
+            assert internal["ok"] is False and internal["kind"] == "internal"
+            assert "internal error: RuntimeError: kaput" in internal["error"]
             for bad in (b"not json\n", b'{"op": "down"}\n', b"[1]\n"):
                 reply = await _ask(path, bad)
                 assert reply["ok"] is False and reply["error"].startswith("bad request"), bad
+                assert reply["kind"] == "user" and reply["code"] == "bad_request"
         finally:
             await server.close()
         assert not path.exists()

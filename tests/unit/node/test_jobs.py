@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from swarmp2p.node import jobs, jobtable, registry
-from swarmp2p.node.jobtable import JobEvent, JobTable
+from swarmp2p.node import jobs, registry
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
 
 GIB = 1 << 30
@@ -54,7 +53,7 @@ JOB = {
 
 
 def _canonical(data=JOB):
-    return parse_job(json.loads(json.dumps(data))).to_dict()
+    return parse_job(json.loads(json.dumps(data)))
 
 
 @pytest.mark.parametrize(
@@ -128,134 +127,147 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     assert all("fake" not in d for r in cluster for d in r["devices"])  # planner inputs
     plan = jobs.compute_plan(job, cluster)
     assert isinstance(plan, Plan) and {s.node_id for s in plan.stages} == {"c"}
-    stage = plan.to_dict()["stages"][0]
-    assert jobs.device_for(stage, gpu_node) == ("cpu", None)  # a fake GPU runs on the CPU
+    stage = plan.stages[0]
+    assert jobs.device_for(stage.devices, gpu_node) == ("cpu", None)  # a fake GPU: the CPU
     real = _node("c", [_gpu(0), _gpu(1)])
-    assert jobs.device_for({"devices": ["cuda:1"]}, real) == ("cuda:0", "1")
-    assert jobs.device_for({"devices": ["cpu"]}, real) == ("cpu", None)
+    assert jobs.device_for(["cuda:1"], real) == ("cuda:0", "1")
+    assert jobs.device_for(["cpu"], real) == ("cpu", None)
 
 
-def _record(n=3, attempt=1):
-    return {"plan": {"stages": [{} for _ in range(n)]}, "attempt": attempt}
+def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
+    from swarmp2p.node.metrics import MetricsStore
 
-
-def test_progress_folds_loss_from_the_last_stage_and_traffic_per_boundary():
-    record = _record()
+    store = MetricsStore()
     step = {"event": "step", "step": 0, "loss": 4.5, "tokens_per_s": 100.0, "step_s": 0.5,
             "act_bytes": 1_000_000, "grad_bytes": 2_000_000}  # fmt: skip
-    first = jobs.fold_event(record, {**step, "stage": 0})
+    store.fold("j", attempt=1, stage=0, n_stages=3, events=[step])
+    first = store.get("j")
     assert "step" not in first
-    assert first["metrics"]["boundaries"] == {"0": {"act_mb_s": 2.0, "grad_mb_s": 0.0}}
-    record = {**record, **first}
-    middle = jobs.fold_event(record, {**step, "stage": 1})
-    assert middle["metrics"]["boundaries"] == {
+    assert first["boundaries"] == {"0": {"act_mb_s": 2.0, "grad_mb_s": 0.0}}
+    store.fold("j", attempt=1, stage=1, n_stages=3, events=[step])
+    assert store.get("j")["boundaries"] == {
         "0": {"act_mb_s": 2.0, "grad_mb_s": 4.0},  # stage 1 sends gradients back over 0
         "1": {"act_mb_s": 2.0, "grad_mb_s": 0.0},
     }
-    record = {**record, **middle}
-    last = jobs.fold_event(record, {**step, "stage": 2, "act_bytes": 0})
-    assert last["step"] == 1 and last["metrics"]["loss"] == 4.5
-    assert last["metrics"]["losses"] == [[1, 0, 4.5]]
-    assert set(last["metrics"]["boundaries"]) == {"0", "1"}
-    assert last["metrics"]["boundaries"]["1"]["grad_mb_s"] == 4.0
-    ev = {"event": "eval", "pass": "base", "loss": 4.0, "perplexity": 54.6, "top1": 0.1,
-          "tokens": 64}  # fmt: skip
-    assert jobs.fold_event(record, {**ev, "stage": 1}) == {}
-    assert jobs.fold_event(record, {**ev, "stage": 2})["evaluation"]["base"]["tokens"] == 64
+    store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "act_bytes": 0}])
+    last = store.get("j")
+    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5]]
+    assert last["boundaries"]["1"]["grad_mb_s"] == 4.0
+    store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)])  # fmt: skip
+    assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
 
 
 def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
-    record = _record()
-    assert jobs.resume_step(record) == 0
-    snaps = {}
-    for stage, node in ((0, "a"), (1, "b"), (2, "c")):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import running
+
+    from swarmp2p.node import events as ev
+
+    log = running(nodes=("a", "b"))
+    entry = log.table.jobs["j1"]
+    assert jobs.resume_step(entry) == 0
+    for stage, node in ((0, "a"), (1, "b")):
         for step in (10, 20):
-            snaps = jobs.add_snapshot(snaps, stage, step, node)
-    snaps = jobs.add_snapshot(snaps, 0, 30, "a")  # stage 0 ran ahead
-    record["snapshots"] = snaps
-    assert jobs.resume_step(record) == 20
-    assert jobs.resume_step(record, copies=2) == 0  # no copy anywhere yet
-    for stage, copy in ((0, "b"), (1, "c"), (2, "a")):
-        snaps = jobs.add_snapshot(snaps, stage, 10, copy)
-    record["snapshots"] = snaps
-    assert jobs.resume_step(record, copies=2) == 10
-    assert jobs.resume_step(record, alive={"a", "b"}) == 10  # c's stage-2 step 20 is gone
-    assert jobs.snapshot_holders(record, 2, 10) == ["c", "a"]
-    for step in (40, 50, 60, 70):
-        snaps = jobs.add_snapshot(snaps, 0, step, "a")
-    assert sorted(snaps["0"]["steps"], key=int) == ["40", "50", "60", "70"]  # the newest kept
-    assert jobs.add_snapshot(snaps, 0, 70, "a") == snaps  # a holder is listed once
+            log(ev.SnapshotHeld(job_id="j1", stage=stage, step=step, node_id=node))
+    log(ev.SnapshotHeld(job_id="j1", stage=0, step=30, node_id="a"))  # stage 0 ran ahead
+    entry = log.table.jobs["j1"]
+    assert jobs.resume_step(entry) == 20
+    assert jobs.resume_step(entry, copies=2) == 0  # no copy anywhere yet
+    for stage, copy in ((0, "b"), (1, "a")):
+        log(ev.SnapshotHeld(job_id="j1", stage=stage, step=10, node_id=copy))
+    entry = log.table.jobs["j1"]
+    assert jobs.resume_step(entry, copies=2) == 10
+    assert jobs.resume_step(entry, alive={"a"}) == 10  # b's stage-1 step 20 is gone
+    assert jobs.snapshot_holders(entry, 1, 10) == ["b", "a"]
 
 
 def test_exit_messages_name_the_signal():
     assert jobs.exit_message(-9) == "killed by SIGKILL"
     assert jobs.exit_message(1) == "exited with code 1"
-    tail = [f"line {i}" for i in range(100)]
-    assert (
-        jobs.failure(stage=1, node="b", message="m", stderr_tail=tail)["stderr_tail"]
-        == tail[-jobs.STDERR_TAIL_LINES :]
-    )
 
 
 def test_job_view_has_the_issue_shape():
-    table = JobTable()
-    rec = jobs.job_record(parse_job(_canonical()), submitted_by="cli", submitted_at=1.0)
-    table = jobtable.apply(table, JobEvent(version=1, kind="submit", job_id="j1", record=rec))
-    table = jobtable.apply(
-        table, JobEvent(version=2, kind="update", job_id="j1", state="resuming", record={})
-    )
-    view = jobs.job_view(jobtable._thaw(table.jobs["j1"]))
-    assert view["state"] == "RESUMING" and view["steps"] == 5 and view["name"] == "t"
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import founded, job
+
+    from swarmp2p.node import events as ev
+    from swarmp2p.node.views import job_view
+
+    log = founded("a")
+    log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
+    log(ev.JobResuming(job_id="j1", reason="node b lost", at=2.0))
+    view = job_view(log.table.jobs["j1"], {"loss": 2.0})
+    assert view["state"] == "RESUMING" and view["steps"] == 10 and view["name"] == "t"
     assert set(view) >= {"id", "name", "state", "step", "steps", "plan", "metrics",
                          "evaluation", "reason", "error", "model"}  # fmt: skip
-    assert view["plan"]["stages"] == []
+    assert view["plan"]["stages"] == [] and view["metrics"]["loss"] == 2.0
+    assert [h["state"] for h in view["history"]] == ["pending", "resuming"]
 
 
 def test_model_ids_are_unique_and_the_registry_lists_completed_models():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import running
+
+    from swarmp2p.node import decide
+    from swarmp2p.node import events as ev
+
     assert registry.unique_model_id("my job", []) == "my-job"
     assert registry.unique_model_id("t", ["t", "t-2"]) == "t-3"
-    cluster = jobs.cluster_records([_node("a"), _node("b")])
-    plan = jobs.compute_plan(_canonical(), cluster).to_dict()
-    record = {"job": _canonical(), "plan": plan, "evaluation": {"trained": {"loss": 1.0}},
-              "shards": {"1": {"node": "b", "folder": "export/stage-1",
-                               "manifest": {"files": {"model.safetensors": "0" * 64}}}}}  # fmt: skip
-    entry = registry.model_entry("t", "j1", record)
-    assert entry["base"] == "embedded" and entry["manifest"]["lora"]["r"] == 4
+    log = running()
+    log(
+        ev.EvaluationReported(job_id="j1", name="trained", loss=1.0, tokens=8),
+        ev.StageExported(job_id="j1", attempt=1, stage=1, node_id="b", folder="export/stage-1",
+                         manifest={"files": {"model.safetensors": "0" * 64}}),
+        ev.StageFinished(job_id="j1", attempt=1, stage=0, at=1.0),
+        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=1.0),
+    )  # fmt: skip
+    log(*decide.registration(log.table, "j1"))
+    entry = log.table.jobs["j1"].model
+    assert entry["base"] == "/models/tiny" and entry["manifest"]["lora"]["r"] == 4
     assert [s["node"] for s in entry["manifest"]["stages"]] == ["a", "b"]
     assert entry["manifest"]["stages"][1]["files"] == {"model.safetensors": "0" * 64}
-    table = {"j1": {"record": {"model": entry}}, "j2": {"record": {}}}
-    assert [m["id"] for m in registry.models(table)] == ["t"]
+    assert [m["id"] for m in registry.models(log.table.jobs)] == ["t"]
     with pytest.raises(ValueError, match="no model 'u' in the registry \\(known: t\\)"):
-        registry.find_model(table, "u")
-    # a copy of a shard is listed after the node that trained it, once
-    assert [registry.holders(s) for s in entry["manifest"]["stages"]] == [["a"], ["b"]]
-    copied = registry.add_copy(entry, 1, "c")
-    assert [registry.holders(s) for s in copied["manifest"]["stages"]] == [["a"], ["b", "c"]]
-    assert entry["manifest"]["stages"][1].get("copies") is None  # the entry itself is unchanged
-    assert registry.add_copy(copied, 1, "c") is None and registry.add_copy(copied, 1, "b") is None
-    with pytest.raises(ValueError, match="has no stage 2"):
-        registry.add_copy(entry, 2, "c")
+        registry.find_model(log.table.jobs, "u")
 
 
 @pytest.mark.parametrize(
     "file",
-    ["../secret", "/etc/passwd", "export/../../secret", "a/..", "..", "snap shots/x", ""],
+    ["../secret", "/etc/passwd", "export/../../secret", "a/..", "..", "snap\nshots/x", ""],
 )
-def test_peers_read_only_files_inside_a_job_folder(file):
-    from swarmp2p.net.rpc import RpcError
-    from swarmp2p.node.stages import _safe
+def test_peers_read_only_files_inside_a_job_folder(file, tmp_path):
+    from swarmp2p.errors import UserError
+    from swarmp2p.node.stages import job_file
 
-    with pytest.raises(RpcError, match="must be a relative path inside the job folder"):
-        _safe(file)
+    with pytest.raises(UserError, match="is refused"):
+        job_file(tmp_path, "j1", file)
 
 
 @pytest.mark.parametrize(
     "file", ["stage-0.log", "export/stage-1/manifest.json", "snapshots/stage-2/step-00000010.pt"]
 )
-def test_job_folder_files_are_readable(file):
-    from swarmp2p.node.stages import _safe
+def test_job_folder_files_are_readable(file, tmp_path):
+    from swarmp2p.node.stages import job_file
 
-    assert _safe(file) == file
+    assert job_file(tmp_path, "j1", file) == tmp_path / "jobs" / "j1" / file
+
+
+@pytest.mark.parametrize("job_id", ["..", ".", "a/b", "j1\n", "", "x" * 200])
+def test_a_job_id_is_one_safe_path_component(job_id, tmp_path):
+    from swarmp2p.errors import UserError
+    from swarmp2p.node.stages import job_dir
+
+    with pytest.raises(UserError, match="job id"):
+        job_dir(tmp_path, job_id)
 
 
 def test_a_daemon_declares_the_runtime_features_only_where_torch_is_importable(monkeypatch):

@@ -1,142 +1,226 @@
-"""The job table: events through one pure apply, atomic checksummed persistence, newest."""
+"""The job table: every event through one pure apply (a table test per transition), atomic
+checksummed persistence."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from swarmp2p.node.jobtable import JobEvent, JobTable, apply, load, newest, save
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import Log, cluster, founded, job, plan, running
+
+from swarmp2p.node import events as ev
+from swarmp2p.node.jobtable import JobTable, apply, load, save
+from swarmp2p.schema import SchemaError
 
 
-def _replay(events):
-    table = JobTable()
-    for event in events:
-        table = apply(table, event)
-    return table
-
-
-EVENTS = [
-    JobEvent(version=1, kind="lead", leader="a"),
-    JobEvent(version=2, kind="submit", job_id="j1", record={"model": "m", "steps": 3}),
-    JobEvent(version=3, kind="submit", job_id="j2", record={"model": "n"}),
-    JobEvent(version=4, kind="update", job_id="j1", state="running", record={"step": 1}),
-    JobEvent(version=5, kind="remove", job_id="j2"),
-    JobEvent(version=6, kind="lead", leader="b"),
-]
-
-
-def test_replay_builds_the_table():
-    table = _replay(EVENTS)
-    assert (table.term, table.version, table.leader) == (2, 6, "b")
-    assert list(table.jobs) == ["j1"]
-    assert dict(table.jobs["j1"]) == {
-        "job_id": "j1",
-        "state": "running",
-        "version": 4,
-        "record": {"model": "m", "steps": 3, "step": 1},
-    }
+def test_a_whole_life_replays_to_the_same_table():
+    log = running()
+    t = log(
+        ev.StepsReported(job_id="j1", attempt=1, step=2, loss=4.5, at=4.0),
+        ev.SnapshotHeld(job_id="j1", stage=0, step=2, node_id="a"),
+        ev.SnapshotHeld(job_id="j1", stage=0, step=2, node_id="b"),
+        ev.EvaluationReported(
+            job_id="j1", name="trained", loss=3.0, perplexity=20.1, top1=0.2, tokens=64
+        ),
+        ev.StageExported(
+            job_id="j1",
+            attempt=1,
+            stage=1,
+            node_id="b",
+            folder="export/stage-1",
+            manifest={"files": {"w.safetensors": "0" * 64}},
+        ),
+        ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
+    )
+    assert t.jobs["j1"].state == "running" and t.jobs["j1"].done_stages == (0,)
+    t = log(ev.StageFinished(job_id="j1", attempt=1, stage=1, at=6.0))
+    entry = t.jobs["j1"]
+    assert entry.state == "completed" and entry.step == 10  # every step, by the job's count
+    assert [h.state for h in entry.history] == ["pending", "placed", "running", "completed"]
+    assert entry.snapshots == {"0": {"2": ("a", "b")}} and entry.loss == 4.5
+    assert entry.evaluation["trained"]["tokens"] == 64 and entry.shards["1"].node == "b"
+    assert (t.term, t.version, t.leader, entry.version) == (1, t.version, "a", t.version)
+    assert JobTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
 
 
 def test_apply_is_pure():
-    before = _replay(EVENTS[:2])
+    log = running()
+    before = log.table
     snapshot = before.to_dict()
-    apply(before, EVENTS[2])
-    assert before.to_dict() == snapshot
-    with pytest.raises(TypeError):
-        before.jobs["x"] = {}
+    log(ev.JobCancelled(job_id="j1", reason="user", at=9.0))
+    assert before.to_dict() == snapshot and before.jobs["j1"].state == "running"
+    assert log.table.jobs["j1"].state == "cancelled"
+
+
+def test_a_lost_node_resumes_on_a_new_attempt_from_a_snapshot():
+    log = running()
+    log(ev.JobResuming(job_id="j1", reason="node(s) b lost", at=5.0))
+    assert log.table.jobs["j1"].state == "resuming"
+    t = log(ev.JobPlaced(job_id="j1", attempt=2, plan=plan(("a", "c")), cluster=tuple(cluster("a", "c")),
+                         resume_step=2, placed_by="a", at=6.0))  # fmt: skip
+    entry = t.jobs["j1"]
+    assert (entry.state, entry.attempt, entry.resume_step, entry.reason) == ("resuming", 2, 2, None)
+    assert entry.stage_nodes == ("a", "c")
+    t = log(ev.StepsReported(job_id="j1", attempt=2, step=3, loss=1.0, at=7.0))
+    assert t.jobs["j1"].state == "running"  # the first step of the new attempt
+
+
+def test_a_blocked_job_waits_with_its_reason_and_a_failure_is_kept():
+    log = founded("a")
+    log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
+    t = log(ev.JobPending(job_id="j1", reason="placed 0 of 2 required workers", at=2.0))
+    assert t.jobs["j1"].state == "pending" and t.jobs["j1"].reason.startswith("placed 0")
+    t = log(ev.JobFailed(job_id="j1", attempt=0, stage=-1, node_id="a", message="no model",
+                         stderr_tail=("x",), at=3.0))  # fmt: skip
+    assert t.jobs["j1"].state == "failed" and t.jobs["j1"].error.message == "no model"
+
+
+def test_members_join_and_leave():
+    log = founded("b", "a")
+    assert [m.node_id for m in log.table.members] == ["a", "b"] and log.table.majority() == 2
+    t = log(ev.MemberJoined(node_id="c"))
+    assert t.majority() == 2 and t.member_ids == {"a", "b", "c"}
+    t = log(ev.MemberLeft(node_id="a", reason="stopped"))
+    assert t.member_ids == {"b", "c"}
+
+
+def test_snapshots_keep_the_newest_four_per_stage():
+    log = running()
+    for step in (2, 4, 6, 8, 10):
+        log(ev.SnapshotHeld(job_id="j1", stage=1, step=step, node_id="b"))
+    assert sorted(log.table.jobs["j1"].snapshots["1"], key=int) == ["4", "6", "8", "10"]
+
+
+def test_a_model_registers_once_under_a_free_id_and_lists_its_copies():
+    log = running()
+    log(ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
+        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0))  # fmt: skip
+    model = {"id": "t", "job_id": "j1", "manifest": {"stages": [{"stage": 0, "node": "a"}, {"stage": 1, "node": "b"}]}}  # fmt: skip
+    t = log(ev.ModelRegistered(job_id="j1", model=model))
+    t = log(ev.ShardCopied(job_id="j1", stage=1, node_id="c"))
+    assert t.jobs["j1"].model["manifest"]["stages"][1]["copies"] == ["c"]
+
+
+def _after(log: Log, *events):
+    return lambda: log(*events)
 
 
 @pytest.mark.parametrize(
-    ("prefix", "event", "message"),
+    ("make", "message"),
     [
-        (0, JobEvent(version=2, kind="lead", leader="a"), "does not follow table version 0"),
-        (2, JobEvent(version=3, kind="submit", job_id="j1"), "already in the table"),
-        (2, JobEvent(version=3, kind="update", job_id="zz"), "not in the table; cannot update"),
-        (2, JobEvent(version=3, kind="remove", job_id="zz"), "not in the table; cannot remove"),
+        (
+            lambda log: log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="x", at=0.0)),
+            "already in the table",
+        ),
+        (
+            lambda log: log(ev.JobRunning(job_id="zz", attempt=1, at=0.0)),
+            "'zz' is not in the table",
+        ),
+        (lambda log: log(ev.JobRunning(job_id="j1", attempt=2, at=0.0)), "the current one is 1"),
+        (
+            lambda log: log(ev.StepsReported(job_id="j1", attempt=3, step=1, at=0.0)),
+            "the current one is 1",
+        ),
+        (
+            lambda log: log(
+                ev.JobPlaced(job_id="j1", attempt=3, plan=plan(), cluster=(), placed_by="a", at=0.0)
+            ),
+            "does not follow 1",
+        ),
+        (
+            lambda log: log(
+                ev.JobCancelled(job_id="j1", reason="", at=0.0),
+                ev.JobFailed(job_id="j1", attempt=1, stage=0, node_id="a", message="m", at=0.0),
+            ),
+            "cancelled; it cannot fail",
+        ),
+        (
+            lambda log: log(ev.ModelRegistered(job_id="j1", model={"id": "t"})),
+            "only a completed job",
+        ),
+        (lambda log: log(ev.MemberJoined(node_id="a")), "a member already"),
+        (lambda log: log(ev.MemberLeft(node_id="zz")), "not a member"),
+        (lambda log: log(ev.ShardCopied(job_id="j1", stage=0, node_id="c")), "registered no model"),
     ],
 )
-def test_bad_events_are_refused(prefix, event, message):
+def test_events_that_do_not_follow_are_refused(make, message):
+    log = running()
     with pytest.raises(ValueError, match=message):
-        apply(_replay(EVENTS[:prefix]), event)
+        make(log)
+
+
+def test_versions_and_terms_must_follow():
+    t = running().table
+    event = ev.JobCancelled(job_id="j1", reason="", at=0.0)
+    with pytest.raises(ValueError, match="does not follow table version"):
+        apply(t, ev.Entry(version=t.version + 2, term=1, event=event))
+    with pytest.raises(ValueError, match="of term 1 after term 2"):
+        apply(replace(t, term=2), ev.Entry(version=t.version + 1, term=1, event=event))
+    with pytest.raises(SchemaError, match="version"):
+        ev.entry_from_data({"version": 2**64 - 1, "term": 1, "event": ev.event_to_data(event)})
 
 
 @pytest.mark.parametrize(
-    ("fields", "message"),
+    ("data", "path"),
     [
-        ({"kind": "drop", "job_id": "j"}, "kind 'drop'"),
-        ({"kind": "lead"}, "needs the leader"),
-        ({"kind": "submit"}, "needs a job_id"),
-        ({"kind": "update", "job_id": "j", "state": "flying"}, "job state 'flying'"),
+        ({"event": "job_cancelled", "job_id": "..", "reason": "", "at": 0.0}, "job_id"),
+        ({"event": "job_cancelled", "job_id": "j1", "reason": "", "at": float("nan")}, "at"),
+        (
+            {"event": "snapshot_held", "job_id": "j1", "stage": 0, "step": 1, "node_id": "b\n"},
+            "node_id",
+        ),
+        ({"event": "nope"}, ""),
     ],
 )
-def test_bad_event_fields(fields, message):
-    with pytest.raises(ValueError, match=message):
-        JobEvent(version=1, **fields)
+def test_events_from_the_wire_are_validated(data, path):
+    with pytest.raises(SchemaError) as info:
+        ev.event_from_data(data)
+    assert any(e.path == path for e in info.value.errors) or not path
 
 
-def test_newest_orders_by_term_then_version():
-    old_leader_unreplicated = JobTable(term=1, version=9)
-    new_leader = JobTable(term=2, version=5)
-    same_term_newer = JobTable(term=2, version=6)
-    assert newest([old_leader_unreplicated, new_leader]) is new_leader
-    assert newest([new_leader, same_term_newer, old_leader_unreplicated]) is same_term_newer
-    assert newest([]) == JobTable()
-
-
-def test_save_load_roundtrip(tmp_path):
-    table = _replay(EVENTS)
+def test_save_load_roundtrip_and_corruption(tmp_path):
+    t = running().table
     path = tmp_path / "jobs.json"
-    save(path, table)
-    assert load(path) == table
-    assert load(path).to_dict() == table.to_dict()
-    assert [p.name for p in tmp_path.iterdir()] == ["jobs.json"]  # no temp left behind
-
-
-def test_load_missing_is_empty(tmp_path):
+    save(path, t)
+    assert load(path) == t
     assert load(tmp_path / "none.json") == JobTable()
-
-
-def test_corruption_is_detected(tmp_path):
-    path = tmp_path / "jobs.json"
-    save(path, _replay(EVENTS))
-    outer = json.loads(path.read_text())
-    outer["table"] = outer["table"].replace('"running"', '"failed"')
-    path.write_text(json.dumps(outer))
+    text = path.read_text()
+    path.write_text(text.replace("running", "runnin", 1))
     with pytest.raises(ValueError, match="fails its sha256 checksum"):
         load(path)
-    path.write_text("{truncated")
-    with pytest.raises(ValueError, match="is not a saved table"):
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="not a saved table"):
         load(path)
 
 
-def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "jobs.json"
-    save(path, _replay(EVENTS[:2]))
+def test_an_older_format_is_kept_aside_not_lost(tmp_path):
+    import hashlib
 
-    def broken_replace(src, dst):
+    path = tmp_path / "jobs.json"
+    body = json.dumps({"format": 1, "term": 3, "version": 9, "leader": "a", "jobs": {}})
+    path.write_text(
+        json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "table": body})
+    )
+    assert load(path) == JobTable()
+    assert (tmp_path / "jobs.json.format-1").read_text().count('"format\\": 1') == 1
+    assert not path.exists()
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "jobs.json"
+    save(path, founded("a").table)
+    old = path.read_text()
+
+    def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        save(path, _replay(EVENTS))
-    monkeypatch.undo()
-    assert load(path).version == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["jobs.json"]
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ([], "must be an object"),
-        ({"format": 9}, "format 9"),
-        ({"format": 1, "term": -1, "version": 0, "jobs": {}}, "term must be"),
-        ({"format": 1, "term": 0, "version": True, "jobs": {}}, "version must be"),
-        ({"format": 1, "term": 0, "version": 0, "jobs": []}, "jobs must be an object"),
-        ({"format": 1, "term": 0, "version": 0, "jobs": {"j": {"state": "?"}}}, "state '\\?'"),
-    ],
-)
-def test_from_dict_validates(data, message):
-    with pytest.raises(ValueError, match=message):
-        JobTable.from_dict(data)
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        save(path, running().table)
+    assert path.read_text() == old

@@ -165,7 +165,7 @@ def test_serve_messages_round_trip(msg):
 def test_the_daemon_routes_exactly_the_serve_requests():
     assert set(SERVE_MESSAGES) == {
         ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit,
-        ServeFileRead, ShardCopy,
+        ServeFileRead,
     }  # fmt: skip
 
 

@@ -1,0 +1,81 @@
+"""Builders for the node's table and decision tests: jobs, plans, entries, a whole lifecycle."""
+
+from __future__ import annotations
+
+from swarmp2p.node import events as ev
+from swarmp2p.node import jobtable
+from swarmp2p.node.jobtable import JobTable
+from swarmp2p.plan import from_config, parse_job
+from swarmp2p.plan.worker_spec import local_cluster
+from swarmp2p.schema import to_data
+
+CONFIG = {
+    "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 192,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "tie_word_embeddings": False, "max_position_embeddings": 512,
+}  # fmt: skip
+SHAPE = from_config(CONFIG)
+
+
+def job(name: str = "t", **train):
+    return parse_job(
+        {
+            "name": name,
+            "model": {"pretrained": "/models/tiny", "lora": {"enabled": True, "r": 4}},
+            "data": {"source": "random"},
+            "split": {"stages": 2, "mode": "equal"},
+            "train": {"steps": 10, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
+                      "checkpoint_every": 2, **train},
+        }
+    )  # fmt: skip
+
+
+def cluster(*node_ids: str) -> list[dict]:
+    """Node records (cluster.json form) of CPU nodes with these ids."""
+    from swarmp2p.plan import plan_job  # noqa: F401 - the planner reads these records
+
+    out = []
+    for node, node_id in zip(local_cluster(len(node_ids)), node_ids):
+        data = to_data(node) if not hasattr(node, "to_dict") else node.to_dict()
+        data["node_id"], data["name"] = node_id, f"host-{node_id}"
+        out.append(data)
+    return out
+
+
+def plan(node_ids=("a", "b"), the_job=None):
+    from swarmp2p.node.jobs import compute_plan
+
+    return compute_plan(the_job or job(), cluster(*node_ids), shape=SHAPE)
+
+
+class Log:
+    """Appends events as the leader of ``term`` would: one version after another."""
+
+    def __init__(self, table: JobTable | None = None, term: int = 1) -> None:
+        self.table = table or JobTable()
+        self.term = term
+
+    def __call__(self, *events: ev.Event) -> JobTable:
+        for event in events:
+            entry = ev.Entry(version=self.table.version + 1, term=self.term, event=event)
+            self.table = jobtable.apply(self.table, entry)
+        return self.table
+
+
+def founded(*members: str, term: int = 1) -> Log:
+    log = Log(term=term)
+    log(ev.LeaderElected(leader=members[0], epoch="e1"))
+    log(*(ev.MemberJoined(node_id=m, name=f"host-{m}") for m in members))
+    return log
+
+
+def running(job_id: str = "j1", nodes=("a", "b")) -> Log:
+    """A founded swarm with one job placed on ``nodes`` and running (attempt 1)."""
+    log = founded(*sorted(set(nodes) | {"a"}))
+    log(
+        ev.JobSubmitted(job_id=job_id, job=job(), submitted_by="cli", at=1.0),
+        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes), cluster=tuple(cluster(*nodes)),
+                     placed_by="a", at=2.0),
+        ev.JobRunning(job_id=job_id, attempt=1, at=3.0),
+    )  # fmt: skip
+    return log

@@ -1,0 +1,175 @@
+"""The leader's and every node's decisions: pure functions of the table and a view."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import cluster, founded, job, plan, running
+
+from swarmp2p.node import decide
+from swarmp2p.node import events as ev
+from swarmp2p.plan import Blocked
+
+
+def view(*alive, me="a", busy=()):
+    return decide.LeaderView(
+        node_id=me, alive=frozenset(alive), names={n: f"host-{n}" for n in alive},
+        busy=frozenset(busy),
+    )  # fmt: skip
+
+
+def _kinds(actions):
+    return [(type(a).__name__, getattr(a, "job_id", getattr(a, "node_id", None))) for a in actions]
+
+
+@pytest.mark.parametrize(
+    ("alive", "busy", "expected"),
+    [
+        (("a", "b"), (), []),
+        (("a", "b", "c"), (), [("AddMember", "c")]),
+        (("a",), (), [("Recover", "j1")]),  # b, a stage node, is lost
+        (("a",), ("j1",), []),  # a task already works on it
+    ],
+)
+def test_leader_actions_for_a_running_job(alive, busy, expected):
+    assert _kinds(decide.leader_actions(running().table, view(*alive, busy=busy))) == expected
+
+
+def test_a_recover_names_the_lost_nodes_and_a_pending_job_is_placed():
+    log = running()
+    (recover,) = decide.leader_actions(log.table, view("a"))
+    assert recover.lost == ("b",)
+    log(ev.JobSubmitted(job_id="j2", job=job("u"), submitted_by="cli", at=1.0))
+    assert _kinds(decide.leader_actions(log.table, view("a", "b"))) == [("Place", "j2")]
+
+
+def test_a_job_placed_by_a_dead_leader_is_wired_again():
+    log = founded("a", "b")
+    log(
+        ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0),
+        ev.JobPlaced(
+            job_id="j1",
+            attempt=1,
+            plan=plan(),
+            cluster=tuple(cluster("a", "b")),
+            placed_by="z",
+            at=2.0,
+        ),
+    )
+    (action,) = decide.leader_actions(log.table, view("a", "b"))
+    assert isinstance(action, decide.Recover) and action.lost == ()
+
+
+def test_a_completed_job_is_registered_once():
+    log = running()
+    log(ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
+        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0))  # fmt: skip
+    assert _kinds(decide.leader_actions(log.table, view("a", "b"))) == [("Register", "j1")]
+    (event,) = decide.registration(log.table, "j1")
+    assert event.model["id"] == "t" and event.model["manifest"]["split"] == [[0, 3], [3, 6]]
+    log(event)
+    assert decide.leader_actions(log.table, view("a", "b")) == []
+    log(ev.JobSubmitted(job_id="j2", job=job("t"), submitted_by="cli", at=1.0))
+    assert decide.registration(log.table, "j2") == []  # not completed
+
+
+def test_placement_waits_once_per_reason_then_places_a_new_attempt():
+    log = founded("a")
+    log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
+    blocked = Blocked(reason="placed 1 of 2 required workers")
+    args = dict(cluster=cluster("a"), records=cluster("a"), alive={"a"}, me="a", now=2.0)
+    (wait,) = decide.placement(log.table.jobs["j1"], blocked, **args)
+    assert isinstance(wait, ev.JobPending) and wait.reason == blocked.reason
+    log(wait)
+    assert decide.placement(log.table.jobs["j1"], blocked, **args) == []  # said already
+    (placed,) = decide.placement(log.table.jobs["j1"], plan(), **args)
+    assert isinstance(placed, ev.JobPlaced) and placed.attempt == 1 and placed.resume_step == 0
+
+
+def test_a_resume_keeps_the_snapshots_cuts_or_waits():
+    log = running()
+    log(ev.SnapshotHeld(job_id="j1", stage=0, step=4, node_id="a"),
+        ev.SnapshotHeld(job_id="j1", stage=1, step=4, node_id="a"))  # fmt: skip
+    args = dict(cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0)  # fmt: skip
+    (placed,) = decide.placement(log.table.jobs["j1"], plan(("a", "c")), **args)
+    assert placed.resume_step == 4 and placed.attempt == 2
+    three = plan(("a", "c", "d"))
+    other = decide.placement(log.table.jobs["j1"], _with_cuts(three), **args)
+    assert isinstance(other[0], ev.JobPending) and "not the snapshots'" in other[0].reason
+
+
+def _with_cuts(p):
+    from dataclasses import replace
+
+    stages = list(p.stages)
+    stages[0] = replace(stages[0], layers=(0, 2))
+    stages[1] = replace(stages[1], layers=(2, 6))
+    return replace(p, stages=tuple(stages[:2]), boundaries=p.boundaries[:1])
+
+
+STEP = {"event": "step", "step": 3, "loss": 2.5, "step_s": 0.5}
+
+
+def _fold(log, stage, *events, attempt=1, due=False):
+    return decide.fold_report(
+        log.table.jobs["j1"], attempt=attempt, stage=stage, node_id="ab"[stage],
+        events=list(events), now=10.0, progress_due=due,
+    )  # fmt: skip
+
+
+def test_steps_make_a_progress_sample_only_when_due_or_at_the_end():
+    log = running()
+    assert _fold(log, 1, STEP) == []
+    (sample,) = _fold(log, 1, STEP, due=True)
+    assert (sample.step, sample.loss) == (4, 2.5)
+    assert _fold(log, 0, STEP, due=True) == []  # the loss is the last stage's
+    (last,) = _fold(log, 1, {**STEP, "step": 9})  # the last step is always written
+    assert last.step == 10
+    assert _fold(log, 1, STEP, attempt=2, due=True) == []  # another attempt's stage
+
+
+def test_lifecycle_events_of_a_report():
+    log = running()
+    snap, evaluation, exported, done = _fold(
+        log,
+        1,
+        {"event": "snapshot", "step": 2, "file": "snapshots/stage-1/step-00000002.pt"},
+        {
+            "event": "eval",
+            "pass": "base",
+            "loss": 3.0,
+            "perplexity": float("inf"),
+            "top1": 0.1,
+            "tokens": 8,
+        },
+        {"event": "exported", "manifest_data": {"files": {}}},
+        {"event": "done", "steps": 10},
+    )
+    assert isinstance(snap, ev.SnapshotHeld) and (snap.stage, snap.step, snap.node_id) == (
+        1,
+        2,
+        "b",
+    )
+    assert evaluation.perplexity is None  # inf is no number to store
+    assert isinstance(exported, ev.StageExported) and isinstance(done, ev.StageFinished)
+    assert _fold(log, 0, {"event": "eval", "pass": "base", "loss": 3.0}) == []
+
+
+def test_a_failed_exit_names_the_stage_node_message_and_tail():
+    log = running()
+    (failed,) = _fold(log, 0, {"event": "exit", "code": -9, "stderr_tail": ["x"] * 100, "error": "boom"})  # fmt: skip
+    assert failed.message == "boom (killed by SIGKILL)" and failed.node_id == "a"
+    assert len(failed.stderr_tail) == ev.MAX_TAIL_LINES
+    assert _fold(log, 0, {"event": "exit", "code": 0}) == []
+
+
+def test_stale_workers_are_those_of_an_ended_job_or_an_older_attempt():
+    log = running()
+    workers = [("j1", 1, 0), ("j1", 0, 0), ("j9", 1, 0)]
+    assert decide.stale_workers(log.table, workers) == [("j1", 0, 0)]
+    log(ev.JobCancelled(job_id="j1", reason="user", at=5.0))
+    assert decide.stale_workers(log.table, workers) == [("j1", 1, 0), ("j1", 0, 0)]
