@@ -143,9 +143,9 @@ def resolve_model_ref(ref: str) -> str:
         if embedded_ready():
             return str(embedded_dir())
         embedded_gguf()  # a missing package is reported before torch is imported
-        from swarmp2p.runtime.torch.embedded import ensure_embedded
+        from swarmp2p.runtime.registry import get_runtime
 
-        return str(ensure_embedded())
+        return str(get_runtime("torch").ensure_embedded())
     path = Path(ref).expanduser()
     if path.is_dir():
         return str(path.resolve())

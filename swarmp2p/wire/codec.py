@@ -40,70 +40,35 @@ from __future__ import annotations
 
 import numpy as np
 
-from swarmp2p.wire.frames import DTYPES, TensorFrame
+from swarmp2p.wire.frames import (
+    CODECS,
+    DTYPES,
+    TensorFrame,
+    _per_byte,
+    _rows,
+    codec_bits,
+    packed_nbytes,
+    part_sizes,
+)
 from swarmp2p.wire.messages import WireError
 
-CODECS = (
-    "none",
-    "fp16",
-    *(f"int{n}" for n in range(2, 9)),
-    *(f"tokint{n}" for n in range(2, 9)),
-)
-"""Every codec name a TensorFrame may carry."""
+# the frame layout (codec names, bit widths, part sizes) lives in frames; re-exported here
+__all__ = [
+    "CODECS",
+    "SCALE_SEARCH_ULPS",
+    "codec_bits",
+    "decode_tensor",
+    "dequantize",
+    "encode_tensor",
+    "fake_quantize",
+    "packed_nbytes",
+    "part_sizes",
+    "quantize",
+    "wire_nbytes",
+]
 
 SCALE_SEARCH_ULPS = 4
 """How far (in float32 ulps) lossless encoding searches around the recomputed scale."""
-
-
-def codec_bits(codec: str) -> tuple[int, bool]:
-    """``("int4") -> (4, False)``, ``("tokint8") -> (8, True)``; ValueError for other names."""
-    for prefix, per_token in (("tokint", True), ("int", False)):
-        if codec.startswith(prefix) and codec[len(prefix) :].isdigit():
-            bits = int(codec[len(prefix) :])
-            if 2 <= bits <= 8 and codec == f"{prefix}{bits}":
-                return bits, per_token
-    raise ValueError(f"codec {codec!r} is not a quantizing codec; use one of {list(CODECS[2:])}")
-
-
-def _per_byte(bits: int) -> int:
-    return 4 if bits <= 2 else 2 if bits <= 4 else 1
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes of ``numel`` packed ``bits``-bit codes."""
-    per = _per_byte(bits)
-    return -(-numel // per)
-
-
-def _rows(shape: tuple[int, ...], numel: int) -> int:
-    if not shape:
-        raise ValueError("a per-token codec needs a tensor with at least one dimension")
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows
-
-
-def part_sizes(shape: tuple[int, ...], dtype: str, codec: str) -> list[int]:
-    """Payload part sizes for a frame; ValueError naming the bad dtype/codec pair."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if codec == "none":
-        return [numel * DTYPES[dtype][1]]
-    if codec not in CODECS:
-        raise ValueError(f"codec {codec!r} is not one of {list(CODECS)}")
-    if dtype != "float32":
-        raise ValueError(
-            f"codec {codec} decodes to float32; a frame with dtype {dtype} must use 'none'"
-        )
-    if codec == "fp16":
-        return [numel * 2]
-    bits, per_token = codec_bits(codec)
-    rows = _rows(shape, numel) if per_token else 1
-    return [rows * 4, packed_nbytes(numel, bits)]
 
 
 # --- the rule ---------------------------------------------------------------------------------

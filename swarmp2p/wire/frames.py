@@ -46,6 +46,66 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 """Wire dtype name -> (numpy dtype string, item size). bfloat16 is carried as uint16."""
 
+CODECS = (
+    "none",
+    "fp16",
+    *(f"int{n}" for n in range(2, 9)),
+    *(f"tokint{n}" for n in range(2, 9)),
+)
+"""Every codec name a TensorFrame may carry."""
+
+
+def codec_bits(codec: str) -> tuple[int, bool]:
+    """``("int4") -> (4, False)``, ``("tokint8") -> (8, True)``; ValueError for other names."""
+    for prefix, per_token in (("tokint", True), ("int", False)):
+        if codec.startswith(prefix) and codec[len(prefix) :].isdigit():
+            bits = int(codec[len(prefix) :])
+            if 2 <= bits <= 8 and codec == f"{prefix}{bits}":
+                return bits, per_token
+    raise ValueError(f"codec {codec!r} is not a quantizing codec; use one of {list(CODECS[2:])}")
+
+
+def _per_byte(bits: int) -> int:
+    return 4 if bits <= 2 else 2 if bits <= 4 else 1
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` packed ``bits``-bit codes."""
+    per = _per_byte(bits)
+    return -(-numel // per)
+
+
+def _rows(shape: tuple[int, ...], numel: int) -> int:
+    if not shape:
+        raise ValueError("a per-token codec needs a tensor with at least one dimension")
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows
+
+
+def part_sizes(shape: tuple[int, ...], dtype: str, codec: str) -> list[int]:
+    """Payload part sizes for a frame; ValueError naming the bad dtype/codec pair."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if codec == "none":
+        return [numel * DTYPES[dtype][1]]
+    if codec not in CODECS:
+        raise ValueError(f"codec {codec!r} is not one of {list(CODECS)}")
+    if dtype != "float32":
+        raise ValueError(
+            f"codec {codec} decodes to float32; a frame with dtype {dtype} must use 'none'"
+        )
+    if codec == "fp16":
+        return [numel * 2]
+    bits, per_token = codec_bits(codec)
+    rows = _rows(shape, numel) if per_token else 1
+    return [rows * 4, packed_nbytes(numel, bits)]
+
+
 _HEADER_KEYS = frozenset({"v", "shape", "dtype", "codec", "step", "micro", "flags"})
 
 
@@ -109,8 +169,6 @@ class TensorFrame:
             )
         views = [_view(p) for p in parts]
         fields = _parse_header(views[0])
-        from swarmp2p.wire.codec import part_sizes  # codec imports this module
-
         try:
             expected = part_sizes(fields["shape"], fields["dtype"], fields["codec"])
         except ValueError as e:

@@ -19,6 +19,9 @@ import msgpack
 
 from swarmp2p import PROTOCOL_VERSION, schema
 
+MAX_PLAIN_DEPTH = schema.MAX_PLAIN_DEPTH
+"""Deepest nesting of lists/maps a plain-data field (``dict``, ``list``, ``Any``) may hold."""
+
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest encoded control message; larger ones are refused before unpacking."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from swarmp2p.runtime.torch.embedded import ensure_embedded
 from swarmp2p.runtime.torch.half_storage import apply_half_storage
 from swarmp2p.runtime.torch.introspect import introspect
 from swarmp2p.runtime.torch.loader import load_stage_shard
@@ -19,3 +20,4 @@ class TorchRuntime:
     load_stage_shard = staticmethod(load_stage_shard)
     normalize_quantization = staticmethod(normalize_spec)
     apply_half_storage = staticmethod(apply_half_storage)
+    ensure_embedded = staticmethod(ensure_embedded)
