@@ -144,6 +144,9 @@ class NodeContext:
         """A request for the leader (this node, or forwarded); Unavailable when none is ready."""
         leader = self.leader
         if leader == self.node_id and not self.leading:
+            quorum = self._replication.quorum() if self._replication else {"ok": True}
+            if not quorum["ok"]:
+                raise Unavailable(quorum["reason"], code="no_quorum")
             why = self._replication.why_not_ready() if self._replication else "starting"
             raise Unavailable(f"leader {leader} is not ready: {why}", code="not_ready")
         return await self.call(leader, msg, timeout)

@@ -292,7 +292,8 @@ def submit_job(
                 timeout=timeout,
             )
         except api.ApiError as exc:
-            if exc.kind != "unavailable" or exc.code == "no_daemon" or time.monotonic() > deadline:
+            wait = exc.kind == "unavailable" and exc.code not in ("no_daemon", "no_quorum")
+            if not wait or time.monotonic() > deadline:  # a partition does not heal in seconds
                 raise
             time.sleep(0.2)
 
@@ -327,6 +328,13 @@ def format_peers(peers: list[dict[str, Any]]) -> str:
     )
 
 
+def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
+    if not q or not q.get("members"):
+        return []
+    line = f"members {len(q['members'])} ({', '.join(q['members'])}), majority {q['majority']}"
+    return [line] + ([f"quorum  NO: {q['reason']}"] if not q.get("ok") else [])
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"node    {s['node_id']} ({s['name']}), port {s['port']}",
@@ -334,6 +342,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"leader  {s['leader']}"
         + ("" if s.get("leader_ready") or s["leader"] != s["node_id"] else " (taking over)"),
         f"table   term {s['term']}, version {s['table_version']}, {len(s['jobs'])} job(s)",
+        *_quorum_lines(s.get("quorum")),
         "",
         format_peers(s["peers"]),
     ]

@@ -101,6 +101,15 @@ class Lab:
             _ip("-n", host.ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
         return self.hosts
 
+    def cut(self, *indices: int) -> None:
+        """Take hosts off the bridge: they reach each other (if several) but no other host."""
+        for i in indices:
+            _ip("link", "set", f"sw{self.tag}v{i}", "nomaster")
+
+    def heal(self, *indices: int) -> None:
+        for i in indices:
+            _ip("link", "set", f"sw{self.tag}v{i}", "master", self.bridge, "up")
+
     def teardown(self) -> None:
         for node in self.nodes:
             node.stop()
@@ -118,5 +127,18 @@ def netns_lab(tmp_path):
     lab = Lab(tmp_path)
     try:
         yield lab.build
+    finally:
+        lab.teardown()
+
+
+@pytest.fixture
+def netns_lab_of(tmp_path):
+    """Like ``netns_lab``, but yields the Lab itself (``build``, ``cut``, ``heal``)."""
+    reason = _cannot_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(tmp_path)
+    try:
+        yield lab
     finally:
         lab.teardown()

@@ -1,0 +1,71 @@
+"""Quorum on real hosts: cut the bridge between {a, b} and {c}. The minority host accepts no
+submission and says why; the majority side keeps working; healed, one table, nothing lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from swarm_harness import agreed_on, dump, swarm, wait_until
+
+from swarmp2p.net.security import SwarmSecret
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+JOB = {"name": "p", "model": {"pretrained": "/nowhere/model"}, "data": {"source": "random"}}
+
+
+def _submit(node, job_file) -> object:
+    return swarm(node, "train", str(job_file), "--detach", "--json", timeout=60)
+
+
+def _jobs(node) -> list[str]:
+    return sorted(j["job_id"] for j in node.status()["jobs"])
+
+
+def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table(
+    netns_lab_of, tmp_path
+):
+    lab = netns_lab_of
+    hosts = lab.build(3)
+    token = SwarmSecret.generate().token
+    nodes = [h.swarm_up(n, token) for h, n in zip(hosts, "abc")]
+    for node in nodes:
+        node.start()
+    a, b, c = nodes
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(JOB))
+    try:
+        wait_until(lambda: agreed_on(nodes, "a", 3), 20, "agreement on a")
+        wait_until(lambda: all(len(n.status()["quorum"]["members"]) == 3 for n in nodes), 20, "3 members")  # fmt: skip
+        first = _submit(c, job_file)
+        assert first.returncode == 0, first.stderr
+        j1 = json.loads(first.stdout)["job_id"]
+
+        lab.cut(2)  # c alone
+        wait_until(lambda: not c.status()["quorum"]["ok"], 15, "c to see it is a minority")
+        status = c.status()
+        assert "sees 1 of 3 member(s)" in status["quorum"]["reason"]
+        text = swarm(c, "status").stdout
+        assert "quorum  NO: this node sees 1 of 3 member(s)" in text
+        refused = _submit(c, job_file)
+        assert refused.returncode == 4, (refused.returncode, refused.stderr)  # unavailable
+        assert "accepts new jobs only on a side that sees 2" in refused.stderr
+
+        wait_until(lambda: agreed_on([a, b], "a", 2), 15, "a and b to agree without c")
+        second = _submit(b, job_file)
+        assert second.returncode == 0, second.stderr
+        j2 = json.loads(second.stdout)["job_id"]
+        assert j2 not in _jobs(c)
+
+        lab.heal(2)
+        wait_until(lambda: agreed_on(nodes, "a", 3), 20, "agreement after healing")
+        wait_until(lambda: all(_jobs(n) == sorted([j1, j2]) for n in nodes), 20, "one table")
+        wait_until(
+            lambda: len({(n.status()["term"], n.status()["table_version"]) for n in nodes}) == 1,
+            20,
+            "the same table version everywhere",
+        )
+        assert all(n.status()["quorum"]["ok"] for n in nodes)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
