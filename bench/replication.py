@@ -1,0 +1,158 @@
+"""Bytes per second the leader sends to replicate the job table during a 3-stage training job.
+
+Three real daemons on loopback (each `swarm up --foreground`, static peers, no mDNS) train a
+3-stage LoRA job on a tiny random Llama through `swarm train`; the leader's
+``status["replication"]`` counters (bytes of every table message it sent: deltas and whole
+tables) are read before the submission and after completion. The job reports every 0.2 s
+like any job; the table sees only lifecycle events and a progress sample every few seconds.
+
+Prints a markdown table, then as its last line one JSON object.
+
+    python bench/replication.py [--quick] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _swarm(state: Path, *args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(state)],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+def _status(state: Path, env: dict) -> dict:
+    out = _swarm(state, "status", "--json", env=env, timeout=30)
+    if out.returncode:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout)
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (RuntimeError, ValueError, KeyError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def _tiny_llama(folder: Path) -> None:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def run(args) -> dict:
+    from swarmp2p.net.security import SwarmSecret
+
+    tmp = Path(tempfile.mkdtemp(prefix="swarm-repl-"))
+    model = tmp / "model"
+    _tiny_llama(model)
+    token = SwarmSecret.generate().token
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env.update(PYTHONPATH=str(ROOT), SWARM_TOKEN=token, OMP_NUM_THREADS="1")
+    ports = {n: _free_port() for n in "abc"}
+    procs = []
+    try:
+        for n in "abc":
+            peers = [a for p in ports for a in ("--peer", f"127.0.0.1:{ports[p]}") if p != n]
+            cmd = [sys.executable, "-m", "swarmp2p", "up", "--foreground", "--state-dir",
+                   str(tmp / n), "--node-id", n, "--port", str(ports[n]), "--interface",
+                   "127.0.0.1", "--no-mdns", "--heartbeat", "0.2", "--failure-timeout", "2",
+                   *peers]  # fmt: skip
+            log = open(tmp / f"{n}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))  # fmt: skip
+        leader = tmp / "a"
+        _wait(lambda: _status(leader, env)["leader_ready"] and len(_status(leader, env)["peers"]) == 3, 60, "the swarm")  # fmt: skip
+        job = {
+            "name": "repl", "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
+            "data": {"source": "random"}, "split": {"stages": 3, "mode": "equal"},
+            "train": {"steps": args.steps, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
+                      "checkpoint_every": max(args.steps // 3, 1), "eval_batches": 1},
+        }  # fmt: skip
+        (tmp / "job.json").write_text(json.dumps(job))
+        before = _status(leader, env)["replication"]
+        start = time.monotonic()
+        out = _swarm(tmp / "c", "train", str(tmp / "job.json"), "--detach", "--json", env=env)
+        if out.returncode:
+            raise SystemExit(f"submit failed: {out.stderr}")
+        job_id = json.loads(out.stdout)["job_id"]
+
+        def done():
+            jobs = {j["job_id"]: j for j in _status(leader, env)["jobs"]}
+            state = jobs[job_id]["state"]
+            if state in ("failed", "cancelled"):
+                raise SystemExit(f"job {state}: {jobs[job_id]['record'].get('error')}")
+            return state == "completed" and jobs[job_id]["record"].get("model")
+
+        _wait(done, 900, "the job")
+        seconds = time.monotonic() - start
+        after = _status(leader, env)["replication"]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    sent = {k: after[k] - before.get(k, 0) for k in after}
+    return {
+        "steps": args.steps,
+        "job_s": round(seconds, 2),
+        "table_bytes": sent["bytes_sent"],
+        "table_bytes_per_s": round(sent["bytes_sent"] / seconds, 1),
+        "deltas": sent.get("deltas"),
+        "snapshots": sent.get("snapshots"),
+        "events": sent.get("events"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps (CI)")
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 6
+    result = run(args)
+    print("| steps | job s | table bytes | bytes/s | deltas | whole tables | events |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {result['steps']} | {result['job_s']} | {result['table_bytes']} | "
+          f"{result['table_bytes_per_s']} | {result['deltas']} | {result['snapshots']} | "
+          f"{result['events']} |")  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
