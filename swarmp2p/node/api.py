@@ -43,6 +43,10 @@ class ApiError(RuntimeError):
     """The daemon is not running, not answering, or refused the request."""
 
 
+class NoDaemon(ApiError):
+    """No daemon listens on the state directory's API socket (`swarm` exits 4, not 1)."""
+
+
 ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 """``async handler(request) -> result``; raise ApiError or ValueError to refuse."""
 
@@ -126,7 +130,7 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
         try:
             sock.connect(str(socket_path))
         except (FileNotFoundError, ConnectionRefusedError):
-            raise ApiError(
+            raise NoDaemon(
                 f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)"
             ) from None
         sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
