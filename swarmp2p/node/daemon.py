@@ -683,6 +683,8 @@ class Daemon:
             "last_seen_s": 0.0,
             "host": self.host,
             "devices": _devices(self.record),
+            "version": __version__,
+            "capabilities": list(self.record.get("capabilities", [])),
         }
         peers = [me]
         for peer in sorted(self.members.peers.values(), key=lambda p: p.node_id):
@@ -697,6 +699,8 @@ class Daemon:
                     "clock_skew_s": _round(self._rt.skews.get(peer.node_id)),
                     "host": peer.host,
                     "devices": _devices(peer.record),
+                    "version": str(peer.record.get("version", "")),
+                    "capabilities": list(peer.record.get("capabilities", [])),
                 }
             )
         return {
