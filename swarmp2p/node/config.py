@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +57,44 @@ def parse_peer(text: str) -> str:
     return f"tcp://{host}:{int(port)}"
 
 
+LOG_ENV = "SWARM_LOG"
+"""Where a daemon logs: ``file`` (daemon.log in the state dir), ``stderr`` or ``both``."""
+LOG_CHOICES = ("file", "stderr", "both")
+
+
+def log_destinations(
+    foreground: bool, env: Mapping[str, str] | None = None, stderr_fd: int = 2
+) -> tuple[bool, bool]:
+    """``(daemon.log, stderr)``: SWARM_LOG when set; else stderr alone when stderr is systemd's
+    journal (JOURNAL_STREAM names its device:inode, systemd.exec(5)), which keeps and rotates
+    it, so nothing is written twice; else daemon.log, and stderr too in the foreground."""
+    env = os.environ if env is None else env
+    choice = env.get(LOG_ENV, "").strip().lower()
+    if choice:
+        if choice not in LOG_CHOICES:
+            raise ValueError(f"{LOG_ENV}={choice!r} is not one of {', '.join(LOG_CHOICES)}")
+        return choice != "stderr", choice != "file"
+    journal = env.get("JOURNAL_STREAM", "")
+    if journal:
+        try:
+            st = os.fstat(stderr_fd)
+            if journal == f"{st.st_dev}:{st.st_ino}":
+                return False, True
+        except OSError:
+            pass
+    return True, foreground
+
+
 def setup_logging(state: StateDir, foreground: bool) -> None:
-    """Log to ``daemon.log`` in the state dir, and to stderr in the foreground."""
+    """Log to ``daemon.log`` in the state dir and/or stderr (`log_destinations`)."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.FileHandler(state.log_file)]
-    if foreground:
+    to_file, to_stderr = log_destinations(foreground)
+    handlers: list[logging.Handler] = []
+    if to_file:
+        handlers.append(logging.FileHandler(state.log_file))
+    if to_stderr:
         handlers.append(logging.StreamHandler())
     for handler in handlers:
         handler.setFormatter(fmt)
