@@ -14,7 +14,7 @@ from swarmp2p.cli import (
     main,
 )
 
-# --- swarm serve: a model across the swarm behind the OpenAI-compatible API (issue 8) -------
+# --- swarm serve: a model across the swarm behind the OpenAI-compatible API ----------------
 
 
 @main.command("serve")
