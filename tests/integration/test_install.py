@@ -209,6 +209,28 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
     version, _ = _run(["swarm", "--version"], env, home, timeout=60)
     assert _head().startswith(_commit_of(version.stdout)), version.stdout
 
+    # a light node runs as a coordinator; status and train say nothing can run a stage
+    state = ["--state-dir", str(home / "coordinator")]
+    node_env = {**env, "SWARM_DASHBOARD_PORT": "off"}
+    up, _ = _run(["swarm", "up", "--port", "0", "--no-mdns", "--interface", "127.0.0.1", *state],
+                 node_env, home, timeout=120, step="light swarm up")  # fmt: skip
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        status, _ = _run(["swarm", "status", *state], env, home, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "no node can run a stage" in status.stdout, status.stdout
+        assert f"cd {src} && ./install.sh" in status.stdout, status.stdout
+        job = src / "examples" / "demo-job.json"
+        train, took = _run(["swarm", "train", str(job), *state], env, home, timeout=120,
+                           step="light swarm train")  # fmt: skip
+        assert train.returncode == 5 and took < LIGHT_DEMO_LIMIT_S, train.stdout + train.stderr
+        assert f"cd {src} && ./install.sh" in train.stderr, train.stderr
+        listed, _ = _run(["swarm", "jobs", "--json", *state], env, home, timeout=60)
+        assert listed.stdout.strip() == "[]"  # nothing was submitted
+    finally:
+        down, _ = _run(["swarm", "down", "--json", *state], env, home, timeout=60)
+    assert down.returncode == 0 and '"stopped": true' in down.stdout, down.stdout + down.stderr
+
 
 @pytest.fixture(scope="module")
 def pipx_runtime(pipx_light):
