@@ -51,9 +51,10 @@ def _clone(dest: Path) -> Path:
     return dest
 
 
-def _head() -> str:
+def _head(clone: Path) -> str:
+    """The commit ``clone`` was made at (this checkout may have moved on since)."""
     return subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True
     ).stdout.strip()
 
 
@@ -123,7 +124,7 @@ def test_install_in_a_fresh_home_gives_a_working_shim_and_is_idempotent(tmp_path
 
     version, _ = _run(["swarm", "--version"], env, home, timeout=60)  # found through the shim
     assert version.returncode == 0, version.stderr
-    assert _head().startswith(_commit_of(version.stdout)), (version.stdout, _head())
+    assert _head(src).startswith(_commit_of(version.stdout)), (version.stdout, _head(src))
     torch = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
         capture_output=True,
@@ -207,7 +208,7 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
     assert "pip install" not in doctor.stdout.replace("pipx runpip swarmp2p install", "")
 
     version, _ = _run(["swarm", "--version"], env, home, timeout=60)
-    assert _head().startswith(_commit_of(version.stdout)), version.stdout
+    assert _head(src).startswith(_commit_of(version.stdout)), version.stdout
 
     # a light node runs as a coordinator; status and train say nothing can run a stage
     state = ["--state-dir", str(home / "coordinator")]
