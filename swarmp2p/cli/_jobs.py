@@ -14,16 +14,22 @@ from swarmp2p.cli import (
     EXIT_INVALID,
     EXIT_PLANNED,
     _console,
+    _echo_json,
+    _exit,
     _fail,
     _gb,
     _print_invalid,
     _state_dir,
     main,
 )
+from swarmp2p.cli._exit import CliExit
 
-# --- training jobs and models: train, jobs, models, export (issue 7) -------------------------
+# --- training jobs and models: train, jobs, models, export -----------------------------------
 
-EXIT_JOB_FAILED = 1
+EXIT_JOB_FAILED = _exit.FAILED
+NO_DAEMON_GRACE_S = 10.0
+"""How long `swarm train` keeps following a job while its daemon does not answer (a restart)
+before it exits 4."""
 
 
 def _train_overrides(**flags) -> dict:
@@ -47,7 +53,12 @@ def _train_overrides(**flags) -> dict:
 @click.option("--compression", default=None, help="Override split.compression (spec or JSON).")
 @click.option("--freeze-backbone/--no-freeze-backbone", default=None, help="model.freeze_backbone")
 @click.option("--lora/--no-lora", default=None, help="Override model.lora.enabled.")
-@click.option("--lora-export", type=click.Choice(["merged", "adapters"]), default=None)
+@click.option(
+    "--lora-export",
+    type=click.Choice(["merged", "adapters"]),
+    default=None,
+    help="Override model.lora.export: one merged model, or PEFT adapters beside the base.",
+)
 @click.option("--dtype", default=None, help="Override model.dtype.")
 @click.option("--weight-dtype", default=None, help="Override model.weight_dtype.")
 @click.option(
@@ -55,7 +66,11 @@ def _train_overrides(**flags) -> dict:
 )
 @_STATE_DIR_OPTION
 def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> None:
-    """Train JOB.json on the swarm: exit 0 completed, 1 failed, 2 invalid job."""
+    """Train JOB.json on the swarm, with a progress bar until the job ends.
+
+    Exit 0 completed, 1 failed or cancelled, 2 invalid job, 3 blocked (--plan), 4 no daemon,
+    5 no live node can run a stage (nothing is submitted; --detach submits anyway and the job
+    waits PENDING). A job that waits PENDING prints its reason whenever it changes."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
     from swarmp2p.plan import JobError
@@ -81,7 +96,10 @@ def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> N
                 click.echo(json.dumps(result, sort_keys=True, indent=2))
             else:
                 _print_live_plan(result)
+                if result["status"] != "planned":
+                    _warn_no_runtime(control.status(sd), fatal=False)
             sys.exit(EXIT_PLANNED if result["status"] == "planned" else EXIT_BLOCKED)
+        _warn_no_runtime(control.status(sd), fatal=not detach)
         done = control.submit_train(sd, job)
     except ApiError as exc:
         _fail(exc)
@@ -90,6 +108,22 @@ def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> N
         return
     final = _follow(sd, done["job_id"], as_json)
     sys.exit(0 if final["state"] == "COMPLETED" else EXIT_JOB_FAILED)
+
+
+def _warn_no_runtime(status: dict, *, fatal: bool) -> None:
+    """When no live node can run a stage: exit 5 with the fix (``fatal``), else say so on
+    stderr. A job submitted anyway waits PENDING until a node with the runtime joins."""
+    from swarmp2p.cli._node import no_runtime_message
+    from swarmp2p.doctor import can_run_stages
+
+    if can_run_stages(status):
+        return
+    message = no_runtime_message(status)
+    if fatal:
+        raise CliExit(
+            f"{message}\n(--detach submits it anyway: it waits PENDING)", _exit.NO_RUNTIME
+        )
+    _console(stderr=True).print(message, markup=False, soft_wrap=True)
 
 
 def _print_live_plan(result: dict) -> None:
@@ -123,11 +157,13 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node.api import ApiError, NoDaemon
     from swarmp2p.node.views import eta_s
 
     console = _console(stderr=True)
     view: dict = {}
+    said = ""
+    unreachable_since: float | None = None
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -142,9 +178,18 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
             try:
                 view = control.job(sd, job_id)
             except ApiError as exc:
+                if isinstance(exc, NoDaemon):
+                    unreachable_since = unreachable_since or time.monotonic()
+                    if time.monotonic() - unreachable_since > NO_DAEMON_GRACE_S:
+                        raise CliExit(
+                            f"{exc}; job {job_id} goes on in the swarm: `swarm jobs show "
+                            f"{job_id}` once a daemon runs here",
+                            _exit.NO_DAEMON,
+                        ) from None
                 bar.update(task, info=f"(daemon: {exc})")
                 time.sleep(1.0)
                 continue
+            unreachable_since = None
             m = view["metrics"]
             info = [view["state"]]
             if isinstance(m.get("loss"), (int, float)):
@@ -156,8 +201,12 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
             eta = eta_s(view["step"], view["steps"] or 0, m.get("step_s"))
             if eta is not None:
                 info.append(f"ETA {eta:.0f}s")
-            if view["reason"] and view["state"] in ("PENDING", "RESUMING"):
+            waiting = view["state"] in ("PENDING", "RESUMING")
+            if view["reason"] and waiting:
                 info.append(view["reason"].splitlines()[0])
+                if view["reason"] != said and not as_json:  # every line, above the bar
+                    said = view["reason"]
+                    bar.console.print(f"{view['state']}: {said}", markup=False, soft_wrap=True)
             bar.update(task, total=view["steps"], completed=view["step"], info=" · ".join(info))
             if view["state"] in control.JOB_FINAL:
                 break
@@ -251,17 +300,25 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     for s in view["plan"]["stages"]:
         console.print(f"  stage on {s['node']} {s['devices']} layers {s['layers']}", markup=False)
     for h in view["history"]:
-        console.print(f"  {h['at']:.3f} {h['state'].upper()}", markup=False)
+        console.print(f"  {when(h['at'])}  {h['state'].upper()}", markup=False)
     if view["reason"]:
         console.print(f"reason: {view['reason']}", markup=False)
     _print_job_end(view)
 
 
+def when(epoch: float) -> str:
+    """An epoch time as this machine's local date and time, to the second."""
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(epoch))
+
+
 @jobs.command("cancel")
 @click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help='Print {"job_id", "state"}.')
 @_STATE_DIR_OPTION
 @click.pass_context
-def jobs_cancel(ctx, job_id, state_dir) -> None:
+def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     """Stop a job's workers and mark it CANCELLED."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
@@ -270,15 +327,19 @@ def jobs_cancel(ctx, job_id, state_dir) -> None:
         out = control.cancel_job(_jobs_state_dir(ctx, state_dir), job_id)
     except ApiError as exc:
         _fail(exc)
-    click.echo(f"{out['job_id']} {out['state']}")
+    if as_json:
+        _echo_json(out)
+    else:
+        click.echo(f"{out['job_id']} {out['state']}")
 
 
 @jobs.command("logs")
 @click.argument("job_id")
 @click.option("--stage", type=int, default=None, help="Stage index (default: the last).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the log in text).")
 @_STATE_DIR_OPTION
 @click.pass_context
-def jobs_logs(ctx, job_id, stage, state_dir) -> None:
+def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
@@ -287,7 +348,10 @@ def jobs_logs(ctx, job_id, stage, state_dir) -> None:
         out = control.job_logs(_jobs_state_dir(ctx, state_dir), job_id, stage)
     except ApiError as exc:
         _fail(exc)
-    click.echo(out["text"], nl=False)
+    if as_json:
+        _echo_json(out)
+    else:
+        click.echo(out["text"], nl=False)
 
 
 @main.command()
@@ -318,15 +382,47 @@ def models(as_json, state_dir) -> None:
 @main.command("export")
 @click.argument("model_id", metavar="MODEL")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option(
+    "--mode",
+    "file_mode",
+    default="0644",
+    show_default=True,
+    help="Permissions of the exported files, octal (0600: readable by you alone).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_STATE_DIR_OPTION
-def export_command(model_id, out, state_dir) -> None:
-    """Gather MODEL's shards over the swarm and write a Hugging Face folder."""
+def export_command(model_id, out, file_mode, as_json, state_dir) -> None:
+    """Gather MODEL's shards over the swarm and write a Hugging Face folder.
 
+    A merged model loads with transformers' from_pretrained; an adapters export (a LoRA job
+    with lora.export "adapters") with PEFT's PeftModel.from_pretrained on the base its
+    adapter_config.json names (a Hub id; the embedded model's is
+    HuggingFaceTB/SmolLM2-135M-Instruct, see swarm-model.json). Needs the torch runtime here."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
 
     try:
-        done = control.export_model(_state_dir(state_dir), model_id, Path(out))
+        mode = int(file_mode, 8)
+        if not 0 <= mode <= 0o777 or not mode & 0o400:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            f"{file_mode!r} is not an octal file mode readable by its owner, such as 0644",
+            param_hint="--mode",
+        ) from None
+    try:
+        done = control.export_model(_state_dir(state_dir), model_id, Path(out), file_mode=mode)
+    except ModuleNotFoundError as exc:
+        from swarmp2p._install import detect, runtime_fix
+
+        raise CliExit(
+            f"swarm export builds the model with the torch runtime, which this copy lacks "
+            f"({exc}); install it with: {runtime_fix(detect(), embedded=False)}",
+            _exit.NO_RUNTIME,
+        ) from None
     except (ApiError, ValueError) as exc:
         _fail(exc)
-    click.echo(f"exported {done['model']} ({done['kind']}) to {done['out']}")
+    if as_json:
+        _echo_json(done)
+    else:
+        click.echo(f"exported {done['model']} ({done['kind']}) to {done['out']}")

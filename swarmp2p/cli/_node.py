@@ -9,12 +9,13 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _echo_json,
     _fail,
     _state_dir,
     main,
 )
 
-# --- the node daemon: up, down, token, status, peers (issue 6) -------------------------------
+# --- the node daemon: up, down, token, status, peers -----------------------------------------
 
 
 @main.command()
@@ -37,13 +38,19 @@ from swarmp2p.cli import (
 @click.option("--interface", default=None, help="Use only this interface (name or IPv4).")
 @click.option("--peer", "peers", multiple=True, help="Static peer HOST:PORT (repeatable).")
 @_STATE_DIR_OPTION
-@click.option("--foreground", is_flag=True, help="Run in this process, logging to stderr too.")
+@click.option(
+    "--foreground",
+    is_flag=True,
+    help="Run in this process (systemd, containers), logging to daemon.log and stderr; "
+    "SWARM_LOG=file|stderr|both picks one (under systemd: stderr, the journal, alone).",
+)
 @click.option("--no-mdns", is_flag=True, help="Do not advertise or browse over mDNS.")
 @click.option(
     "--heartbeat",
     type=float,
     default=0.5,
     envvar="SWARM_HEARTBEAT_S",
+    show_envvar=True,
     show_default=True,
     help="Seconds between heartbeats.",
 )
@@ -52,9 +59,11 @@ from swarmp2p.cli import (
     type=float,
     default=3.0,
     envvar="SWARM_FAILURE_TIMEOUT_S",
+    show_envvar=True,
     show_default=True,
     help="Seconds of silence after which a peer is dead.",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object once it is up.")
 def up(
     token,
     token_file,
@@ -68,8 +77,13 @@ def up(
     no_mdns,
     heartbeat,
     failure_timeout,
+    as_json,
 ) -> None:
-    """Start this node's daemon (creating a swarm when there is no token and no state)."""
+    """Start this node's daemon (creating a swarm when there is no token and no state).
+
+    The first start of a new swarm prints the command that joins another machine. The token
+    is the swarm's secret: where other users share the machine, pass it in SWARM_TOKEN rather
+    than --token, which `ps` shows them."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
     from swarmp2p.node.config import NodeConfig
@@ -95,6 +109,10 @@ def up(
     if foreground:
         return
     s = result["status"]
+    if as_json:
+        _echo_json({"status": s, "created": result["created"],
+                    "join": result["join"] if result["created"] else None})  # fmt: skip
+        return
     click.echo(
         f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}"
     )
@@ -104,8 +122,9 @@ def up(
 
 @main.command()
 @_STATE_DIR_OPTION
-def down(state_dir) -> None:
-    """Stop this node's daemon cleanly."""
+@click.option("--json", "as_json", is_flag=True, help='Print {"pid", "stopped"}.')
+def down(state_dir, as_json) -> None:
+    """Stop this node's daemon cleanly (it says goodbye to its peers)."""
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
 
@@ -113,7 +132,10 @@ def down(state_dir) -> None:
         pid = control.down(_state_dir(state_dir))
     except (ApiError, OSError) as exc:
         _fail(exc)
-    click.echo(f"swarm daemon (pid {pid}) stopped")
+    if as_json:
+        _echo_json({"pid": pid, "stopped": True})
+    else:
+        click.echo(f"swarm daemon (pid {pid}) stopped")
 
 
 @main.command()
@@ -157,7 +179,55 @@ def status(state_dir, as_json) -> None:
         s = control.status(_state_dir(state_dir))
     except ApiError as exc:
         _fail(exc)
-    click.echo(json.dumps(s, indent=2) if as_json else control.format_status(s))
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    click.echo(control.format_status(s))
+    for line in health_lines(s):
+        click.echo(line)
+
+
+def no_runtime_message(s: dict) -> str:
+    """Why nothing can run (no live node has the torch runtime) and the one command that
+    installs it on this machine, for how this copy was installed."""
+    from swarmp2p import doctor
+    from swarmp2p._install import detect, runtime_fix
+
+    install = detect()
+    nodes = ", ".join(doctor.without_runtime(s)) or "-"
+    return (
+        f"no node of this swarm can run a stage: no torch runtime on {nodes}. This copy was "
+        f"installed without it ({install.describe}); install it with:\n  {runtime_fix(install)}"
+    )
+
+
+def health_lines(s: dict) -> list[str]:
+    """What `swarm status` adds below the table: nodes on another swarmp2p version, and,
+    when no live node can run a stage, the one command that installs the runtime here."""
+    from swarmp2p import doctor
+    from swarmp2p._install import detect, runtime_fix
+
+    lines = []
+    skew = doctor.version_skew(s)
+    if skew:
+        lines.append(
+            f"versions  this node runs {s.get('version')}; "
+            + ", ".join(f"{node} runs {v}" for node, v in sorted(skew.items()))
+            + ": install one version everywhere (`swarm --version`)"
+        )
+    missing = doctor.without_runtime(s)
+    if missing and not doctor.can_run_stages(s):
+        lines.append(
+            f"runtime   no node can run a stage: no torch runtime on {', '.join(missing)}; "
+            "jobs and served models wait until one can"
+        )
+        me = next((p for p in s.get("peers", []) if p.get("node_id") == s.get("node_id")), {})
+        if not me.get("capabilities"):
+            install = detect()
+            lines.append(f"fix       ({install.describe}): {runtime_fix(install)}")
+    elif missing:
+        lines.append(f"runtime   coordinators only (no torch runtime): {', '.join(missing)}")
+    return lines
 
 
 @main.command()

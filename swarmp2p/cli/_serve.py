@@ -14,17 +14,41 @@ from swarmp2p.cli import (
     main,
 )
 
-# --- swarm serve: a model across the swarm behind the OpenAI-compatible API (issue 8) -------
+# --- swarm serve: a model across the swarm behind the OpenAI-compatible API ----------------
 
 
 @main.command("serve")
 @click.argument("model", required=False)
-@click.option("--stop", "stop_model", default=None, metavar="MODEL", help="Stop serving MODEL.")
+@click.option(
+    "--stop",
+    "stop_model",
+    default=None,
+    metavar="NAME",
+    help="Stop serving NAME: the name the API answers to (--name when it was served, else "
+    "MODEL as given).",
+)
 @click.option("--stages", type=click.IntRange(min=0), default=0, help="Stages (0: one per node).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="Port of the OpenAI-compatible API on this node (0: any free port).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Where the API listens.")
-@click.option("--max-sessions", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--max-context", type=click.IntRange(min=0), default=0, help="0: the model's.")
+@click.option(
+    "--max-sessions",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Concurrent generations; each stage reserves a KV cache for every one.",
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Tokens of prompt and answer per session (0: the model's maximum).",
+)
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -33,7 +57,13 @@ from swarmp2p.cli import (
 )
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
-@click.option("--api-key", envvar="SWARM_API_KEY", default=None, help="Or SWARM_API_KEY.")
+@click.option(
+    "--api-key",
+    envvar="SWARM_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Require this key from API clients (Authorization: Bearer).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_STATE_DIR_OPTION
 def serve_command(model, stop_model, state_dir, as_json, quantization, **options) -> None:
@@ -42,7 +72,9 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
 
     The leader places the stages (memory priced with the KV cache of --max-sessions sessions
     of --max-context tokens), each stage loads on its node, and this node answers the
-    OpenAI-compatible API until `swarm serve --stop MODEL`.
+    OpenAI-compatible API until `swarm serve --stop NAME`. A trained model serves in place:
+    each stage loads its trained shard on the node that holds it. "embedded" is converted on
+    first use.
     """
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
@@ -51,10 +83,12 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
     try:
         if stop_model is not None:
             done = control.serve_stop(sd, stop_model)
-            click.echo(json.dumps(done) if as_json else f"stopped serving {done['model']}")
+            click.echo(
+                json.dumps(done, indent=2) if as_json else f"stopped serving {done['model']}"
+            )
             return
         if not model:
-            raise click.UsageError("name a MODEL to serve, or --stop MODEL")
+            raise click.UsageError("name a MODEL to serve, or --stop NAME")
         if quantization is not None:
             try:
                 quantization = json.loads(quantization)

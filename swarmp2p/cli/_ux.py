@@ -14,7 +14,7 @@ from swarmp2p.cli import (
     main,
 )
 
-# --- doctor and dashboard (issue 9) ------------------------------------------------------------
+# --- doctor and dashboard ---------------------------------------------------------------------
 
 
 @main.command()

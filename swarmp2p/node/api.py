@@ -48,6 +48,12 @@ class ApiError(SwarmError):
     default_code = "failed"
 
 
+class NoDaemon(ApiError):
+    """No daemon listens on the state directory's API socket (`swarm` exits 4, not 1)."""
+
+    default_code = "no_daemon"
+
+
 ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 """``async handler(request) -> result``; raise ApiError or ValueError to refuse."""
 
@@ -137,9 +143,8 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
         try:
             sock.connect(str(socket_path))
         except (FileNotFoundError, ConnectionRefusedError):
-            raise ApiError(
-                f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)",
-                code="no_daemon",
+            raise NoDaemon(
+                f"no swarm daemon is running for {socket_path.parent} (start one with `swarm up`)"
             ) from None
         sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
         data = b""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
@@ -120,16 +121,48 @@ def _resource_errno(record: logging.LogRecord) -> str | None:
     return None
 
 
+LOG_ENV = "SWARM_LOG"
+"""Where a daemon logs: ``file`` (daemon.log in the state dir), ``stderr`` or ``both``."""
+LOG_CHOICES = ("file", "stderr", "both")
+
+
+def log_destinations(
+    foreground: bool, env: Mapping[str, str] | None = None, stderr_fd: int = 2
+) -> tuple[bool, bool]:
+    """``(daemon.log, stderr)``: SWARM_LOG when set; else stderr alone when stderr is systemd's
+    journal (JOURNAL_STREAM names its device:inode, systemd.exec(5)), which keeps and rotates
+    it, so nothing is written twice; else daemon.log, and stderr too in the foreground."""
+    env = os.environ if env is None else env
+    choice = env.get(LOG_ENV, "").strip().lower()
+    if choice:
+        if choice not in LOG_CHOICES:
+            raise ValueError(f"{LOG_ENV}={choice!r} is not one of {', '.join(LOG_CHOICES)}")
+        return choice != "stderr", choice != "file"
+    journal = env.get("JOURNAL_STREAM", "")
+    if journal:
+        try:
+            st = os.fstat(stderr_fd)
+            if journal == f"{st.st_dev}:{st.st_ino}":
+                return False, True
+        except OSError:
+            pass
+    return True, foreground
+
+
 def setup_logging(state: StateDir, foreground: bool, *, max_bytes: int = LOG_MAX_BYTES) -> None:
-    """Log to ``daemon.log`` in the state dir (rotated past ``max_bytes``, LOG_BACKUPS kept),
-    and to stderr in the foreground; errors about running out of descriptors are rate-limited."""
+    """Log to ``daemon.log`` in the state dir (rotated past ``max_bytes``, LOG_BACKUPS kept)
+    and/or stderr (`log_destinations`); errors about running out of descriptors are
+    rate-limited."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [
-        RotatingFileHandler(state.log_file, maxBytes=max_bytes, backupCount=LOG_BACKUPS)
-    ]
-    if foreground:
+    to_file, to_stderr = log_destinations(foreground)
+    handlers: list[logging.Handler] = []
+    if to_file:
+        handlers.append(
+            RotatingFileHandler(state.log_file, maxBytes=max_bytes, backupCount=LOG_BACKUPS)
+        )
+    if to_stderr:
         handlers.append(logging.StreamHandler())
     limit = ResourceErrorFilter()
     for handler in handlers:

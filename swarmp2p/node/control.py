@@ -209,9 +209,11 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
 def _preflight(config: NodeConfig) -> None:
     """Refuse bad input before anything is written: the interface, fake devices, node id."""
     from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.config import log_destinations
     from swarmp2p.node.election import check_node_id
     from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices
 
+    log_destinations(True)  # a bad SWARM_LOG
     select_interfaces(list_interfaces(), config.interface)
     if os.environ.get(FAKE_DEVICES_ENV) is not None:
         parse_fake_devices(os.environ[FAKE_DEVICES_ENV])
@@ -447,47 +449,23 @@ def models(state_dir: Path) -> list[dict[str, Any]]:
     return _api(state_dir, "models")
 
 
-def export_model(state_dir: Path, model_id: str, out: Path) -> dict[str, Any]:
+def export_model(
+    state_dir: Path, model_id: str, out: Path, file_mode: int = 0o644
+) -> dict[str, Any]:
     """Gather a model's shards over the swarm (sha256-checked) and write a Hugging Face folder
-    in ``out``: the merged model, or (adapters export) a PEFT adapter beside a base reference.
-    Imports the torch runtime (only here, never in the daemon)."""
-    import json
+    in ``out`` (`runtime.torch.export.write_export`): the merged model, or (adapters export) a
+    PEFT adapter naming its base by Hub id; files ``file_mode``. Imports the torch runtime
+    (only here, never in the daemon): ModuleNotFoundError where it is missing."""
     import shutil
 
     out = Path(out).resolve()
     shards = out / ".shards"
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
-    from swarmp2p.runtime.models import resolve_model_ref
-    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+    from swarmp2p.runtime.torch.export import write_export
 
-    model = got["model"]
-    lora = model["manifest"]["lora"]
-    merged = lora is None or lora["export"] == "merged"
-    base = resolve_model_ref(model["base"])
-    built = reconstruct_from_shards(base, got["shards"], merge_adapters=merged)
-    built.save_pretrained(out)
-    tokenizer = _save_tokenizer(base, out)
-    (out / "swarm-model.json").write_text(json.dumps(model, indent=2, sort_keys=True))
+    done = write_export(got["model"], got["shards"], out, file_mode=file_mode)
     shutil.rmtree(shards)
-    return {
-        "model": model_id,
-        "out": str(out),
-        "kind": "merged" if merged else "adapter",
-        "tokenizer": tokenizer,
-    }
-
-
-def _save_tokenizer(base: str, out: Path) -> bool:
-    """The base model's tokenizer beside the exported weights, so the folder serves text
-    (`swarm serve DIR`); False when the base has none (weights-only checkpoints)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(base)
-    except (OSError, ValueError):
-        return False
-    tokenizer.save_pretrained(out)
-    return True
+    return {**done, "model": model_id}
 
 
 def format_jobs(rows: list[dict[str, Any]]) -> str:

@@ -506,6 +506,7 @@ class Daemon:
             "node_id": ctx.node_id, "name": ctx.me.name, "address": f"{ctx.me.addresses[0]}:{ctx.port}",
             "alive": True, "is_leader": ctx.leader == ctx.node_id, "last_seen_s": 0.0,
             "host": ctx.me.host, "devices": views.devices(ctx.me.record), "version": __version__,
+            "capabilities": list(ctx.me.record.get("capabilities", [])),
         }  # fmt: skip
         table = self.rep.table
         return {

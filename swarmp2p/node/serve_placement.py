@@ -161,16 +161,14 @@ def trained_settings(
 def resolve_model(model: str, trained: dict[str, Any] | None = None) -> str:
     """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
     on this node: its shape and tokenizer are read here."""
-    from swarmp2p.runtime.models import embedded_dir, embedded_ready, resolve_model_ref
+    from swarmp2p.runtime.models import EmbeddedModelMissing, ensure_embedded, resolve_model_ref
 
     what = f"the base model {model!r} of {trained['id']}" if trained else f"model {model!r}"
     if model == EMBEDDED:
-        if not embedded_ready():
-            raise ServeError(
-                f"{what}: the embedded model is not converted yet on this node "
-                f"({embedded_dir()}); run `swarm doctor` or any `swarm plan` of it first"
-            )
-        return str(embedded_dir())
+        try:  # converted on first use, in a subprocess: the daemon never imports torch
+            return str(ensure_embedded())
+        except (EmbeddedModelMissing, RuntimeError) as exc:
+            raise ServeError(f"{what} on this node: {exc}") from None
     try:
         return resolve_model_ref(model)
     except ValueError as exc:

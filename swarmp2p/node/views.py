@@ -112,7 +112,8 @@ def peer_rows(
                 "clock_skew_s": None if skew is None or not math.isfinite(skew) else round(skew, 4),
                 "host": peer.host,
                 "devices": devices(peer.record),
-                "version": getattr(peer, "software", None),
+                "version": str(peer.record.get("version", "")) or getattr(peer, "software", ""),
+                "capabilities": list(peer.record.get("capabilities", [])),
             }
         )
     return rows

@@ -456,9 +456,11 @@ def load(ref: str) -> ModelShape:
         snap = _cached_snapshot(ref)
         if snap is not None:
             return from_folder(snap, name=ref)
+        from swarmp2p._install import hf_download
+
         raise ValueError(
             f"model.pretrained: {ref!r} is not in the local Hugging Face cache "
-            f"({hub_cache_dir()}); download it first (huggingface-cli download {ref}) "
+            f"({hub_cache_dir()}); download it first (`{hf_download(ref)}`) "
             f"or give a local checkpoint folder"
         )
     raise ValueError(

