@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-\nimport swarmp2p
+
+import swarmp2p
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ALL = ROOT / "bench" / "run_all.py"
