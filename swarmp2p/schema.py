@@ -322,6 +322,10 @@ def _sequence(item: Checker, as_tuple: bool, meta: Mapping[str, Any]) -> Checker
     return _sized(check, meta)
 
 
+def _as_set(value: Any) -> Any:
+    return value if value is _BAD else frozenset(value)
+
+
 def _fixed_tuple(items: list[Checker]) -> Checker:
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
         if type(value) not in (list, tuple) or len(value) != len(items):
@@ -400,6 +404,9 @@ def checker(hint: Any, meta: Mapping[str, Any] | None = None, where: str = "") -
     if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
         item = checker(args[0], None, where) if args else _plain_of(None)
         return _sequence(item, origin is tuple, meta)
+    if origin in (set, frozenset):  # written as a list; order is not meaning
+        seq = _sequence(checker(args[0], None, where), True, meta)
+        return lambda value, path, errors: _as_set(seq(value, path, errors))
     if origin is tuple:
         return _fixed_tuple([checker(a, None, where) for a in args])
     if origin is dict or origin is Mapping:
@@ -518,6 +525,8 @@ def to_data(value: Any) -> Any:
         return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [to_data(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(to_data(v) for v in value)
     if isinstance(value, Mapping):
         return {k: to_data(v) for k, v in value.items()}
     return value

@@ -42,7 +42,7 @@ def plan_command(job_file: str, cluster_file: str, as_json: bool) -> None:
     try:
         cluster = load_cluster(cluster_file)
     except ClusterError as exc:
-        errors += [_split_error(e) for e in exc.errors]
+        errors += [{"path": e.path, "message": e.message} for e in exc.errors]
     result = None
     if not errors:
         try:

@@ -13,11 +13,12 @@ Sizes are bytes; `compute_capability` is a string such as "7.5", empty when unkn
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from swarmp2p import __version__
+from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show, to_data
 
 CAPABILITIES: frozenset[str] = frozenset(
     {
@@ -34,31 +35,29 @@ CAPABILITIES: frozenset[str] = frozenset(
 
 DEVICE_KINDS = ("cuda", "cpu", "mps")
 
-_NODE_KEYS = {"node_id", "name", "ram", "disk_free", "capabilities", "version", "devices"}
-_DEVICE_KEYS = {"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}
 
-
-class ClusterError(ValueError):
+class ClusterError(SchemaError):
     """A cluster description is malformed; `errors` lists every problem with its path."""
 
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = list(errors)
-        super().__init__("invalid cluster:\n" + "\n".join(self.errors))
+    def __init__(self, errors: list[FieldError] | list[str]) -> None:
+        errors = [
+            e if isinstance(e, FieldError) else FieldError(path="", message=e) for e in errors
+        ]
+        super().__init__(errors, title="invalid cluster")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Device:
     """One accelerator (or the CPU) of a node."""
 
-    kind: str
-    """"cuda", "cpu" or "mps"."""
-    index: int
+    kind: Literal["cuda", "cpu", "mps"]
+    index: int = field(ge=0)
     name: str
-    memory_total: int
+    memory_total: int = field(ge=0)
     """Bytes."""
-    memory_free: int
+    memory_free: int = field(ge=0)
     """Bytes free for a stage now."""
-    compute_capability: str = ""
+    compute_capability: str = field(default="", pattern=r"(\d+(\.\d+)?)?")
     """CUDA compute capability such as "8.6"; empty when unknown (or not CUDA)."""
 
     @property
@@ -76,89 +75,49 @@ class Device:
         return f"GPU {self.index} ({detail})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "index": self.index,
-            "name": self.name,
-            "memory_total": self.memory_total,
-            "memory_free": self.memory_free,
-            "compute_capability": self.compute_capability,
-        }
+        return to_data(self)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "device") -> Device:
-        errors = _device_errors(data, path)
-        if errors:
-            raise ClusterError(errors)
-        return cls(
-            kind=data["kind"],
-            index=data["index"],
-            name=data["name"],
-            memory_total=data["memory_total"],
-            memory_free=data["memory_free"],
-            compute_capability=data.get("compute_capability", ""),
-        )
+        return _parsed(cls, data, path)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Node:
     """One machine of the swarm as its daemon advertises it."""
 
-    node_id: str
-    name: str
-    ram: int
+    node_id: str = field(min_len=1, max_len=64)
+    name: str = field(min_len=1, max_len=256)
+    ram: int = field(ge=0)
     """Bytes of host memory."""
-    disk_free: int
+    disk_free: int = field(ge=0)
     """Bytes free in the node's model cache filesystem."""
     devices: tuple[Device, ...]
-    capabilities: frozenset[str] = field(default=CAPABILITIES)
-    version: str = __version__
+    capabilities: frozenset[str] = CAPABILITIES
+    """Omitted: every capability of this version."""
+    version: str = field(default=__version__, min_len=1, max_len=128)
+
+    def __post_init__(self) -> None:
+        seen: set[tuple[str, int]] = set()
+        for i, dev in enumerate(self.devices):
+            key = (dev.kind, dev.index)
+            if key in seen:
+                raise SchemaError([FieldError(path=f"devices[{i}]", message=f"duplicate {dev.kind} index {dev.index}")])  # fmt: skip
+            seen.add(key)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "name": self.name,
-            "ram": self.ram,
-            "disk_free": self.disk_free,
-            "capabilities": sorted(self.capabilities),
-            "version": self.version,
-            "devices": [d.to_dict() for d in self.devices],
-        }
+        return to_data(self)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "node") -> Node:
-        errors = _node_errors(data, path)
-        if errors:
-            raise ClusterError(errors)
-        return _node_unchecked(data)
+        return _parsed(cls, data, path)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _device_errors(data: Any, path: str) -> list[str]:
-    if not isinstance(data, dict):
-        return [f"{path}: must be an object, got {type(data).__name__}"]
-    errors = [f"{path}.{k}: unknown key" for k in sorted(set(data) - _DEVICE_KEYS)]
-    for key in ("kind", "index", "name", "memory_total", "memory_free"):
-        if key not in data:
-            errors.append(f"{path}.{key}: required")
-    if "kind" in data and data["kind"] not in DEVICE_KINDS:
-        errors.append(
-            f"{path}.kind: must be one of {', '.join(DEVICE_KINDS)}, got {data['kind']!r}"
-        )
-    if "name" in data and not isinstance(data["name"], str):
-        errors.append(f"{path}.name: must be a string, got {data['name']!r}")
-    for key in ("index", "memory_total", "memory_free"):
-        if key in data and not (_is_int(data[key]) and data[key] >= 0):
-            errors.append(f"{path}.{key}: must be an integer >= 0, got {data[key]!r}")
-    cc = data.get("compute_capability", "")
-    if not isinstance(cc, str) or (cc and _parse_cc(cc) is None):
-        errors.append(
-            f'{path}.compute_capability: must be a string such as "7.5" or empty, got {cc!r}'
-        )
-    return errors
+def _parsed(cls: type, data: Any, path: str) -> Any:
+    try:
+        return parse(cls, data)
+    except SchemaError as exc:
+        raise ClusterError(replace_errors(exc, path)) from None
 
 
 def _parse_cc(text: str) -> tuple[int, int] | None:
@@ -173,68 +132,25 @@ def compute_capability(device: Device) -> tuple[int, int] | None:
     return _parse_cc(device.compute_capability) if device.compute_capability else None
 
 
-def _node_errors(data: Any, path: str) -> list[str]:
-    if not isinstance(data, dict):
-        return [f"{path}: must be an object, got {type(data).__name__}"]
-    errors = [f"{path}.{k}: unknown key" for k in sorted(set(data) - _NODE_KEYS)]
-    for key in ("node_id", "name", "ram", "disk_free", "devices"):
-        if key not in data:
-            errors.append(f"{path}.{key}: required")
-    for key in ("node_id", "name", "version"):
-        if key in data and not (isinstance(data[key], str) and data[key]):
-            errors.append(f"{path}.{key}: must be a non-empty string, got {data[key]!r}")
-    for key in ("ram", "disk_free"):
-        if key in data and not (_is_int(data[key]) and data[key] >= 0):
-            errors.append(f"{path}.{key}: must be an integer >= 0 (bytes), got {data[key]!r}")
-    caps = data.get("capabilities", [])
-    if not (isinstance(caps, list) and all(isinstance(c, str) for c in caps)):
-        errors.append(f"{path}.capabilities: must be a list of strings, got {caps!r}")
-    devices = data.get("devices", [])
-    if not isinstance(devices, list):
-        errors.append(f"{path}.devices: must be a list, got {type(devices).__name__}")
-    else:
-        seen: set[tuple[str, int]] = set()
-        for i, dev in enumerate(devices):
-            dev_errors = _device_errors(dev, f"{path}.devices[{i}]")
-            errors.extend(dev_errors)
-            if not dev_errors:
-                key = (dev["kind"], dev["index"])
-                if key in seen:
-                    errors.append(
-                        f"{path}.devices[{i}]: duplicate {dev['kind']} index {dev['index']}"
-                    )
-                seen.add(key)
-    return errors
-
-
-def _node_unchecked(data: dict[str, Any]) -> Node:
-    caps = data.get("capabilities")
-    return Node(
-        node_id=data["node_id"],
-        name=data["name"],
-        ram=data["ram"],
-        disk_free=data["disk_free"],
-        devices=tuple(Device.from_dict(d) for d in data["devices"]),
-        capabilities=CAPABILITIES if caps is None else frozenset(caps),
-        version=data.get("version", __version__),
-    )
-
-
 def parse_cluster(data: Any) -> tuple[Node, ...]:
     """Nodes from a decoded `cluster.json`; raises ClusterError naming every bad field."""
     if not isinstance(data, list):
-        raise ClusterError([f"cluster: must be a JSON list of nodes, got {type(data).__name__}"])
-    errors: list[str] = []
+        raise ClusterError([FieldError(path="cluster", message=f"must be a JSON list of nodes, got {show(data)}")])  # fmt: skip
+    errors: list[FieldError] = []
+    nodes = []
     for i, node in enumerate(data):
-        errors.extend(_node_errors(node, f"cluster[{i}]"))
+        try:
+            nodes.append(parse(Node, node))
+        except SchemaError as exc:
+            errors.extend(replace_errors(exc, f"cluster[{i}]"))
     if not data:
-        errors.append("cluster: has no nodes; list at least one")
+        errors.append(FieldError(path="cluster", message="has no nodes; list at least one"))
     ids = [n.get("node_id") for n in data if isinstance(n, dict)]
     for dup in sorted({i for i in ids if isinstance(i, str) and ids.count(i) > 1}):
-        errors.append(f"cluster: node_id {dup!r} appears more than once")
+        errors.append(FieldError(path="cluster", message=f"node_id {dup!r} appears more than once"))  # fmt: skip
     if errors:
         raise ClusterError(errors)
-    return tuple(_node_unchecked(n) for n in data)
+    return tuple(nodes)
 
 
 def load_cluster(path: str | Path) -> tuple[Node, ...]:
@@ -242,11 +158,11 @@ def load_cluster(path: str | Path) -> tuple[Node, ...]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ClusterError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+        raise ClusterError([FieldError(path=str(path), message=f"cannot read: {exc.strerror or exc}")]) from exc  # fmt: skip
     except json.JSONDecodeError as exc:
-        raise ClusterError([f"{path}: not valid JSON: {exc}"]) from exc
+        raise ClusterError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
     except RecursionError:  # e.g. 200,000 nested brackets
-        raise ClusterError([f"{path}: not readable JSON: nested too deeply"]) from None
+        raise ClusterError([FieldError(path=str(path), message="not readable JSON: nested too deeply")]) from None  # fmt: skip
     return parse_cluster(data)
 
 

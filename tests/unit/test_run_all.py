@@ -75,7 +75,11 @@ def test_run_all_reports_failures_and_writes_markdown(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["benchmarks"] == 3 and sorted(summary["failed"]) == ["crash.py", "nojson.py"]
     text = out_md.read_text()
-    assert "QUICK MODE" in text and "| python |" in text and f"| swarmp2p | {swarmp2p.__version__} |" in text
+    assert (
+        "QUICK MODE" in text
+        and "| python |" in text
+        and f"| swarmp2p | {swarmp2p.__version__} |" in text
+    )
     assert "| `bench/good.py` | `--quick` |" in text and "| 1 | True |" in text
     assert "### good" in text  # the benchmark's heading sits below ours
     assert '{"quick": true}' in text

@@ -117,7 +117,7 @@ def test_invalid_cluster_exits_2_naming_the_field(tmp_path):
     assert out.returncode == 2
     errors = json.loads(out.stdout)["errors"]
     assert errors == [{"path": "cluster[0].devices[0].kind",
-                       "message": "must be one of cuda, cpu, mps, got 'tpu'"}]  # fmt: skip
+                       "message": 'must be one of "cuda", "cpu", "mps", got "tpu"'}]  # fmt: skip
 
 
 def test_missing_model_is_invalid(tmp_path):
