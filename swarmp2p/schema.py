@@ -378,9 +378,35 @@ def _record(cls: type) -> Checker:
 _NONE = type(None)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bounds:
+    """Bounds carried by a type: ``JobId = Annotated[str, Bounds(pattern=...)]`` names a kind
+    of value once, and every field of that type is checked the same way."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    min_len: int | None = None
+    max_len: int | None = None
+    pattern: str | None = None
+
+    def meta(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("ge", "gt", "le", "lt", "min_len", "max_len")}
+        out["pattern"] = re.compile(self.pattern) if self.pattern is not None else None
+        return out
+
+
 def checker(hint: Any, meta: Mapping[str, Any] | None = None, where: str = "") -> Checker:
     """The checker of one type hint (with field bounds ``meta``); TypeError if unsupported."""
     meta = meta or {}
+    if typing.get_origin(hint) is typing.Annotated:
+        base, *extras = typing.get_args(hint)
+        merged = dict(meta)
+        for extra in extras:
+            if isinstance(extra, Bounds):
+                merged.update({k: v for k, v in extra.meta().items() if v is not None})
+        return checker(base, merged, where)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint in (str, int, float, bool, bytes):
         return _scalar(hint, meta)
@@ -435,7 +461,7 @@ def fields_of(cls: type) -> tuple[_Field, ...]:
     if plan is None:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls!r} is not a dataclass record")
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         plan = tuple(
             _Field(
                 name=f.name,
@@ -541,6 +567,7 @@ def replace_errors(exc: SchemaError, prefix: str) -> list[FieldError]:
 __all__ = [
     "INT_MAX",
     "INT_MIN",
+    "Bounds",
     "FieldError",
     "SchemaError",
     "check_value",

@@ -8,15 +8,21 @@ replay are one code path. An event on the wire or on disk is ``{"event": NAME, *
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from swarmp2p.plan import Job, Plan
-from swarmp2p.schema import SchemaError, field, parse, to_data
+from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
 """Job ids, model ids, serve ids: one path component, never ``.`` or ``..`` (issue 15)."""
 NODE_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"
 MAX_TAIL_LINES = 40
+
+JobId = Annotated[str, Bounds(pattern=ID_PATTERN)]
+NodeId = Annotated[str, Bounds(pattern=NODE_PATTERN)]
+Attempt = Annotated[int, Bounds(ge=1)]
+StageIndex = Annotated[int, Bounds(ge=0)]
+Reason = Annotated[str, Bounds(max_len=20000)]
 
 
 class Event:
@@ -49,7 +55,7 @@ def event(name: str):
 class LeaderElected(Event):
     """``leader`` won the votes of a majority of the members for the entry's term."""
 
-    leader: str = field(pattern=NODE_PATTERN)
+    leader: NodeId
     epoch: str = field(default="", max_len=64)
     """The swarm history's id (set when a swarm's first leader founds its table)."""
 
@@ -58,7 +64,7 @@ class LeaderElected(Event):
 class MemberJoined(Event):
     """A node belongs to the swarm from now on: it counts towards the majority."""
 
-    node_id: str = field(pattern=NODE_PATTERN)
+    node_id: NodeId
     name: str = field(default="", max_len=256)
 
 
@@ -66,7 +72,7 @@ class MemberJoined(Event):
 class MemberLeft(Event):
     """A node no longer belongs (it stopped cleanly, or was removed)."""
 
-    node_id: str = field(pattern=NODE_PATTERN)
+    node_id: NodeId
     reason: str = field(default="", max_len=1000)
 
 
@@ -75,7 +81,7 @@ class MemberLeft(Event):
 
 @event("job_submitted")
 class JobSubmitted(Event):
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     job: Job
     submitted_by: str = field(max_len=256)
     at: float
@@ -85,8 +91,8 @@ class JobSubmitted(Event):
 class JobPending(Event):
     """The job cannot be placed now; ``reason`` names every rejected device or node."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    reason: str = field(max_len=20000)
+    job_id: JobId
+    reason: Reason
     at: float
 
 
@@ -95,12 +101,12 @@ class JobPlaced(Event):
     """Attempt ``attempt`` of the job runs on ``plan`` (checked by every stage's node against
     ``cluster``, the records it was planned on), from snapshot step ``resume_step`` (0: fresh)."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
+    job_id: JobId
+    attempt: Attempt
     plan: Plan
     cluster: tuple[dict, ...]
     resume_step: int = field(default=0, ge=0)
-    placed_by: str = field(pattern=NODE_PATTERN)
+    placed_by: NodeId
     at: float
 
 
@@ -108,8 +114,8 @@ class JobPlaced(Event):
 class JobRunning(Event):
     """Every stage of ``attempt`` started and is wired to the next."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
+    job_id: JobId
+    attempt: Attempt
     at: float
 
 
@@ -117,7 +123,7 @@ class JobRunning(Event):
 class JobResuming(Event):
     """A stage's node was lost (or the leader that placed it): the job is re-planned."""
 
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     reason: str = field(max_len=2000)
     at: float
 
@@ -127,8 +133,8 @@ class StepsReported(Event):
     """Progress of ``attempt``: ``step`` steps done, the last stage's loss then (a sample,
     not the curve: loss curves stay out of the replicated table)."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
+    job_id: JobId
+    attempt: Attempt
     step: int = field(ge=0)
     loss: float | None = None
     at: float
@@ -138,15 +144,15 @@ class StepsReported(Event):
 class SnapshotHeld(Event):
     """``node_id`` holds stage ``stage``'s snapshot after ``step`` steps."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    stage: int = field(ge=0)
+    job_id: JobId
+    stage: StageIndex
     step: int = field(ge=1)
-    node_id: str = field(pattern=NODE_PATTERN)
+    node_id: NodeId
 
 
 @event("evaluation_reported")
 class EvaluationReported(Event):
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     name: str = field(max_len=64)
     """The pass: "base", "calibrated_boundary" or "trained"."""
     loss: float | None = None
@@ -159,10 +165,10 @@ class EvaluationReported(Event):
 class StageExported(Event):
     """Stage ``stage``'s shard is in ``folder`` of the job's folder on ``node_id``."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
-    stage: int = field(ge=0)
-    node_id: str = field(pattern=NODE_PATTERN)
+    job_id: JobId
+    attempt: Attempt
+    stage: StageIndex
+    node_id: NodeId
     folder: str = field(max_len=256)
     manifest: dict
 
@@ -171,9 +177,9 @@ class StageExported(Event):
 class StageFinished(Event):
     """Stage ``stage`` of ``attempt`` ran every step and exited cleanly."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
-    stage: int = field(ge=0)
+    job_id: JobId
+    attempt: Attempt
+    stage: StageIndex
     at: float
 
 
@@ -181,7 +187,7 @@ class StageFinished(Event):
 class JobFailed(Event):
     """The first error: where (``stage`` -1: not a stage's) and what."""
 
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     attempt: int = field(ge=0)
     stage: int = field(ge=-1)
     node_id: str = field(max_len=64)
@@ -192,7 +198,7 @@ class JobFailed(Event):
 
 @event("job_cancelled")
 class JobCancelled(Event):
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     reason: str = field(max_len=1000)
     at: float
 
@@ -201,7 +207,7 @@ class JobCancelled(Event):
 class ModelRegistered(Event):
     """The completed job's model enters the registry as ``model["id"]``."""
 
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
     model: dict
 
 
@@ -209,9 +215,9 @@ class ModelRegistered(Event):
 class ShardCopied(Event):
     """``node_id`` holds an intact copy of stage ``stage``'s shard of the job's model."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    stage: int = field(ge=0)
-    node_id: str = field(pattern=NODE_PATTERN)
+    job_id: JobId
+    stage: StageIndex
+    node_id: NodeId
 
 
 # --- the log ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from swarmp2p.node.election import check_node_id
-from swarmp2p.node.events import ID_PATTERN, NODE_PATTERN
+from swarmp2p.node.events import Attempt, JobId, NodeId, StageIndex
 from swarmp2p.node.jobtable import MAX_VERSION
 from swarmp2p.plan import Job
 from swarmp2p.schema import field
@@ -76,7 +76,7 @@ class LeadRequest(Message):
     """A candidate asks for this node's vote for ``term`` (it leads once a majority of the
     members voted for it)."""
 
-    candidate: str = field(pattern=NODE_PATTERN)
+    candidate: NodeId
     term: int = field(ge=1, lt=MAX_VERSION)
 
 
@@ -84,7 +84,7 @@ class LeadRequest(Message):
 class LeadVote(Message):
     """A vote, with the table the voter holds (the candidate continues from the newest)."""
 
-    node_id: str = field(pattern=NODE_PATTERN)
+    node_id: NodeId
     granted: bool
     reason: str = field(default="", max_len=1000)
     term: int = field(ge=0, lt=MAX_VERSION)
@@ -105,7 +105,7 @@ class TablePush(Message):
     """A whole job table: a reply to a fetch, or the leader's to a follower that holds another
     history or is too far behind for a delta."""
 
-    node_id: str = field(pattern=NODE_PATTERN)
+    node_id: NodeId
     term: int = field(ge=0, lt=MAX_VERSION)
     """The sender's term (the leader's, when pushed)."""
     table: dict
@@ -116,7 +116,7 @@ class TablePush(Message):
 class TableEvents(Message):
     """The leader's entries after ``prev_version`` (whose term was ``prev_term``)."""
 
-    leader: str = field(pattern=NODE_PATTERN)
+    leader: NodeId
     term: int = field(ge=1, lt=MAX_VERSION)
     epoch: str = field(default="", max_len=64)
     """The swarm history the entries belong to (a follower of another one needs the table)."""
@@ -165,9 +165,9 @@ class Submitted(Message):
 class StageStart(Message):
     """Leader to a stage's node: check the plan from these inputs, start the stage's worker."""
 
-    job_id: str = field(pattern=ID_PATTERN)
-    attempt: int = field(ge=1)
-    stage: int = field(ge=0)
+    job_id: JobId
+    attempt: Attempt
+    stage: StageIndex
     job: Job
     """The job the plan was made from."""
     cluster: list
@@ -231,7 +231,7 @@ class JobAck(Message):
 class JobMetricsFetch(Message):
     """To the leader: a job's metrics (loss curve, throughput, boundary traffic)."""
 
-    job_id: str = field(pattern=ID_PATTERN)
+    job_id: JobId
 
 
 @message("job.metrics")
