@@ -33,6 +33,15 @@ CODES: dict[str, str] = {
     "final": "user",
     "exists": "user",
     "not_served": "user",
+    # a peer's request the daemon refuses (wire and protocol)
+    "malformed": "user",
+    "unknown_type": "user",
+    "too_large": "user",
+    "version": "user",
+    "wrong_swarm": "user",
+    "unknown_peer": "user",
+    "node_id_taken": "user",
+    "unexpected": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",

@@ -444,7 +444,7 @@ class Daemon:
         try:
             return await self._dispatch(msg)
         except SwarmError as exc:
-            if exc.kind == "user":
+            if exc.kind != "unavailable":  # not leading, stopping: normal during a change
                 self._bad.warning("refused %s: %s", type(msg).TYPE, exc)
             raise
         except ValueError as exc:
