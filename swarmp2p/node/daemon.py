@@ -47,6 +47,7 @@ from swarmp2p.node.api import ApiServer
 from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.jobs_leader import JobsLeader
+from swarmp2p.node.jobtable import ACTIVE_STATES
 from swarmp2p.node.membership import Change
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
@@ -77,6 +78,8 @@ log = logging.getLogger("swarmp2p.node")
 
 LEAVE_TIMEOUT_S = 2.0
 """How long a stopping member waits for the leader to take it off the members."""
+METRICS_WANTED_S = 10.0
+"""A follower fetches job metrics from the leader while its status was asked this recently."""
 
 
 class _RateLimitedLog:
@@ -151,6 +154,8 @@ class Daemon:
         self._env = os.environ if env is None else env
         self._dashboard, self._dashboard_note = None, ""
         self._view_leader = node_id
+        self._status_at = -1e9
+        self._metrics_at = -1e9
 
     @property
     def node_id(self) -> str:
@@ -392,6 +397,20 @@ class Daemon:
         self.jobs.tick()
         self.stages.reap()
         self.serving.tick()
+        if (
+            not ctx.leading
+            and now - self._status_at < METRICS_WANTED_S
+            and now - self._metrics_at >= 1.0
+        ):
+            self._metrics_at = now
+            ctx.spawn(self._refresh_metrics(), "metrics")
+
+    async def _refresh_metrics(self) -> None:
+        """A follower someone is watching (its dashboard, `swarm status`) keeps the running
+        jobs' metrics fetched from the leader, and each finished job's once."""
+        for job_id, entry in sorted(self.rep.table.jobs.items()):
+            if entry.state in ACTIVE_STATES or not self.jobs.metrics.get(job_id):
+                await self.jobs.job_metrics(job_id)
 
     async def _beat(self, node_id: str, endpoint: str, alive: bool) -> None:
         if not alive:
@@ -502,6 +521,7 @@ class Daemon:
         """What `swarm status --json` prints."""
         ctx = self.ctx
         now = ctx.clock()
+        self._status_at = now
         me = {
             "node_id": ctx.node_id, "name": ctx.me.name, "address": f"{ctx.me.addresses[0]}:{ctx.port}",
             "alive": True, "is_leader": ctx.leader == ctx.node_id, "last_seen_s": 0.0,

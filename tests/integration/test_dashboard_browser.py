@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from swarm_harness import agreed_on, dump, free_port, wait_until
+from swarm_harness import agreed_on, dump, free_port, tiny_llama, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -58,21 +58,6 @@ def browser(tmp_path):
         driver.quit()
 
 
-def _plan(nodes: list[str]) -> dict:
-    return {
-        "dtype": "float32",
-        "stages": [
-            {"index": i, "node_id": n, "node": f"host-{n}", "devices": ["cpu:0"],
-             "layers": [i * 10, (i + 1) * 10]}
-            for i, n in enumerate(nodes)
-        ],
-    }  # fmt: skip
-
-
-def _metrics(n: int) -> list[dict]:
-    return [{"step": s, "loss": 4.0 - 0.3 * s, "tokens_per_s": 100.0 + s} for s in range(n)]
-
-
 def _js(driver, script: str):
     return driver.execute_script(script)
 
@@ -111,50 +96,36 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     bars = _js(browser, "return document.querySelectorAll('tr[data-node-id] .dev .bar').length")
     assert bars >= 3  # at least the CPU of every node, each with a memory bar
 
-    first = nodes[1].submit(
-        {"name": "lora-run", "plan": _plan(["a", "b", "c"]), "metrics": _metrics(3)}
-    )
+    model = tiny_llama(tmp_path / "tiny-llama", layers=3)
+    job = {
+        "name": "lora-run",
+        "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
+        "data": {"source": "random"},
+        "split": {"stages": 3, "mode": "equal"},
+        "train": {"steps": 7, "batch_size": 2, "seq_len": 8, "micro_batches": 1,
+                  "eval_batches": 1, "checkpoint_every": 0},
+    }  # fmt: skip
+    first = nodes[1].submit(job)  # a real job: the page reads the leader's metrics
     chart = "return (document.querySelector('svg.loss-chart[data-job-id=\"%s\"]') || {}).dataset"
     wait_until(
-        lambda: (_js(browser, chart % first["job_id"]) or {}).get("points") == "3",
-        20,
-        "the first job's loss curve with 3 points",
+        lambda: (_js(browser, chart % first["job_id"]) or {}).get("points") == "7",
+        120,
+        "the job's loss curve with 7 points",
     )
     stages = "return [...document.querySelectorAll('svg.plan-chart[data-job-id=\"%s\"] rect')].map(r => r.dataset.nodeId)"
     assert _js(browser, stages % first["job_id"]) == ["a", "b", "c"]
     line = "return document.querySelector('svg.loss-chart[data-job-id=\"%s\"] polyline').getAttribute('points')"
-    assert len(_js(browser, line % first["job_id"]).split()) == 3
-
-    # the table gains metrics (issue 7 will update one job; until then a second record), here
-    # in the training dispatcher's form: loss rows per attempt, the newest step's throughput
-    dispatcher_metrics = {
-        "step": 7, "loss": 2.2, "tokens_per_s": 106.0, "step_s": 0.5,
-        "boundaries": {"0": {"act_mb_s": 1.5, "grad_mb_s": 1.25}},
-        "losses": [[1, p["step"], p["loss"]] for p in _metrics(7)],
-    }  # fmt: skip
-    second = nodes[2].submit(
-        {
-            "job": {"name": "lora-run-2", "train": {"steps": 20}},
-            "plan": _plan(["c", "a"]),
-            "metrics": dispatcher_metrics,
-            "evaluation": {"held_out": {"loss": 2.1, "perplexity": 8.17}},
-            "step": 7,
-            "attempt": 1,
-        }
-    )
-    wait_until(
-        lambda: (_js(browser, chart % second["job_id"]) or {}).get("points") == "7",
-        20,
-        "the second job's loss curve with 7 points",
-    )
-    assert len(_js(browser, line % second["job_id"]).split()) == 7
+    assert len(_js(browser, line % first["job_id"]).split()) == 7
     tps = (
         "return document.querySelector('svg.tokens-per-s-chart[data-job-id=\"%s\"]').dataset.points"
     )
-    assert _js(browser, tps % second["job_id"]) == "1"  # the dispatcher keeps only the newest
-    job = "return document.querySelector('div.job[data-job-id=\"%s\"]').innerText"
-    text = _js(browser, job % second["job_id"])
-    for words in ("step 7 of 20", "attempt 1", "activations 1.500 MB/s", "held_out", "8.170"):
+    assert _js(browser, tps % first["job_id"]) == "1"  # the leader keeps only the newest
+    job_text = "return document.querySelector('div.job[data-job-id=\"%s\"]').innerText"
+    wait_until(
+        lambda: "trained" in _js(browser, job_text % first["job_id"]), 60, "the evaluation row"
+    )
+    text = _js(browser, job_text % first["job_id"])
+    for words in ("step 7 of 7", "attempt 1", "activations", "trained"):
         assert words in text, text
     browser.save_screenshot(str(tmp_path / "dashboard.png"))  # for a person to look at
 
