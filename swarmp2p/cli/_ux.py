@@ -64,4 +64,6 @@ def dashboard(state_dir, as_json) -> None:
     elif url:
         click.echo(url)
     else:
-        _fail(ValueError(f"this node serves no dashboard: {note or 'unknown reason'}"))
+        from swarmp2p.errors import Failed
+
+        _fail(Failed(f"this node serves no dashboard: {note or 'unknown reason'}"))

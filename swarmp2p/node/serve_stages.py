@@ -245,7 +245,13 @@ class ServeStages:
         import json
 
         from swarmp2p.node import model_files
-        from swarmp2p.node.stages import CHUNK_BYTES, _safe
+        from swarmp2p.node.stages import CHUNK_BYTES
+        from swarmp2p.paths import confine
+
+        def _safe(name: str) -> str:
+            """A relative name from the issuer, confined to the job's folder."""
+            confine(job_dir, name, what="shard file")
+            return name
 
         job_id = str(ask.get("job_id", ""))
         job_dir = self.stage_host.job_dir(job_id)
@@ -327,7 +333,13 @@ class ServeStages:
         return str(folder), str(dest)
 
     async def start(self, msg: ServeStageStart) -> ServeStage:
+        from swarmp2p.paths import UnsafeName, check_id
         from swarmp2p.serve.spec import StageServeSpec
+
+        try:
+            check_id(msg.serve_id, what="serve id")  # it names log files and folders here
+        except UnsafeName as exc:
+            raise RpcError("bad_field", str(exc)) from None
 
         device_name = str(msg.env.get("device", "cpu"))
         device, visible = device_for([device_name], self.ctx.me.record)

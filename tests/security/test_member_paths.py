@@ -1,7 +1,6 @@
 """A member names files with ``..``: nothing outside its folder may be read or written
-(issue 15, items 2 and 9). The daemon's call sites get :func:`swarmp2p.paths.confine` in the
-lead's redesign; until then the attacks that still work are marked xfail(strict=True), so a
-fix turns them into failures that say "remove the marker"."""
+(issue 15, items 2 and 9). Every node/ call site confines the names it is given
+(:func:`swarmp2p.paths.confine`, :func:`swarmp2p.paths.check_id`)."""
 
 from __future__ import annotations
 
@@ -16,14 +15,12 @@ from swarmp2p.node.messages import FilePull, ServeStageStart, ShardChunk, ShardR
 
 pytestmark = pytest.mark.slow
 
-LEAD = "the lead applies swarmp2p.paths.confine/check_id at this node/ call site (h15a report)"
-
 
 @pytest.mark.parametrize(
     ("job_id", "file"),
     [
-        pytest.param("..", "secret", marks=pytest.mark.xfail(strict=True, reason=LEAD)),
-        pytest.param("..", "node_id", marks=pytest.mark.xfail(strict=True, reason=LEAD)),
+        ("..", "secret"),
+        ("..", "node_id"),
         ("j1", "../../secret"),
         ("j1", "x/../../../secret"),
         ("j1", "/etc/passwd"),
@@ -69,9 +66,7 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
     overwritten = victim.state.node_id_file.read_text() != node_id_before
     if overwritten:  # put it back for the other tests
         victim.state.node_id_file.write_text(node_id_before)
-    if code != "bad_field" or overwritten:
-        pytest.xfail(f"{LEAD}: file_pull(job_id='..') answered {code!r}, node_id overwritten: {overwritten}")  # fmt: skip
-    pytest.fail("file_pull(job_id='..') is refused now: make this a plain assertion")
+    assert code == "bad_field" and not overwritten, (code, overwritten)
 
 
 def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
@@ -93,6 +88,4 @@ def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
             except RpcError as exc:
                 code = exc.code
             created = sorted(p.name for p in set(outside.iterdir()) - before)
-    if created or code != "bad_field":
-        pytest.xfail(f"{LEAD}: answered {code!r}, created outside the state dir: {created}")
-    pytest.fail("serve_id '../../x' is refused now: make this a plain assertion")
+    assert code == "bad_field" and not created, (code, created)
