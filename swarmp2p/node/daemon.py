@@ -44,7 +44,7 @@ from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import events as ev
 from swarmp2p.node import hardware, jobs_api, views
 from swarmp2p.node.api import ApiServer
-from swarmp2p.node.config import NodeConfig, parse_peer
+from swarmp2p.node.config import NodeConfig, RateLimitedLog, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.jobs_leader import JobsLeader
 from swarmp2p.node.jobtable import ACTIVE_STATES
@@ -80,30 +80,6 @@ LEAVE_TIMEOUT_S = 2.0
 """How long a stopping member waits for the leader to take it off the members."""
 METRICS_WANTED_S = 10.0
 """A follower fetches job metrics from the leader while its status was asked this recently."""
-
-
-class _RateLimitedLog:
-    """Log at most ``per_second`` lines a second; count and report what was dropped."""
-
-    def __init__(self, per_second: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
-        self._per_second, self._clock = per_second, clock
-        self._window, self._count, self._dropped = 0.0, 0, 0
-
-    def flush(self) -> None:
-        """Report what was dropped once its one-second window is over."""
-        now = self._clock()
-        if now - self._window >= 1.0:
-            if self._dropped:
-                log.warning("... %d more bad requests in the last second", self._dropped)
-            self._window, self._count, self._dropped = now, 0, 0
-
-    def warning(self, fmt: str, *args: Any) -> None:
-        self.flush()
-        if self._count < self._per_second:
-            self._count += 1
-            log.warning(fmt, *args)
-        else:
-            self._dropped += 1
 
 
 class Daemon:
@@ -143,7 +119,7 @@ class Daemon:
         self.bind_host = addresses[0] if config.interface else "0.0.0.0"
         self._networks = local_networks()
         self._stop = asyncio.Event()
-        self._bad = _RateLimitedLog(clock=clock)
+        self._bad = RateLimitedLog(clock=clock)
         self._static = [parse_peer(p) for p in config.peers]
         self._hellos: set[str] = set()
         self._unanswered: set[str] = set()

@@ -7,8 +7,7 @@ import logging
 import pytest
 
 from swarmp2p.node import api, control
-from swarmp2p.node.config import NodeConfig, parse_peer
-from swarmp2p.node.daemon import _RateLimitedLog
+from swarmp2p.node.config import NodeConfig, RateLimitedLog, parse_peer
 from swarmp2p.node.messages import (
     Heartbeat,
     LeadRequest,
@@ -99,7 +98,7 @@ def test_bad_hello_is_a_wire_error(change, message):
 
 def test_rate_limited_log_counts_what_it_drops(caplog):
     now = [100.0]
-    limited = _RateLimitedLog(per_second=3, clock=lambda: now[0])
+    limited = RateLimitedLog(per_second=3, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="swarmp2p.node"):
         for i in range(50):
             limited.warning("bad %d", i)
