@@ -7,9 +7,12 @@ port) and dials the stage after it, then writes JSON-lines events on stdout:
 - ``{"event": "ready", "stage": i, "port": p}`` once its link is bound (``port`` null on stage 0)
 - ``{"event": "eval", "stage": i, "pass": name, "loss": ..., "perplexity": ..., "top1": ..., "tokens": n}``
 - ``{"event": "step", "stage": i, "step": s, "loss": ..., "tokens_per_s": ..., "act_bytes": ...,
-  "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ...}``
+  "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ..., "loss_scale": ..., "skipped": ...}``
+  (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step)
 - ``{"event": "done", "stage": i, "steps": n}`` and exit code 0
-- ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1
+- ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1; a non-finite
+  loss or gradient (``NonFiniteError``, or ``PipelineAborted`` on the other stages) adds
+  ``failed_stage``, ``step`` and ``reason``
 
 Parsing the spec imports no torch (the daemon validates specs with it); running a stage does.
 """
@@ -56,6 +59,10 @@ class TrainSpec:
     calibration_tokens: int = 16384
     checkpoint_every: int = 0
     """Write a snapshot every this many steps (0: never)."""
+    loss_scale: float | None = None
+    """A float16 job's first loss scale (None: 2**16, torch.amp.GradScaler's default)."""
+    inject_nan_step: int | None = None
+    """Test knob: from this step on, this stage's gradients hold a NaN."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +123,9 @@ class WorkerSpec:
     adapters only."""
     export_dir: str | None = None
     """Write this stage's shard to ``export_dir/stage-<i>`` after the last step."""
+    weight_dtype: str | None = None
+    """Store the frozen backbone's Linear/Embedding weights in this 16-bit dtype (``float16`` or
+    ``bfloat16``; lora, compressor_only and none modes; a full fine-tune ignores it)."""
 
     @property
     def is_first(self) -> bool:
@@ -202,6 +212,12 @@ def _parse_train(c: _Checker, data: Any) -> TrainSpec:
         eval_batches=c.integer(d, "eval_batches", p, 0, 0),
         calibration_tokens=c.integer(d, "calibration_tokens", p, 16384, 1),
         checkpoint_every=c.integer(d, "checkpoint_every", p, 0, 0),
+        loss_scale=c.number(d, "loss_scale", p, None, 0.0, lo_open=True)
+        if d.get("loss_scale") is not None
+        else None,
+        inject_nan_step=c.integer(d, "inject_nan_step", p, None, 0)
+        if d.get("inject_nan_step") is not None
+        else None,
     )
     if spec.batch_size % spec.micro_batches:
         c.fail(
@@ -250,7 +266,7 @@ def parse_worker_spec(data: Any) -> WorkerSpec:
     """A validated WorkerSpec, or WorkerSpecError listing every bad field."""
     c = _Checker()
     d = c.obj(data, "", _TOP_KEYS)
-    n = c.integer(d, "n_stages", "", 2, 2, required=True)
+    n = c.integer(d, "n_stages", "", 2, 1, required=True)
     stage = c.integer(d, "stage", "", 0, 0, required=True)
     if "stage" in d and "n_stages" in d and isinstance(stage, int) and stage >= n:
         c.fail("stage", f"must be < n_stages ({n}), got {stage}")
@@ -306,9 +322,14 @@ def parse_worker_spec(data: Any) -> WorkerSpec:
         resume=c.boolean(d, "resume", "", False),
         quantization=_parse_quantization(c, d.get("quantization")),
         export_dir=c.string(d, "export_dir", "", None),
+        weight_dtype=c.string(d, "weight_dtype", "", None, choices=("float16", "bfloat16"))
+        if d.get("weight_dtype") is not None
+        else None,
     )
     if spec["resume"] and spec["snapshot_dir"] is None:
         c.fail("resume", "needs snapshot_dir")
+    if spec["train"].loss_scale is not None and spec["dtype"] != "float16":
+        c.fail("train.loss_scale", f"applies only to float16 jobs, dtype is {spec['dtype']}")
     if c.errors:
         raise WorkerSpecError(c.errors)
     return WorkerSpec(**spec)
@@ -356,7 +377,8 @@ def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        emit("error", type=type(exc).__name__, message=str(exc))
+        extra = getattr(exc, "event_fields", None)
+        emit("error", type=type(exc).__name__, message=str(exc), **(extra or {}))
         return EXIT_FAILED
     return 0
 

@@ -37,7 +37,11 @@ def test_a_good_spec_parses_with_defaults():
     ("change", "message"),
     [
         ({"stage": 3}, "stage: must be < n_stages (3), got 3"),
-        ({"n_stages": 1}, "n_stages: must be an integer >= 2, got 1"),
+        ({"n_stages": 0}, "n_stages: must be an integer >= 1, got 0"),
+        ({"weight_dtype": "int8"}, "weight_dtype: must be one of float16, bfloat16, got 'int8'"),
+        ({"train": {"loss_scale": 1024.0}}, "train.loss_scale: applies only to float16 jobs"),
+        ({"train": {"loss_scale": 0}}, "train.loss_scale: must be a number > 0.0, got 0"),
+        ({"train": {"inject_nan_step": -1}}, "train.inject_nan_step: must be an integer >= 0"),
         ({"layers": [2, 9]}, "layers: must be [start, end) with 0 <= start < end <= n_layers"),
         ({"compression": ["none"]}, "compression: must list one spec per boundary (2)"),
         ({"compression": ["none", "zip"]}, "compression[1]"),
@@ -61,6 +65,27 @@ def test_bad_fields_are_named(change, message):
     with pytest.raises(WorkerSpecError) as info:
         parse_worker_spec({**GOOD, **change})
     assert any(message in e for e in info.value.errors), info.value.errors
+
+
+def test_a_one_stage_spec_needs_no_next_and_no_compression():
+    spec = parse_worker_spec(
+        {"stage": 0, "n_stages": 1, "model": "/m", "layers": [0, 6], "n_layers": 6, "token": "t"}
+    )
+    assert spec.is_first and spec.is_last and spec.compression == () and spec.next is None
+
+
+def test_half_precision_fields_parse():
+    spec = parse_worker_spec(
+        {
+            **GOOD,
+            "dtype": "float16",
+            "weight_dtype": "float16",
+            "train": {"loss_scale": 1024, "inject_nan_step": 3},
+        }
+    )
+    assert spec.weight_dtype == "float16" and spec.train.loss_scale == 1024.0
+    assert spec.train.inject_nan_step == 3
+    assert parse_worker_spec(GOOD).weight_dtype is None
 
 
 def test_every_problem_is_reported_at_once():
