@@ -245,6 +245,26 @@ class Channel:
         return header, tensors
 
 
+def tell_neighbours(
+    exc: BaseException, *, stage: int, step: int | None, prev: Channel | None, next: Channel | None
+) -> None:
+    """Send the neighbours an abort naming the failed stage, step and reason (once per error).
+
+    A ``PipelineAborted`` is passed on away from the link it came over; an error with
+    ``stage``/``step``/``reason`` attributes (``NonFiniteError``) names its own stage and step.
+    """
+    if getattr(exc, "neighbours_told", False):
+        return
+    exc.neighbours_told = True
+    if all(hasattr(exc, k) for k in ("stage", "step", "reason")):  # its own stage and step
+        stage, step, reason = exc.stage, exc.step, exc.reason
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    for channel in (prev, next):
+        if channel is not None and channel is not getattr(exc, "channel", None):
+            channel.send_abort(stage=stage, step=step, reason=reason)
+
+
 @dataclass
 class _Session:
     channel: Channel

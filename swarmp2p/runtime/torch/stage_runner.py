@@ -183,11 +183,22 @@ def run_stage(spec: WorkerSpec, emit: Callable[..., None]) -> None:
 
 
 def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
+    from swarmp2p.runtime.torch.boundary import Channel, tell_neighbours
+
+    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
+    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
+    try:
+        _run_on(spec, emit, prev, nxt)
+    except Exception as exc:  # the neighbours stop now, not at their link timeout
+        tell_neighbours(exc, stage=spec.stage, step=None, prev=prev, next=nxt)
+        raise
+
+
+def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     import time
 
     from swarmp2p.plan.schedule import stage_schedule
     from swarmp2p.plan.split import parse_compression
-    from swarmp2p.runtime.torch.boundary import Channel
     from swarmp2p.runtime.torch.calibration import calibrate_stage
     from swarmp2p.runtime.torch.evaluation import evaluate_stage
     from swarmp2p.runtime.torch.precision import make_loss_scaler
@@ -197,8 +208,6 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
     bundle, vocab, lora_info = build_from_spec(spec)
     fingerprint = lora_info["fingerprint"]
     evaluation: dict[str, dict] = {}
-    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
-    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
     t = spec.train
     tokens = _load_tokens(spec) if spec.is_first and spec.data.source == "tokens" else None
     held_out = eval_batches(spec, vocab, tokens) if spec.is_first else None

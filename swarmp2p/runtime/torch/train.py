@@ -37,9 +37,9 @@ from swarmp2p.runtime.torch.boundary import (
     ACT,
     GRAD,
     Channel,
-    PipelineAborted,
     SentMicroBatch,
     send_through,
+    tell_neighbours,
 )
 from swarmp2p.runtime.torch.compression import Compressor, LearnedBottleneck
 from swarmp2p.runtime.torch.precision import (
@@ -571,19 +571,8 @@ def train_stage(
                 tokens=tokens,
                 scaler=scaler,
             )
-        except PipelineAborted as exc:  # a neighbour failed: pass it on, away from it
-            for channel in (prev, next):
-                if channel is not None and channel is not exc.channel:
-                    channel.send_abort(stage=exc.stage, step=exc.step, reason=exc.reason)
-            raise
         except Exception as exc:
-            failed = exc.stage if isinstance(exc, NonFiniteError) else bundle.index
-            reason = (
-                exc.reason if isinstance(exc, NonFiniteError) else f"{type(exc).__name__}: {exc}"
-            )
-            for channel in (prev, next):
-                if channel is not None:
-                    channel.send_abort(stage=failed, step=step, reason=reason)
+            tell_neighbours(exc, stage=bundle.index, step=step, prev=prev, next=next)
             raise
         metrics.append(result)
         if on_step is not None:
