@@ -11,8 +11,8 @@ port) and dials the stage after it, then writes JSON-lines events on stdout:
   (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step)
 - ``{"event": "done", "stage": i, "steps": n}`` and exit code 0
 - ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1; a non-finite
-  loss or gradient (``NonFiniteError``, or ``PipelineAborted`` on the other stages) adds
-  ``failed_stage``, ``step`` and ``reason``
+  step (``NonFiniteError``) and a stage stopped by another's failure (``PipelineAborted``) add
+  ``failed_stage``, ``step`` (null when not in a step) and ``reason``
 
 Parsing the spec imports no torch (the daemon validates specs with it); running a stage does.
 """
