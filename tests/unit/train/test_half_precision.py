@@ -128,6 +128,7 @@ def test_half_parameters_step_through_float32_master_copies():
     assert not opt.gradients_finite(scale=2.0)
 
 
+@pytest.mark.slow  # float16 matmuls are emulated on the CPU: ~0.5 s per tiny LoRA step
 def test_float16_lora_stays_finite_with_master_copies_and_goes_nan_without():
     """The DESIGN pitfall: AdamW in float16 divides 0 by eps = 0 on a zero-initialised LoRA B."""
     from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora
@@ -137,17 +138,18 @@ def test_float16_lora_stays_finite_with_master_copies_and_goes_nan_without():
         apply_lora(stage, LoraSettings(r=4, alpha=8, dropout=0.0))
         return build_bundle(stage.half(), index=0, n_stages=1, finetune_mode="lora")
 
-    batches = token_batches(4, 4, 9)
-    settings = TrainSettings(steps=4, lr=1e-2)
+    batches = token_batches(2, 4, 9)
+    settings = TrainSettings(steps=2, lr=1e-2)
     ops = stage_schedule("1f1b", 0, 1, 1)
-    bundle = one_stage(build_model("llama"))
+    model = build_model("llama")
+    bundle = one_stage(copy.deepcopy(model))
     assert bundle.dtype == torch.float16
     metrics = train_stage(bundle, settings, ops, batches=iter(batches))
     assert all(torch.isfinite(p).all() for p in bundle.trainable_parameters)
     assert metrics[0].loss_scale == INIT_LOSS_SCALE
-    plain = one_stage(build_model("llama"))
+    plain = one_stage(model)
     adamw = torch.optim.AdamW(plain.trainable_parameters, lr=1e-2)
-    for tokens in batches:
+    for tokens in batches[:1]:  # one step: lora_A's update is 0 / (0 + 0)
         loss = torch.nn.functional.cross_entropy(
             plain.stage(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten()
         )
