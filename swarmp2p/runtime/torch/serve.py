@@ -170,6 +170,8 @@ class StageServer:
         """Forwards run (a decode step of a whole group counts once)."""
         self.last_batch = 0
         """Rows of the latest decode step."""
+        self.peak_batch = 0
+        """Most rows any decode step had."""
         self._chunks: collections.deque[_Chunk] = collections.deque()
         self._decodes: collections.deque[tuple[Decode, list]] = collections.deque()
         self._decode_turn = True
@@ -408,6 +410,7 @@ class StageServer:
             return out + self._error(sids, f"{type(e).__name__}: {e}")
         self.steps += 1
         self.last_batch = len(sids)
+        self.peak_batch = max(self.peak_batch, len(sids))
         sizes = (*msg.sizes, len(sids))
         if not self.stage.is_last_stage:
             step = Decode(group=msg.group, step=msg.step, sids=sids,
