@@ -364,11 +364,11 @@ def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> G
     if repetition is not None and (
         isinstance(repetition, bool)
         or not isinstance(repetition, (int, float))
-        or not 0 < repetition <= 10
+        or not 0.01 <= repetition <= 10
     ):
         raise ApiError(
             400,
-            f"repetition_penalty: {repetition!r} is not a number in (0, 10]",
+            f"repetition_penalty: {repetition!r} is not a number in [0.01, 10]",
             param="repetition_penalty",
         )
     logprobs = _logprobs(body, chat)

@@ -50,6 +50,9 @@ MAX_TOP_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs``."""
 MAX_LOGIT_BIAS = 1024
 """Entries of ``logit_bias`` one request may set."""
+GREEDY_BELOW = 1e-5
+"""A temperature under this is greedy: dividing logits by less overflows float32 (vLLM's
+``_SAMPLING_EPS``)."""
 
 
 def _is_number(value: Any) -> bool:
@@ -68,6 +71,7 @@ class SamplingParams:
     logit bias, then temperature, top-k, top-p and min-p."""
 
     temperature: float = 1.0
+    """0 (or anything below GREEDY_BELOW) is greedy."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
@@ -122,10 +126,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
         _check(
-            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+            _is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
             "repetition_penalty",
             self.repetition_penalty,
-            "a number in (0, 10] (1 is none)",
+            "a number in [0.01, 10] (1 is none)",
         )
         bias = self.logit_bias
         _check(
@@ -154,7 +158,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_history(self) -> bool:

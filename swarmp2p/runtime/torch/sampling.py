@@ -140,6 +140,11 @@ class SessionSampler:
             for warper in self._warpers:
                 scores = warper(ids, scores)
             probs = scores[0].softmax(dim=-1)
+            if not torch.isfinite(probs).all():
+                raise ValueError(
+                    f"sampling with {self.params} gave probabilities that are not finite; "
+                    "use a larger temperature or smaller penalties and biases"
+                )
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
         if logprobs is None:
             return token, None

@@ -96,6 +96,7 @@ def test_bad_ring_messages_are_refused_naming_the_field(data, match):
         ({"min_p": 1.5}, "min_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
         ({"logit_bias": ((2**40, 1.0),)}, "logit_bias"),
         ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
         ({"logprobs": 21}, "logprobs"),
@@ -112,9 +113,11 @@ def test_sampling_params_send_only_what_differs_from_the_defaults():
     assert not SamplingParams().needs_history and FULL.needs_history
 
 
-def test_greedy_is_temperature_zero():
+def test_greedy_is_temperature_zero_or_too_small_to_divide_by():
     assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-300).greedy
     assert not SamplingParams().greedy
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 @pytest.mark.parametrize(

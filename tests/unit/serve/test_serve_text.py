@@ -2,43 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from conftest import CORPUS
 
 from swarmp2p.serve.text import TextCodec, TextStream
 
-CORPUS = [
-    "the capital of France is Paris",
-    "hello world, hello there",
-    "one two three four five six",
-    "naïve café – déjà vu ✓",
-]
-TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    out = tmp_path_factory.mktemp("tok")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
-    return out
+@pytest.fixture
+def folder(tokenizer_folder):
+    return tokenizer_folder
 
 
 def test_codec_reads_the_folder(folder):
