@@ -146,27 +146,30 @@ def _tiny_served_folder(folder: str) -> str:
 
 
 class _Server:
-    """``python -m swarmp2p.serve MODEL --stages N`` in its own process, one thread per stage."""
+    """``python -m swarmp2p.serve MODEL --stages N`` in its own process, one thread per stage,
+    from this checkout or from ``root`` (another checkout: the code before a change)."""
 
-    def __init__(self, model: str, stages: int, max_context: int, max_sessions: int) -> None:
+    def __init__(
+        self, model: str, stages: int, max_context: int, max_sessions: int, root: str | None = None
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}/v1"
-        root = str(Path(__file__).resolve().parents[1])
+        root = root or str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "swarmp2p.serve", model, "--stages", str(stages),
              "--port", str(port), "--threads", "1", "--max-sessions", str(max_sessions),
              "--max-context", str(max_context)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env, cwd=root,
         )  # fmt: skip
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()
-            raise RuntimeError(
-                f"the server did not start: {line!r} {self.proc.stderr.read()[-2000:]}"
-            )
+            self._stderr.seek(0)
+            raise RuntimeError(f"the server did not start: {line!r} {self._stderr.read()[-2000:]}")
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -175,6 +178,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._stderr.close()
 
 
 def _http_round(client, model: str, users: int, tokens: int) -> dict:
@@ -235,8 +239,9 @@ def _generate_batch(model, prompt_ids, batch: int, tokens: int, threads: int) ->
 
 
 def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ...],
-                tokens: int, repeats: int) -> dict:  # fmt: skip
-    """The HTTP section: per stage count and concurrency, ring vs batched generate."""
+                tokens: int, repeats: int, baseline_root: str | None = None) -> dict:  # fmt: skip
+    """The HTTP section: per stage count and concurrency, ring vs batched generate; with
+    ``baseline_root``, the headline stage count is served by that checkout too (alternated)."""
     import openai
     import torch
     from transformers import AutoModelForCausalLM
@@ -249,20 +254,26 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     context = len(prompt_ids) + tokens + 8
     servers = {n: _Server(model_ref, n, context, max(users)) for n in stages}
-    ring: dict = {(n, u): [] for n in stages for u in users}
+    if baseline_root is not None:
+        servers["before"] = _Server(model_ref, HEADLINE_STAGES, context, max(users), baseline_root)
+    ring: dict = {(n, u): [] for n in servers for u in users}
     gen: dict = {(n, u): [] for n in stages for u in users}
     try:
         clients = {
             n: openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=600)
             for n, s in servers.items()
         }
-        for n in stages:  # warm-up, not counted
+        for n in servers:  # warm-up, not counted
             _http_round(clients[n], model_ref, 2, 4)
         _generate_batch(model, prompt_ids, 2, 4, 1)
         for _ in range(repeats):
             for n in stages:
                 for u in users:
                     ring[n, u].append(_http_round(clients[n], model_ref, u, tokens))
+                    if n == HEADLINE_STAGES and "before" in servers:
+                        ring["before", u].append(
+                            _http_round(clients["before"], model_ref, u, tokens)
+                        )
                     gen[n, u].append(_generate_batch(model, prompt_ids, u, tokens, n))
     finally:
         for server in servers.values():
@@ -274,7 +285,8 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
         gaps = [g for r in runs for g in r["gaps"]]
         out[n, u] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
-            "generate_tok_s": statistics.median(gen[n, u]),
+            "generate_tok_s": statistics.median(gen[HEADLINE_STAGES if n == "before" else n, u]),
+            "generate_1_thread_tok_s": statistics.median(gen[min(stages), u]),
             "ttft_p50_ms": 1000 * _percentile(ttft, 0.5),
             "ttft_p99_ms": 1000 * _percentile(ttft, 0.99),
             "itl_p50_ms": 1000 * _percentile(gaps, 0.5),
@@ -389,28 +401,32 @@ def http(args) -> dict:
     repeats = args.conc_repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_served_folder(tmp) if args.quick else "embedded"
-        table = concurrency(model, stages=(1, 2, 3), users=users, tokens=tokens, repeats=repeats)
+        table = concurrency(model, stages=(1, 2, 3), users=users, tokens=tokens, repeats=repeats,
+                            baseline_root=args.baseline_root)  # fmt: skip
     name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
     print()
     print(
         f"{name} through HTTP (openai client, streamed chat, greedy), {tokens} tokens per "
         f"request, one thread per stage; generate: a batch of the same size, as many threads "
-        f"as stages; median of {repeats}"
+        f"as stages (and with 1 thread); median of {repeats}"
+        + ("; `before`: the same ring from the baseline checkout" if args.baseline_root else "")
     )
     print()
-    print("| stages | users | ring tok/s | generate(batch) tok/s | x generate | x 1 user | "
-          "TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| stages | users | ring tok/s | generate(batch) tok/s | x generate | x generate 1 thread "
+          "| x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for (n, u), r in table.items():
         single_user = table[n, 1]["tok_s"]
+        label = f"{HEADLINE_STAGES} (before)" if n == "before" else str(n)
         print(
-            f"| {n} | {u} | {r['tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
-            f"{r['tok_s'] / r['generate_tok_s']:.2f} | {r['tok_s'] / single_user:.2f} | "
+            f"| {label} | {u} | {r['tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
+            f"{r['tok_s'] / r['generate_tok_s']:.2f} | "
+            f"{r['tok_s'] / r['generate_1_thread_tok_s']:.2f} | {r['tok_s'] / single_user:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |"
         )
     head = table[HEADLINE_STAGES, 8]
-    return {
+    summary = {
         "conc_8_tok_s": round(head["tok_s"], 2),
         "generate_batch_8_tok_s": round(head["generate_tok_s"], 2),
         "ratio_conc_8": round(head["tok_s"] / head["generate_tok_s"], 3),
@@ -423,6 +439,12 @@ def http(args) -> dict:
             for (n, u), r in table.items()
         },
     }
+    if ("before", 8) in table:
+        summary["before_conc_8_tok_s"] = round(table["before", 8]["tok_s"], 2)
+        summary["before_conc_8_over_single"] = round(
+            table["before", 8]["tok_s"] / table["before", 1]["tok_s"], 3
+        )
+    return summary
 
 
 def main() -> None:
@@ -434,6 +456,11 @@ def main() -> None:
     parser.add_argument("--conc-tokens", type=int, default=None, help="tokens per HTTP request")
     parser.add_argument("--conc-repeats", type=int, default=None)
     parser.add_argument("--only", choices=("single", "http"), default=None)
+    parser.add_argument(
+        "--baseline-root",
+        default=None,
+        help="another checkout (the code before a change) to serve the headline ring too",
+    )
     args = parser.parse_args()
     summary: dict = {}
     if args.only in (None, "single"):

@@ -172,6 +172,8 @@ class StageServer:
         """Rows of the latest decode step."""
         self.peak_batch = 0
         """Most rows any decode step had."""
+        self.busy_s = 0.0
+        """Seconds spent in forwards (against wall time: how busy this stage is)."""
         self._chunks: collections.deque[_Chunk] = collections.deque()
         self._decodes: collections.deque[tuple[Decode, list]] = collections.deque()
         self._decode_turn = True
@@ -204,6 +206,18 @@ class StageServer:
         while self.pending:
             out.extend(self._work())
         return out
+
+    def stats(self) -> dict:
+        """What this stage is doing: sessions held, rows of the latest and largest decode
+        step, forwards run, seconds spent in them, prefill chunks and decode steps waiting."""
+        return {
+            "sessions": len(self.sessions),
+            "batch": self.last_batch,
+            "peak_batch": self.peak_batch,
+            "steps": self.steps,
+            "busy_s": round(self.busy_s, 3),
+            "waiting": len(self._chunks) + len(self._decodes),
+        }
 
     def _send(self, replies: list[list]) -> None:
         for reply in replies:
@@ -500,6 +514,13 @@ class StageServer:
     def _forward(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
         """The stage over ``x`` on ``batch``; logits of the last position on a last stage
         (hidden states when ``head`` is False), else what crosses the boundary after it."""
+        started = time.perf_counter()
+        try:
+            return self._run(x, batch, head=head)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    def _run(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
         with torch.inference_mode():
             if self.receiver is not None:  # a learned boundary's receive half: code -> hidden
                 x = self.receiver(x)
