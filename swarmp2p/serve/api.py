@@ -604,11 +604,22 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Api:
-    def __init__(self, models: Sequence[ServedModel], api_key: str | None) -> None:
+    def __init__(
+        self, models: Sequence[ServedModel], api_key: str | None, hosts: frozenset[str] | None
+    ) -> None:
         self.models = {m.name: m for m in models}
         self.api_key = api_key
         self.metrics = ServeMetrics()
         self.closing = False
+        self.hosts = None if hosts is None else set(hosts)
+        """Host names requests may name; None: any."""
+
+    def allow_host(self, host: str) -> None:
+        """Also answer requests naming ``host`` (the address a server bound); any host for
+        an address on every interface."""
+        if self.hosts is not None:
+            wider = allowed_hosts(host)
+            self.hosts = None if wider is None else self.hosts | wider
 
     async def health(self, request: web.Request) -> web.Response:
         stopped = [m.name for m in self.models.values() if m.client.closed]
@@ -796,12 +807,12 @@ def build_app(
     extra_hosts: Sequence[str] = (),
 ) -> web.Application:
     """The aiohttp application answering for ``models`` as a server bound to ``host`` (its
-    name and loopback's are the Host names it accepts, plus ``extra_hosts``). Mountable on any
-    loop; nothing in it blocks the loop."""
-    api = _Api(models, api_key)
-    hosts = allowed_hosts(host, extra_hosts)
+    name and loopback's are the Host names it accepts, plus ``extra_hosts``; ApiServer adds the
+    address it binds). Mountable on any loop; nothing in it blocks the loop."""
+    api = _Api(models, api_key, allowed_hosts(host, extra_hosts))
 
     def _refused_host(request: web.Request) -> ApiError | None:
+        hosts = api.hosts
         if hosts is None:
             return None
         given = request.headers.get("Host")
@@ -888,6 +899,9 @@ class ApiServer:
         def run() -> None:
             loop = asyncio.new_event_loop()
             self._loop = loop
+            api = self.app.get(API)
+            if api is not None:  # it answers to the address it binds, whatever build_app said
+                api.allow_host(self.host)
             try:
                 runner = web.AppRunner(
                     self.app,
