@@ -300,3 +300,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny_whole):
         assert long.result(60) == solo_long
         assert short.result(60) == solo_short
     assert solo_long == reference_generate(model, long_prompt, 6)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_caches_grow_past_their_first_capacity_in_a_batch(family, tiny_whole):
+    """Sessions outgrow the first 64-token allocation while batched (the rows are copied into
+    a larger capacity), prompts go in 16-token chunks, and Mistral's 4-token sliding window
+    masks each row at its own position: every output equals generate's."""
+    model = tiny_whole(family)
+    long_prompt = [(11 * i) % 120 + 3 for i in range(58)]
+    with thread_ring(model, [2], max_context=128, prefill_chunk=16, groups=1) as ring:
+        sessions = [ring.submit(long_prompt, max_tokens=20), ring.submit(PROMPT, max_tokens=20)]
+        got = [s.result(60) for s in sessions]
+        assert [server.peak_batch for server in ring.servers] == [2, 2]
+    assert got[0] == reference_generate(model, long_prompt, 20)
+    assert got[1] == reference_generate(model, PROMPT, 20)
