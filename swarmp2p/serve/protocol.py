@@ -11,15 +11,16 @@ A ring is the session manager, then stage 0 .. stage N-1, then the manager again
 | `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
 (*) only with ``pos == 0``, the first chunk of a session. A ``prefill`` carries the token ids of
-its chunk to every stage (stage 0 embeds them, the last stage keeps them for repetition
-penalties); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
+its chunk (stage 0 embeds them; they go on to the last stage only when a penalty of the session
+needs them, else only their count, the hidden state's length, does); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
 chunks (``more`` is true on all but the last), so a long prompt never stalls other sessions'
 decode steps for long. A ``prefill`` at ``pos == 0`` of a session a stage already holds starts
 it over (failover replays a session's tokens this way).
 
 A ``decode`` is one step of a *group* of sessions, one row each: ``positions[i]`` is how many
 tokens row i's caches held before the step (a stage whose cache disagrees refuses that row,
-so a lost or reordered message never produces wrong text) and ``tokens[i]`` its newest token.
+so a lost or reordered message never produces wrong text) and ``tokens[i]`` its newest token
+(for stage 0 only: later stages get no ids).
 Every stage runs the group as one batched forward and appends its batch size to ``sizes``.
 ``tokens`` answers a group's step (or a prefill's last chunk, with ``group == -1``) with each
 row's next token at ``positions[i]`` (the number of tokens before it). A stage that cannot run
@@ -249,12 +250,13 @@ class Decode:
     """The group's step counter: a late answer to an older step is recognised and dropped."""
     sids: tuple[int, ...]
     positions: tuple[int, ...]
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
+    """Each row's newest token, for stage 0 (empty after it)."""
     sizes: tuple[int, ...] = ()
     """The batch size each stage so far ran this step with."""
 
     def __post_init__(self) -> None:
-        _same_lengths(self.sids, self.positions, self.tokens)
+        _same_lengths(self.sids, self.positions, self.tokens or self.sids)
 
     def encode(self) -> bytes:
         return _pack(self.op, _rows(self))

@@ -101,8 +101,15 @@ class SessionSampler:
             )
         self._warpers = [] if params.greedy else _warpers(params)
 
-    def observe(self, tokens: Sequence[int]) -> None:
-        """The session's next ``tokens`` (in order; a replay starts a new sampler)."""
+    def observe(self, tokens: Sequence[int], count: int | None = None) -> None:
+        """The session's next ``tokens`` (in order; a replay starts a new sampler); just how
+        many (``count``) when the ids did not travel, which a sampler without penalties needs
+        no more than."""
+        if not tokens and count:
+            if self._ids is not None or self._counts is not None:
+                raise ValueError("a penalty needs the session's token ids, and they did not come")
+            self.seen += count
+            return
         if self._ids is not None:
             need = self.seen + len(tokens)
             if need > self._ids.shape[1]:  # doubling: O(1) amortised per token

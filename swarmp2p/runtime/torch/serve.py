@@ -371,7 +371,7 @@ class StageServer:
         out = self._forward(x, session.batch, head=not chunk.more)
         self.steps += 1
         if self.stage.is_last_stage:
-            session.sampler.observe(chunk.tokens)
+            session.sampler.observe(chunk.tokens, count=x.shape[1])
             if chunk.more:
                 return []
             session.sampler.end_of_prompt()
@@ -382,10 +382,12 @@ class StageServer:
                            tokens=(token,), logprobs=(logprobs,) if logprobs else ())  # fmt: skip
             return [[reply.encode()]]
         session.prefilling = chunk.more
+        # the ids go on only when the last stage needs them for a penalty (it counts the rest)
+        keep_ids = session.sampling is not None and session.sampling.needs_history
         forward = Prefill(
             sid=chunk.sid,
             pos=chunk.pos,
-            tokens=chunk.tokens,
+            tokens=chunk.tokens if keep_ids else (),
             more=chunk.more,
             sampling=session.sampling if chunk.pos == 0 else None,
             prompt_len=session.prompt_len if chunk.pos == 0 else None,
@@ -398,7 +400,7 @@ class StageServer:
         keep: list[int] = []
         refused: dict[str, list[int]] = {}
         for i, sid in enumerate(msg.sids):
-            why = self._refusal(sid, msg.positions[i], msg.tokens[i])
+            why = self._refusal(sid, msg.positions[i], msg.tokens[i] if msg.tokens else None)
             if why is None:
                 keep.append(i)
             else:
@@ -410,7 +412,7 @@ class StageServer:
             return out
         sids = tuple(msg.sids[i] for i in keep)
         positions = tuple(msg.positions[i] for i in keep)
-        tokens = tuple(msg.tokens[i] for i in keep)
+        tokens = tuple(msg.tokens[i] for i in keep) if msg.tokens else ()
         x = self._input(tokens, payload, rows=len(msg.sids), length=1)
         if len(keep) < len(msg.sids) and not self.stage.is_first_stage:
             x = x[torch.tensor(keep, device=x.device)]
@@ -427,8 +429,10 @@ class StageServer:
         self.peak_batch = max(self.peak_batch, len(sids))
         sizes = (*msg.sizes, len(sids))
         if not self.stage.is_last_stage:
-            step = Decode(group=msg.group, step=msg.step, sids=sids,
-                          positions=positions, tokens=tokens, sizes=sizes)  # fmt: skip
+            # only stage 0 reads the ids (the last stage picked them itself)
+            step = Decode(
+                group=msg.group, step=msg.step, sids=sids, positions=positions, sizes=sizes
+            )
             return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
         picked, logprobs = [], []
         for row, sid in enumerate(sids):
@@ -448,7 +452,7 @@ class StageServer:
         )
         return [*out, [reply.encode()]]
 
-    def _refusal(self, sid: int, pos: int, token: int) -> str | None:
+    def _refusal(self, sid: int, pos: int, token: int | None) -> str | None:
         """Why this stage cannot step a row (None: it can); a refused session is dropped."""
         session = self.sessions.get(sid)
         if session is None:
@@ -462,6 +466,8 @@ class StageServer:
             )
         if pos + 1 > self.max_context:
             return f"session {sid} would hold {pos + 1} tokens, over max_context {self.max_context}"
+        if self.stage.is_first_stage and token is None:
+            return f"session {sid}: a decode step without its token id reached the first stage"
         if self.stage.is_first_stage and self._vocab is not None and token >= self._vocab:
             return f"token id {token} is outside the vocabulary ({self._vocab} ids)"
         return None
