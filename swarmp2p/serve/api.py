@@ -634,10 +634,11 @@ class _Api:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(
-            text=self.metrics.render(self.models.values()),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            body=self.metrics.render(self.models.values()).encode("utf-8"),
+            headers={
+                "Content-Type": "text/plain; version=0.0.4; charset=utf-8",  # Prometheus' format
+                "X-Content-Type-Options": "nosniff",
+            },
         )
 
     async def list_models(self, request: web.Request) -> web.Response:
