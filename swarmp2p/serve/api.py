@@ -47,6 +47,9 @@ WATCH_S = 0.25
 """How often a waiting request looks whether its client left or the server is stopping."""
 SHUTDOWN_TIMEOUT_S = 5.0
 """How long closing the server waits for requests to finish (they are cancelled at once)."""
+OFF_LOOP_BYTES = 64 * 1024
+"""A request body larger than this is parsed and tokenized on a worker thread, so that the
+event loop (the daemon's, once it mounts the app) never stalls on a long prompt."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 ARRIVED = web.RequestKey("swarm_arrived", float)
 """When the request arrived (time.monotonic): time to first token counts from it."""
@@ -401,6 +404,16 @@ def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> G
     )
 
 
+def _parse_body(raw: bytes, models: dict[str, ServedModel], chat: bool) -> GenerationRequest:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"could not parse the JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "could not parse the JSON body: nested too deeply") from None
+    return parse_request(body, models, chat=chat)
+
+
 def _model_not_found(name: str, models: dict[str, ServedModel]) -> ApiError:
     shown = name if len(name) <= 200 else name[:200] + "..."
     return ApiError(
@@ -660,13 +673,11 @@ class _Api:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"could not parse the JSON body: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "could not parse the JSON body: nested too deeply") from None
-        req = parse_request(body, self.models, chat=chat)
+        raw = await request.read()
+        if len(raw) > OFF_LOOP_BYTES:  # parsing and tokenizing a large body: not on the loop
+            req = await asyncio.to_thread(_parse_body, raw, self.models, chat)
+        else:
+            req = _parse_body(raw, self.models, chat)
         request[MODEL] = req.model.name
         if self.closing:
             raise ApiError(503, "the server is shutting down", type="server_error")

@@ -185,3 +185,14 @@ def test_closing_the_server_cancels_waiting_requests_and_never_hangs(silent, tok
     started = time.monotonic()
     dead.close()
     assert time.monotonic() - started < 1.0
+
+
+def test_a_large_body_is_parsed_off_the_loop_with_the_same_answers(silent, tokenizer_folder):
+    client, _ = silent
+    with ApiServer(build_app([_served(client, tokenizer_folder)])) as server:
+        url = server.url + "/v1/completions"
+        status, _, body = _post(url, {"model": "m", "prompt": "hello " * 20_000})
+        assert (status, body["error"]["code"]) == (400, "context_length_exceeded")
+        status, _, body = _post(url, {"model": "m", "prompt": "hi", "stop": ["x" * 70_000]})
+        assert (status, body["error"]["param"]) == (400, "stop")
+    assert client.active == 0
