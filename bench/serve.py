@@ -19,7 +19,7 @@ against ``model.generate`` on a batch of the same size in one process with as ma
 the ring has stages. Aggregate tok/s is every request's completion tokens over the wall time
 from the first request to the last token (prefill included, on both sides); TTFT and the gaps
 between streamed chunks are reported as p50/p99 over all requests. ``--quick`` runs that part
-on a tiny random Llama (the embedded tokenizer) with fewer sizes. Targets: 8 sessions >= 0.8x
+on a tiny random Llama (the embedded tokenizer), 1 and 2 stages, 1 and 8 users. Targets: 8 sessions >= 0.8x
 batched ``generate(8)`` and >= 4x one session; one session through HTTP >= 0.95x generate.
 
 Prints markdown tables, then as its last line one JSON object.
@@ -401,7 +401,8 @@ def http(args) -> dict:
     repeats = args.conc_repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_served_folder(tmp) if args.quick else "embedded"
-        table = concurrency(model, stages=(1, 2, 3), users=users, tokens=tokens, repeats=repeats,
+        stages = (1, 2) if args.quick else (1, 2, 3)
+        table = concurrency(model, stages=stages, users=users, tokens=tokens, repeats=repeats,
                             baseline_root=args.baseline_root)  # fmt: skip
     name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
     print()
