@@ -305,7 +305,9 @@ def test_n_choices_and_logprobs(client):
     assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy twice
     assert reply.usage.completion_tokens == 12
     entries = reply.choices[0].logprobs.content
-    assert len(entries) == 6 and "".join(e.token for e in entries) == reply.choices[0].message.content
+    assert (
+        len(entries) == 6 and "".join(e.token for e in entries) == reply.choices[0].message.content
+    )
     for entry in entries:  # greedy: the chosen token is the most likely one
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token
@@ -411,9 +413,7 @@ def test_foreign_hosts_and_origins_are_refused(served):
     )  # fmt: skip
     assert status == 403 and "cross-site" in reply["error"]["message"]
     assert _get(server.url + "/v1/models", {"Host": f"localhost:{port}"})[0] == 200
-    status, _ = _post(
-        server.url + "/v1/completions", body, {"Origin": f"http://127.0.0.1:{port}"}
-    )
+    status, _ = _post(server.url + "/v1/completions", body, {"Origin": f"http://127.0.0.1:{port}"})
     assert status == 200
 
 
@@ -454,7 +454,8 @@ def test_a_client_that_leaves_a_plain_request_cancels_it(served):
     with socket.create_connection((host, int(port))) as s:
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         started = time.monotonic()
         while model.client.active == 0 and time.monotonic() < started + 10:
