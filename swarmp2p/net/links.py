@@ -22,8 +22,12 @@ from collections.abc import Sequence
 import zmq
 from zmq.utils.garbage import gc as _zmq_gc
 
-from swarmp2p.net.auth import make_client_socket, make_server_socket
-from swarmp2p.net.security import SwarmSecret
+from swarmp2p.net.auth import (
+    ClientCredentials,
+    ServerCredentials,
+    make_client_socket,
+    make_server_socket,
+)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -101,7 +105,7 @@ class ZmqLink(Link):
     def bind(
         cls,
         ctx: zmq.Context,
-        secret: SwarmSecret,
+        secret: ServerCredentials,
         host: str,
         port: int = 0,
         *,
@@ -132,7 +136,7 @@ class ZmqLink(Link):
     def dial(
         cls,
         ctx: zmq.Context,
-        secret: SwarmSecret,
+        secret: ClientCredentials,
         endpoint: str,
         *,
         secure: bool = True,

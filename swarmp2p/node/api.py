@@ -27,6 +27,10 @@ API_OPS = (
     "peers",
     "submit",
     "down",
+    # membership (node/join.py, node/pairing.py)
+    "remove",
+    "rotate",
+    "invite",
     "live_plan",
     "jobs",
     "job",
