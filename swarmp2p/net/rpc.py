@@ -213,9 +213,7 @@ class RpcServer:
 class RpcClient:
     """DEALER to one server; ``request`` pairs replies by id, so requests may overlap."""
 
-    def __init__(
-        self, ctx: zmq.asyncio.Context, secret: ClientCredentials, endpoint: str
-    ) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, secret: ClientCredentials, endpoint: str) -> None:
         self.endpoint = endpoint
         self.server_key: str = secret.server if isinstance(secret, ClientKeys) else ""
         """The server key it expects (ClientKeys), "" for a SwarmSecret's."""

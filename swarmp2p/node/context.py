@@ -74,6 +74,8 @@ class NodeContext:
         """Who each admitted public key is (the table's members and nodes that joined)."""
         self.started_at = clock()
         self.port = 0
+        self.join_port = 0
+        """The join port (``node.join``, keyed by the secret)."""
         self.zmq = None
         """The daemon's zmq.asyncio context, once it started."""
         self.closing = False

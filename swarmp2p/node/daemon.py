@@ -72,6 +72,7 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
+from swarmp2p.node.pairing import PairingPort
 from swarmp2p.node.replication import Replication
 from swarmp2p.node.serving import Serving
 from swarmp2p.node.stages import StageHost
@@ -119,11 +120,12 @@ class Daemon:
         )
         self.rep = Replication(self.ctx, state.table_file, state.root / "vote.json")
         self.admission = jn.Admission(self.ctx, self.rep, on_secret=self._adopt_secret)
+        self.bind_host = addresses[0] if config.interface else "0.0.0.0"
+        self.pairing = PairingPort(self.ctx, self.bind_host, on_change=self._readvertise)
         self.jobs = JobsLeader(self.ctx, self.rep)
         self.stages = StageHost(self.ctx)
         self.serving = Serving(self.ctx, self.stages, self.jobs)
         self.ctx.attach(local=self._dispatch, replication=self.rep)
-        self.bind_host = addresses[0] if config.interface else "0.0.0.0"
         self._networks = local_networks()
         self._stop = asyncio.Event()
         self._bad = RateLimitedLog(clock=clock)
@@ -176,6 +178,7 @@ class Daemon:
         join_port = ctx.port + jn.JOIN_PORT_OFFSET if ctx.config.port else 0
         self._join = jn.JoinPort(ctx, self.bind_host, join_port, self._on_join)
         await self._join.start()
+        ctx.join_port = self._join.port
         self._api = ApiServer(
             ctx.state.api_socket,
             {
@@ -185,6 +188,7 @@ class Daemon:
                 "down": self._api_down,
                 "remove": self._api_remove,
                 "rotate": self._api_rotate,
+                "invite": self._api_invite,
                 **jobs_api.handlers(ctx, self.jobs, self.stages),
                 **self.serving.api_handlers(),
             },
@@ -208,6 +212,8 @@ class Daemon:
                 on_remove=self._on_mdns_remove,
             )
             await self._discovery.start()
+        if ctx.config.open_swarm:
+            await self.pairing.open_swarm()
         ctx.spawn(self._heartbeat_loop(), "heartbeats")
         self._elect()
         self.serving.restore()
@@ -223,7 +229,12 @@ class Daemon:
             hardware=hardware.summary(ctx.me.record, ctx.me.host),
             join_port=self._join.port if self._join is not None else 0,
             key=ctx.key.public,
+            invites=self.pairing.advertised,
         )
+
+    async def _readvertise(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.update(self._advert())
 
     async def _close(self) -> None:
         ctx = self.ctx
@@ -244,6 +255,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await self._discovery.close()
         await ctx.close_clients()
+        await self.pairing.close()
         if self._join is not None:
             await self._join.close()
         if self._server is not None:
@@ -454,6 +466,7 @@ class Daemon:
         await ctx.prune_clients(keep)
         self._bad.flush()
         self.admission.check_secret()
+        await self.pairing.tick()
         if ctx.leader == ctx.node_id and not self.rep.ready:
             self.rep.start_takeover()
         self.jobs.tick()
@@ -493,7 +506,9 @@ class Daemon:
             if entry.state in ACTIVE_STATES or not self.jobs.metrics.get(job_id):
                 await self.jobs.job_metrics(job_id)
 
-    async def _beat(self, node_id: str, endpoint: str, alive: bool, join_endpoint: str = "") -> None:
+    async def _beat(
+        self, node_id: str, endpoint: str, alive: bool, join_endpoint: str = ""
+    ) -> None:
         if not alive:
             self._say_hello(endpoint, join_endpoint)
             return
@@ -708,6 +723,20 @@ class Daemon:
                 code="not_ready",
             )
         return {"swarm_id": reply.swarm_id, "version": reply.version}
+
+    async def _api_invite(self, req: dict[str, Any]) -> dict[str, Any]:
+        """`swarm invite`: a one-time pairing code for a new machine on this LAN."""
+        minutes = req.get("minutes", 10)
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not 0 < minutes <= 24 * 60:  # fmt: skip
+            raise UserError("invite 'minutes' must be a number in (0, 1440]", code="bad_field")
+        if not self.ctx.config.mdns:
+            raise UserError(
+                "this node runs with --no-mdns: a new machine cannot find its invite; give it "
+                "the token instead (`swarm token | ssh HOST swarm up --token -`)",
+                code="bad_request",
+            )
+        result = await self.pairing.invite(float(minutes) * 60)
+        return {**result, "node_id": self.ctx.node_id, "swarm_id": self.ctx.secret.swarm_id}
 
     async def _adopt_secret(self, secret: SwarmSecret) -> None:
         """Run with ``secret`` from now on: saved (0600), the join port keyed by it, advertised."""

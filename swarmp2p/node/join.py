@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.join")
 
-JOIN_PORT_OFFSET = 1
-"""The join port is the control port + 1 (7738 beside the default 7737), so a peer named by
-its control port alone (``--peer HOST:PORT``) can be joined; with ``--port 0`` both are
-random and the join port travels in mDNS adverts and hellos."""
+JOIN_PORT_OFFSET = 2
+"""The join port is the control port + 2 (7739 beside the default 7737; 7738 is the
+dashboard's), so a peer named by its control port alone (``--peer HOST:PORT``) can be joined;
+with ``--port 0`` both are random and the join port travels in mDNS adverts and hellos."""
 JOIN_TIMEOUT_S = 3.0
 """A join request's reply: one round trip, plus the leader's commit when it admits."""
 ADMIT_TIMEOUT_S = 2.5

@@ -22,17 +22,17 @@ FAILURE_TIMEOUT_S = 1.5
 
 
 def free_port() -> int:
-    """A free TCP port whose next port is free too: a daemon's join port is its control
-    port + 1 (``swarmp2p.node.join.JOIN_PORT_OFFSET``)."""
+    """A free TCP port whose port + 2 is free too: a daemon's join port is its control port
+    + 2 (``swarmp2p.node.join.JOIN_PORT_OFFSET``)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port >= 65535:
+        if port >= 65534:
             continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port + 1))
+                s.bind(("127.0.0.1", port + 2))
             except OSError:
                 continue
         return port
