@@ -36,8 +36,10 @@ CLAIMS: Mapping[type, str] = {
 ANY_ADMITTED = (m.NodeHello, m.Heartbeat, m.Leave, m.TableFetch)
 """Requests a node that joined but is not listed yet may send (to be met, to be listed)."""
 
-FROM_LEADER = (m.StageStart, m.StageStop, m.FilePull, jn.SecretPush)
-"""Commands only the leader gives."""
+FROM_LEADER = (m.StageStart, m.StageStop, jn.SecretPush)
+"""Commands only the leader gives. (``job.file_pull`` comes from the leader copying a snapshot
+or from a node serving a trained model: any member; the file lands confined to its job's
+folder, ``swarmp2p.paths``.)"""
 
 VOTES_AND_WRITES = (m.LeadRequest, m.TablePush, m.TableEvents)
 """Members only, except while no swarm is founded (the first leader founds it with the nodes
