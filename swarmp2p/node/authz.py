@@ -30,6 +30,7 @@ CLAIMS: Mapping[type, str] = {
     m.ShardCopy: "node_id",
     m.ServeStageExit: "node_id",
     m.ServeStageStart: "issuer",
+    m.StageStart: "leader",
 }
 """The field of each request that names its sender."""
 
@@ -69,10 +70,7 @@ def refusal(msg: Message, sender: Sender, table: JobTable, view_leader: str) -> 
     if not sender.member:
         return _not_member(who)
     if isinstance(msg, FROM_LEADER):
-        leaders = {view_leader, table.leader}
-        if isinstance(msg, m.StageStart) and msg.leader != who:
-            return f"job.stage_start names leader {msg.leader!r}, but it comes from node {who}"
-        if who not in leaders:
+        if who not in (view_leader, table.leader):
             return f"only the leader gives {type(msg).TYPE}; node {who} does not lead"
         return ""
     if isinstance(msg, m.StageReport):
