@@ -23,8 +23,8 @@ _KEYS: dict[tuple[str, str], NodeKey] = {}
 
 def join(endpoint: str, token: str, node_id: str = "mallory", key: NodeKey | None = None) -> NodeJoined:  # fmt: skip
     """``node.join`` on the join port beside the control port ``endpoint``: the node lists
-    ``node_id`` with ``key`` (one key per node id and endpoint, kept for the next call)."""
-    key = key or _KEYS.setdefault((endpoint, node_id), NodeKey.generate())
+    ``node_id`` with ``key`` (one key per node id and token, kept for the next call)."""
+    key = key or _KEYS.setdefault((token, node_id), NodeKey.generate())
     msg = NodeJoin(
         node_id=node_id, name=node_id, key=key.public, versions=[PROTOCOL_VERSION],
         control_port=9, join_port=11, addresses=["127.0.0.1"],
@@ -42,7 +42,7 @@ def join(endpoint: str, token: str, node_id: str = "mallory", key: NodeKey | Non
 def credentials(endpoint: str, token: str, node_id: str = "mallory") -> ClientKeys:
     """A member's client keys towards the node at ``endpoint`` (joining it first)."""
     joined = join(endpoint, token, node_id)
-    key = _KEYS[(endpoint, node_id)]
+    key = _KEYS[(token, node_id)]
     return ClientKeys(public=key.public, secret=key.secret, server=joined.key)
 
 

@@ -42,11 +42,23 @@ def _start(leader):
         (m.LeadRequest(candidate="a", term=9), MEMBER_B, "claims candidate 'a'"),
         (m.LeadRequest(candidate="b", term=9), MEMBER_B, ""),  # replication says no
         (m.LeadRequest(candidate="n", term=9), JOINER, "not a member"),
-        (m.TableEvents(leader="a", term=9, prev_version=0, prev_term=0, entries=[]), MEMBER_B, "claims leader 'a'"),  # fmt: skip
+        (
+            m.TableEvents(leader="a", term=9, prev_version=0, prev_term=0, entries=[]),
+            MEMBER_B,
+            "claims leader 'a'",
+        ),
         (m.TablePush(node_id="n", term=9, table={}), JOINER, "not a member"),
         (m.StageReport(node_id="b", job_id="j1", attempt=1, stage=1, events=[]), MEMBER_B, ""),
-        (m.StageReport(node_id="b", job_id="j1", attempt=1, stage=0, events=[]), MEMBER_B, "stage 0 of job j1 does not run on node b"),  # fmt: skip
-        (m.StageReport(node_id="a", job_id="j1", attempt=1, stage=0, events=[]), MEMBER_B, "claims node_id 'a'"),  # fmt: skip
+        (
+            m.StageReport(node_id="b", job_id="j1", attempt=1, stage=0, events=[]),
+            MEMBER_B,
+            "stage 0 of job j1 does not run on node b",
+        ),
+        (
+            m.StageReport(node_id="a", job_id="j1", attempt=1, stage=0, events=[]),
+            MEMBER_B,
+            "claims node_id 'a'",
+        ),
         (_start("a"), LEADER, ""),
         (_start("a"), MEMBER_B, "claims leader 'a'"),
         (_start("b"), MEMBER_B, "only the leader gives job.stage_start"),

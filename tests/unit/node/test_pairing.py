@@ -93,7 +93,7 @@ def test_three_wrong_codes_burn_the_invite_and_tries_are_rate_limited():
             _finish(book, session, key, mine, reply)  # and a finish anyway is refused
         clock.now += pairing.TRY_INTERVAL_S
     assert lefts == [2, 1, 0]
-    with pytest.raises(UserError, match="no open invite|burnt"):
+    with pytest.raises(UserError, match=r"no open invite|burnt"):
         _joiner(invite.code, plate, book)  # the right code now: too late
     assert plate not in book.by_plate
 
@@ -109,7 +109,7 @@ def test_a_replayed_exchange_gets_nothing():
     clock.now += 2
     replay = book.start(PairStart(nameplate=invite.nameplate, session=secrets.token_bytes(16), spake=mine))  # fmt: skip
     assert replay.spake != reply.spake and replay.confirm != reply.confirm
-    with pytest.raises(UserError, match="no pairing in progress|does not match"):
+    with pytest.raises(UserError, match=r"no pairing in progress|does not match"):
         book.finish(PairFinish(session=b"x" * 16, confirm=pairing._mac(key, b"joiner", session + mine + reply.spake)))  # fmt: skip
 
 
