@@ -62,7 +62,9 @@ class KeyCheck:
 
 @dataclass(frozen=True, slots=True)
 class ServerKeys:
-    """A server socket's key pair (z85) and who it admits, under ZAP domain ``domain``."""
+    """A server socket's key pair (z85) and who it admits, under ZAP domain ``domain``. A
+    context keeps the first rule registered for a domain: sockets with another rule need
+    another domain (name it after what it admits)."""
 
     public: str
     secret: str
