@@ -124,6 +124,7 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
     h1 = _daemon(lab, hosts[0], "h1", "--new").start()
     try:
         h1.wait_up()
+        wait_until(lambda: h1.status()["leader_ready"], 20, "h1 to found its swarm")
         sniffer = Sniffer(f"sw{lab.tag}v0")
         joined, codes, took = [h1], [], []
         for i, node_id in ((1, "h2"), (2, "h3")):
@@ -166,6 +167,6 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
             assert sorted(n.status()["quorum"]["members"]) == before[n.state.root.name] == ids
             assert {p["node_id"] for p in n.status()["peers"]} == set(ids)
         assert "paired with invite" not in h1.log()[log_before:]
-        assert max(took) <= CODE_JOIN_TARGET_S * 2, took  # the report gives the medians
+        assert max(took) <= 2 * CODE_JOIN_TARGET_S, took  # slack for a loaded box; see bench/join.py
     except AssertionError:
         raise AssertionError(dump(lab.nodes)) from None
