@@ -57,9 +57,9 @@ dashboard's), so a peer named by its control port alone (``--peer HOST:PORT``) c
 with ``--port 0`` both are random and the join port travels in mDNS adverts and hellos."""
 JOIN_TIMEOUT_S = 3.0
 """A join request's reply: one round trip, plus the leader's commit when it admits."""
-ADMIT_TIMEOUT_S = 2.5
-"""How long a joined node waits for the leader to list the newcomer before answering anyway
-(the newcomer is bound on that node meanwhile; the leader lists it once it is live there)."""
+ADMIT_TIMEOUT_S = 5.0
+"""How long a joined node tries to have the leader list the newcomer (in the background: the
+join is answered at once, the newcomer being bound on that node already)."""
 ROTATE_TIMEOUT_S = 10.0
 
 
@@ -252,11 +252,10 @@ class Admission:
             raise UserError(str(exc), code="refused") from None
         admitted, reason = ctx.keyring.is_member(msg.node_id), ""
         if not admitted and ctx.table.members:
-            try:
-                await self.admit(msg.node_id, msg.name, msg.key, ADMIT_TIMEOUT_S)
-                admitted = True
-            except (SwarmError, OSError, asyncio.TimeoutError) as exc:
-                reason = f"the leader has not listed it yet: {exc}"
+            # bound here already, so its hello needs no wait: the leader lists it meanwhile
+            reason = "asked the leader to list it"
+            if not ctx.running(f"admit:{msg.node_id}"):
+                ctx.spawn(self._admit_quietly(msg), f"admit:{msg.node_id}")
         elif not ctx.table.members:
             reason = "no swarm is founded yet: the first leader lists the nodes it meets"
         log.info(
@@ -268,6 +267,13 @@ class Admission:
             join_port=me.join_port, addresses=me.addresses, nodes=me.nodes,
             leader=ctx.leader, admitted=admitted, reason=reason,
         )  # fmt: skip
+
+    async def _admit_quietly(self, msg: NodeJoin) -> None:
+        try:
+            await self.admit(msg.node_id, msg.name, msg.key, ADMIT_TIMEOUT_S)
+        except (SwarmError, OSError, asyncio.TimeoutError) as exc:
+            # the leader lists it anyway once it is live there (decide.AddMember)
+            log.info("node %s not listed yet: %s", msg.node_id, exc)
 
     async def admit(self, node_id: str, name: str, key: str, timeout: float) -> None:
         """Have the leader list ``node_id`` with ``key`` (this node, or asked)."""

@@ -496,8 +496,6 @@ class Replication:
             return f"term {term} is older than {newest}"
         if term == self.table.term and self.table.leader and self.table.leader != sender:
             return f"{self.table.leader} leads term {term}, not {sender}"
-        if term == self.voted_term and self.voted_for and self.voted_for != sender:
-            return f"this node voted for {self.voted_for} in term {term}, not {sender}"
         if self.table.members and sender not in self.table.member_ids:
             return f"{sender} is not a member"
         if self.ctx.leader != sender:
