@@ -167,6 +167,16 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
         assert node.status()["leader"] == "a"
 
 
+def test_status_and_peers_show_each_members_key_fingerprint(trio):
+    prints = {n: NodeKey.load(node.state.node_key_file).fingerprint for n, node in trio.nodes.items()}  # fmt: skip
+    for node in trio.nodes.values():
+        rows = {p["node_id"]: p for p in node.status()["peers"]}
+        assert {n: rows[n]["key"] for n in prints} == prints
+        assert all(rows[n]["member"] for n in prints)
+    table = swarm(trio.nodes["a"], "peers").stdout
+    assert "KEY" in table and all(fp in table for fp in prints.values()), table
+
+
 def test_a_node_id_cannot_be_taken_by_another_key(trio):
     with pytest.raises(RpcError) as info:
         join(trio.endpoint("b"), trio.token, "a", key=NodeKey.generate())
@@ -193,6 +203,7 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
                 as_c.reply(5.0)
             took = time.monotonic() - done
         assert info.value.code == "not_member" and took < HEARTBEAT_S, (info.value, took)
+        print(f"\nremoved node refused {took * 1000:.1f} ms after `swarm remove` returned")
         with zmq.Context() as ctx, pytest.raises(RpcTimeout):  # a new one: no handshake
             request_sync(ctx, c_keys, trio.endpoint("a"), beat, 1.0)
         for node in (a, b):
