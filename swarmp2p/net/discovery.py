@@ -185,8 +185,11 @@ class Discovery:
         *,
         on_add: PeerCallback,
         on_remove: Callable[[str], None],
+        accept: Callable[[Advert], bool] | None = None,
     ) -> None:
         self.advert = advert
+        self._accept = accept
+        """Which adverts to report (default: those of this advert's swarm id)."""
         self.addresses = addresses
         self._on_add = on_add
         self._on_remove = on_remove
@@ -262,7 +265,10 @@ class Discovery:
         except ValueError as exc:
             _log.debug("ignoring mDNS service %s: %s", name, exc)
             return
-        if advert.swarm_id != self.advert.swarm_id or advert.node_id == self.advert.node_id:
+        if advert.node_id == self.advert.node_id:
+            return
+        wanted = self._accept(advert) if self._accept is not None else advert.swarm_id == self.advert.swarm_id  # fmt: skip
+        if not wanted:
             return
         self._names[name] = advert.node_id
         self._on_add(advert, info.parsed_addresses())

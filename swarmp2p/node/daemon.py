@@ -210,6 +210,7 @@ class Daemon:
                 list(ctx.me.addresses),
                 on_add=self._on_mdns_add,
                 on_remove=self._on_mdns_remove,
+                accept=self._accept_advert,
             )
             await self._discovery.start()
         if ctx.config.open_swarm:
@@ -332,8 +333,15 @@ class Daemon:
         try:
             known = self._met_at.get(endpoint)
             if known is None:
-                joined = await self._join_peer(join_endpoint or jn.join_endpoint(endpoint))
-                known = (joined.node_id, joined.key)
+                try:
+                    joined = await self._join_peer(join_endpoint or jn.join_endpoint(endpoint))
+                    known = (joined.node_id, joined.key)
+                except RpcTimeout:
+                    # no join port keyed by our secret there: the swarm may have rotated it
+                    # while this node was away; a member still knows its peers by their keys
+                    known = await self._member_at(endpoint)
+                    if known is None:
+                        raise
                 self._met_at[endpoint] = known
             node_id, key = known
             reply = await self.ctx.call_endpoint(endpoint, self._hello_msg(), self._rpc_timeout, key=key)  # fmt: skip
@@ -354,6 +362,33 @@ class Daemon:
             log.info("hello to %s: %s", endpoint, exc)
         finally:
             self._hellos.discard(endpoint)
+
+    async def _member_at(self, endpoint: str) -> tuple[str, str] | None:
+        """The member (id, key) whose control port is ``endpoint``: a hello with each listed
+        member's key at once (only the right one completes a handshake); None if none."""
+        from swarmp2p.net.auth import ClientKeys
+        from swarmp2p.net.rpc import RpcClient
+
+        ctx = self.ctx
+        alive = {p.node_id for p in ctx.members.alive_peers()}
+        candidates = [m for m in ctx.table.members if m.node_id != ctx.node_id and m.node_id not in alive]  # fmt: skip
+        if not candidates:
+            return None
+
+        async def probe(member) -> tuple[str, str] | None:
+            keys = ClientKeys(public=ctx.key.public, secret=ctx.key.secret, server=member.key)
+            client = RpcClient(ctx.zmq, keys, endpoint)
+            try:
+                reply = await client.request(self._hello_msg(), self._rpc_timeout)
+                ok = isinstance(reply, NodeHello) and reply.node_id == member.node_id
+                return (member.node_id, member.key) if ok else None
+            except (RpcTimeout, RpcError):
+                return None
+            finally:
+                await client.close()
+
+        found = [f for f in await asyncio.gather(*(probe(m) for m in candidates)) if f]
+        return found[0] if found else None
 
     async def _join_peer(self, endpoint: str) -> jn.NodeJoined:
         """``node.join`` on the join port at ``endpoint``: bind its node id to its key, learn
@@ -406,6 +441,14 @@ class Daemon:
             peer.software = hello.software
         self._changed(changes)
 
+    def _accept_advert(self, advert: Advert) -> bool:
+        """An advert of this swarm, or of a member (known by its key) that moved to a rotated
+        secret this node has not fetched yet."""
+        if advert.swarm_id == self.ctx.secret.swarm_id:
+            return True
+        keyring = self.ctx.keyring
+        return bool(advert.key) and keyring.is_member(advert.node_id) and keyring.key_of(advert.node_id) == advert.key  # fmt: skip
+
     def _on_mdns_add(self, advert: Advert, addresses: list[str]) -> None:
         if not addresses:
             return
@@ -415,6 +458,9 @@ class Daemon:
         peer = self.ctx.members.peers.get(advert.node_id)
         if peer is None or not peer.alive or peer.endpoint != endpoint:
             log.info("mDNS: found node %s (%s) at %s", advert.node_id, advert.name, endpoint)
+            keyring = self.ctx.keyring
+            if advert.key and keyring.is_member(advert.node_id) and keyring.key_of(advert.node_id) == advert.key:  # fmt: skip
+                self._met_at.setdefault(endpoint, (advert.node_id, advert.key))  # no join needed
             self._say_hello(endpoint, join)
 
     def _on_mdns_remove(self, node_id: str) -> None:

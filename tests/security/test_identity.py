@@ -217,14 +217,19 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
         time.sleep(HEARTBEAT_S * 10)
         assert all(p["node_id"] != "c" or not p["alive"] for p in a.status()["peers"])
 
-        # a new secret for the swarm; members keep their keys
+        # a new secret for the swarm while d is away; members keep their keys
         old = trio.token
+        trio.nodes["d"].stop()
         out = swarm(a, "token", "--rotate")
         assert out.returncode == 0, out.stderr
         new = out.stdout.strip()
         assert new.startswith("swarm1-") and new != old
-        for n in "abd":
+        for n in "ab":
             wait_until(lambda n=n: trio.nodes[n].state.secret_file.read_text().strip() == new, 10, f"{n} holds the new secret")  # fmt: skip
+        # d comes back with the old secret: it finds its peers by their keys and fetches it
+        d = trio.start("d")
+        wait_until(lambda: d.state.secret_file.read_text().strip() == new, 20, "d to fetch the new secret")  # fmt: skip
+        wait_until(lambda: any(p["node_id"] == "d" and p["alive"] for p in a.status()["peers"]), 10, "d back")  # fmt: skip
         # the removed node under a new identity, and a stranger, both with the old token: out
         trio.nodes["c"].stop()
         trio.start("c", fresh_key=True)
