@@ -354,7 +354,7 @@ class Daemon:
             self._met_at.pop(endpoint, None)  # join again next time (it may have a new key)
             if endpoint not in self._unanswered:  # once per endpoint until it answers
                 self._unanswered.add(endpoint)
-                log.info("no answer to join/hello from %s: not running, or holding another swarm's secret", endpoint)  # fmt: skip
+                log.info("no answer to hello from %s (nor from its join port): not running, or holding another swarm's secret", endpoint)  # fmt: skip
         except RpcError as exc:
             self._met_at.pop(endpoint, None)
             log.warning("hello to %s refused: %s", endpoint, exc)
