@@ -55,8 +55,9 @@ JOIN_PORT_OFFSET = 2
 """The join port is the control port + 2 (7739 beside the default 7737; 7738 is the
 dashboard's), so a peer named by its control port alone (``--peer HOST:PORT``) can be joined;
 with ``--port 0`` both are random and the join port travels in mDNS adverts and hellos."""
-JOIN_TIMEOUT_S = 3.0
-"""A join request's reply: one round trip, plus the leader's commit when it admits."""
+JOIN_TIMEOUT_S = 1.0
+"""Added to the hello timeout for a join's reply: one round trip and a CURVE handshake (the
+leader lists the newcomer in the background)."""
 ADMIT_TIMEOUT_S = 5.0
 """How long a joined node tries to have the leader list the newcomer (in the background: the
 join is answered at once, the newcomer being bound on that node already)."""
