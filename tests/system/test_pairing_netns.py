@@ -167,6 +167,8 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
             assert sorted(n.status()["quorum"]["members"]) == before[n.state.root.name] == ids
             assert {p["node_id"] for p in n.status()["peers"]} == set(ids)
         assert "paired with invite" not in h1.log()[log_before:]
-        assert max(took) <= 2 * CODE_JOIN_TARGET_S, took  # slack for a loaded box; see bench/join.py
+        assert max(took) <= 2 * CODE_JOIN_TARGET_S, (
+            took
+        )  # slack for a loaded box; see bench/join.py
     except AssertionError:
         raise AssertionError(dump(lab.nodes)) from None
