@@ -41,6 +41,11 @@ CODES: dict[str, str] = {
     "wrong_swarm": "user",
     "unknown_peer": "user",
     "node_id_taken": "user",
+    "not_member": "user",
+    "forbidden": "user",
+    "refused": "user",
+    "bad_code": "user",
+    "no_invite": "user",
     "unexpected": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
@@ -51,6 +56,7 @@ CODES: dict[str, str] = {
     "timeout": "unavailable",
     "stopping": "unavailable",
     "no_daemon": "unavailable",
+    "slow_down": "unavailable",
     # failed
     "blocked": "failed",
     "plan_mismatch": "failed",

@@ -9,6 +9,7 @@ in ``jobs_leader`` and ``stages`` executes what these return.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,12 +37,15 @@ class LeaderView:
     """Live node id -> its name."""
     busy: frozenset[str] = frozenset()
     """Jobs a task of the leader is placing, wiring or recovering now."""
+    keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Live node id -> the public key it joined with (a node without one is not admitted)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AddMember:
     node_id: str
     name: str
+    key: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,7 +75,9 @@ def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     out: list[Action] = []
     if table.members:  # a founded swarm admits the live nodes that are not members yet
         for node_id in sorted(view.alive - table.member_ids):
-            out.append(AddMember(node_id=node_id, name=view.names.get(node_id, "")))
+            key = view.keys.get(node_id)
+            if key and key not in table.revoked:
+                out.append(AddMember(node_id=node_id, name=view.names.get(node_id, ""), key=key))
     for job_id, entry in sorted(table.jobs.items()):
         if job_id in view.busy:
             continue

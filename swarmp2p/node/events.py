@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
+from swarmp2p.net.security import KEY_PATTERN
 from swarmp2p.plan import Job, Plan
 from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
@@ -20,6 +21,8 @@ MAX_TAIL_LINES = 40
 
 JobId = Annotated[str, Bounds(pattern=ID_PATTERN)]
 NodeId = Annotated[str, Bounds(pattern=NODE_PATTERN)]
+PublicKey = Annotated[str, Bounds(pattern=KEY_PATTERN)]
+"""A node's (or the admission's) z85 CURVE public key."""
 Attempt = Annotated[int, Bounds(ge=1)]
 StageIndex = Annotated[int, Bounds(ge=0)]
 Reason = Annotated[str, Bounds(max_len=20000)]
@@ -62,18 +65,39 @@ class LeaderElected(Event):
 
 @event("member_joined")
 class MemberJoined(Event):
-    """A node belongs to the swarm from now on: it counts towards the majority."""
+    """A node belongs to the swarm from now on: it counts towards the majority, and speaks
+    with the key pair whose public half is ``key`` (its id is bound to that key)."""
 
     node_id: NodeId
     name: str = field(default="", max_len=256)
+    key: PublicKey
 
 
 @event("member_left")
 class MemberLeft(Event):
-    """A node no longer belongs (it stopped cleanly, or was removed)."""
+    """A node no longer belongs: it stopped cleanly (it may join again with the secret)."""
 
     node_id: NodeId
     reason: str = field(default="", max_len=1000)
+
+
+@event("member_removed")
+class MemberRemoved(Event):
+    """``swarm remove``: the node no longer belongs and its key ``key`` is revoked (refused
+    by every member from now on, even with the secret)."""
+
+    node_id: NodeId
+    key: PublicKey
+    reason: str = field(default="", max_len=1000)
+
+
+@event("admission_changed")
+class AdmissionChanged(Event):
+    """The swarm secret that admits new nodes is now the one whose admission public key is
+    ``key`` and whose public id is ``swarm_id`` (a new swarm, or ``swarm token --rotate``)."""
+
+    swarm_id: str = field(pattern=r"[0-9a-f]{16}")
+    key: PublicKey
 
 
 # --- a training job's life -------------------------------------------------------------------
@@ -264,6 +288,7 @@ __all__ = [
     "EVENTS",
     "ID_PATTERN",
     "NODE_PATTERN",
+    "AdmissionChanged",
     "Entry",
     "EvaluationReported",
     "Event",
@@ -277,7 +302,9 @@ __all__ = [
     "LeaderElected",
     "MemberJoined",
     "MemberLeft",
+    "MemberRemoved",
     "ModelRegistered",
+    "PublicKey",
     "ShardCopied",
     "SnapshotHeld",
     "StageExported",

@@ -74,6 +74,7 @@ class JobsLeader:
             names={p.node_id: p.name for p in self.ctx.members.alive_peers()}
             | {self.ctx.node_id: self.ctx.me.name},
             busy=frozenset(self._busy),
+            keys={n: k for n in self.ctx.live_nodes() if (k := self.ctx.keyring.key_of(n))},
         )
         for action in decide.leader_actions(self.ctx.table, view):
             if isinstance(action, decide.AddMember):
@@ -94,7 +95,7 @@ class JobsLeader:
         return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
 
     async def _admit(self, action: decide.AddMember) -> None:
-        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name)])
+        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name, key=action.key)])  # fmt: skip
         log.info("node %s is a member of the swarm now", action.node_id)
 
     # --- placing ------------------------------------------------------------------------------

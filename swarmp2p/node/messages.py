@@ -32,6 +32,8 @@ class NodeHello(Message):
     """CPU cores and the NVIDIA driver version."""
     term: int
     version: int
+    join_port: int = field(default=0, ge=0, le=65535)
+    """Its join port (``node.join``), 0 when not told."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)

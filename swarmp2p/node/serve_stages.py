@@ -358,6 +358,14 @@ class ServeStages:
                     "token": self.ctx.secret.token,
                     "host": self.ctx.me.addresses[0],
                     "device": device,
+                    # the issuer names the neighbours' keys; the key pair is this node's own
+                    "link_keys": {
+                        **msg.spec["link_keys"],
+                        "public": self.ctx.key.public,
+                        "secret": self.ctx.key.secret,
+                    }
+                    if isinstance(msg.spec.get("link_keys"), dict)
+                    else None,
                 }
             )
         except ValueError as exc:

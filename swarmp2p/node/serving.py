@@ -497,10 +497,16 @@ class Serving:
             "tied": tied,
         }
 
+    def _key_of(self, node_id: str) -> str:
+        key = self.ctx.keyring.key_of(node_id)
+        if not key:
+            raise ServeError(f"node {node_id} has no key this node knows (not a member?)")
+        return key
+
     async def _build(self, served: _Served) -> tuple[Any, Any]:
         """Place, start, connect; (first, back) links of the new ring. On failure every
         worker started here is stopped and the new links closed."""
-        from swarmp2p.net import ZmqLink
+        from swarmp2p.net import ClientKeys, KeyCheck, ServerKeys, ZmqLink
 
         served.attempt += 1
         attempt = served.attempt
@@ -511,8 +517,13 @@ class Serving:
             here[s["node_id"]] = here.get(s["node_id"], 0) + 1
         links: list[Any] = []
         started: list[str] = []
+        keys = [self._key_of(s["node_id"]) for s in placed]
+        mine = self.ctx.key
         try:
-            back = ZmqLink.bind(served.ctx, self.ctx.secret, self.ctx.me.addresses[0])
+            # the ring's links are keyed per node: the return link admits only the last
+            # stage's node, and the first stage's node is the only one the issuer dials
+            back_keys = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.only(keys[-1]), domain=f"swarmp2p-serve-{keys[-1]}")  # fmt: skip
+            back = ZmqLink.bind(served.ctx, back_keys, self.ctx.me.addresses[0])
             links.append(back)
 
             async def start(i: int, s: dict[str, Any]) -> ServeStage:
@@ -527,6 +538,10 @@ class Serving:
                     "quantization": served.quantization,
                     "max_sessions": served.max_sessions,
                     "max_context": served.max_context,
+                    "link_keys": {
+                        "prev": keys[i - 1] if i > 0 else mine.public,
+                        "next": keys[i + 1] if i + 1 < n else mine.public,
+                    },
                 }
                 env = {"stages_here": here[s["node_id"]], "device": s["device"]}
                 if served.trained:
@@ -564,7 +579,8 @@ class Serving:
                     for i, s in enumerate(placed)
                 )
             )
-            first = ZmqLink.dial(served.ctx, self.ctx.secret, placed[0]["worker"])
+            first_keys = ClientKeys(public=mine.public, secret=mine.secret, server=keys[0])
+            first = ZmqLink.dial(served.ctx, first_keys, placed[0]["worker"])
             links.append(first)
         except BaseException:
             await self._stop_stages(served.serve_id, attempt, set(started))

@@ -144,6 +144,7 @@ class StageHost:
             resume=bool(msg.resume_step),
             tokens_path=str(tokens) if tokens is not None else None,
             link_timeout_s=jobs.LINK_TIMEOUT_S,
+            link_keys=self._link_keys(plan, msg.stage),
         )
         folder.mkdir(parents=True, exist_ok=True)
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
@@ -181,6 +182,23 @@ class StageHost:
             host=self.ctx.me.addresses[0],
             port=int(ready.get("port") or 0),
         )
+
+    def _link_keys(self, plan: Any, stage: int) -> dict[str, str]:
+        """This node's key pair and the neighbouring stages' nodes' public keys: the stage's
+        links admit only the members the plan puts next to it (issue 15)."""
+
+        def key(i: int) -> str:
+            node_id = plan.stages[i].node_id
+            found = self.ctx.keyring.key_of(node_id)
+            if not found:
+                raise Failed(f"stage {i}'s node {node_id} has no key this node knows (not a member?)", code="plan_mismatch")  # fmt: skip
+            return found
+
+        last = len(plan.stages) - 1
+        return {
+            "public": self.ctx.key.public, "secret": self.ctx.key.secret,
+            "prev": key(stage - 1) if stage > 0 else "", "next": key(stage + 1) if stage < last else "",
+        }  # fmt: skip
 
     async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path) -> None:
         """Keep only snapshots up to ``resume_step`` here; pull the one needed if missing."""

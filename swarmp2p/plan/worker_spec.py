@@ -100,6 +100,11 @@ class WorkerSpec:
     """Continue from the newest snapshot in ``snapshot_dir``."""
     export_dir: str | None = field(default=None, min_len=1)
     """Write this stage's shard to ``export_dir/stage-<i>`` after the last step."""
+    link_keys: dict | None = None
+    """Per-node link keys (issue 15), z85: ``{"public", "secret"}`` of this stage's node,
+    ``"prev"`` the public key of the stage before's node (the only client the bound link
+    admits), ``"next"`` the next stage's node's (the server key it dials). None: the token's
+    keys (one machine, tests)."""
     weight_decay: float = field(default=0.0, ge=0)
     loss_chunk_tokens: int = field(default=DEFAULT_LOSS_CHUNK_TOKENS, ge=1)
     calibration_tokens: int = field(default=DEFAULT_CALIBRATION_TOKENS, ge=1)

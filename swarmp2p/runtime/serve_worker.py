@@ -134,7 +134,12 @@ def run() -> int:
         }
         send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
-    secret = SwarmSecret.from_token(spec.token)
+    if spec.link_keys:  # the node's own keys: only the ring's neighbouring nodes connect
+        from swarmp2p.net.links import link_credentials
+
+        secret, client = link_credentials(spec.link_keys)
+    else:
+        secret = client = SwarmSecret.from_token(spec.token)
     ctx = SecureContext()
     inbound = outbound = None
     try:
@@ -148,7 +153,9 @@ def run() -> int:
         connect = _read_json_line("connect line")
         if connect.get("op") != "connect" or not isinstance(connect.get("next"), str):
             raise ValueError(f'expected {{"op": "connect", "next": endpoint}}, got {connect}')
-        outbound = ZmqLink.dial(ctx, secret, connect["next"])
+        if client is None:
+            raise ValueError("link_keys: no 'next' key to dial the next stage with")
+        outbound = ZmqLink.dial(ctx, client, connect["next"])
         server = StageServer(
             stage,
             inbound=inbound,

@@ -72,6 +72,10 @@ class StageServeSpec:
     whole-model name (the first stage's trained embedding; a copy of the first stage's
     ``weights.safetensors`` works too, its embedding is picked by name): only for the last stage
     of a tied-embedding model served from a shard that includes its weights."""
+    link_keys: dict | None = None
+    """Per-node link keys (issue 15): ``{"public", "secret"}`` of this stage's node, ``"prev"``
+    the public key of the node that sends into this stage (the only client its input link
+    admits), ``"next"`` that of the node it sends to. None: the token's keys."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -118,6 +122,13 @@ class StageServeSpec:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 errors.append(f"{name}: {value!r} is not a non-empty path or null")
+        if self.link_keys is not None and not (
+            isinstance(self.link_keys, dict)
+            and all(
+                isinstance(self.link_keys.get(k), str) for k in ("public", "secret", "prev", "next")
+            )
+        ):
+            errors.append("link_keys: a map of public, secret, prev and next keys, or null")
         if self.tied_head is not None and self.shard is None:
             errors.append("tied_head: only a stage served from a shard takes a tied head")
         if self.tied_head is not None and self.is_last_stage is not True:

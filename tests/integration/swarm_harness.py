@@ -22,9 +22,20 @@ FAILURE_TIMEOUT_S = 1.5
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port whose port + 2 is free too: a daemon's join port is its control port
+    + 2 (``swarmp2p.node.join.JOIN_PORT_OFFSET``)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65534:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 2))
+            except OSError:
+                continue
+        return port
 
 
 def wait_until(

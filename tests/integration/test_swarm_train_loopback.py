@@ -210,11 +210,15 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
     assert [s.node_id for s in plan.stages] == ["a", "b"]
     skewed = plan.to_json().replace('"bubble_fraction":', '"bubble_fraction":0.5,"x":')
 
+    from swarmp2p.net import ClientKeys, NodeKey
+
+    # as the leader a (its own key: only the leader starts a stage), to b
+    a_key, b_key = (NodeKey.load(n.state.node_key_file) for n in (a, b))
+    as_a = ClientKeys(public=a_key.public, secret=a_key.secret, server=b_key.public)
+
     async def ask(plan_json):
         ctx = AsyncSecureContext()
-        client = RpcClient(
-            ctx, SwarmSecret.from_token(TOKEN), f"tcp://127.0.0.1:{loopback_swarm.ports['b']}"
-        )
+        client = RpcClient(ctx, as_a, f"tcp://127.0.0.1:{loopback_swarm.ports['b']}")
         try:
             msg = StageStart(job_id="jx", attempt=1, stage=1, job=job, cluster=cluster,
                              plan=plan_json, next="", resume_step=0, snapshot_nodes=[],

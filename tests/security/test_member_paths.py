@@ -8,9 +8,10 @@ import asyncio
 import time
 
 import pytest
-from security_harness import member, member_request
+from security_harness import credentials, member, member_request
 
-from swarmp2p.net import AsyncSecureContext, RpcClient, RpcError, RpcServer, SwarmSecret
+from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
+from swarmp2p.net.auth import KeyCheck
 from swarmp2p.node.messages import FilePull, ServeStageStart, ShardChunk, ShardRead
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,9 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
     """The member serves a file and tells the victim to pull it into job ``..``: before the
     fix it overwrote the victim's node_id (it came back as the member's choice and led)."""
     node_id_before = victim.state.node_id_file.read_text()
-    secret = SwarmSecret.from_token(victim.token)
+    keys = credentials(victim.endpoint, victim.token)
+    mine = NodeKey(keys.public, keys.secret)
+    served = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil")  # fmt: skip
 
     async def evil(msg, peer):
         if isinstance(msg, ShardRead):
@@ -49,9 +52,9 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
 
     async def attack() -> str:
         ctx = AsyncSecureContext()
-        server = RpcServer(ctx, secret, "127.0.0.1", 0, evil)
+        server = RpcServer(ctx, served, "127.0.0.1", 0, evil)
         await server.start()
-        client = RpcClient(ctx, secret, victim.endpoint)
+        client = RpcClient(ctx, keys, victim.endpoint)
         try:
             await client.request(FilePull(job_id="..", file="node_id", source=server.endpoint), 15)
             return "pulled"
@@ -77,7 +80,7 @@ def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
         "model": "/nonexistent-model", "stage_index": 0, "layer_start": 0, "layer_end": 1,
         "is_first_stage": True, "is_last_stage": True,
     }  # fmt: skip
-    msg = ServeStageStart(serve_id="s1", attempt=0, spec=spec, env={}, issuer="v")
+    msg = ServeStageStart(serve_id="s1", attempt=0, spec=spec, env={}, issuer="mallory")
     code, created = None, []
     with member(victim.endpoint, victim.token) as m:
         m.send(msg, serve_id="../../escaped")

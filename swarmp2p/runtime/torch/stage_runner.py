@@ -148,19 +148,25 @@ def _store_frozen_weights(spec: WorkerSpec, bundle) -> int:
 
 def _open_links(spec: WorkerSpec, emit):
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink
+    from swarmp2p.net.links import link_credentials
 
     try:
-        secret = SwarmSecret.from_token(spec.token)
+        if spec.link_keys:  # the node's own keys: only the neighbouring stages' nodes connect
+            server, client = link_credentials(spec.link_keys)
+        else:
+            server = client = SwarmSecret.from_token(spec.token)
     except ValueError as exc:
-        raise ValueError(f"token: {exc}") from None
+        raise ValueError(f"link keys: {exc}") from None
     ctx = SecureContext()
     prev_link = next_link = None
     try:
         if not spec.is_first:
-            prev_link = ZmqLink.bind(ctx, secret, spec.host, spec.port)
+            prev_link = ZmqLink.bind(ctx, server, spec.host, spec.port)
         emit("ready", port=prev_link.port if prev_link is not None else None)
         if not spec.is_last:
-            next_link = ZmqLink.dial(ctx, secret, spec.next)
+            if client is None:
+                raise ValueError("link keys: no 'next' key for a stage that is not the last")
+            next_link = ZmqLink.dial(ctx, client, spec.next)
     except BaseException:
         for link in (prev_link, next_link):
             if link is not None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import zmq
+import zmq.utils.z85
+
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
 from swarmp2p.node.jobtable import JobTable
@@ -48,6 +53,12 @@ def plan(node_ids=("a", "b"), the_job=None):
     return compute_plan(the_job or job(), cluster(*node_ids), shape=SHAPE)
 
 
+def key(node_id: str) -> str:
+    """A stable, valid CURVE public key for ``node_id`` (a test's member key)."""
+    secret = zmq.utils.z85.encode(hashlib.blake2b(node_id.encode(), digest_size=32).digest())
+    return zmq.curve_public(secret).decode("ascii")
+
+
 class Log:
     """Appends events as the leader of ``term`` would: one version after another."""
 
@@ -65,7 +76,7 @@ class Log:
 def founded(*members: str, term: int = 1) -> Log:
     log = Log(term=term)
     log(ev.LeaderElected(leader=members[0], epoch="e1"))
-    log(*(ev.MemberJoined(node_id=m, name=f"host-{m}") for m in members))
+    log(*(ev.MemberJoined(node_id=m, name=f"host-{m}", key=key(m)) for m in members))
     return log
 
 

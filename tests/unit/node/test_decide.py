@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import cluster, founded, job, plan, running
+from _tables import cluster, founded, job, key, plan, running
 
 from swarmp2p.node import decide
 from swarmp2p.node import events as ev
@@ -18,7 +18,7 @@ from swarmp2p.plan import Blocked
 def view(*alive, me="a", busy=()):
     return decide.LeaderView(
         node_id=me, alive=frozenset(alive), names={n: f"host-{n}" for n in alive},
-        busy=frozenset(busy),
+        busy=frozenset(busy), keys={n: key(n) for n in alive},
     )  # fmt: skip
 
 
