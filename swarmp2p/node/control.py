@@ -291,6 +291,7 @@ def submit_job(
                 job=job,
                 job_id=job_id,
                 submitted_by="cli",
+                cwd=os.getcwd(),  # relative model and data paths are the CLI's
                 timeout=timeout,
             )
         except api.ApiError as exc:
@@ -418,7 +419,7 @@ def json_depth(value: Any, stop: int) -> int:
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
     """The plan the leader would make now over the live nodes (each stage with its node's
     free disk beside its download share); nothing is submitted."""
-    return _api(state_dir, "live_plan", job=job.to_dict())
+    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
 
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from swarmp2p.node.messages import (
     SERVE_MESSAGES,
     FilePull,
     Heartbeat,
+    InputRead,
     JobCancel,
     JobMetricsFetch,
     LeadRequest,
@@ -473,7 +474,7 @@ class Daemon:
             return await self.rep.on_table(msg)
         if isinstance(msg, (Submit, StageReport, JobCancel, JobMetricsFetch, ShardCopy)):
             return await self.jobs.handle(msg)
-        if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull)):
+        if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull, InputRead)):
             return await self.stages.handle(msg)
         if isinstance(msg, SERVE_MESSAGES):
             return await self.serving.handle(msg)
@@ -545,7 +546,9 @@ class Daemon:
             job = parse_job(req.get("job"))
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
-        reply = await self.ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli")), 15.0)  # fmt: skip
+        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        job, inputs = await self.stages.inputs.submit(job, cwd)  # its files travel from here
+        reply = await self.ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli"), inputs=inputs), 15.0)  # fmt: skip
         return {"job_id": reply.job_id, "term": reply.term, "version": reply.version, "replicas": reply.replicas}  # fmt: skip
 
     async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:

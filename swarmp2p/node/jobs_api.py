@@ -43,10 +43,14 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             job = parse_job(req.get("job"))
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
+        from swarmp2p.node.inputs import resolve_model
+
         records = ctx.live_records()
         cluster = jobs.cluster_records(records)
-        try:
-            result = await asyncio.to_thread(jobs.compute_plan, job, cluster)
+        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        try:  # the shape as a submission from here would resolve it
+            _, shape, _ = await asyncio.to_thread(resolve_model, job.model.pretrained, cwd=cwd, node_id=ctx.node_id)  # fmt: skip
+            result = await asyncio.to_thread(jobs.compute_plan, job, cluster, shape=shape)
         except ValueError as exc:
             raise UserError(str(exc), code="invalid_job") from None
         out = result.to_dict()

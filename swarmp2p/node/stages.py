@@ -19,8 +19,10 @@ from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node import jobs
 from swarmp2p.node.corpus import prepare_tokens
 from swarmp2p.node.decide import stale_workers
+from swarmp2p.node.inputs import Inputs
 from swarmp2p.node.messages import (
     FilePull,
+    InputRead,
     JobAck,
     ShardChunk,
     ShardRead,
@@ -31,6 +33,7 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
+from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
 
 if TYPE_CHECKING:
@@ -67,6 +70,8 @@ class StageHost:
         self.ctx = ctx
         self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
         self._outbox: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        self.inputs = Inputs(ctx)
+        """The job inputs this node offers, and those it fetches for its stages."""
 
     def job_dir(self, job_id: str) -> Path:
         return job_dir(self.ctx.state.root, job_id)
@@ -101,19 +106,24 @@ class StageHost:
 
     # --- starting a stage ---------------------------------------------------------------------
 
-    async def start_stage(self, msg: StageStart) -> StageReady:
+    async def start_stage(self, msg: StageStart) -> StageReady | JobAck:
         folder = self.job_dir(msg.job_id)
+        inputs = msg.inputs
         try:
             plan = await asyncio.to_thread(
-                jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id
-            )
+                jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id,
+                shape=inputs.shape if inputs is not None else None,
+            )  # fmt: skip
         except jobs.PlanMismatch:
             raise
-        except ValueError as exc:
-            raise Failed(f"node {self.ctx.node_id} cannot check the plan: {exc}", code="plan_mismatch") from None  # fmt: skip
+        except ValueError as exc:  # no shape in the record, and the model is not readable here
+            raise Failed(f"node {self.ctx.node_id} cannot read the model to check the plan: {exc}", code="input_missing") from None  # fmt: skip
         stage = plan.stages[msg.stage]
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
+        model, data = await self._local_inputs(msg, stage.files)
+        if msg.prepare:
+            return JobAck(job_id=msg.job_id)
         await self.stop_job(msg.job_id, -1, keep_attempt=msg.attempt)
         snap_dir = folder / "snapshots"
         if msg.resume_step:
@@ -121,20 +131,23 @@ class StageHost:
         device, visible = jobs.device_for(stage.devices, self.ctx.me.record)
         tokens = None
         if msg.stage == 0 and needs_tokens(msg.job):
-            data = msg.job.data
+            source = msg.job.data
             try:
                 tokens = await prepare_tokens(
-                    msg.job.model.pretrained,
-                    data.source,
-                    data.text_field,
+                    model or msg.job.model.pretrained,
+                    str(data) if data is not None else source.source,
+                    source.text_field,
                     folder / "data" / "tokens.npy",
                 )
             except ValueError as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="failed") from None
+        elif msg.stage == 0 and data is not None:  # a .npy of token ids: read as it is
+            tokens = data
         spec = worker_spec(
             msg.job,
             plan,
             msg.stage,
+            model=model,
             token=self.ctx.secret.token,
             host=self.ctx.me.addresses[0],
             next_endpoint=msg.next or None,
@@ -181,6 +194,25 @@ class StageHost:
             host=self.ctx.me.addresses[0],
             port=int(ready.get("port") or 0),
         )
+
+    async def _local_inputs(
+        self, msg: StageStart, planned_files: tuple[str, ...]
+    ) -> tuple[str | None, Path | None]:
+        """(the model folder this stage loads, stage 0's data file), made local from the
+        job's inputs; (None, None) for a job without inputs (each node reads its own)."""
+        inputs = msg.inputs
+        if inputs is None:
+            return None, None
+        what = f"job {msg.job_id} stage {msg.stage}"
+        try:
+            names = stage_files(inputs.model, planned_files)
+        except ValueError as exc:
+            raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
+        model = await self.inputs.model_folder(inputs.model, names, what=what)
+        data = None
+        if msg.stage == 0 and inputs.data is not None:
+            data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        return model, data
 
     async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path) -> None:
         """Keep only snapshots up to ``resume_step`` here; pull the one needed if missing."""
@@ -284,6 +316,11 @@ class StageHost:
         if isinstance(msg, FilePull):
             await self.pull_file(msg.job_id, msg.file, msg.source)
             return JobAck(job_id=msg.job_id)
+        if isinstance(msg, InputRead):
+            data, total = await asyncio.to_thread(
+                self.inputs.read, msg.kind, msg.key, msg.file, msg.offset, msg.size
+            )
+            return ShardChunk(data=data, total=total)
         raise Failed(f"a stage host does not take {type(msg).TYPE}", code="internal")
 
     async def close(self) -> None:

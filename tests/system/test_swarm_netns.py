@@ -1,13 +1,12 @@
-"""The issue-6 scenarios on real hosts in network namespaces, with real mDNS."""
+"""The issue-6 scenarios on real hosts in network namespaces (each with its own disk), with real
+mDNS."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
-from swarm_harness import FAILURE_TIMEOUT_S, ROOT, agreed_on, dump, swarm_env, wait_until
+from swarm_harness import FAILURE_TIMEOUT_S, agreed_on, dump, swarm, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -116,14 +115,7 @@ def test_late_node_joins_and_a_stopped_node_disappears(netns_lab):
     gpu = next(p for p in a.status()["peers"] if p["node_id"] == "d")["devices"][0]
     assert gpu["fake"] is True and gpu["name"] == "A5000"
 
-    out = subprocess.run(
-        [sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(c.state.root)],
-        capture_output=True,
-        text=True,
-        env=swarm_env(),
-        cwd=ROOT,
-        timeout=60,
-    )
+    out = swarm(c, "down", timeout=60)  # on c's host
     assert out.returncode == 0, out.stderr
     assert c.proc.wait(10) == 0
     wait_until(
