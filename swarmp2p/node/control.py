@@ -464,7 +464,9 @@ def export_model(
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
     from swarmp2p.runtime.torch.export import write_export
 
-    done = write_export(got["model"], got["shards"], out, file_mode=file_mode)
+    done = write_export(
+        got["model"], got["shards"], out, file_mode=file_mode, base_dir=got.get("base_dir")
+    )
     shutil.rmtree(shards)
     return {**done, "model": model_id}
 

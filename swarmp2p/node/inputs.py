@@ -15,12 +15,13 @@ offers or holds, by content address: never a path it names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,36 @@ def resolve(job: Job, *, cwd: str | None, node_id: str) -> tuple[Job, JobInputs]
         data=replace(job.data, source=source),
     )
     return job, JobInputs(shape=shape, model=model, data=data)
+
+
+def stage_names(folder: Path, listing: dict[str, Any], start: int, end: int, first: bool, last: bool) -> list[str]:  # fmt: skip
+    """The files of ``listing`` a stage of blocks ``[start, end)`` reads, from the config and
+    index already in ``folder``: its blocks' weight files plus config and tokenizer."""
+    from swarmp2p.plan.inputs import stage_files
+
+    config = json.loads((folder / "config.json").read_text())
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    shape = model_shape.from_config(config, index)
+    source = ModelSource(kind="hub", repo="x/x", revision="0" * 40, files={
+        k: InputFile(bytes=int(v[0]) if isinstance(v, (list, tuple)) else 0) for k, v in listing.items()
+    })  # fmt: skip
+    return stage_files(source, model_shape.stage_files(shape, start, end, first, last))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalModel:
+    """A model to serve, as the issuing node resolved it."""
+
+    folder: str
+    """What every stage's spec names: a folder here, or a Hub id."""
+    codec: str
+    """The folder this node reads the tokenizer from."""
+    shape: ModelShape
+    files: dict[str, list[Any]] | None = None
+    """A folder model's ``{name: [bytes, sha256]}``: stage nodes fetch theirs against it."""
+    revision: str = ""
+    """A Hub model's commit: every stage downloads the same files."""
 
 
 # --- progress -------------------------------------------------------------------------------
@@ -316,7 +347,7 @@ class Inputs:
             for folder in (Path(model.path), cache):
                 if await asyncio.to_thread(model_files.matches, folder, listing):
                     return str(folder)
-            if model.node == self.ctx.node_id:
+            if model.node == self.ctx.node_id and Path(model.path) != cache:
                 raise Failed(
                     f"node {self.ctx.node_id}: the model folder {model.path} changed since the "
                     "job was submitted (a file's sha256 differs); submit it again",
@@ -413,6 +444,113 @@ class Inputs:
             renamed = [(n, _ignore_name(r)) for n, r in sources]
             await self._pull(what, [data.name], listing, dest.parent, renamed, data.bytes, f"data file {data.path} (on node {data.node})")  # fmt: skip
         return dest
+
+    # --- serving (the issuing node) --------------------------------------------------------------
+
+    async def serve_model(
+        self, ref: str, *, trained: JobInputs | None, local: Callable[[str], str]
+    ) -> LocalModel:
+        """What ``swarm serve`` serves for ``ref``: a folder or embedded model read here
+        (``local`` resolves it, and the folder is offered to the stage nodes), a Hub model
+        read through the Hub (only its config, headers and tokenizer come here), or a trained
+        model's base, fetched from the swarm when this node lacks it."""
+        from swarmp2p.plan.inputs import ALWAYS
+
+        if trained is not None and trained.model.kind == "folder":
+            model = trained.model
+            listing = {k: [v.bytes, v.sha256] for k, v in model.files.items()}
+            if not await asyncio.to_thread(model_files.matches, Path(model.path), listing):
+                small = [n for n in ALWAYS if n in model.files]
+                folder = await self.model_folder(model, small, what=f"serve {ref}: its base")
+                self.offer_folder(model.digest, folder)
+                return LocalModel(folder=folder, codec=folder, shape=trained.shape, files=listing)
+        if ref != EMBEDDED and not Path(ref).is_dir() and (trained is None or trained.model.kind == "hub"):  # fmt: skip
+            from swarmp2p.node import hub
+
+            try:
+                shape, source = await asyncio.to_thread(hub.read_model, ref)
+                names = [n for n in ALWAYS if n in source.files]
+                codec = await self._hub_files(source, names, f"serve {ref}: config and tokenizer")
+            except hub.HubError as exc:
+                raise UserError(str(exc), code="bad_model") from None
+            return LocalModel(folder=ref, codec=codec, shape=shape, revision=source.revision)
+        folder = await asyncio.to_thread(local, ref)
+        try:
+            shape = await asyncio.to_thread(model_shape.load, folder)
+            listing = await asyncio.to_thread(model_files.folder_listing, folder) if Path(folder).is_dir() else None  # fmt: skip
+        except (OSError, ValueError) as exc:
+            raise UserError(f"model {ref!r}: cannot read its shape from {folder}: {exc}", code="bad_model") from None  # fmt: skip
+        if listing is not None:
+            files = {k: InputFile(bytes=v[0], sha256=v[1]) for k, v in listing.items()}
+            digest = ModelSource(
+                kind="folder", node=self.ctx.node_id, path=folder, files=files
+            ).digest
+            self.offer_folder(digest, folder)
+        return LocalModel(folder=folder, codec=folder, shape=shape, files=listing)
+
+    def offer_folder(self, digest: str, folder: str) -> None:
+        offers = self.offers()
+        if offers["models"].get(digest) != folder:
+            offers["models"][digest] = folder
+            write_atomic(self._offers_file(), json.dumps(offers, indent=1, sort_keys=True))
+
+    async def serve_stage_folder(
+        self,
+        model: str,
+        files: dict[str, list[Any]] | None,
+        *,
+        issuer: str,
+        revision: str,
+        layers: tuple[int, int, bool, bool],
+        what: str,
+        first_reader: model_files.Reader | None = None,
+        also: Sequence[Path] = (),
+    ) -> str:
+        """The folder a serve stage of blocks ``layers`` loads: only its files made local
+        (from its own copy when it matches, else fetched: from the issuer, then any node
+        that holds them; a Hub model's from the Hub). ``also``: folders of this node to use
+        when they match (the embedded model)."""
+        start, end, first, last = layers
+        if files is None:
+            if not revision or Path(model).is_dir() or model == EMBEDDED:
+                return model  # embedded, or this node's own cache
+            source = ModelSource(kind="hub", repo=model, revision=revision, files={})
+            head = ["config.json"]
+            folder = await self._hub_files(source, head, what)
+            with contextlib.suppress(Exception):
+                folder = await self._hub_files(source, ["model.safetensors.index.json"], what)
+            listing = {"config.json": [0, ""]}
+            index = Path(folder) / "model.safetensors.index.json"
+            if index.is_file():
+                listing.update(
+                    {w: [0, ""] for w in json.loads(index.read_text())["weight_map"].values()}
+                )
+            else:
+                listing["model.safetensors"] = [0, ""]
+            names = stage_names(Path(folder), listing, start, end, first, last)
+            for extra in ("generation_config.json",):
+                with contextlib.suppress(Failed):
+                    await self._hub_files(source, [extra], what)
+            return await self._hub_files(source, [n for n in names if n in listing], what)
+        checked = model_files.check_listing(files)
+        source = ModelSource(
+            kind="folder", node=issuer, path=model,
+            files={k: InputFile(bytes=v[0], sha256=v[1]) for k, v in checked.items()},
+        )  # fmt: skip
+        for folder in also:
+            if await asyncio.to_thread(model_files.matches, folder, checked):
+                return str(folder)
+        readers = None
+        if first_reader is not None:
+            readers = [(issuer, first_reader)] + [
+                (n, self._reader(n, "model", source.digest))
+                for n in self._sources(issuer)[1:]
+                if self.ctx.is_alive(n)
+            ]
+        head = [n for n in ("config.json", "model.safetensors.index.json") if n in checked]
+        folder = await self.model_folder(source, head, what=what, readers=readers)
+        names = stage_names(Path(folder), checked, start, end, first, last)
+        return await self.model_folder(source, names, what=what, readers=readers)
 
     def status(self) -> list[dict[str, Any]]:
         return [f.view(self.ctx.node_id) for f in self.fetching.values()]

@@ -111,7 +111,15 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             else:
                 raise Failed("; ".join(problems), code="no_file")
             dirs.append(str(target))
-        return {"model": model, "shards": dirs}
+        out_view: dict[str, Any] = {"model": model, "shards": dirs}
+        job = ctx.table.jobs.get(str(model.get("job_id")))
+        inputs = job.inputs if job is not None else None
+        if inputs is not None and inputs.model.kind != "embedded":
+            # the export rebuilds the whole model: its base's files, from wherever they are
+            out_view["base_dir"] = await stages.inputs.model_folder(
+                inputs.model, sorted(inputs.model.files), what=f"export of {model['id']}: its base"
+            )
+        return out_view
 
     return {
         "live_plan": live_plan,

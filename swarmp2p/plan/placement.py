@@ -555,14 +555,7 @@ def _build_plan(
     n, kind, micro = placer.n, job.train.schedule, placer.micro_batches
     stages = []
     for i, ((node, dev), (a, b)) in enumerate(zip(placer.devices, ranges)):
-        files: set[str] = set()
-        if shape.layer_files:
-            for layer in range(a, b):
-                files.update(shape.layer_files[layer])
-            files.update(shape.embed_files if i == 0 else ())
-            if i == n - 1:
-                files.update(shape.head_files)
-                files.update(shape.embed_files if shape.tie_embeddings else ())
+        files = _model_shape.stage_files(shape, a, b, i == 0, i == n - 1)
         stages.append(
             PlannedStage(
                 index=i,
@@ -575,7 +568,7 @@ def _build_plan(
                 memory=placer.price(i, a, b),
                 device_free=dev.memory_free,
                 download=placer.pricer.download_bytes(a, b, i == 0, i == n - 1),
-                files=tuple(sorted(files)),
+                files=files,
                 ops=ops_text(stage_schedule(kind, i, n, micro)),
             )
         )

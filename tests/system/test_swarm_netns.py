@@ -15,6 +15,12 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 AGREEMENT_TARGET_S = 3.0
 
 
+def _waiting_job(node, steps: int) -> dict:
+    """A job on a model only ``node``'s host has, that waits (float16 fits no CPU)."""
+    model = node.host.config_only_model()
+    return {"model": {"pretrained": model, "dtype": "float16"}, "train": {"steps": steps}}
+
+
 def _ids(node) -> list[str]:
     return [p["node_id"] for p in node.status()["peers"]]
 
@@ -66,7 +72,7 @@ def test_sigkill_leader_fails_over_keeps_jobs_and_the_old_leader_returns(netns_l
     token = SwarmSecret.generate().token
     (c, b, a), _ = _start_three(hosts, token)
     wait_until(lambda: a.status()["leader_ready"], 10, "a to take over")
-    done = c.submit({"model": "tiny-llama", "steps": 10}, job_id="job-1")  # forwarded to a
+    done = c.submit(_waiting_job(c, 10), job_id="job-1")  # forwarded to a
     assert done["replicas"] >= 2
     wait_until(
         lambda: all(n.status()["table_version"] == done["version"] for n in (a, b, c)),
@@ -89,7 +95,7 @@ def test_sigkill_leader_fails_over_keeps_jobs_and_the_old_leader_returns(netns_l
     assert seconds <= FAILURE_TIMEOUT_S + 1.0, seconds
     wait_until(lambda: b.status()["leader_ready"], 10, "b to take over")
     assert [j["job_id"] for j in b.status()["jobs"]] == ["job-1"]
-    done2 = c.submit({"model": "tiny-llama", "steps": 20}, job_id="job-2")
+    done2 = c.submit(_waiting_job(c, 20), job_id="job-2")
     assert done2["replicas"] == 2
     newest = b.status()
 
