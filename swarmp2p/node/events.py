@@ -115,6 +115,9 @@ class JobPlaced(Event):
     resplit: tuple[dict, ...] = ()
     """Resuming on new cuts: the old cuts' stages (``{"stage", "layers", "nodes"}``) whose
     snapshots at ``resume_step`` each new stage's slice is cut from; empty otherwise."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the plan was made with (every stage's node checks it with these); empty: the
+    planner chose them from the job (a first placement)."""
 
 
 @event("job_running")

@@ -39,6 +39,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.metrics import MetricsStore
 from swarmp2p.node.replication import check_job_id
 from swarmp2p.node.workers import READY_TIMEOUT_S
+from swarmp2p.plan import Blocked
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -106,15 +107,15 @@ class JobsLeader:
         entry = self.ctx.table.jobs[job_id]
         records = self.ctx.live_records()
         cluster = jobs.cluster_records(records)
-        shape = entry.inputs.shape if entry.inputs is not None else None
+        alive = self.ctx.live_nodes()
         try:
-            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster, shape=shape)
+            result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
             await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
             return
         events = decide.placement(
             self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
-            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            alive=alive, me=self.ctx.node_id, now=self.wall(), tried=tried,
         )  # fmt: skip
         if not events:
             return
@@ -134,7 +135,7 @@ class JobsLeader:
             cluster=list(entry.cluster), plan=entry.plan.to_json(), next=nxt, resume_step=resume,
             snapshot_nodes=jobs.snapshot_holders(entry, i, resume) if resume and not entry.resplit else [],
             leader=self.ctx.node_id, inputs=entry.inputs, prepare=prepare,
-            resplit=[dict(r) for r in entry.resplit] or None,
+            resplit=[dict(r) for r in entry.resplit] or None, cuts=list(entry.cuts) or None,
         )  # fmt: skip
 
     async def _prepare(self, job_id: str, attempt: int) -> bool:
@@ -155,6 +156,30 @@ class JobsLeader:
                     await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not prepare: {reply}", at=self.wall())])  # fmt: skip
                 return False
         return True
+
+    @staticmethod
+    def _plan(
+        entry: Any, cluster: list[dict[str, Any]], alive: frozenset[str]
+    ) -> tuple[Any, decide.PlanTry | None]:
+        """The first plan of ``decide.plan_tries`` that places the job (and how it was made),
+        else the first Blocked. A plan made with any stage count is made again on its cuts:
+        every stage's node checks it that way."""
+        from dataclasses import replace
+
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        first = None
+        for tried in decide.plan_tries(entry, alive):
+            job = entry.job
+            if tried.any_count:
+                job = replace(job, split=replace(job.split, stages="auto"))
+            result = jobs.compute_plan(job, cluster, shape=shape, cuts=tried.cuts)
+            if tried.any_count and not isinstance(result, Blocked):
+                cuts = decide.plan_cuts([s.layers for s in result.stages])
+                result = jobs.compute_plan(entry.job, cluster, shape=shape, cuts=cuts)
+            if not isinstance(result, Blocked):
+                return result, tried
+            first = first or result
+        return first, None
 
     async def _launch(self, job_id: str, attempt: int) -> None:
         entry = self.ctx.table.jobs[job_id]

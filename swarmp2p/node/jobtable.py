@@ -104,6 +104,8 @@ class JobEntry:
     """The model's shape and where its files and data come from (the submitter's)."""
     resplit: tuple[dict, ...] = ()
     """The current attempt resumes on new cuts from these old stages' snapshots."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""
 
     @property
     def name(self) -> str:
@@ -236,7 +238,7 @@ def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str,
         e.job_id: _moved(
             job, state, e.at, attempt=e.attempt, plan=e.plan, cluster=e.cluster,
             placed_by=e.placed_by, resume_step=e.resume_step, reason=None, done_stages=(),
-            shards={}, resplit=e.resplit, snapshots=snapshots,
+            shards={}, resplit=e.resplit, snapshots=snapshots, cuts=e.cuts,
         )
     }  # fmt: skip
 

@@ -197,6 +197,8 @@ class StageStart(Message):
     resplit: list | None = None
     """Resuming on new cuts: ``[{"stage", "layers": [start, end], "nodes"}, ...]`` per stage of
     the old cuts, whose snapshots at ``resume_step`` this stage's slice is cut from."""
+    cuts: list | None = None
+    """The cuts the leader planned with (None: the planner's own choice from the job)."""
 
 
 @message("job.stage_ready")

@@ -91,11 +91,12 @@ class StageHost:
             raise Failed(f"node {self.ctx.node_id} has no {msg.file} for job {msg.job_id}", code="no_file") from None  # fmt: skip
         return ShardChunk(data=data, total=total)
 
-    async def pull_file(self, job_id: str, file: str, source: str) -> Path:
-        """Copy a file of a job's folder from the node at ``source``, atomically."""
+    async def pull_file(self, job_id: str, file: str, source: str, dest: Path | None = None) -> Path:  # fmt: skip
+        """Copy a file of a job's folder from the node at ``source``, atomically (to the same
+        name here, or to ``dest``)."""
         from swarmp2p.node import model_files
 
-        dest = job_file(self.ctx.state.root, job_id, file)
+        dest = dest or job_file(self.ctx.state.root, job_id, file)
         read = model_files.rpc_reader(
             self.ctx.call_endpoint,
             source,
@@ -112,7 +113,7 @@ class StageHost:
         try:
             plan = await asyncio.to_thread(
                 jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id,
-                shape=inputs.shape if inputs is not None else None,
+                shape=inputs.shape if inputs is not None else None, cuts=msg.cuts,
             )  # fmt: skip
         except jobs.PlanMismatch:
             raise
@@ -126,7 +127,10 @@ class StageHost:
             return JobAck(job_id=msg.job_id)
         await self.stop_job(msg.job_id, -1, keep_attempt=msg.attempt)
         snap_dir = folder / "snapshots"
-        if msg.resume_step:
+        if msg.resume_step and msg.resplit:
+            tied = bool(inputs is not None and inputs.shape.tie_embeddings)
+            await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied)
+        elif msg.resume_step:
             await self._ensure_snapshot(msg, snap_dir)
         device, visible = jobs.device_for(stage.devices, self.ctx.me.record)
         tokens = None
@@ -213,6 +217,67 @@ class StageHost:
         if msg.stage == 0 and inputs.data is not None:
             data = await self.inputs.data_file(inputs.data, what=f"{what} data")
         return model, data
+
+    async def _resplit_snapshot(
+        self, msg: StageStart, snap_dir: Path, layers: tuple[int, int], n_layers: int, tied: bool
+    ) -> None:
+        """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
+        the old stages holding its blocks, the embeddings or the head), each fetched from a
+        holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
+        import shutil
+
+        from swarmp2p.node.corpus import run_module
+
+        start, end = layers
+        n = len(json.loads(msg.plan)["stages"])
+        first, last = msg.stage == 0, msg.stage == n - 1
+        name = _snapshot_name(msg.resume_step)
+        work = snap_dir / "resplit" / f"attempt-{msg.attempt}"
+        sources = []
+        for old in msg.resplit or []:
+            i, (a, b) = int(old["stage"]), (int(x) for x in old["layers"])
+            was_first, was_last = a == 0, b == n_layers
+            if (
+                not (a < end and start < b)
+                and not (first and was_first)
+                and not (last and was_last)
+            ):
+                continue
+            file = f"snapshots/stage-{i}/{name}"
+            dest = work / f"stage-{i}" / name
+            if not dest.is_file():
+                own = snap_dir / f"stage-{i}" / name
+                if self.ctx.node_id in old["nodes"] and own.is_file():
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    await asyncio.to_thread(shutil.copyfile, own, dest)
+                else:
+                    await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest)  # fmt: skip
+            sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
+        stage_dir = snap_dir / f"stage-{msg.stage}"
+        if stage_dir.is_dir():  # the old cuts' snapshots of this index do not fit this stage
+            for p in stage_dir.iterdir():
+                if _snapshot_step(p.name) is not None:
+                    p.unlink()
+        out = stage_dir / name
+        args = [str(out), str(msg.stage), str(start), str(end), str(int(first)), str(int(last))]
+        try:
+            await run_module("swarmp2p.runtime.torch.reslice", [*args, str(int(tied)), *sources])
+        except ValueError as exc:
+            raise Failed(f"node {self.ctx.node_id}: re-slicing the step-{msg.resume_step} snapshots for stage {msg.stage}: {exc}", code="no_snapshot") from None  # fmt: skip
+        log.info("job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",
+                 msg.job_id, msg.stage, msg.resume_step, len(sources))  # fmt: skip
+
+    async def _pull_from(self, msg: StageStart, file: str, nodes: list[str], dest: Path) -> None:
+        for node_id in nodes:
+            if not self.ctx.is_alive(node_id):
+                continue
+            with contextlib.suppress(SwarmError, OSError, ValueError):
+                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id), dest)
+                return
+        raise Failed(
+            f"no copy of {file} of job {msg.job_id} is reachable (held by {nodes})",
+            code="no_snapshot",
+        )
 
     async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path) -> None:
         """Keep only snapshots up to ``resume_step`` here; pull the one needed if missing."""

@@ -87,6 +87,17 @@ def _raw(node, job_id):
     return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
 
 
+def _entry(node, job_id):
+    """The job's table entry as a record (``JobEntry``) from the daemon's status."""
+    from swarmp2p.node.jobtable import JobEntry
+    from swarmp2p.schema import parse
+
+    raw = _raw(node, job_id)
+    record = {k: v for k, v in raw["record"].items() if k not in ("kind", "name", "metrics")}
+    return parse(JobEntry, {**record, "job_id": job_id, "state": raw["state"],
+                            "version": raw["version"]})  # fmt: skip
+
+
 def _wait_state(node, job_id, states, timeout, nodes):
     try:
         return wait_until(
@@ -172,13 +183,15 @@ def test_inputs_on_a_follower_only_train_export_on_another_serve_on_a_third(
     assert said.returncode == 0 and said.stdout.strip(), said.stderr
 
 
-def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader):
+def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=False):
     hosts = netns_lab(len(ids))
     nodes = _start(hosts, ids, SwarmSecret.generate().token)
     by_id = {n.node_id: n for n in nodes}
     steps = 300
     job = _job(MODEL, stages=stages, steps=steps, checkpoint_every=10, eval_batches=0,
                batch_size=8, seq_len=32)  # fmt: skip
+    if full:
+        job["model"]["lora"] = {"enabled": False}
     watcher = by_id[ids[-1]]
     watcher.host.put(tiny_llama, MODEL)  # only the submitting host has the model
     job_id = _submit(watcher, _write(watcher, job))
@@ -199,7 +212,7 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
     from swarmp2p.node.jobs import resume_step
 
     wait_until(
-        lambda: resume_step(_raw(watcher, job_id)["record"], copies=2),
+        lambda: resume_step(_entry(watcher, job_id), copies=2),
         60, "a snapshot copy of every stage", interval=0.1,
     )  # fmt: skip
     before = _raw(watcher, job_id)
@@ -221,7 +234,7 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
     assert victim not in [s["node"] for s in final["plan"]["stages"]]
     if not replanned:  # the leader ran no stage: its workers never stopped
         assert "resuming" not in states and final["attempt"] == 1
-        return by_id, victim
+        return by_id, victim, final
     assert "resuming" in states and final["attempt"] == 2
     losses = {}
     for attempt, step, loss in final["metrics"]["losses"]:
@@ -232,16 +245,30 @@ def _kill_mid_run(netns_lab, tiny_llama, tmp_path, ids, stages, victim_is_leader
     assert max(second) == steps - 1
     for step in set(first) & set(second):  # re-run steps give the same loss
         assert second[step] == pytest.approx(first[step], abs=1e-5), step
-    return by_id, victim
+    return by_id, victim, final
 
 
-def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama, tmp_path):
-    _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c", "d"], 3, False)
+def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama):
+    _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c", "d"], 3, False)
 
 
-def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llama, tmp_path):
-    by_id, _ = _kill_mid_run(netns_lab, tiny_llama, tmp_path, ["a", "b", "c"], 2, True)
+def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llama):
+    by_id, _, _ = _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c"], 2, True)
     assert by_id["c"].status()["leader"] == "b"
+
+
+def test_sigkill_a_stage_host_of_a_full_fine_tune_re_splits_it_over_the_two_left(
+    netns_lab, tiny_llama
+):
+    """3 stages on 3 hosts, one killed: the 2 left hold the model, so the job goes on in 2
+    stages, from the newest snapshot re-sliced by global block index (its loss continues)."""
+    by_id, victim, final = _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c"], "auto", False, full=True)  # fmt: skip
+    assert victim == "b" and [s["node"] for s in final["plan"]["stages"]] == ["a", "c"]
+    assert [s["layers"] for s in final["plan"]["stages"]] == [[0, 3], [3, 6]]
+    record = _raw(by_id["c"], final["id"])["record"]
+    assert [r["layers"] for r in record["resplit"]] == [[0, 2], [2, 4], [4, 6]]
+    logs = "".join(by_id[n].log() for n in ("a", "c"))
+    assert "re-sliced from" in logs
 
 
 def test_a_job_no_device_can_run_waits_until_a_capable_node_joins(netns_lab, tiny_llama, tmp_path):

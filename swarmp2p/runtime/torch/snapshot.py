@@ -93,6 +93,11 @@ def load_snapshot(
     if optimizer is not None:
         if payload["optimizer"] is None:
             raise ValueError(f"snapshot {path} holds no optimizer state")
-        optimizer.load_state_dict(payload["optimizer"])
+        state = payload["optimizer"]
+        if "by_name" in state:  # re-sliced onto new cuts (``reslice``): back in this order
+            from swarmp2p.runtime.torch.reslice import positional
+
+            state = positional(state, bundle)
+        optimizer.load_state_dict(state)
     torch.set_rng_state(payload["rng"])
     return int(payload["step"])
