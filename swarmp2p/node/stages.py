@@ -126,7 +126,7 @@ class StageHost:
         if msg.prepare:
             return JobAck(job_id=msg.job_id)
         await self.stop_job(msg.job_id, -1, keep_attempt=msg.attempt)
-        snap_dir = folder / "snapshots"
+        snap_dir = snapshot_dir(folder, [st.layers for st in plan.stages])
         if msg.resume_step and msg.resplit:
             tied = bool(inputs is not None and inputs.shape.tie_embeddings)
             await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied)
@@ -224,15 +224,14 @@ class StageHost:
         """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
         the old stages holding its blocks, the embeddings or the head), each fetched from a
         holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
-        import shutil
-
         from swarmp2p.node.corpus import run_module
 
         start, end = layers
         n = len(json.loads(msg.plan)["stages"])
         first, last = msg.stage == 0, msg.stage == n - 1
         name = _snapshot_name(msg.resume_step)
-        work = snap_dir / "resplit" / f"attempt-{msg.attempt}"
+        folder = self.job_dir(msg.job_id)
+        old_dir = snapshot_dir(folder, [r["layers"] for r in msg.resplit or []])
         sources = []
         for old in msg.resplit or []:
             i, (a, b) = int(old["stage"]), (int(x) for x in old["layers"])
@@ -243,22 +242,17 @@ class StageHost:
                 and not (last and was_last)
             ):
                 continue
-            file = f"snapshots/stage-{i}/{name}"
-            dest = work / f"stage-{i}" / name
+            dest = old_dir / f"stage-{i}" / name  # where its holders keep it too
             if not dest.is_file():
-                own = snap_dir / f"stage-{i}" / name
-                if self.ctx.node_id in old["nodes"] and own.is_file():
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    await asyncio.to_thread(shutil.copyfile, own, dest)
-                else:
-                    await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest)  # fmt: skip
+                file = str(dest.relative_to(folder))
+                await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest)  # fmt: skip
             sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
-        stage_dir = snap_dir / f"stage-{msg.stage}"
-        if stage_dir.is_dir():  # the old cuts' snapshots of this index do not fit this stage
-            for p in stage_dir.iterdir():
-                if _snapshot_step(p.name) is not None:
+        out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
+        if out.parent.is_dir():  # a later step of an earlier attempt on these cuts: not ours
+            for p in out.parent.iterdir():
+                step = _snapshot_step(p.name)
+                if step is not None and step > msg.resume_step:
                     p.unlink()
-        out = stage_dir / name
         args = [str(out), str(msg.stage), str(start), str(end), str(int(first)), str(int(last))]
         try:
             await run_module("swarmp2p.runtime.torch.reslice", [*args, str(int(tied)), *sources])
@@ -292,7 +286,8 @@ class StageHost:
                     name = p.name
         if name is not None:
             return
-        file = f"snapshots/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
+        rel = snap_dir.relative_to(self.job_dir(msg.job_id))
+        file = f"{rel}/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
         for node_id in msg.snapshot_nodes:
             if node_id == self.ctx.node_id or not self.ctx.is_alive(node_id):
                 continue
@@ -391,6 +386,13 @@ class StageHost:
     async def close(self) -> None:
         await asyncio.gather(*(w.stop() for w in list(self.workers.values())))
         self.workers.clear()
+
+
+def snapshot_dir(job_folder: Path, layers: list) -> Path:
+    """Where a job's snapshots taken on these cuts live: one folder per cuts, so a re-split
+    attempt's snapshots never take the names of the old cuts' it is cut from."""
+    cuts = [int(r[0]) for r in list(layers)[1:]]
+    return job_folder / "snapshots" / ("cuts-" + ("-".join(map(str, cuts)) or "none"))
 
 
 _SNAP = re.compile(r"step-(\d{8})\.pt")
