@@ -178,6 +178,37 @@ def placement(
     ]  # fmt: skip
 
 
+def available_memory(
+    records: Sequence[Mapping[str, Any]], table: JobTable, exclude: str | None = None
+) -> list[dict[str, Any]]:
+    """The live records with each device's ``memory_free`` less what is already promised
+    there: the placed stages of every other active job (the table's, at once) and the served
+    models' stages (each node's report). Live free memory already lacks what a loaded worker
+    holds, so the smaller of the two counts, never their sum."""
+    from swarmp2p.node.hardware import device_key
+
+    promised: dict[tuple[str, str], int] = {}
+    for job_id, entry in table.jobs.items():
+        if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
+            continue
+        for stage in entry.plan.stages:
+            key = (stage.node_id, device_key(stage.devices[0]))
+            promised[key] = promised.get(key, 0) + int(stage.memory.peak)
+    out = []
+    for record in records:
+        rec = {k: v for k, v in record.items() if k != "held"}
+        serve = (record.get("held") or {}).get("serve") or {}
+        devices = []
+        for d in record.get("devices", []):
+            key = device_key(d)
+            taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
+            total = int(d.get("memory_total") or 0)
+            devices.append({**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))})  # fmt: skip
+        rec["devices"] = devices
+        out.append(rec)
+    return out
+
+
 def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
     if entry.state == "pending" and entry.reason == reason:
         return []
@@ -295,6 +326,7 @@ __all__ = [
     "PlanTry",
     "Recover",
     "Register",
+    "available_memory",
     "fold_report",
     "leader_actions",
     "new_job_id",

@@ -43,9 +43,10 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             job = parse_job(req.get("job"))
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
+        from swarmp2p.node.decide import available_memory
         from swarmp2p.node.inputs import resolve_model
 
-        records = ctx.live_records()
+        records = available_memory(ctx.live_records(), ctx.table)
         cluster = jobs.cluster_records(records)
         cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
         try:  # the shape as a submission from here would resolve it

@@ -105,7 +105,8 @@ class JobsLeader:
 
     async def _place(self, job_id: str) -> None:
         entry = self.ctx.table.jobs[job_id]
-        records = self.ctx.live_records()
+        # never on memory another job's stages or a served model already take
+        records = decide.available_memory(self.ctx.live_records(), self.ctx.table, job_id)
         cluster = jobs.cluster_records(records)
         alive = self.ctx.live_nodes()
         try:

@@ -113,6 +113,8 @@ class ServeStages:
         """serve id -> (issuing node, when its first stage started here)."""
         self._claims: dict[str, tuple[set[str], float]] = {}
         """node -> (the serve ids its last heartbeat claimed, when it came)."""
+        self._held: dict[tuple[str, int, int], tuple[str, int]] = {}
+        """worker key -> (device, the bytes its placement priced): what serving holds here."""
 
     # --- workers nobody issues any more ---------------------------------------------------------
 
@@ -399,6 +401,10 @@ class ServeStages:
             log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{spec.stage_index}.log"),
         )
         self.workers[key] = worker
+        from swarmp2p.node.hardware import device_key
+
+        memory = msg.env.get("memory")
+        self._held[key] = (device_key(device_name), memory if type(memory) is int and memory > 0 else 0)  # fmt: skip
         try:
             await worker.start()
             ready = await worker.wait_ready(LOAD_TIMEOUT_S)
@@ -414,6 +420,16 @@ class ServeStages:
             endpoint=str(ready["endpoint"]),
             state="ready",
         )
+
+    def held(self) -> dict[str, int]:
+        """Bytes this node's serve workers hold per device (their placements' prices)."""
+        out: dict[str, int] = {}
+        for key, (device, nbytes) in list(self._held.items()):
+            if key not in self.workers:
+                del self._held[key]
+                continue
+            out[device] = out.get(device, 0) + nbytes
+        return out
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):

@@ -532,7 +532,8 @@ class Serving:
                     "max_sessions": served.max_sessions,
                     "max_context": served.max_context,
                 }
-                env = {"stages_here": here[s["node_id"]], "device": s["device"]}
+                env = {"stages_here": here[s["node_id"]], "device": s["device"],
+                       "memory": int(s.get("memory") or 0)}  # fmt: skip
                 if served.trained:
                     spec["send_codes"] = True  # every node runs this version's serve codec
                 env["embedded"] = served.embedded
@@ -778,7 +779,10 @@ class Serving:
             and len(msg.holders) != len(msg.bounds)
         ):
             raise RpcError("bad_field", "holders: one list of nodes per stage of bounds")
-        records = [self.ctx.me.record] + [p.record for p in self.ctx.members.alive_peers()]
+        from swarmp2p.node.decide import available_memory
+
+        # never on memory a job's stages or another served model already take
+        records = available_memory(self.ctx.live_records(), self.ctx.table)
         try:
             stages = place_stages(
                 shape,

@@ -344,6 +344,20 @@ class StageHost:
                         self.workers.pop(key, None)
             await asyncio.sleep(REPORT_EVERY_S)
 
+    def held(self) -> dict[str, int]:
+        """Bytes this node's stage workers hold per device (their plans' peaks)."""
+        from swarmp2p.node.hardware import device_key
+
+        out: dict[str, int] = {}
+        for job_id, attempt, stage in self.workers:
+            entry = self.ctx.table.jobs.get(job_id)
+            if entry is None or entry.attempt != attempt or entry.plan is None:
+                continue
+            planned = entry.plan.stages[stage]
+            key = device_key(planned.devices[0])
+            out[key] = out.get(key, 0) + int(planned.memory.peak)
+        return out
+
     # --- stopping ---------------------------------------------------------------------------
 
     async def stop_job(self, job_id: str, attempt: int, keep_attempt: int | None = None) -> None:

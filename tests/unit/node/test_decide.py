@@ -215,3 +215,19 @@ def test_stale_workers_are_those_of_an_ended_job_or_an_older_attempt():
     assert decide.stale_workers(log.table, workers) == [("j1", 0, 0)]
     log(ev.JobCancelled(job_id="j1", reason="user", at=5.0))
     assert decide.stale_workers(log.table, workers) == [("j1", 1, 0), ("j1", 0, 0)]
+
+
+def test_available_memory_leaves_out_other_jobs_stages_and_served_models():
+    log = running()  # j1 on a and b
+    records = cluster("a", "b")
+    peak = log.table.jobs["j1"].plan.stages[0].memory.peak
+    records[1]["held"] = {"serve": {"cpu:0": 1000}, "jobs": {"cpu:0": 5}}
+    total = records[0]["devices"][0]["memory_total"]
+    records[0]["devices"][0]["memory_free"] = total - 10  # live: a little in use
+    a, b = decide.available_memory(records, log.table)
+    assert a["devices"][0]["memory_free"] == total - peak  # the smaller of live and promised
+    stage1 = log.table.jobs["j1"].plan.stages[1].memory.peak
+    assert b["devices"][0]["memory_free"] == total - stage1 - 1000
+    assert "held" not in b  # the planner takes node records
+    a, _ = decide.available_memory(records, log.table, exclude="j1")  # re-placing j1 itself
+    assert a["devices"][0]["memory_free"] == total - 10
