@@ -49,3 +49,20 @@ def tiny_llama(folder: Path, *, layers: int = 6, vocab: int = 128) -> Path:
 
 def weight_files(folder: Path) -> set[str]:
     return {p.name for p in folder.glob("*.safetensors")}
+
+
+def hub_llama(folder: Path, *, layers: int = 6, seed: int = 0) -> Path:
+    """A small random Llama for the Hub tests (hidden 128: ~0.6 MB a block, one shard each, so
+    a safetensors header read is a small part of a file) with the word-level tokenizer."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, eos_token_id=1, pad_token_id=2,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    model.save_pretrained(folder, max_shard_size="700KB")
+    return tokenizer(folder)
