@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import api
 from swarmp2p.node.config import NodeConfig
-from swarmp2p.node.state import StateDir
+from swarmp2p.node.state import StateDir, pid_alive
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -251,25 +251,10 @@ def down(state_dir: Path) -> int:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not pid_alive(pid):
             return pid
         time.sleep(0.05)
     raise api.ApiError(f"swarm daemon pid {pid} did not stop within {STOP_TIMEOUT_S:g} s")
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, waiting for its parent to reap it, does not)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no procfs: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def status(state_dir: Path) -> dict[str, Any]:

@@ -119,7 +119,7 @@ class StateDir:
             return None, f"there is no {self.pid_file.name}"
         except (ValueError, IndexError, OSError):
             return None, f"{self.pid_file} does not hold a pid"
-        if pid <= 0 or not _alive(pid):
+        if pid <= 0 or not pid_alive(pid):
             return None, f"pid {pid} of {self.pid_file.name} is not running"
         if len(fields) >= 3:
             started, boot = _start_time(pid), _boot_id()
@@ -138,7 +138,7 @@ def _proc(pid: int, name: str) -> bytes:
         return f.read()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:
         stat_fields = _proc(pid, "stat").rsplit(b")", 1)[1].split()

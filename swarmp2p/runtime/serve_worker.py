@@ -6,8 +6,10 @@ stdin, one JSON object per line:
      link, or the session manager's return link after the last stage);
   then ``{"op": "stop"}`` or end of input stops the worker.
 stdout, one JSON event per line: ``{"event": "ready", "endpoint", "stage", "load_s"}``,
-``{"event": "serving"}``, ``{"event": "stopped", "steps"}``, or ``{"event": "error",
-"message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
+``{"event": "serving"}``, every STATS_EVERY_S while it works ``{"event": "stats", "stage",
+"sessions", "batch", "peak_batch", "steps", "busy_s", "waiting"}`` (the batch size of its latest
+decode step, and how busy it is), ``{"event": "stopped", "steps", ...the same stats}``, or
+``{"event": "error", "message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
 crash names where it happened.
 """
 
@@ -21,11 +23,17 @@ import time
 
 CONNECT_TIMEOUT_S = 600.0
 """How long a ready worker waits for its connect line."""
+STATS_EVERY_S = 5.0
+"""How often a working stage reports its batch size and load (nothing while idle)."""
+
+
+_EMIT_LOCK = threading.Lock()
 
 
 def _emit(event: str, **fields) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+    with _EMIT_LOCK:  # the stats reporter writes too: one whole line at a time
+        sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+        sys.stdout.flush()
 
 
 def _read_json_line(what: str) -> dict:
@@ -52,6 +60,16 @@ def _watch_stdin(stop: threading.Event) -> None:
             break
         print(f"serve worker: ignored stdin line {line.strip()[:80]!r}", file=sys.stderr)
     stop.set()
+
+
+def _report_stats(server, stage: int, stop: threading.Event) -> None:
+    """A ``stats`` event every STATS_EVERY_S while the stage runs forwards."""
+    last = -1
+    while not stop.wait(STATS_EVERY_S):
+        stats = server.stats()
+        if stats["steps"] != last:
+            last = stats["steps"]
+            _emit("stats", stage=stage, **stats)
 
 
 def _load_trained(spec):
@@ -144,9 +162,13 @@ def run() -> int:
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)
         watcher.start()
+        reporter = threading.Thread(
+            target=_report_stats, args=(server, spec.stage_index, stop), daemon=True
+        )
+        reporter.start()
         _emit("serving", stage=spec.stage_index)
         server.serve_forever(stop)
-        _emit("stopped", stage=spec.stage_index, steps=server.steps)
+        _emit("stopped", stage=spec.stage_index, **server.stats())
     finally:
         for link in (inbound, outbound):
             if link is not None:

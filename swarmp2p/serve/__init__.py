@@ -5,7 +5,19 @@ A light package: it never imports torch (stage servers live in ``swarmp2p.runtim
 
 from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
 from swarmp2p.serve.local import LocalRing, StageWorker, WorkerFailed, even_bounds, serve_local
-from swarmp2p.serve.protocol import GREEDY, RingMessage, SamplingParams
+from swarmp2p.serve.metrics import ServeMetrics
+from swarmp2p.serve.protocol import (
+    GREEDY,
+    Decode,
+    End,
+    Failed,
+    Prefill,
+    RingMessage,
+    SamplingParams,
+    TokenLogprobs,
+    Tokens,
+    decode_message,
+)
 from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
 from swarmp2p.serve.spec import BOUNDARY_COMPRESSIONS, StageServeSpec, boundary_codec
 from swarmp2p.serve.text import TextCodec, TextStream
@@ -16,22 +28,30 @@ __all__ = [
     "GREEDY",
     "ApiError",
     "ApiServer",
+    "Decode",
+    "End",
+    "Failed",
     "GenerationError",
     "LocalRing",
+    "Prefill",
     "RingBusy",
     "RingClient",
     "RingMessage",
     "SamplingParams",
+    "ServeMetrics",
     "ServedModel",
     "Session",
     "StageServeSpec",
     "StageWorker",
     "TextCodec",
     "TextStream",
+    "TokenLogprobs",
+    "Tokens",
     "WorkerFailed",
     "boundary_codec",
     "build_app",
     "check_bind",
+    "decode_message",
     "even_bounds",
     "serve_local",
 ]

@@ -153,6 +153,7 @@ class LocalRing:
         step_timeout: float = 60.0,
         ready_timeout: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        groups: int | None = None,
     ) -> None:
         n = len(bounds)
         if n < 1:
@@ -210,12 +211,17 @@ class LocalRing:
                 worker.wait_event("serving", ready_timeout)
             first = ZmqLink.dial(self._ctx, secret, ready[0]["endpoint"])
             self._links.append(first)
+            # groups of sessions in the ring at once: one per stage keeps every stage busy,
+            # but stages on one machine cannot compute on more cores than it has
+            if groups is None:
+                groups = max(1, min(n, os.cpu_count() or 1))
             self.client = RingClient(
                 first,
                 back,
                 max_context=max_context,
                 max_sessions=max_sessions,
                 step_timeout=step_timeout,
+                groups=groups,
             ).start()
         except BaseException:
             self.close()

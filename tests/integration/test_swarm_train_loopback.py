@@ -244,3 +244,55 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
     assert "node b computes a different plan" in refused.value.detail
     assert "same swarmp2p version" in refused.value.detail
     assert _workers_of(b) == []  # nothing started
+
+
+def _train_json(node, job_file):
+    out = swarm(node, "train", str(job_file), "--json", timeout=600)
+    return out, json.loads(out.stdout) if out.stdout.strip() else None
+
+
+def test_a_bfloat16_job_on_fake_ampere_gpus_trains_with_falling_loss(loopback_swarm, tmp_path):
+    """Issue 13: through `swarm train`, a job the plan resolves to bfloat16 (fake RTX A5000s;
+    the stages run on the CPU in the plan's dtype) trains 20 steps, every loss finite and the
+    curve falling. It failed at step 0 before (the held-out pass sent stage 1 float32)."""
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    loopback_swarm.reserve("a", "b")
+    env = {**ENV, "SWARM_FAKE_DEVICES": "A5000:24:8.6"}
+    a = loopback_swarm.node("a", token=TOKEN, env=env)
+    b = loopback_swarm.node("b", token=TOKEN, env=env)
+    for n in (a, b):
+        n.start()
+    wait_until(lambda: agreed_on([a, b], "a", 2), 20, "two nodes to agree on a")
+    wait_until(lambda: a.status()["leader_ready"], 20, "a to lead")
+    import numpy as np
+
+    tokens = tmp_path / "pattern.npy"  # a learnable stream: the next id follows from this one
+    np.save(tokens, np.tile(np.arange(0, VOCAB, 3, dtype=np.int32), 400))
+    job = _job(model, steps=20, seq_len=16, lr=0.02)
+    job["data"] = {"source": str(tokens)}
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    out, final = _train_json(a, job_file)
+    assert out.returncode == 0, f"{out.stderr}\n{dump([a, b])}"
+    view = json.loads(swarm(a, "jobs", "show", final["id"], "--json").stdout)
+    assert view["plan"]["dtype"] == "bfloat16" and view["state"] == "COMPLETED"
+    curve = [loss for _attempt, _step, loss in view["metrics"]["losses"]]
+    assert len(curve) == 20 and all(isinstance(x, float) for x in curve)
+    assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5, curve
+    assert view["evaluation"]["trained"]["loss"] < view["evaluation"]["base"]["loss"]
+
+
+def test_a_one_stage_job_on_one_node_completes(loopback_swarm, tmp_path):
+    """`swarm train` with split.stages 1 on one machine: the first thing a user tries."""
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV).start()
+    wait_until(lambda: a.status()["leader_ready"], 30, "a to lead")
+    job = _job(model, steps=3)
+    job["split"] = {"stages": 1}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    out, final = _train_json(a, tmp_path / "job.json")
+    assert out.returncode == 0, f"{out.stderr}\n{dump([a])}"
+    view = json.loads(swarm(a, "jobs", "show", final["id"], "--json").stdout)
+    assert view["state"] == "COMPLETED" and len(view["plan"]["stages"]) == 1
+    assert view["plan"]["stages"][0]["layers"] == [0, 4]
+    assert [m["id"] for m in json.loads(swarm(a, "models", "--json").stdout)] == ["tiny"]

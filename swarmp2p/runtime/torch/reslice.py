@@ -85,7 +85,7 @@ def reslice(
     state: dict[str, torch.Tensor] = {}
     by_name: dict[str, Any] = {}
     settings: dict[str, Any] | None = None
-    step = rng = None
+    step = rng = scaler = None
     with_optimizer = True
     for src in sources:
         payload = torch.load(src.path, map_location="cpu", weights_only=True)
@@ -113,6 +113,7 @@ def reslice(
             settings = optimizer[1]
         if src.start <= start < src.end or rng is None:
             rng = payload["rng"]
+        scaler = scaler or payload.get("loss_scaler")  # every stage agreed on one scale
     if step is None:
         raise ValueError("no snapshot to re-slice")
     return {
@@ -121,6 +122,7 @@ def reslice(
         "state": state,
         "optimizer": {"by_name": by_name, "settings": settings} if with_optimizer else None,
         "rng": rng,
+        "loss_scaler": scaler,
     }
 
 

@@ -68,12 +68,14 @@ def test_a_run_resliced_onto_other_cuts_goes_on_as_the_uninterrupted_one(tmp_pat
     _train(first, first_opts, half, batches, 0, on_step=snap)
     ranges = [(0, 1), (1, 3), (3, 4)]
     sources = [
-        Source(path=snapshot_path(tmp_path / "old", i, 2), start=a, end=b, first=i == 0, last=i == 2)
+        Source(
+            path=snapshot_path(tmp_path / "old", i, 2), start=a, end=b, first=i == 0, last=i == 2
+        )
         for i, (a, b) in enumerate(ranges)
     ]
     resumed = _bundles(model, new_cuts)
     opts = [make_optimizer(b, settings) for b in resumed]
-    for j, (a, b) in enumerate([(0, 2), (2, 4)]):
+    for j in range(2):
         out = snapshot_path(tmp_path / "new", j, 2)
         if j == 0:  # the tool a stage's node runs, in its own process
             args = [str(out), "0", "0", "2", "1", "0", "0"]
