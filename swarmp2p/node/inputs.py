@@ -464,7 +464,10 @@ class Inputs:
                 folder = await self.model_folder(model, small, what=f"serve {ref}: its base")
                 self.offer_folder(model.digest, folder)
                 return LocalModel(folder=folder, codec=folder, shape=trained.shape, files=listing)
-        if ref != EMBEDDED and not Path(ref).is_dir() and (trained is None or trained.model.kind == "hub"):  # fmt: skip
+        import re
+
+        hub_id = re.fullmatch(_HUB_ID, ref) and not ref.startswith((".", "/", "~"))
+        if hub_id and not Path(ref).is_dir() and (trained is None or trained.model.kind == "hub"):
             from swarmp2p.node import hub
 
             try:
