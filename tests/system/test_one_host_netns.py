@@ -13,7 +13,11 @@ from swarm_harness import ROOT
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
 
 
+@pytest.mark.timeout(1500)
 def test_swarm_up_then_train_the_example_on_one_host(netns_lab):
+    import time
+
+    t0 = time.monotonic()
     (host,) = netns_lab(1)
     swarm = [sys.executable, "-m", "swarmp2p"]
     env = {"OMP_NUM_THREADS": "2"}
@@ -24,6 +28,10 @@ def test_swarm_up_then_train_the_example_on_one_host(netns_lab):
                        cwd=ROOT, env=env, timeout=1200)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         view = json.loads(out.stdout)
+        print(
+            f"\ntrain took {time.monotonic() - t0:.0f} s:",
+            [(h["state"], round(h["at"] - view["history"][0]["at"])) for h in view["history"]],
+        )
         assert view["state"] == "COMPLETED", view
         assert len(view["plan"]["stages"]) == 1 and view["plan"]["stages"][0]["layers"] == [0, 30]
         models = json.loads(host.run([*swarm, "models", "--json"]).stdout)

@@ -122,7 +122,7 @@ def export_stage(
     if weights_included:
         tied = bool(getattr(stage.config, "tie_word_embeddings", False))
         for name, tensor in _plain_state(stage, merge=mode == "merged").items():
-            if tied and name.startswith("head.") and not bundle.is_first:
+            if tied and name.startswith("head."):
                 continue  # the tied head is the first stage's embedding: stored once
             weights[_rename(name, mapping)] = tensor.detach().to("cpu").contiguous()
     _atomic_write(folder / WEIGHTS, lambda p: save_file(weights, p, metadata={"format": "pt"}))
