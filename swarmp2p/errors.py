@@ -47,6 +47,9 @@ CODES: dict[str, str] = {
     "bad_code": "user",
     "no_invite": "user",
     "unexpected": "user",
+    "bad_model": "user",
+    "bad_data": "user",
+    "data_too_large": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",
@@ -64,6 +67,8 @@ CODES: dict[str, str] = {
     "stage_failed": "failed",
     "no_snapshot": "failed",
     "no_file": "failed",
+    "input_missing": "failed",
+    "input_changed": "failed",
     "not_durable": "failed",
     "failed": "failed",
     # internal
