@@ -134,19 +134,29 @@ def _print_live_plan(result: dict) -> None:
         return
     from rich.table import Table
 
-    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}")
-    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB"):
+    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split")  # fmt: skip
+    from swarmp2p.cli._plan import _predicted, _timing_line
+
+    timing = result.get("timing") or {}
+    times = timing.get("stages") or []
+    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB", "predicted s/step"):  # fmt: skip
         t.add_column(col)
     for s in result["stages"]:
+        i = s["index"]
         t.add_row(
-            str(s["index"]),
+            str(i),
             s["node"],
             ", ".join(s["devices"]),
             f"{s['layers'][0]}-{s['layers'][1] - 1}",
             _gb(s["download"]),
             _gb(s["disk_free"]),
+            _predicted(times[i] if i < len(times) else None, i == timing.get("bottleneck")),
         )
     console.print(t)
+    if timing:
+        console.print(_timing_line(timing), markup=False)
+    for note in result.get("notes") or []:
+        console.print(f"note: {note}", markup=False)
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
 
 

@@ -27,6 +27,7 @@ API_OPS = (
     "peers",
     "submit",
     "down",
+    "bench",
     "live_plan",
     "jobs",
     "job",

@@ -82,7 +82,7 @@ def find_entry(table: JobTable, key: str) -> JobEntry | None:
 
 
 def devices(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability")
+    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability", "speed")
     return [
         {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
         for d in record.get("devices", [])
