@@ -157,6 +157,35 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
 
 
+def test_metrics_keep_compute_per_stage_and_the_steady_pace():
+    from swarmp2p.node.metrics import COMPUTE_STEPS, MetricsStore
+
+    store = MetricsStore()
+
+    def step(s, stage, at, **extra):
+        event = {"event": "step", "step": s, "tokens": 512, "forward_s": 0.1, "backward_s": 0.2,
+                 "optimizer_s": 0.05, "wait_s": 0.3, "at": at, "step_s": 0.65, **extra}  # fmt: skip
+        store.fold("j", attempt=1, stage=stage, n_stages=2, events=[event])
+
+    for s in range(6):  # a slow first step, then one step every 0.5 s
+        at = 100.0 + (2.0 if s == 0 else 2.0 + 0.5 * s)
+        step(s, 0, at, forward_s=0.3)
+        step(s, 1, at)
+    got = store.get("j")
+    assert got["compute"]["steps"]["5"] == {"0": 0.55, "1": 0.35}
+    assert got["stages"]["1"]["wait_s"] == 0.3
+    # steps 0 and 1 warm up; steps 2..5 (4 x 512 tokens) over the 2 s after step 1 ended
+    assert got["steady_tokens_per_s"] == 1024.0
+    step(6, 1, 200.0, skipped=True)  # a skipped float16 step computes nothing useful
+    assert "6" not in store.get("j")["compute"]["steps"]
+    for s in range(7, 7 + COMPUTE_STEPS):
+        step(s, 1, 300.0 + s)
+    assert len(store.get("j")["compute"]["steps"]) == COMPUTE_STEPS
+    store.fold("j", attempt=2, stage=1, n_stages=2, events=[{"event": "step", "step": 50,
+               "forward_s": 1.0, "backward_s": 1.0, "optimizer_s": 0.0, "at": 1.0, "tokens": 1}])  # fmt: skip
+    assert store.get("j")["compute"] == {"attempt": 2, "steps": {"50": {"1": 2.0}}}
+
+
 def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
     import sys
     from pathlib import Path
