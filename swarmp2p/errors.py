@@ -42,6 +42,9 @@ CODES: dict[str, str] = {
     "unknown_peer": "user",
     "node_id_taken": "user",
     "unexpected": "user",
+    "bad_model": "user",
+    "bad_data": "user",
+    "data_too_large": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",
@@ -58,6 +61,8 @@ CODES: dict[str, str] = {
     "stage_failed": "failed",
     "no_snapshot": "failed",
     "no_file": "failed",
+    "input_missing": "failed",
+    "input_changed": "failed",
     "not_durable": "failed",
     "failed": "failed",
     # internal

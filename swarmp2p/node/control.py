@@ -276,6 +276,7 @@ def submit_job(
                 job=job,
                 job_id=job_id,
                 submitted_by="cli",
+                cwd=os.getcwd(),  # relative model and data paths are the CLI's
                 timeout=timeout,
             )
         except api.ApiError as exc:
@@ -339,6 +340,9 @@ def format_status(s: dict[str, Any]) -> str:
         where = f" at {m['url']}/v1" if m.get("url") else ""
         why = f"; {m['reason']}" if m.get("reason") else ""
         lines.append(f"served  {m['model']}{where} ({m['state']}): {stages or '-'}{why}")
+    from swarmp2p.node.inputs import fetch_line
+
+    lines += [f"fetch   {fetch_line(f)}" for f in s.get("fetching") or []]
     return "\n".join(lines)
 
 
@@ -403,7 +407,7 @@ def json_depth(value: Any, stop: int) -> int:
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
     """The plan the leader would make now over the live nodes (each stage with its node's
     free disk beside its download share); nothing is submitted."""
-    return _api(state_dir, "live_plan", job=job.to_dict())
+    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
 
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:
@@ -448,7 +452,9 @@ def export_model(
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
     from swarmp2p.runtime.torch.export import write_export
 
-    done = write_export(got["model"], got["shards"], out, file_mode=file_mode)
+    done = write_export(
+        got["model"], got["shards"], out, file_mode=file_mode, base_dir=got.get("base_dir")
+    )
     shutil.rmtree(shards)
     return {**done, "model": model_id}
 

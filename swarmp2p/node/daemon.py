@@ -53,6 +53,7 @@ from swarmp2p.node.messages import (
     SERVE_MESSAGES,
     FilePull,
     Heartbeat,
+    InputRead,
     JobCancel,
     JobMetricsFetch,
     LeadRequest,
@@ -112,6 +113,11 @@ class Daemon:
             config=config,
             clock=clock,
         )
+        self._live = hardware.LiveMemory(record)
+        """Free memory re-read with the heartbeats (live, not the probe at start)."""
+        self._disk_at, self._disk_free = -1e18, 0
+        self._fetching: dict[str, list] = {}
+        """node -> the fetches its last heartbeat listed (``swarm status`` shows them)."""
         self.rep = Replication(self.ctx, state.table_file, state.root / "vote.json")
         self.jobs = JobsLeader(self.ctx, self.rep)
         self.stages = StageHost(self.ctx)
@@ -342,8 +348,32 @@ class Daemon:
         term, version = self.rep.held
         return Heartbeat(
             node_id=self.ctx.node_id, term=term, version=version, leader=self.ctx.leader,
-            wall_time=time.time(), serving=self.serving.issued(),
+            wall_time=time.time(), serving=self.serving.issued(), memory=self._memory(),
+            fetching=self.stages.inputs.status(),
         )  # fmt: skip
+
+    def _memory(self) -> dict[str, Any]:
+        """This node's live memory: free per device, and what its own workers hold."""
+        memory = {
+            "free": self._live.read(),
+            "held": {"jobs": self.stages.held(), "serve": self.serving.stages.held()},
+            "disk": self._disk(),
+        }
+        hardware.apply_memory(self.ctx.me.record, memory)
+        return memory
+
+    def _disk(self) -> int:
+        now = self.ctx.clock()
+        if now - self._disk_at >= hardware.LIVE_EVERY_S:
+            self._disk_at, self._disk_free = now, hardware.free_disk(self._env)
+        return self._disk_free
+
+    def _peer_report(self, beat: Heartbeat) -> None:
+        """A peer's heartbeat: its live memory into its record, its fetches for status."""
+        peer = self.ctx.members.peers.get(beat.node_id)
+        if peer is not None:
+            hardware.apply_memory(peer.record, beat.memory)
+        self._fetching[beat.node_id] = list(beat.fetching or [])
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -356,6 +386,7 @@ class Daemon:
     async def _heartbeat_round(self) -> None:
         """Heartbeat every peer (hello the dead and static ones), expire the silent, act."""
         ctx = self.ctx
+        self._memory()  # this node's own record is live too, peers or none
         peers = list(ctx.members.peers.values())
         results = await asyncio.gather(
             *(self._beat(p.node_id, p.endpoint, p.alive) for p in peers), return_exceptions=True
@@ -410,6 +441,7 @@ class Daemon:
             return
         self.ctx.members.seen(node_id, self.ctx.clock())
         self.serving.stages.issuer_claims(node_id, reply.serving, self.ctx.clock())
+        self._peer_report(reply)
         if reply.wall_time:
             self._skews[node_id] = reply.wall_time - (sent + time.time()) / 2
         if self.rep.ready:
@@ -458,6 +490,7 @@ class Daemon:
             if not ctx.members.seen(msg.node_id, now):
                 raise RpcError("unknown_peer", f"node {msg.node_id} must send node.hello first")
             self.serving.stages.issuer_claims(msg.node_id, msg.serving, now)
+            self._peer_report(msg)
             return self._heartbeat_msg()
         if isinstance(msg, NodeHello):
             self._check_hello(msg)
@@ -476,7 +509,7 @@ class Daemon:
             return await self.rep.on_table(msg)
         if isinstance(msg, (Submit, StageReport, JobCancel, JobMetricsFetch, ShardCopy)):
             return await self.jobs.handle(msg)
-        if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull)):
+        if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull, InputRead)):
             return await self.stages.handle(msg)
         if isinstance(msg, SERVE_MESSAGES):
             return await self.serving.handle(msg)
@@ -536,6 +569,10 @@ class Daemon:
             "dashboard": self._dashboard.url if self._dashboard else None,
             "dashboard_note": self._dashboard_note,
             "served": self.serving.status(),
+            "fetching": [
+                *self.stages.inputs.status(),
+                *(f for n, fs in sorted(self._fetching.items()) if ctx.is_alive(n) for f in fs),
+            ],
         }
 
     async def _api_submit(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -548,7 +585,9 @@ class Daemon:
             job = parse_job(req.get("job"))
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
-        reply = await self.ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli")), 15.0)  # fmt: skip
+        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        job, inputs = await self.stages.inputs.submit(job, cwd)  # its files travel from here
+        reply = await self.ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli"), inputs=inputs), 15.0)  # fmt: skip
         return {"job_id": reply.job_id, "term": reply.term, "version": reply.version, "replicas": reply.replicas}  # fmt: skip
 
     async def _measure_speeds(self, fresh: bool = False) -> dict[str, Any]:

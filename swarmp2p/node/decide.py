@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmp2p.node import events as ev
-from swarmp2p.node.jobs import blocked_note, exit_message, resume_step
+from swarmp2p.node.jobs import blocked_note, exit_message, resume_step, snapshot_holders
 from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.registry import model_entry, unique_model_id
 from swarmp2p.plan import Blocked, Plan
@@ -88,6 +88,60 @@ def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanTry:
+    """One way to plan a job: on fixed ``cuts`` (its snapshots'), or from the job itself
+    (``any_count``: with as many stages as the nodes left hold, when its count no longer fits)."""
+
+    cuts: tuple[int, ...] | None = None
+    any_count: bool = False
+
+
+def plan_cuts(layers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The cuts (first block of every stage after the first) of per-stage layer ranges."""
+    return tuple(int(r[0]) for r in list(layers)[1:])
+
+
+def _learned(entry: JobEntry) -> bool:
+    plan = entry.plan
+    return plan is not None and any(b.compression.is_learned for b in plan.boundaries)
+
+
+def snapshot_layout(entry: JobEntry, alive: Iterable[str]) -> tuple[int, tuple[dict, ...]]:
+    """(step, the stages it was taken on: ``{"stage", "layers", "nodes"}`` with live holders)
+    of the newest snapshots the job can resume from; (0, ()) when there are none. Snapshots
+    of a re-split attempt that never took its own are the old stages' it was cut from."""
+    live = set(alive)
+    step = resume_step(entry, live) if entry.plan is not None else 0
+    if step and entry.plan is not None:
+        return step, tuple(
+            {"stage": i, "layers": list(s.layers),
+             "nodes": [h for h in snapshot_holders(entry, i, step) if h in live]}
+            for i, s in enumerate(entry.plan.stages)
+        )  # fmt: skip
+    if entry.resplit and entry.resume_step:
+        layout = tuple({**r, "nodes": [n for n in r["nodes"] if n in live]} for r in entry.resplit)
+        if all(r["nodes"] for r in layout):
+            return entry.resume_step, layout
+    return 0, ()
+
+
+def plan_tries(entry: JobEntry, alive: Iterable[str]) -> list[PlanTry]:
+    """How to plan ``entry``, in order: a first placement from the job; a lost one first on
+    its snapshots' cuts (resuming as it was), then, unless a learned boundary was trained on
+    those cuts, re-split over the nodes left (its count, else as many stages as they hold)."""
+    if entry.plan is None:
+        return [PlanTry()]
+    step, layout = snapshot_layout(entry, alive)
+    tries = [PlanTry(cuts=plan_cuts([r["layers"] for r in layout]))] if step else []
+    if step and _learned(entry):
+        return tries
+    tries.append(PlanTry())
+    if entry.job.split.stages != "auto":
+        tries.append(PlanTry(any_count=True))
+    return tries
+
+
 def placement(
     entry: JobEntry,
     result: Plan | Blocked,
@@ -97,28 +151,62 @@ def placement(
     alive: Iterable[str],
     me: str,
     now: float,
+    tried: PlanTry | None = None,
 ) -> list[ev.Event]:
-    """The events that place ``entry`` on ``result`` (a new attempt), or make it wait."""
+    """The events that place ``entry`` on ``result`` (a new attempt, planned as ``tried``
+    says), or make it wait. A plan on other cuts than the newest snapshots' resumes from
+    them re-sliced by global block index (``resplit``)."""
     if isinstance(result, Blocked):
-        return _pending(entry, blocked_note(result.reason, records), now)
-    resume = resume_step(entry, alive) if entry.plan is not None else 0
-    if resume:
-        old = [s.layers for s in entry.plan.stages]
-        new = [s.layers for s in result.stages]
-        if old != new:
-            # per-stage snapshots fit only the same cuts; a learned boundary is never re-split
-            # (its bottleneck was trained on these cuts): wait for a node instead
-            why = (
-                f"the nodes left give cuts {[list(c) for c in new]}, not the snapshots' "
-                f"{[list(c) for c in old]}; waiting for a node to return"
+        reason = blocked_note(result.reason, records)
+        if entry.plan is not None and _learned(entry) and snapshot_layout(entry, alive)[0]:
+            reason += (
+                "\nthe job resumes only on its snapshots' cuts (a learned boundary was trained "
+                "on them); waiting for a node to return"
             )
-            return _pending(entry, why, now)
+        return _pending(entry, reason, now)
+    tried = tried or PlanTry()
+    step, layout = snapshot_layout(entry, alive) if entry.plan is not None else (0, ())
+    new = plan_cuts([s.layers for s in result.stages])
+    same = step and new == plan_cuts([r["layers"] for r in layout]) and not entry.resplit
+    fixed = tried.cuts is not None or tried.any_count
     return [
         ev.JobPlaced(
             job_id=entry.job_id, attempt=entry.attempt + 1, plan=result,
-            cluster=tuple(dict(r) for r in cluster), resume_step=resume, placed_by=me, at=now,
+            cluster=tuple(dict(r) for r in cluster), resume_step=step, placed_by=me, at=now,
+            resplit=() if same or not step else layout, cuts=new if fixed else (),
         )
     ]  # fmt: skip
+
+
+def available_memory(
+    records: Sequence[Mapping[str, Any]], table: JobTable, exclude: str | None = None
+) -> list[dict[str, Any]]:
+    """The live records with each device's ``memory_free`` less what is already promised
+    there: the placed stages of every other active job (the table's, at once) and the served
+    models' stages (each node's report). Live free memory already lacks what a loaded worker
+    holds, so the smaller of the two counts, never their sum."""
+    from swarmp2p.node.hardware import device_key
+
+    promised: dict[tuple[str, str], int] = {}
+    for job_id, entry in table.jobs.items():
+        if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
+            continue
+        for stage in entry.plan.stages:
+            key = (stage.node_id, device_key(stage.devices[0]))
+            promised[key] = promised.get(key, 0) + int(stage.memory.peak)
+    out = []
+    for record in records:
+        rec = {k: v for k, v in record.items() if k != "held"}
+        serve = (record.get("held") or {}).get("serve") or {}
+        devices = []
+        for d in record.get("devices", []):
+            key = device_key(d)
+            taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
+            total = int(d.get("memory_total") or 0)
+            devices.append({**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))})  # fmt: skip
+        rec["devices"] = devices
+        out.append(rec)
+    return out
 
 
 def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
@@ -235,12 +323,17 @@ __all__ = [
     "AddMember",
     "LeaderView",
     "Place",
+    "PlanTry",
     "Recover",
     "Register",
+    "available_memory",
     "fold_report",
     "leader_actions",
     "new_job_id",
     "placement",
+    "plan_cuts",
+    "plan_tries",
     "registration",
+    "snapshot_layout",
     "stale_workers",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from swarmp2p.plan import Job, Plan
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
@@ -85,6 +86,9 @@ class JobSubmitted(Event):
     job: Job
     submitted_by: str = field(max_len=256)
     at: float
+    inputs: JobInputs | None = None
+    """The model's shape and where its files and data come from, as the submitter resolved
+    them (None: a job submitted by an older node; every node then reads the model itself)."""
 
 
 @event("job_pending")
@@ -108,6 +112,12 @@ class JobPlaced(Event):
     resume_step: int = field(default=0, ge=0)
     placed_by: NodeId
     at: float
+    resplit: tuple[dict, ...] = ()
+    """Resuming on new cuts: the old cuts' stages (``{"stage", "layers", "nodes"}``) whose
+    snapshots at ``resume_step`` each new stage's slice is cut from; empty otherwise."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the plan was made with (every stage's node checks it with these); empty: the
+    planner chose them from the job (a first placement)."""
 
 
 @event("job_running")

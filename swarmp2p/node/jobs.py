@@ -99,10 +99,12 @@ def compute_plan(
     *,
     shape: ModelShape | None = None,
     capabilities: frozenset[str] | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> Plan | Blocked:
     """``plan_job`` over plain node records; what the leader and every assigned peer run."""
     nodes = [Node.from_dict(copy.deepcopy(dict(r)), f"cluster[{i}]") for i, r in enumerate(cluster)]
-    return plan_job(job, nodes, CAPABILITIES if capabilities is None else capabilities, shape=shape)
+    own = CAPABILITIES if capabilities is None else capabilities
+    return plan_job(job, nodes, own, shape=shape, cuts=cuts or None)
 
 
 def check_plan(
@@ -113,9 +115,10 @@ def check_plan(
     node_id: str,
     shape: ModelShape | None = None,
     capabilities: frozenset[str] | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> Plan:
     """Recompute the plan on this peer; PlanMismatch unless it is byte-identical."""
-    mine = compute_plan(job, cluster, shape=shape, capabilities=capabilities)
+    mine = compute_plan(job, cluster, shape=shape, capabilities=capabilities, cuts=cuts)
     if not isinstance(mine, Plan):
         raise PlanMismatch(
             f"node {node_id} cannot place this job from the same inputs: {mine.reason}; "

@@ -39,6 +39,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.metrics import MetricsStore
 from swarmp2p.node.replication import check_job_id
 from swarmp2p.node.workers import READY_TIMEOUT_S
+from swarmp2p.plan import Blocked
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -48,6 +49,9 @@ log = logging.getLogger("swarmp2p.node.jobs")
 
 STOP_TIMEOUT_S = 5.0
 COPY_TIMEOUT_S = 60.0
+PREPARE_TIMEOUT_S = 6 * 3600.0
+"""How long the stage nodes may take to fetch their files (a stalled fetch fails sooner: each
+chunk has its own timeout, ``model_files.CHUNK_TIMEOUT_S``)."""
 
 
 class JobsLeader:
@@ -101,16 +105,18 @@ class JobsLeader:
 
     async def _place(self, job_id: str) -> None:
         entry = self.ctx.table.jobs[job_id]
-        records = self.ctx.live_records()
+        # never on memory another job's stages or a served model already take
+        records = decide.available_memory(self.ctx.live_records(), self.ctx.table, job_id)
         cluster = jobs.cluster_records(records)
+        alive = self.ctx.live_nodes()
         try:
-            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster)
+            result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
             await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
             return
         events = decide.placement(
             self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
-            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            alive=alive, me=self.ctx.node_id, now=self.wall(), tried=tried,
         )  # fmt: skip
         if not events:
             return
@@ -122,19 +128,69 @@ class JobsLeader:
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
+    def _stage_start(self, entry: Any, attempt: int, i: int, nxt: str, prepare: bool) -> StageStart:
+        assert entry.plan is not None
+        resume = entry.resume_step
+        return StageStart(
+            job_id=entry.job_id, attempt=attempt, stage=i, job=entry.job,
+            cluster=list(entry.cluster), plan=entry.plan.to_json(), next=nxt, resume_step=resume,
+            snapshot_nodes=jobs.snapshot_holders(entry, i, resume) if resume and not entry.resplit else [],
+            leader=self.ctx.node_id, inputs=entry.inputs, prepare=prepare,
+            resplit=[dict(r) for r in entry.resplit] or None, cuts=list(entry.cuts) or None,
+        )  # fmt: skip
+
+    async def _prepare(self, job_id: str, attempt: int) -> bool:
+        """Every stage's node checks the plan and fetches its files, all at once; False (the
+        job failed, naming the node and the file) when one cannot."""
+        entry = self.ctx.table.jobs[job_id]
+        assert entry.plan is not None
+        nodes = [s.node_id for s in entry.plan.stages]
+        replies = await asyncio.gather(
+            *(self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
+              for i, n in enumerate(nodes)),
+            return_exceptions=True,
+        )  # fmt: skip
+        for i, (node_id, reply) in enumerate(zip(nodes, replies)):
+            if isinstance(reply, BaseException):
+                if self.ctx.table.jobs[job_id].attempt == attempt:
+                    await self._stop_everywhere(job_id, -1)
+                    await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not prepare: {reply}", at=self.wall())])  # fmt: skip
+                return False
+        return True
+
+    @staticmethod
+    def _plan(
+        entry: Any, cluster: list[dict[str, Any]], alive: frozenset[str]
+    ) -> tuple[Any, decide.PlanTry | None]:
+        """The first plan of ``decide.plan_tries`` that places the job (and how it was made),
+        else the first Blocked. A plan made with any stage count is made again on its cuts:
+        every stage's node checks it that way."""
+        from dataclasses import replace
+
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        first = None
+        for tried in decide.plan_tries(entry, alive):
+            job = entry.job
+            if tried.any_count:
+                job = replace(job, split=replace(job.split, stages="auto"))
+            result = jobs.compute_plan(job, cluster, shape=shape, cuts=tried.cuts)
+            if tried.any_count and not isinstance(result, Blocked):
+                cuts = decide.plan_cuts([s.layers for s in result.stages])
+                result = jobs.compute_plan(entry.job, cluster, shape=shape, cuts=cuts)
+            if not isinstance(result, Blocked):
+                return result, tried
+            first = first or result
+        return first, None
+
     async def _launch(self, job_id: str, attempt: int) -> None:
         entry = self.ctx.table.jobs[job_id]
         assert entry.plan is not None
-        plan_json = entry.plan.to_json()
+        if entry.inputs is not None and not await self._prepare(job_id, attempt):
+            return
         nxt = ""
         for i in reversed(range(entry.n_stages)):
             node_id = entry.plan.stages[i].node_id
-            msg = StageStart(
-                job_id=job_id, attempt=attempt, stage=i, job=entry.job, cluster=list(entry.cluster),
-                plan=plan_json, next=nxt, resume_step=entry.resume_step,
-                snapshot_nodes=jobs.snapshot_holders(entry, i, entry.resume_step) if entry.resume_step else [],
-                leader=self.ctx.node_id,
-            )  # fmt: skip
+            msg = self._stage_start(self.ctx.table.jobs[job_id], attempt, i, nxt, False)
             try:
                 reply = await self.ctx.call(node_id, msg, READY_TIMEOUT_S + 30)
                 if not isinstance(reply, StageReady):
@@ -179,7 +235,7 @@ class JobsLeader:
         check_job_id(job_id)
         if job_id in self.ctx.table.jobs:
             raise UserError(f"job {job_id!r} is already in the table", code="exists")
-        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall())  # fmt: skip
+        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall(), inputs=msg.inputs)  # fmt: skip
         version = await self.rep.append([event], wait=True)
         log.info("job %s submitted at version %d", job_id, version)
         return Submitted(job_id=job_id, term=self.ctx.table.term, version=version, replicas=self.rep.holders(version))  # fmt: skip

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node import events as ev
 from swarmp2p.plan import Job, Plan
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
 log = logging.getLogger("swarmp2p.node.jobtable")
@@ -99,6 +100,12 @@ class JobEntry:
     evaluation: dict[str, dict] = dataclasses.field(default_factory=dict)
     model: dict | None = None
     """The registry entry, once the job completed (``swarm models``)."""
+    inputs: JobInputs | None = None
+    """The model's shape and where its files and data come from (the submitter's)."""
+    resplit: tuple[dict, ...] = ()
+    """The current attempt resumes on new cuts from these old stages' snapshots."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""
 
     @property
     def name(self) -> str:
@@ -208,6 +215,7 @@ def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dic
             version=entry.version,
             submitted_by=e.submitted_by,
             history=(StateChange(state="pending", at=e.at),),
+            inputs=e.inputs,
         )
     }
 
@@ -224,11 +232,13 @@ def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str,
     if e.attempt != job.attempt + 1:
         raise ValueError(f"job {e.job_id}: attempt {e.attempt} does not follow {job.attempt}")
     state = "resuming" if e.resume_step else "placed"
+    # snapshots of other cuts no longer fit: the new attempt's first ones replace them
+    snapshots = {} if e.resplit else job.snapshots
     return {
         e.job_id: _moved(
             job, state, e.at, attempt=e.attempt, plan=e.plan, cluster=e.cluster,
             placed_by=e.placed_by, resume_step=e.resume_step, reason=None, done_stages=(),
-            shards={},
+            shards={}, resplit=e.resplit, snapshots=snapshots, cuts=e.cuts,
         )
     }  # fmt: skip
 

@@ -6,6 +6,7 @@ from swarmp2p.node.election import check_node_id
 from swarmp2p.node.events import Attempt, JobId, NodeId, StageIndex
 from swarmp2p.node.jobtable import MAX_VERSION
 from swarmp2p.plan import Job
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import field
 from swarmp2p.wire.messages import Message, message
 
@@ -56,6 +57,11 @@ class Heartbeat(Message):
     serving: list | None = None
     """The serve ids the sender issues now (``swarm serve`` run there): a node stops the serve
     workers of an id its issuer no longer claims (the issuer restarted or stopped it)."""
+    memory: dict | None = None
+    """Live memory: ``{"devices": {"cuda:0": free bytes, ...}, "held": {"cuda:0": bytes its
+    own workers hold, ...}}`` re-read each heartbeat (None: a peer that does not say)."""
+    fetching: list | None = None
+    """The model and data files the sender is fetching now, one progress map each."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)
@@ -145,6 +151,8 @@ class Submit(Message):
     job_id: str = field(default="", max_len=128)
     """Empty: the leader names it."""
     job: Job
+    inputs: JobInputs | None = None
+    """The job's inputs as the submitting node resolved them (shape, model files, data)."""
     submitted_by: str = field(default="", max_len=256)
 
 
@@ -181,6 +189,16 @@ class StageStart(Message):
     snapshot_nodes: list
     """Nodes holding a copy of this stage's snapshot at ``resume_step``."""
     leader: str
+    inputs: JobInputs | None = None
+    """The job's inputs (its shape plans; its model and data files are fetched from them)."""
+    prepare: bool = False
+    """Only check the plan and fetch the stage's files (every stage at once, before any
+    worker starts): answered with ``job.ack`` once they are here."""
+    resplit: list | None = None
+    """Resuming on new cuts: ``[{"stage", "layers": [start, end], "nodes"}, ...]`` per stage of
+    the old cuts, whose snapshots at ``resume_step`` this stage's slice is cut from."""
+    cuts: list | None = None
+    """The cuts the leader planned with (None: the planner's own choice from the job)."""
 
 
 @message("job.stage_ready")
@@ -366,6 +384,19 @@ class ServeStageExit(Message):
     stage: int
     node_id: str
     message: str
+
+
+@message("job.input_read")
+class InputRead(Message):
+    """To a node holding a job's input: ``size`` bytes at ``offset`` of a model file (``kind``
+    "model": ``key`` is the model's digest, ``file`` its name) or of a data file ("data": ``key``
+    is its sha256). Answered with ``job.shard_chunk``."""
+
+    kind: str = field(pattern=r"model|data")
+    key: str = field(pattern=r"[0-9a-f]{16}|[0-9a-f]{64}")
+    file: str = field(default="", max_len=256)
+    offset: int = field(ge=0)
+    size: int = field(ge=1)
 
 
 @message("serve.file_read")

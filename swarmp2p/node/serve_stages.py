@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from swarmp2p.errors import SwarmError
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.jobs import device_for
 from swarmp2p.node.messages import (
@@ -112,6 +113,8 @@ class ServeStages:
         """serve id -> (issuing node, when its first stage started here)."""
         self._claims: dict[str, tuple[set[str], float]] = {}
         """node -> (the serve ids its last heartbeat claimed, when it came)."""
+        self._held: dict[tuple[str, int, int], tuple[str, int]] = {}
+        """worker key -> (device, the bytes its placement priced): what serving holds here."""
 
     # --- workers nobody issues any more ---------------------------------------------------------
 
@@ -207,37 +210,33 @@ class ServeStages:
         return rpc_reader(self.ctx.call_endpoint, self.peer_endpoint(node_id), read_msg)
 
     async def _local_model(self, msg: ServeStageStart) -> str:
-        """The folder this node loads a folder model from: its own copy when every file
-        matches the issuer's listing (at the same path, or its embedded model), else a copy
-        fetched from the issuer into ``<state>/serve/models/<digest>``."""
-        from pathlib import Path
-
-        from swarmp2p.node import model_files
-        from swarmp2p.node.stages import CHUNK_BYTES
+        """The folder this stage loads: only the files its blocks read made local, from this
+        node's own copy when it matches the issuer's listing (at the same path, or its
+        embedded model), else fetched (``node.inputs``: the issuer first, then any node that
+        holds them, into ``<state>/models/<digest>``); a Hub model's from the Hub."""
         from swarmp2p.runtime.models import embedded_dir
 
-        model = str(msg.spec.get("model", ""))
-        if msg.files is None:
-            return model  # a Hub id: each node reads its own cache
-        listing = model_files.check_listing(msg.files)
-        cache = self.ctx.state.root / "serve" / "models" / model_files.listing_digest(listing)
-        candidates = [Path(model)] + ([embedded_dir()] if msg.env.get("embedded") else [])
-        async with self._lock(str(cache)):
-            for folder in (*candidates, cache):
-                if await asyncio.to_thread(model_files.matches, folder, listing):
-                    return str(folder)
-            if msg.issuer == self.ctx.node_id:
-                raise ServeError(f"{model} changed while it was being served; serve it again")
-            log.info("fetching %s (%d files) from %s", model, len(listing), msg.issuer)
+        spec = msg.spec
+        model = str(spec.get("model", ""))
+        start, end = int(spec.get("layer_start", 0)), int(spec.get("layer_end", 0))
+        layers = (start, end, bool(spec.get("is_first_stage")), bool(spec.get("is_last_stage")))
+        reader = None
+        if msg.issuer != self.ctx.node_id:
             serve_id = msg.serve_id
-            read = self._reader(
+            reader = self._reader(
                 msg.issuer,
                 lambda f, o, n: ServeFileRead(serve_id=serve_id, file=f, offset=o, size=n),
             )
-            await model_files.pull_files(
-                read, {k: v[1] for k, v in listing.items()}, cache, CHUNK_BYTES
-            )
-        return str(cache)
+        return await self.stage_host.inputs.serve_stage_folder(
+            model,
+            msg.files,
+            issuer=msg.issuer,
+            revision=str(msg.env.get("revision") or ""),
+            layers=layers,
+            what=f"serve {msg.serve_id} stage {spec.get('stage_index')}",
+            first_reader=reader,
+            also=[embedded_dir()] if msg.env.get("embedded") else [],
+        )
 
     async def _local_shard(self, ask: dict[str, Any]) -> tuple[str, str | None]:
         """(shard folder, tied-head file or None) of a trained stage on this node: the copy in
@@ -348,7 +347,7 @@ class ServeStages:
             local["model"] = await self._local_model(msg)
             if msg.shard is not None:
                 local["shard"], local["tied_head"] = await self._local_shard(msg.shard)
-        except (ServeError, ValueError, OSError, RpcTimeout) as exc:
+        except (ServeError, ValueError, OSError, RpcTimeout, SwarmError) as exc:
             raise RpcError("stage_failed", f"node {self.ctx.node_id}: {exc}") from None
         try:
             spec = StageServeSpec.from_dict(
@@ -402,6 +401,10 @@ class ServeStages:
             log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{spec.stage_index}.log"),
         )
         self.workers[key] = worker
+        from swarmp2p.node.hardware import device_key
+
+        memory = msg.env.get("memory")
+        self._held[key] = (device_key(device_name), memory if type(memory) is int and memory > 0 else 0)  # fmt: skip
         try:
             await worker.start()
             ready = await worker.wait_ready(LOAD_TIMEOUT_S)
@@ -417,6 +420,16 @@ class ServeStages:
             endpoint=str(ready["endpoint"]),
             state="ready",
         )
+
+    def held(self) -> dict[str, int]:
+        """Bytes this node's serve workers hold per device (their placements' prices)."""
+        out: dict[str, int] = {}
+        for key, (device, nbytes) in list(self._held.items()):
+            if key not in self.workers:
+                del self._held[key]
+                continue
+            out[device] = out.get(device, 0) + nbytes
+        return out
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):

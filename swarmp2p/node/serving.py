@@ -121,6 +121,8 @@ class _Served:
     """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
     fetch their copy against."""
     embedded: bool = False
+    local: Any = None
+    """The model as ``node.inputs.serve_model`` resolved it here (tokenizer folder, revision)."""
     attempt: int = 0
     live_attempt: int = 0
     """The attempt whose workers form the ring now (0: none)."""
@@ -335,17 +337,16 @@ class Serving:
             model_arg = model
         if trained is not None:
             dtype, quantization = trained_settings(trained, ints["stages"], req, quantization)
-        folder = await asyncio.to_thread(
-            resolve_model, trained["base"] if trained else model_arg, trained
-        )
-        from swarmp2p.plan import model_shape
-
-        try:
-            shape = await asyncio.to_thread(model_shape.load, folder)
-        except (OSError, ValueError) as exc:
-            raise ServeError(
-                f"model {model!r}: cannot read its shape from {folder}: {exc}"
-            ) from None
+        job = self.ctx.table.jobs.get(str(trained["job_id"])) if trained else None
+        try:  # a Hub model, or a trained model's base this node lacks, is read from elsewhere
+            here = await self.stages.stage_host.inputs.serve_model(
+                trained["base"] if trained else model_arg,
+                trained=job.inputs if job is not None else None,
+                local=lambda ref: resolve_model(ref, trained),
+            )
+        except SwarmError as exc:
+            raise ServeError(str(exc)) from None
+        folder, shape = here.folder, here.shape
         context = min(ints["max_context"] or shape.max_positions, shape.max_positions)
         return _Served(
             name=name,
@@ -364,6 +365,8 @@ class Serving:
             trained=trained,
             holders=[holders(st) for st in trained["manifest"]["stages"]] if trained else [],
             embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
+            files=here.files,
+            local=here,
         )
 
     # --- building a ring ------------------------------------------------------------------------
@@ -375,8 +378,9 @@ class Serving:
         from swarmp2p.serve.text import TextCodec
 
         served.ctx = SecureContext()
-        codec = await asyncio.to_thread(TextCodec.from_folder, served.folder)
-        if os.path.isdir(served.folder):
+        codec_folder = served.local.codec if served.local is not None else served.folder
+        codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
+        if served.files is None and os.path.isdir(served.folder):
             from swarmp2p.node.model_files import folder_listing
 
             try:
@@ -528,10 +532,13 @@ class Serving:
                     "max_sessions": served.max_sessions,
                     "max_context": served.max_context,
                 }
-                env = {"stages_here": here[s["node_id"]], "device": s["device"]}
+                env = {"stages_here": here[s["node_id"]], "device": s["device"],
+                       "memory": int(s.get("memory") or 0)}  # fmt: skip
                 if served.trained:
                     spec["send_codes"] = True  # every node runs this version's serve codec
                 env["embedded"] = served.embedded
+                if served.local is not None and served.local.revision:
+                    env["revision"] = served.local.revision  # a Hub model: every stage alike
                 msg = ServeStageStart(
                     serve_id=served.serve_id,
                     attempt=attempt,
@@ -772,7 +779,10 @@ class Serving:
             and len(msg.holders) != len(msg.bounds)
         ):
             raise RpcError("bad_field", "holders: one list of nodes per stage of bounds")
-        records = [self.ctx.me.record] + [p.record for p in self.ctx.members.alive_peers()]
+        from swarmp2p.node.decide import available_memory
+
+        # never on memory a job's stages or another served model already take
+        records = available_memory(self.ctx.live_records(), self.ctx.table)
         try:
             stages = place_stages(
                 shape,
@@ -826,7 +836,10 @@ class Serving:
                 f.seek(msg.offset)
                 return ShardChunk(data=f.read(msg.size), total=total)
 
-        return await asyncio.to_thread(read)
+        try:
+            return await asyncio.to_thread(read)
+        except FileNotFoundError:  # a trained model's base: this node holds only its config
+            raise RpcError("no_file", f"node {self.ctx.node_id} holds no {msg.file} of {msg.serve_id}") from None  # fmt: skip
 
 
 def _fail_open(client: Any, reason: str) -> None:

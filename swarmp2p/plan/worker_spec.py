@@ -230,8 +230,8 @@ def stage_data(job: Job, stage: int, tokens_path: str | None) -> StageData:
     source = job.data.source
     if source == "random" or stage > 0:
         return StageData(source="random")
-    if source.endswith(".npy"):
-        return StageData(source="tokens", path=source)
+    if source.endswith(".npy"):  # this node's copy of the file (``tokens_path``) when shipped
+        return StageData(source="tokens", path=tokens_path or source)
     if tokens_path is None:
         raise ValueError(f"data.source {source!r} must be tokenized for stage 0 first")
     return StageData(source="tokens", path=tokens_path)

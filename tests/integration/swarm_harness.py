@@ -56,7 +56,11 @@ def swarm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def swarm(node, *args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """The `swarm` CLI against ``node``'s daemon (over its unix socket), output captured."""
+    """The `swarm` CLI against ``node``'s daemon (over its unix socket), output captured; on
+    the node's own host when it runs on one (a system test's ``HostNode.cli``)."""
+    on_host = getattr(node, "cli", None)
+    if on_host is not None:
+        return on_host(*args, timeout=timeout, cwd=None if cwd == ROOT else cwd)
     return subprocess.run(
         [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
         capture_output=True,

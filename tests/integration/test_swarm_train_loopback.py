@@ -147,26 +147,40 @@ def _entry(node, job_id):
     return next(j for j in node.status()["jobs"] if j["job_id"] == job_id)
 
 
+def test_a_missing_data_file_is_refused_where_it_is_submitted(loopback_swarm, tmp_path):
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job = _job(model)
+    job["data"] = {"source": "missing.npy"}  # relative: to the CLI's working directory
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    out = swarm(b, "train", str(job_file), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{tmp_path / 'missing.npy'}" in out.stderr and "data.source" in out.stderr
+    assert a.status()["jobs"] == []  # nothing submitted
+
+
 def test_a_failing_stage_fails_the_job_with_stage_node_message_and_stderr(loopback_swarm, tmp_path):
     model = _tiny_llama(tmp_path / "tiny-llama")
     a, b = _two_nodes(loopback_swarm)
     job = _job(model)
-    job["data"] = {"source": str(tmp_path / "missing.npy")}
+    (tmp_path / "broken.npy").write_bytes(b"not token ids")  # ships to stage 0, fails there
+    job["data"] = {"source": str(tmp_path / "broken.npy")}
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps(job))
     out = swarm(a, "train", str(job_file))  # the progress display, then the error
     assert out.returncode == 1, out.stdout + out.stderr + dump([a, b])
-    assert "FAILED" in out.stdout and "missing.npy" in out.stdout
+    assert "FAILED" in out.stdout and ".npy" in out.stdout
     job_id = a.status()["jobs"][0]["job_id"]
     view = json.loads(swarm(b, "jobs", "show", job_id, "--json").stdout)
     assert view["state"] == "FAILED" and view["model"] is None
     error = view["error"]
     assert error["stage"] == 0 and error["node"] == "a"
-    assert "missing.npy" in error["message"] and "exited with code 1" in error["message"]
+    assert ".npy" in error["message"] and "exited with code 1" in error["message"]
     assert any("Traceback" in line for line in error["stderr_tail"])
     assert json.loads(swarm(a, "models", "--json").stdout) == []
     logs = swarm(b, "jobs", "logs", job_id, "--stage", "0")  # fetched from node a
-    assert logs.returncode == 0 and "missing.npy" in logs.stdout, logs.stderr
+    assert logs.returncode == 0 and ".npy" in logs.stdout, logs.stderr
 
 
 def test_cancel_stops_the_workers_and_the_job_stays_cancelled(loopback_swarm, tmp_path):

@@ -102,7 +102,12 @@ def load_snapshot(
     if optimizer is not None:
         if payload["optimizer"] is None:
             raise ValueError(f"snapshot {path} holds no optimizer state")
-        optimizer.load_state_dict(payload["optimizer"])
+        state = payload["optimizer"]
+        if "by_name" in state:  # re-sliced onto new cuts (``reslice``): back in this order
+            from swarmp2p.runtime.torch.reslice import positional
+
+            state = positional(state, bundle)
+        optimizer.load_state_dict(state)
     if scaler is not None and payload.get("loss_scaler") is not None:
         scaler.load_state_dict(payload["loss_scaler"])
     torch.set_rng_state(payload["rng"])

@@ -69,13 +69,14 @@ def founded(*members: str, term: int = 1) -> Log:
     return log
 
 
-def running(job_id: str = "j1", nodes=("a", "b")) -> Log:
+def running(job_id: str = "j1", nodes=("a", "b"), the_job=None) -> Log:
     """A founded swarm with one job placed on ``nodes`` and running (attempt 1)."""
     log = founded(*sorted(set(nodes) | {"a"}))
+    the_job = the_job or job()
     log(
-        ev.JobSubmitted(job_id=job_id, job=job(), submitted_by="cli", at=1.0),
-        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes), cluster=tuple(cluster(*nodes)),
-                     placed_by="a", at=2.0),
+        ev.JobSubmitted(job_id=job_id, job=the_job, submitted_by="cli", at=1.0),
+        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes, the_job),
+                     cluster=tuple(cluster(*nodes)), placed_by="a", at=2.0),
         ev.JobRunning(job_id=job_id, attempt=1, at=3.0),
     )  # fmt: skip
     return log

@@ -90,25 +90,67 @@ def test_placement_waits_once_per_reason_then_places_a_new_attempt():
     assert isinstance(placed, ev.JobPlaced) and placed.attempt == 1 and placed.resume_step == 0
 
 
-def test_a_resume_keeps_the_snapshots_cuts_or_waits():
-    log = running()
-    log(ev.SnapshotHeld(job_id="j1", stage=0, step=4, node_id="a"),
-        ev.SnapshotHeld(job_id="j1", stage=1, step=4, node_id="a"))  # fmt: skip
-    args = dict(cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0)  # fmt: skip
-    (placed,) = decide.placement(log.table.jobs["j1"], plan(("a", "c")), **args)
-    assert placed.resume_step == 4 and placed.attempt == 2
-    three = plan(("a", "c", "d"))
-    other = decide.placement(log.table.jobs["j1"], _with_cuts(three), **args)
-    assert isinstance(other[0], ev.JobPending) and "not the snapshots'" in other[0].reason
-
-
 def _with_cuts(p):
+    """``p`` with stage 0 on blocks 0-1 and stage 1 on 2-5 (other cuts than the plan's)."""
     from dataclasses import replace
 
     stages = list(p.stages)
     stages[0] = replace(stages[0], layers=(0, 2))
     stages[1] = replace(stages[1], layers=(2, 6))
     return replace(p, stages=tuple(stages[:2]), boundaries=p.boundaries[:1])
+
+
+def _snapshots(log, step=4, holders=("a",)):
+    for stage in (0, 1):
+        for node in holders:
+            log(ev.SnapshotHeld(job_id="j1", stage=stage, step=step, node_id=node))
+
+
+def test_a_lost_job_is_planned_on_its_snapshots_cuts_first_then_re_split():
+    log = running()
+    assert decide.plan_tries(log.table.jobs["j1"], {"a", "b"}) == [
+        decide.PlanTry(), decide.PlanTry(any_count=True)]  # no snapshot: from the job  # fmt: skip
+    _snapshots(log)
+    entry = log.table.jobs["j1"]
+    step, layout = decide.snapshot_layout(entry, {"a", "c"})
+    assert step == 4 and [r["layers"] for r in layout] == [[0, 3], [3, 6]]
+    assert [r["nodes"] for r in layout] == [["a"], ["a"]]
+    assert decide.plan_tries(entry, {"a", "c"}) == [
+        decide.PlanTry(cuts=(3,)), decide.PlanTry(), decide.PlanTry(any_count=True)]  # fmt: skip
+    assert decide.snapshot_layout(entry, {"b", "c"}) == (0, ())  # no live holder
+
+
+def test_a_resume_on_the_same_cuts_reads_its_snapshots_and_other_cuts_re_slice_them():
+    log = running()
+    _snapshots(log)
+    args = dict(cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0)  # fmt: skip
+    (placed,) = decide.placement(log.table.jobs["j1"], plan(("a", "c")), **args,
+                                 tried=decide.PlanTry(cuts=(3,)))  # fmt: skip
+    assert (placed.resume_step, placed.attempt, placed.resplit, placed.cuts) == (4, 2, (), (3,))
+    (other,) = decide.placement(log.table.jobs["j1"], _with_cuts(plan(("a", "c"))), **args)
+    assert other.resume_step == 4 and other.cuts == ()
+    assert other.resplit == ({"stage": 0, "layers": [0, 3], "nodes": ["a"]},
+                             {"stage": 1, "layers": [3, 6], "nodes": ["a"]})  # fmt: skip
+    log(other)  # the re-split attempt forgets the old cuts' snapshots, keeps where they are
+    entry = log.table.jobs["j1"]
+    assert entry.snapshots == {} and entry.resplit == other.resplit
+    assert decide.snapshot_layout(entry, {"a", "c"}) == (4, other.resplit)  # lost again: same
+
+
+def test_a_learned_boundary_resumes_only_on_its_cuts_and_says_why_it_waits():
+    from swarmp2p.plan import parse_job
+    from swarmp2p.schema import to_data
+
+    data = to_data(job())
+    data["split"]["compression"] = {"method": "learned_bottleneck", "learned_dim": 16}
+    learned = parse_job(data)
+    log = running(the_job=learned)
+    _snapshots(log)
+    entry = log.table.jobs["j1"]
+    assert decide.plan_tries(entry, {"a", "c"}) == [decide.PlanTry(cuts=(3,))]
+    args = dict(cluster=cluster("a"), records=cluster("a"), alive={"a"}, me="a", now=9.0)
+    (wait,) = decide.placement(entry, Blocked(reason="placed 1 of 2 required workers"), **args)
+    assert "waiting for a node to return" in wait.reason and "learned boundary" in wait.reason
 
 
 STEP = {"event": "step", "step": 3, "loss": 2.5, "step_s": 0.5}
@@ -173,3 +215,19 @@ def test_stale_workers_are_those_of_an_ended_job_or_an_older_attempt():
     assert decide.stale_workers(log.table, workers) == [("j1", 0, 0)]
     log(ev.JobCancelled(job_id="j1", reason="user", at=5.0))
     assert decide.stale_workers(log.table, workers) == [("j1", 1, 0), ("j1", 0, 0)]
+
+
+def test_available_memory_leaves_out_other_jobs_stages_and_served_models():
+    log = running()  # j1 on a and b
+    records = cluster("a", "b")
+    peak = log.table.jobs["j1"].plan.stages[0].memory.peak
+    records[1]["held"] = {"serve": {"cpu:0": 1000}, "jobs": {"cpu:0": 5}}
+    total = records[0]["devices"][0]["memory_total"]
+    records[0]["devices"][0]["memory_free"] = total - 10  # live: a little in use
+    a, b = decide.available_memory(records, log.table)
+    assert a["devices"][0]["memory_free"] == total - peak  # the smaller of live and promised
+    stage1 = log.table.jobs["j1"].plan.stages[1].memory.peak
+    assert b["devices"][0]["memory_free"] == total - stage1 - 1000
+    assert "held" not in b  # the planner takes node records
+    a, _ = decide.available_memory(records, log.table, exclude="j1")  # re-placing j1 itself
+    assert a["devices"][0]["memory_free"] == total - 10
