@@ -106,6 +106,10 @@ class MetricsStore:
             if isinstance(event, dict):
                 fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
 
+    def compute(self, job_id: str) -> dict[str, Any] | None:
+        """The job's compute seconds per step and stage (read only; ``fold``'s ``compute``)."""
+        return self._jobs.get(job_id, {}).get("compute")
+
     def get(self, job_id: str) -> dict[str, Any]:
         return copy.deepcopy(self._jobs.get(job_id, {}))
 

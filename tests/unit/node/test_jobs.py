@@ -310,3 +310,38 @@ def test_a_daemon_declares_the_runtime_features_only_where_torch_is_importable(m
         importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
     )
     assert runtime_capabilities() == []
+
+
+def test_job_view_shows_each_stage_predicted_beside_measured():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import cluster, founded, job
+
+    from swarmp2p.node import events as ev
+    from swarmp2p.node.views import job_view
+
+    records = cluster("a", "b")
+    for r in records:
+        r["devices"][0]["speed"] = {"float32": 1e10}
+    log = founded("a", "b")
+    log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
+    planned = jobs.compute_plan(job(), records, shape=_shape())
+    log(ev.JobPlaced(job_id="j1", attempt=1, plan=planned, cluster=tuple(records), placed_by="a",
+                     at=2.0))  # fmt: skip
+    metrics = {"stages": {"1": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_s": 0.05,
+                                "wait_s": 0.3}}}  # fmt: skip
+    view = job_view(log.table.jobs["j1"], metrics)
+    first, last = view["plan"]["stages"]
+    assert first["predicted_s"] == planned.timing.stages[0].compute_s > 0
+    assert first["measured_s"] is None  # stage 0 reported nothing yet
+    assert last["measured_s"] == 0.35 and last["wait_s"] == 0.3
+    assert view["plan"]["predicted_step_s"] == planned.timing.step_s
+    assert view["plan"]["bottleneck"] in (0, 1) and view["rebalances"] == 0
+
+
+def _shape():
+    from _tables import SHAPE
+
+    return SHAPE
