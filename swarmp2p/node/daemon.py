@@ -608,9 +608,21 @@ class Daemon:
             return {}
         if speed_probe.apply_speeds(self.ctx.me.record, speeds):
             log.info("measured speeds (FLOP/s): %s", speeds)
-            for peer in self.ctx.members.alive_peers():
-                self._say_hello(peer.endpoint)
+            self.ctx.spawn(self._advertise(), "advertise")
         return speeds
+
+    async def _advertise(self) -> None:
+        """A new hello (this node's record) to every known peer, once any hello to it that
+        was already under way (with the old record) is answered."""
+        pending = {p.endpoint for p in self.ctx.members.peers.values()} | set(self._static)
+        for _ in range(100):
+            for endpoint in sorted(pending):
+                if endpoint not in self._hellos:
+                    self._say_hello(endpoint)
+                    pending.discard(endpoint)
+            if not pending:
+                return
+            await asyncio.sleep(0.05)
 
     async def _api_bench(self, req: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -259,13 +259,14 @@ def _rebalances(entry: JobEntry) -> bool:
 
 
 def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalance | None:
-    """A re-balance when the slowest stage ran more than REBALANCE_OFF off its prediction in
-    each of the last REBALANCE_STEPS steps, and a snapshot is still to come to resume from.
+    """A re-balance when the slowest stage ran more than REBALANCE_OFF off its prediction over
+    the last REBALANCE_STEPS steps in a row, and a snapshot is still to come to resume from.
 
     ``compute`` is the leader's metrics (``{"attempt", "steps": {step: {stage: seconds}}}``,
-    each stage's compute per step, waits left out). Predictions are calibrated by the stage
-    that ran closest to its own (the model's efficiency on the devices is common to all): the
-    slowest stage is off when its measured/predicted ratio exceeds the best one's by 25%."""
+    each stage's compute per step, waits left out). A stage's time is its mean over the steps
+    less its one slowest; predictions are calibrated by the stage that ran closest to its own
+    (how well the model uses a device is common to all): the slowest stage is off when its
+    measured/predicted ratio exceeds the best one's by more than 25%."""
     if not _rebalances(entry) or not isinstance(compute, Mapping):
         return None
     if compute.get("attempt") != entry.attempt:
@@ -287,29 +288,29 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
     every = entry.job.train.checkpoint_every
     if (last + 1) // every * every + every >= entry.job.train.steps:
         return None  # no snapshot left to resume from before the end
-    ratios: list[float] = []
     per_stage: list[list[float]] = [[] for _ in range(n)]
     for k in window:
-        measured = [_number(steps[str(k)].get(str(i))) for i in range(n)]
-        if any(m is None or m <= 0 for m in measured):
-            return None
-        for i, m in enumerate(measured):
-            per_stage[i].append(m)  # type: ignore[arg-type]
-        rel = [m / p for m, p in zip(measured, predicted)]  # type: ignore[operator]
-        slowest = max(range(n), key=lambda i: measured[i])
-        ratios.append(rel[slowest] / min(rel))
-    if min(ratios) <= 1 + REBALANCE_OFF:
+        for i in range(n):
+            m = _number(steps[str(k)].get(str(i)))
+            if m is None or m <= 0:
+                return None
+            per_stage[i].append(m)
+    # each stage's mean over the window without its one slowest step (a pause, a collection):
+    # a stage throttled now and then (a CPU quota) is slower on average, and that counts
+    means = [(sum(v) - max(v)) / (len(v) - 1) for v in per_stage]
+    rel = [m / p for m, p in zip(means, predicted)]
+    slowest = max(range(n), key=lambda i: means[i])
+    ratio = rel[slowest] / min(rel)
+    if ratio <= 1 + REBALANCE_OFF:
         return None
-    medians = [sorted(v)[len(v) // 2] for v in per_stage]
-    slowest = max(range(n), key=lambda i: medians[i])
-    learned = learned_speeds(plan.timing, medians)
+    learned = learned_speeds(plan.timing, means)
     speeds: dict[str, dict[str, float]] = {}
     for stage, speed in zip(plan.stages, learned):
         if speed is not None:
             speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
     return Rebalance(
         job_id=entry.job_id, attempt=entry.attempt, step=last, stage=slowest,
-        ratio=round(sorted(ratios)[len(ratios) // 2], 3), speeds=speeds, dtype=plan.dtype,
+        ratio=round(ratio, 3), speeds=speeds, dtype=plan.dtype,
     )  # fmt: skip
 
 

@@ -355,3 +355,15 @@ def test_learned_speeds_replace_the_probes_on_the_devices_measured():
     assert out[0]["devices"][0]["speed"] == {"float32": 3e9, "bfloat16": 2e12}
     assert out[1]["devices"] == records[1]["devices"]
     assert records[0]["devices"][0]["speed"]["float32"] == 1e12  # a copy, not in place
+
+
+def test_one_pause_is_no_rebalance_but_a_stage_throttled_now_and_then_is():
+    entry = running(the_job=_speed_job()).table.jobs["j1"]
+    paused = _compute(entry)
+    paused["steps"]["10"]["0"] *= 10  # one collection, one neighbour's burst
+    assert decide.rebalance_due(entry, paused) is None
+    throttled = _compute(entry)
+    for k in range(2, 22, 3):  # a CPU quota stalls it every third step
+        throttled["steps"][str(k)]["0"] *= 3
+    due = decide.rebalance_due(entry, throttled)
+    assert due is not None and due.stage == 0 and due.ratio > 1.25
