@@ -31,6 +31,7 @@ API_OPS = (
     "remove",
     "rotate",
     "invite",
+    "bench",
     "live_plan",
     "jobs",
     "job",

@@ -44,7 +44,7 @@ from swarmp2p.net.discovery import (
 )
 from swarmp2p.net.rpc import RpcError, RpcServer, RpcTimeout
 from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
-from swarmp2p.node import authz, hardware, jobs_api, views
+from swarmp2p.node import authz, hardware, jobs_api, speed_probe, views
 from swarmp2p.node import events as ev
 from swarmp2p.node import join as jn
 from swarmp2p.node.api import ApiServer
@@ -111,6 +111,7 @@ class Daemon:
             node_id=node_id, name=name, version=__version__, env=env,
             capabilities=runtime_capabilities(),
         )  # fmt: skip
+        record["link_speed"] = speed_probe.link_speed([iface for iface, _ in chosen])
         self.ctx = NodeContext(
             me=Identity(node_id=node_id, name=name, addresses=addresses, record=record, host=host),
             state=state,
@@ -195,6 +196,7 @@ class Daemon:
                 "remove": self._api_remove,
                 "rotate": self._api_rotate,
                 "invite": self._api_invite,
+                "bench": self._api_bench,
                 **jobs_api.handlers(ctx, self.jobs, self.stages),
                 **self.serving.api_handlers(),
             },
@@ -222,6 +224,7 @@ class Daemon:
         if ctx.config.open_swarm:
             await self.pairing.open_swarm()
         ctx.spawn(self._heartbeat_loop(), "heartbeats")
+        ctx.spawn(self._measure_speeds(), "speed-probe")
         self._elect()
         self.serving.restore()
 
@@ -776,6 +779,48 @@ class Daemon:
         job, inputs = await self.stages.inputs.submit(job, cwd)  # its files travel from here
         reply = await self.ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli"), inputs=inputs), 15.0)  # fmt: skip
         return {"job_id": reply.job_id, "term": reply.term, "version": reply.version, "replicas": reply.replicas}  # fmt: skip
+
+    async def _measure_speeds(self, fresh: bool = False) -> dict[str, Any]:
+        """Measure this node's speeds (cached per hardware and software version; ``fresh``:
+        again) and advertise them: a new hello to every live peer."""
+        if not speed_probe.can_probe(self._env):
+            return {}
+        omp = str(self._env.get("OMP_NUM_THREADS", "")).strip()
+        threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(self.ctx.me.host.get("cpu_cores") or 1)  # fmt: skip
+        try:
+            speeds = await asyncio.to_thread(
+                speed_probe.measure, self.ctx.me.record, threads=threads, env=self._env, fresh=fresh
+            )
+        except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
+            log.warning("speed probe failed (the planner splits by free memory): %s", exc)
+            if fresh:
+                raise
+            return {}
+        if speed_probe.apply_speeds(self.ctx.me.record, speeds):
+            log.info("measured speeds (FLOP/s): %s", speeds)
+            self.ctx.spawn(self._advertise(), "advertise")
+        return speeds
+
+    async def _advertise(self) -> None:
+        """A new hello (this node's record) to every known peer, once any hello to it that
+        was already under way (with the old record) is answered."""
+        pending = {p.endpoint for p in self.ctx.members.peers.values()} | set(self._static)
+        for _ in range(100):
+            for endpoint in sorted(pending):
+                if endpoint not in self._hellos:
+                    self._say_hello(endpoint)
+                    pending.discard(endpoint)
+            if not pending:
+                return
+            await asyncio.sleep(0.05)
+
+    async def _api_bench(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            speeds = await self._measure_speeds(fresh=True)
+        except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
+            raise SwarmError(f"the speed probe failed: {exc}", code="failed") from None
+        return {"node_id": self.ctx.node_id, "speeds": speeds,
+                "devices": views.devices(self.ctx.me.record)}  # fmt: skip
 
     async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_soon(self.stop)

@@ -21,6 +21,7 @@ from swarmp2p.node.jobs import blocked_note, exit_message, resume_step, snapshot
 from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.registry import model_entry, unique_model_id
 from swarmp2p.plan import Blocked, Plan
+from swarmp2p.plan.speed import learned_speeds
 
 PROGRESS_EVERY_S = 5.0
 """The leader writes a job's progress (step, loss) to the replicated table at most this often
@@ -215,6 +216,161 @@ def available_memory(
     return out
 
 
+# --- learning from the run: re-balancing the split ------------------------------------------
+
+REBALANCE_STEPS = 20
+"""Steps in a row the slowest stage must be off its prediction before the split changes."""
+REBALANCE_OFF = 0.25
+"""How far off (a fraction of its prediction) the slowest stage must run."""
+MAX_REBALANCES = 2
+"""Re-balances a job may take (each restarts its workers from a snapshot)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rebalance:
+    """The run says the split is off: stage ``stage`` ran ``ratio`` x its prediction for
+    REBALANCE_STEPS steps up to ``step``; ``speeds`` are the stages' devices' speeds as the run
+    measured them (FLOP/s, node id -> device key -> speed)."""
+
+    job_id: str
+    attempt: int
+    step: int
+    stage: int
+    ratio: float
+    speeds: dict[str, dict[str, float]]
+    dtype: str
+
+    def reason(self, old: Sequence[int], new: Sequence[int]) -> str:
+        return (
+            f"re-balanced: stage {self.stage} ran {self.ratio:.2f}x its predicted time for "
+            f"{REBALANCE_STEPS} steps (to step {self.step}); cuts {list(new)} instead of "
+            f"{list(old)} from the speeds measured"
+        )
+
+
+def _rebalances(entry: JobEntry) -> bool:
+    """Whether the split of ``entry`` may follow the run: the default speed split, nothing
+    learned on the cuts, snapshots on, re-balances left."""
+    plan = entry.plan
+    return (
+        entry.state == "running"
+        and plan is not None
+        and plan.timing is not None
+        and len(plan.stages) > 1
+        and entry.job.split.mode == "speed"
+        and not _learned(entry)
+        and entry.job.train.checkpoint_every > 0
+        and entry.rebalances < MAX_REBALANCES
+    )
+
+
+def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalance | None:
+    """A re-balance when the slowest stage ran more than REBALANCE_OFF off its prediction over
+    the last REBALANCE_STEPS steps in a row, and a snapshot is still to come to resume from.
+
+    ``compute`` is the leader's metrics (``{"attempt", "steps": {step: {stage: seconds}}}``,
+    each stage's compute per step, waits left out). A stage's time is its mean over the steps
+    less its one slowest; predictions are calibrated by the stage that ran closest to its own
+    (how well the model uses a device is common to all): the slowest stage is off when its
+    measured/predicted ratio exceeds the best one's by more than 25%."""
+    if not _rebalances(entry) or not isinstance(compute, Mapping):
+        return None
+    if compute.get("attempt") != entry.attempt:
+        return None
+    plan = entry.plan
+    assert plan is not None and plan.timing is not None
+    n = len(plan.stages)
+    predicted = [s.compute_s if s.compute_s is not None else s.flops for s in plan.timing.stages]
+    if len(predicted) != n or not all(p > 0 for p in predicted):
+        return None
+    steps = compute.get("steps") or {}
+    complete = sorted(
+        (int(k) for k, v in steps.items() if isinstance(v, Mapping) and len(v) == n), reverse=True
+    )
+    window = complete[:REBALANCE_STEPS]
+    if len(window) < REBALANCE_STEPS or window[0] - window[-1] != REBALANCE_STEPS - 1:
+        return None  # not 20 steps in a row yet
+    last = window[0]
+    every = entry.job.train.checkpoint_every
+    if (last + 1) // every * every + every >= entry.job.train.steps:
+        return None  # no snapshot left to resume from before the end
+    per_stage: list[list[float]] = [[] for _ in range(n)]
+    for k in window:
+        for i in range(n):
+            m = _number(steps[str(k)].get(str(i)))
+            if m is None or m <= 0:
+                return None
+            per_stage[i].append(m)
+    # each stage's mean over the window without its one slowest step (a pause, a collection):
+    # a stage throttled now and then (a CPU quota) is slower on average, and that counts
+    means = [(sum(v) - max(v)) / (len(v) - 1) for v in per_stage]
+    rel = [m / p for m, p in zip(means, predicted)]
+    slowest = max(range(n), key=lambda i: means[i])
+    ratio = rel[slowest] / min(rel)
+    if ratio <= 1 + REBALANCE_OFF:
+        return None
+    learned = learned_speeds(plan.timing, means)
+    speeds: dict[str, dict[str, float]] = {}
+    for stage, speed in zip(plan.stages, learned):
+        if speed is not None:
+            speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
+    return Rebalance(
+        job_id=entry.job_id, attempt=entry.attempt, step=last, stage=slowest,
+        ratio=round(ratio, 3), speeds=speeds, dtype=plan.dtype,
+    )  # fmt: skip
+
+
+def rebalance_step(entry: JobEntry, due: Rebalance, alive: Iterable[str]) -> int:
+    """The snapshot step to re-balance from: the newest every stage holds on a live node, once
+    it is newer than the steps that called for it; 0 while there is none yet (or the job moved
+    on: another attempt, not running)."""
+    if entry.attempt != due.attempt or entry.state != "running":
+        return 0
+    step = resume_step(entry, alive)
+    return step if step > due.step else 0
+
+
+def _device_key(torch_device: str) -> str:
+    return "cpu:0" if torch_device == "cpu" else torch_device
+
+
+def with_learned_speeds(
+    cluster: Sequence[Mapping[str, Any]], speeds: Mapping[str, Mapping[str, float]], dtype: str
+) -> list[dict[str, Any]]:
+    """``cluster`` (node records) with the measured speeds in ``dtype`` in place of the probe's
+    on the devices the run measured."""
+    out = []
+    for record in cluster:
+        mine = speeds.get(record.get("node_id")) or {}
+        devices = []
+        for d in record.get("devices", []):
+            got = mine.get(f"{d.get('kind')}:{d.get('index')}")
+            if got:
+                d = {**d, "speed": {**(d.get("speed") or {}), dtype: got}}
+            devices.append(d)
+        out.append({**record, "devices": devices})
+    return out
+
+
+def learned_cluster(cluster: Sequence[Mapping[str, Any]], entry: JobEntry) -> list[dict[str, Any]]:
+    """``cluster`` with what ``entry``'s runs measured (none learned: unchanged)."""
+    if not entry.learned or not entry.learned_dtype:
+        return [dict(r) for r in cluster]
+    return with_learned_speeds(cluster, entry.learned, entry.learned_dtype)
+
+
+def rebalanced(entry: JobEntry, due: Rebalance, old: Sequence[int], new: Sequence[int], now: float) -> list[ev.Event]:  # fmt: skip
+    """The event that re-balances ``entry`` onto cuts ``new`` (none when nothing changes)."""
+    if tuple(old) == tuple(new) or entry.attempt != due.attempt or entry.state != "running":
+        return []
+    return [
+        ev.JobRebalanced(
+            job_id=entry.job_id, attempt=due.attempt, reason=due.reason(old, new),
+            dtype=due.dtype, speeds=due.speeds, at=now,
+        )
+    ]  # fmt: skip
+
+
 def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
     if entry.state == "pending" and entry.reason == reason:
         return []
@@ -324,22 +480,31 @@ def new_job_id(version: int, token: str) -> str:
 
 
 __all__ = [
+    "MAX_REBALANCES",
     "PROGRESS_EVERY_S",
+    "REBALANCE_OFF",
+    "REBALANCE_STEPS",
     "Action",
     "AddMember",
     "LeaderView",
     "Place",
     "PlanTry",
+    "Rebalance",
     "Recover",
     "Register",
     "available_memory",
     "fold_report",
     "leader_actions",
+    "learned_cluster",
     "new_job_id",
     "placement",
     "plan_cuts",
     "plan_tries",
+    "rebalance_due",
+    "rebalance_step",
+    "rebalanced",
     "registration",
     "snapshot_layout",
     "stale_workers",
+    "with_learned_speeds",
 ]

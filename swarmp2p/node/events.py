@@ -162,6 +162,20 @@ class JobResuming(Event):
     at: float
 
 
+@event("job_rebalanced")
+class JobRebalanced(Event):
+    """Attempt ``attempt``'s split no longer fits how fast its stages run (``reason``): the job
+    is re-placed from its newest snapshot, split by the speeds the run measured (``speeds``:
+    node id -> device key such as "cuda:0" -> FLOP/s in ``dtype``)."""
+
+    job_id: JobId
+    attempt: Attempt
+    reason: str = field(max_len=2000)
+    dtype: str = field(max_len=16)
+    speeds: dict[str, dict[str, float]]
+    at: float
+
+
 @event("steps_reported")
 class StepsReported(Event):
     """Progress of ``attempt``: ``step`` steps done, the last stage's loss then (a sample,
@@ -306,6 +320,7 @@ __all__ = [
     "JobFailed",
     "JobPending",
     "JobPlaced",
+    "JobRebalanced",
     "JobResuming",
     "JobRunning",
     "JobSubmitted",

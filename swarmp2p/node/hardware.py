@@ -13,7 +13,12 @@ described ones, each marked ``"fake": true``. Two forms:
   (memory in GiB, all free; capability like ``8.6``, ``""`` when left out);
 - JSON: a list of device objects with at least ``name`` and ``memory_total`` (bytes);
   ``kind`` defaults to ``"cuda"``, ``memory_free`` to ``memory_total``,
-  ``compute_capability`` to ``""``, ``index`` to the position.
+  ``compute_capability`` to ``""``, ``index`` to the position; ``speed`` (FLOP/s per dtype,
+  ``{"float32": 2e10}``) stands in for a measurement (the speed probe measures the others).
+
+The host dict's ``cpu_cores`` is the CPUs this node may keep busy (affinity capped by its
+cgroup's quota, ``node.speed_probe``), ``cpu_quota`` that quota (None: unlimited) and
+``machine`` a hash telling daemons on one machine from separate ones.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
             "memory_free",
             "compute_capability",
             "fake",
+            "speed",
         }
         if unknown:
             raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}")
@@ -109,8 +115,21 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
         idx = item.get("index", index)
         if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
             raise ValueError(f"{where}.index must be a non-negative integer, got {idx!r}")
-        devices.append(_device(kind, idx, name, total, free, capability, fake=True))
+        device = _device(kind, idx, name, total, free, capability, fake=True)
+        if "speed" in item:  # measured speeds as described: the probe leaves them
+            device["speed"] = _fake_speed(item["speed"], f"{where}.speed")
+        devices.append(device)
     return devices
+
+
+def _fake_speed(value: Any, where: str) -> dict[str, float]:
+    from swarmp2p.plan.hardware import Speeds
+    from swarmp2p.schema import SchemaError
+
+    try:
+        return Speeds.from_data(value, where).to_data()
+    except (SchemaError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _device(
@@ -230,7 +249,15 @@ def probe(
         "version": version,
         "devices": [*gpus, cpu],
     }
-    return record, {"cpu_cores": _cpu_cores(), "driver": driver}
+    from swarmp2p.node.speed_probe import cpu_quota, cpu_share, machine_id
+
+    quota = cpu_quota()
+    host = {
+        "cpu_cores": cpu_share(_cpu_cores(), quota),
+        "cpu_quota": quota,
+        "machine": machine_id(),
+    }
+    return record, {**host, "driver": driver}
 
 
 def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -153,6 +153,18 @@ def device_for(stage_devices: Sequence[str], record: Mapping[str, Any]) -> tuple
     return f"{kind}:0", index
 
 
+def stages_on_machine(plan: Plan, node_id: str, machines: Mapping[str, str]) -> int:
+    """How many of ``plan``'s stages share ``node_id``'s machine: its own, and those of the
+    nodes ``machines`` (node id -> its host's ``machine``) names the same (daemons started
+    side by side, network namespaces); an unknown machine shares with none."""
+    mine = machines.get(node_id) or ""
+    return sum(
+        1
+        for st in plan.stages
+        if st.node_id == node_id or (mine and machines.get(st.node_id) == mine)
+    )
+
+
 def cpu_threads(cores: int, stages_here: int) -> int:
     """Threads each CPU stage gets when ``stages_here`` stages share ``cores`` cores: measured
     40x slower steps with two 2-thread CPU stages on 2 cores under load (oversubscription)."""
@@ -214,5 +226,6 @@ __all__ = [
     "exit_message",
     "resume_step",
     "snapshot_holders",
+    "stages_on_machine",
     "without_runtime",
 ]

@@ -65,6 +65,10 @@ class JobsLeader:
         self._busy: dict[str, asyncio.Task] = {}
         self._progress_at: dict[str, float] = {}
         self._report_lock = asyncio.Lock()
+        self._rebalance: dict[str, tuple[decide.Rebalance, tuple[int, ...]]] = {}
+        """Jobs to re-balance at their next snapshot: what called for it and the new cuts."""
+        self._weighed: dict[str, tuple[int, int]] = {}
+        """Job -> (attempt, step): its split was weighed against the run up to that step."""
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -108,7 +112,7 @@ class JobsLeader:
         entry = self.ctx.table.jobs[job_id]
         # never on memory another job's stages or a served model already take
         records = decide.available_memory(self.ctx.live_records(), self.ctx.table, job_id)
-        cluster = jobs.cluster_records(records)
+        cluster = decide.learned_cluster(jobs.cluster_records(records), entry)  # its runs' speeds
         alive = self.ctx.live_nodes()
         try:
             result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
@@ -285,6 +289,90 @@ class JobsLeader:
                 self.ctx.spawn(self._stop_everywhere(msg.job_id, msg.attempt), f"stop:{msg.job_id}")
         if self.ctx.table.jobs[msg.job_id].state == "completed":
             await self._register(msg.job_id)
+        self._watch_balance(msg.job_id)
+
+    # --- learning from the run ----------------------------------------------------------------
+
+    def _watch_balance(self, job_id: str) -> None:
+        """After a report: when the run says the split is off (``decide.rebalance_due``), weigh
+        a split by the measured speeds; carry it out at the first snapshot after that."""
+        entry = self.ctx.table.jobs.get(job_id)
+        if entry is None or not self.ctx.leading:
+            return
+        pending = self._rebalance.get(job_id)
+        if pending is not None:
+            due, cuts = pending
+            if due.attempt != entry.attempt or entry.state in FINAL_STATES:
+                del self._rebalance[job_id]
+            elif job_id not in self._busy and decide.rebalance_step(entry, due, self.ctx.live_nodes()):  # fmt: skip
+                del self._rebalance[job_id]
+                self._run(job_id, self._rebalance_now(job_id, due, cuts))
+            return
+        weighed = self._weighed.get(job_id)
+        due = decide.rebalance_due(entry, self.metrics.compute(job_id))
+        if due is None or (weighed and weighed[0] == entry.attempt and due.step < weighed[1]):
+            return
+        self._weighed[job_id] = (entry.attempt, due.step + decide.REBALANCE_STEPS)
+        self.ctx.spawn(self._weigh(job_id, due), f"balance:{job_id}")
+
+    def _measured_cluster(self, entry: Any, due: decide.Rebalance) -> list[dict[str, Any]]:
+        """The records the attempt was planned on, with the speeds the run measured."""
+        return decide.with_learned_speeds(list(entry.cluster), due.speeds, due.dtype)
+
+    async def _weigh(self, job_id: str, due: decide.Rebalance) -> None:
+        """Plan the job on the speeds its run measured; a different split waits for the next
+        snapshot."""
+        entry = self.ctx.table.jobs.get(job_id)
+        if entry is None or entry.plan is None or entry.attempt != due.attempt:
+            return
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, entry.job, self._measured_cluster(entry, due), shape=shape)  # fmt: skip
+        except ValueError as exc:
+            log.warning("job %s: cannot weigh a re-balance: %s", job_id, exc)
+            return
+        if isinstance(result, Blocked):
+            return
+        old = decide.plan_cuts([s.layers for s in entry.plan.stages])
+        new = decide.plan_cuts([s.layers for s in result.stages])
+        same_devices = [(s.node_id, s.devices) for s in result.stages] == [(s.node_id, s.devices) for s in entry.plan.stages]  # fmt: skip
+        if new == old or not same_devices:
+            log.info("job %s: stage %d runs %.2fx its prediction, but the measured speeds give the same split", job_id, due.stage, due.ratio)  # fmt: skip
+            return
+        self._rebalance[job_id] = (due, new)
+        log.info("job %s: stage %d runs %.2fx its prediction; cuts %s instead of %s at its next snapshot", job_id, due.stage, due.ratio, list(new), list(old))  # fmt: skip
+
+    async def _rebalance_now(self, job_id: str, due: decide.Rebalance, cuts: tuple[int, ...]) -> None:  # fmt: skip
+        """Stop the attempt and place the job again on ``cuts`` from its newest snapshot."""
+        entry = self.ctx.table.jobs[job_id]
+        assert entry.plan is not None
+        cluster = self._measured_cluster(entry, due)
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster, shape=shape, cuts=cuts)  # fmt: skip
+        except ValueError as exc:
+            log.warning("job %s: no re-balance: %s", job_id, exc)
+            return
+        if isinstance(result, Blocked):
+            log.info("job %s: no re-balance, the new split does not fit now: %s", job_id, result.reason)  # fmt: skip
+            return
+        old = decide.plan_cuts([s.layers for s in entry.plan.stages])
+        events = decide.rebalanced(entry, due, old, cuts, self.wall())
+        if not events:
+            return
+        await self._append(events)
+        log.info("job %s %s", job_id, events[0].reason)
+        await self._stop_everywhere(job_id, due.attempt)
+        placed = decide.placement(
+            self.ctx.table.jobs[job_id], result, cluster=cluster, records=self.ctx.live_records(),
+            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            tried=decide.PlanTry(cuts=tuple(cuts)),
+        )  # fmt: skip
+        await self._append(placed)
+        entry = self.ctx.table.jobs[job_id]
+        if placed and isinstance(placed[0], ev.JobPlaced):
+            log.info("job %s attempt %d re-balanced onto %s", job_id, entry.attempt, [list(s.layers) for s in entry.plan.stages])  # fmt: skip
+            await self._launch(job_id, entry.attempt)
 
     def _copy_snapshot(self, job_id: str, stage: int, holder: str, step: int, file: str) -> None:
         """Have another live node pull a copy of a stage's snapshot."""

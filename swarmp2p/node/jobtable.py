@@ -55,6 +55,8 @@ class Member:
 class StateChange:
     state: str
     at: float
+    reason: str = ""
+    """Why, when the change needs saying (a re-balance)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +113,12 @@ class JobEntry:
     """The current attempt resumes on new cuts from these old stages' snapshots."""
     cuts: tuple[int, ...] = ()
     """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""
+    learned: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Speeds the run measured (node id -> device key -> FLOP/s in ``learned_dtype``): later
+    placements of the job split by them."""
+    learned_dtype: str = ""
+    rebalances: int = field(default=0, ge=0)
+    """How many times the split was re-balanced to measured speeds."""
 
     @property
     def name(self) -> str:
@@ -291,6 +299,20 @@ def apply_job_resuming(t: JobTable, e: ev.JobResuming, entry: ev.Entry) -> dict[
     return {e.job_id: _moved(job, "resuming", e.at, reason=e.reason)}
 
 
+def apply_job_rebalanced(t: JobTable, e: ev.JobRebalanced, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "be re-balanced")
+    if job.state != "running":
+        raise ValueError(f"job {e.job_id} is {job.state}; only a running job is re-balanced")
+    change = StateChange(state="resuming", at=e.at, reason=e.reason)
+    return {
+        e.job_id: replace(
+            job, state="resuming", history=(*job.history, change), reason=e.reason,
+            learned=e.speeds, learned_dtype=e.dtype, rebalances=job.rebalances + 1,
+        )
+    }  # fmt: skip
+
+
 def apply_steps_reported(t: JobTable, e: ev.StepsReported, entry: ev.Entry) -> dict[str, JobEntry]:
     job = _job(t, e.job_id)
     _current(job, e.attempt, "report steps")
@@ -382,6 +404,7 @@ _APPLY: dict[type, Callable[..., Any]] = {
     ev.JobPlaced: apply_job_placed,
     ev.JobRunning: apply_job_running,
     ev.JobResuming: apply_job_resuming,
+    ev.JobRebalanced: apply_job_rebalanced,
     ev.StepsReported: apply_steps_reported,
     ev.SnapshotHeld: apply_snapshot_held,
     ev.EvaluationReported: apply_evaluation_reported,

@@ -166,7 +166,9 @@ class StageHost:
         folder.mkdir(parents=True, exist_ok=True)
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            here = sum(1 for st in plan.stages if st.node_id == self.ctx.node_id)
+            machines = {p.node_id: str(p.host.get("machine") or "") for p in self.ctx.members.alive_peers()}  # fmt: skip
+            machines[self.ctx.node_id] = str(self.ctx.me.host.get("machine") or "")
+            here = jobs.stages_on_machine(plan, self.ctx.node_id, machines)  # they share its cores
             cores = int(self.ctx.me.host.get("cpu_cores") or 1)
             env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
         key = (msg.job_id, msg.attempt, msg.stage)

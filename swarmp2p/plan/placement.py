@@ -12,6 +12,9 @@ any; a cluster of CPUs only runs on its CPUs. Split modes:
   the head's vocab x hidden matmul on the last stage (SmolLM2's head costs about 8 of its 30
   layers; DESIGN.md, "Pitfalls"), and AdamW's update over what trains; every stage must still
   fit its device.
+- `speed` (the default): minimises the slowest stage's predicted step time (`plan/speed.py`:
+  the `cost` FLOPs at each device's measured speed, the bytes it sends over the link); by free
+  memory (`weighted`) when a device has no measured speed.
 
 A stage must fit its device's free memory (less DEVICE_RESERVE); a node's download share
 (its stages' layers, the embeddings on the first stage, the head on the last) plus
@@ -25,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from swarmp2p.plan import model_shape as _model_shape
+from swarmp2p.plan import speed as _speed
 from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
 from swarmp2p.plan.job import FieldError, Job, JobError
 from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
@@ -154,6 +158,7 @@ class _Placer:
         self._params = [0]
         for p in shape.layer_params:
             self._params.append(self._params[-1] + p)
+        self._clock: _speed.StageClock | None = None
 
     def price(self, i: int, start: int, end: int) -> StageMemory:
         return self.pricer.price(
@@ -203,11 +208,21 @@ class _Placer:
         ranges.append((start, L))
         return tuple(ranges)
 
+    @property
+    def clock(self) -> _speed.StageClock:
+        """Predicted stage times of this placement (``plan/speed.py``)."""
+        if self._clock is None:
+            self._clock = _speed.StageClock(self)
+        return self._clock
+
     def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
         return all(self.fits(i, a, b) for i, (a, b) in enumerate(ranges))
 
     def split(self, cuts: tuple[int, ...] | None = None) -> _Attempt:
         L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
+        cost = self.compute_cost
+        if mode == "speed":  # by predicted time; by free memory unless every speed is measured
+            cost, mode = self.clock.time, "cost" if self.clock.measured else "weighted"
         if cuts is not None:  # the split is given (a trained model, a resume, a test)
             found = tuple(itertools.pairwise((0, *cuts, L)))
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
@@ -221,7 +236,7 @@ class _Placer:
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
             return _Attempt(ranges=found if ok else None, prices=prices, tried=found)
         if mode == "cost":
-            found = min_max_partition(L, n, self.compute_cost, self.fits)
+            found = min_max_partition(L, n, cost, self.fits)
         else:
             found = self.proportional()
             if not self.all_fit(found):
@@ -649,5 +664,16 @@ def _build_plan(
         eval_batches=job.train.eval_batches if "pipeline-eval" in features else 0,
         weight_storage=_weight_storage(job, dtype),
         features=tuple(sorted(features)),
-        notes=tuple(notes),
+        notes=tuple(notes) + _speed_note(job, placer),
+        timing=placer.clock.timing(ranges, micro),
+    )
+
+
+def _speed_note(job: Job, placer: _Placer) -> tuple[str, ...]:
+    if job.split.mode != "speed" or placer.clock.measured:
+        return ()
+    return (
+        "split by free memory: no measured speed on "
+        + ", ".join(placer.clock.unmeasured)
+        + " (swarm doctor --bench there measures it)",
     )

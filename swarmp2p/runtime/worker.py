@@ -8,7 +8,9 @@ port) and dials the stage after it, then writes JSON-lines events on stdout:
 - ``{"event": "eval", "stage": i, "pass": name, "loss": ..., "perplexity": ..., "top1": ..., "tokens": n}``
 - ``{"event": "step", "stage": i, "step": s, "loss": ..., "tokens_per_s": ..., "act_bytes": ...,
   "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ..., "loss_scale": ..., "skipped": ...}``
-  (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step)
+  (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step),
+  ``"forward_s", "backward_s", "optimizer_s"`` (computing) and ``"wait_s"`` (blocked on the
+  links) that add up to ``step_s``, and ``"at"`` (wall-clock time the step ended)
 - ``{"event": "done", "stage": i, "steps": n}`` and exit code 0
 - ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1; a non-finite
   step (``NonFiniteError``) and a stage stopped by another's failure (``PipelineAborted``) add

@@ -106,17 +106,19 @@ def tiny_llama(
     max_positions: int = 64,
     tied: bool = False,
     shard_size: str = "40KB",
+    hidden: int = 32,
     **config: Any,
 ) -> Path:
-    """A random tiny Llama (hidden 32) saved in ``folder`` in several safetensors shards."""
+    """A random tiny Llama (hidden 32 unless told) saved in ``folder`` in several safetensors
+    shards."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
     llama = tf.LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -111,12 +111,14 @@ _WIRE_DTYPES = {
 class Channel:
     """The boundary protocol over one link to a neighbour stage.
 
-    Counts the bytes it sends of each kind (``sent_bytes[ACT]``, ``sent_bytes[GRAD]``, ...).
+    Counts the bytes it sends of each kind (``sent_bytes[ACT]``, ``sent_bytes[GRAD]``, ...) and
+    the seconds spent blocked on the link (``wait_s``: waiting for the neighbour, not computing).
     """
 
     link: Any
     timeout: float = DEFAULT_LINK_TIMEOUT_S
     sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
+    wait_s: float = 0.0
 
     def _send(self, header: dict[str, Any], payloads: list[tuple[torch.Tensor, str]]) -> None:
         step, micro = header.get("step") or 0, header.get("micro") or 0
@@ -127,14 +129,18 @@ class Channel:
             parts.extend(frame_parts)
         message = [json.dumps({**header, "tensors": counts}).encode(), *parts]
         self.sent_bytes[header["kind"]] += sum(memoryview(p).nbytes for p in message)
+        started = time.perf_counter()
         try:
             self.link.send(message, timeout=self.timeout)
         except TimeoutError as exc:
             raise LinkTimeout(
                 f"could not send to the neighbour within {self.timeout:g} s: {exc}"
             ) from None
+        finally:
+            self.wait_s += time.perf_counter() - started
 
     def _recv(self, kind: str, step: int | None, micro: int | None) -> tuple[dict, list]:
+        started = time.perf_counter()
         try:
             message = self.link.recv(self.timeout)
         except TimeoutError:
@@ -143,6 +149,8 @@ class Channel:
                 + ("" if step is None else f" of step {step}, micro {micro}")
                 + "); is it alive?"
             ) from None
+        finally:
+            self.wait_s += time.perf_counter() - started
         if not message:
             raise BoundaryError("empty message on the boundary link")
         try:

@@ -339,6 +339,18 @@ class StepMetrics:
     """The loss scale this step's backward ran under (float16 only)."""
     skipped: bool = False
     """The step was not applied: a float16 gradient overflowed on some stage."""
+    forward_s: float = 0.0
+    """Seconds computing its forwards (waits on the neighbours excluded)."""
+    backward_s: float = 0.0
+    """Seconds computing its backwards (waits on the neighbours excluded)."""
+    optimizer_s: float = 0.0
+    """Seconds checking the gradients and stepping the optimizer (waits excluded)."""
+    wait_s: float = 0.0
+    """Seconds blocked on its links: waiting for a neighbour (the pipeline's bubble and any
+    imbalance show here)."""
+    at: float = 0.0
+    """Wall-clock time (``time.time()``) the step ended: the pipeline's pace from one step to
+    the next, whatever happens between steps (data, events, snapshots)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -420,16 +432,21 @@ def run_step(
         optimizer.zero_grad(set_to_none=True)
     state = _Step(scaler.scale if scaler is not None else 1.0)
     bundle.stage.train()
+    spent = {"F": 0.0, "B": 0.0}
+    wait0 = _waited(prev, next)
     for op in ops:
         kind, micro = _op(op)
+        began, waited = time.perf_counter(), _waited(prev, next)
         if kind == "F":
             _forward(bundle, settings, state, step, micro, prev, next, micro_inputs)
         elif kind == "B":
             _backward(bundle, state, step, micro, prev)
         else:
             raise ValueError(f"unknown schedule op {kind!r}; ops are F and B")
+        spent[kind] += time.perf_counter() - began - (_waited(prev, next) - waited)
     if len(state.loss_values) != m:
         raise ValueError(f"the op list answered {len(state.loss_values)} of {m} micro-batches")
+    began, waited = time.perf_counter(), _waited(prev, next)
     verdict = _verdict(bundle, settings, optimizer, scaler, state, step, prev, next)
     if verdict.failure is not None:
         failed = bundle.index if verdict.failed_stage is None else verdict.failed_stage
@@ -441,7 +458,9 @@ def run_step(
             optimizer.step()
     if scaler is not None:
         scaler.adopt(verdict)
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter()
+    optimizer_s = ended - began - (_waited(prev, next) - waited)
+    elapsed = ended - started
     return StepMetrics(
         step=step,
         loss=sum(state.loss_values.values()),
@@ -453,7 +472,17 @@ def run_step(
         peak_memory_bytes=_peak_memory(bundle.device),
         loss_scale=state.scale if scaler is not None else None,
         skipped=verdict.skip,
+        forward_s=spent["F"],
+        backward_s=spent["B"],
+        optimizer_s=optimizer_s,
+        wait_s=_waited(prev, next) - wait0,
+        at=time.time(),
     )
+
+
+def _waited(prev: Channel | None, next: Channel | None) -> float:
+    """Seconds both links have spent blocked so far."""
+    return (prev.wait_s if prev is not None else 0.0) + (next.wait_s if next is not None else 0.0)
 
 
 def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next) -> Verdict:

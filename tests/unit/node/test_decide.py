@@ -231,3 +231,139 @@ def test_available_memory_leaves_out_other_jobs_stages_and_served_models():
     assert "held" not in b  # the planner takes node records
     a, _ = decide.available_memory(records, log.table, exclude="j1")  # re-placing j1 itself
     assert a["devices"][0]["memory_free"] == total - 10
+
+
+# --- re-balancing to the speeds the run measured -----------------------------------------------
+
+
+def _speed_job(**train):
+    data = {
+        "name": "s", "model": {"pretrained": "/models/tiny"}, "data": {"source": "random"},
+        "split": {"stages": 2},
+        "train": {"steps": 100, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
+                  "checkpoint_every": 10, **train},
+    }  # fmt: skip
+    from swarmp2p.plan import parse_job
+
+    return parse_job(data)
+
+
+def _compute(entry, slow=(1.0, 1.0), steps=range(2, 22), attempt=1):
+    """Each stage's compute per step: its predicted share times ``slow``."""
+    predicted = [s.flops for s in entry.plan.timing.stages]
+    unit = 0.5 / max(predicted)
+    return {
+        "attempt": attempt,
+        "steps": {str(k): {str(i): p * unit * f for i, (p, f) in enumerate(zip(predicted, slow))}
+                  for k in steps},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("slow", "steps", "due"),
+    [
+        ((1.0, 1.0), range(2, 22), False),  # as predicted
+        ((2.0, 2.0), range(2, 22), False),  # uniformly slower: the split is still right
+        ((1.2, 1.0), range(2, 22), False),  # within 25%
+        ((1.5, 1.0), range(2, 22), True),  # stage 0 is off
+        ((1.0, 1.6), range(2, 22), True),  # stage 1 is off
+        ((1.5, 1.0), range(3, 22), False),  # 19 steps only
+        ((1.5, 1.0), [*range(2, 12), *range(13, 23)], False),  # not in a row
+    ],
+)
+def test_the_slowest_stage_off_its_prediction_for_20_steps_calls_for_a_rebalance(slow, steps, due):
+    entry = running(the_job=_speed_job()).table.jobs["j1"]
+    got = decide.rebalance_due(entry, _compute(entry, slow, steps))
+    assert (got is not None) == due
+    if due:
+        slowest = max(range(2), key=lambda i: slow[i])
+        assert got.stage == slowest and got.step == max(steps)
+        assert got.ratio == pytest.approx(max(slow) / min(slow), rel=1e-3)
+        predicted = [s.flops for s in entry.plan.timing.stages]
+        learned = [got.speeds[st.node_id]["cpu:0"] for st in entry.plan.stages]
+        # a stage's learned speed is its FLOPs over its measured seconds
+        assert learned[0] / learned[1] == pytest.approx(slow[1] / slow[0], rel=1e-3)
+        assert predicted[0] > 0 and got.dtype == entry.plan.dtype
+        assert "stage" in got.reason([3], [2]) and "[2] instead of [3]" in got.reason([3], [2])
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"split": {"stages": 2, "mode": "equal"}}, "an explicit split is the user's"),
+        (
+            {
+                "split": {
+                    "stages": 2,
+                    "compression": {"method": "learned_bottleneck", "learned_dim": 16},
+                }
+            },
+            "a learned boundary was trained on these cuts",
+        ),
+        ({"train": {"checkpoint_every": 0}}, "no snapshot to resume from"),
+        ({"train": {"steps": 30}}, "the next snapshot (30) is the end"),
+    ],
+)
+def test_no_rebalance_where_it_cannot_or_must_not_happen(changes, why):
+    from swarmp2p.plan import parse_job
+
+    data = _speed_job().to_dict()
+    for field, value in changes.items():
+        data[field] = {**data[field], **value}
+    entry = running(the_job=parse_job(data)).table.jobs["j1"]
+    assert decide.rebalance_due(entry, _compute(entry, (2.0, 1.0))) is None, why
+
+
+def test_no_rebalance_from_another_attempts_numbers_or_past_the_limit():
+    log = running(the_job=_speed_job())
+    entry = log.table.jobs["j1"]
+    assert decide.rebalance_due(entry, _compute(entry, (2.0, 1.0), attempt=2)) is None
+    assert decide.rebalance_due(entry, None) is None
+    from dataclasses import replace
+
+    spent = replace(entry, rebalances=decide.MAX_REBALANCES)
+    assert decide.rebalance_due(spent, _compute(entry, (2.0, 1.0))) is None
+
+
+def test_a_rebalance_waits_for_a_snapshot_taken_after_it_was_called_for():
+    log = running(the_job=_speed_job())
+    entry = log.table.jobs["j1"]
+    due = decide.rebalance_due(entry, _compute(entry, (2.0, 1.0)))
+    assert due is not None and due.step == 21
+    for stage, node in ((0, "a"), (1, "b")):
+        log(ev.SnapshotHeld(job_id="j1", stage=stage, step=20, node_id=node))
+    assert decide.rebalance_step(log.table.jobs["j1"], due, {"a", "b"}) == 0  # older than 21
+    log(ev.SnapshotHeld(job_id="j1", stage=0, step=30, node_id="a"))
+    assert decide.rebalance_step(log.table.jobs["j1"], due, {"a", "b"}) == 0  # stage 1 has none
+    log(ev.SnapshotHeld(job_id="j1", stage=1, step=30, node_id="b"))
+    entry = log.table.jobs["j1"]
+    assert decide.rebalance_step(entry, due, {"a", "b"}) == 30
+    assert decide.rebalance_step(entry, due, {"a"}) == 0  # b's copy is on a dead node
+
+    assert decide.rebalanced(entry, due, (3,), (3,), now=9.0) == []  # nothing would change
+    (event,) = decide.rebalanced(entry, due, (3,), (2,), now=9.0)
+    assert isinstance(event, ev.JobRebalanced) and event.speeds == due.speeds
+    t = log(event)
+    assert t.jobs["j1"].state == "resuming" and t.jobs["j1"].history[-1].reason == event.reason
+    assert decide.rebalance_step(t.jobs["j1"], due, {"a", "b"}) == 0  # it moved on
+
+
+def test_learned_speeds_replace_the_probes_on_the_devices_measured():
+    records = cluster("a", "b")
+    records[0]["devices"][0]["speed"] = {"float32": 1e12, "bfloat16": 2e12}
+    out = decide.with_learned_speeds(records, {"a": {"cpu:0": 3e9}}, "float32")
+    assert out[0]["devices"][0]["speed"] == {"float32": 3e9, "bfloat16": 2e12}
+    assert out[1]["devices"] == records[1]["devices"]
+    assert records[0]["devices"][0]["speed"]["float32"] == 1e12  # a copy, not in place
+
+
+def test_one_pause_is_no_rebalance_but_a_stage_throttled_now_and_then_is():
+    entry = running(the_job=_speed_job()).table.jobs["j1"]
+    paused = _compute(entry)
+    paused["steps"]["10"]["0"] *= 10  # one collection, one neighbour's burst
+    assert decide.rebalance_due(entry, paused) is None
+    throttled = _compute(entry)
+    for k in range(2, 22, 3):  # a CPU quota stalls it every third step
+        throttled["steps"][str(k)]["0"] *= 3
+    due = decide.rebalance_due(entry, throttled)
+    assert due is not None and due.stage == 0 and due.ratio > 1.25

@@ -71,6 +71,26 @@ def test_a_lost_node_resumes_on_a_new_attempt_from_a_snapshot():
     assert t.jobs["j1"].state == "running"  # the first step of the new attempt
 
 
+def test_a_rebalanced_job_says_why_in_its_history_and_keeps_the_speeds_it_measured():
+    log = running()
+    speeds = {"a": {"cpu:0": 1.5e10}, "b": {"cpu:0": 4.5e10}}
+    why = "stage 0 ran 1.8x its predicted time for 20 steps: cuts [2] from [3]"
+    t = log(ev.JobRebalanced(job_id="j1", attempt=1, reason=why, dtype="float32", speeds=speeds,
+                             at=5.0))  # fmt: skip
+    entry = t.jobs["j1"]
+    assert (entry.state, entry.reason, entry.rebalances) == ("resuming", why, 1)
+    assert entry.learned == speeds and entry.learned_dtype == "float32"
+    assert (entry.history[-1].state, entry.history[-1].reason) == ("resuming", why)
+    t = log(ev.JobPlaced(job_id="j1", attempt=2, plan=plan(), cluster=tuple(cluster("a", "b")),
+                         resume_step=4, placed_by="a", at=6.0))  # fmt: skip
+    assert t.jobs["j1"].learned == speeds and t.jobs["j1"].rebalances == 1  # kept: later plans
+    with pytest.raises(ValueError, match="only a running job is re-balanced"):
+        log(ev.JobRebalanced(job_id="j1", attempt=2, reason="", dtype="float32", speeds={}, at=7.0))
+    with pytest.raises(ValueError, match="the current one is 2"):
+        log(ev.JobRebalanced(job_id="j1", attempt=1, reason="", dtype="float32", speeds={}, at=7.0))
+    assert JobTable.from_dict(t.to_dict()) == t  # persisted and replicated as it is
+
+
 def test_a_blocked_job_waits_with_its_reason_and_a_failure_is_kept():
     log = founded("a")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
