@@ -15,7 +15,19 @@ from swarmp2p.net.security import SwarmSecret
 pytestmark = pytest.mark.slow
 
 TOKEN = SwarmSecret.generate().token
-JOB = {"name": "t", "model": {"pretrained": "/nonexistent/model"}, "data": {"source": "random"}}
+CONFIG_ONLY = {
+    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+}  # fmt: skip
+
+
+def _waiting_job(folder) -> dict:
+    """A job on a model folder holding only its config (it plans, it never runs): float16 fits
+    no CPU, so the table keeps it waiting."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG_ONLY))
+    model = {"pretrained": str(folder), "dtype": "float16"}
+    return {"name": "t", "model": model, "data": {"source": "random"}}
 
 
 def test_three_nodes_form_a_swarm_and_status_has_the_issue_shape(loopback_swarm):
@@ -111,7 +123,10 @@ def test_wrong_token_is_refused_and_never_listed(loopback_swarm):
     assert [p["node_id"] for p in s["peers"]] == ["x"] and s["leader"] == "x"
 
 
-def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(loopback_swarm):
+def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(
+    loopback_swarm, tmp_path
+):
+    job = _waiting_job(tmp_path / "model")
     loopback_swarm.reserve("a", "b", "c")
     nodes = {n: loopback_swarm.node(n, token=TOKEN) for n in ("a", "b", "c")}
     for node in nodes.values():
@@ -122,7 +137,7 @@ def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(l
         20,
         "agreement",
     )
-    done = nodes["c"].submit(JOB, job_id="j1")  # forwarded to a
+    done = nodes["c"].submit(job, job_id="j1")  # forwarded to a
     assert done["job_id"] == "j1" and done["replicas"] >= 2
     wait_until(
         lambda: all([j["job_id"] for j in n.status()["jobs"]] == ["j1"] for n in all3),
@@ -137,7 +152,7 @@ def test_submission_replicates_survives_leader_loss_and_old_leader_leads_again(l
     took = time.monotonic() - killed
     assert took <= FAILURE_TIMEOUT_S + 1.0 + 1.0, took  # timeout + 1 s, plus polling slack
     wait_until(lambda: nodes["b"].status()["leader_ready"], 10, "b to take over")
-    done = nodes["c"].submit(JOB, job_id="j2")
+    done = nodes["c"].submit(job, job_id="j2")
     assert done["replicas"] == 2
     newest = nodes["b"].status()
     assert [j["job_id"] for j in newest["jobs"]] == ["j1", "j2"]
