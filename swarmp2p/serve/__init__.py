@@ -4,10 +4,17 @@ A light package: it never imports torch (stage servers live in ``swarmp2p.runtim
 """
 
 from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
-from swarmp2p.serve.local import LocalRing, StageWorker, WorkerFailed, even_bounds, serve_local
+from swarmp2p.serve.local import LocalRing, WorkerFailed, even_bounds, local_serve_plan, serve_local
 from swarmp2p.serve.protocol import GREEDY, RingMessage, SamplingParams
+from swarmp2p.serve.ring import RingEnds, build_ring
 from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
-from swarmp2p.serve.spec import BOUNDARY_COMPRESSIONS, StageServeSpec, boundary_codec
+from swarmp2p.serve.spec import (
+    BOUNDARY_COMPRESSIONS,
+    ServeSpec,
+    boundary_codec,
+    parse_serve_spec,
+    serve_spec,
+)
 from swarmp2p.serve.text import TextCodec, TextStream
 
 __all__ = [
@@ -20,18 +27,22 @@ __all__ = [
     "LocalRing",
     "RingBusy",
     "RingClient",
+    "RingEnds",
     "RingMessage",
     "SamplingParams",
+    "ServeSpec",
     "ServedModel",
     "Session",
-    "StageServeSpec",
-    "StageWorker",
     "TextCodec",
     "TextStream",
     "WorkerFailed",
     "boundary_codec",
     "build_app",
+    "build_ring",
     "check_bind",
     "even_bounds",
+    "local_serve_plan",
+    "parse_serve_spec",
     "serve_local",
+    "serve_spec",
 ]
