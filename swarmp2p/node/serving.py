@@ -52,7 +52,7 @@ from swarmp2p.node.serve_ring import Served
 from swarmp2p.node.serve_stages import ServeStages
 from swarmp2p.node.serve_standby import Standby
 from swarmp2p.plan.model_shape import EMBEDDED
-from swarmp2p.plan.serve import ServeRequest, parse_serve_request
+from swarmp2p.plan.serve import parse_serve_request
 from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
@@ -428,4 +428,4 @@ def _fail_open(client: Any, reason: str) -> None:
         client.cancel(session, reason)
 
 
-__all__ = ["ServeRequest", "Serving"]
+__all__ = ["Serving"]

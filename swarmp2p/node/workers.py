@@ -233,6 +233,8 @@ class WorkerProcess:
                 await asyncio.wait_for(task, 2.0)
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()
+        elif self.ready is not None and not self.ready.cancelled():
+            self.ready.exception()  # seen: waiters of wait_event never asked for it
         for future in self._events.values():
             if not future.done():
                 future.cancel()
