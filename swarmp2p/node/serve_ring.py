@@ -24,6 +24,7 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.serve_stages import CONNECT_TIMEOUT_S
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
+from swarmp2p.schema import SchemaError
 from swarmp2p.serve.ring import RingEnds, build_ring
 
 if TYPE_CHECKING:
@@ -167,7 +168,10 @@ def place(ctx: NodeContext, msg: ServePlace) -> ServePlaced:
         raise Unavailable(f"node {ctx.node_id} is not the leader", code="not_leader")
     records = ctx.live_records()
     inputs = replace(msg.inputs, cluster=tuple(cluster_records(records)))
-    result = inputs.plan()
+    try:
+        result = inputs.plan()
+    except SchemaError as exc:  # a request no cluster could meet (more stages than blocks)
+        raise UserError("; ".join(str(e) for e in exc.errors), code="bad_field") from None
     if not isinstance(result, ServePlan):
         raise Failed(blocked_note(result.reason, records), code="blocked")
     return ServePlaced(serve_id=msg.serve_id, leader=ctx.node_id, inputs=inputs, plan=result.to_json())  # fmt: skip

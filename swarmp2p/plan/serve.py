@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
-from swarmp2p.errors import UserError
 from swarmp2p.plan.hardware import Node
 from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
@@ -48,7 +47,7 @@ from swarmp2p.plan.placer import (
 from swarmp2p.plan.precision import resolve_dtype
 from swarmp2p.plan.quantization import QuantSpec, parse_quantization
 from swarmp2p.plan.result import Blocked
-from swarmp2p.schema import SchemaError, field, parse, to_data
+from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
 BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
@@ -247,6 +246,10 @@ def _stack(devices: list[Placed], n: int) -> list[Placed]:
     return [p for i, p in enumerate(devices) for _ in range(base + (i in more))]
 
 
+def _bad(path: str, message: str) -> SchemaError:
+    return SchemaError([FieldError(path=path, message=message)], title="invalid serve request")
+
+
 def _check_request(
     shape: ModelShape,
     stages: int,
@@ -255,7 +258,7 @@ def _check_request(
     compression: Sequence[str],
     codes: bool | Sequence[bool] | None,
 ) -> int | None:
-    """The stage count the request fixes (None: auto); UserError naming a bad field."""
+    """The stage count the request fixes (None: auto); SchemaError naming a bad field."""
     L = shape.n_layers
     n = None
     if bounds is not None:
@@ -267,24 +270,24 @@ def _check_request(
             or bounds[-1][1] != L
             or any(x[1] != y[0] for x, y in itertools.pairwise(bounds))
         ):
-            raise UserError(f"bounds: {[list(b) for b in bounds]} are not contiguous block ranges from 0 to {L}", code="bad_field")  # fmt: skip
+            raise _bad("bounds", f"{[list(b) for b in bounds]} are not contiguous block ranges from 0 to {L}")  # fmt: skip
         if stages and stages != n:
-            raise UserError(f"stages: {stages}, but the model is split in {n} stages {[list(b) for b in bounds]}; leave stages at 0 or give {n}", code="bad_field")  # fmt: skip
+            raise _bad("stages", f"{stages}, but the model is split in {n} stages {[list(b) for b in bounds]}; leave stages at 0 or give {n}")  # fmt: skip
     elif stages:
         n = stages
         if n > L:
-            raise UserError(f"stages: {n} is not in [1, {L}] (the model's blocks)", code="bad_field")  # fmt: skip
+            raise _bad("stages", f"{n} is not in [1, {L}] (the model's blocks)")  # fmt: skip
     if holders is not None and (n is None or len(holders) != n):
-        raise UserError("holders: one list of nodes per stage of bounds", code="bad_field")
+        raise _bad("holders", "one list of nodes per stage of bounds")
     if compression:
         n = len(compression) + 1 if n is None else n  # a spec per boundary fixes the stages
         if len(compression) != n - 1:
-            raise UserError(f"compression: {len(compression)} spec(s), but the ring has {n} stage(s); give one per boundary", code="bad_field")  # fmt: skip
+            raise _bad("compression", f"{len(compression)} spec(s), but the ring has {n} stage(s); give one per boundary")  # fmt: skip
         bad = [c for c in compression if c not in BOUNDARY_COMPRESSIONS]
         if bad:
-            raise UserError(f"compression: {bad[0]!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}", code="bad_field")  # fmt: skip
+            raise _bad("compression", f"{bad[0]!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}")  # fmt: skip
     if codes is not None and not isinstance(codes, bool) and (n is None or len(codes) != n - 1):
-        raise UserError("codes: one flag per boundary", code="bad_field")
+        raise _bad("codes", "one flag per boundary")
     return n
 
 
@@ -309,14 +312,14 @@ def plan_serve(
     ``max_context`` 0 is the model's limit (and no session holds more than it). ``bounds`` and
     ``holders`` (per stage, the nodes holding its trained shard, best first) place a trained
     model. ``compression``: one per boundary (default none); ``codes``: send them as codes
-    (default: where both nodes declare the serve codec). Raises UserError for a request no
+    (default: where both nodes declare the serve codec). Raises SchemaError for a request no
     cluster could meet (more stages than blocks, bounds that do not cover the model).
     """
     n = _check_request(shape, stages, bounds, holders, compression, codes)
     quant = parse_quantization(quantization) if isinstance(quantization, dict) else quantization
     context = min(max_context or shape.max_positions, shape.max_positions)
     if not 1 <= max_sessions <= MAX_SESSIONS:
-        raise UserError(f"max_sessions: must be in [1, {MAX_SESSIONS}], got {max_sessions}", code="bad_field")  # fmt: skip
+        raise _bad("max_sessions", f"must be in [1, {MAX_SESSIONS}], got {max_sessions}")  # fmt: skip
     candidates = candidate_devices(cluster_nodes)
     auto = n is None
     required = n if n is not None else min(len(candidates), shape.n_layers)
