@@ -12,16 +12,34 @@ the first; TTFT is the time from the request to the first token (prefill include
 the stage's bookkeeping; ``hop_ms_tiny`` is the same over rings of a tiny model, whose
 compute is negligible, so noise in the real model's compute does not swamp it. Targets (issue 8): ratio_2 >= 0.95, ratio_3 >= 0.9.
 
-Prints a markdown table, then as its last line one JSON object.
+Then the same through HTTP with many users at once (issue 16): a ``python -m swarmp2p.serve``
+server of 1, 2 and 3 stages (one thread per stage worker) answers 1, 4, 8 and 16 concurrent
+streamed chat requests of the official ``openai`` client (greedy, ``--conc-tokens`` each),
+against ``model.generate`` on a batch of the same size in one process with as many threads as
+the ring has stages. Aggregate tok/s is every request's completion tokens over the wall time
+from the first request to the last token (prefill included, on both sides); TTFT and the gaps
+between streamed chunks are reported as p50/p99 over all requests. ``--quick`` runs that part
+on a tiny random Llama (the embedded tokenizer), 1 and 2 stages, 1 and 8 users. Targets: 8 sessions >= 0.8x
+batched ``generate(8)`` and >= 4x one session; one session through HTTP >= 0.95x generate.
 
-    python bench/serve.py [--quick] [--tokens N] [--repeats R] [--threads T]
+Prints markdown tables, then as its last line one JSON object.
+
+    python bench/serve.py [--quick] [--tokens N] [--repeats R] [--threads T] [--conc-tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,13 +111,193 @@ def _tiny_hop_ms(threads: int, tokens: int, repeats: int) -> dict[int, float]:
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (<3 min)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens generated per run")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    args = parser.parse_args()
+CONCURRENCY = (1, 4, 8, 16)
+HEADLINE_STAGES = 2
+"""The issue's measurement: 2 loopback stages."""
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _tiny_served_folder(folder: str) -> str:
+    """A tiny random Llama with the embedded model's tokenizer (its vocabulary), saved in
+    ``folder``: serving overheads with negligible compute (``--quick``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swarmp2p.runtime.models import resolve_model_ref
+
+    source = Path(resolve_model_ref("embedded"))
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, Path(folder) / name)
+    return folder
+
+
+class _Server:
+    """``python -m swarmp2p.serve MODEL --stages N`` in its own process, one thread per stage,
+    from this checkout or from ``root`` (another checkout: the code before a change)."""
+
+    def __init__(
+        self, model: str, stages: int, max_context: int, max_sessions: int, root: str | None = None
+    ) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        root = root or str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmp2p.serve", model, "--stages", str(stages),
+             "--port", str(port), "--threads", "1", "--max-sessions", str(max_sessions),
+             "--max-context", str(max_context)],
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env, cwd=root,
+        )  # fmt: skip
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.proc.kill()
+            self._stderr.seek(0)
+            raise RuntimeError(f"the server did not start: {line!r} {self._stderr.read()[-2000:]}")
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+def _http_round(client, model: str, users: int, tokens: int) -> dict:
+    """``users`` streamed greedy chat requests at once; aggregate tok/s, TTFTs, chunk gaps."""
+    results: list = [None] * users
+    barrier = threading.Barrier(users + 1)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        started = time.perf_counter()
+        stamps, used = [], 0
+        stream = client.chat.completions.create(
+            model=model, messages=PROMPT, temperature=0, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                stamps.append(time.perf_counter())
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+        results[i] = (started, stamps, used)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    end = max(r[1][-1] for r in results)
+    total = sum(r[2] for r in results)
+    return {
+        "tok_s": total / (end - start),
+        "tokens": total,
+        "ttft": [r[1][0] - r[0] for r in results],
+        "gaps": [b - a for r in results for a, b in zip(r[1], r[1][1:])],
+    }
+
+
+def _generate_batch(model, prompt_ids, batch: int, tokens: int, threads: int) -> float:
+    """Aggregate tok/s of ``model.generate`` on ``batch`` copies of the prompt (prefill
+    included), eos ignored, ``threads`` intra-op threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    ids = torch.tensor([prompt_ids] * batch)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=2,
+        )
+        return batch * tokens / (time.perf_counter() - start)
+
+
+def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ...],
+                tokens: int, repeats: int, baseline_root: str | None = None) -> dict:  # fmt: skip
+    """The HTTP section: per stage count and concurrency, ring vs batched generate; with
+    ``baseline_root``, the headline stage count is served by that checkout too (alternated)."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.serve.text import TextCodec
+
+    folder = resolve_model_ref(model_ref)
+    prompt_ids = TextCodec.from_folder(folder).encode_chat(PROMPT)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    context = len(prompt_ids) + tokens + 8
+    servers = {n: _Server(model_ref, n, context, max(users)) for n in stages}
+    if baseline_root is not None:
+        servers["before"] = _Server(model_ref, HEADLINE_STAGES, context, max(users), baseline_root)
+    ring: dict = {(n, u): [] for n in servers for u in users}
+    gen: dict = {(n, u): [] for n in stages for u in users}
+    try:
+        clients = {
+            n: openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=600)
+            for n, s in servers.items()
+        }
+        for n in servers:  # warm-up, not counted
+            _http_round(clients[n], model_ref, 2, 4)
+        _generate_batch(model, prompt_ids, 2, 4, 1)
+        for _ in range(repeats):
+            for n in stages:
+                for u in users:
+                    ring[n, u].append(_http_round(clients[n], model_ref, u, tokens))
+                    if n == HEADLINE_STAGES and "before" in servers:
+                        ring["before", u].append(
+                            _http_round(clients["before"], model_ref, u, tokens)
+                        )
+                    gen[n, u].append(_generate_batch(model, prompt_ids, u, tokens, n))
+    finally:
+        for server in servers.values():
+            server.close()
+        torch.set_num_threads(1)
+    out: dict = {}
+    for (n, u), runs in ring.items():
+        ttft = [t for r in runs for t in r["ttft"]]
+        gaps = [g for r in runs for g in r["gaps"]]
+        out[n, u] = {
+            "tok_s": statistics.median(r["tok_s"] for r in runs),
+            "generate_tok_s": statistics.median(gen[HEADLINE_STAGES if n == "before" else n, u]),
+            "generate_1_thread_tok_s": statistics.median(gen[min(stages), u]),
+            "ttft_p50_ms": 1000 * _percentile(ttft, 0.5),
+            "ttft_p99_ms": 1000 * _percentile(ttft, 0.99),
+            "itl_p50_ms": 1000 * _percentile(gaps, 0.5),
+            "itl_p99_ms": 1000 * _percentile(gaps, 0.99),
+            "tokens_per_request": runs[-1]["tokens"] / u,
+        }
+    return out
+
+
+def single(args) -> dict:
+    """One session round rings of 1, 2 and 3 stages against ``model.generate`` (issue 8)."""
     tokens = args.tokens or (32 if args.quick else 128)
     repeats = args.repeats or 5
 
@@ -193,6 +391,83 @@ def main() -> None:
         f"per-hop overhead with a tiny model (compute negligible): {tiny_hop:.3f} ms/token "
         f"({', '.join(f'{n} stage(s) {v:.2f} ms' for n, v in tiny.items())})"
     )
+    return summary
+
+
+def http(args) -> dict:
+    """Many users at once through HTTP: the table and the JSON keys."""
+    users = (1, 8) if args.quick else CONCURRENCY
+    tokens = args.conc_tokens or (16 if args.quick else 64)
+    repeats = args.conc_repeats or (1 if args.quick else 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _tiny_served_folder(tmp) if args.quick else "embedded"
+        stages = (1, 2) if args.quick else (1, 2, 3)
+        table = concurrency(model, stages=stages, users=users, tokens=tokens, repeats=repeats,
+                            baseline_root=args.baseline_root)  # fmt: skip
+    name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
+    print()
+    print(
+        f"{name} through HTTP (openai client, streamed chat, greedy), {tokens} tokens per "
+        f"request, one thread per stage; generate: a batch of the same size, as many threads "
+        f"as stages (and with 1 thread); median of {repeats}"
+        + ("; `before`: the same ring from the baseline checkout" if args.baseline_root else "")
+    )
+    print()
+    print("| stages | users | ring tok/s | generate(batch) tok/s | x generate | x generate 1 thread "
+          "| x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (n, u), r in table.items():
+        single_user = table[n, 1]["tok_s"]
+        label = f"{HEADLINE_STAGES} (before)" if n == "before" else str(n)
+        print(
+            f"| {label} | {u} | {r['tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
+            f"{r['tok_s'] / r['generate_tok_s']:.2f} | "
+            f"{r['tok_s'] / r['generate_1_thread_tok_s']:.2f} | {r['tok_s'] / single_user:.2f} | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+            f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |"
+        )
+    head = table[HEADLINE_STAGES, 8]
+    summary = {
+        "conc_8_tok_s": round(head["tok_s"], 2),
+        "generate_batch_8_tok_s": round(head["generate_tok_s"], 2),
+        "ratio_conc_8": round(head["tok_s"] / head["generate_tok_s"], 3),
+        "conc_8_over_single": round(head["tok_s"] / table[HEADLINE_STAGES, 1]["tok_s"], 3),
+        "http_single_ratio": round(table[1, 1]["tok_s"] / table[1, 1]["generate_tok_s"], 3),
+        "conc_headline_stages": HEADLINE_STAGES,
+        "conc_tokens": tokens,
+        "concurrency": {
+            f"stages_{n}_users_{u}": {k: round(v, 2) for k, v in r.items()}
+            for (n, u), r in table.items()
+        },
+    }
+    if ("before", 8) in table:
+        summary["before_conc_8_tok_s"] = round(table["before", 8]["tok_s"], 2)
+        summary["before_conc_8_over_single"] = round(
+            table["before", 8]["tok_s"] / table["before", 1]["tok_s"], 3
+        )
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (<3 min)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens generated per run")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    parser.add_argument("--conc-tokens", type=int, default=None, help="tokens per HTTP request")
+    parser.add_argument("--conc-repeats", type=int, default=None)
+    parser.add_argument("--only", choices=("single", "http"), default=None)
+    parser.add_argument(
+        "--baseline-root",
+        default=None,
+        help="another checkout (the code before a change) to serve the headline ring too",
+    )
+    args = parser.parse_args()
+    summary: dict = {}
+    if args.only in (None, "single"):
+        summary.update(single(args))
+    if args.only in (None, "http"):
+        summary.update(http(args))
     print(json.dumps(summary))
 
 

@@ -1,6 +1,7 @@
 """Pipeline training benchmark: swarmp2p's 2-stage 1F1B over CURVE ZmqLinks (two real worker
 processes) beside torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks and a single
-process; bytes per step per boundary for each compression; and the compression quality table
+process; the same 2-worker job in float16 beside float32 (loss at step 30 on a learnable corpus,
+tokens/s); bytes per step per boundary for each compression; and the compression quality table
 (top-1 kept through a middle boundary, before training and after compressor-only steps).
 
     python bench/train_pipeline.py [--quick] [--repeats N]
@@ -138,23 +139,36 @@ def random_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> 
 # --- speed: swarmp2p workers, torch pipelining, single process --------------------------------
 
 
-def run_swarm(folder: Path, n_layers: int, args, threads: int) -> list[float]:
-    """Step seconds of the last stage of 2 worker processes (1F1B over CURVE ZmqLinks)."""
+def run_swarm(
+    folder: Path,
+    n_layers: int,
+    args,
+    threads: int,
+    *,
+    dtype: str = "float32",
+    steps: int | None = None,
+    data: dict | None = None,
+    lr: float = 1e-5,
+    losses: list | None = None,
+) -> list[float]:
+    """Step seconds of the last stage of 2 worker processes (1F1B over CURVE ZmqLinks); the
+    last stage's step events are appended to ``losses`` when given."""
     token = SwarmSecret.generate().token
     cut = n_layers // 2
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    source = (data or {}).get("path") if (data or {}).get("source") == "tokens" else "random"
     job = parse_job(
         {
             "name": "bench",
-            "model": {"pretrained": str(folder)},
-            "data": {"source": "random"},
+            "model": {"pretrained": str(folder), "dtype": dtype},
+            "data": {"source": source},
             "train": {
-                "steps": args.steps,
+                "steps": steps or args.steps,
                 "batch_size": args.batch,
                 "seq_len": args.seq,
                 "micro_batches": args.micro,
                 "schedule": "1f1b",
-                "lr": 1e-5,
+                "lr": lr,
                 "eval_batches": 0,
                 "recompute": False,
             },
@@ -191,6 +205,8 @@ def run_swarm(folder: Path, n_layers: int, args, threads: int) -> list[float]:
         event = json.loads(line)
         if event["event"] == "step":
             steps.append(event["step_s"])
+            if losses is not None:
+                losses.append(event)
         elif event["event"] == "error":
             raise SystemExit(f"worker failed: {event}")
     for proc in procs:
@@ -275,6 +291,73 @@ def run_single(folder: Path, args, threads: int) -> list[float]:
         opt.zero_grad()
         times.append(time.perf_counter() - start)
     return times[args.warmup :]
+
+
+# --- float16 beside float32 --------------------------------------------------------------------
+
+PRECISION_STEPS = 30
+"""Steps of the float16 / float32 comparison: its loss is read at the last one."""
+
+
+def learnable_tokens(folder: Path, args, quick: bool) -> Path:
+    """A token file the 2-worker job learns from: the embedded corpus (full mode), or in quick
+    mode a random bigram chain over the tiny model's vocabulary (each token has 4 successors)."""
+    import numpy as np
+
+    path = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-tokens-")) / "tokens.npy"
+    need = (PRECISION_STEPS + 2) * args.batch * (args.seq + 1) * 21 // 20 + args.seq + 1
+    if quick:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(folder).vocab_size
+        rng = np.random.default_rng(0)
+        successors = rng.integers(0, vocab, (vocab, 4))
+        ids = np.empty(need, dtype=np.int64)
+        ids[0] = 0
+        picks = rng.integers(0, 4, need)
+        for i in range(1, need):
+            ids[i] = successors[ids[i - 1], picks[i]]
+    else:
+        train, _ = text_tokens(folder, need)
+        ids = train.numpy()
+    np.save(path, ids)
+    return path
+
+
+def precision_case(folder: Path, n_layers: int, args, threads: int, quick: bool) -> dict:
+    """The same 2-worker job in float32 and float16 (alternating, ``args.repeats`` times): the
+    loss at step 30 (the same batch in both) and the last stage's median tokens/s. Quick mode
+    runs batch 4 x 32 in 2 micro-batches: float16 matmuls are emulated on most CPUs."""
+    if quick:
+        args = argparse.Namespace(**{**vars(args), "batch": 4, "seq": 32, "micro": 2})
+    tokens = learnable_tokens(folder, args, quick)
+    data = {"source": "tokens", "path": str(tokens)}
+    lr = 3e-3 if quick else 1e-5
+    times: dict[str, list[float]] = {"float32": [], "float16": []}
+    final: dict[str, list[float]] = {"float32": [], "float16": []}
+    skipped = 0
+    for _ in range(args.repeats):
+        for dtype in ("float32", "float16"):
+            events: list[dict] = []
+            times[dtype] += run_swarm(
+                folder, n_layers, args, threads, dtype=dtype, steps=PRECISION_STEPS, data=data,
+                lr=lr, losses=events,
+            )  # fmt: skip
+            final[dtype].append(events[-1]["loss"])
+            skipped += sum(bool(e.get("skipped")) for e in events) if dtype == "float16" else 0
+            print(f"precision {dtype}: loss {events[0]['loss']:.3f} -> {events[-1]['loss']:.3f}",
+                  file=sys.stderr)  # fmt: skip
+    tokens_per_step = args.batch * args.seq
+    tok_s = {k: tokens_per_step / statistics.median(v) for k, v in times.items()}
+    loss = {k: statistics.median(v) for k, v in final.items()}
+    return {
+        "shape": f"batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches",
+        "tok_s": tok_s,
+        "loss": loss,
+        "skipped": skipped,
+        "loss_ratio": loss["float16"] / loss["float32"],
+        "speed_ratio": tok_s["float16"] / tok_s["float32"],
+    }
 
 
 # --- bytes per boundary -----------------------------------------------------------------------
@@ -421,6 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
             file=sys.stderr,
         )
     tok_s = {k: tokens_per_step / statistics.median(v) for k, v in runs.items()}
+    precision = precision_case(folder, n_layers, args, half, quick)
+    print(f"precision: {precision}", file=sys.stderr)
 
     nbytes = boundary_bytes(model, args)
     print(f"bytes: {nbytes}", file=sys.stderr)
@@ -446,6 +531,20 @@ def main(argv: list[str] | None = None) -> dict:
         ("single", "single process"),
     ):
         print(f"| {label} | {tok_s[key]:.0f} | {tok_s[key] / tok_s['torch_pipelining']:.2f}x |")
+    print(
+        f"\n## float16 beside float32 (the same 2-worker job, {PRECISION_STEPS} steps on a "
+        f"learnable corpus, {precision['shape']})\n"
+    )
+    print("| dtype | loss at step 30 | tokens/s | vs float32 |\n|---|---|---|---|")
+    for dtype in ("float32", "float16"):
+        print(
+            f"| {dtype} | {precision['loss'][dtype]:.4f} | {precision['tok_s'][dtype]:.0f} | "
+            f"{precision['tok_s'][dtype] / precision['tok_s']['float32']:.2f}x |"
+        )
+    print(
+        f"\nfloat16 loss / float32 loss: {precision['loss_ratio']:.4f} (target 0.98-1.02); "
+        f"float16 steps skipped for overflow: {precision['skipped']}"
+    )
     print("\n## Bytes per step over the boundary\n")
     print("| compression | activations | gradients | vs none |\n|---|---|---|---|")
     for label, b in nbytes.items():
@@ -470,6 +569,11 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_pipelining_tok_s": tok_s["torch_pipelining"],
         "single_tok_s": tok_s["single"],
         "swarm_over_torch_pipelining": tok_s["swarm"] / tok_s["torch_pipelining"],
+        "fp16_loss_ratio_to_fp32": precision["loss_ratio"],
+        "fp16_over_fp32_tok_s": precision["speed_ratio"],
+        "fp32_loss_at_step_30": precision["loss"]["float32"],
+        "fp16_loss_at_step_30": precision["loss"]["float16"],
+        "fp16_skipped_steps": precision["skipped"],
         "bytes_per_step": {k: v["act"] + v["grad"] for k, v in nbytes.items()},
         "act_bytes_per_step": {k: v["act"] for k, v in nbytes.items()},
         "top1_kept_untrained": {k: table[k]["untrained"] for k in COMPRESSIONS},

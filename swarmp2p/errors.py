@@ -41,7 +41,15 @@ CODES: dict[str, str] = {
     "wrong_swarm": "user",
     "unknown_peer": "user",
     "node_id_taken": "user",
+    "not_member": "user",
+    "forbidden": "user",
+    "refused": "user",
+    "bad_code": "user",
+    "no_invite": "user",
     "unexpected": "user",
+    "bad_model": "user",
+    "bad_data": "user",
+    "data_too_large": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",
@@ -51,6 +59,7 @@ CODES: dict[str, str] = {
     "timeout": "unavailable",
     "stopping": "unavailable",
     "no_daemon": "unavailable",
+    "slow_down": "unavailable",
     # failed
     "blocked": "failed",
     "plan_mismatch": "failed",
@@ -58,6 +67,8 @@ CODES: dict[str, str] = {
     "stage_failed": "failed",
     "no_snapshot": "failed",
     "no_file": "failed",
+    "input_missing": "failed",
+    "input_changed": "failed",
     "not_durable": "failed",
     "failed": "failed",
     # internal

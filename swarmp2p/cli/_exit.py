@@ -48,9 +48,11 @@ assert tuple(EXIT_CODES[k] for k in ("failed", "user", "unavailable", "internal"
 ), "swarmp2p.errors.EXIT_CODES and this table disagree"
 
 COMMAND_CODES: dict[str, tuple[int, ...]] = {
-    "up": (OK, FAILED, INVALID),
+    "up": (OK, FAILED, INVALID, NO_DAEMON),
     "down": (OK, FAILED, NO_DAEMON),
-    "token": (OK, FAILED),
+    "token": (OK, FAILED, NO_DAEMON),
+    "invite": (OK, FAILED, INVALID, NO_DAEMON),
+    "remove": (OK, FAILED, INVALID, NO_DAEMON),
     "status": (OK, NO_DAEMON),
     "peers": (OK, NO_DAEMON),
     "plan": (OK, INVALID, BLOCKED),

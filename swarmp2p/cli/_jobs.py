@@ -134,19 +134,29 @@ def _print_live_plan(result: dict) -> None:
         return
     from rich.table import Table
 
-    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}")
-    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB"):
+    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split")  # fmt: skip
+    from swarmp2p.cli._plan import _predicted, _timing_line
+
+    timing = result.get("timing") or {}
+    times = timing.get("stages") or []
+    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB", "predicted s/step"):  # fmt: skip
         t.add_column(col)
     for s in result["stages"]:
+        i = s["index"]
         t.add_row(
-            str(s["index"]),
+            str(i),
             s["node"],
             ", ".join(s["devices"]),
             f"{s['layers'][0]}-{s['layers'][1] - 1}",
             _gb(s["download"]),
             _gb(s["disk_free"]),
+            _predicted(times[i] if i < len(times) else None, i == timing.get("bottleneck")),
         )
     console.print(t)
+    if timing:
+        console.print(_timing_line(timing), markup=False)
+    for note in result.get("notes") or []:
+        console.print(f"note: {note}", markup=False)
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
 
 
@@ -297,13 +307,28 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     console.print(
         f"job {view['id']} ({view['name']}): [bold]{view['state']}[/] step {view['step']}/{view['steps']}"
     )
-    for s in view["plan"]["stages"]:
-        console.print(f"  stage on {s['node']} {s['devices']} layers {s['layers']}", markup=False)
+    plan = view["plan"]
+    for i, s in enumerate(plan["stages"]):
+        line = f"  stage {i} on {s['node']} {s['devices']} layers {s['layers']}"
+        line += _times(s) + (" (bottleneck)" if i == plan.get("bottleneck") else "")
+        console.print(line, markup=False)
     for h in view["history"]:
-        console.print(f"  {when(h['at'])}  {h['state'].upper()}", markup=False)
+        why = f"  {h['reason']}" if h.get("reason") else ""
+        console.print(f"  {when(h['at'])}  {h['state'].upper()}{why}", markup=False)
     if view["reason"]:
         console.print(f"reason: {view['reason']}", markup=False)
     _print_job_end(view)
+
+
+def _times(stage: dict) -> str:
+    """ ": compute 0.41 s/step predicted, 0.55 measured (+0.10 waiting)"", what is known."""
+    predicted, measured, wait = stage.get("predicted_s"), stage.get("measured_s"), stage.get("wait_s")  # fmt: skip
+    if predicted is None and measured is None:
+        return ""
+    parts = [f"{predicted:.3g} s/step predicted" if predicted is not None else "not predicted"]
+    if measured is not None:
+        parts.append(f"{measured:.3g} measured" + (f" (+{wait:.2g} waiting)" if wait else ""))
+    return ": compute " + ", ".join(parts)
 
 
 def when(epoch: float) -> str:

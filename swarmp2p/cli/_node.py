@@ -1,4 +1,4 @@
-"""`swarm up/down/token/status/peers`: the node daemon."""
+"""`swarm up/down/token/invite/remove/status/peers`: the node daemon and its membership."""
 
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ from swarmp2p.cli import (
     type=click.Path(dir_okay=False),
     help="Join the swarm of the token in this file (mode 0600).",
 )
+@click.option(
+    "--code",
+    default=None,
+    metavar="WORDS",
+    help="Join the swarm whose member printed this pairing code (`swarm invite`); '-' reads "
+    "it from stdin.",
+)
+@click.option(
+    "--open",
+    "open_swarm",
+    is_flag=True,
+    help="A trusted home LAN only: join the single open swarm found without a code (or start "
+    "one), and let any machine on the LAN join this one the same way.",
+)
+@click.option("--new", is_flag=True, help="Start a new swarm even when others are seen on the LAN.")
 @click.option("--name", default="", help="Human name of this node (default: host name).")
 @click.option("--node-id", default=None, help="Set this node's id (saved; the lowest id leads).")
 @click.option("--port", type=int, default=7737, show_default=True, help="Control port (0: any).")
@@ -67,6 +82,9 @@ from swarmp2p.cli import (
 def up(
     token,
     token_file,
+    code,
+    open_swarm,
+    new,
     name,
     node_id,
     port,
@@ -79,17 +97,20 @@ def up(
     failure_timeout,
     as_json,
 ) -> None:
-    """Start this node's daemon (creating a swarm when there is no token and no state).
+    """Start this node's daemon: join with a pairing code (--code), a token, or the state dir's
+    swarm; on a machine with none it lists the swarms on the LAN (--new starts another).
 
-    The first start of a new swarm prints the command that joins another machine. The token
-    is the swarm's secret: where other users share the machine, pass it in SWARM_TOKEN rather
-    than --token, which `ps` shows them."""
+    A new swarm prints the command that joins another machine, with a one-time pairing code.
+    Scripts pass the token in SWARM_TOKEN, --token-file or on stdin (--token -), never in the
+    command line, where `ps` shows it."""
+    from swarmp2p.errors import SwarmError
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
     from swarmp2p.node.config import NodeConfig
 
     try:
         token = control.read_token(token, token_file, os.environ)
+        code = control.read_code(code) if code is not None else None
         # not for the daemon's workers to inherit
         os.environ.pop(control.TOKEN_ENV, None)
         config = NodeConfig(
@@ -102,20 +123,26 @@ def up(
             mdns=not no_mdns,
             heartbeat_s=heartbeat,
             failure_timeout_s=failure_timeout,
+            open_swarm=open_swarm,
         )
-        result = control.up(config, token, foreground=foreground)
-    except (ValueError, PermissionError, ApiError, OSError) as exc:
+        result = control.up(config, token, foreground=foreground, code=code, new=new)
+    except (SwarmError, ValueError, PermissionError, ApiError, OSError) as exc:
         _fail(exc)
     if foreground:
         return
     s = result["status"]
+    paired = result.get("paired")
     if as_json:
         _echo_json({"status": s, "created": result["created"],
-                    "join": result["join"] if result["created"] else None})  # fmt: skip
+                    "join": result["join"] if result["created"] else None,
+                    "paired_with": paired.inviter if paired else None})  # fmt: skip
         return
     click.echo(
-        f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}"
+        f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}, "
+        f"key {s.get('key', '-')}"
     )
+    if paired:
+        click.echo(f"paired with node {paired.inviter}: this machine holds the swarm's secret")
     if result["created"]:
         click.echo(f"created a new swarm; on another machine run:\n  {result['join']}")
 
@@ -140,15 +167,26 @@ def down(state_dir, as_json) -> None:
 
 @main.command()
 @_STATE_DIR_OPTION
+@click.option(
+    "--rotate",
+    is_flag=True,
+    help="Give the whole swarm a new secret first: members keep their keys, the old token "
+    "admits nobody (after `swarm remove`, so the removed node cannot come back).",
+)
 @click.option("--json", "as_json", is_flag=True, help='Print {"command", "token", "swarm_id"}.')
-def token(state_dir, as_json) -> None:
-    """Print this swarm's token, which joins another machine: there, `swarm up --token -`
-    reads it on stdin (e.g. swarm token | ssh HOST swarm up --token -)."""
+def token(state_dir, rotate, as_json) -> None:
+    """Print this swarm's token, which joins another machine from a script: there,
+    `swarm up --token -` reads it on stdin (e.g. swarm token | ssh HOST swarm up --token -).
+    People join with `swarm invite` instead."""
     from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
 
     try:
-        secret = control.token(_state_dir(state_dir))
-    except (ValueError, PermissionError) as exc:
+        if rotate:
+            secret = control.rotate(_state_dir(state_dir))
+        else:
+            secret = control.token(_state_dir(state_dir))
+    except (ValueError, PermissionError, ApiError) as exc:
         _fail(exc)
     if as_json:
         click.echo(
@@ -163,6 +201,51 @@ def token(state_dir, as_json) -> None:
     else:
         # the token alone, for a pipe: swarm token | ssh HOST swarm up --token -
         click.echo(secret.token)
+
+
+@main.command()
+@_STATE_DIR_OPTION
+@click.option(
+    "--minutes", type=float, default=10.0, show_default=True, help="How long the code is valid."
+)
+@click.option("--json", "as_json", is_flag=True, help='Print {"code", "expires_in_s", ...}.')
+def invite(state_dir, minutes, as_json) -> None:
+    """Print a one-time pairing code that joins one more machine on this LAN: there, run
+    `swarm up --code WORDS`. Three wrong tries burn it."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        got = control.invite(_state_dir(state_dir), minutes=minutes)
+    except ApiError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(got)
+    else:
+        click.echo(f"on the new machine run:\n  {control.code_command(got['code'], minutes)}")
+
+
+@main.command()
+@click.argument("node_id")
+@_STATE_DIR_OPTION
+@click.option("--json", "as_json", is_flag=True, help='Print {"node_id", "key", "version"}.')
+def remove(node_id, state_dir, as_json) -> None:
+    """Remove NODE_ID from the swarm and revoke its key on every member (a lost or
+    compromised machine). Then `swarm token --rotate`, so the token it holds admits nobody."""
+    from swarmp2p.node import control
+    from swarmp2p.node.api import ApiError
+
+    try:
+        got = control.remove(_state_dir(state_dir), node_id)
+    except ApiError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(got)
+    else:
+        click.echo(
+            f"node {node_id} removed (key {got['key']} revoked); run `swarm token --rotate` "
+            "so the token it holds admits nobody"
+        )
 
 
 @main.command()

@@ -92,8 +92,10 @@ def _print_plan(plan) -> None:
     )
     stages = Table(title="stages (GB = 2**30 bytes)", title_justify="left")
     for col in ("stage", "node", "device", "layers", "weights", "train state", "activations",
-                "peak", "free", "download"):  # fmt: skip
+                "peak", "free", "download", "predicted s/step"):  # fmt: skip
         stages.add_column(col, justify="right" if col not in ("node", "device") else "left")
+    timing = plan.to_dict().get("timing") or {}
+    times = timing.get("stages") or []
     for s in plan.stages:
         mem = s.memory
         stages.add_row(
@@ -107,8 +109,14 @@ def _print_plan(plan) -> None:
             _gb(mem.peak),
             _gb(s.device_free),
             _gb(s.download),
+            _predicted(
+                times[s.index] if s.index < len(times) else None,
+                s.index == timing.get("bottleneck"),
+            ),
         )
     console.print(stages)
+    if timing:
+        console.print(_timing_line(timing), markup=False)
     if plan.boundaries:
         bounds = Table(title="boundaries", title_justify="left")
         for col in ("boundary", "compression", "codec", "bytes/token"):
@@ -125,3 +133,21 @@ def _print_plan(plan) -> None:
     console.print("features: " + (", ".join(plan.features) or "none"), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def _predicted(stage: dict | None, bottleneck: bool) -> str:
+    """A stage's predicted seconds per step (compute + link), "bottleneck" on the slowest."""
+    if not stage or stage.get("step_s") is None:
+        return "-"
+    text = f"{stage['step_s']:.3g} ({stage['compute_s']:.3g} + link {stage['link_s']:.2g})"
+    return text + (" bottleneck" if bottleneck else "")
+
+
+def _timing_line(timing: dict) -> str:
+    """The predicted pipeline step, or why there is none."""
+    if timing.get("step_s") is None:
+        return "predicted step: unknown (no measured speed on " + ", ".join(timing.get("unmeasured") or ["some device"]) + ")"  # fmt: skip
+    return (
+        f"predicted step {timing['step_s']:.3g} s (bubble included); the bottleneck is stage "
+        f"{timing['bottleneck']}"
+    )

@@ -33,6 +33,9 @@ ENVIRONMENT = (
      "`stderr` or `both` (default: both in the foreground, stderr alone under systemd)"),
     ("SWARM_FAKE_DEVICES", "`swarm up`, `swarm doctor`", "tests and demos only: GPUs to "
      "advertise instead of asking NVML, e.g. `A5000:24:8.6,1660S:6:7.5` (name:GiB:capability)"),
+    ("SWARM_SPEED_PROBE", "`swarm up`", "`off`: never measure this node's training speed (the "
+     "`speed` split then falls back to free memory); measured once per hardware and version, "
+     "cached in `$XDG_CACHE_HOME/swarmp2p/speed`"),
     ("CUDA_VISIBLE_DEVICES", "`swarm up`", "the GPUs the daemon and its stage workers see"),
     ("XDG_STATE_HOME", "every command", "the default state dir is `$XDG_STATE_HOME/swarmp2p`"),
     ("XDG_CACHE_HOME", "`swarm up`, `swarm demo`", "the embedded model's conversion lives in "

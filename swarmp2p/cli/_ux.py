@@ -23,17 +23,35 @@ from swarmp2p.cli import (
 @click.option(
     "--no-worker", is_flag=True, help="Skip the worker probe (torch, CUDA, bitsandbytes)."
 )
+@click.option(
+    "--bench", is_flag=True, help="Measure this node's training speed again (seconds per dtype)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def doctor(state_dir, interface, no_worker, as_json) -> None:
+def doctor(state_dir, interface, no_worker, bench, as_json) -> None:
     """Check this machine and its swarm; each check PASS, WARN or FAIL with the fix.
 
     Looks at NVML and the GPUs, the worker environment's torch/CUDA (in a subprocess),
     compute capability and the dtypes it allows, bitsandbytes, multicast on the interface,
     the peers' control ports and clock skew (when a daemon runs), free disk at the model
-    caches, and the embedded model. Exit code 1 when any check FAILs.
+    caches, and the embedded model. Exit code 1 when any check FAILs. --bench measures the
+    devices' training speed per dtype again (the planner's `speed` split reads it; the running
+    daemon advertises the new numbers).
     """
 
     from swarmp2p import doctor as doc
+
+    if bench:
+        from swarmp2p.doctor import bench as speed_bench
+        from swarmp2p.errors import SwarmError
+
+        try:
+            measured = speed_bench.bench(_state_dir(state_dir))
+        except (SwarmError, OSError, RuntimeError, ValueError) as exc:
+            _fail(exc)
+        click.echo(
+            json.dumps(measured, indent=2) if as_json else speed_bench.format_bench(measured)
+        )
+        return
 
     checks = doc.diagnose(_state_dir(state_dir), interface=interface, worker=not no_worker)
     result = doc.report(checks)

@@ -2,7 +2,10 @@
 
 from swarmp2p.net.auth import (
     AsyncSecureContext,
+    ClientKeys,
+    KeyCheck,
     SecureContext,
+    ServerKeys,
     make_client_socket,
     make_server_socket,
 )
@@ -15,21 +18,26 @@ from swarmp2p.net.links import (
     stop_zero_copy_collector,
 )
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, request_sync
-from swarmp2p.net.security import SwarmSecret
+from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
 
 __all__ = [
     "AsyncSecureContext",
+    "ClientKeys",
     "InProcLink",
+    "KeyCheck",
     "Link",
     "LinkClosed",
     "LinkTimeout",
+    "NodeKey",
     "RpcClient",
     "RpcError",
     "RpcServer",
     "RpcTimeout",
     "SecureContext",
+    "ServerKeys",
     "SwarmSecret",
     "ZmqLink",
+    "fingerprint",
     "make_client_socket",
     "make_server_socket",
     "request_sync",

@@ -1,16 +1,27 @@
-"""CURVE sockets with a ZAP authenticator that admits only the swarm's client key.
+"""CURVE sockets with a ZAP authenticator that admits only the client keys it is told to.
 
 A CURVE server socket with no ZAP handler accepts *any* client key, so server sockets are made
 only on a :class:`SecureContext` / :class:`AsyncSecureContext`: the first server socket
 starts the context's authenticator (a thread for a sync context, an asyncio task for an
 asyncio one) and ``term()`` / ``destroy()`` / ``with`` stop it, so no thread outlives the
-context. Each secret gets its own ZAP domain, so one context can serve two swarms without
-letting either's clients into the other's sockets.
+context. Each ZAP domain has its own admission rule, so one context serves several without
+letting one's clients into another's sockets.
+
+Two kinds of credentials:
+
+- a :class:`~swarmp2p.net.security.SwarmSecret`: the secret's admission key pair is both the
+  server key and the only client key admitted (the join port; a test's one-secret swarm);
+- :class:`ServerKeys` / :class:`ClientKeys`: a node's own key pair, the server key it expects,
+  and (server side) a :class:`KeyCheck` that decides per client key. ZAP sets each message's
+  ``User-Id`` frame property to the client's z85 public key, which :class:`~swarmp2p.net.rpc.
+  RpcServer` hands to its handler: the authenticated sender of every request.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -24,14 +35,75 @@ from swarmp2p.wire.messages import MAX_MESSAGE_BYTES
 ZAP_DOMAIN_PREFIX = "swarmp2p-"
 
 
-class _KeyCheck:
-    """ZAP credentials provider: admits exactly one z85 client key."""
+class KeyCheck:
+    """ZAP credentials provider: admits a z85 client key when ``admits(key)`` says so (asked
+    at each handshake; a revoked key is also refused per message by the server's handler)."""
 
-    def __init__(self, public_key: bytes) -> None:
-        self._key = public_key
+    def __init__(self, admits: Callable[[str], bool]) -> None:
+        self._admits = admits
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self._key
+        try:
+            return bool(self._admits(key.decode("ascii")))
+        except Exception:  # a bug in a rule must refuse, never admit
+            return False
+
+    @classmethod
+    def only(cls, *keys: str | bytes) -> KeyCheck:
+        allowed = frozenset(k.decode("ascii") if isinstance(k, bytes) else k for k in keys)
+        return cls(allowed.__contains__)
+
+    @classmethod
+    def anyone(cls) -> KeyCheck:
+        """Every client key (a pairing port: the password-authenticated exchange inside is
+        the authentication)."""
+        return cls(lambda key: True)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerKeys:
+    """A server socket's key pair (z85) and who it admits, under ZAP domain ``domain``. A
+    context keeps the first rule registered for a domain: sockets with another rule need
+    another domain (name it after what it admits)."""
+
+    public: str
+    secret: str
+    admits: KeyCheck
+    domain: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKeys:
+    """A client socket's key pair (z85) and the server key it expects."""
+
+    public: str
+    secret: str
+    server: str
+
+
+ServerCredentials = SwarmSecret | ServerKeys
+ClientCredentials = SwarmSecret | ClientKeys
+
+
+def _server_keys(creds: ServerCredentials) -> ServerKeys:
+    if isinstance(creds, ServerKeys):
+        return creds
+    if isinstance(creds, SwarmSecret):
+        public, private = creds.curve_keypair()
+        return ServerKeys(
+            public=public.decode("ascii"), secret=private.decode("ascii"),
+            admits=KeyCheck.only(public), domain=ZAP_DOMAIN_PREFIX + creds.swarm_id,
+        )  # fmt: skip
+    raise TypeError(f"server credentials must be a SwarmSecret or ServerKeys, got {type(creds).__name__}")  # fmt: skip
+
+
+def _client_keys(creds: ClientCredentials) -> ClientKeys:
+    if isinstance(creds, ClientKeys):
+        return creds
+    if isinstance(creds, SwarmSecret):
+        public, private = (k.decode("ascii") for k in creds.curve_keypair())
+        return ClientKeys(public=public, secret=private, server=public)
+    raise TypeError(f"client credentials must be a SwarmSecret or ClientKeys, got {type(creds).__name__}")  # fmt: skip
 
 
 class _AuthMixin:
@@ -41,18 +113,18 @@ class _AuthMixin:
     def _authenticator(self) -> Any:
         raise NotImplementedError
 
-    def _admit(self, secret: SwarmSecret) -> str:
-        """Start the authenticator if needed and register ``secret``'s domain; return it."""
+    def _admit(self, keys: ServerKeys) -> str:
+        """Start the authenticator if needed and register ``keys``' domain; return it. A
+        domain keeps the rule it was first registered with."""
         if self._swarm_auth is None:
             auth = self._authenticator()
             auth.start()
             self._swarm_auth = auth
             self._swarm_domains = set()
-        domain = ZAP_DOMAIN_PREFIX + secret.swarm_id
-        if domain not in self._swarm_domains:
-            self._swarm_auth.configure_curve_callback(domain, _KeyCheck(secret.curve_keypair()[0]))
-            self._swarm_domains.add(domain)
-        return domain
+        if keys.domain not in self._swarm_domains:
+            self._swarm_auth.configure_curve_callback(keys.domain, keys.admits)
+            self._swarm_domains.add(keys.domain)
+        return keys.domain
 
     def _stop_auth(self) -> None:
         auth, self._swarm_auth = self._swarm_auth, None
@@ -120,13 +192,14 @@ def _common(sock: zmq.Socket, max_message_bytes: int) -> None:
 def make_server_socket(
     ctx: zmq.Context,
     socket_type: int,
-    secret: SwarmSecret,
+    secret: ServerCredentials,
     *,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     secure: bool = True,
 ) -> zmq.Socket:
-    """A CURVE server socket (not yet bound) that admits only clients holding ``secret``, and
-    closes a connection whose handshake takes over ``HANDSHAKE_IVL_MS``.
+    """A CURVE server socket (not yet bound) that admits only the clients ``secret`` admits
+    (a SwarmSecret: holders of that secret), and closes a connection whose handshake takes
+    over ``HANDSHAKE_IVL_MS``.
 
     ``max_message_bytes`` (plus a small CURVE slack) becomes ``zmq.MAXMSGSIZE``: a peer
     sending a larger frame is disconnected before the frame is buffered (-1: no cap). ``secure=False`` (plain TCP, anyone may
@@ -138,19 +211,17 @@ def make_server_socket(
             f"got {type(ctx).__name__}: a CURVE server without a ZAP authenticator admits any "
             "client key"
         )
-    if not isinstance(secret, SwarmSecret):
-        raise TypeError(f"secret must be a SwarmSecret, got {type(secret).__name__}")
+    keys = _server_keys(secret)
     sock = ctx.socket(socket_type)
     try:
         _common(sock, max_message_bytes)
         if secure:
-            domain = ctx._admit(secret)  # type: ignore[attr-defined]
-            public, private = secret.curve_keypair()
+            domain = ctx._admit(keys)  # type: ignore[attr-defined]
             sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
             sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
             sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
     except BaseException:
         sock.close(0)
         raise
@@ -160,22 +231,21 @@ def make_server_socket(
 def make_client_socket(
     ctx: zmq.Context,
     socket_type: int,
-    secret: SwarmSecret,
+    secret: ClientCredentials,
     *,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     secure: bool = True,
 ) -> zmq.Socket:
-    """A CURVE client socket (not yet connected) that talks only to servers holding ``secret``."""
-    if not isinstance(secret, SwarmSecret):
-        raise TypeError(f"secret must be a SwarmSecret, got {type(secret).__name__}")
+    """A CURVE client socket (not yet connected) that talks only to the server whose key
+    ``secret`` names (a SwarmSecret: a holder of that secret)."""
+    keys = _client_keys(secret)
     sock = ctx.socket(socket_type)
     try:
         _common(sock, max_message_bytes)
         if secure:
-            public, private = secret.curve_keypair()
-            sock.setsockopt(zmq.CURVE_SERVERKEY, public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
     except BaseException:
         sock.close(0)
         raise

@@ -1,14 +1,17 @@
 """mDNS discovery: advertise this node as ``_swarmp2p._tcp.local.`` and browse for its swarm.
 
-The TXT record carries only what finding a peer needs (swarm id, node id, name, control port,
-protocol version, a short hardware summary); full details travel in the authenticated hello.
-mDNS is not trusted: an advert only says where to try an authenticated hello, and a removal
-only asks the daemon to confirm with a heartbeat.
+The TXT record carries only what finding a peer needs (swarm id, node id, name, control and
+join ports, the node's public key, open invites, protocol version, a short hardware summary);
+full details travel in the authenticated hello. mDNS is not trusted: an advert only says where
+to try an authenticated join (which needs the secret) or a pairing (which needs the code), and
+a removal only asks the daemon to confirm with a heartbeat. :func:`browse` lists the swarms on
+the LAN for a machine that has none yet (`swarm up`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -34,9 +37,15 @@ class Advert:
     port: int
     protocol: int
     hardware: str = ""
+    join_port: int = 0
+    key: str = ""
+    """The node's z85 public key (its control and pairing ports' server key)."""
+    invites: str = ""
+    """Open pairing invites: ``nameplate:port`` pairs separated by commas (``open:port`` for
+    an open swarm); the code's words never appear here."""
 
     def to_txt(self) -> dict[str, str]:
-        return {
+        txt = {
             "sid": self.swarm_id,
             "nid": self.node_id,
             "name": self.name,
@@ -44,6 +53,22 @@ class Advert:
             "pv": str(self.protocol),
             "hw": self.hardware,
         }
+        if self.join_port:
+            txt["jp"] = str(self.join_port)
+        if self.key:
+            txt["key"] = self.key
+        if self.invites:
+            txt["inv"] = self.invites
+        return txt
+
+    def invite_ports(self) -> dict[str, int]:
+        """Open invites: nameplate -> pairing port (malformed entries are skipped)."""
+        out = {}
+        for item in self.invites.split(","):
+            plate, _, port = item.partition(":")
+            if plate and port.isdigit() and 0 < int(port) < 65536:
+                out[plate] = int(port)
+        return out
 
     @classmethod
     def from_txt(cls, txt: Mapping[bytes | str, bytes | str | None]) -> Advert:
@@ -54,12 +79,14 @@ class Advert:
                 raise ValueError(f"mDNS TXT record lacks {key!r}: {sorted(fields)}")
         try:
             port, protocol = int(fields["port"]), int(fields["pv"])
+            join_port = int(fields.get("jp") or 0)
         except ValueError:
             raise ValueError(
-                f"mDNS TXT port {fields['port']!r} / pv {fields['pv']!r} are not integers"
+                f"mDNS TXT port {fields['port']!r} / pv {fields['pv']!r} / jp "
+                f"{fields.get('jp')!r} are not integers"
             ) from None
-        if not 0 < port < 65536:
-            raise ValueError(f"mDNS TXT port {port} is out of range")
+        if not 0 < port < 65536 or not 0 <= join_port < 65536:
+            raise ValueError(f"mDNS TXT port {port} or jp {join_port} is out of range")
         return cls(
             swarm_id=fields["sid"],
             node_id=fields["nid"],
@@ -67,6 +94,9 @@ class Advert:
             port=port,
             protocol=protocol,
             hardware=fields.get("hw", ""),
+            join_port=join_port,
+            key=fields.get("key", "")[:40],
+            invites=fields.get("inv", "")[:400],
         )
 
     @property
@@ -155,8 +185,11 @@ class Discovery:
         *,
         on_add: PeerCallback,
         on_remove: Callable[[str], None],
+        accept: Callable[[Advert], bool] | None = None,
     ) -> None:
         self.advert = advert
+        self._accept = accept
+        """Which adverts to report (default: those of this advert's swarm id)."""
         self.addresses = addresses
         self._on_add = on_add
         self._on_remove = on_remove
@@ -174,18 +207,38 @@ class Discovery:
         self._state_change = ServiceStateChange
         self._info_type = AsyncServiceInfo
         self._zc = AsyncZeroconf(interfaces=self.addresses, ip_version=IPVersion.V4Only)
-        self._info = AsyncServiceInfo(
-            SERVICE_TYPE,
-            self.advert.instance_name,
-            addresses=[socket.inet_aton(ip) for ip in self.addresses],
-            port=self.advert.port,
-            properties=self.advert.to_txt(),
-            server=f"{self.advert.node_id}-{self.advert.swarm_id[:12]}.local.",
-        )
+        self._info = self._service_info(self.advert)
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
         )
         self._registered = asyncio.ensure_future(self._register())
+
+    def _service_info(self, advert: Advert):
+        return self._info_type(
+            SERVICE_TYPE,
+            advert.instance_name,
+            addresses=[socket.inet_aton(ip) for ip in self.addresses],
+            port=advert.port,
+            properties=advert.to_txt(),
+            server=f"{advert.node_id}-{advert.swarm_id[:12]}.local.",
+        )
+
+    async def update(self, advert: Advert) -> None:
+        """Advertise ``advert`` from now on (a new swarm id after a rotation, open invites)."""
+        old, self.advert = self.advert, advert
+        if self._zc is None:
+            return
+        registered = getattr(self, "_registered", None)
+        if registered is not None and not registered.done():
+            await asyncio.wait([registered], timeout=RESOLVE_TIMEOUT_MS / 1000)
+        info = self._service_info(advert)
+        if advert.instance_name == old.instance_name:
+            await (await self._zc.async_update_service(info))
+        else:
+            with contextlib.suppress(Exception):
+                await (await self._zc.async_unregister_service(self._info))
+            await (await self._zc.async_register_service(info, cooperating_responders=True))
+        self._info = info
 
     async def _register(self) -> None:
         # No RFC 6762 probing (it costs about a second before the first announcement): the
@@ -212,7 +265,10 @@ class Discovery:
         except ValueError as exc:
             _log.debug("ignoring mDNS service %s: %s", name, exc)
             return
-        if advert.swarm_id != self.advert.swarm_id or advert.node_id == self.advert.node_id:
+        if advert.node_id == self.advert.node_id:
+            return
+        wanted = self._accept(advert) if self._accept is not None else advert.swarm_id == self.advert.swarm_id  # fmt: skip
+        if not wanted:
             return
         self._names[name] = advert.node_id
         self._on_add(advert, info.parsed_addresses())
@@ -233,3 +289,57 @@ class Discovery:
                     _log.debug("mDNS unregister failed: %s", exc)
             await self._zc.async_close()
             self._zc = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Seen:
+    """One node of some swarm, as a browse saw it."""
+
+    advert: Advert
+    addresses: tuple[str, ...]
+
+
+async def browse(
+    seconds: float, *, until: Callable[[list[Seen]], bool] | None = None
+) -> list[Seen]:
+    """Every swarmp2p node advertised on the LAN within ``seconds`` (of any swarm), sooner
+    once ``until(seen so far)`` is true. For a machine with no swarm yet: it advertises
+    nothing."""
+    from zeroconf import IPVersion, ServiceStateChange
+    from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+    seen: dict[str, Seen] = {}
+    done = asyncio.Event()
+    tasks: set[asyncio.Task] = set()
+    zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
+
+    async def resolve(name: str) -> None:
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if not await info.async_request(zc.zeroconf, RESOLVE_TIMEOUT_MS):
+            return
+        try:
+            advert = Advert.from_txt(info.properties or {})
+        except ValueError:
+            return
+        seen[name] = Seen(advert=advert, addresses=tuple(info.parsed_addresses()))
+        if until is not None and until(list(seen.values())):
+            done.set()
+
+    def on_change(zeroconf, service_type: str, name: str, state_change) -> None:
+        if state_change is ServiceStateChange.Removed:
+            seen.pop(name, None)
+            return
+        task = asyncio.ensure_future(resolve(name))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    browser = AsyncServiceBrowser(zc.zeroconf, SERVICE_TYPE, handlers=[on_change])
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), seconds)
+    finally:
+        for task in list(tasks):
+            task.cancel()
+        await browser.async_cancel()
+        await zc.async_close()
+    return list(seen.values())

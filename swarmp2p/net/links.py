@@ -17,13 +17,21 @@ from __future__ import annotations
 import abc
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import zmq
 from zmq.utils.garbage import gc as _zmq_gc
 
-from swarmp2p.net.auth import make_client_socket, make_server_socket
-from swarmp2p.net.security import SwarmSecret
+from swarmp2p.net.auth import (
+    ClientCredentials,
+    ClientKeys,
+    KeyCheck,
+    ServerCredentials,
+    ServerKeys,
+    make_client_socket,
+    make_server_socket,
+)
+from swarmp2p.net.security import check_public_key
 
 Buffer = bytes | bytearray | memoryview
 
@@ -101,7 +109,7 @@ class ZmqLink(Link):
     def bind(
         cls,
         ctx: zmq.Context,
-        secret: SwarmSecret,
+        secret: ServerCredentials,
         host: str,
         port: int = 0,
         *,
@@ -132,7 +140,7 @@ class ZmqLink(Link):
     def dial(
         cls,
         ctx: zmq.Context,
-        secret: SwarmSecret,
+        secret: ClientCredentials,
         endpoint: str,
         *,
         secure: bool = True,
@@ -229,6 +237,23 @@ class InProcLink(Link):
 
     def close(self) -> None:
         self._closed = True
+
+
+def link_credentials(keys: Mapping[str, str]) -> tuple[ServerKeys, ClientKeys | None]:
+    """The bound and the dialling side's credentials of a stage worker from its node's key
+    pair and its neighbours' public keys (``{"public", "secret", "prev", "next"}``): the bound
+    link admits only the stage before's node, the dialled one must be the next stage's node."""
+    try:
+        public, secret = keys["public"], keys["secret"]
+        prev, nxt = keys.get("prev", ""), keys.get("next", "")
+    except (KeyError, TypeError):
+        raise ValueError("link keys need 'public' and 'secret'") from None
+    for name, key in (("public", public), ("prev", prev), ("next", nxt)):
+        if key:
+            check_public_key(key, f"link key {name!r}")
+    server = ServerKeys(public=public, secret=secret, admits=KeyCheck.only(prev) if prev else KeyCheck(lambda k: False), domain=f"swarmp2p-link-{prev or 'nobody'}")  # fmt: skip
+    client = ClientKeys(public=public, secret=secret, server=nxt) if nxt else None
+    return server, client
 
 
 def stop_zero_copy_collector(timeout: float = 2.0) -> bool:

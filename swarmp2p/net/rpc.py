@@ -10,6 +10,11 @@ A frame larger than ``MAX_MESSAGE_BYTES`` never reaches the loop: ``zmq.MAXMSGSI
 the connection, and the sender's request times out. A :class:`~swarmp2p.net.guard.ConnectionGuard`
 caps the server's live connections per source address (a flood of idle connections from one
 host cannot take the daemon's file descriptors).
+
+The handler gets each request with its authenticated sender: the z85 public key ZAP admitted
+for the connection it came on (the frame's ``User-Id`` property; "" on a socket without
+CURVE). A server decides per request what that key may do (``node/daemon.py``), so a key
+revoked after its handshake is refused from its next message on.
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ import zmq
 import zmq.asyncio
 
 from swarmp2p.errors import SwarmError, Unavailable
-from swarmp2p.net.auth import make_client_socket, make_server_socket
+from swarmp2p.net.auth import (
+    ClientCredentials,
+    ClientKeys,
+    ServerCredentials,
+    make_client_socket,
+    make_server_socket,
+)
 from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
-from swarmp2p.net.security import SwarmSecret
 from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -36,8 +46,9 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT_REQUESTS = 256
 """Requests an RpcServer handles at once; more are answered with code "busy"."""
 
-Handler = Callable[[Message, bytes], Awaitable["Message | None"]]
-"""``async handler(request, peer_identity) -> reply`` (None: send no reply)."""
+Handler = Callable[[Message, str], Awaitable["Message | None"]]
+"""``async handler(request, sender_key) -> reply`` (None: send no reply); ``sender_key`` is
+the z85 public key the request was authenticated with."""
 
 
 class RpcTimeout(Unavailable, TimeoutError):
@@ -68,7 +79,7 @@ class RpcServer:
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
-        secret: SwarmSecret,
+        secret: ServerCredentials,
         host: str,
         port: int,
         handler: Handler,
@@ -138,15 +149,20 @@ class RpcServer:
     async def _serve(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
+            # copy=False keeps the frames' properties: "User-Id" is the key ZAP admitted
+            frames = await self._sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 # a DEALER sends exactly one frame; anything else is not one of ours
                 if len(frames) >= 1:
                     await self._reply(
-                        frames[0], ErrorReply(code="malformed", detail="expected one frame")
+                        frames[0].bytes, ErrorReply(code="malformed", detail="expected one frame")
                     )
                 continue
-            identity, payload = frames
+            identity, payload = frames[0].bytes, frames[1].bytes
+            try:
+                sender = frames[1].get("User-Id") or ""
+            except zmq.ZMQError:  # no ZAP on this socket (secure=False)
+                sender = ""
             try:
                 request = decode(payload)
             except WireError as e:
@@ -160,13 +176,13 @@ class RpcServer:
                     ErrorReply(id=request.id, code="busy", detail="too many requests in flight"),
                 )
                 continue
-            task = asyncio.create_task(self._handle(identity, request))
+            task = asyncio.create_task(self._handle(identity, sender, request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, identity: bytes, request: Message) -> None:
+    async def _handle(self, identity: bytes, sender: str, request: Message) -> None:
         try:
-            reply = await self._handler(request, identity)
+            reply = await self._handler(request, sender)
         except asyncio.CancelledError:
             raise
         except RpcError as e:
@@ -197,8 +213,10 @@ class RpcServer:
 class RpcClient:
     """DEALER to one server; ``request`` pairs replies by id, so requests may overlap."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, secret: SwarmSecret, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, secret: ClientCredentials, endpoint: str) -> None:
         self.endpoint = endpoint
+        self.server_key: str = secret.server if isinstance(secret, ClientKeys) else ""
+        """The server key it expects (ClientKeys), "" for a SwarmSecret's."""
         self._sock: zmq.asyncio.Socket | None = make_client_socket(ctx, zmq.DEALER, secret)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
@@ -279,7 +297,7 @@ class RpcClient:
 
 
 def request_sync(
-    ctx: zmq.Context, secret: SwarmSecret, endpoint: str, msg: Message, timeout: float
+    ctx: zmq.Context, secret: ClientCredentials, endpoint: str, msg: Message, timeout: float
 ) -> Message:
     """One blocking request on a fresh DEALER (for CLIs and scripts); same errors as RpcClient."""
     if isinstance(ctx, zmq.asyncio.Context):

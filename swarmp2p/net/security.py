@@ -1,15 +1,18 @@
-"""The swarm secret: its join token, its public swarm id and the CURVE keys derived from it.
+"""Keys: the swarm secret (which only admits) and each node's own CURVE key pair (who it is).
 
-Every node of a swarm holds the same 32 random bytes. From them it derives, with keyed
-BLAKE2b (RFC 7693) and a distinct label per use:
+Every member of a swarm holds the same 32 random bytes, the secret. From them it derives, with
+keyed BLAKE2b (RFC 7693) and a distinct label per use:
 
-- the token ``swarm1-<base32(secret + 4-byte checksum)>`` that a user copies to join;
+- the token ``swarm1-<base32(secret + 4-byte checksum)>`` that scripts pass to join;
 - ``swarm_id``, 16 hex characters, safe to advertise over mDNS (it reveals nothing of the
   secret, and swarms on one LAN tell each other apart by it);
-- one Curve25519 key pair. Every server socket uses it as its server key, every client uses
-  it as its client key, and each context's ZAP authenticator admits only that client key
-  (see :mod:`swarmp2p.net.auth`). Without the secret a peer can neither complete a handshake
-  nor read or inject a frame.
+- the *admission* Curve25519 key pair: the join port's server key and its only client key, so
+  only a holder of the secret completes a join handshake (see :mod:`swarmp2p.node.join`).
+
+Each node also has its own key pair (:class:`NodeKey`, ``node.key`` in its state dir, 0600):
+its control port's server key and its client key towards every member. The job table lists
+every member with its public key; ZAP admits only listed keys, and a message's claimed node id
+must be its key's (issue 15).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import zmq
 import zmq.utils.z85
+from zmq.utils.z85 import Z85CHARS
 
 from swarmp2p._atomic import write_atomic
 
@@ -106,9 +110,16 @@ class SwarmSecret:
         return _derive(self._raw, b"swarm-id", 8).hex()
 
     def curve_keypair(self) -> tuple[bytes, bytes]:
-        """The swarm's Curve25519 key pair ``(public, secret)``, both z85-encoded (40 bytes)."""
+        """The swarm's admission Curve25519 key pair ``(public, secret)``, both z85-encoded
+        (40 bytes)."""
         secret_key = zmq.utils.z85.encode(_derive(self._raw, b"curve-key", 32))
         return zmq.curve_public(secret_key), secret_key
+
+    @property
+    def admission_key(self) -> str:
+        """The public half of the admission key pair (z85): what the job table records so
+        every member agrees on which secret admits (``swarm token --rotate`` changes it)."""
+        return self.curve_keypair()[0].decode("ascii")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the token to ``path`` atomically with mode 0600 (temp file + rename)."""
@@ -138,3 +149,83 @@ class SwarmSecret:
 
     def __repr__(self) -> str:
         return f"SwarmSecret(swarm_id={self.swarm_id!r})"  # never the secret itself
+
+
+KEY_CHARS = 40
+"""A z85-encoded Curve25519 key."""
+KEY_PATTERN = "[" + "".join("\\" + c if c in "-[]\\^" else c for c in Z85CHARS.decode()) + "]{40}"
+"""A z85 public key (for schema fields)."""
+
+
+def check_public_key(key: str, what: str = "key") -> str:
+    """``key`` if it is a z85-encoded 32-byte Curve25519 public key; ValueError naming it."""
+    if not isinstance(key, str) or len(key) != KEY_CHARS:
+        shown = key if isinstance(key, str) else type(key).__name__
+        raise ValueError(f"{what} {shown!r} is not a {KEY_CHARS}-character z85 CURVE key")
+    try:
+        zmq.utils.z85.decode(key.encode("ascii"))
+    except (ValueError, UnicodeEncodeError, KeyError, IndexError):
+        raise ValueError(f"{what} {key!r} is not z85 (a CURVE public key)") from None
+    return key
+
+
+def fingerprint(public_key: str) -> str:
+    """A short, stable, human-comparable form of a public key: ``ab12-cd34-ef56-7890``."""
+    digest = hashlib.blake2b(public_key.encode("ascii"), digest_size=8, person=b"swarmp2p-fp").hexdigest()  # fmt: skip
+    return "-".join(digest[i : i + 4] for i in range(0, 16, 4))
+
+
+class NodeKey:
+    """A node's own Curve25519 key pair, z85-encoded; saved 0600 as two lines."""
+
+    __slots__ = ("public", "secret")
+
+    def __init__(self, public: str, secret: str) -> None:
+        check_public_key(public, "node public key")
+        if zmq.curve_public(secret.encode("ascii")).decode("ascii") != public:
+            raise ValueError("node key: the secret key does not match the public key")
+        self.public, self.secret = public, secret
+
+    @classmethod
+    def generate(cls) -> NodeKey:
+        public, secret = zmq.curve_keypair()
+        return cls(public.decode("ascii"), secret.decode("ascii"))
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_atomic(Path(path), f"{self.public}\n{self.secret}\n", mode=0o600)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> NodeKey:
+        """Read a key saved by :meth:`save`; refuses a file others can read."""
+        path = Path(path)
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise PermissionError(
+                f"node key {path} has mode {mode:04o}, readable by other users; run "
+                f"`chmod 600 {path}` (and `swarm remove` this node from another member if "
+                "others read it)"
+            )
+        try:
+            public, secret = path.read_text(encoding="ascii").split()
+            return cls(public, secret)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"node key {path} is not a saved key pair ({exc}); move it away and this node "
+                "gets a new identity (it joins again)"
+            ) from None
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike[str]) -> NodeKey:
+        try:
+            return cls.load(path)
+        except FileNotFoundError:
+            key = cls.generate()
+            key.save(path)
+            return key
+
+    def __repr__(self) -> str:
+        return f"NodeKey(fingerprint={self.fingerprint!r})"  # never the secret key

@@ -27,6 +27,11 @@ API_OPS = (
     "peers",
     "submit",
     "down",
+    # membership (node/join.py, node/pairing.py)
+    "remove",
+    "rotate",
+    "invite",
+    "bench",
     "live_plan",
     "jobs",
     "job",
@@ -118,11 +123,14 @@ class ApiServer:
                 req = json.loads(line)
             except (ValueError, RecursionError) as exc:
                 raise UserError(f"bad request: not JSON: {exc}") from None
-            if not isinstance(req, dict) or req.get("op") not in self._handlers:
+            op = req.get("op") if isinstance(req, dict) else None
+            if not isinstance(op, str) or op not in self._handlers:
                 raise UserError(f"bad request: op must be one of {sorted(self._handlers)}")
-            return {"ok": True, "result": await self._handlers[req["op"]](req)}
+            return {"ok": True, "result": await self._handlers[op](req)}
         except SwarmError as exc:
             return {"ok": False, "error": exc.message, "code": exc.code, "kind": exc.kind}
+        except ValueError as exc:  # a handler's refusal (ApiHandler's contract), e.g. ServeError
+            return {"ok": False, "error": str(exc), "code": "bad_request", "kind": "user"}
         except Exception as exc:  # a bug, not the user's mistake: say so, log the traceback
             _log.exception("local API request %r failed", line[:200])
             return {

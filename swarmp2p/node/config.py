@@ -43,6 +43,8 @@ class NodeConfig:
     heartbeat_s: float = HEARTBEAT_S
     failure_timeout_s: float = FAILURE_TIMEOUT_S
     forget_after_s: float = FORGET_AFTER_S
+    open_swarm: bool = False
+    """`swarm up --open`: any machine on the LAN joins without a code (a trusted home LAN only)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

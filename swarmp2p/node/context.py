@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Unavailable
+from swarmp2p.net.auth import ClientKeys
 from swarmp2p.net.rpc import RpcClient
 from swarmp2p.node.election import leader as lowest_live
-from swarmp2p.node.membership import Membership
+from swarmp2p.node.membership import Keyring, Membership
 
 if TYPE_CHECKING:
-    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.net.security import NodeKey, SwarmSecret
     from swarmp2p.node.config import NodeConfig
     from swarmp2p.node.jobtable import JobTable
     from swarmp2p.node.state import StateDir
@@ -54,6 +55,7 @@ class NodeContext:
         me: Identity,
         state: StateDir,
         secret: SwarmSecret,
+        key: NodeKey,
         config: NodeConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -61,16 +63,24 @@ class NodeContext:
         self.node_id = me.node_id
         self.state = state
         self.secret = secret
+        """The swarm secret: it only admits (the join port); ``swarm token --rotate`` swaps it."""
+        self.key = key
+        """This node's own key pair: its control port's server key, its client key."""
         self.config = config
         self.clock = clock
         self.members = Membership(me.node_id)
         """The live view: who answered lately (not the table's members)."""
+        self.keyring = Keyring(me.node_id, key.public, lambda: self.table, clock)
+        """Who each admitted public key is (the table's members and nodes that joined)."""
         self.started_at = clock()
         self.port = 0
+        self.join_port = 0
+        """The join port (``node.join``, keyed by the secret)."""
         self.zmq = None
         """The daemon's zmq.asyncio context, once it started."""
         self.closing = False
         self._clients: dict[str, RpcClient] = {}
+        self._retired: list[RpcClient] = []
         self._tasks: set[asyncio.Task] = set()
         self._local: LocalHandler | None = None
         self._replication: Any = None
@@ -124,14 +134,37 @@ class NodeContext:
 
     # --- reaching nodes --------------------------------------------------------------------
 
-    def client(self, endpoint: str) -> RpcClient:
+    def key_at(self, endpoint: str) -> str:
+        """The public key of the node whose control port is ``endpoint`` (a peer in the view,
+        or this node); Unavailable when no known node listens there."""
+        if endpoint == self.own_endpoint:
+            return self.key.public
+        for peer in self.members.peers.values():
+            if peer.endpoint == endpoint:
+                key = self.keyring.key_of(peer.node_id) or peer.key
+                if key:
+                    return key
+        raise Unavailable(f"no known node listens on {endpoint}", code="no_peer")
+
+    def client(self, endpoint: str, key: str | None = None) -> RpcClient:
+        """The RPC client to ``endpoint``, expecting the server key ``key`` (default: that of
+        the node known to listen there)."""
+        key = key or self.key_at(endpoint)
         c = self._clients.get(endpoint)
+        if c is not None and c.server_key != key:  # another node listens there now
+            self._retired.append(self._clients.pop(endpoint))
+            c = None
         if c is None:
-            c = self._clients[endpoint] = RpcClient(self.zmq, self.secret, endpoint)
+            creds = ClientKeys(public=self.key.public, secret=self.key.secret, server=key)
+            c = self._clients[endpoint] = RpcClient(self.zmq, creds, endpoint)
         return c
 
-    async def call_endpoint(self, endpoint: str, msg: Message, timeout: float) -> Message:
-        return await self.client(endpoint).request(msg, timeout)
+    async def call_endpoint(
+        self, endpoint: str, msg: Message, timeout: float, key: str | None = None
+    ) -> Message:
+        """A request to the control port at ``endpoint`` (server key ``key``, default: the
+        key of the node known to listen there)."""
+        return await self.client(endpoint, key).request(msg, timeout)
 
     async def call(self, node_id: str, msg: Message, timeout: float) -> Message:
         """A request to a live node; to this node it goes straight to the local handler."""
@@ -155,11 +188,15 @@ class NodeContext:
         """Close the clients of endpoints nobody names any more."""
         for endpoint in [e for e in self._clients if e not in keep]:
             await self._clients.pop(endpoint).close()
+        retired, self._retired = self._retired, []
+        for c in retired:
+            await c.close()
 
     async def close_clients(self) -> None:
-        for c in self._clients.values():
+        for c in [*self._clients.values(), *self._retired]:
             await c.close()
         self._clients.clear()
+        self._retired.clear()
 
     # --- tasks -----------------------------------------------------------------------------
 

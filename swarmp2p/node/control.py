@@ -1,4 +1,5 @@
-"""What the `swarm up/down/token/status/peers` commands do; the CLI only parses and prints."""
+"""What the `swarm up/down/token/invite/remove/status/peers` commands do; the CLI only parses
+and prints."""
 
 from __future__ import annotations
 
@@ -24,16 +25,62 @@ STOP_TIMEOUT_S = 10.0
 
 TOKEN_ENV = "SWARM_TOKEN"
 JOIN_COMMAND = "swarm up --token -"
-"""How another machine joins: it reads the token on stdin. Never the token itself: printed
-text lands in terminals' scrollback and in logs, and a token in argv is read by ``ps``."""
+"""How a script joins another machine: it reads the token on stdin. Never the token itself:
+printed text lands in terminals' scrollback and in logs, and a token in argv is read by
+``ps``. People join with a pairing code (:func:`code_command`)."""
+LAN_BROWSE_S = 1.5
+"""How long `swarm up` on a machine with no swarm looks for swarms on the LAN."""
 
 
 def join_command() -> str:
-    """What `swarm up` prints for joining another machine (no secret in it)."""
+    """What `swarm up` prints for joining another machine without mDNS (no secret in it)."""
     return (
         f"{JOIN_COMMAND}   (then paste the token `swarm token` prints here; "
         f"or set {TOKEN_ENV}, or pass --token-file FILE)"
     )
+
+
+def code_command(code: str, minutes: float) -> str:
+    """The join command with a pairing code (what `swarm up` and `swarm invite` print)."""
+    return f"swarm up --code {code}   (one machine, valid {minutes:g} minutes; `swarm invite` makes another)"  # fmt: skip
+
+
+def read_code(option: str, stdin: TextIO | None = None) -> str:
+    """``--code WORDS`` or ``--code -`` (the words on stdin)."""
+    if option != "-":
+        return option
+    stdin = sys.stdin if stdin is None else stdin
+    text = stdin.readline() if not stdin.isatty() else input("pairing code: ")
+    if not text.strip():
+        raise ValueError("--code -: nothing on stdin; type the code `swarm invite` printed")
+    return text.strip()
+
+
+def lan_swarms(seconds: float = LAN_BROWSE_S) -> list[dict[str, Any]]:
+    """The swarms advertised on the LAN: ``{"swarm_id", "nodes": [names], "open"}`` each."""
+    import asyncio
+
+    from swarmp2p.net.discovery import browse
+
+    seen = asyncio.run(browse(seconds))
+    swarms: dict[str, dict[str, Any]] = {}
+    for s in seen:
+        entry = swarms.setdefault(s.advert.swarm_id, {"swarm_id": s.advert.swarm_id, "nodes": [], "open": False})  # fmt: skip
+        entry["nodes"].append(s.advert.name or s.advert.node_id)
+        entry["open"] = entry["open"] or "open" in s.advert.invite_ports()
+    return sorted(swarms.values(), key=lambda e: e["swarm_id"])
+
+
+def swarms_found_message(swarms: list[dict[str, Any]]) -> str:
+    lines = ["this machine has no swarm yet; swarms on this LAN:"]
+    for s in swarms:
+        nodes = ", ".join(sorted(s["nodes"])[:6]) + (" ..." if len(s["nodes"]) > 6 else "")
+        lines.append(f"  {s['swarm_id']}  {len(s['nodes'])} node(s): {nodes}{'  (open)' if s['open'] else ''}")  # fmt: skip
+    lines.append(
+        "join one: run `swarm invite` on one of its machines, then `swarm up --code WORDS` "
+        "here (`swarm up --open` joins an open one); or `swarm up --new` starts another swarm"
+    )
+    return "\n".join(lines)
 
 
 def read_token(
@@ -146,17 +193,33 @@ def _daemon_args(config: NodeConfig) -> list[str]:
         args += ["--peer", peer]
     if not config.mdns:
         args.append("--no-mdns")
+    if config.open_swarm:
+        args.append("--open")
     args += ["--heartbeat", repr(config.heartbeat_s)]
     args += ["--failure-timeout", repr(config.failure_timeout_s)]
     return args
 
 
-def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[str, Any]:
-    """Start this node's daemon; returns ``{"status", "created", "join"}``.
+def up(
+    config: NodeConfig,
+    token_text: str | None,
+    *,
+    foreground: bool,
+    code: str | None = None,
+    new: bool = False,
+) -> dict[str, Any]:
+    """Start this node's daemon; returns ``{"status", "created", "join", "paired"}``.
 
-    In the foreground this serves until stopped (and returns nothing useful); otherwise it
+    The secret comes from the token, the state dir, a pairing ``code`` (or, with
+    ``config.open_swarm``, the single open swarm on the LAN), or is created: on a machine
+    with no swarm, no token and no code, the swarms seen on the LAN are listed instead
+    (UserError) unless ``new``. In the foreground this serves until stopped; otherwise it
     starts ``swarm up --foreground`` in a new session and returns once its local API answers.
     """
+    from dataclasses import replace
+
+    from swarmp2p.errors import UserError
+
     _preflight(config)
     state = StateDir(root=config.state_dir).ensure()
     pid = _running(state)
@@ -164,7 +227,29 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
         raise ValueError(
             f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` first"
         )
-    secret, created = swarm_secret(state, token_text)
+    if code is not None and (token_text or new):
+        raise ValueError("--code joins with a pairing code: give no token and no --new with it")
+    paired = None
+    fresh = not token_text and not state.has_secret() and not new
+    if code is not None or (config.open_swarm and fresh):
+        if state.has_secret():
+            existing = SwarmSecret.load(state.secret_file)
+            raise ValueError(
+                f"state dir {state.root} already belongs to swarm {existing.swarm_id}; a pairing "
+                "code joins a machine with no swarm (use another --state-dir)"
+            )
+        paired = _pair(code)
+    if paired is not None:
+        paired.secret.save(state.secret_file)
+        secret, created = paired.secret, False
+        if paired.peer:  # a first peer, so joining waits for no mDNS round
+            config = replace(config, peers=(*config.peers, paired.peer))
+    else:
+        if fresh and config.mdns and not config.open_swarm:
+            found = lan_swarms()
+            if found:
+                raise UserError(swarms_found_message(found), code="bad_request")
+        secret, created = swarm_secret(state, token_text)
     if foreground:
         from swarmp2p.node.config import raise_open_file_limit, setup_logging
         from swarmp2p.node.daemon import serve
@@ -176,13 +261,14 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
 
             logging.getLogger("swarmp2p.node").info("open files: limit %d -> %d", before, after)
         if created:
+            how = "run `swarm invite` here, then on it `swarm up --code WORDS`" if config.mdns else join_command()  # fmt: skip
             print(
-                f"created swarm {secret.swarm_id}; join another machine with:\n  {join_command()}",
+                f"created swarm {secret.swarm_id}; join another machine: {how}",
                 file=sys.stderr,
                 flush=True,
             )
         serve(config, secret)
-        return {"status": None, "created": created, "join": join_command()}
+        return {"status": None, "created": created, "join": join_command(), "paired": paired}
     # The daemon reads the secret from the state dir (saved 0600 above): no token in its argv
     # or its environment.
     proc = subprocess.Popen(
@@ -203,7 +289,45 @@ def up(config: NodeConfig, token_text: str | None, *, foreground: bool) -> dict[
             proc.terminate()
             proc.wait(5)
         raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
-    return {"status": status, "created": created, "join": join_command()}
+    join = join_command()
+    if created and config.mdns:
+        try:
+            got = invite(state.root, minutes=10)
+            join = code_command(got["code"], 10)
+        except api.ApiError:
+            pass
+    return {"status": status, "created": created, "join": join, "paired": paired}
+
+
+def _pair(code: str | None):
+    """Pair with the invite of ``code`` on the LAN (None: the single open swarm)."""
+    import asyncio
+
+    from swarmp2p.errors import UserError
+    from swarmp2p.node.pairing import pair
+
+    try:
+        return asyncio.run(pair(code))
+    except UserError as exc:
+        if code is None and exc.code == "no_invite":
+            return None  # --open and no open swarm yet: this machine founds one
+        raise
+
+
+def invite(state_dir: Path, minutes: float = 10) -> dict[str, Any]:
+    """A one-time pairing code from the local daemon: ``{"code", "expires_in_s", ...}``."""
+    return api.request(StateDir(root=state_dir).api_socket, "invite", minutes=minutes)
+
+
+def remove(state_dir: Path, node_id: str) -> dict[str, Any]:
+    """`swarm remove NODE`: off the members, its key revoked everywhere."""
+    return api.request(StateDir(root=state_dir).api_socket, "remove", node_id=node_id, timeout=30.0)
+
+
+def rotate(state_dir: Path) -> SwarmSecret:
+    """`swarm token --rotate`: a new secret for the whole swarm; the new one."""
+    api.request(StateDir(root=state_dir).api_socket, "rotate", timeout=30.0)
+    return token(state_dir)
 
 
 def _preflight(config: NodeConfig) -> None:
@@ -276,6 +400,7 @@ def submit_job(
                 job=job,
                 job_id=job_id,
                 submitted_by="cli",
+                cwd=os.getcwd(),  # relative model and data paths are the CLI's
                 timeout=timeout,
             )
         except api.ApiError as exc:
@@ -290,8 +415,9 @@ def _gib(n: int | None) -> str:
 
 
 def format_peers(peers: list[dict[str, Any]]) -> str:
-    """A plain text table of peers."""
-    rows = [("NODE", "NAME", "ADDRESS", "ALIVE", "LEADER", "DEVICES")]
+    """A plain text table of peers (KEY: each one's public key fingerprint; a trailing ``?``
+    marks a node that joined but is not listed as a member yet)."""
+    rows = [("NODE", "NAME", "ADDRESS", "ALIVE", "LEADER", "KEY", "DEVICES")]
     for p in peers:
         devices = ", ".join(
             f"{d['kind']}:{d['name']} {_gib(d['memory_free'])}/{_gib(d['memory_total'])}"
@@ -306,6 +432,7 @@ def format_peers(peers: list[dict[str, Any]]) -> str:
                 p["address"],
                 "yes" if p["alive"] else "NO",
                 "*" if p["is_leader"] else "",
+                (p.get("key") or "-") + ("" if p.get("member", True) else "?"),
                 devices,
             )
         )
@@ -324,8 +451,13 @@ def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
 
 def format_status(s: dict[str, Any]) -> str:
     lines = [
-        f"node    {s['node_id']} ({s['name']}), port {s['port']}",
+        f"node    {s['node_id']} ({s['name']}), port {s['port']}, key {s.get('key', '-')}",
         f"swarm   {s['swarm_id']}",
+        *(
+            ["removed THIS NODE WAS REMOVED: its key is revoked (join again under a new identity)"]
+            if s.get("removed")
+            else []
+        ),
         f"leader  {s['leader']}"
         + ("" if s.get("leader_ready") or s["leader"] != s["node_id"] else " (taking over)"),
         f"table   term {s['term']}, version {s['table_version']}, {len(s['jobs'])} job(s)",
@@ -339,6 +471,9 @@ def format_status(s: dict[str, Any]) -> str:
         where = f" at {m['url']}/v1" if m.get("url") else ""
         why = f"; {m['reason']}" if m.get("reason") else ""
         lines.append(f"served  {m['model']}{where} ({m['state']}): {stages or '-'}{why}")
+    from swarmp2p.node.inputs import fetch_line
+
+    lines += [f"fetch   {fetch_line(f)}" for f in s.get("fetching") or []]
     return "\n".join(lines)
 
 
@@ -403,7 +538,7 @@ def json_depth(value: Any, stop: int) -> int:
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
     """The plan the leader would make now over the live nodes (each stage with its node's
     free disk beside its download share); nothing is submitted."""
-    return _api(state_dir, "live_plan", job=job.to_dict())
+    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
 
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:
@@ -448,7 +583,9 @@ def export_model(
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
     from swarmp2p.runtime.torch.export import write_export
 
-    done = write_export(got["model"], got["shards"], out, file_mode=file_mode)
+    done = write_export(
+        got["model"], got["shards"], out, file_mode=file_mode, base_dir=got.get("base_dir")
+    )
     shutil.rmtree(shards)
     return {**done, "model": model_id}
 

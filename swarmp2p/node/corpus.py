@@ -17,6 +17,24 @@ from swarmp2p._atomic import write_atomic
 PREPARE_TIMEOUT_S = 600.0
 
 
+async def run_module(module: str, args: list[str], timeout: float = PREPARE_TIMEOUT_S) -> None:
+    """``python -m module args...`` in a subprocess (the daemon never imports torch);
+    ValueError with its last stderr line when it fails."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise ValueError(f"{module} took over {timeout:g} s") from None
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"{module} exited with {proc.returncode}")
+
+
 async def prepare_tokens(model: str, source: str, text_field: str, out: Path) -> Path:
     """Tokenize ``source`` with ``model``'s tokenizer into ``out`` (kept if already there)."""
     if out.is_file():

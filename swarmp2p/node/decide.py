@@ -9,6 +9,7 @@ in ``jobs_leader`` and ``stages`` executes what these return.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmp2p.node import events as ev
-from swarmp2p.node.jobs import blocked_note, exit_message, resume_step
+from swarmp2p.node.jobs import blocked_note, exit_message, resume_step, snapshot_holders
 from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.registry import model_entry, unique_model_id
 from swarmp2p.plan import Blocked, Plan
+from swarmp2p.plan.speed import learned_speeds
 
 PROGRESS_EVERY_S = 5.0
 """The leader writes a job's progress (step, loss) to the replicated table at most this often
@@ -36,12 +38,15 @@ class LeaderView:
     """Live node id -> its name."""
     busy: frozenset[str] = frozenset()
     """Jobs a task of the leader is placing, wiring or recovering now."""
+    keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Live node id -> the public key it joined with (a node without one is not admitted)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AddMember:
     node_id: str
     name: str
+    key: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,7 +76,9 @@ def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     out: list[Action] = []
     if table.members:  # a founded swarm admits the live nodes that are not members yet
         for node_id in sorted(view.alive - table.member_ids):
-            out.append(AddMember(node_id=node_id, name=view.names.get(node_id, "")))
+            key = view.keys.get(node_id)
+            if key and key not in table.revoked:
+                out.append(AddMember(node_id=node_id, name=view.names.get(node_id, ""), key=key))
     for job_id, entry in sorted(table.jobs.items()):
         if job_id in view.busy:
             continue
@@ -88,6 +95,60 @@ def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanTry:
+    """One way to plan a job: on fixed ``cuts`` (its snapshots'), or from the job itself
+    (``any_count``: with as many stages as the nodes left hold, when its count no longer fits)."""
+
+    cuts: tuple[int, ...] | None = None
+    any_count: bool = False
+
+
+def plan_cuts(layers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The cuts (first block of every stage after the first) of per-stage layer ranges."""
+    return tuple(int(r[0]) for r in list(layers)[1:])
+
+
+def _learned(entry: JobEntry) -> bool:
+    plan = entry.plan
+    return plan is not None and any(b.compression.is_learned for b in plan.boundaries)
+
+
+def snapshot_layout(entry: JobEntry, alive: Iterable[str]) -> tuple[int, tuple[dict, ...]]:
+    """(step, the stages it was taken on: ``{"stage", "layers", "nodes"}`` with live holders)
+    of the newest snapshots the job can resume from; (0, ()) when there are none. Snapshots
+    of a re-split attempt that never took its own are the old stages' it was cut from."""
+    live = set(alive)
+    step = resume_step(entry, live) if entry.plan is not None else 0
+    if step and entry.plan is not None:
+        return step, tuple(
+            {"stage": i, "layers": list(s.layers),
+             "nodes": [h for h in snapshot_holders(entry, i, step) if h in live]}
+            for i, s in enumerate(entry.plan.stages)
+        )  # fmt: skip
+    if entry.resplit and entry.resume_step:
+        layout = tuple({**r, "nodes": [n for n in r["nodes"] if n in live]} for r in entry.resplit)
+        if all(r["nodes"] for r in layout):
+            return entry.resume_step, layout
+    return 0, ()
+
+
+def plan_tries(entry: JobEntry, alive: Iterable[str]) -> list[PlanTry]:
+    """How to plan ``entry``, in order: a first placement from the job; a lost one first on
+    its snapshots' cuts (resuming as it was), then, unless a learned boundary was trained on
+    those cuts, re-split over the nodes left (its count, else as many stages as they hold)."""
+    if entry.plan is None:
+        return [PlanTry()]
+    step, layout = snapshot_layout(entry, alive)
+    tries = [PlanTry(cuts=plan_cuts([r["layers"] for r in layout]))] if step else []
+    if step and _learned(entry):
+        return tries
+    tries.append(PlanTry())
+    if entry.job.split.stages != "auto":
+        tries.append(PlanTry(any_count=True))
+    return tries
+
+
 def placement(
     entry: JobEntry,
     result: Plan | Blocked,
@@ -97,26 +158,215 @@ def placement(
     alive: Iterable[str],
     me: str,
     now: float,
+    tried: PlanTry | None = None,
 ) -> list[ev.Event]:
-    """The events that place ``entry`` on ``result`` (a new attempt), or make it wait."""
+    """The events that place ``entry`` on ``result`` (a new attempt, planned as ``tried``
+    says), or make it wait. A plan on other cuts than the newest snapshots' resumes from
+    them re-sliced by global block index (``resplit``)."""
     if isinstance(result, Blocked):
-        return _pending(entry, blocked_note(result.reason, records), now)
-    resume = resume_step(entry, alive) if entry.plan is not None else 0
-    if resume:
-        old = [s.layers for s in entry.plan.stages]
-        new = [s.layers for s in result.stages]
-        if old != new:
-            # per-stage snapshots fit only the same cuts; a learned boundary is never re-split
-            # (its bottleneck was trained on these cuts): wait for a node instead
-            why = (
-                f"the nodes left give cuts {[list(c) for c in new]}, not the snapshots' "
-                f"{[list(c) for c in old]}; waiting for a node to return"
+        reason = blocked_note(result.reason, records)
+        if entry.plan is not None and _learned(entry) and snapshot_layout(entry, alive)[0]:
+            reason += (
+                "\nthe job resumes only on its snapshots' cuts (a learned boundary was trained "
+                "on them); waiting for a node to return"
             )
-            return _pending(entry, why, now)
+        return _pending(entry, reason, now)
+    tried = tried or PlanTry()
+    step, layout = snapshot_layout(entry, alive) if entry.plan is not None else (0, ())
+    new = plan_cuts([s.layers for s in result.stages])
+    same = step and new == plan_cuts([r["layers"] for r in layout]) and not entry.resplit
+    fixed = tried.cuts is not None or tried.any_count
     return [
         ev.JobPlaced(
             job_id=entry.job_id, attempt=entry.attempt + 1, plan=result,
-            cluster=tuple(dict(r) for r in cluster), resume_step=resume, placed_by=me, at=now,
+            cluster=tuple(dict(r) for r in cluster), resume_step=step, placed_by=me, at=now,
+            resplit=() if same or not step else layout, cuts=new if fixed else (),
+        )
+    ]  # fmt: skip
+
+
+def available_memory(
+    records: Sequence[Mapping[str, Any]], table: JobTable, exclude: str | None = None
+) -> list[dict[str, Any]]:
+    """The live records with each device's ``memory_free`` less what is already promised
+    there: the placed stages of every other active job (the table's, at once) and the served
+    models' stages (each node's report). Live free memory already lacks what a loaded worker
+    holds, so the smaller of the two counts, never their sum."""
+    from swarmp2p.node.hardware import device_key
+
+    promised: dict[tuple[str, str], int] = {}
+    for job_id, entry in table.jobs.items():
+        if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
+            continue
+        for stage in entry.plan.stages:
+            key = (stage.node_id, device_key(stage.devices[0]))
+            promised[key] = promised.get(key, 0) + int(stage.memory.peak)
+    out = []
+    for record in records:
+        rec = {k: v for k, v in record.items() if k != "held"}
+        serve = (record.get("held") or {}).get("serve") or {}
+        devices = []
+        for d in record.get("devices", []):
+            key = device_key(d)
+            taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
+            total = int(d.get("memory_total") or 0)
+            devices.append({**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))})  # fmt: skip
+        rec["devices"] = devices
+        out.append(rec)
+    return out
+
+
+# --- learning from the run: re-balancing the split ------------------------------------------
+
+REBALANCE_STEPS = 20
+"""Steps in a row the slowest stage must be off its prediction before the split changes."""
+REBALANCE_OFF = 0.25
+"""How far off (a fraction of its prediction) the slowest stage must run."""
+MAX_REBALANCES = 2
+"""Re-balances a job may take (each restarts its workers from a snapshot)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rebalance:
+    """The run says the split is off: stage ``stage`` ran ``ratio`` x its prediction for
+    REBALANCE_STEPS steps up to ``step``; ``speeds`` are the stages' devices' speeds as the run
+    measured them (FLOP/s, node id -> device key -> speed)."""
+
+    job_id: str
+    attempt: int
+    step: int
+    stage: int
+    ratio: float
+    speeds: dict[str, dict[str, float]]
+    dtype: str
+
+    def reason(self, old: Sequence[int], new: Sequence[int]) -> str:
+        return (
+            f"re-balanced: stage {self.stage} ran {self.ratio:.2f}x its predicted time for "
+            f"{REBALANCE_STEPS} steps (to step {self.step}); cuts {list(new)} instead of "
+            f"{list(old)} from the speeds measured"
+        )
+
+
+def _rebalances(entry: JobEntry) -> bool:
+    """Whether the split of ``entry`` may follow the run: the default speed split, nothing
+    learned on the cuts, snapshots on, re-balances left."""
+    plan = entry.plan
+    return (
+        entry.state == "running"
+        and plan is not None
+        and plan.timing is not None
+        and len(plan.stages) > 1
+        and entry.job.split.mode == "speed"
+        and not _learned(entry)
+        and entry.job.train.checkpoint_every > 0
+        and entry.rebalances < MAX_REBALANCES
+    )
+
+
+def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalance | None:
+    """A re-balance when the slowest stage ran more than REBALANCE_OFF off its prediction over
+    the last REBALANCE_STEPS steps in a row, and a snapshot is still to come to resume from.
+
+    ``compute`` is the leader's metrics (``{"attempt", "steps": {step: {stage: seconds}}}``,
+    each stage's compute per step, waits left out). A stage's time is its mean over the steps
+    less its one slowest; predictions are calibrated by the stage that ran closest to its own
+    (how well the model uses a device is common to all): the slowest stage is off when its
+    measured/predicted ratio exceeds the best one's by more than 25%."""
+    if not _rebalances(entry) or not isinstance(compute, Mapping):
+        return None
+    if compute.get("attempt") != entry.attempt:
+        return None
+    plan = entry.plan
+    assert plan is not None and plan.timing is not None
+    n = len(plan.stages)
+    predicted = [s.compute_s if s.compute_s is not None else s.flops for s in plan.timing.stages]
+    if len(predicted) != n or not all(p > 0 for p in predicted):
+        return None
+    steps = compute.get("steps") or {}
+    complete = sorted(
+        (int(k) for k, v in steps.items() if isinstance(v, Mapping) and len(v) == n), reverse=True
+    )
+    window = complete[:REBALANCE_STEPS]
+    if len(window) < REBALANCE_STEPS or window[0] - window[-1] != REBALANCE_STEPS - 1:
+        return None  # not 20 steps in a row yet
+    last = window[0]
+    every = entry.job.train.checkpoint_every
+    if (last + 1) // every * every + every >= entry.job.train.steps:
+        return None  # no snapshot left to resume from before the end
+    per_stage: list[list[float]] = [[] for _ in range(n)]
+    for k in window:
+        for i in range(n):
+            m = _number(steps[str(k)].get(str(i)))
+            if m is None or m <= 0:
+                return None
+            per_stage[i].append(m)
+    # each stage's mean over the window without its one slowest step (a pause, a collection):
+    # a stage throttled now and then (a CPU quota) is slower on average, and that counts
+    means = [(sum(v) - max(v)) / (len(v) - 1) for v in per_stage]
+    rel = [m / p for m, p in zip(means, predicted)]
+    slowest = max(range(n), key=lambda i: means[i])
+    ratio = rel[slowest] / min(rel)
+    if ratio <= 1 + REBALANCE_OFF:
+        return None
+    learned = learned_speeds(plan.timing, means)
+    speeds: dict[str, dict[str, float]] = {}
+    for stage, speed in zip(plan.stages, learned):
+        if speed is not None:
+            speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
+    return Rebalance(
+        job_id=entry.job_id, attempt=entry.attempt, step=last, stage=slowest,
+        ratio=round(ratio, 3), speeds=speeds, dtype=plan.dtype,
+    )  # fmt: skip
+
+
+def rebalance_step(entry: JobEntry, due: Rebalance, alive: Iterable[str]) -> int:
+    """The snapshot step to re-balance from: the newest every stage holds on a live node, once
+    it is newer than the steps that called for it; 0 while there is none yet (or the job moved
+    on: another attempt, not running)."""
+    if entry.attempt != due.attempt or entry.state != "running":
+        return 0
+    step = resume_step(entry, alive)
+    return step if step > due.step else 0
+
+
+def _device_key(torch_device: str) -> str:
+    return "cpu:0" if torch_device == "cpu" else torch_device
+
+
+def with_learned_speeds(
+    cluster: Sequence[Mapping[str, Any]], speeds: Mapping[str, Mapping[str, float]], dtype: str
+) -> list[dict[str, Any]]:
+    """``cluster`` (node records) with the measured speeds in ``dtype`` in place of the probe's
+    on the devices the run measured."""
+    out = []
+    for record in cluster:
+        mine = speeds.get(record.get("node_id")) or {}
+        devices = []
+        for d in record.get("devices", []):
+            got = mine.get(f"{d.get('kind')}:{d.get('index')}")
+            if got:
+                d = {**d, "speed": {**(d.get("speed") or {}), dtype: got}}
+            devices.append(d)
+        out.append({**record, "devices": devices})
+    return out
+
+
+def learned_cluster(cluster: Sequence[Mapping[str, Any]], entry: JobEntry) -> list[dict[str, Any]]:
+    """``cluster`` with what ``entry``'s runs measured (none learned: unchanged)."""
+    if not entry.learned or not entry.learned_dtype:
+        return [dict(r) for r in cluster]
+    return with_learned_speeds(cluster, entry.learned, entry.learned_dtype)
+
+
+def rebalanced(entry: JobEntry, due: Rebalance, old: Sequence[int], new: Sequence[int], now: float) -> list[ev.Event]:  # fmt: skip
+    """The event that re-balances ``entry`` onto cuts ``new`` (none when nothing changes)."""
+    if tuple(old) == tuple(new) or entry.attempt != due.attempt or entry.state != "running":
+        return []
+    return [
+        ev.JobRebalanced(
+            job_id=entry.job_id, attempt=due.attempt, reason=due.reason(old, new),
+            dtype=due.dtype, speeds=due.speeds, at=now,
         )
     ]  # fmt: skip
 
@@ -230,17 +480,31 @@ def new_job_id(version: int, token: str) -> str:
 
 
 __all__ = [
+    "MAX_REBALANCES",
     "PROGRESS_EVERY_S",
+    "REBALANCE_OFF",
+    "REBALANCE_STEPS",
     "Action",
     "AddMember",
     "LeaderView",
     "Place",
+    "PlanTry",
+    "Rebalance",
     "Recover",
     "Register",
+    "available_memory",
     "fold_report",
     "leader_actions",
+    "learned_cluster",
     "new_job_id",
     "placement",
+    "plan_cuts",
+    "plan_tries",
+    "rebalance_due",
+    "rebalance_step",
+    "rebalanced",
     "registration",
+    "snapshot_layout",
     "stale_workers",
+    "with_learned_speeds",
 ]

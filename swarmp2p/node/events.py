@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
+from swarmp2p.net.security import KEY_PATTERN
 from swarmp2p.plan import Job, Plan
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
@@ -20,6 +22,8 @@ MAX_TAIL_LINES = 40
 
 JobId = Annotated[str, Bounds(pattern=ID_PATTERN)]
 NodeId = Annotated[str, Bounds(pattern=NODE_PATTERN)]
+PublicKey = Annotated[str, Bounds(pattern=KEY_PATTERN)]
+"""A node's (or the admission's) z85 CURVE public key."""
 Attempt = Annotated[int, Bounds(ge=1)]
 StageIndex = Annotated[int, Bounds(ge=0)]
 Reason = Annotated[str, Bounds(max_len=20000)]
@@ -62,18 +66,39 @@ class LeaderElected(Event):
 
 @event("member_joined")
 class MemberJoined(Event):
-    """A node belongs to the swarm from now on: it counts towards the majority."""
+    """A node belongs to the swarm from now on: it counts towards the majority, and speaks
+    with the key pair whose public half is ``key`` (its id is bound to that key)."""
 
     node_id: NodeId
     name: str = field(default="", max_len=256)
+    key: PublicKey
 
 
 @event("member_left")
 class MemberLeft(Event):
-    """A node no longer belongs (it stopped cleanly, or was removed)."""
+    """A node no longer belongs: it stopped cleanly (it may join again with the secret)."""
 
     node_id: NodeId
     reason: str = field(default="", max_len=1000)
+
+
+@event("member_removed")
+class MemberRemoved(Event):
+    """``swarm remove``: the node no longer belongs and its key ``key`` is revoked (refused
+    by every member from now on, even with the secret)."""
+
+    node_id: NodeId
+    key: PublicKey
+    reason: str = field(default="", max_len=1000)
+
+
+@event("admission_changed")
+class AdmissionChanged(Event):
+    """The swarm secret that admits new nodes is now the one whose admission public key is
+    ``key`` and whose public id is ``swarm_id`` (a new swarm, or ``swarm token --rotate``)."""
+
+    swarm_id: str = field(pattern=r"[0-9a-f]{16}")
+    key: PublicKey
 
 
 # --- a training job's life -------------------------------------------------------------------
@@ -85,6 +110,9 @@ class JobSubmitted(Event):
     job: Job
     submitted_by: str = field(max_len=256)
     at: float
+    inputs: JobInputs | None = None
+    """The model's shape and where its files and data come from, as the submitter resolved
+    them (None: a job submitted by an older node; every node then reads the model itself)."""
 
 
 @event("job_pending")
@@ -108,6 +136,12 @@ class JobPlaced(Event):
     resume_step: int = field(default=0, ge=0)
     placed_by: NodeId
     at: float
+    resplit: tuple[dict, ...] = ()
+    """Resuming on new cuts: the old cuts' stages (``{"stage", "layers", "nodes"}``) whose
+    snapshots at ``resume_step`` each new stage's slice is cut from; empty otherwise."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the plan was made with (every stage's node checks it with these); empty: the
+    planner chose them from the job (a first placement)."""
 
 
 @event("job_running")
@@ -125,6 +159,20 @@ class JobResuming(Event):
 
     job_id: JobId
     reason: str = field(max_len=2000)
+    at: float
+
+
+@event("job_rebalanced")
+class JobRebalanced(Event):
+    """Attempt ``attempt``'s split no longer fits how fast its stages run (``reason``): the job
+    is re-placed from its newest snapshot, split by the speeds the run measured (``speeds``:
+    node id -> device key such as "cuda:0" -> FLOP/s in ``dtype``)."""
+
+    job_id: JobId
+    attempt: Attempt
+    reason: str = field(max_len=2000)
+    dtype: str = field(max_len=16)
+    speeds: dict[str, dict[str, float]]
     at: float
 
 
@@ -264,6 +312,7 @@ __all__ = [
     "EVENTS",
     "ID_PATTERN",
     "NODE_PATTERN",
+    "AdmissionChanged",
     "Entry",
     "EvaluationReported",
     "Event",
@@ -271,13 +320,16 @@ __all__ = [
     "JobFailed",
     "JobPending",
     "JobPlaced",
+    "JobRebalanced",
     "JobResuming",
     "JobRunning",
     "JobSubmitted",
     "LeaderElected",
     "MemberJoined",
     "MemberLeft",
+    "MemberRemoved",
     "ModelRegistered",
+    "PublicKey",
     "ShardCopied",
     "SnapshotHeld",
     "StageExported",

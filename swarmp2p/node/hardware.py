@@ -13,7 +13,12 @@ described ones, each marked ``"fake": true``. Two forms:
   (memory in GiB, all free; capability like ``8.6``, ``""`` when left out);
 - JSON: a list of device objects with at least ``name`` and ``memory_total`` (bytes);
   ``kind`` defaults to ``"cuda"``, ``memory_free`` to ``memory_total``,
-  ``compute_capability`` to ``""``, ``index`` to the position.
+  ``compute_capability`` to ``""``, ``index`` to the position; ``speed`` (FLOP/s per dtype,
+  ``{"float32": 2e10}``) stands in for a measurement (the speed probe measures the others).
+
+The host dict's ``cpu_cores`` is the CPUs this node may keep busy (affinity capped by its
+cgroup's quota, ``node.speed_probe``), ``cpu_quota`` that quota (None: unlimited) and
+``machine`` a hash telling daemons on one machine from separate ones.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
             "memory_free",
             "compute_capability",
             "fake",
+            "speed",
         }
         if unknown:
             raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}")
@@ -109,8 +115,21 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
         idx = item.get("index", index)
         if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
             raise ValueError(f"{where}.index must be a non-negative integer, got {idx!r}")
-        devices.append(_device(kind, idx, name, total, free, capability, fake=True))
+        device = _device(kind, idx, name, total, free, capability, fake=True)
+        if "speed" in item:  # measured speeds as described: the probe leaves them
+            device["speed"] = _fake_speed(item["speed"], f"{where}.speed")
+        devices.append(device)
     return devices
+
+
+def _fake_speed(value: Any, where: str) -> dict[str, float]:
+    from swarmp2p.plan.hardware import Speeds
+    from swarmp2p.schema import SchemaError
+
+    try:
+        return Speeds.from_data(value, where).to_data()
+    except (SchemaError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _device(
@@ -230,7 +249,15 @@ def probe(
         "version": version,
         "devices": [*gpus, cpu],
     }
-    return record, {"cpu_cores": _cpu_cores(), "driver": driver}
+    from swarmp2p.node.speed_probe import cpu_quota, cpu_share, machine_id
+
+    quota = cpu_quota()
+    host = {
+        "cpu_cores": cpu_share(_cpu_cores(), quota),
+        "cpu_quota": quota,
+        "machine": machine_id(),
+    }
+    return record, {**host, "driver": driver}
 
 
 def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -240,14 +267,116 @@ def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _available_ram(total: int) -> int:
+def _available_ram(total: int, meminfo: Path = Path("/proc/meminfo")) -> int:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return total
+
+
+# --- live memory --------------------------------------------------------------------------------
+
+LIVE_EVERY_S = 1.0
+"""Free memory is re-read at most this often (each heartbeat asks; NVML takes ~1 ms a device)."""
+
+
+def device_key(device: Mapping[str, Any] | str) -> str:
+    """``cuda:0``, ``cpu:0``: a device of a record, or a stage's torch device (``cpu``)."""
+    if isinstance(device, str):
+        return "cpu:0" if device == "cpu" else device
+    return f"{device.get('kind')}:{device.get('index')}"
+
+
+class LiveMemory:
+    """This node's free memory per device, re-read: NVML for real GPUs (initialised once),
+    MemAvailable for the CPU; a fake device keeps what ``SWARM_FAKE_DEVICES`` says."""
+
+    def __init__(
+        self,
+        record: Mapping[str, Any],
+        *,
+        nvml: ModuleType | None = None,
+        clock: Any = None,
+        meminfo: Path = Path("/proc/meminfo"),
+    ) -> None:
+        import time
+
+        self._devices = [dict(d) for d in record.get("devices", [])]
+        self._nvml = nvml
+        self._handles: dict[int, Any] | None = None
+        self._clock = clock or time.monotonic
+        self._meminfo = meminfo
+        self._at = -1e18
+        self._last: dict[str, int] = {}
+
+    def _gpu_free(self) -> dict[int, int]:
+        real = [d for d in self._devices if d.get("kind") == "cuda" and not d.get("fake")]
+        if not real:
+            return {}
+        try:
+            if self._handles is None:
+                nvml = self._nvml
+                if nvml is None:
+                    import pynvml as nvml  # provided by nvidia-ml-py
+                nvml.nvmlInit()
+                self._nvml = nvml
+                self._handles = {
+                    int(d["index"]): nvml.nvmlDeviceGetHandleByIndex(int(d["index"])) for d in real
+                }
+            return {i: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for i, h in self._handles.items()}  # fmt: skip
+        except Exception:  # NVML gone (driver reload): keep the last values
+            self._handles = None
+            return {}
+
+    def read(self) -> dict[str, int]:
+        """``{device key: free bytes}`` now (or as of at most LIVE_EVERY_S ago)."""
+        now = self._clock()
+        if now - self._at < LIVE_EVERY_S and self._last:
+            return self._last
+        gpus = self._gpu_free()
+        out = {}
+        for d in self._devices:
+            key = device_key(d)
+            if d.get("kind") == "cpu":
+                out[key] = _available_ram(int(d.get("memory_total") or 0), self._meminfo)
+            elif d.get("kind") == "cuda" and int(d["index"]) in gpus:
+                out[key] = gpus[int(d["index"])]
+            else:
+                out[key] = int(d.get("memory_free") or 0)
+        self._at, self._last = now, out
+        return out
+
+
+def free_disk(env: Mapping[str, str] | None = None) -> int:
+    """Free bytes where this node keeps model files now."""
+    return _disk_free(model_cache_dir(env))
+
+
+def apply_memory(record: dict[str, Any], memory: Mapping[str, Any] | None) -> None:
+    """Put a node's live report (``{"free": {device: bytes}, "held": {"jobs": {...},
+    "serve": {...}}, "disk": bytes}``, from its heartbeat) into its record, in place; bad
+    values are ignored."""
+    if not isinstance(memory, Mapping):
+        return
+    free = memory.get("free")
+    if isinstance(free, Mapping):
+        for d in record.get("devices", []):
+            value = free.get(device_key(d))
+            if type(value) is int and value >= 0:
+                d["memory_free"] = min(value, int(d.get("memory_total") or value))
+    disk = memory.get("disk")
+    if type(disk) is int and disk >= 0:
+        record["disk_free"] = disk
+    held = memory.get("held")
+    if isinstance(held, Mapping):
+        record["held"] = {
+            kind: {str(k): v for k, v in part.items() if type(v) is int and v >= 0}
+            for kind, part in held.items()
+            if kind in ("jobs", "serve") and isinstance(part, Mapping)
+        }
 
 
 def summary(record: Mapping[str, Any], host: Mapping[str, Any]) -> str:

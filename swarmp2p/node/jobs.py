@@ -99,10 +99,12 @@ def compute_plan(
     *,
     shape: ModelShape | None = None,
     capabilities: frozenset[str] | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> Plan | Blocked:
     """``plan_job`` over plain node records; what the leader and every assigned peer run."""
     nodes = [Node.from_dict(copy.deepcopy(dict(r)), f"cluster[{i}]") for i, r in enumerate(cluster)]
-    return plan_job(job, nodes, CAPABILITIES if capabilities is None else capabilities, shape=shape)
+    own = CAPABILITIES if capabilities is None else capabilities
+    return plan_job(job, nodes, own, shape=shape, cuts=cuts or None)
 
 
 def check_plan(
@@ -113,9 +115,10 @@ def check_plan(
     node_id: str,
     shape: ModelShape | None = None,
     capabilities: frozenset[str] | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> Plan:
     """Recompute the plan on this peer; PlanMismatch unless it is byte-identical."""
-    mine = compute_plan(job, cluster, shape=shape, capabilities=capabilities)
+    mine = compute_plan(job, cluster, shape=shape, capabilities=capabilities, cuts=cuts)
     if not isinstance(mine, Plan):
         raise PlanMismatch(
             f"node {node_id} cannot place this job from the same inputs: {mine.reason}; "
@@ -148,6 +151,18 @@ def device_for(stage_devices: Sequence[str], record: Mapping[str, Any]) -> tuple
         if d.get("kind") == kind and str(d.get("index")) == index and d.get("fake"):
             return "cpu", None
     return f"{kind}:0", index
+
+
+def stages_on_machine(plan: Plan, node_id: str, machines: Mapping[str, str]) -> int:
+    """How many of ``plan``'s stages share ``node_id``'s machine: its own, and those of the
+    nodes ``machines`` (node id -> its host's ``machine``) names the same (daemons started
+    side by side, network namespaces); an unknown machine shares with none."""
+    mine = machines.get(node_id) or ""
+    return sum(
+        1
+        for st in plan.stages
+        if st.node_id == node_id or (mine and machines.get(st.node_id) == mine)
+    )
 
 
 def cpu_threads(cores: int, stages_here: int) -> int:
@@ -211,5 +226,6 @@ __all__ = [
     "exit_message",
     "resume_step",
     "snapshot_holders",
+    "stages_on_machine",
     "without_runtime",
 ]

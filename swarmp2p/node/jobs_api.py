@@ -43,10 +43,15 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             job = parse_job(req.get("job"))
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
-        records = ctx.live_records()
+        from swarmp2p.node.decide import available_memory
+        from swarmp2p.node.inputs import resolve_model
+
+        records = available_memory(ctx.live_records(), ctx.table)
         cluster = jobs.cluster_records(records)
-        try:
-            result = await asyncio.to_thread(jobs.compute_plan, job, cluster)
+        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        try:  # the shape as a submission from here would resolve it
+            _, shape, _ = await asyncio.to_thread(resolve_model, job.model.pretrained, cwd=cwd, node_id=ctx.node_id)  # fmt: skip
+            result = await asyncio.to_thread(jobs.compute_plan, job, cluster, shape=shape)
         except ValueError as exc:
             raise UserError(str(exc), code="invalid_job") from None
         out = result.to_dict()
@@ -107,7 +112,15 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             else:
                 raise Failed("; ".join(problems), code="no_file")
             dirs.append(str(target))
-        return {"model": model, "shards": dirs}
+        out_view: dict[str, Any] = {"model": model, "shards": dirs}
+        job = ctx.table.jobs.get(str(model.get("job_id")))
+        inputs = job.inputs if job is not None else None
+        if inputs is not None and inputs.model.kind != "embedded":
+            # the export rebuilds the whole model: its base's files, from wherever they are
+            out_view["base_dir"] = await stages.inputs.model_folder(
+                inputs.model, sorted(inputs.model.files), what=f"export of {model['id']}: its base"
+            )
+        return out_view
 
     return {
         "live_plan": live_plan,

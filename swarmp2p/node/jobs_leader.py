@@ -39,6 +39,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.metrics import MetricsStore
 from swarmp2p.node.replication import check_job_id
 from swarmp2p.node.workers import READY_TIMEOUT_S
+from swarmp2p.plan import Blocked
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -48,6 +49,9 @@ log = logging.getLogger("swarmp2p.node.jobs")
 
 STOP_TIMEOUT_S = 5.0
 COPY_TIMEOUT_S = 60.0
+PREPARE_TIMEOUT_S = 6 * 3600.0
+"""How long the stage nodes may take to fetch their files (a stalled fetch fails sooner: each
+chunk has its own timeout, ``model_files.CHUNK_TIMEOUT_S``)."""
 
 
 class JobsLeader:
@@ -61,6 +65,10 @@ class JobsLeader:
         self._busy: dict[str, asyncio.Task] = {}
         self._progress_at: dict[str, float] = {}
         self._report_lock = asyncio.Lock()
+        self._rebalance: dict[str, tuple[decide.Rebalance, tuple[int, ...]]] = {}
+        """Jobs to re-balance at their next snapshot: what called for it and the new cuts."""
+        self._weighed: dict[str, tuple[int, int]] = {}
+        """Job -> (attempt, step): its split was weighed against the run up to that step."""
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -74,6 +82,7 @@ class JobsLeader:
             names={p.node_id: p.name for p in self.ctx.members.alive_peers()}
             | {self.ctx.node_id: self.ctx.me.name},
             busy=frozenset(self._busy),
+            keys={n: k for n in self.ctx.live_nodes() if (k := self.ctx.keyring.key_of(n))},
         )
         for action in decide.leader_actions(self.ctx.table, view):
             if isinstance(action, decide.AddMember):
@@ -94,23 +103,25 @@ class JobsLeader:
         return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
 
     async def _admit(self, action: decide.AddMember) -> None:
-        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name)])
+        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name, key=action.key)])  # fmt: skip
         log.info("node %s is a member of the swarm now", action.node_id)
 
     # --- placing ------------------------------------------------------------------------------
 
     async def _place(self, job_id: str) -> None:
         entry = self.ctx.table.jobs[job_id]
-        records = self.ctx.live_records()
-        cluster = jobs.cluster_records(records)
+        # never on memory another job's stages or a served model already take
+        records = decide.available_memory(self.ctx.live_records(), self.ctx.table, job_id)
+        cluster = decide.learned_cluster(jobs.cluster_records(records), entry)  # its runs' speeds
+        alive = self.ctx.live_nodes()
         try:
-            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster)
+            result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
             await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
             return
         events = decide.placement(
             self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
-            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            alive=alive, me=self.ctx.node_id, now=self.wall(), tried=tried,
         )  # fmt: skip
         if not events:
             return
@@ -122,19 +133,69 @@ class JobsLeader:
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
+    def _stage_start(self, entry: Any, attempt: int, i: int, nxt: str, prepare: bool) -> StageStart:
+        assert entry.plan is not None
+        resume = entry.resume_step
+        return StageStart(
+            job_id=entry.job_id, attempt=attempt, stage=i, job=entry.job,
+            cluster=list(entry.cluster), plan=entry.plan.to_json(), next=nxt, resume_step=resume,
+            snapshot_nodes=jobs.snapshot_holders(entry, i, resume) if resume and not entry.resplit else [],
+            leader=self.ctx.node_id, inputs=entry.inputs, prepare=prepare,
+            resplit=[dict(r) for r in entry.resplit] or None, cuts=list(entry.cuts) or None,
+        )  # fmt: skip
+
+    async def _prepare(self, job_id: str, attempt: int) -> bool:
+        """Every stage's node checks the plan and fetches its files, all at once; False (the
+        job failed, naming the node and the file) when one cannot."""
+        entry = self.ctx.table.jobs[job_id]
+        assert entry.plan is not None
+        nodes = [s.node_id for s in entry.plan.stages]
+        replies = await asyncio.gather(
+            *(self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
+              for i, n in enumerate(nodes)),
+            return_exceptions=True,
+        )  # fmt: skip
+        for i, (node_id, reply) in enumerate(zip(nodes, replies)):
+            if isinstance(reply, BaseException):
+                if self.ctx.table.jobs[job_id].attempt == attempt:
+                    await self._stop_everywhere(job_id, -1)
+                    await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not prepare: {reply}", at=self.wall())])  # fmt: skip
+                return False
+        return True
+
+    @staticmethod
+    def _plan(
+        entry: Any, cluster: list[dict[str, Any]], alive: frozenset[str]
+    ) -> tuple[Any, decide.PlanTry | None]:
+        """The first plan of ``decide.plan_tries`` that places the job (and how it was made),
+        else the first Blocked. A plan made with any stage count is made again on its cuts:
+        every stage's node checks it that way."""
+        from dataclasses import replace
+
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        first = None
+        for tried in decide.plan_tries(entry, alive):
+            job = entry.job
+            if tried.any_count:
+                job = replace(job, split=replace(job.split, stages="auto"))
+            result = jobs.compute_plan(job, cluster, shape=shape, cuts=tried.cuts)
+            if tried.any_count and not isinstance(result, Blocked):
+                cuts = decide.plan_cuts([s.layers for s in result.stages])
+                result = jobs.compute_plan(entry.job, cluster, shape=shape, cuts=cuts)
+            if not isinstance(result, Blocked):
+                return result, tried
+            first = first or result
+        return first, None
+
     async def _launch(self, job_id: str, attempt: int) -> None:
         entry = self.ctx.table.jobs[job_id]
         assert entry.plan is not None
-        plan_json = entry.plan.to_json()
+        if entry.inputs is not None and not await self._prepare(job_id, attempt):
+            return
         nxt = ""
         for i in reversed(range(entry.n_stages)):
             node_id = entry.plan.stages[i].node_id
-            msg = StageStart(
-                job_id=job_id, attempt=attempt, stage=i, job=entry.job, cluster=list(entry.cluster),
-                plan=plan_json, next=nxt, resume_step=entry.resume_step,
-                snapshot_nodes=jobs.snapshot_holders(entry, i, entry.resume_step) if entry.resume_step else [],
-                leader=self.ctx.node_id,
-            )  # fmt: skip
+            msg = self._stage_start(self.ctx.table.jobs[job_id], attempt, i, nxt, False)
             try:
                 reply = await self.ctx.call(node_id, msg, READY_TIMEOUT_S + 30)
                 if not isinstance(reply, StageReady):
@@ -179,7 +240,7 @@ class JobsLeader:
         check_job_id(job_id)
         if job_id in self.ctx.table.jobs:
             raise UserError(f"job {job_id!r} is already in the table", code="exists")
-        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall())  # fmt: skip
+        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall(), inputs=msg.inputs)  # fmt: skip
         version = await self.rep.append([event], wait=True)
         log.info("job %s submitted at version %d", job_id, version)
         return Submitted(job_id=job_id, term=self.ctx.table.term, version=version, replicas=self.rep.holders(version))  # fmt: skip
@@ -228,6 +289,90 @@ class JobsLeader:
                 self.ctx.spawn(self._stop_everywhere(msg.job_id, msg.attempt), f"stop:{msg.job_id}")
         if self.ctx.table.jobs[msg.job_id].state == "completed":
             await self._register(msg.job_id)
+        self._watch_balance(msg.job_id)
+
+    # --- learning from the run ----------------------------------------------------------------
+
+    def _watch_balance(self, job_id: str) -> None:
+        """After a report: when the run says the split is off (``decide.rebalance_due``), weigh
+        a split by the measured speeds; carry it out at the first snapshot after that."""
+        entry = self.ctx.table.jobs.get(job_id)
+        if entry is None or not self.ctx.leading:
+            return
+        pending = self._rebalance.get(job_id)
+        if pending is not None:
+            due, cuts = pending
+            if due.attempt != entry.attempt or entry.state in FINAL_STATES:
+                del self._rebalance[job_id]
+            elif job_id not in self._busy and decide.rebalance_step(entry, due, self.ctx.live_nodes()):  # fmt: skip
+                del self._rebalance[job_id]
+                self._run(job_id, self._rebalance_now(job_id, due, cuts))
+            return
+        weighed = self._weighed.get(job_id)
+        due = decide.rebalance_due(entry, self.metrics.compute(job_id))
+        if due is None or (weighed and weighed[0] == entry.attempt and due.step < weighed[1]):
+            return
+        self._weighed[job_id] = (entry.attempt, due.step + decide.REBALANCE_STEPS)
+        self.ctx.spawn(self._weigh(job_id, due), f"balance:{job_id}")
+
+    def _measured_cluster(self, entry: Any, due: decide.Rebalance) -> list[dict[str, Any]]:
+        """The records the attempt was planned on, with the speeds the run measured."""
+        return decide.with_learned_speeds(list(entry.cluster), due.speeds, due.dtype)
+
+    async def _weigh(self, job_id: str, due: decide.Rebalance) -> None:
+        """Plan the job on the speeds its run measured; a different split waits for the next
+        snapshot."""
+        entry = self.ctx.table.jobs.get(job_id)
+        if entry is None or entry.plan is None or entry.attempt != due.attempt:
+            return
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, entry.job, self._measured_cluster(entry, due), shape=shape)  # fmt: skip
+        except ValueError as exc:
+            log.warning("job %s: cannot weigh a re-balance: %s", job_id, exc)
+            return
+        if isinstance(result, Blocked):
+            return
+        old = decide.plan_cuts([s.layers for s in entry.plan.stages])
+        new = decide.plan_cuts([s.layers for s in result.stages])
+        same_devices = [(s.node_id, s.devices) for s in result.stages] == [(s.node_id, s.devices) for s in entry.plan.stages]  # fmt: skip
+        if new == old or not same_devices:
+            log.info("job %s: stage %d runs %.2fx its prediction, but the measured speeds give the same split", job_id, due.stage, due.ratio)  # fmt: skip
+            return
+        self._rebalance[job_id] = (due, new)
+        log.info("job %s: stage %d runs %.2fx its prediction; cuts %s instead of %s at its next snapshot", job_id, due.stage, due.ratio, list(new), list(old))  # fmt: skip
+
+    async def _rebalance_now(self, job_id: str, due: decide.Rebalance, cuts: tuple[int, ...]) -> None:  # fmt: skip
+        """Stop the attempt and place the job again on ``cuts`` from its newest snapshot."""
+        entry = self.ctx.table.jobs[job_id]
+        assert entry.plan is not None
+        cluster = self._measured_cluster(entry, due)
+        shape = entry.inputs.shape if entry.inputs is not None else None
+        try:
+            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster, shape=shape, cuts=cuts)  # fmt: skip
+        except ValueError as exc:
+            log.warning("job %s: no re-balance: %s", job_id, exc)
+            return
+        if isinstance(result, Blocked):
+            log.info("job %s: no re-balance, the new split does not fit now: %s", job_id, result.reason)  # fmt: skip
+            return
+        old = decide.plan_cuts([s.layers for s in entry.plan.stages])
+        events = decide.rebalanced(entry, due, old, cuts, self.wall())
+        if not events:
+            return
+        await self._append(events)
+        log.info("job %s %s", job_id, events[0].reason)
+        await self._stop_everywhere(job_id, due.attempt)
+        placed = decide.placement(
+            self.ctx.table.jobs[job_id], result, cluster=cluster, records=self.ctx.live_records(),
+            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            tried=decide.PlanTry(cuts=tuple(cuts)),
+        )  # fmt: skip
+        await self._append(placed)
+        entry = self.ctx.table.jobs[job_id]
+        if placed and isinstance(placed[0], ev.JobPlaced):
+            log.info("job %s attempt %d re-balanced onto %s", job_id, entry.attempt, [list(s.layers) for s in entry.plan.stages])  # fmt: skip
+            await self._launch(job_id, entry.attempt)
 
     def _copy_snapshot(self, job_id: str, stage: int, holder: str, step: int, file: str) -> None:
         """Have another live node pull a copy of a stage's snapshot."""

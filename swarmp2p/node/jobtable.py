@@ -24,11 +24,15 @@ from typing import Any, Literal
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node import events as ev
 from swarmp2p.plan import Job, Plan
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
 log = logging.getLogger("swarmp2p.node.jobtable")
 
-TABLE_FORMAT = 2
+TABLE_FORMAT = 3
+"""3: members carry their public keys (issue 15); older tables are set aside on load."""
+MAX_REVOKED = 4096
+"""Revoked keys a table remembers (the oldest are forgotten; a rotation admits none of them)."""
 MAX_VERSION = 2**53
 """Versions and terms stay below this (JSON-safe integers; a peer cannot wedge the table)."""
 SNAPSHOTS_KEPT = 4
@@ -43,12 +47,16 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 class Member:
     node_id: str = field(pattern=ev.NODE_PATTERN)
     name: str = field(default="", max_len=256)
+    key: ev.PublicKey
+    """Its z85 CURVE public key: the only key its messages are accepted with."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateChange:
     state: str
     at: float
+    reason: str = ""
+    """Why, when the change needs saying (a re-balance)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +107,18 @@ class JobEntry:
     evaluation: dict[str, dict] = dataclasses.field(default_factory=dict)
     model: dict | None = None
     """The registry entry, once the job completed (``swarm models``)."""
+    inputs: JobInputs | None = None
+    """The model's shape and where its files and data come from (the submitter's)."""
+    resplit: tuple[dict, ...] = ()
+    """The current attempt resumes on new cuts from these old stages' snapshots."""
+    cuts: tuple[int, ...] = ()
+    """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""
+    learned: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """Speeds the run measured (node id -> device key -> FLOP/s in ``learned_dtype``): later
+    placements of the job split by them."""
+    learned_dtype: str = ""
+    rebalances: int = field(default=0, ge=0)
+    """How many times the split was re-balanced to measured speeds."""
 
     @property
     def name(self) -> str:
@@ -117,7 +137,7 @@ class JobEntry:
 class JobTable:
     """The table at one version."""
 
-    format: Literal[2] = TABLE_FORMAT
+    format: Literal[3] = TABLE_FORMAT
     epoch: str = field(default="", max_len=64)
     """The swarm history this table belongs to (set by its founding leader)."""
     term: int = field(default=0, ge=0, lt=MAX_VERSION)
@@ -126,6 +146,12 @@ class JobTable:
     leader: str = ""
     members: tuple[Member, ...] = ()
     jobs: dict[str, JobEntry] = dataclasses.field(default_factory=dict)
+    swarm_id: str = field(default="", max_len=16)
+    admission: str = field(default="", max_len=40)
+    """The admission public key of the secret that admits new nodes (``AdmissionChanged``):
+    a member whose secret differs fetches the current one from the leader."""
+    revoked: tuple[str, ...] = field(default=(), max_len=MAX_REVOKED)
+    """Public keys of removed nodes: never admitted again."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -135,6 +161,9 @@ class JobTable:
     @property
     def member_ids(self) -> frozenset[str]:
         return frozenset(m.node_id for m in self.members)
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
 
     def majority(self) -> int:
         """How many members make a majority (1 for a table with no members yet)."""
@@ -187,7 +216,13 @@ def apply_leader_elected(t: JobTable, e: ev.LeaderElected, entry: ev.Entry) -> J
 def apply_member_joined(t: JobTable, e: ev.MemberJoined, entry: ev.Entry) -> JobTable:
     if e.node_id in t.member_ids:
         raise ValueError(f"node {e.node_id} is a member already")
-    members = sorted((*t.members, Member(node_id=e.node_id, name=e.name)), key=lambda m: m.node_id)
+    if e.key in t.revoked:
+        raise ValueError(f"the key of node {e.node_id} was revoked (`swarm remove`)")
+    holder = next((m.node_id for m in t.members if m.key == e.key), None)
+    if holder is not None:
+        raise ValueError(f"node {e.node_id}'s key is member {holder}'s")
+    joined = Member(node_id=e.node_id, name=e.name, key=e.key)
+    members = sorted((*t.members, joined), key=lambda m: m.node_id)
     return replace(t, members=tuple(members))
 
 
@@ -195,6 +230,22 @@ def apply_member_left(t: JobTable, e: ev.MemberLeft, entry: ev.Entry) -> JobTabl
     if e.node_id not in t.member_ids:
         raise ValueError(f"node {e.node_id} is not a member")
     return replace(t, members=tuple(m for m in t.members if m.node_id != e.node_id))
+
+
+def apply_member_removed(t: JobTable, e: ev.MemberRemoved, entry: ev.Entry) -> JobTable:
+    """A member (or a node that only joined) is removed and its key revoked."""
+    member = t.member(e.node_id)
+    if member is not None and member.key != e.key:
+        raise ValueError(f"node {e.node_id}'s key is not {e.key}")
+    if member is None and e.key in t.revoked:
+        raise ValueError(f"node {e.node_id} is removed already")
+    revoked = (*[k for k in t.revoked if k != e.key], e.key)[-MAX_REVOKED:]
+    members = tuple(m for m in t.members if m.node_id != e.node_id)
+    return replace(t, members=members, revoked=revoked)
+
+
+def apply_admission_changed(t: JobTable, e: ev.AdmissionChanged, entry: ev.Entry) -> JobTable:
+    return replace(t, swarm_id=e.swarm_id, admission=e.key)
 
 
 def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -208,6 +259,7 @@ def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dic
             version=entry.version,
             submitted_by=e.submitted_by,
             history=(StateChange(state="pending", at=e.at),),
+            inputs=e.inputs,
         )
     }
 
@@ -224,11 +276,13 @@ def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str,
     if e.attempt != job.attempt + 1:
         raise ValueError(f"job {e.job_id}: attempt {e.attempt} does not follow {job.attempt}")
     state = "resuming" if e.resume_step else "placed"
+    # snapshots of other cuts no longer fit: the new attempt's first ones replace them
+    snapshots = {} if e.resplit else job.snapshots
     return {
         e.job_id: _moved(
             job, state, e.at, attempt=e.attempt, plan=e.plan, cluster=e.cluster,
             placed_by=e.placed_by, resume_step=e.resume_step, reason=None, done_stages=(),
-            shards={},
+            shards={}, resplit=e.resplit, snapshots=snapshots, cuts=e.cuts,
         )
     }  # fmt: skip
 
@@ -243,6 +297,20 @@ def apply_job_resuming(t: JobTable, e: ev.JobResuming, entry: ev.Entry) -> dict[
     job = _job(t, e.job_id)
     _active(job, "resume")
     return {e.job_id: _moved(job, "resuming", e.at, reason=e.reason)}
+
+
+def apply_job_rebalanced(t: JobTable, e: ev.JobRebalanced, entry: ev.Entry) -> dict[str, JobEntry]:
+    job = _job(t, e.job_id)
+    _current(job, e.attempt, "be re-balanced")
+    if job.state != "running":
+        raise ValueError(f"job {e.job_id} is {job.state}; only a running job is re-balanced")
+    change = StateChange(state="resuming", at=e.at, reason=e.reason)
+    return {
+        e.job_id: replace(
+            job, state="resuming", history=(*job.history, change), reason=e.reason,
+            learned=e.speeds, learned_dtype=e.dtype, rebalances=job.rebalances + 1,
+        )
+    }  # fmt: skip
 
 
 def apply_steps_reported(t: JobTable, e: ev.StepsReported, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -329,11 +397,14 @@ _APPLY: dict[type, Callable[..., Any]] = {
     ev.LeaderElected: apply_leader_elected,
     ev.MemberJoined: apply_member_joined,
     ev.MemberLeft: apply_member_left,
+    ev.MemberRemoved: apply_member_removed,
+    ev.AdmissionChanged: apply_admission_changed,
     ev.JobSubmitted: apply_job_submitted,
     ev.JobPending: apply_job_pending,
     ev.JobPlaced: apply_job_placed,
     ev.JobRunning: apply_job_running,
     ev.JobResuming: apply_job_resuming,
+    ev.JobRebalanced: apply_job_rebalanced,
     ev.StepsReported: apply_steps_reported,
     ev.SnapshotHeld: apply_snapshot_held,
     ev.EvaluationReported: apply_evaluation_reported,
@@ -408,10 +479,14 @@ def load(path: Path) -> JobTable:
     if _checksum(body.encode()) != expected:
         raise ValueError(f"job table {path} fails its sha256 checksum; move it away to start empty")
     data = json.loads(body)
-    if isinstance(data, dict) and data.get("format") == 1:
-        aside = path.with_name(path.name + ".format-1")
+    if isinstance(data, dict) and data.get("format") in (1, 2):
+        old = data["format"]
+        aside = path.with_name(path.name + f".format-{old}")
         path.rename(aside)
-        log.warning("job table %s is of an older swarmp2p (format 1); kept as %s", path, aside)
+        log.warning(
+            "job table %s is of an older swarmp2p (format %d, members without keys); kept as "
+            "%s, and this node joins its swarm again", path, old, aside,
+        )  # fmt: skip
         return JobTable()
     try:
         return JobTable.from_dict(data)
@@ -423,6 +498,7 @@ __all__ = [
     "ACTIVE_STATES",
     "FINAL_STATES",
     "JOB_STATES",
+    "MAX_REVOKED",
     "MAX_VERSION",
     "Failure",
     "JobEntry",

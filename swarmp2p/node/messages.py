@@ -6,6 +6,7 @@ from swarmp2p.node.election import check_node_id
 from swarmp2p.node.events import Attempt, JobId, NodeId, StageIndex
 from swarmp2p.node.jobtable import MAX_VERSION
 from swarmp2p.plan import Job
+from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.serve import ServeInputs
 from swarmp2p.schema import field
 from swarmp2p.wire.messages import Message, message
@@ -33,6 +34,8 @@ class NodeHello(Message):
     """CPU cores and the NVIDIA driver version."""
     term: int
     version: int
+    join_port: int = field(default=0, ge=0, le=65535)
+    """Its join port (``node.join``), 0 when not told."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)
@@ -57,6 +60,11 @@ class Heartbeat(Message):
     serving: list | None = None
     """The serve ids the sender issues now (``swarm serve`` run there): a node stops the serve
     workers of an id its issuer no longer claims (the issuer restarted or stopped it)."""
+    memory: dict | None = None
+    """Live memory: ``{"devices": {"cuda:0": free bytes, ...}, "held": {"cuda:0": bytes its
+    own workers hold, ...}}`` re-read each heartbeat (None: a peer that does not say)."""
+    fetching: list | None = None
+    """The model and data files the sender is fetching now, one progress map each."""
 
     def __post_init__(self) -> None:
         _check_id(self.node_id)
@@ -146,6 +154,8 @@ class Submit(Message):
     job_id: str = field(default="", max_len=128)
     """Empty: the leader names it."""
     job: Job
+    inputs: JobInputs | None = None
+    """The job's inputs as the submitting node resolved them (shape, model files, data)."""
     submitted_by: str = field(default="", max_len=256)
 
 
@@ -182,6 +192,16 @@ class StageStart(Message):
     snapshot_nodes: list
     """Nodes holding a copy of this stage's snapshot at ``resume_step``."""
     leader: str
+    inputs: JobInputs | None = None
+    """The job's inputs (its shape plans; its model and data files are fetched from them)."""
+    prepare: bool = False
+    """Only check the plan and fetch the stage's files (every stage at once, before any
+    worker starts): answered with ``job.ack`` once they are here."""
+    resplit: list | None = None
+    """Resuming on new cuts: ``[{"stage", "layers": [start, end], "nodes"}, ...]`` per stage of
+    the old cuts, whose snapshots at ``resume_step`` this stage's slice is cut from."""
+    cuts: list | None = None
+    """The cuts the leader planned with (None: the planner's own choice from the job)."""
 
 
 @message("job.stage_ready")
@@ -309,10 +329,14 @@ class ServeStageStart(Message):
     """The issuing node: told with ``serve.stage_exit`` if the worker dies."""
     embedded: bool = False
     """The model is the embedded one: a node may load its own converted copy."""
+    revision: str = field(default="", max_len=128)
+    """A Hub model's revision as the issuing node resolved it: every stage loads the same one
+    ("": a folder or embedded model)."""
     files: dict | None = None
     """A folder model's files, ``{name: [bytes, sha256]}``: the node serves its own copy at the
-    same path (or its embedded model) only if every file matches, else it fetches them from
-    the issuer (``serve.file_read``)."""
+    same path (or its embedded model) only if the files its stage reads match, else it fetches
+    just those (``node.inputs``: from the issuer, ``serve.file_read``, then any node that holds
+    them)."""
     shard: dict | None = None
     """A trained model's stage: ``{"job_id", "folder", "files": {name: sha256}, "sources":
     [node ids], "tied": {"file", "tensor", "sources"} or None}``; the node makes the shard
@@ -361,6 +385,30 @@ class ServeStageExit(Message):
     message: str
 
 
+@message("job.input_read")
+class InputRead(Message):
+    """To a node holding a job's input: ``size`` bytes at ``offset`` of a model file (``kind``
+    "model": ``key`` is the model's digest, ``file`` its name) or of a data file ("data": ``key``
+    is its sha256). Answered with ``job.shard_chunk``."""
+
+    kind: str = field(pattern=r"model|data")
+    key: str = field(pattern=r"[0-9a-f]{16}|[0-9a-f]{64}")
+    file: str = field(default="", max_len=256)
+    offset: int = field(ge=0)
+    size: int = field(ge=1)
+
+
+@message("serve.shard_hold")
+class ServeShardHold(Message):
+    """Issuing node to a node serving none of it: hold an intact copy of stage ``stage``'s
+    trained shard (``shard`` as in ``serve.stage_start``: fetched from its sources unless this
+    node has it) and tell the leader (``model.shard_copy``, which only the holder may send).
+    Answered with ``job.ack``."""
+
+    stage: StageIndex
+    shard: dict
+
+
 @message("serve.file_read")
 class ServeFileRead(Message):
     """Stage node to the issuing node: ``size`` bytes at ``offset`` of file ``file`` of the
@@ -390,5 +438,6 @@ SERVE_MESSAGES = (
     ServeStageConnect,
     ServeStageStop,
     ServeStageExit,
+    ServeShardHold,
 )
 """The requests the daemon hands to its serving side."""

@@ -13,6 +13,10 @@ from typing import Any
 
 CURVE_POINTS = 500
 """Loss points kept per job: the newest ones, as ``[attempt, step, loss]``."""
+COMPUTE_STEPS = 40
+"""Steps of per-stage compute seconds kept per job (the re-balance trigger reads them)."""
+WARMUP_STEPS = 2
+"""Steps of an attempt left out of its steady tokens/s (allocations, the first snapshot)."""
 
 
 def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, event: dict) -> None:
@@ -33,9 +37,12 @@ def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, ev
         rates["grad_mb_s"] = round((_float(event.get("grad_bytes")) or 0.0) / secs / 1e6, 3)
     stages = metrics.setdefault("stages", {})
     stages[str(stage)] = {
-        k: _float(event.get(k)) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")
+        k: _float(event.get(k))
+        for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "wait_s")
     }
+    _fold_compute(metrics, attempt, stage, event)
     if stage == n_stages - 1:
+        _fold_steady(metrics, attempt, event)
         loss = _float(event.get("loss"))
         metrics.update(
             step=event["step"] + 1,
@@ -46,6 +53,38 @@ def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, ev
         losses = metrics.setdefault("losses", [])
         losses.append([attempt, event["step"], loss])
         del losses[:-CURVE_POINTS]
+
+
+def _fold_compute(metrics: dict[str, Any], attempt: int, stage: int, event: dict) -> None:
+    """Stage ``stage``'s compute seconds of this step (forward + backward + optimizer, its
+    waits left out), kept for the newest COMPUTE_STEPS steps of the attempt."""
+    parts = [_float(event.get(k)) for k in ("forward_s", "backward_s", "optimizer_s")]
+    if any(p is None for p in parts) or event.get("skipped"):
+        return
+    compute = metrics.get("compute")
+    if not isinstance(compute, dict) or compute.get("attempt") != attempt:
+        compute = metrics["compute"] = {"attempt": attempt, "steps": {}}
+    steps = compute["steps"]
+    steps.setdefault(str(event["step"]), {})[str(stage)] = round(sum(parts), 6)  # type: ignore[arg-type]
+    for old in sorted(steps, key=int)[:-COMPUTE_STEPS]:
+        del steps[old]
+
+
+def _fold_steady(metrics: dict[str, Any], attempt: int, event: dict) -> None:
+    """The pipeline's steady tokens/s: the last stage's tokens over the wall time between its
+    step ends (``at``), the attempt's first WARMUP_STEPS steps left out."""
+    at, tokens = _float(event.get("at")), event.get("tokens")
+    if at is None or not isinstance(tokens, int):
+        return
+    steady = metrics.get("steady")
+    if not isinstance(steady, dict) or steady.get("attempt") != attempt:
+        steady = metrics["steady"] = {"attempt": attempt, "seen": 0, "since": None, "tokens": 0}
+    steady["seen"] += 1
+    if steady["seen"] == WARMUP_STEPS:
+        steady["since"] = at
+    elif steady["seen"] > WARMUP_STEPS and steady["since"] is not None and at > steady["since"]:
+        steady["tokens"] += tokens
+        metrics["steady_tokens_per_s"] = round(steady["tokens"] / (at - steady["since"]), 3)
 
 
 def _float(value: Any) -> float | None:
@@ -67,6 +106,10 @@ class MetricsStore:
             if isinstance(event, dict):
                 fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
 
+    def compute(self, job_id: str) -> dict[str, Any] | None:
+        """The job's compute seconds per step and stage (read only; ``fold``'s ``compute``)."""
+        return self._jobs.get(job_id, {}).get("compute")
+
     def get(self, job_id: str) -> dict[str, Any]:
         return copy.deepcopy(self._jobs.get(job_id, {}))
 
@@ -79,4 +122,4 @@ class MetricsStore:
             del self._jobs[job_id]
 
 
-__all__ = ["CURVE_POINTS", "MetricsStore", "fold"]
+__all__ = ["COMPUTE_STEPS", "CURVE_POINTS", "WARMUP_STEPS", "MetricsStore", "fold"]

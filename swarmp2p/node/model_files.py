@@ -9,6 +9,7 @@ safetensors file (a tied head's embedding) without copying the rest of that file
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -18,10 +19,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-MODEL_FILE = re.compile(
-    r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|[\w.-]+\.safetensors)$"
-)
-"""The files of a model folder a stage loads (tokenizer files stay with the issuing node)."""
+from swarmp2p.plan.inputs import MODEL_FILE as _MODEL_FILE
+
+MODEL_FILE = re.compile(rf"^(?:{_MODEL_FILE.pattern})$")
+"""The files of a model folder a stage loads or a tokenizer reads (``plan.inputs``)."""
 HEADER_LIMIT = 100 * 2**20
 CHUNK_TIMEOUT_S = 30.0
 """How long one chunk of a file may take to arrive: a stalled copy fails at this."""
@@ -119,19 +120,41 @@ def listing_digest(listing: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-async def pull_file(read: Reader, file: str, dest: Path, sha256: str | None, chunk: int) -> None:
-    """Copy ``file`` to ``dest`` through ``read``, checking its sha256; atomic."""
+async def pull_file(
+    read: Reader,
+    file: str,
+    dest: Path,
+    sha256: str | None,
+    chunk: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy ``file`` to ``dest`` through ``read``, checking its sha256; atomic. With a known
+    sha256 an interrupted copy resumes from its ``.part`` file (the next call continues where
+    the last one stopped); ``progress(n)`` hears of every n bytes that arrive."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part")
     digest = hashlib.sha256()
     offset = 0
+    if sha256 is not None and tmp.is_file():
+        with open(tmp, "rb") as part:
+            while block := part.read(8 * 2**20):
+                digest.update(block)
+                offset += len(block)
+        if progress is not None:
+            progress(offset)
+    keep = False
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "ab" if offset else "wb") as out:
             while True:
                 data, total = await read(file, offset, chunk)
+                if offset > total:
+                    raise ValueError(f"{file}: the source shrank to {total} bytes; fetch again")
                 out.write(data)
                 digest.update(data)
                 offset += len(data)
+                if progress is not None and data:
+                    progress(len(data))
                 if offset >= total or not data:
                     break
             if offset != total:
@@ -139,8 +162,16 @@ async def pull_file(read: Reader, file: str, dest: Path, sha256: str | None, chu
         if sha256 is not None and digest.hexdigest() != sha256:
             raise ValueError(f"{file}: the copy does not match its sha256; the source is damaged")
         os.replace(tmp, dest)
+    except (OSError, asyncio.TimeoutError, ConnectionError) as exc:
+        keep = sha256 is not None and not isinstance(exc, FileNotFoundError)
+        raise
+    except Exception as exc:
+        from swarmp2p.errors import SwarmError
+
+        keep = sha256 is not None and isinstance(exc, SwarmError) and exc.kind == "unavailable"
+        raise
     finally:
-        if tmp.exists():
+        if tmp.exists() and not keep:
             tmp.unlink()
 
 

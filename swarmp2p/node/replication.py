@@ -14,8 +14,9 @@
   durably (acks carry what a follower saved). A submission returns only when committed.
 - **Minority.** A node whose view holds fewer than a majority of the members cannot lead; it
   keeps its stages running, accepts no writes, and says why (``why_not_ready``).
-- **Followers** take events only from the leader of the newest term they know (``term`` and
-  sender), never from an older term.
+- **Followers** take events only from the leader of the newest term they know, never from an
+  older term, and only from a member their own view names as leader. The sender is the node
+  the request's key is bound to (``authz``), never a name the message claims (issue 15).
 
 Brand-new swarm: when no table has members yet, the first leader founds it with itself and
 every live peer that voted with an empty table. Later nodes join by ``MemberJoined``; a node
@@ -211,7 +212,12 @@ class Replication:
         if founding:
             names = {p.node_id: p.name for p in peers}
             names[me] = self.ctx.me.name
-            events += [ev.MemberJoined(node_id=n, name=names.get(n, "")) for n in sorted(members)]
+            secret = self.ctx.secret
+            events.append(ev.AdmissionChanged(swarm_id=secret.swarm_id, key=secret.admission_key))
+            for n in sorted(members):
+                key = self.ctx.keyring.key_of(n)
+                if key is not None:
+                    events.append(ev.MemberJoined(node_id=n, name=names.get(n, ""), key=key))
         self._match = {n: (v.version if v.term == base.term else 0) for n, v in votes.items()}
         version = self._apply_local(events, term)
         await self._persist()
@@ -437,9 +443,9 @@ class Replication:
     def on_fetch(self, msg: TableFetch) -> TablePush:
         return TablePush(node_id=self.ctx.node_id, term=self.table.term, table=self.table.to_dict(), commit=self.commit)  # fmt: skip
 
-    async def on_events(self, msg: TableEvents) -> TableAck:
-        """A delta from a leader: applied when it follows what this node holds."""
-        refusal = self._refuse_writer(msg.leader, msg.term)
+    async def on_events(self, msg: TableEvents, sender: str) -> TableAck:
+        """A delta from the leader ``sender``: applied when it follows what this node holds."""
+        refusal = self._refuse_writer(sender, msg.term)
         if refusal:
             return self._ack(False, refusal)
         held = (self.table.epoch, self.table.version, self.table.term if self.table.version else 0)
@@ -459,9 +465,10 @@ class Replication:
             await self._persist_follower(msg.commit)
         return self._ack(True, "")
 
-    async def on_table(self, msg: TablePush) -> TableAck:
-        """A whole table from a leader (a follower that was behind, or of another history)."""
-        refusal = self._refuse_writer(msg.node_id, msg.term)
+    async def on_table(self, msg: TablePush, sender: str) -> TableAck:
+        """A whole table from the leader ``sender`` (a follower that was behind, or of another
+        history)."""
+        refusal = self._refuse_writer(sender, msg.term)
         if refusal:
             return self._ack(False, refusal)
         try:
@@ -479,15 +486,20 @@ class Replication:
         return self._ack(True, "")
 
     def _refuse_writer(self, sender: str, term: int) -> str:
-        """Why a write from ``sender`` at ``term`` is refused ("" when it is accepted): only
-        the leader of the newest term this node knows may write."""
+        """Why a write from ``sender`` (the authenticated node) at ``term`` is refused (""
+        when it is accepted): only a member this node's view names as leader, at the newest
+        term this node knows, and the one that leads it."""
         newest = max(self.table.term, self.voted_term)
+        if sender == self.ctx.node_id:
+            return "a node does not write its own table over the wire"
         if term < newest:
             return f"term {term} is older than {newest}"
         if term == self.table.term and self.table.leader and self.table.leader != sender:
             return f"{self.table.leader} leads term {term}, not {sender}"
-        if sender == self.ctx.node_id:
-            return "a node does not write its own table over the wire"
+        if self.table.members and sender not in self.table.member_ids:
+            return f"{sender} is not a member"
+        if self.ctx.leader != sender:
+            return f"this node's view says {self.ctx.leader} leads, not {sender}"
         if self.ready:
             self.lost_lead()
         return ""

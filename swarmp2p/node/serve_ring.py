@@ -62,6 +62,8 @@ class Served:
     """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
     fetch their copy against."""
     embedded: bool = False
+    local: Any = None
+    """The model as ``node.inputs.serve_model`` resolved it here (tokenizer folder, revision)."""
     attempt: int = 0
     live_attempt: int = 0
     """The attempt whose workers form the ring now (0: none)."""
@@ -129,6 +131,14 @@ async def call_node(ctx: NodeContext, node_id: str, msg: Any, timeout: float) ->
         raise from_code(exc.code, f"node {node_id}: {exc.message}") from None
 
 
+def key_of(ctx: NodeContext, node_id: str) -> str:
+    """The public key of a stage's node; Failed when this node knows none for it."""
+    key = ctx.keyring.key_of(node_id)
+    if not key:
+        raise Failed(f"node {node_id} has no key node {ctx.node_id} knows (not a member?)", code="stage_failed")  # fmt: skip
+    return key
+
+
 def alive_holders(served: Served, alive: frozenset[str]) -> list[list[str]]:
     """Per stage, the live holders of its shard; Unavailable when a stage has none."""
     out = [[h for h in held if h in alive] for held in served.holders]
@@ -166,7 +176,10 @@ def place(ctx: NodeContext, msg: ServePlace) -> ServePlaced:
     naming every device that cannot take its stage."""
     if ctx.leader != ctx.node_id:
         raise Unavailable(f"node {ctx.node_id} is not the leader", code="not_leader")
-    records = ctx.live_records()
+    from swarmp2p.node.decide import available_memory
+
+    # never on memory a job's stages or another served model already take
+    records = available_memory(ctx.live_records(), ctx.table)
     inputs = replace(msg.inputs, cluster=tuple(cluster_records(records)))
     try:
         result = inputs.plan()
@@ -223,7 +236,7 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
     """Plan, then start and connect every stage: the plan and the new ring's ends. On failure
     every worker of this attempt is stopped and the new links closed. ``on_copy(stage, node)``
     hears of a node that fetched a copy of a trained stage's shard to serve it."""
-    from swarmp2p.net import ZmqLink
+    from swarmp2p.net import ClientKeys, KeyCheck, ServerKeys, ZmqLink
 
     served.attempt += 1
     attempt = served.attempt
@@ -231,6 +244,12 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
     n = len(plan.stages)
     alive = ctx.live_nodes()
     nodes = {s.node_id for s in plan.stages}
+    # the ring's links are keyed per node: the return link admits only the last stage's
+    # node, and the first stage's node is the only one the issuer dials
+    first_key, last_key = key_of(ctx, plan.stages[0].node_id), key_of(ctx, plan.stages[-1].node_id)
+    mine = ctx.key
+    back_keys = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.only(last_key), domain=f"swarmp2p-serve-{last_key}")  # fmt: skip
+    first_keys = ClientKeys(public=mine.public, secret=mine.secret, server=first_key)
 
     async def start(i: int) -> str:
         node = plan.stages[i].node_id
@@ -243,6 +262,7 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
             model=served.folder,
             issuer=ctx.node_id,
             embedded=served.embedded,
+            revision=served.local.revision if served.local is not None else "",
             files=served.files,
             shard=shard_ask(served, alive, i, n) if served.trained else None,
         )
@@ -262,10 +282,10 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
 
     ends = await build_ring(
         n,
-        bind_back=lambda: ZmqLink.bind(served.ctx, ctx.secret, ctx.me.addresses[0]),
+        bind_back=lambda: ZmqLink.bind(served.ctx, back_keys, ctx.me.addresses[0]),
         start=start,
         connect=connect,
-        dial=lambda endpoint: ZmqLink.dial(served.ctx, ctx.secret, endpoint),
+        dial=lambda endpoint: ZmqLink.dial(served.ctx, first_keys, endpoint),
         stop=stop,
     )
     if served.plan is not None:
@@ -295,6 +315,7 @@ __all__ = [
     "call_node",
     "check_request",
     "inputs_of",
+    "key_of",
     "place",
     "plan_ring",
     "shard_ask",

@@ -15,18 +15,21 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node.jobs import PlanMismatch, cpu_threads, device_for, exit_message
 from swarmp2p.node.messages import (
+    JobAck,
     ServeFileRead,
+    ServeShardHold,
     ServeStage,
     ServeStageConnect,
     ServeStageExit,
     ServeStageStart,
     ServeStageStop,
+    ShardCopy,
     ShardRead,
 )
 from swarmp2p.node.stages import CHUNK_BYTES
 from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
-from swarmp2p.plan.serve import ServeInputs, ServePlan
+from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeStagePlan
 from swarmp2p.serve.spec import serve_spec
 
 if TYPE_CHECKING:
@@ -80,6 +83,8 @@ class ServeStages:
         """serve id -> (issuing node, when its first stage started here)."""
         self._claims: dict[str, tuple[set[str], float]] = {}
         """node -> (the serve ids its last heartbeat claimed, when it came)."""
+        self._held: dict[tuple[str, int, int], tuple[str, int]] = {}
+        """worker key -> (device, the bytes its placement priced): what serving holds here."""
 
     # --- workers nobody issues any more ---------------------------------------------------------
 
@@ -116,6 +121,8 @@ class ServeStages:
     async def handle(self, msg: Any) -> Any:
         if isinstance(msg, ServeStageStart):
             return await self.start(msg)
+        if isinstance(msg, ServeShardHold):
+            return await self.hold_shard(msg)
         if isinstance(msg, ServeStageConnect):
             worker = self._worker(msg.serve_id, msg.attempt, msg.stage)
             try:
@@ -169,38 +176,41 @@ class ServeStages:
 
         return rpc_reader(self.ctx.call_endpoint, self.ctx.endpoint_of(node_id), read_msg)
 
-    async def _local_model(self, msg: ServeStageStart) -> str:
-        """The folder this node loads a folder model from: its own copy when every file
-        matches the issuer's listing (at the same path, or its embedded model), else a copy
-        fetched from the issuer into ``<state>/serve/models/<digest>``."""
-        from swarmp2p.node import model_files
+    async def _local_model(
+        self, msg: ServeStageStart, planned: ServeStagePlan, n_stages: int
+    ) -> str:
+        """The folder this stage loads: only the files its blocks read made local, from this
+        node's own copy when it matches the issuer's listing (at the same path, or its
+        embedded model), else fetched (``node.inputs``: the issuer first, then any node that
+        holds them, into ``<state>/models/<digest>``); a Hub model's from the Hub."""
         from swarmp2p.runtime.models import embedded_dir
 
-        if msg.files is None:
-            return msg.model  # a Hub id: each node reads its own cache
-        listing = model_files.check_listing(msg.files)
-        cache = self.ctx.state.root / "serve" / "models" / model_files.listing_digest(listing)
-        candidates = [Path(msg.model)] + ([embedded_dir()] if msg.embedded else [])
-        async with self._lock(str(cache)):
-            for folder in (*candidates, cache):
-                if await asyncio.to_thread(model_files.matches, folder, listing):
-                    return str(folder)
-            if msg.issuer == self.ctx.node_id:
-                raise Failed(f"{msg.model} changed while it was being served; serve it again", code="no_file")  # fmt: skip
-            log.info("fetching %s (%d files) from %s", msg.model, len(listing), msg.issuer)
+        start, end = planned.layers
+        layers = (start, end, planned.index == 0, planned.index == n_stages - 1)
+        reader = None
+        if msg.issuer != self.ctx.node_id:
             serve_id = msg.serve_id
-            read = self._reader(
+            reader = self._reader(
                 msg.issuer,
                 lambda f, o, n: ServeFileRead(serve_id=serve_id, file=f, offset=o, size=n),
             )
-            await model_files.pull_files(
-                read, {k: v[1] for k, v in listing.items()}, cache, CHUNK_BYTES
-            )
-        return str(cache)
+        return await self.stage_host.inputs.serve_stage_folder(
+            msg.model,
+            msg.files,
+            issuer=msg.issuer,
+            revision=msg.revision,
+            layers=layers,
+            what=f"serve {msg.serve_id} stage {msg.stage}",
+            first_reader=reader,
+            also=[embedded_dir()] if msg.embedded else [],
+        )
 
-    async def _local_shard(self, ask: dict[str, Any]) -> tuple[str, str | None]:
-        """(shard folder, tied-head file or None) of a trained stage on this node: the copy in
-        its job folder when intact, else fetched from a holder first."""
+    async def _local_shard(
+        self, ask: dict[str, Any], stage: int, announce: bool = True
+    ) -> tuple[str, str | None]:
+        """(shard folder, tied-head file or None) of trained stage ``stage`` on this node: the
+        copy in its job folder when intact, else fetched from a holder first (and then listed
+        in the registry: this node tells the leader it holds a copy)."""
         from swarmp2p.node import model_files
 
         job_id = str(ask.get("job_id", ""))
@@ -266,6 +276,8 @@ class ServeStages:
                 )
                 if not await asyncio.to_thread(intact):
                     raise Failed(f"shard {rel} of job {job_id}: its manifest lists other files than the registry", code="no_file")  # fmt: skip
+                if announce:
+                    self.ctx.spawn(self._announce(job_id, stage), f"shard-copy:{job_id}:{stage}")
         tied = ask.get("tied")
         if not tied:
             return str(folder), None
@@ -283,6 +295,28 @@ class ServeStages:
                     ),
                 )
         return str(folder), str(dest)
+
+    async def _announce(self, job_id: str, stage: int) -> bool:
+        """Tell the leader this node holds a copy of ``stage``'s shard (only the holder may):
+        the registry lists it, so serving and ``swarm export`` find it when the node that
+        trained the stage is gone. Best effort: a copy it misses is only not found later."""
+        note = ShardCopy(job_id=job_id, stage=stage, node_id=self.ctx.node_id)
+        try:
+            await self.ctx.to_leader(note, 10.0)
+        except SwarmError as exc:
+            log.info("the registry does not list this node's copy of stage %d of %s: %s", stage, job_id, exc)  # fmt: skip
+            return False
+        return True
+
+    async def hold_shard(self, msg: ServeShardHold) -> JobAck:
+        """A standby copy: make stage ``msg.stage``'s shard local and have it listed."""
+        shard = {**msg.shard, "tied": None}
+        try:
+            await self._local_shard(shard, msg.stage, announce=False)
+        except (ValueError, OSError) as exc:
+            raise Failed(f"node {self.ctx.node_id}: {exc}", code="no_file") from None
+        await self._announce(str(shard.get("job_id", "")), msg.stage)
+        return JobAck(job_id=str(shard.get("job_id", "")))
 
     # --- starting a stage ----------------------------------------------------------------------
 
@@ -307,9 +341,12 @@ class ServeStages:
         if key in self.workers:
             raise UserError(f"stage {msg.stage} of {msg.serve_id} already runs", code="exists")
         device, visible = device_for([planned.device], self.ctx.me.record)
+        link_keys = self._link_keys(plan, msg.stage, msg.issuer)
         try:
-            model = await self._local_model(msg)
-            shard, tied = await self._local_shard(msg.shard) if msg.shard else (None, None)
+            model = await self._local_model(msg, planned, len(plan.stages))
+            shard, tied = (
+                await self._local_shard(msg.shard, msg.stage) if msg.shard else (None, None)
+            )
         except (ValueError, OSError) as exc:
             raise Failed(f"node {me}: {exc}", code="stage_failed") from None
         spec = serve_spec(
@@ -321,6 +358,7 @@ class ServeStages:
             device=device,
             shard=shard,
             tied_head=tied,
+            link_keys=link_keys,
         )
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -353,6 +391,9 @@ class ServeStages:
             keep_stdin=True,
         )
         self.workers[key] = worker
+        from swarmp2p.node.hardware import device_key
+
+        self._held[key] = (device_key(planned.device), int(planned.memory.peak))
         try:
             await worker.start()
             ready = await worker.wait_event("ready", LOAD_TIMEOUT_S)
@@ -367,6 +408,36 @@ class ServeStages:
             endpoint=str(ready["endpoint"]),
             state="ready",
         )
+
+    def _link_keys(self, plan: ServePlan, stage: int, issuer: str) -> dict[str, str]:
+        """This node's key pair and its ring neighbours' public keys (issue 15): the stage
+        before's node (the issuing node, which dials stage 0) is the only client its bound
+        link admits; it dials the next stage's node (the last stage: the issuer's return
+        link)."""
+
+        def key(i: int) -> str:
+            node_id, what = (plan.stages[i].node_id, f"stage {i}'s node") if 0 <= i < len(plan.stages) else (issuer, "the issuing node")  # fmt: skip
+            found = self.ctx.keyring.key_of(node_id)
+            if not found:
+                raise Failed(f"{what} {node_id} has no key node {self.ctx.node_id} knows (not a member?)", code="plan_mismatch")  # fmt: skip
+            return found
+
+        return {
+            "public": self.ctx.key.public,
+            "secret": self.ctx.key.secret,
+            "prev": key(stage - 1),
+            "next": key(stage + 1),
+        }
+
+    def held(self) -> dict[str, int]:
+        """Bytes this node's serve workers hold per device (their placements' prices)."""
+        out: dict[str, int] = {}
+        for key, (device, nbytes) in list(self._held.items()):
+            if key not in self.workers:
+                del self._held[key]
+                continue
+            out[device] = out.get(device, 0) + nbytes
+        return out
 
     async def close(self) -> None:
         await asyncio.gather(*(w.stop() for w in self.workers.values()))

@@ -1,6 +1,8 @@
 """Standby copies of a served trained model's shards: once it serves, every stage's shard gets
 a second live holder, so losing a stage's node does not lose the only copy of its trained
-weights. The leader's registry lists each copy (``model.shard_copy``). Never imports torch."""
+weights. The holder makes its copy (``serve.shard_hold``: fetched and sha256-checked as a
+stage's shard is) and tells the leader's registry itself (``model.shard_copy`` comes only from
+the node it names). Never imports torch."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from swarmp2p.errors import SwarmError
-from swarmp2p.node.messages import FilePull, ShardCopy
+from swarmp2p.node.messages import ServeShardHold
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -30,18 +32,10 @@ class Standby:
         self.stage_host = stage_host
 
     def note_copy(self, served: Served, stage: int, node: str) -> None:
-        """``node`` holds a copy of ``stage``'s shard now: use it here, and have the leader
-        list it in the registry (best effort: a copy it misses is only not found later)."""
-        served.holders[stage].append(node)
-        note = ShardCopy(job_id=served.trained["job_id"], stage=stage, node_id=node)
-
-        async def tell() -> None:
-            try:
-                await self.ctx.to_leader(note, 10.0)
-            except SwarmError as exc:
-                log.info("the registry does not list %s's copy of stage %d: %s", node, stage, exc)
-
-        self.ctx.spawn(tell(), f"shard-copy:{note.job_id}:{stage}")
+        """``node`` holds a copy of ``stage``'s shard now (it told the leader so itself): use
+        it here."""
+        if node not in served.holders[stage]:
+            served.holders[stage].append(node)
 
     def spawn(self, served: Served, still_served: Callable[[], bool]) -> None:
         if served.trained is not None:
@@ -55,20 +49,15 @@ class Standby:
             others = sorted(alive - set(live))
             if not live or len(live) >= 2 or not others or not still_served():
                 continue
-            target, source = others[i % len(others)], live[0]
+            target = others[i % len(others)]
+            ask = {"job_id": job_id, "folder": st["folder"], "files": dict(st["files"]),
+                   "sources": live, "tied": None}  # fmt: skip
             try:
-                endpoint = self.ctx.endpoint_of(source)
-                for name in [*sorted(st["files"]), "manifest.json"]:
-                    pull = FilePull(job_id=job_id, file=f"{st['folder']}/{name}", source=endpoint)
-                    if target == self.ctx.node_id:
-                        await self.stage_host.pull_file(pull.job_id, pull.file, pull.source)
-                    else:
-                        await self.ctx.call(target, pull, COPY_TIMEOUT_S)
+                await self.ctx.call(target, ServeShardHold(stage=i, shard=ask), COPY_TIMEOUT_S)
             except (SwarmError, OSError, ValueError) as exc:
                 log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
                 continue
-            if target not in served.holders[i]:
-                self.note_copy(served, i, target)
+            self.note_copy(served, i, target)
             log.info("serving %s: stage %d's shard has a standby copy on %s", served.name, i, target)  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from swarmp2p.node import serve_ring
 from swarmp2p.node.messages import (
     ServeFileRead,
     ServePlace,
+    ServeShardHold,
     ServeStage,
     ServeStageConnect,
     ServeStageExit,
@@ -190,8 +191,10 @@ class Serving:
         try:
             await self._open(served)
         except BaseException:
-            self.served.pop(served.name, None)
-            await self._teardown(served)
+            try:  # still listed while its workers stop: reap() would stop them unawaited
+                await self._teardown(served)
+            finally:
+                self.served.pop(served.name, None)
             raise
         served.state = "serving"
         log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(served.plan.stages))  # fmt: skip
@@ -215,15 +218,14 @@ class Serving:
         dtype, quantization = request.dtype, request.quantization
         if trained is not None:
             dtype, quantization = trained_settings(trained, request.stages, dtype, quantization)
-        folder = await asyncio.to_thread(
-            resolve_model, trained["base"] if trained else model_arg, trained
+        job = self.ctx.table.jobs.get(str(trained["job_id"])) if trained else None
+        # a Hub model, or a trained model's base this node lacks, is read from elsewhere
+        here = await self.stage_host.inputs.serve_model(
+            trained["base"] if trained else model_arg,
+            trained=job.inputs if job is not None else None,
+            local=lambda ref: resolve_model(ref, trained),
         )
-        from swarmp2p.plan import model_shape
-
-        try:
-            shape = await asyncio.to_thread(model_shape.load, folder)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"model {model!r}: cannot read its shape from {folder}: {exc}", code="no_model") from None  # fmt: skip
+        folder, shape = here.folder, here.shape
         return Served(
             request=request,
             serve_id=f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}",
@@ -234,6 +236,8 @@ class Serving:
             trained=trained,
             holders=[holders(st) for st in trained["manifest"]["stages"]] if trained else [],
             embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
+            files=here.files,
+            local=here,
         )
 
     # --- opening and closing a served model ----------------------------------------------------
@@ -245,8 +249,9 @@ class Serving:
         from swarmp2p.serve.text import TextCodec
 
         served.ctx = SecureContext()
-        codec = await asyncio.to_thread(TextCodec.from_folder, served.folder)
-        if os.path.isdir(served.folder):
+        codec_folder = served.local.codec if served.local is not None else served.folder
+        codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
+        if served.files is None and os.path.isdir(served.folder):
             from swarmp2p.node.model_files import folder_listing
 
             try:
@@ -398,7 +403,7 @@ class Serving:
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="exited",
             )  # fmt: skip
-        if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop)):
+        if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop, ServeShardHold)):
             return await self.stages.handle(msg)
         raise UserError(f"serving does not take {type(msg).TYPE}", code="bad_request")
 
@@ -418,7 +423,10 @@ class Serving:
                 f.seek(msg.offset)
                 return ShardChunk(data=f.read(msg.size), total=total)
 
-        return await asyncio.to_thread(read)
+        try:
+            return await asyncio.to_thread(read)
+        except FileNotFoundError:  # a trained model's base: this node holds only its config
+            raise Failed(f"node {self.ctx.node_id} holds no {msg.file} of {msg.serve_id}", code="no_file") from None  # fmt: skip
 
 
 def _fail_open(client: Any, reason: str) -> None:

@@ -19,8 +19,10 @@ from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node import jobs
 from swarmp2p.node.corpus import prepare_tokens
 from swarmp2p.node.decide import stale_workers
+from swarmp2p.node.inputs import Inputs
 from swarmp2p.node.messages import (
     FilePull,
+    InputRead,
     JobAck,
     ShardChunk,
     ShardRead,
@@ -31,6 +33,7 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
+from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
 
 if TYPE_CHECKING:
@@ -67,6 +70,8 @@ class StageHost:
         self.ctx = ctx
         self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
         self._outbox: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        self.inputs = Inputs(ctx)
+        """The job inputs this node offers, and those it fetches for its stages."""
 
     def job_dir(self, job_id: str) -> Path:
         return job_dir(self.ctx.state.root, job_id)
@@ -86,11 +91,12 @@ class StageHost:
             raise Failed(f"node {self.ctx.node_id} has no {msg.file} for job {msg.job_id}", code="no_file") from None  # fmt: skip
         return ShardChunk(data=data, total=total)
 
-    async def pull_file(self, job_id: str, file: str, source: str) -> Path:
-        """Copy a file of a job's folder from the node at ``source``, atomically."""
+    async def pull_file(self, job_id: str, file: str, source: str, dest: Path | None = None) -> Path:  # fmt: skip
+        """Copy a file of a job's folder from the node at ``source``, atomically (to the same
+        name here, or to ``dest``)."""
         from swarmp2p.node import model_files
 
-        dest = job_file(self.ctx.state.root, job_id, file)
+        dest = dest or job_file(self.ctx.state.root, job_id, file)
         read = model_files.rpc_reader(
             self.ctx.call_endpoint,
             source,
@@ -101,40 +107,51 @@ class StageHost:
 
     # --- starting a stage ---------------------------------------------------------------------
 
-    async def start_stage(self, msg: StageStart) -> StageReady:
+    async def start_stage(self, msg: StageStart) -> StageReady | JobAck:
         folder = self.job_dir(msg.job_id)
+        inputs = msg.inputs
         try:
             plan = await asyncio.to_thread(
-                jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id
-            )
+                jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id,
+                shape=inputs.shape if inputs is not None else None, cuts=msg.cuts,
+            )  # fmt: skip
         except jobs.PlanMismatch:
             raise
-        except ValueError as exc:
-            raise Failed(f"node {self.ctx.node_id} cannot check the plan: {exc}", code="plan_mismatch") from None  # fmt: skip
+        except ValueError as exc:  # no shape in the record, and the model is not readable here
+            raise Failed(f"node {self.ctx.node_id} cannot read the model to check the plan: {exc}", code="input_missing") from None  # fmt: skip
         stage = plan.stages[msg.stage]
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
+        model, data = await self._local_inputs(msg, stage.files)
+        if msg.prepare:
+            return JobAck(job_id=msg.job_id)
         await self.stop_job(msg.job_id, -1, keep_attempt=msg.attempt)
-        snap_dir = folder / "snapshots"
-        if msg.resume_step:
+        snap_dir = snapshot_dir(folder, [st.layers for st in plan.stages])
+        if msg.resume_step and msg.resplit:
+            tied = bool(inputs is not None and inputs.shape.tie_embeddings)
+            await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied)
+        elif msg.resume_step:
             await self._ensure_snapshot(msg, snap_dir)
         device, visible = jobs.device_for(stage.devices, self.ctx.me.record)
         tokens = None
         if msg.stage == 0 and needs_tokens(msg.job):
-            data = msg.job.data
+            source = msg.job.data
             try:
                 tokens = await prepare_tokens(
-                    msg.job.model.pretrained,
-                    data.source,
-                    data.text_field,
+                    model or msg.job.model.pretrained,
+                    str(data) if data is not None else source.source,
+                    source.text_field,
                     folder / "data" / "tokens.npy",
                 )
             except ValueError as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="failed") from None
+        elif msg.stage == 0 and data is not None:  # a .npy of token ids: read as it is
+            tokens = data
         spec = worker_spec(
             msg.job,
             plan,
             msg.stage,
+            model=model,
             token=self.ctx.secret.token,
             host=self.ctx.me.addresses[0],
             next_endpoint=msg.next or None,
@@ -144,11 +161,14 @@ class StageHost:
             resume=bool(msg.resume_step),
             tokens_path=str(tokens) if tokens is not None else None,
             link_timeout_s=jobs.LINK_TIMEOUT_S,
+            link_keys=self._link_keys(plan, msg.stage),
         )
         folder.mkdir(parents=True, exist_ok=True)
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            here = sum(1 for st in plan.stages if st.node_id == self.ctx.node_id)
+            machines = {p.node_id: str(p.host.get("machine") or "") for p in self.ctx.members.alive_peers()}  # fmt: skip
+            machines[self.ctx.node_id] = str(self.ctx.me.host.get("machine") or "")
+            here = jobs.stages_on_machine(plan, self.ctx.node_id, machines)  # they share its cores
             cores = int(self.ctx.me.host.get("cpu_cores") or 1)
             env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
         key = (msg.job_id, msg.attempt, msg.stage)
@@ -182,6 +202,97 @@ class StageHost:
             port=int(ready.get("port") or 0),
         )
 
+    def _link_keys(self, plan: Any, stage: int) -> dict[str, str]:
+        """This node's key pair and the neighbouring stages' nodes' public keys: the stage's
+        links admit only the members the plan puts next to it (issue 15)."""
+
+        def key(i: int) -> str:
+            node_id = plan.stages[i].node_id
+            found = self.ctx.keyring.key_of(node_id)
+            if not found:
+                raise Failed(f"stage {i}'s node {node_id} has no key this node knows (not a member?)", code="plan_mismatch")  # fmt: skip
+            return found
+
+        last = len(plan.stages) - 1
+        return {
+            "public": self.ctx.key.public, "secret": self.ctx.key.secret,
+            "prev": key(stage - 1) if stage > 0 else "", "next": key(stage + 1) if stage < last else "",
+        }  # fmt: skip
+
+    async def _local_inputs(
+        self, msg: StageStart, planned_files: tuple[str, ...]
+    ) -> tuple[str | None, Path | None]:
+        """(the model folder this stage loads, stage 0's data file), made local from the
+        job's inputs; (None, None) for a job without inputs (each node reads its own)."""
+        inputs = msg.inputs
+        if inputs is None:
+            return None, None
+        what = f"job {msg.job_id} stage {msg.stage}"
+        try:
+            names = stage_files(inputs.model, planned_files)
+        except ValueError as exc:
+            raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
+        model = await self.inputs.model_folder(inputs.model, names, what=what)
+        data = None
+        if msg.stage == 0 and inputs.data is not None:
+            data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        return model, data
+
+    async def _resplit_snapshot(
+        self, msg: StageStart, snap_dir: Path, layers: tuple[int, int], n_layers: int, tied: bool
+    ) -> None:
+        """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
+        the old stages holding its blocks, the embeddings or the head), each fetched from a
+        holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
+        from swarmp2p.node.corpus import run_module
+
+        start, end = layers
+        n = len(json.loads(msg.plan)["stages"])
+        first, last = msg.stage == 0, msg.stage == n - 1
+        name = _snapshot_name(msg.resume_step)
+        folder = self.job_dir(msg.job_id)
+        old_dir = snapshot_dir(folder, [r["layers"] for r in msg.resplit or []])
+        sources = []
+        for old in msg.resplit or []:
+            i, (a, b) = int(old["stage"]), (int(x) for x in old["layers"])
+            was_first, was_last = a == 0, b == n_layers
+            if (
+                not (a < end and start < b)
+                and not (first and was_first)
+                and not (last and was_last)
+            ):
+                continue
+            dest = old_dir / f"stage-{i}" / name  # where its holders keep it too
+            if not dest.is_file():
+                file = str(dest.relative_to(folder))
+                await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest)  # fmt: skip
+            sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
+        out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
+        if out.parent.is_dir():  # a later step of an earlier attempt on these cuts: not ours
+            for p in out.parent.iterdir():
+                step = _snapshot_step(p.name)
+                if step is not None and step > msg.resume_step:
+                    p.unlink()
+        args = [str(out), str(msg.stage), str(start), str(end), str(int(first)), str(int(last))]
+        try:
+            await run_module("swarmp2p.runtime.torch.reslice", [*args, str(int(tied)), *sources])
+        except ValueError as exc:
+            raise Failed(f"node {self.ctx.node_id}: re-slicing the step-{msg.resume_step} snapshots for stage {msg.stage}: {exc}", code="no_snapshot") from None  # fmt: skip
+        log.info("job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",
+                 msg.job_id, msg.stage, msg.resume_step, len(sources))  # fmt: skip
+
+    async def _pull_from(self, msg: StageStart, file: str, nodes: list[str], dest: Path) -> None:
+        for node_id in nodes:
+            if not self.ctx.is_alive(node_id):
+                continue
+            with contextlib.suppress(SwarmError, OSError, ValueError):
+                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id), dest)
+                return
+        raise Failed(
+            f"no copy of {file} of job {msg.job_id} is reachable (held by {nodes})",
+            code="no_snapshot",
+        )
+
     async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path) -> None:
         """Keep only snapshots up to ``resume_step`` here; pull the one needed if missing."""
         stage_dir = snap_dir / f"stage-{msg.stage}"
@@ -195,7 +306,8 @@ class StageHost:
                     name = p.name
         if name is not None:
             return
-        file = f"snapshots/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
+        rel = snap_dir.relative_to(self.job_dir(msg.job_id))
+        file = f"{rel}/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
         for node_id in msg.snapshot_nodes:
             if node_id == self.ctx.node_id or not self.ctx.is_alive(node_id):
                 continue
@@ -252,6 +364,20 @@ class StageHost:
                         self.workers.pop(key, None)
             await asyncio.sleep(REPORT_EVERY_S)
 
+    def held(self) -> dict[str, int]:
+        """Bytes this node's stage workers hold per device (their plans' peaks)."""
+        from swarmp2p.node.hardware import device_key
+
+        out: dict[str, int] = {}
+        for job_id, attempt, stage in self.workers:
+            entry = self.ctx.table.jobs.get(job_id)
+            if entry is None or entry.attempt != attempt or entry.plan is None:
+                continue
+            planned = entry.plan.stages[stage]
+            key = device_key(planned.devices[0])
+            out[key] = out.get(key, 0) + int(planned.memory.peak)
+        return out
+
     # --- stopping ---------------------------------------------------------------------------
 
     async def stop_job(self, job_id: str, attempt: int, keep_attempt: int | None = None) -> None:
@@ -284,11 +410,23 @@ class StageHost:
         if isinstance(msg, FilePull):
             await self.pull_file(msg.job_id, msg.file, msg.source)
             return JobAck(job_id=msg.job_id)
+        if isinstance(msg, InputRead):
+            data, total = await asyncio.to_thread(
+                self.inputs.read, msg.kind, msg.key, msg.file, msg.offset, msg.size
+            )
+            return ShardChunk(data=data, total=total)
         raise Failed(f"a stage host does not take {type(msg).TYPE}", code="internal")
 
     async def close(self) -> None:
         await asyncio.gather(*(w.stop() for w in list(self.workers.values())))
         self.workers.clear()
+
+
+def snapshot_dir(job_folder: Path, layers: list) -> Path:
+    """Where a job's snapshots taken on these cuts live: one folder per cuts, so a re-split
+    attempt's snapshots never take the names of the old cuts' it is cut from."""
+    cuts = [int(r[0]) for r in list(layers)[1:]]
+    return job_folder / "snapshots" / ("cuts-" + ("-".join(map(str, cuts)) or "none"))
 
 
 _SNAP = re.compile(r"step-(\d{8})\.pt")

@@ -43,6 +43,11 @@ class StateDir:
         return self.root / "secret"
 
     @property
+    def node_key_file(self) -> Path:
+        """This node's own CURVE key pair (0600): who it is to the other members."""
+        return self.root / "node.key"
+
+    @property
     def table_file(self) -> Path:
         return self.root / "jobs.json"
 

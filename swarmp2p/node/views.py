@@ -31,6 +31,7 @@ def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dic
 def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`swarm jobs show ID --json`: one job's public shape."""
     plan = entry.plan
+    timing = plan.timing if plan is not None else None
     metrics = dict(metrics or {})
     metrics.setdefault("step", entry.step)
     if entry.loss is not None:
@@ -49,9 +50,12 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[
                     "node_name": s.node,
                     "devices": list(s.devices),
                     "layers": list(s.layers),
+                    **_predicted_vs_measured(timing, metrics, i),
                 }
-                for s in (plan.stages if plan is not None else ())
+                for i, s in enumerate(plan.stages if plan is not None else ())
             ],
+            "predicted_step_s": timing.step_s if timing is not None else None,
+            "bottleneck": timing.bottleneck if timing is not None else None,
             "dtype": plan.dtype if plan is not None else None,
             "finetune_mode": plan.finetune_mode if plan is not None else None,
             "features": list(plan.features) if plan is not None else [],
@@ -64,7 +68,20 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[
         "model": entry.model,
         "snapshots": to_data(entry.snapshots),
         "job": entry.job.to_dict(),
+        "rebalances": entry.rebalances,
     }
+
+
+def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """Stage i's predicted compute seconds per step (the plan's; None without a measured
+    speed) beside the newest measured ones (forward + backward + optimizer) and its waits."""
+    predicted = None
+    if timing is not None and i < len(timing.stages):
+        predicted = timing.stages[i].compute_s
+    got = (metrics.get("stages") or {}).get(str(i)) or {}
+    parts = [got.get(k) for k in ("forward_s", "backward_s", "optimizer_s")]
+    measured = round(sum(parts), 6) if all(isinstance(p, (int, float)) for p in parts) else None
+    return {"predicted_s": predicted, "measured_s": measured, "wait_s": got.get("wait_s")}
 
 
 def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -82,7 +99,7 @@ def find_entry(table: JobTable, key: str) -> JobEntry | None:
 
 
 def devices(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability")
+    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability", "speed")
     return [
         {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
         for d in record.get("devices", [])

@@ -2,12 +2,14 @@
 
 `cluster.json` is a JSON list of nodes::
 
-    {"node_id", "name", "ram", "disk_free", "capabilities": [...], "version",
+    {"node_id", "name", "ram", "disk_free", "capabilities": [...], "version", "link_speed",
      "devices": [{"kind": "cuda"|"cpu"|"mps", "index", "name", "memory_total",
-                  "memory_free", "compute_capability"}]}
+                  "memory_free", "compute_capability", "speed": {"float32": 2.1e10}}]}
 
 Sizes are bytes; `compute_capability` is a string such as "7.5", empty when unknown. An omitted
 `capabilities` means every capability of this version; an omitted `version` means this version.
+`speed` is the training FLOP/s measured per dtype (`swarmp2p.runtime.probe`; omitted: never
+measured); `link_speed` the bytes/s of the node's network link (omitted or 0: unknown).
 """
 
 from __future__ import annotations
@@ -34,6 +36,38 @@ CAPABILITIES: frozenset[str] = frozenset(
 """Features this version implements; a plan enables one only when every assigned node has it."""
 
 DEVICE_KINDS = ("cuda", "cpu", "mps")
+_SPEED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class Speeds(tuple):
+    """A device's measured training speed: ``(dtype, FLOP/s)`` pairs sorted by dtype, written as
+    the object ``{"float32": 2.1e10}`` (``speed`` in cluster.json)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_data(cls, value: Any, path: str) -> Speeds:
+        if not isinstance(value, dict):
+            raise ValueError(f"must be an object of FLOP/s per dtype, got {show(value)}")
+        errors = []
+        for dtype, flops in value.items():
+            if dtype not in _SPEED_DTYPES:
+                errors.append(FieldError(path=f"{path}.{dtype}", message=f"is not a dtype; use {', '.join(_SPEED_DTYPES)}"))  # fmt: skip
+            elif type(flops) not in (int, float) or not 0 < flops < 1e21:
+                errors.append(FieldError(path=f"{path}.{dtype}", message=f"must be FLOP/s, a number in (0, 1e21), got {show(flops)}"))  # fmt: skip
+        if errors:
+            raise SchemaError(errors)
+        return cls(sorted((k, float(v)) for k, v in value.items()))
+
+    def to_data(self) -> dict[str, float]:
+        return dict(self)
+
+    def get(self, dtype: str) -> float | None:
+        """FLOP/s in ``dtype``; None when not measured."""
+        return dict(self).get(dtype)
+
+
+NO_SPEEDS = Speeds()
 
 
 class ClusterError(SchemaError):
@@ -59,6 +93,8 @@ class Device:
     """Bytes free for a stage now."""
     compute_capability: str = field(default="", pattern=r"(\d+(\.\d+)?)?")
     """CUDA compute capability such as "8.6"; empty when unknown (or not CUDA)."""
+    speed: Speeds = NO_SPEEDS
+    """Measured training FLOP/s per dtype; empty: never measured."""
 
     @property
     def is_gpu(self) -> bool:
@@ -96,6 +132,8 @@ class Node:
     capabilities: frozenset[str] = CAPABILITIES
     """Omitted: every capability of this version."""
     version: str = field(default=__version__, min_len=1, max_len=128)
+    link_speed: int = field(default=0, ge=0)
+    """Bytes/s of the node's network link; 0: unknown."""
 
     def __post_init__(self) -> None:
         seen: set[tuple[str, int]] = set()

@@ -23,7 +23,7 @@ from swarmp2p.schema import parse as parse_record
 
 JOB_VERSION = 1
 FINETUNE_MODES = ("full", "compressor_only", "lora", "none")
-SPLIT_MODES = ("equal", "weighted", "cost")
+SPLIT_MODES = ("speed", "equal", "weighted", "cost")
 LORA_EXPORTS = ("merged", "adapters")
 MAX_MICRO_BATCHES = 32
 DEFAULT_MICRO_BATCHES = 4
@@ -107,7 +107,9 @@ class SplitConfig:
 
     stages: Literal["auto"] | int = field(default="auto", ge=1, le=4096)
     """"auto": one stage per usable device; an integer forces that many stages."""
-    mode: Literal["equal", "weighted", "cost"] = "weighted"
+    mode: Literal["speed", "equal", "weighted", "cost"] = "speed"
+    """"speed": by each device's measured speed (``plan/speed.py``; by free memory when a
+    device has no measurement); "equal" layers; "weighted" by free memory; "cost" by FLOPs."""
     compression: Compressions = _NO_COMPRESSION
     """One spec (applied to every boundary) or one per boundary."""
 

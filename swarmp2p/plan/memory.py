@@ -6,13 +6,16 @@ checks before anything is downloaded. Sources:
 - weights: parameters x bytes per parameter of the storage dtype or the quantization
   (`quantization.bytes_per_param`, scales included). The input embeddings and the output
   head stay in the compute dtype under quantization (the reference keeps the head in full
-  precision by default; a tied head shares the embedding tensor).
-- trainable state (the reference's "Which parameters train" table): `full` trains every
-  parameter: fp32 gradient 4 B + AdamW's two fp32 moments 8 B, plus a 4 B fp32 master copy
-  when the compute dtype is half, so 12-16 B per parameter on top of the weights; `lora`
-  trains adapters only (r x (in + out) per adapted projection, 16 B each: fp32 weight,
-  gradient, two moments); `compressor_only` trains the learned bottleneck halves on the stage
-  (16 B per parameter); `none` trains nothing.
+  precision by default; a tied head shares the embedding tensor). Learned compressor halves
+  are in the compute dtype, like the stage.
+- trainable state (the reference's "Which parameters train" table), per trainable parameter
+  on top of its weight: AdamW's two fp32 moments 8 B and an fp32 gradient 4 B; a float16 or
+  bfloat16 job steps an fp32 master copy (4 B more; the 16-bit gradient is dropped as its fp32
+  copy is made; `runtime/torch/precision.py`), so 12 B in float32 and 16 B in half precision.
+  `full` trains every parameter; `lora` trains adapters only (r x (in + out) per adapted
+  projection), whose own weight (compute dtype) is priced here too: 16 B (float32) or 18 B
+  (half); `compressor_only` trains the learned bottleneck halves on the stage; `none` trains
+  nothing.
 - activations saved for backward per layer and micro-batch: Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", eq. 1 without tensor
   parallelism: s b h (34 + 5 a s / h) bytes at 16 bits; the 19 s b h of the MLP scales with
@@ -44,7 +47,10 @@ from swarmp2p.schema import to_data
 LOSS_CHUNK_BYTES = 64 * 2**20
 """Float32 logits one chunk of the chunked loss may hold."""
 
-_ADAPTER_STATE_BYTES = 16
+_MOMENTS_AND_GRAD_BYTES = 12
+"""AdamW's two float32 moments and the float32 gradient of one trainable parameter."""
+_MASTER_BYTES = 4
+"""The float32 master copy a half-precision job steps for each trainable parameter."""
 _LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -214,18 +220,19 @@ class StagePricer:
         if send is not None and send.is_learned:
             k = send.code_dim(s.hidden)
             compressor += s.hidden * k + k
-        weights += compressor * 4  # compressors stay float32
+        compute = DTYPE_BYTES[p.dtype]
+        weights += compressor * compute
         state = 0
         if w.training:
             mode = p.finetune_mode
+            per = _MOMENTS_AND_GRAD_BYTES + (_MASTER_BYTES if compute < 4 else 0)
             if mode == "full":
-                per = 16 if DTYPE_BYTES[p.dtype] == 2 else 12
-                state = (layer_params + outer) * per + compressor * _ADAPTER_STATE_BYTES
+                state = (layer_params + outer + compressor) * per
             elif mode == "lora":
-                adapters = self._lora_layer * (end - start) + compressor
-                state = adapters * _ADAPTER_STATE_BYTES
+                adapters = self._lora_layer * (end - start)
+                state = adapters * (compute + per) + compressor * per
             elif mode == "compressor_only":
-                state = compressor * _ADAPTER_STATE_BYTES
+                state = compressor * per
         activations = loss = transient = kv = 0
         if w.training and p.finetune_mode != "none":
             if w.recompute:

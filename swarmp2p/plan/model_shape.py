@@ -338,6 +338,25 @@ def from_config(
     )
 
 
+def stage_files(
+    shape: ModelShape, start: int, end: int, first: bool, last: bool
+) -> tuple[str, ...]:
+    """The checkpoint files holding blocks ``[start, end)`` (and the embeddings on the first
+    stage, the head on the last: a tied one is the embedding); empty when the shape does not
+    know which file holds which block (every weight file then)."""
+    if not shape.layer_files:
+        return ()
+    files: set[str] = set()
+    for layer in range(start, end):
+        files.update(shape.layer_files[layer])
+    if first:
+        files.update(shape.embed_files)
+    if last:
+        files.update(shape.head_files)
+        files.update(shape.embed_files if shape.tie_embeddings else ())
+    return tuple(sorted(files))
+
+
 _OTHER_PARTS = ("visual", "vision", "mtp", "audio", "image_newline", "multi_modal_projector")
 
 

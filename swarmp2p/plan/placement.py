@@ -2,9 +2,17 @@
 
 Stages follow the nodes in `node_id` order and each node's devices in index order, one stage
 per device (several devices on one node each get a stage). GPUs are used when the cluster has
-any; a cluster of CPUs only runs on its CPUs. The split (`equal`, `weighted` by free memory,
-`cost`-balanced: 6 FLOPs per active parameter and token for each layer, the head on the last
-stage, AdamW's update over what trains) is `placer.Placer`'s, shared with serving.
+any; a cluster of CPUs only runs on its CPUs. The split is `placer.Placer`'s, shared with
+serving:
+
+- `equal`: the same number of layers on every stage.
+- `weighted`: by free memory (each stage gets layers in proportion to its free memory,
+  embeddings and head priced in).
+- `cost`: balances compute per stage: 6 FLOPs per active parameter and token for each layer,
+  the head on the last stage, AdamW's update over what trains; every stage must still fit.
+- `speed` (the default): minimises the slowest stage's predicted step time (`plan/speed.py`:
+  the `cost` FLOPs at each device's measured speed, the bytes it sends over the link); by free
+  memory (`weighted`) when a device has no measured speed.
 
 A stage must fit its device's free memory (less DEVICE_RESERVE); a node's download share
 (its stages' layers, the embeddings on the first stage, the head on the last) plus
@@ -176,11 +184,12 @@ def plan_job(
     _check_against_shape(job, shape, required)
 
     requested = job.model.dtype
+    left_out: list[str] = []
     if requested is not None:
         choice = resolve_dtype(candidates, requested)
         if choice.excluded:
             ok = [p for p in candidates if p not in choice.excluded]
-            if auto or len(ok) < required:
+            if not ok or (len(ok) < required and not auto):
                 noun = "GPU(s)" if all(d.is_gpu for _, d in choice.excluded) else "device(s)"
                 return Blocked(
                     reason=(
@@ -192,7 +201,11 @@ def plan_job(
                     required=required,
                     placed=min(len(ok), required),
                 )
+            # the devices that run the dtype take the job; the others are named
+            left_out.append(f"left out (dtype {requested}): " + "; ".join(choice.reason_lines))
             candidates = ok
+            if auto:
+                required = min(len(candidates), shape.n_layers)
     if len(candidates) < required:
         names = ", ".join(f"{n.name} {d.label}" for n, d in candidates)
         return Blocked(
@@ -205,6 +218,39 @@ def plan_job(
             required=required,
             placed=len(candidates),
         )
+    first_blocked: Blocked | None = None
+    while True:
+        result, short_disk = _place_on(job, shape, candidates, required, auto, requested, own, cuts)
+        if isinstance(result, Plan):
+            for note in left_out:
+                result = _with_note(result, note)
+            return result
+        if first_blocked is None:
+            first_blocked = result
+        # a node short of disk is left out when the others can still run the job
+        rest = [p for p in candidates if p[0].node_id not in short_disk]
+        if not short_disk or not rest or (not auto and len(rest) < required):
+            return first_blocked
+        lines = [ln for ln in result.reason.splitlines()[1:-1]]
+        left_out.append("left out for lack of disk: " + "; ".join(lines))
+        candidates = rest
+        if auto:
+            required = min(required, len(candidates))
+
+
+def _place_on(
+    job: Job,
+    shape: ModelShape,
+    candidates: list[Placed],
+    required: int,
+    auto: bool,
+    requested: str | None,
+    own: frozenset[str],
+    cuts: tuple[int, ...] | None,
+) -> tuple[Plan | Blocked, frozenset[str]]:
+    """The plan on the ``required`` roomiest candidates (auto: on fewer, dropping the device
+    with the least free memory, while memory is what falls short); or Blocked, with the nodes
+    short of disk for their download share."""
     selected = select_devices(candidates, required)
     attempts = [selected]
     if auto:  # as many stages as fit: drop the device with the least free memory, one by one
@@ -213,22 +259,22 @@ def plan_job(
             drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
             rest = rest[:drop] + rest[drop + 1 :]
             attempts.append(rest)
-    first_blocked: Blocked | None = None
+    first: tuple[Blocked, frozenset[str]] | None = None
     for devices in attempts:
         dtype = resolve_dtype(devices, requested).dtype  # the best every used device runs
-        result, short_of_memory = _plan_on(job, shape, devices, dtype, own, cuts)
+        result, short_of_memory, short_disk = _plan_on(job, shape, devices, dtype, own, cuts)
         if isinstance(result, Plan):
             if len(devices) < len(selected):
                 left = [f"{n.name} {d.label}" for n, d in selected if (n, d) not in devices]
                 note = "left out for lack of free memory: " + ", ".join(left)
                 result = _with_note(result, note)
-            return result
-        if first_blocked is None:
-            first_blocked = result
+            return result, frozenset()
+        if first is None:
+            first = (result, short_disk)
         if not short_of_memory:
             break  # only a memory shortfall can be solved by fewer stages
-    assert first_blocked is not None
-    return first_blocked
+    assert first is not None
+    return first
 
 
 def _with_note(plan: Plan, note: str) -> Plan:
@@ -244,8 +290,9 @@ def _plan_on(
     dtype: str,
     own: frozenset[str],
     cuts: tuple[int, ...] | None = None,
-) -> tuple[Plan | Blocked, bool]:
-    """A plan on exactly these devices, or Blocked and whether memory was what fell short."""
+) -> tuple[Plan | Blocked, bool, frozenset[str]]:
+    """A plan on exactly these devices, or Blocked, whether memory was what fell short, and
+    the nodes short of disk."""
     n = len(devices)
     compression = job.split.compression_for(n) if n > 1 else ()
     features = set(own)
@@ -259,14 +306,18 @@ def _plan_on(
         if cap not in node.capabilities or cap not in own
     ]
     if lacking:
-        return Blocked(
-            reason=(
-                f"placed 0 of {n} required workers; {len(lacking)} capability(ies) missing:\n"
-                + "\n".join(lacking)
+        return (
+            Blocked(
+                reason=(
+                    f"placed 0 of {n} required workers; {len(lacking)} capability(ies) missing:\n"
+                    + "\n".join(lacking)
+                ),
+                dtype=dtype,
+                required=n,
             ),
-            dtype=dtype,
-            required=n,
-        ), False
+            False,
+            frozenset(),
+        )
     micro = job.train.micro_batches if "microbatch" in features else 1
     long_context = "long-context" in features
     pricing = Pricing(
@@ -310,21 +361,23 @@ def _plan_on(
             continue
         if recompute and job.train.recompute == "auto":
             notes.append("recompute turned on: the job fits only with it")
-        disk, bad = _disk_reason(placer, attempt.ranges)
+        disk, bad, short = _disk_reason(placer, attempt.ranges)
         if disk:
             return Blocked(reason=disk, dtype=dtype, required=n,
-                           placed=n - bad), False  # fmt: skip
+                           placed=n - bad), False, short  # fmt: skip
         if micro != job.train.micro_batches:
             notes.append("micro_batches 1: not every node declares microbatch")
         plan = _build_plan(
             job, shape, placer, attempt.ranges, dtype, recompute, features, notes, micro
         )
-        return plan, False
+        return plan, False, frozenset()
     assert blocked is not None
-    return blocked, True
+    return blocked, True, frozenset()
 
 
-def _disk_reason(placer: Placer, ranges: tuple[tuple[int, int], ...]) -> tuple[str | None, int]:
+def _disk_reason(
+    placer: Placer, ranges: tuple[tuple[int, int], ...]
+) -> tuple[str | None, int, frozenset[str]]:
     share: dict[str, int] = {}
     stages: dict[str, list[int]] = {}
     nodes: dict[str, Node] = {}
@@ -341,14 +394,19 @@ def _disk_reason(placer: Placer, ranges: tuple[tuple[int, int], ...]) -> tuple[s
         if share[k] + DISK_HEADROOM > nodes[k].disk_free
     ]
     if not lines:
-        return None, 0
-    bad = sum(len(stages[k]) for k in share if share[k] + DISK_HEADROOM > nodes[k].disk_free)
+        return None, 0, frozenset()
+    short = frozenset(k for k in share if share[k] + DISK_HEADROOM > nodes[k].disk_free)
+    bad = sum(len(stages[k]) for k in short)
     return (
-        f"placed {placer.n - bad} of {placer.n} required workers; {len(lines)} node(s) lack the "
-        f"disk for their download share:\n"
-        + "\n".join(lines)
-        + "\nfree disk space there or add a node"
-    ), bad
+        (
+            f"placed {placer.n - bad} of {placer.n} required workers; {len(lines)} node(s) lack the "
+            f"disk for their download share:\n"
+            + "\n".join(lines)
+            + "\nfree disk space there or add a node"
+        ),
+        bad,
+        short,
+    )
 
 
 def _build_plan(
@@ -365,14 +423,7 @@ def _build_plan(
     n, kind = placer.n, job.train.schedule
     stages = []
     for i, ((node, dev), (a, b)) in enumerate(zip(placer.devices, ranges)):
-        files: set[str] = set()
-        if shape.layer_files:
-            for layer in range(a, b):
-                files.update(shape.layer_files[layer])
-            files.update(shape.embed_files if i == 0 else ())
-            if i == n - 1:
-                files.update(shape.head_files)
-                files.update(shape.embed_files if shape.tie_embeddings else ())
+        files = _model_shape.stage_files(shape, a, b, i == 0, i == n - 1)
         stages.append(
             PlannedStage(
                 index=i,
@@ -385,7 +436,7 @@ def _build_plan(
                 memory=placer.price(i, a, b),
                 device_free=dev.memory_free,
                 download=placer.pricer.download_bytes(a, b, i == 0, i == n - 1),
-                files=tuple(sorted(files)),
+                files=files,
                 ops=ops_text(stage_schedule(kind, i, n, micro)),
             )
         )
@@ -416,7 +467,18 @@ def _build_plan(
         eval_batches=job.train.eval_batches if "pipeline-eval" in features else 0,
         weight_storage=_weight_storage(job, dtype),
         features=tuple(sorted(features)),
-        notes=tuple(notes),
+        notes=tuple(notes) + _speed_note(job, placer),
+        timing=placer.clock.timing(ranges, micro),
+    )
+
+
+def _speed_note(job: Job, placer: Placer) -> tuple[str, ...]:
+    if job.split.mode != "speed" or placer.clock.measured:
+        return ()
+    return (
+        "split by free memory: no measured speed on "
+        + ", ".join(placer.clock.unmeasured)
+        + " (swarm doctor --bench there measures it)",
     )
 
 

@@ -11,6 +11,10 @@ KV cache) and a compute model (6 FLOPs per active parameter and token to train, 
 - ``cost``: the split minimising the most expensive stage's compute (the head's
   vocab x hidden matmul on the last stage: SmolLM2's head costs about 8 of its 30 layers;
   DESIGN.md, "Pitfalls"), every stage still fitting its device.
+- ``speed``: the ``cost`` search over each stage's predicted step time (``plan/speed.py``:
+  its FLOPs at its device's measured training speed plus the bytes it sends over the link);
+  ``weighted`` when a device has no measured speed. It prices a training step (batch x
+  sequence tokens, gradients sent back), so training uses it (its default); serving does not.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from swarmp2p.plan import speed as _speed
 from swarmp2p.plan.hardware import Device, Node
 from swarmp2p.plan.memory import StageMemory, StagePricer
 from swarmp2p.plan.model_shape import ModelShape
@@ -159,6 +164,7 @@ class Placer:
         self._params = [0]
         for p in shape.layer_params:
             self._params.append(self._params[-1] + p)
+        self._clock: _speed.StageClock | None = None
 
     def price(self, i: int, start: int, end: int) -> StageMemory:
         return self.pricer.price(
@@ -208,6 +214,13 @@ class Placer:
         ranges.append((start, L))
         return tuple(ranges)
 
+    @property
+    def clock(self) -> _speed.StageClock:
+        """Predicted stage times of this placement (``plan/speed.py``; a training step)."""
+        if self._clock is None:
+            self._clock = _speed.StageClock(self)
+        return self._clock
+
     def overfull(
         self, ranges: tuple[tuple[int, int], ...], prices: Sequence[StageMemory] | None = None
     ) -> dict[tuple[str, str, int], int]:
@@ -223,6 +236,10 @@ class Placer:
 
     def split(self, cuts: tuple[int, ...] | None = None) -> SplitAttempt:
         L, n, mode = self.shape.n_layers, self.n, self.mode
+        cost = self.compute_cost
+        if mode == "speed" and cuts is None:  # by predicted time; by free memory unless
+            # every device's speed is measured
+            cost, mode = self.clock.time, "cost" if self.clock.measured else "weighted"
         if cuts is not None or mode == "equal":  # the split is given (a trained model, a
             # resume, a test) or fixed by the mode
             if cuts is None:
@@ -230,9 +247,9 @@ class Placer:
             found = tuple(itertools.pairwise((0, *cuts, L)))
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
             return SplitAttempt(ranges=found if self.all_fit(found) else None, prices=prices,
-                            tried=found)  # fmt: skip
+                                tried=found)  # fmt: skip
         if mode == "cost":
-            found = min_max_partition(L, n, self.compute_cost, self.fits)
+            found = min_max_partition(L, n, cost, self.fits)
         else:
             found = self.proportional()
             if not self.all_fit(found):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.plan.memory import StageMemory
+from swarmp2p.plan.speed import PlannedTiming
 from swarmp2p.plan.split import Compression, SplitSpec, StageSpec
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
@@ -109,6 +110,9 @@ class Plan:
     reason: Literal[None] = None
     """Always null: a Plan is not Blocked (the JSON shape both share)."""
     errors: tuple[str, ...] = field(default=(), max_len=0)
+    timing: PlannedTiming | None = None
+    """Each stage's predicted time per step and the bottleneck (``plan/speed.py``); None in a
+    plan made before speeds were priced."""
 
     def __post_init__(self) -> None:
         if len(self.boundaries) != len(self.stages) - 1:

@@ -17,7 +17,10 @@ mismatch, as it does for training. The rules are training's (``placement``, ``pl
   (``memory.StagePricer``), within the device's usable memory (``DEVICE_RESERVE`` kept back).
 - split: ``cost`` by default: a decode step is as slow as its slowest stage, so the split
   balances forward FLOPs, the head's matmul priced on the last stage; ``equal`` and
-  ``weighted`` as for training. One split implementation: ``placer.Placer``.
+  ``weighted`` as for training. One split implementation: ``placer.Placer``. Training's
+  default ``speed`` split is not offered: it prices a training step (batch x sequence tokens,
+  gradients sent back) at each device's measured training speed, which says nothing of a
+  decode step; serving balances FLOPs as if every device were equally fast.
 - a trained model keeps its ``bounds``; each stage goes to the first of its shard's
   ``holders`` with room left, else to the device with the most room (which fetches the shard).
 """

@@ -69,6 +69,8 @@ class StageTraining:
     eval_batches: int
     calibration_tokens: int
     checkpoint_every: int
+    loss_scale: float | None
+    inject_nan_step: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,9 +100,18 @@ class WorkerSpec:
     """Continue from the newest snapshot in ``snapshot_dir``."""
     export_dir: str | None = field(default=None, min_len=1)
     """Write this stage's shard to ``export_dir/stage-<i>`` after the last step."""
+    link_keys: dict | None = None
+    """Per-node link keys (issue 15), z85: ``{"public", "secret"}`` of this stage's node,
+    ``"prev"`` the public key of the stage before's node (the only client the bound link
+    admits), ``"next"`` the next stage's node's (the server key it dials). None: the token's
+    keys (one machine, tests)."""
     weight_decay: float = field(default=0.0, ge=0)
     loss_chunk_tokens: int = field(default=DEFAULT_LOSS_CHUNK_TOKENS, ge=1)
     calibration_tokens: int = field(default=DEFAULT_CALIBRATION_TOKENS, ge=1)
+    loss_scale: float | None = field(default=None, gt=0)
+    """A float16 job's first loss scale (None: 2**16, torch.amp.GradScaler's default)."""
+    inject_nan_step: int | None = field(default=None, ge=0)
+    """Test knob: from this step on, this stage's gradients hold a NaN."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -115,6 +126,8 @@ class WorkerSpec:
             errors.append(FieldError(path="plan.finetune_mode", message=f"{self.plan.finetune_mode!r} is not the job's {self.job.finetune_mode!r}"))  # fmt: skip
         if self.resume and self.snapshot_dir is None:
             errors.append(FieldError(path="resume", message="needs snapshot_dir"))
+        if self.loss_scale is not None and self.plan.dtype != "float16":
+            errors.append(FieldError(path="loss_scale", message=f"applies only to float16 jobs (this one is {self.plan.dtype})"))  # fmt: skip
         if errors:
             raise SchemaError(errors)
 
@@ -194,6 +207,8 @@ class WorkerSpec:
             eval_batches=self.plan.eval_batches,
             calibration_tokens=self.calibration_tokens,
             checkpoint_every=t.checkpoint_every if self.snapshot_dir else 0,
+            loss_scale=self.loss_scale,
+            inject_nan_step=self.inject_nan_step,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,8 +235,8 @@ def stage_data(job: Job, stage: int, tokens_path: str | None) -> StageData:
     source = job.data.source
     if source == "random" or stage > 0:
         return StageData(source="random")
-    if source.endswith(".npy"):
-        return StageData(source="tokens", path=source)
+    if source.endswith(".npy"):  # this node's copy of the file (``tokens_path``) when shipped
+        return StageData(source="tokens", path=tokens_path or source)
     if tokens_path is None:
         raise ValueError(f"data.source {source!r} must be tokenized for stage 0 first")
     return StageData(source="tokens", path=tokens_path)
@@ -244,7 +259,8 @@ def worker_spec(
     **tunables: Any,
 ) -> WorkerSpec:
     """The worker spec of one planned stage (``tunables``: ``link_timeout_s``,
-    ``weight_decay``, ``loss_chunk_tokens``, ``calibration_tokens``, ``port``)."""
+    ``weight_decay``, ``loss_chunk_tokens``, ``calibration_tokens``, ``port``, and the float16
+    test knobs ``loss_scale`` and ``inject_nan_step``)."""
     return WorkerSpec(
         job=job,
         plan=plan,

@@ -7,8 +7,10 @@ stdin, one JSON object per line:
      link, or the session manager's return link after the last stage);
   then ``{"op": "stop"}`` or end of input stops the worker.
 stdout, one JSON event per line: ``{"event": "ready", "endpoint", "stage", "load_s"}``,
-``{"event": "serving"}``, ``{"event": "stopped", "steps"}``, or ``{"event": "error",
-"message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
+``{"event": "serving"}``, every STATS_EVERY_S while it works ``{"event": "stats", "stage",
+"sessions", "batch", "peak_batch", "steps", "busy_s", "waiting"}`` (the batch size of its latest
+decode step, and how busy it is), ``{"event": "stopped", "steps", ...the same stats}``, or
+``{"event": "error", "message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
 crash names where it happened.
 """
 
@@ -22,11 +24,17 @@ import time
 
 CONNECT_TIMEOUT_S = 600.0
 """How long a ready worker waits for its connect line."""
+STATS_EVERY_S = 5.0
+"""How often a working stage reports its batch size and load (nothing while idle)."""
+
+
+_EMIT_LOCK = threading.Lock()
 
 
 def _emit(event: str, **fields) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+    with _EMIT_LOCK:  # the stats reporter writes too: one whole line at a time
+        sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+        sys.stdout.flush()
 
 
 def _read_json_line(what: str) -> dict:
@@ -53,6 +61,16 @@ def _watch_stdin(stop: threading.Event) -> None:
             break
         print(f"serve worker: ignored stdin line {line.strip()[:80]!r}", file=sys.stderr)
     stop.set()
+
+
+def _report_stats(server, stage: int, stop: threading.Event) -> None:
+    """A ``stats`` event every STATS_EVERY_S while the stage runs forwards."""
+    last = -1
+    while not stop.wait(STATS_EVERY_S):
+        stats = server.stats()
+        if stats["steps"] != last:
+            last = stats["steps"]
+            _emit("stats", stage=stage, **stats)
 
 
 def _load_trained(spec):
@@ -117,7 +135,12 @@ def run() -> int:
         }
         send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
-    secret = SwarmSecret.from_token(spec.token)
+    if spec.link_keys:  # the node's own keys: only the ring's neighbouring nodes connect
+        from swarmp2p.net.links import link_credentials
+
+        secret, client = link_credentials(spec.link_keys)
+    else:
+        secret = client = SwarmSecret.from_token(spec.token)
     ctx = SecureContext()
     inbound = outbound = None
     try:
@@ -131,7 +154,9 @@ def run() -> int:
         connect = _read_json_line("connect line")
         if connect.get("op") != "connect" or not isinstance(connect.get("next"), str):
             raise ValueError(f'expected {{"op": "connect", "next": endpoint}}, got {connect}')
-        outbound = ZmqLink.dial(ctx, secret, connect["next"])
+        if client is None:
+            raise ValueError("link_keys: no 'next' key to dial the next stage with")
+        outbound = ZmqLink.dial(ctx, client, connect["next"])
         server = StageServer(
             stage,
             inbound=inbound,
@@ -145,9 +170,13 @@ def run() -> int:
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)
         watcher.start()
+        reporter = threading.Thread(
+            target=_report_stats, args=(server, spec.stage_index, stop), daemon=True
+        )
+        reporter.start()
         _emit("serving", stage=spec.stage_index)
         server.serve_forever(stop)
-        _emit("stopped", stage=spec.stage_index, steps=server.steps)
+        _emit("stopped", stage=spec.stage_index, **server.stats())
     finally:
         for link in (inbound, outbound):
             if link is not None:

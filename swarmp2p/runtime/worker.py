@@ -7,9 +7,14 @@ port) and dials the stage after it, then writes JSON-lines events on stdout:
 - ``{"event": "ready", "stage": i, "port": p}`` once its link is bound (``port`` null on stage 0)
 - ``{"event": "eval", "stage": i, "pass": name, "loss": ..., "perplexity": ..., "top1": ..., "tokens": n}``
 - ``{"event": "step", "stage": i, "step": s, "loss": ..., "tokens_per_s": ..., "act_bytes": ...,
-  "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ...}``
+  "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ..., "loss_scale": ..., "skipped": ...}``
+  (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step),
+  ``"forward_s", "backward_s", "optimizer_s"`` (computing) and ``"wait_s"`` (blocked on the
+  links) that add up to ``step_s``, and ``"at"`` (wall-clock time the step ended)
 - ``{"event": "done", "stage": i, "steps": n}`` and exit code 0
-- ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1
+- ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1; a non-finite
+  step (``NonFiniteError``) and a stage stopped by another's failure (``PipelineAborted``) add
+  ``failed_stage``, ``step`` (null when not in a step) and ``reason``
 
 The spec is a ``swarmp2p.plan.worker_spec.WorkerSpec`` (the job, its plan, the stage and what
 only this node knows), built by ``worker_spec()`` wherever a stage is started. Parsing it imports
@@ -73,7 +78,8 @@ def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        emit("error", type=type(exc).__name__, message=str(exc))
+        extra = getattr(exc, "event_fields", None)
+        emit("error", type=type(exc).__name__, message=str(exc), **(extra or {}))
         return EXIT_FAILED
     return 0
 

@@ -5,7 +5,19 @@ A light package: it never imports torch (stage servers live in ``swarmp2p.runtim
 
 from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
 from swarmp2p.serve.local import LocalRing, WorkerFailed, even_bounds, local_serve_plan, serve_local
-from swarmp2p.serve.protocol import GREEDY, RingMessage, SamplingParams
+from swarmp2p.serve.metrics import ServeMetrics
+from swarmp2p.serve.protocol import (
+    GREEDY,
+    Decode,
+    End,
+    Failed,
+    Prefill,
+    RingMessage,
+    SamplingParams,
+    TokenLogprobs,
+    Tokens,
+    decode_message,
+)
 from swarmp2p.serve.ring import RingEnds, build_ring
 from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
 from swarmp2p.serve.spec import (
@@ -23,23 +35,31 @@ __all__ = [
     "GREEDY",
     "ApiError",
     "ApiServer",
+    "Decode",
+    "End",
+    "Failed",
     "GenerationError",
     "LocalRing",
+    "Prefill",
     "RingBusy",
     "RingClient",
     "RingEnds",
     "RingMessage",
     "SamplingParams",
+    "ServeMetrics",
     "ServeSpec",
     "ServedModel",
     "Session",
     "TextCodec",
     "TextStream",
+    "TokenLogprobs",
+    "Tokens",
     "WorkerFailed",
     "boundary_codec",
     "build_app",
     "build_ring",
     "check_bind",
+    "decode_message",
     "even_bounds",
     "local_serve_plan",
     "parse_serve_spec",

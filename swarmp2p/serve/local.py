@@ -104,6 +104,7 @@ class LocalRing:
         env: dict[str, str] | None = None,
         shards: Sequence[str | None] = (),
         tied_head: str | None = None,
+        groups: int | None = None,
     ) -> None:
         if plan is None:
             if not bounds:
@@ -154,12 +155,17 @@ class LocalRing:
                 timeout=ready_timeout + CONNECT_TIMEOUT_S + 30,
             )
             self._links = [ends.back, ends.first]
+            # groups of sessions in the ring at once: one per stage keeps every stage busy,
+            # but stages on one machine cannot compute on more cores than it has
+            if groups is None:
+                groups = max(1, min(n, os.cpu_count() or 1))
             self.client = RingClient(
                 ends.first,
                 ends.back,
                 max_context=plan.max_context,
                 max_sessions=plan.max_sessions,
                 step_timeout=step_timeout,
+                groups=groups,
             ).start()
         except BaseException:
             self.close()

@@ -2,89 +2,62 @@
 
 A ring is the session manager, then stage 0 .. stage N-1, then the manager again. Messages:
 
-| op        | from -> to                 | fields                          | tensor after it |
-|-----------|----------------------------|---------------------------------|-----------------|
-| `prefill` | manager -> stage 0 -> ...  | sid, pos, tokens*, sampling     | hidden (stage > 0) |
-| `decode`  | manager -> stage 0 -> ...  | sid, pos, tokens*               | hidden (stage > 0) |
-| `end`     | manager -> every stage     | sid                             | none            |
-| `token`   | last stage -> manager      | sid, pos, token                 | none            |
-| `error`   | any stage -> ... -> manager| sid, message                    | none            |
+| op        | from -> to                  | fields                                   | tensor after it |
+|-----------|-----------------------------|------------------------------------------|-----------------|
+| `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len* | hidden [1, T, H] (stage > 0) |
+| `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes | hidden [B, 1, H] (stage > 0) |
+| `end`     | manager -> every stage      | sid                                      | none            |
+| `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs | none |
+| `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
-(*) only stage 0 reads the token ids; it drops them from what it sends on. ``pos`` is how many
-tokens the session's caches held before this step: a stage whose cache disagrees refuses the
-step (a lost or reordered message never produces wrong text). A ``prefill`` of a session a
-stage already holds starts it over (failover replays a session's tokens this way).
+(*) only with ``pos == 0``, the first chunk of a session. A ``prefill`` carries the token ids of
+its chunk (stage 0 embeds them; they go on to the last stage only when a penalty of the session
+needs them, else only their count, the hidden state's length, does); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
+chunks (``more`` is true on all but the last), so a long prompt never stalls other sessions'
+decode steps for long. A ``prefill`` at ``pos == 0`` of a session a stage already holds starts
+it over (failover replays a session's tokens this way).
+
+A ``decode`` is one step of a *group* of sessions, one row each: ``positions[i]`` is how many
+tokens row i's caches held before the step (a stage whose cache disagrees refuses that row,
+so a lost or reordered message never produces wrong text) and ``tokens[i]`` its newest token
+(for stage 0 only: later stages get no ids).
+Every stage runs the group as one batched forward and appends its batch size to ``sizes``.
+``tokens`` answers a group's step (or a prefill's last chunk, with ``group == -1``) with each
+row's next token at ``positions[i]`` (the number of tokens before it). A stage that cannot run
+a row drops it from the step and sends an ``error`` naming that row's session instead.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgpack
 
 from swarmp2p.wire import WireError, unpack_plain
 
-OPS = ("prefill", "decode", "end", "token", "error")
+OPS = ("prefill", "decode", "end", "tokens", "error")
 MAX_CONTROL_BYTES = 1 << 22
 """Largest control map (a prefill of ~500k token ids)."""
 MAX_SID = 2**63 - 1
+MAX_POSITION = 2**40
+"""Far beyond any context; bounds every position so that no integer overflows downstream."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are int32 in every tokenizer we serve; a stage checks its own vocabulary too."""
+MAX_BATCH = 4096
+"""Rows one decode step may carry."""
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs``."""
+MAX_LOGIT_BIAS = 1024
+"""Entries of ``logit_bias`` one request may set."""
+GREEDY_BELOW = 1e-5
+"""A temperature under this is greedy: dividing logits by less overflows float32 (vLLM's
+``_SAMPLING_EPS``)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingParams:
-    """How the last stage picks each token. ``temperature == 0`` is greedy (argmax)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 keeps all."""
-    seed: int | None = None
-    """Same seed, same prompt, same model: same tokens. None draws a fresh seed."""
-
-    def __post_init__(self) -> None:
-        _check(
-            isinstance(self.temperature, (int, float))
-            and not isinstance(self.temperature, bool)
-            and math.isfinite(self.temperature)
-            and 0 <= self.temperature <= 100,
-            "temperature",
-            self.temperature,
-            "a number in [0, 100] (0 is greedy)",
-        )
-        _check(
-            isinstance(self.top_p, (int, float))
-            and not isinstance(self.top_p, bool)
-            and 0 < self.top_p <= 1,
-            "top_p",
-            self.top_p,
-            "a number in (0, 1]",
-        )
-        _check(type(self.top_k) is int and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0")
-        _check(
-            self.seed is None or (type(self.seed) is int and 0 <= self.seed < 2**63),
-            "seed",
-            self.seed,
-            "an integer in [0, 2**63) or null",
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> SamplingParams:
-        if not isinstance(data, dict):
-            raise ValueError(f"sampling: must be a map, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"temperature", "top_p", "top_k", "seed"})
-        if unknown:
-            raise ValueError(f"sampling: unknown field(s) {', '.join(map(str, unknown))}")
-        return cls(**data)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, field: str, value: Any, want: str) -> None:
@@ -92,82 +65,403 @@ def _check(ok: bool, field: str, value: Any, want: str) -> None:
         raise ValueError(f"{field}: {value!r} is not {want}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How the last stage picks each token. ``temperature == 0`` is greedy (argmax). The
+    logits processors run in transformers' order: repetition, presence and frequency penalties,
+    logit bias, then temperature, top-k, top-p and min-p."""
+
+    temperature: float = 1.0
+    """0 (or anything below GREEDY_BELOW) is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one; 0 keeps all."""
+    seed: int | None = None
+    """Same seed, same prompt, same model: same tokens. None draws a fresh seed."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """transformers' (CTRL's): logits of tokens in the prompt or the output divided by it."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias added to its logit) pairs."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k: the sampled token's and the k most likely ones'."""
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_number(self.temperature) and 0 <= self.temperature <= 100,
+            "temperature",
+            self.temperature,
+            "a number in [0, 100] (0 is greedy)",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            self.top_p,
+            "a number in (0, 1]",
+        )
+        _check(
+            type(self.top_k) is int and 0 <= self.top_k <= MAX_TOKEN_ID,
+            "top_k",
+            self.top_k,
+            f"an integer in [0, {MAX_TOKEN_ID}]",
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            self.min_p,
+            "a number in [0, 1]",
+        )
+        _check(
+            self.seed is None or (type(self.seed) is int and 0 <= self.seed <= MAX_SID),
+            "seed",
+            self.seed,
+            "an integer in [0, 2**63) or null",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _check(
+            _is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number in [0.01, 10] (1 is none)",
+        )
+        bias = self.logit_bias
+        _check(
+            isinstance(bias, tuple)
+            and len(bias) <= MAX_LOGIT_BIAS
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and type(pair[0]) is int
+                and 0 <= pair[0] <= MAX_TOKEN_ID
+                and _is_number(pair[1])
+                and -100 <= pair[1] <= 100
+                for pair in bias
+            ),
+            "logit_bias",
+            bias if len(str(bias)) < 200 else f"{str(bias)[:200]}...",
+            f"up to {MAX_LOGIT_BIAS} (token id, bias in [-100, 100]) pairs",
+        )
+        _check(
+            self.logprobs is None
+            or (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+            "logprobs",
+            self.logprobs,
+            f"null or an integer in [0, {MAX_TOP_LOGPROBS}]",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the last stage must know the session's earlier tokens (penalties)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        defaults = _DEFAULTS
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value != defaults[name]:
+                out[name] = [list(p) for p in value] if name == "logit_bias" else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SamplingParams:
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling: must be a map, got {type(data).__name__}")
+        unknown = sorted(map(str, set(data) - set(_FIELDS)))
+        if unknown:
+            raise ValueError(f"sampling: unknown field(s) {', '.join(unknown)}")
+        data = dict(data)
+        if "logit_bias" in data:
+            bias = data["logit_bias"]
+            if not isinstance(bias, list) or len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: must be a list of up to {MAX_LOGIT_BIAS} pairs")
+            data["logit_bias"] = tuple(tuple(p) if isinstance(p, list) else p for p in bias)
+        return cls(**data)
+
+
+_FIELDS = tuple(SamplingParams.__dataclass_fields__)
+_DEFAULTS = {name: f.default for name, f in SamplingParams.__dataclass_fields__.items()}
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RingMessage:
-    """One control map of the ring protocol (see the module docstring for which fields go with
-    which op)."""
+class TokenLogprobs:
+    """The sampled token's log-probability under the model, and the most likely tokens'."""
 
-    op: str
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prefill:
+    """A chunk of one session's tokens (the whole prompt when the manager sends it)."""
+
+    op: ClassVar[str] = "prefill"
     sid: int
     pos: int = 0
     tokens: tuple[int, ...] = ()
+    more: bool = False
+    """More chunks of this session follow: the last stage samples nothing yet."""
     sampling: SamplingParams | None = None
-    token: int = -1
-    message: str = ""
+    prompt_len: int | None = None
+    """With pos 0: how many of the session's tokens are its prompt (the rest were generated
+    before a failover replayed them); None: all of them."""
 
-    def encode(self) -> bytes:
-        body: dict[str, Any] = {"op": self.op, "sid": self.sid}
-        if self.op in ("prefill", "decode", "token"):
-            body["pos"] = self.pos
-        if self.tokens:
-            body["tokens"] = list(self.tokens)
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"sid": self.sid, "pos": self.pos, "tokens": list(self.tokens)}
+        if self.more:
+            body["more"] = True
         if self.sampling is not None:
             body["sampling"] = self.sampling.to_dict()
-        if self.op == "token":
-            body["token"] = self.token
-        if self.op == "error":
-            body["message"] = self.message
-        return msgpack.packb(body, use_bin_type=True)
+        if self.prompt_len is not None:
+            body["prompt_len"] = self.prompt_len
+        return body
 
-    @classmethod
-    def decode(cls, data: bytes | memoryview) -> RingMessage:
-        """Parse one control map; WireError naming the field on anything wrong."""
-        obj = unpack_plain(bytes(data), MAX_CONTROL_BYTES)
-        if type(obj) is not dict:
-            raise WireError("malformed", f"a ring message is a map, got {type(obj).__name__}")
-        op = obj.get("op")
-        if op not in OPS:
-            raise WireError("unknown_type", f"op: {op!r} is not one of {', '.join(OPS)}")
-        allowed = {"op", "sid"} | {
-            "prefill": {"pos", "tokens", "sampling"},
-            "decode": {"pos", "tokens"},
-            "end": set(),
-            "token": {"pos", "token"},
-            "error": {"message"},
-        }[op]
-        extra = sorted(set(obj) - allowed)
-        if extra:
-            raise WireError("bad_field", f"{op}: unexpected field(s) {', '.join(map(str, extra))}")
-        sid = obj.get("sid")
-        if type(sid) is not int or not 0 <= sid <= MAX_SID:
-            raise WireError("bad_field", f"sid: {sid!r} is not an integer in [0, 2**63)")
-        pos = obj.get("pos", 0)
-        if type(pos) is not int or pos < 0:
-            raise WireError("bad_field", f"pos: {pos!r} is not an integer >= 0")
-        tokens = obj.get("tokens", [])
-        if type(tokens) is not list or not all(type(t) is int and t >= 0 for t in tokens):
-            raise WireError("bad_field", "tokens: must be a list of integers >= 0")
-        sampling = obj.get("sampling")
-        if sampling is not None:
-            try:
-                sampling = SamplingParams.from_dict(sampling)
-            except (TypeError, ValueError) as e:
-                raise WireError("bad_field", str(e)) from None
-        token = obj.get("token", -1)
-        if op == "token" and (type(token) is not int or token < 0):
-            raise WireError("bad_field", f"token: {token!r} is not an integer >= 0")
-        message = obj.get("message", "")
-        if type(message) is not str:
-            raise WireError("bad_field", "message: must be a string")
-        return cls(
-            op=op,
-            sid=sid,
-            pos=pos,
-            tokens=tuple(tokens),
-            sampling=sampling,
-            token=token,
-            message=message,
+    def encode(self) -> bytes:
+        return _pack(self.op, self.body())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decode:
+    """One decode step of a group of sessions (a row each), run as one batched forward."""
+
+    op: ClassVar[str] = "decode"
+    group: int
+    step: int
+    """The group's step counter: a late answer to an older step is recognised and dropped."""
+    sids: tuple[int, ...]
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
+    """Each row's newest token, for stage 0 (empty after it)."""
+    sizes: tuple[int, ...] = ()
+    """The batch size each stage so far ran this step with."""
+
+    def __post_init__(self) -> None:
+        _same_lengths(self.sids, self.positions, self.tokens or self.sids)
+
+    def encode(self) -> bytes:
+        return _pack(self.op, _rows(self))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class End:
+    """A session is over: every stage frees its caches."""
+
+    op: ClassVar[str] = "end"
+    sid: int
+
+    def encode(self) -> bytes:
+        return _pack(self.op, {"sid": self.sid})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tokens:
+    """The next token of each row of a step (``group == -1``: after a prefill's last chunk)."""
+
+    op: ClassVar[str] = "tokens"
+    group: int
+    step: int
+    sids: tuple[int, ...]
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    sizes: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    """Empty when no row asked for log-probabilities, else one entry (or None) per row."""
+
+    def __post_init__(self) -> None:
+        _same_lengths(self.sids, self.positions, self.tokens)
+        if self.logprobs and len(self.logprobs) != len(self.sids):
+            raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.sids)} rows")
+
+    def encode(self) -> bytes:
+        body = _rows(self)
+        if self.logprobs:
+            body["logprobs"] = [
+                None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
+                for lp in self.logprobs
+            ]
+        return _pack(self.op, body)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failed:
+    """Sessions a stage could not serve, with the reason; travels on to the manager."""
+
+    op: ClassVar[str] = "error"
+    sids: tuple[int, ...]
+    message: str
+
+    def encode(self) -> bytes:
+        return _pack(self.op, {"sids": list(self.sids), "message": self.message})
+
+
+RingMessage = Prefill | Decode | End | Tokens | Failed
+
+
+def _same_lengths(sids, positions, tokens) -> None:
+    if not len(sids) == len(positions) == len(tokens):
+        raise ValueError(
+            f"rows: {len(sids)} sids, {len(positions)} positions and {len(tokens)} tokens "
+            "must be as many"
         )
+
+
+def _rows(msg: Decode | Tokens) -> dict[str, Any]:
+    return {
+        "group": msg.group,
+        "step": msg.step,
+        "sids": list(msg.sids),
+        "positions": list(msg.positions),
+        "tokens": list(msg.tokens),
+        "sizes": list(msg.sizes),
+    }
+
+
+def _pack(op: str, body: dict[str, Any]) -> bytes:
+    return msgpack.packb({"op": op, **body}, use_bin_type=True)
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+_ALLOWED = {
+    "prefill": ({"sid", "pos", "tokens"}, {"more", "sampling", "prompt_len"}),
+    "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, set()),
+    "end": ({"sid"}, set()),
+    "tokens": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"logprobs"}),
+    "error": ({"sids", "message"}, set()),
+}
+
+
+def _bad(field: str, why: str) -> WireError:
+    return WireError("bad_field", f"{field}: {why}")
+
+
+def _int(obj: dict, field: str, lo: int, hi: int) -> int:
+    value = obj[field]
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(field, f"{value!r} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def _ints(obj: dict, field: str, lo: int, hi: int, most: int) -> tuple[int, ...]:
+    value = obj[field]
+    if type(value) is not list or len(value) > most:
+        raise _bad(field, f"must be a list of at most {most} integers")
+    if not all(type(v) is int and lo <= v <= hi for v in value):
+        raise _bad(field, f"must be a list of integers in [{lo}, {hi}]")
+    return tuple(value)
+
+
+def _logprobs(value: Any, rows: int) -> tuple[TokenLogprobs | None, ...]:
+    if type(value) is not list or len(value) != rows:
+        raise _bad("logprobs", f"must be a list of one entry per row ({rows})")
+    out: list[TokenLogprobs | None] = []
+    for entry in value:
+        if entry is None:
+            out.append(None)
+            continue
+        if (
+            type(entry) is not list
+            or len(entry) != 2
+            or not isinstance(entry[0], float)
+            or type(entry[1]) is not list
+            or len(entry[1]) > MAX_TOP_LOGPROBS
+        ):
+            raise _bad("logprobs", "an entry is [logprob, [[token id, logprob], ...]] or null")
+        top = []
+        for pair in entry[1]:
+            if (
+                type(pair) is not list
+                or len(pair) != 2
+                or type(pair[0]) is not int
+                or not 0 <= pair[0] <= MAX_TOKEN_ID
+                or not isinstance(pair[1], float)
+            ):
+                raise _bad("logprobs", "a top entry is [token id, logprob]")
+            top.append((pair[0], pair[1]))
+        out.append(TokenLogprobs(logprob=entry[0], top=tuple(top)))
+    return tuple(out)
+
+
+def decode_message(data: bytes | memoryview) -> RingMessage:
+    """Parse one control map; WireError naming the field on anything wrong."""
+    obj = unpack_plain(bytes(data), MAX_CONTROL_BYTES)
+    if type(obj) is not dict:
+        raise WireError("malformed", f"a ring message is a map, got {type(obj).__name__}")
+    op = obj.pop("op", None)
+    if op not in OPS:
+        raise WireError("unknown_type", f"op: {op!r} is not one of {', '.join(OPS)}")
+    required, optional = _ALLOWED[op]
+    extra = sorted(map(str, set(obj) - required - optional))
+    if extra:
+        raise WireError("bad_field", f"{op}: unexpected field(s) {', '.join(extra)}")
+    missing = sorted(required - set(obj))
+    if missing:
+        raise WireError("bad_field", f"{op}: missing field(s) {', '.join(missing)}")
+    try:
+        if op == "prefill":
+            return _parse_prefill(obj)
+        if op == "end":
+            return End(sid=_int(obj, "sid", 0, MAX_SID))
+        if op == "error":
+            if type(obj["message"]) is not str:
+                raise _bad("message", "must be a string")
+            return Failed(sids=_ints(obj, "sids", 0, MAX_SID, MAX_BATCH), message=obj["message"])
+        rows = {
+            "group": _int(obj, "group", -1, MAX_BATCH),
+            "step": _int(obj, "step", 0, MAX_SID),
+            "sids": _ints(obj, "sids", 0, MAX_SID, MAX_BATCH),
+            "positions": _ints(obj, "positions", 0, MAX_POSITION, MAX_BATCH),
+            "tokens": _ints(obj, "tokens", 0, MAX_TOKEN_ID, MAX_BATCH),
+            "sizes": _ints(obj, "sizes", 0, MAX_BATCH, 256),
+        }
+        if op == "decode":
+            return Decode(**rows)
+        logprobs = _logprobs(obj["logprobs"], len(rows["sids"])) if "logprobs" in obj else ()
+        return Tokens(**rows, logprobs=logprobs)
+    except ValueError as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError("bad_field", str(e)) from None
+
+
+def _parse_prefill(obj: dict) -> Prefill:
+    more = obj.get("more", False)
+    if type(more) is not bool:
+        raise _bad("more", f"{more!r} is not true or false")
+    pos = _int(obj, "pos", 0, MAX_POSITION)
+    sampling = obj.get("sampling")
+    if sampling is not None:
+        sampling = SamplingParams.from_dict(sampling)
+    prompt_len = obj.get("prompt_len")
+    if prompt_len is not None:
+        prompt_len = _int(obj, "prompt_len", 0, MAX_POSITION)
+    if pos != 0 and (sampling is not None or prompt_len is not None):
+        raise _bad("sampling", "sampling and prompt_len go with the first chunk (pos 0) only")
+    return Prefill(
+        sid=_int(obj, "sid", 0, MAX_SID),
+        pos=pos,
+        tokens=_ints(obj, "tokens", 0, MAX_TOKEN_ID, MAX_CONTROL_BYTES),
+        more=more,
+        sampling=sampling,
+        prompt_len=prompt_len,
+    )

@@ -49,9 +49,15 @@ class ServeSpec:
     ``model`` is the base the job trained from, and the worker loads the base slice and the
     shard on top (weights, adapters, boundary compressors, per its manifest)."""
     tied_head: str | None = field(default=None, min_len=1, max_len=4096)
-    """A safetensors file holding the tied output head's weight under its whole-model name
-    (the first stage's trained embedding): only for the last stage of a tied-embedding model
-    served from a shard that includes its weights."""
+    """A safetensors file holding one tensor, the tied output head's weight under its
+    whole-model name (the first stage's trained embedding; a copy of the first stage's
+    ``weights.safetensors`` works too, its embedding is picked by name): only for the last stage
+    of a tied-embedding model served from a shard that includes its weights."""
+    link_keys: dict | None = None
+    """Per-node link keys (issue 15), z85: ``{"public", "secret"}`` of this stage's node,
+    ``"prev"`` the public key of the node that sends into this stage (the only client its input
+    link admits), ``"next"`` that of the node it sends to. None: the token's keys (one machine,
+    ``LocalRing``, tests)."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -62,6 +68,11 @@ class ServeSpec:
             ipaddress.ip_address(self.host)
         except ValueError:
             errors.append(FieldError(path="host", message=f"{self.host!r} is not an IP address"))
+        if self.link_keys is not None and not all(
+            isinstance(self.link_keys.get(k), str) and self.link_keys.get(k)
+            for k in ("public", "secret", "prev", "next")
+        ):
+            errors.append(FieldError(path="link_keys", message="must map public, secret, prev and next to keys, or be null"))  # fmt: skip
         if self.tied_head is not None and self.shard is None:
             errors.append(FieldError(path="tied_head", message="only a stage served from a shard takes a tied head"))  # fmt: skip
         if self.tied_head is not None and self.stage != n - 1:
@@ -148,6 +159,7 @@ def serve_spec(
     threads: int = 0,
     shard: str | None = None,
     tied_head: str | None = None,
+    link_keys: dict[str, str] | None = None,
 ) -> ServeSpec:
     """The spec of stage ``stage`` of ``plan`` on this node (the fields only it knows)."""
     return ServeSpec(
@@ -161,6 +173,7 @@ def serve_spec(
         threads=threads,
         shard=shard,
         tied_head=tied_head,
+        link_keys=link_keys,
     )
 
 

@@ -1,16 +1,37 @@
 """Text in and out of a served model: its tokenizer, its chat template, streamed detokenizing
 and stop strings. Reads the model folder's own files (``tokenizer.json``, the chat template in
-``chat_template.jinja`` or ``tokenizer_config.json``, the end-of-sequence ids)."""
+``chat_template.jinja`` or ``tokenizer_config.json``, the end-of-sequence ids).
+
+The chat template is rendered as transformers' ``apply_chat_template`` renders it, without
+importing transformers: the same sandboxed jinja2 environment (``trim_blocks``,
+``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` tag), the same ``tojson`` (not
+HTML-escaped, ``ensure_ascii=False`` by default, ``indent``/``separators``/``sort_keys``),
+``raise_exception``, ``strftime_now``, ``dict`` and ``namespace``, and the same variables
+(``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the named special
+tokens). A test renders templates byte for byte against ``apply_chat_template``.
+"""
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 MAX_STOP_STRINGS = 4
 """OpenAI's limit on ``stop``."""
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""The named special tokens transformers hands a chat template (``special_tokens_map``)."""
 
 
 class TextCodec:
@@ -30,6 +51,8 @@ class TextCodec:
         """Token ids that end a generation (the model's and its generation config's)."""
         self.special = special
         """bos_token, eos_token, ... as strings, for the chat template."""
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        """Token ids the tokenizer knows: a prompt's ids must be below it."""
         self._template = None
 
     @classmethod
@@ -51,8 +74,9 @@ class TextCodec:
         elif isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         special = {}
-        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            value = config.get(name)
+        fallback = _read_json(folder / "special_tokens_map.json")
+        for name in SPECIAL_TOKEN_NAMES:
+            value = config.get(name, fallback.get(name))
             if isinstance(value, dict):
                 value = value.get("content")
             if isinstance(value, str):
@@ -76,29 +100,114 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text the chat template makes of ``messages``, ready for the assistant."""
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens included), as logprobs report it."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """The prompt text the chat template makes of ``messages``, ready for the assistant
+        (``variables`` reach the template too, as ``apply_chat_template``'s kwargs do)."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and none in "
                 "tokenizer_config.json); use /v1/completions with your own prompt"
             )
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            self._template = compile_chat_template(self.chat_template)
+        from jinja2 import TemplateError
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        context = {
+            **self.special,
+            **variables,
+            "messages": messages,
+            "tools": variables.get("tools"),
+            "documents": variables.get("documents"),
+            "add_generation_prompt": variables.get("add_generation_prompt", True),
+        }
+        try:
+            return self._template.render(**context)
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # the template writes the special tokens itself; the tokenizer must not add more
         return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
 
 
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"the chat template refused the messages: {message}")
+def compile_chat_template(source: str):
+    """A chat template compiled in the jinja2 environment transformers renders them in
+    (``transformers.utils.chat_template_utils._compile_jinja_template``)."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}`` renders its body (transformers tracks
+        the assistant's tokens with it; nothing here needs that)."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        """``dict(...)`` without attribute access to the real type."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """``namespace(...)`` refusing underscore-prefixed attributes."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    "chat templates cannot store underscore-prefixed attributes on a namespace, "
+                    f"got {name!r}"
+                )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(source)
 
 
 def _read_json(path: Path) -> dict:
@@ -110,8 +219,15 @@ def _read_json(path: Path) -> dict:
 
 class TextStream:
     """Detokenizes generated ids as they come, holding back what could still be a stop string
-    or half a character. ``push(ids)`` is a session's ``stop`` rule: it hands each new piece of
-    text to ``on_text`` and returns True once a stop string appeared (text before it kept)."""
+    or half a character. ``push(ids)`` is a session's ``stop`` rule: it takes the newest id, adds
+    each new piece of text to ``pieces`` (and hands it to ``on_text``) and returns True once a
+    stop string appeared (text before it kept).
+
+    O(1) per token: the tokenizers library's streaming decoder turns one id into its new text
+    (it keeps the few ids a character or a word boundary needs), and stop strings are looked
+    for only in the held-back tail plus that new text — a stop string that ends in the new text
+    began in the held-back tail, since everything before it was handed out as unable to begin
+    one."""
 
     def __init__(
         self,
@@ -119,51 +235,73 @@ class TextStream:
         stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
     ) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.codec = codec
         self.stop_strings = [s for s in stop if s]
         self.on_text = on_text
-        self.text = ""
-        """Everything handed out so far."""
+        self.pieces: collections.deque[str] = collections.deque()
+        """New text not yet taken (``take``); safe to read from another thread."""
         self.stopped = False
-        self._ids: list[int] = []
-        self._full = ""
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._held = ""
+        self._out: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything handed out so far."""
+        return "".join(self._out)
 
     def push(self, tokens: Sequence[int]) -> bool:
         """Take the newest of ``tokens``; True when a stop string ends the text."""
         if self.stopped:
             return True
-        self._ids.append(tokens[-1])
-        full = self.codec.decode(self._ids)
-        self._full = full
-        if full.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+        try:
+            new = self._decoder.step(self.codec.tokenizer, tokens[-1])
+        except Exception:  # an id the tokenizer cannot decode (beyond its vocabulary) adds nothing
+            new = None
+        if not new:  # a character split across tokens: wait for the rest
             return False
-        cut = min((i for i in (full.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        buf = self._held + new
+        cut = min((i for i in (buf.find(s) for s in self.stop_strings) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
-            self._emit(full[:cut])
+            self._held = ""
+            self._emit(buf[:cut])
             return True
-        self._emit(full[: len(full) - self._held_back(full)])
+        hold = _held_back(buf, self.stop_strings)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        self._emit(buf[: len(buf) - hold])
         return False
 
     def finish(self) -> str:
         """Hand out what was held back (the generation ended); the whole text."""
-        if not self.stopped:
-            self._emit(self._full.rstrip("\ufffd"))
+        if not self.stopped and self._held:
+            self._emit(self._held)
+            self._held = ""
         return self.text
 
-    def _held_back(self, full: str) -> int:
-        """Length of the longest tail of ``full`` that begins some stop string."""
-        longest = 0
-        for stop in self.stop_strings:
-            for n in range(min(len(stop) - 1, len(full)), longest, -1):
-                if full.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+    def take(self) -> str:
+        """The text handed out since the last ``take``."""
+        out = []
+        while self.pieces:
+            out.append(self.pieces.popleft())
+        return "".join(out)
 
-    def _emit(self, upto: str) -> None:
-        if len(upto) > len(self.text) and upto.startswith(self.text):
-            piece = upto[len(self.text) :]
-            self.text = upto
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._out.append(piece)
+            self.pieces.append(piece)
             if self.on_text is not None:
                 self.on_text(piece)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins some stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

@@ -22,9 +22,20 @@ FAILURE_TIMEOUT_S = 1.5
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port whose port + 2 is free too: a daemon's join port is its control port
+    + 2 (``swarmp2p.node.join.JOIN_PORT_OFFSET``)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65534:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 2))
+            except OSError:
+                continue
+        return port
 
 
 def wait_until(
@@ -56,7 +67,11 @@ def swarm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def swarm(node, *args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """The `swarm` CLI against ``node``'s daemon (over its unix socket), output captured."""
+    """The `swarm` CLI against ``node``'s daemon (over its unix socket), output captured; on
+    the node's own host when it runs on one (a system test's ``HostNode.cli``)."""
+    on_host = getattr(node, "cli", None)
+    if on_host is not None:
+        return on_host(*args, timeout=timeout, cwd=None if cwd == ROOT else cwd)
     return subprocess.run(
         [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(node.state.root)],
         capture_output=True,
@@ -91,17 +106,19 @@ def tiny_llama(
     max_positions: int = 64,
     tied: bool = False,
     shard_size: str = "40KB",
+    hidden: int = 32,
     **config: Any,
 ) -> Path:
-    """A random tiny Llama (hidden 32) saved in ``folder`` in several safetensors shards."""
+    """A random tiny Llama (hidden 32 unless told) saved in ``folder`` in several safetensors
+    shards."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
     llama = tf.LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

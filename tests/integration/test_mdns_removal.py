@@ -44,18 +44,18 @@ def test_mdns_removal_is_confirmed_by_a_heartbeat(tmp_path):
         a, b = _daemon(tmp_path, "a", ports), _daemon(tmp_path, "b", ports)
         runs = [asyncio.ensure_future(d.run()) for d in (a, b)]
         try:
-            await _until(lambda: "b" in a.members.peers and "a" in b.members.peers, 10)
+            await _until(lambda: "b" in a.ctx.members.peers and "a" in b.ctx.members.peers, 10)
             # a forged or mistaken goodbye: b still answers its heartbeat, so it stays
             a._on_mdns_remove("b")
             await asyncio.sleep(0.5)
-            assert a.members.peers["b"].alive
+            assert a.ctx.members.peers["b"].alive
 
             # b crashes (its sockets close, no leave is sent); the goodbye is now confirmed
-            b.members.peers.clear()
+            b.ctx.members.peers.clear()
             b.stop()
             await runs[1]
             a._on_mdns_remove("b")
-            took = await _until(lambda: not a.members.peers["b"].alive, 5)
+            took = await _until(lambda: not a.ctx.members.peers["b"].alive, 5)
             assert took < 2.0  # far below the 30 s failure timeout
             assert a.status()["leader"] == "a"
         finally:

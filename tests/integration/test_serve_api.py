@@ -284,3 +284,185 @@ def test_a_client_leaving_mid_stream_ends_its_session(client, served):
         time.sleep(0.02)
     assert model.client.active == 0
     assert time.monotonic() - started < 2.0  # cancelled, not run to its 240 tokens
+
+
+def test_models_retrieve_names_the_context(client):
+    card = client.models.retrieve("embedded")
+    assert card.id == "embedded"
+    assert card.model_extra["max_model_len"] == CONTEXT
+    assert client.models.list().data[0].model_extra["max_model_len"] == CONTEXT
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_n_choices_and_logprobs(client):
+    reply = client.chat.completions.create(
+        model="embedded", messages=FRANCE, n=2, temperature=0, max_tokens=6,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy twice
+    assert reply.usage.completion_tokens == 12
+    entries = reply.choices[0].logprobs.content
+    assert (
+        len(entries) == 6 and "".join(e.token for e in entries) == reply.choices[0].message.content
+    )
+    for entry in entries:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+
+    sampled = client.completions.create(
+        model="embedded", prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=8,
+        logprobs=2,
+    )  # fmt: skip
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) > 1  # each choice its own draw
+    for choice in sampled.choices:
+        assert "".join(choice.logprobs.tokens) == choice.text
+        assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+        assert choice.logprobs.text_offset[0] == 0
+    again = client.completions.create(
+        model="embedded", prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=8
+    )
+    assert [c.text for c in again.choices] == texts  # the seed makes every choice repeat
+
+    streamed = list(
+        client.chat.completions.create(
+            model="embedded", messages=FRANCE, n=2, temperature=0, max_tokens=6, stream=True
+        )
+    )
+    for index in (0, 1):
+        text = "".join(
+            c.choices[0].delta.content or "" for c in streamed if c.choices[0].index == index
+        )
+        assert text == reply.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in streamed if c.choices[0].finish_reason]
+    assert finishes == ["length", "length"]
+
+
+def test_penalties_bias_and_min_p_change_the_output(client, served):
+    def ask(prompt="one one one one one one", **kw):
+        return client.completions.create(
+            model="embedded", prompt=prompt, temperature=0, max_tokens=8, **kw
+        )
+
+    plain = ask().choices[0].text
+    assert ask(frequency_penalty=2.0).choices[0].text != plain
+    cat = "The cat sat on the"  # greedy: " cat's back, and the cat sat"
+    assert ask(cat, presence_penalty=-2.0).choices[0].text != ask(cat).choices[0].text
+    assert ask(extra_body={"repetition_penalty": 3.0}).choices[0].text != plain
+    assert ask(extra_body={"min_p": 0.5}).choices[0].text == plain  # greedy ignores warpers
+    equals = served[1].codec.tokenizer.token_to_id("=")
+    forced = ask(logit_bias={str(equals): 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == ["="] * 8
+    assert forced.usage.completion_tokens == 8
+
+
+def test_response_format_is_enforced_or_refused_never_ignored(client):
+    for fmt in ({"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="embedded", messages=FRANCE, max_tokens=4, response_format=fmt
+            )
+        assert refused.value.body["param"] == "response_format"
+        assert "cannot constrain its output to JSON" in refused.value.body["message"]
+    ok = client.chat.completions.create(
+        model="embedded", messages=FRANCE, max_tokens=2, response_format={"type": "text"}
+    )
+    assert ok.choices[0].finish_reason == "length"
+
+
+def _get(url, headers=None):
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_health_and_prometheus_metrics(client, served):
+    server, _, _ = served
+    client.completions.create(model="embedded", prompt="Hi", temperature=0, max_tokens=3)
+    status, body = _get(server.url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, text = _get(server.url + "/metrics")
+    assert status == 200
+    assert 'swarm_requests_total{model="embedded",endpoint="/v1/completions",status="200"}' in text
+    assert 'swarm_time_to_first_token_seconds_bucket{model="embedded",le="+Inf"}' in text
+    assert 'swarm_inter_token_latency_seconds_count{model="embedded"}' in text
+    assert 'swarm_queue_depth{model="embedded"} 0' in text
+    assert 'swarm_stage_batch_size{model="embedded",stage="1"}' in text
+    generated = [line for line in text.splitlines() if line.startswith("swarm_generation_tokens")]
+    assert int(generated[0].split()[-1]) >= 3
+
+
+def test_foreign_hosts_and_origins_are_refused(served):
+    server, _, _ = served
+    port = server.url.rsplit(":", 1)[1]
+    status, body = _get(server.url + "/v1/models", {"Host": f"evil.example:{port}"})
+    assert status == 403 and "DNS-rebinding" in body
+    body = json.dumps({"model": "embedded", "prompt": "hi", "max_tokens": 1}).encode()
+    status, reply = _post(
+        server.url + "/v1/completions", body,
+        {"Origin": "http://evil.example", "Content-Type": "text/plain"},
+    )  # fmt: skip
+    assert status == 403 and "cross-site" in reply["error"]["message"]
+    assert _get(server.url + "/v1/models", {"Host": f"localhost:{port}"})[0] == 200
+    status, _ = _post(server.url + "/v1/completions", body, {"Origin": f"http://127.0.0.1:{port}"})
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [18446744073709551616]}, "prompt"),
+        ({"prompt": [49152]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": "hi", "top_k": 1e23}, "top_k"),
+        ({"prompt": "hi", "top_k": 10**23}, "top_k"),
+        ({"prompt": "hi", "seed": 2**70}, "seed"),
+        ({"prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+        ({"prompt": "hi", "n": 10**20}, "n"),
+        ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logprobs": 10**30}, "logprobs"),
+    ],
+)
+def test_out_of_range_numbers_are_400_and_leave_no_session(served, body, param):
+    server, model, _ = served
+    status, reply = _post(
+        server.url + "/v1/completions", json.dumps({"model": "embedded", **body}).encode()
+    )
+    assert status == 400, reply
+    assert reply["error"]["param"] == param
+    assert model.client.active == 0 and model.client.queue_depth == 0
+
+
+def test_a_client_that_leaves_a_plain_request_cancels_it(served):
+    """Not streamed: the server notices the closed connection and frees the session."""
+    import socket
+    import time
+
+    server, model, _ = served
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "embedded", "prompt": "Once upon a time", "temperature": 0,
+                       "max_tokens": 240}).encode()  # fmt: skip
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        while model.client.active == 0 and time.monotonic() < started + 10:
+            time.sleep(0.01)
+        assert model.client.active == 1
+    left = time.monotonic()
+    while model.client.active and time.monotonic() < left + 10:
+        time.sleep(0.02)
+    assert model.client.active == 0
+    assert time.monotonic() - left < 2.0  # cancelled, not run to its 240 tokens

@@ -64,6 +64,32 @@ def test_worker_ring_greedy_equals_generate(family, bounds, compression, tiny):
     assert got == want
 
 
+@pytest.mark.parametrize(
+    ("family", "bounds"),
+    [("llama", [(0, 1), (1, 3), (3, 4)]), ("qwen3_5", [(0, 2), (2, 4)])],
+    ids=["llama-3", "qwen3_5-2"],
+)
+def test_worker_ring_batches_eight_sessions_each_to_its_solo_output(family, bounds, tiny):
+    """Continuous batching across worker processes: eight sessions of different prompt and
+    output lengths, three of them joining mid-batch, each equal to its solo run."""
+    from ring_helpers import reference_generate
+
+    folder, model = tiny(family)
+    prompts = [[5 + i * 7 % 100 for i in range(n)] for n in (1, 3, 14, 6, 9, 2, 11, 5)]
+    budgets = [10, 6, 12, 8, 4, 11, 7, 9]
+    with LocalRing(str(folder), bounds=bounds, threads=1) as ring:
+        client = ring.client
+        solo = [client.generate(p, max_tokens=n, timeout=60) for p, n in zip(prompts, budgets)]
+        first = [client.submit(p, max_tokens=n) for p, n in zip(prompts[:5], budgets[:5])]
+        while len(first[0].tokens) < 3 and not first[0].done.is_set():
+            first[0].done.wait(0.002)
+        later = [client.submit(p, max_tokens=n) for p, n in zip(prompts[5:], budgets[5:])]
+        together = [s.result(60) for s in first + later]
+        assert client.stages == len(bounds)
+    assert together == solo
+    assert solo[2] == reference_generate(model, prompts[2], budgets[2])
+
+
 def test_a_killed_stage_fails_the_request_within_the_step_timeout(tiny):
     folder, _ = tiny("llama")
     with LocalRing(str(folder), bounds=[(0, 4)], threads=1, step_timeout=2.0) as ring:

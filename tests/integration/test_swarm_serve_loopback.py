@@ -363,6 +363,7 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
 
     b = loopback_swarm.node("b", token=TOKEN, env=ENV).start()
     b.wait_up()
+    wait_until(lambda: b.status()["leader_ready"], 30, "b to found the swarm")  # a member
     shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
                          "intermediate_size": 64, "num_hidden_layers": 4,
                          "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
@@ -373,11 +374,15 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
     plan = inputs.plan()
     skewed = plan.to_json().replace('"dtype":"float32"', '"dtype":"bfloat16"')
 
+    from swarmp2p.net import ClientKeys, NodeKey
+
+    # as the issuer b itself (its own key: a serve.stage_start must come from its issuer)
+    b_key = NodeKey.load(b.state.node_key_file)
+    as_b = ClientKeys(public=b_key.public, secret=b_key.secret, server=b_key.public)
+
     async def ask(plan_json):
         ctx = AsyncSecureContext()
-        client = RpcClient(
-            ctx, SwarmSecret.from_token(TOKEN), f"tcp://127.0.0.1:{loopback_swarm.ports['b']}"
-        )
+        client = RpcClient(ctx, as_b, f"tcp://127.0.0.1:{loopback_swarm.ports['b']}")
         try:
             msg = ServeStageStart(serve_id="sx", attempt=1, stage=0, inputs=inputs,
                                   plan=plan_json, model="/nonexistent", issuer="b")  # fmt: skip

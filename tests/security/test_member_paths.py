@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from security_harness import member_request
+from security_harness import credentials, member_request
 
-from swarmp2p.net import AsyncSecureContext, RpcClient, RpcError, RpcServer, SwarmSecret
+from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
+from swarmp2p.net.auth import KeyCheck
 from swarmp2p.node.messages import FilePull, ServeStageStart, ShardChunk, ShardRead
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,9 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
     """The member serves a file and tells the victim to pull it into job ``..``: before the
     fix it overwrote the victim's node_id (it came back as the member's choice and led)."""
     node_id_before = victim.state.node_id_file.read_text()
-    secret = SwarmSecret.from_token(victim.token)
+    keys = credentials(victim.endpoint, victim.token)
+    mine = NodeKey(keys.public, keys.secret)
+    served = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil")  # fmt: skip
 
     async def evil(msg, peer):
         if isinstance(msg, ShardRead):
@@ -48,9 +51,9 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
 
     async def attack() -> str:
         ctx = AsyncSecureContext()
-        server = RpcServer(ctx, secret, "127.0.0.1", 0, evil)
+        server = RpcServer(ctx, served, "127.0.0.1", 0, evil)
         await server.start()
-        client = RpcClient(ctx, secret, victim.endpoint)
+        client = RpcClient(ctx, keys, victim.endpoint)
         try:
             await client.request(FilePull(job_id="..", file="node_id", source=server.endpoint), 15)
             return "pulled"
@@ -80,7 +83,7 @@ def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
                          "intermediate_size": 64, "num_hidden_layers": 1,
                          "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
     msg = ServeStageStart(serve_id="s1", attempt=1, stage=0, inputs=ServeInputs(shape=shape),
-                          plan="{}", model="/nonexistent-model", issuer="v")  # fmt: skip
+                          plan="{}", model="/nonexistent-model", issuer="mallory")  # fmt: skip
     with pytest.raises(RpcError) as info:
         member_request(victim.endpoint, victim.token, msg, serve_id="../../escaped")
     assert info.value.code == "bad_field" and "serve_id" in info.value.detail, info.value

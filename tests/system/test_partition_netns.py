@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 
 import pytest
+from hosts import HOME
 from swarm_harness import agreed_on, dump, swarm, wait_until
 
 from swarmp2p.net.security import SwarmSecret
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 
-JOB = {"name": "p", "model": {"pretrained": "/nowhere/model"}, "data": {"source": "random"}}
+
+def _job_on(node) -> str:
+    """A job file on ``node``'s host for a model only that host has, which never runs (its
+    float16 fits no CPU): it waits, so the tables hold it and no worker starts."""
+    model = node.host.config_only_model()
+    job = {"name": "p", "model": {"pretrained": model, "dtype": "float16"},
+           "data": {"source": "random"}}  # fmt: skip
+    return node.host.write(f"{HOME}/job.json", json.dumps(job))
 
 
 def _submit(node, job_file) -> object:
@@ -23,9 +31,7 @@ def _jobs(node) -> list[str]:
     return sorted(j["job_id"] for j in node.status()["jobs"])
 
 
-def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table(
-    netns_lab_of, tmp_path
-):
+def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table(netns_lab_of):
     lab = netns_lab_of
     hosts = lab.build(3)
     token = SwarmSecret.generate().token
@@ -33,12 +39,10 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
     for node in nodes:
         node.start()
     a, b, c = nodes
-    job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps(JOB))
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3), 20, "agreement on a")
         wait_until(lambda: all(len(n.status()["quorum"]["members"]) == 3 for n in nodes), 20, "3 members")  # fmt: skip
-        first = _submit(c, job_file)
+        first = _submit(c, _job_on(c))
         assert first.returncode == 0, first.stderr
         j1 = json.loads(first.stdout)["job_id"]
 
@@ -48,12 +52,12 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
         assert "sees 1 of 3 member(s)" in status["quorum"]["reason"]
         text = swarm(c, "status").stdout
         assert "quorum  NO: this node sees 1 of 3 member(s)" in text
-        refused = _submit(c, job_file)
+        refused = _submit(c, _job_on(c))
         assert refused.returncode == 4, (refused.returncode, refused.stderr)  # unavailable
         assert "accepts new jobs only on a side that sees 2" in refused.stderr
 
         wait_until(lambda: agreed_on([a, b], "a", 2), 15, "a and b to agree without c")
-        second = _submit(b, job_file)
+        second = _submit(b, _job_on(b))
         assert second.returncode == 0, second.stderr
         j2 = json.loads(second.stdout)["job_id"]
         assert j2 not in _jobs(c)

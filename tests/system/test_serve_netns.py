@@ -1,7 +1,7 @@
-"""`swarm serve` on real hosts in network namespaces: a tiny Llama that only the issuing host
-has (the others see an empty folder at its path) served across 3 hosts, which fetch their copy
-from it; one stage host SIGKILLed mid-stream, the streamed request completes with the identical
-greedy text."""
+"""`swarm serve` on real hosts in network namespaces, each with its own disk: a tiny Llama that
+only the issuing host has served across 3 hosts, which fetch only their stages' files from it;
+one stage host SIGKILLed mid-stream, the streamed request completes with the identical greedy
+text."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import sys
 import time
 
 import pytest
-from swarm_harness import ROOT, agreed_on, dump, swarm_env, wait_until
+from hosts import HOME, STATE
+from swarm_harness import agreed_on, dump, swarm, wait_until
 from test_swarm_serve_loopback import PROMPT, greedy_text, tiny_llama_with_tokenizer
 
 from swarmp2p.net.security import SwarmSecret
+from swarmp2p.plan import model_shape
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
 
@@ -25,48 +27,45 @@ MAX_NEW = 400
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny Llama; only the issuing host b sees it (a and c have an empty folder there)."""
+    """A tiny Llama, made here; the test puts it on the issuing host b only."""
     return tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def _in(host, *args, **kw):
-    return subprocess.Popen(
-        ["ip", "netns", "exec", host.ns, sys.executable, "-m", "swarmp2p", *args],
-        env=swarm_env(),
-        cwd=ROOT,
-        **kw,
-    )
 
 
 def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tiny):
     hosts = netns_lab(3)
     token = SwarmSecret.generate().token
-    nodes = [
-        h.swarm_up(i, token, env=ENV, hide=None if i == "b" else tiny) for h, i in zip(hosts, "abc")
-    ]
+    nodes = [h.swarm_up(i, token, env=ENV) for h, i in zip(hosts, "abc")]
     for node in nodes:
         node.start()
     a, b, c = nodes
+    model = hosts[1].put(tiny, f"{HOME}/models/tiny")
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3), 30, "the hosts to agree")
         wait_until(lambda: a.status()["leader_ready"], 15, "the leader to be ready")
     except AssertionError:
         raise AssertionError(dump(nodes)) from None
 
-    serve = subprocess.run(
-        [sys.executable, "-m", "swarmp2p", "serve", str(tiny), "--name", "tiny", "--stages", "3",
-         "--port", "8080", "--max-context", "512", "--json", "--state-dir", str(b.state.root)],
-        capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    serve = swarm(b, "serve", model, "--name", "tiny", "--stages", "3", "--port", "8080",
+                  "--max-context", "512", "--json", timeout=300)  # fmt: skip
     assert serve.returncode == 0, serve.stderr + dump(nodes)
     view = json.loads(serve.stdout)
     assert [s["node"] for s in view["stages"]] == ["a", "b", "c"]
     expected = greedy_text(tiny, PROMPT, MAX_NEW)
+    # a and c fetched from b only the files their stages read (a: the embedding and the
+    # blocks; c: the blocks and the head), each a strict part of the model
+    shape = model_shape.from_folder(tiny)
+    for node, (first, last) in ((a, (True, False)), (c, (False, True))):
+        stage = next(s for s in view["stages"] if s["node"] == node.node_id)
+        start, end = stage["layers"]
+        want = set(model_shape.stage_files(shape, start, end, first, last))
+        got = {p.name for p in node.host.outside(f"{STATE}/models").glob("*/*.safetensors")}
+        assert got == want and got < {p.name for p in tiny.glob("*.safetensors")}, got
 
     # the client runs on b's host, where the API listens on 127.0.0.1
-    client = _in(
-        hosts[1], "generate", "tiny", PROMPT, "--max-tokens", str(MAX_NEW), "--temperature", "0",
-        "--stream", "--url", view["url"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    client = hosts[1].popen(
+        [sys.executable, "-m", "swarmp2p", "generate", "tiny", PROMPT, "--max-tokens",
+         str(MAX_NEW), "--temperature", "0", "--stream", "--url", view["url"]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         # unbuffered: communicate() below reads the pipe's descriptor, not a buffer's bytes
@@ -88,6 +87,4 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
         and {s["node"] for s in served["stages"]} == {"a", "b"}
     )
     assert time.monotonic() - killed < 120
-    # a fetched its copy from b (it cannot see the folder); b served its own folder
-    fetched = list((a.state.root / "serve" / "models").glob("*/model*.safetensors"))
-    assert fetched and not (b.state.root / "serve" / "models").exists()
+    assert not b.host.outside(f"{STATE}/models").exists()  # b served its own folder

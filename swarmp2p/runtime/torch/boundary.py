@@ -11,11 +11,16 @@ tensor as a wire ``TensorFrame``. A quantized payload (intN / tokintN / fp16) cr
 codes (wire v2, ``encode_tensor(exact=True)``), which decode to exactly the floats training
 computed; if a round trip were ever not exact, the plain floats go instead (reference, "What a
 distributed job sends").
+
+A stage that fails sends its neighbours an ``abort`` control message (best effort); whatever a
+neighbour was waiting for, receiving it raises ``PipelineAborted`` naming the stage, the step and
+the reason, so the whole pipeline stops at once instead of after the link timeout.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,12 @@ ACT, GRAD, CONTROL = "act", "grad", "control"
 
 DEFAULT_LINK_TIMEOUT_S = 60.0
 """How long a stage waits for its neighbour before it gives up with ``LinkTimeout``."""
+ABORT = "abort"
+"""The control message a failing stage sends its neighbours."""
+ABORT_SEND_S = 1.0
+"""How long a failing stage tries to hand its abort to a neighbour (it may be gone)."""
+ABORT_FLUSH_S = 0.05
+"""How long a failing stage lets its abort leave before the link closes (and drops it)."""
 
 
 class BoundaryError(RuntimeError):
@@ -41,6 +52,20 @@ class StaleReply(BoundaryError):
 
 class LinkTimeout(BoundaryError, TimeoutError):
     """The neighbour said nothing within the link timeout."""
+
+
+class PipelineAborted(BoundaryError):
+    """Another stage failed and said so; ``channel`` is the link the word came over."""
+
+    def __init__(self, *, stage: int | None, step: int | None, reason: str, channel: Any) -> None:
+        self.stage, self.step, self.reason, self.channel = stage, step, reason, channel
+        where = "" if step is None else f" at step {step}"
+        super().__init__(f"stage {stage} failed{where}: {reason}")
+
+    @property
+    def event_fields(self) -> dict[str, Any]:
+        """What the worker's ``error`` event carries besides the message."""
+        return {"failed_stage": self.stage, "step": self.step, "reason": self.reason}
 
 
 def to_frame(
@@ -86,12 +111,14 @@ _WIRE_DTYPES = {
 class Channel:
     """The boundary protocol over one link to a neighbour stage.
 
-    Counts the bytes it sends of each kind (``sent_bytes[ACT]``, ``sent_bytes[GRAD]``, ...).
+    Counts the bytes it sends of each kind (``sent_bytes[ACT]``, ``sent_bytes[GRAD]``, ...) and
+    the seconds spent blocked on the link (``wait_s``: waiting for the neighbour, not computing).
     """
 
     link: Any
     timeout: float = DEFAULT_LINK_TIMEOUT_S
     sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
+    wait_s: float = 0.0
 
     def _send(self, header: dict[str, Any], payloads: list[tuple[torch.Tensor, str]]) -> None:
         step, micro = header.get("step") or 0, header.get("micro") or 0
@@ -102,14 +129,18 @@ class Channel:
             parts.extend(frame_parts)
         message = [json.dumps({**header, "tensors": counts}).encode(), *parts]
         self.sent_bytes[header["kind"]] += sum(memoryview(p).nbytes for p in message)
+        started = time.perf_counter()
         try:
             self.link.send(message, timeout=self.timeout)
         except TimeoutError as exc:
             raise LinkTimeout(
                 f"could not send to the neighbour within {self.timeout:g} s: {exc}"
             ) from None
+        finally:
+            self.wait_s += time.perf_counter() - started
 
     def _recv(self, kind: str, step: int | None, micro: int | None) -> tuple[dict, list]:
+        started = time.perf_counter()
         try:
             message = self.link.recv(self.timeout)
         except TimeoutError:
@@ -118,6 +149,8 @@ class Channel:
                 + ("" if step is None else f" of step {step}, micro {micro}")
                 + "); is it alive?"
             ) from None
+        finally:
+            self.wait_s += time.perf_counter() - started
         if not message:
             raise BoundaryError("empty message on the boundary link")
         try:
@@ -127,6 +160,14 @@ class Channel:
         counts = header.get("tensors") if isinstance(header, dict) else None
         if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 1 for c in counts):
             raise BoundaryError(f"bad boundary message header {header!r}")
+        if header.get("kind") == CONTROL and header.get("name") == ABORT:
+            stage, step = header.get("failed_stage"), header.get("step")
+            raise PipelineAborted(
+                stage=stage if isinstance(stage, int) else None,
+                step=step if isinstance(step, int) else None,
+                reason=str(header.get("reason")),
+                channel=self,
+            )
         got = (header.get("kind"), header.get("step"), header.get("micro"))
         want = (kind, step, micro)
         if header.get("kind") != kind or (step is not None and got[1:] != want[1:]):
@@ -188,6 +229,17 @@ class Channel:
         header = {"kind": CONTROL, "step": None, "micro": None, "name": name, **fields}
         self._send(header, [(t, "none") for t in tensors])
 
+    def send_abort(self, *, stage: int | None, step: int | None, reason: str) -> None:
+        """Tell the neighbour this pipeline stops (best effort: it may be gone already)."""
+        old, self.timeout = self.timeout, min(self.timeout, ABORT_SEND_S)
+        try:
+            self.send_control(ABORT, failed_stage=stage, step=step, reason=reason)
+            time.sleep(ABORT_FLUSH_S)  # the link drops queued messages on close
+        except Exception:
+            pass
+        finally:
+            self.timeout = old
+
     def recv_control(self, name: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The next control message, which must be ``name``."""
         return self.recv_control_any((name,))
@@ -199,6 +251,26 @@ class Channel:
             want = " or ".join(repr(n) for n in names)
             raise StaleReply(f"expected control message {want}, got {header.get('name')!r}")
         return header, tensors
+
+
+def tell_neighbours(
+    exc: BaseException, *, stage: int, step: int | None, prev: Channel | None, next: Channel | None
+) -> None:
+    """Send the neighbours an abort naming the failed stage, step and reason (once per error).
+
+    A ``PipelineAborted`` is passed on away from the link it came over; an error with
+    ``stage``/``step``/``reason`` attributes (``NonFiniteError``) names its own stage and step.
+    """
+    if getattr(exc, "neighbours_told", False):
+        return
+    exc.neighbours_told = True
+    if all(hasattr(exc, k) for k in ("stage", "step", "reason")):  # its own stage and step
+        stage, step, reason = exc.stage, exc.step, exc.reason
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    for channel in (prev, next):
+        if channel is not None and channel is not getattr(exc, "channel", None):
+            channel.send_abort(stage=stage, step=step, reason=reason)
 
 
 @dataclass

@@ -150,12 +150,12 @@ def calibrate_stage(
         bundle.stage.eval()
         with torch.no_grad():
             for hidden_in in _calibration_inputs(bundle, prev, batches, calibration_tokens):
-                out = bundle.stage(hidden_in.to(bundle.device))
+                out = bundle.stage(bundle.adopt(hidden_in))
                 seen += out.shape[0] * out.shape[1]
                 if acc is not None:
                     acc.update(out)
                 if forwards:
-                    next.send_control("calib", [out.to(torch.float32)])
+                    next.send_control("calib", [out])
         bundle.stage.train(was_training)
         if forwards:
             next.send_control("calib_end")

@@ -86,7 +86,7 @@ def evaluate_stage(
     try:
         with torch.no_grad():
             for ids, labels in _eval_inputs(bundle, prev, batches):
-                x = ids.to(bundle.device)
+                x = bundle.adopt(ids)  # hidden states arrive in the compute dtype
                 if bundle.index > 0 and through_compressors:
                     x = bundle.receive(x)
                 out = bundle.stage(x)
@@ -95,7 +95,7 @@ def evaluate_stage(
                     loss_sum, hits, tokens = loss_sum + s, hits + h, tokens + t
                 else:
                     payload = bundle.send(out) if through_compressors else out
-                    next.send_control("eval", [payload.to(torch.float32), labels])
+                    next.send_control("eval", [payload, labels])
         if not bundle.is_last:
             next.send_control("eval_end")
             header, _ = next.recv_control("eval_result")

@@ -122,7 +122,7 @@ def export_stage(
     if weights_included:
         tied = bool(getattr(stage.config, "tie_word_embeddings", False))
         for name, tensor in _plain_state(stage, merge=mode == "merged").items():
-            if tied and name.startswith("head.") and not bundle.is_first:
+            if tied and name.startswith("head."):
                 continue  # the tied head is the first stage's embedding: stored once
             weights[_rename(name, mapping)] = tensor.detach().to("cpu").contiguous()
     _atomic_write(folder / WEIGHTS, lambda p: save_file(weights, p, metadata={"format": "pt"}))
@@ -329,10 +329,13 @@ def write_export(
     out: str | os.PathLike,
     *,
     file_mode: int = EXPORT_FILE_MODE,
+    base_dir: str | None = None,
 ) -> dict[str, Any]:
     """Write the registered ``model`` (its registry record) from its stages' ``shard_dirs`` as
     a Hugging Face folder in ``out``: the merged model, or (adapters export) a PEFT adapter
-    naming its base by Hub id; the base's tokenizer beside it; ``swarm-model.json``."""
+    naming its base by Hub id; the base's tokenizer beside it; ``swarm-model.json``.
+    ``base_dir``: where this machine holds the base's files (fetched from the swarm), when not
+    where ``model["base"]`` names them."""
     import logging
     import warnings
 
@@ -342,7 +345,7 @@ def write_export(
     lora = model["manifest"]["lora"]
     merged = lora is None or lora["export"] == "merged"
     name, provenance = portable_base(model["base"])
-    base = resolve_model_ref(model["base"])
+    base = base_dir or resolve_model_ref(model["base"])
     # Third-party chatter is not the user's business: bitsandbytes (imported by PEFT) logs a
     # hint to `pip install kernels` on CPUs with AVX512-BF16, transformers draws a loading bar,
     # and deprecations arrive as FutureWarnings. Errors still show.

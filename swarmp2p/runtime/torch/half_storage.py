@@ -3,8 +3,8 @@ compute dtype (the reference's ``weight_dtype``).
 
 A plain ``weight.float()`` in forward would make autograd keep a float32 copy of every weight
 until backward. The upcast here is an autograd function that saves the 16-bit weight and
-upcasts it again in backward, a block of rows at a time, so a large head (a 248k-token
-vocabulary) never holds a whole float32 copy.
+upcasts it a block of rows at a time, in forward and again in backward, so a large head (a
+248k-token vocabulary) never holds a whole float32 copy.
 """
 
 from __future__ import annotations
@@ -28,7 +28,18 @@ class _UpcastLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, chunk_rows):
         ctx.save_for_backward(weight)
         ctx.chunk_rows = chunk_rows
-        return F.linear(x, weight.to(x.dtype), bias)
+        rows = weight.shape[0]
+        if rows <= chunk_rows:
+            return F.linear(x, weight.to(x.dtype), bias)
+        parts = [
+            F.linear(
+                x,
+                weight[start : start + chunk_rows].to(x.dtype),
+                None if bias is None else bias[start : start + chunk_rows],
+            )
+            for start in range(0, rows, chunk_rows)
+        ]
+        return torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad_out):

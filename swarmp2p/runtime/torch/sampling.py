@@ -1,12 +1,17 @@
-"""Pick the next token from the last position's logits: greedy, temperature, top-k, top-p."""
+"""Pick the next token from the last position's logits with transformers' logits processors:
+logit bias, repetition penalty, OpenAI's presence/frequency penalties, then (when sampling)
+temperature, top-k, top-p and min-p; greedy is the argmax of the penalised logits, as in
+``model.generate``. Each session has its own :class:`SessionSampler` (parameters, seeded
+generator, and the token counts a penalty needs, kept incrementally)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
-from swarmp2p.serve.protocol import SamplingParams
+from swarmp2p.serve.protocol import SamplingParams, TokenLogprobs
 
 
 def new_generator(params: SamplingParams) -> torch.Generator | None:
@@ -18,26 +23,150 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Float32 scores over the vocabulary after temperature, top-k, then top-p (transformers'
-    order); removed tokens are -inf and at least one token always survives."""
-    scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+def _warpers(params: SamplingParams) -> list:
+    """transformers' sampling warpers for ``params``, in ``generate``'s order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers: list = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(float(params.temperature)))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k))
     if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1 - params.top_p
-        drop[-1] = False  # the most likely token always stays
-        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return scores
+        warpers.append(TopPLogitsWarper(top_p=float(params.top_p)))
+    if params.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(min_p=float(params.min_p)))
+    return warpers
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Float32 scores of one ``[vocab]`` row after temperature, top-k, top-p and min-p
+    (transformers' warpers, in its order); removed tokens are -inf, the most likely survives."""
+    scores = logits.float()[None]
+    for warper in _warpers(params):
+        scores = warper(None, scores)
+    return scores[0]
+
+
+class OpenAIPenaltyLogitsProcessor:
+    """OpenAI's ``presence_penalty`` and ``frequency_penalty`` over the tokens generated so far
+    (``logit -= frequency * count + presence * (count > 0)``; vLLM's rule). transformers has no
+    processor for them; it is one with the same call shape, fed counts kept incrementally."""
+
+    def __init__(self, presence: float, frequency: float, counts: torch.Tensor) -> None:
+        self.presence, self.frequency, self.counts = presence, frequency, counts
+
+    def __call__(self, input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
+        counts = self.counts[: scores.shape[-1]].to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class SessionSampler:
+    """One session's token picking at the last stage. ``observe`` feeds it the session's
+    tokens as they become known (prompt chunks, then each sampled token); ``pick`` returns the
+    next token (and its log-probabilities when asked)."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_len: int | None = None):
+        self.params = params
+        self.generator = new_generator(params)
+        self.prompt_len = prompt_len
+        """Tokens of the session that are prompt (penalties of OpenAI's kind skip them)."""
+        self.seen = 0
+        self._ids: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+        self._processors: list = []
+        if params.logit_bias:
+            from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+            bias = [[[token], float(value)] for token, value in params.logit_bias]
+            self._processors.append(SequenceBiasLogitsProcessor(sequence_bias=bias))
+        if params.repetition_penalty != 1.0:
+            from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+            self._ids = torch.zeros((1, 64), dtype=torch.long)
+            self._processors.append(
+                RepetitionPenaltyLogitsProcessor(penalty=float(params.repetition_penalty))
+            )
+        if params.presence_penalty or params.frequency_penalty:
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32)
+            self._processors.append(
+                OpenAIPenaltyLogitsProcessor(
+                    float(params.presence_penalty), float(params.frequency_penalty), self._counts
+                )
+            )
+        self._warpers = [] if params.greedy else _warpers(params)
+
+    def observe(self, tokens: Sequence[int], count: int | None = None) -> None:
+        """The session's next ``tokens`` (in order; a replay starts a new sampler); just how
+        many (``count``) when the ids did not travel, which a sampler without penalties needs
+        no more than."""
+        if not tokens and count:
+            if self._ids is not None or self._counts is not None:
+                raise ValueError("a penalty needs the session's token ids, and they did not come")
+            self.seen += count
+            return
+        if self._ids is not None:
+            need = self.seen + len(tokens)
+            if need > self._ids.shape[1]:  # doubling: O(1) amortised per token
+                grown = torch.zeros((1, max(need, 2 * self._ids.shape[1])), dtype=torch.long)
+                grown[:, : self.seen] = self._ids[:, : self.seen]
+                self._ids = grown
+            self._ids[0, self.seen : need] = torch.tensor(tokens, dtype=torch.long)
+        if self._counts is not None:
+            start = self.prompt_len if self.prompt_len is not None else None
+            for i, token in enumerate(tokens, self.seen):
+                if start is not None and i >= start and token < self._counts.shape[0]:
+                    self._counts[token] += 1
+        self.seen += len(tokens)
+
+    def end_of_prompt(self) -> None:
+        """The tokens seen so far are the prompt (unless a replay said how many were)."""
+        if self.prompt_len is None:
+            self.prompt_len = self.seen
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        """The next token from a ``[vocab]`` logits row, and its log-probabilities (under the
+        model's own distribution, before any processor) when the session asked for them."""
+        if logits.dim() != 1:
+            raise ValueError(f"pick takes one [vocab] row, got shape {tuple(logits.shape)}")
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores = logits.float()[None]
+        ids = self._ids[:, : self.seen] if self._ids is not None else None
+        for processor in self._processors:
+            scores = processor(ids, scores)
+        if self.params.greedy:
+            token = int(torch.argmax(scores[0]))
+        else:
+            for warper in self._warpers:
+                scores = warper(ids, scores)
+            probs = scores[0].softmax(dim=-1)
+            if not torch.isfinite(probs).all():
+                raise ValueError(
+                    f"sampling with {self.params} gave probabilities that are not finite; "
+                    "use a larger temperature or smaller penalties and biases"
+                )
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        if logprobs is None:
+            return token, None
+        top: tuple[tuple[int, float], ...] = ()
+        if self.params.logprobs:
+            values, indices = torch.topk(logprobs, self.params.logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist()))
+        return token, TokenLogprobs(logprob=float(logprobs[token]), top=top)
 
 
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
-    """The next token id from a ``[vocab]`` logits row."""
+    """The next token id from a ``[vocab]`` row with temperature, top-k, top-p and min-p only
+    (no penalties); greedy is the argmax."""
     if logits.dim() != 1:
         raise ValueError(f"sample_token takes one [vocab] row, got shape {tuple(logits.shape)}")
     if params.greedy:

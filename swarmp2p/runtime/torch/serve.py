@@ -1,30 +1,43 @@
-"""A stage server: one stage of a serving ring, with a cache per session.
+"""A stage server: one stage of a serving ring, serving many sessions at once.
 
-It reads ring messages (``swarmp2p.serve.protocol``) from the link before it, runs its blocks
-on the session's cache (prefill, then one token per decode step), and sends the hidden state
-on, through the boundary's compression, to the link after it (a trained learned bottleneck:
-the receive half runs on what arrives, the send half on what leaves, so only the k-dim code
-crosses, as its codes when ``send_codes``). The last stage samples the next
-token, so only a token id goes back to the session manager. Sessions interleave freely: while
-one session's step runs on stage 1, stage 0 runs another's. Decode steps are not batched
-across sessions (each step is its own forward).
+It reads ring messages (``swarmp2p.serve.protocol``) from the link before it and runs its blocks
+on the sessions' caches: each decode message is ONE batched forward over its group's rows
+(continuous batching: sessions join and leave groups between steps, and the caches of a group
+live in one :class:`~swarmp2p.runtime.torch.session_cache.SessionBatch` written in place), and a
+prompt is prefilled chunk by chunk, a chunk between two decode steps, so a long prompt does not
+stall the others. It sends the hidden state on, through the boundary's compression, to the link
+after it (a trained learned bottleneck: the receive half runs on what arrives, the send half on
+what leaves, so only the k-dim code crosses, as its codes when ``send_codes``). The last stage
+samples each row's next token with its own sampler (parameters, seed, penalties), so only
+token ids go back to the session manager. Groups interleave: while stage 1 runs group A's
+step, stage 0 runs group B's.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from swarmp2p.net import Link, LinkTimeout
 from swarmp2p.runtime.torch.boundary import to_frame
-from swarmp2p.runtime.torch.sampling import new_generator, sample_token
-from swarmp2p.runtime.torch.stage import Stage, StageCache
-from swarmp2p.serve.protocol import RingMessage, SamplingParams
+from swarmp2p.runtime.torch.sampling import SessionSampler
+from swarmp2p.runtime.torch.session_cache import SessionBatch
+from swarmp2p.runtime.torch.stage import Stage
+from swarmp2p.serve.protocol import (
+    Decode,
+    End,
+    Failed,
+    Prefill,
+    SamplingParams,
+    Tokens,
+    decode_message,
+)
 from swarmp2p.serve.spec import boundary_codec, fixed_bits
 from swarmp2p.wire import CODECS, TensorFrame, WireError, decode_tensor, encode_tensor
 
@@ -32,6 +45,12 @@ POLL_S = 0.1
 """How often an idle server looks at its stop event."""
 SESSION_IDLE_S = 300.0
 """A full stage evicts a session idle this long to admit a new one."""
+PREFILL_CHUNK_TOKENS = 64
+"""Prompt tokens one prefill forward takes at most. A chunk runs between two decode steps, so
+it bounds how long a new prompt delays the running sessions' next tokens (64 tokens of the
+135M embedded model: ~0.2 s on one CPU thread, about two batched decode steps of 8 sessions)."""
+MAX_DRAIN = 256
+"""Messages taken from the link before the next unit of work runs."""
 
 
 def fake_quantize_per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -59,12 +78,34 @@ def apply_boundary(hidden: torch.Tensor, compression: str) -> torch.Tensor:
     raise ValueError(f"boundary compression {compression!r} cannot be served in the graph")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, eq=False)
 class _Session:
-    cache: StageCache
-    params: SamplingParams | None
-    generator: torch.Generator | None
+    """One session at this stage: where its caches live, and how the last stage samples it."""
+
+    sampler: SessionSampler | None
+    """The last stage's token picker (None elsewhere)."""
+    sampling: SamplingParams | None
+    prompt_len: int | None
     last_used: float
+    prefilling: bool = True
+    """Until its last prefill chunk has run here."""
+    batch: SessionBatch | None = None
+    row: int = 0
+
+    @property
+    def length(self) -> int:
+        return 0 if self.batch is None else self.batch.lengths[self.row]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Chunk:
+    """Prefill work waiting at this stage: one chunk of one session's tokens."""
+
+    sid: int
+    pos: int
+    tokens: tuple[int, ...]
+    more: bool
+    payload: list = field(default_factory=list)
 
 
 class SessionRefused(RuntimeError):
@@ -72,9 +113,11 @@ class SessionRefused(RuntimeError):
 
 
 class StageServer:
-    """Serve one stage between two links. ``handle`` is the whole protocol for one message;
-    ``serve_forever`` loops it until a stop event. A last stage computes its head for the last
-    position only."""
+    """Serve one stage between two links. Each decode message is one batched forward over its
+    group's rows; prefills run chunk by chunk, a chunk between two decode steps, so a long
+    prompt delays the others' next tokens by one chunk at most. ``serve_forever`` loops until a
+    stop event; ``handle`` takes one message and runs all the work it makes (for tests). A last
+    stage computes its head for the last position only."""
 
     def __init__(
         self,
@@ -90,6 +133,7 @@ class StageServer:
         receiver: torch.nn.Module | None = None,
         sender: torch.nn.Module | None = None,
         send_codec: str = "none",
+        prefill_chunk: int = PREFILL_CHUNK_TOKENS,
     ) -> None:
         if receiver is not None and stage.is_first_stage:
             raise ValueError(
@@ -104,6 +148,8 @@ class StageServer:
             raise ValueError(
                 f"send_codec: {send_codec!r} goes with a sender, as one of the wire's codecs"
             )
+        if type(prefill_chunk) is not int or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: {prefill_chunk!r} is not an integer >= 1")
         self.stage = stage
         self.inbound = inbound
         self.outbound = outbound
@@ -118,143 +164,382 @@ class StageServer:
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.send_timeout = send_timeout
+        self.prefill_chunk = prefill_chunk
         self.sessions: dict[int, _Session] = {}
         self.steps = 0
+        """Forwards run (a decode step of a whole group counts once)."""
+        self.last_batch = 0
+        """Rows of the latest decode step."""
+        self.peak_batch = 0
+        """Most rows any decode step had."""
+        self.busy_s = 0.0
+        """Seconds spent in forwards (against wall time: how busy this stage is)."""
+        self._chunks: collections.deque[_Chunk] = collections.deque()
+        self._decodes: collections.deque[tuple[Decode, list]] = collections.deque()
+        self._decode_turn = True
         self._dtype = next(
             (p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32
         )
         self._device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+        embed = stage.embed if stage.is_first_stage else None
+        self._vocab = getattr(embed, "num_embeddings", None) or getattr(
+            stage.config, "vocab_size", None
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
     def serve_forever(self, stop: threading.Event, poll_s: float = POLL_S) -> None:
         """Handle messages until ``stop`` is set."""
         while not stop.is_set():
-            try:
-                parts = self.inbound.recv(poll_s)
-            except LinkTimeout:
-                continue
-            for reply in self.handle(parts):
-                try:
-                    self.outbound.send(reply, timeout=self.send_timeout)
-                except LinkTimeout as e:  # the next stage is gone: its sessions time out at
-                    # the manager, which re-places it; this stage keeps serving the rest
-                    print(f"stage {self.stage.layer_start}: dropped a reply: {e}", file=sys.stderr)
+            self._send(self._drain(0.0 if self.pending else poll_s))
+            if self.pending:
+                self._send(self._work())
+
+    @property
+    def pending(self) -> bool:
+        """Whether work is queued (prefill chunks or decode steps)."""
+        return bool(self._chunks or self._decodes)
 
     def handle(self, parts: list) -> list[list]:
-        """The messages to send on after receiving ``parts`` (none, or one)."""
+        """The messages to send on after receiving ``parts``, with all the work it queued run."""
+        out = self._accept(parts)
+        while self.pending:
+            out.extend(self._work())
+        return out
+
+    def stats(self) -> dict:
+        """What this stage is doing: sessions held, rows of the latest and largest decode
+        step, forwards run, seconds spent in them, prefill chunks and decode steps waiting."""
+        return {
+            "sessions": len(self.sessions),
+            "batch": self.last_batch,
+            "peak_batch": self.peak_batch,
+            "steps": self.steps,
+            "busy_s": round(self.busy_s, 3),
+            "waiting": len(self._chunks) + len(self._decodes),
+        }
+
+    def _send(self, replies: list[list]) -> None:
+        for reply in replies:
+            try:
+                self.outbound.send(reply, timeout=self.send_timeout)
+            except LinkTimeout as e:  # the next stage is gone: its sessions time out at
+                # the manager, which re-places it; this stage keeps serving the rest
+                print(f"stage {self.stage.layer_start}: dropped a reply: {e}", file=sys.stderr)
+
+    def _drain(self, timeout: float) -> list[list]:
+        """Take what has arrived (waiting up to ``timeout`` for the first message)."""
+        out: list[list] = []
+        for _ in range(MAX_DRAIN):
+            try:
+                parts = self.inbound.recv(timeout)
+            except LinkTimeout:
+                break
+            out.extend(self._accept(parts))
+            timeout = 0.0
+        return out
+
+    def _work(self) -> list[list]:
+        """Run one unit of queued work: a decode step or a prefill chunk, taking turns."""
+        if self._decodes and (self._decode_turn or not self._chunks):
+            self._decode_turn = False
+            msg, payload = self._decodes.popleft()
+            return self._guard(msg.sids, self._decode, msg, payload)
+        self._decode_turn = True
+        chunk = self._chunks.popleft()
+        return self._guard((chunk.sid,), self._prefill, chunk)
+
+    def _guard(self, sids, run, *args) -> list[list]:
         try:
-            msg = RingMessage.decode(parts[0])
+            return run(*args)
+        except (SessionRefused, WireError, ValueError, NotImplementedError) as e:
+            return self._error(sids, str(e))
+        except Exception as e:  # a failing forward ends its sessions, never the server
+            return self._error(sids, f"{type(e).__name__}: {e}")
+
+    def _error(self, sids, message: str) -> list[list]:
+        for sid in sids:
+            self._drop(sid)
+        where = f"stage [{self.stage.layer_start}, {self.stage.layer_end})"
+        return [[Failed(sids=tuple(sids), message=f"{where}: {message}").encode()]]
+
+    def _drop(self, sid: int) -> None:
+        session = self.sessions.pop(sid, None)
+        if session is not None and session.batch is not None:
+            session.batch.sids[session.row] = None
+        if any(c.sid == sid for c in self._chunks):
+            self._chunks = collections.deque(c for c in self._chunks if c.sid != sid)
+
+    # -- arrivals ------------------------------------------------------------------------------
+
+    def _accept(self, parts: list) -> list[list]:
+        try:
+            msg = decode_message(parts[0])
         except (WireError, IndexError) as e:
             print(
                 f"stage {self.stage.layer_start}: dropped a malformed message: {e}", file=sys.stderr
             )
             return []
-        if msg.op == "error":
-            self.sessions.pop(msg.sid, None)
-            return [[msg.encode()]]  # on to the manager, which fails the request
-        if msg.op == "end":
-            self.sessions.pop(msg.sid, None)
+        if isinstance(msg, Failed):
+            for sid in msg.sids:
+                self._drop(sid)
+            return [[msg.encode()]]  # on to the manager, which fails the requests
+        if isinstance(msg, End):
+            self._drop(msg.sid)
             return [] if self.stage.is_last_stage else [[msg.encode()]]
-        if msg.op == "token":
-            return self._error(msg.sid, "a stage received a token message; the ring is miswired")
+        if isinstance(msg, Tokens):
+            return self._error(msg.sids, "a stage received a tokens message; the ring is miswired")
+        if isinstance(msg, Decode):
+            self._decodes.append((msg, parts[1:]))
+            return []
         try:
-            return [self._step(msg, parts[1:])]
-        except (SessionRefused, WireError, ValueError) as e:
-            return self._error(msg.sid, str(e))
-        except Exception as e:  # a failing forward ends the session, never the server
-            return self._error(msg.sid, f"{type(e).__name__}: {e}")
+            self._open(msg)
+        except SessionRefused as e:
+            return self._error((msg.sid,), str(e))
+        if not self.stage.is_first_stage:
+            self._chunks.append(_Chunk(sid=msg.sid, pos=msg.pos, tokens=msg.tokens,
+                                       more=msg.more, payload=parts[1:]))  # fmt: skip
+            return []
+        tokens, pos = msg.tokens, msg.pos
+        if not tokens:
+            return self._error((msg.sid,), f"prefill for session {msg.sid} carries no token ids")
+        for start in range(0, len(tokens), self.prefill_chunk):
+            piece = tokens[start : start + self.prefill_chunk]
+            more = msg.more or start + self.prefill_chunk < len(tokens)
+            self._chunks.append(_Chunk(sid=msg.sid, pos=pos + start, tokens=piece, more=more))
+        return []
 
-    def _error(self, sid: int, message: str) -> list[list]:
-        self.sessions.pop(sid, None)
-        where = f"stage [{self.stage.layer_start}, {self.stage.layer_end})"
-        return [[RingMessage(op="error", sid=sid, message=f"{where}: {message}").encode()]]
-
-    # -- one step --------------------------------------------------------------------------------
-
-    def _session(self, msg: RingMessage) -> _Session:
-        if msg.op == "prefill":
-            self.sessions.pop(msg.sid, None)
-            if len(self.sessions) >= self.max_sessions:
-                self._evict_idle()
-            if len(self.sessions) >= self.max_sessions:
+    def _open(self, msg: Prefill) -> None:
+        """Start (or restart) a session on its first chunk; check a later chunk's session."""
+        if msg.pos != 0:
+            session = self.sessions.get(msg.sid)
+            if session is None or not session.prefilling:
                 raise SessionRefused(
-                    f"already holds {len(self.sessions)} sessions (max_sessions "
-                    f"{self.max_sessions}); retry when one ends"
+                    f"session {msg.sid}: a prefill chunk at position {msg.pos} but the session "
+                    "is not prefilling here"
                 )
-            if msg.pos != 0:
-                raise SessionRefused(f"a prefill starts at position 0, got pos {msg.pos}")
-            params = msg.sampling if msg.sampling is not None else SamplingParams()
-            session = _Session(
-                cache=self.stage.new_cache(),
-                params=params,
-                generator=new_generator(params) if self.stage.is_last_stage else None,
-                last_used=time.monotonic(),
-            )
-            self.sessions[msg.sid] = session
-            return session
-        session = self.sessions.get(msg.sid)
-        if session is None:
-            raise SessionRefused(f"session {msg.sid} is not open here (no prefill, or it ended)")
-        if session.cache.seen_tokens != msg.pos:
+            return
+        self._drop(msg.sid)
+        if len(self.sessions) >= self.max_sessions:
+            self._evict_idle()
+        if len(self.sessions) >= self.max_sessions:
             raise SessionRefused(
-                f"session {msg.sid} step at position {msg.pos}, but the cache holds "
-                f"{session.cache.seen_tokens} tokens (a message was lost)"
+                f"already holds {len(self.sessions)} sessions (max_sessions "
+                f"{self.max_sessions}); retry when one ends"
             )
-        session.last_used = time.monotonic()
-        return session
+        params = msg.sampling if msg.sampling is not None else SamplingParams()
+        sampler = None
+        if self.stage.is_last_stage:
+            vocab = getattr(self.stage.config, "vocab_size", None) or 0
+            sampler = SessionSampler(params, vocab, prompt_len=msg.prompt_len)
+        self.sessions[msg.sid] = _Session(
+            sampler=sampler,
+            sampling=msg.sampling,
+            prompt_len=msg.prompt_len,
+            last_used=time.monotonic(),
+        )
 
     def _evict_idle(self) -> None:
         """Drop the least recently used session if it has been idle past SESSION_IDLE_S (its
         manager went away without an ``end``)."""
         sid, session = min(self.sessions.items(), key=lambda item: item[1].last_used)
         if time.monotonic() - session.last_used > SESSION_IDLE_S:
-            del self.sessions[sid]
+            self._drop(sid)
 
-    def _input(self, msg: RingMessage, payload: list) -> torch.Tensor:
+    # -- one prefill chunk ----------------------------------------------------------------------
+
+    def _prefill(self, chunk: _Chunk) -> list[list]:
+        session = self.sessions.get(chunk.sid)
+        if session is None:
+            return []  # ended while the chunk waited
+        if session.length != chunk.pos:
+            raise SessionRefused(
+                f"session {chunk.sid} prefill chunk at position {chunk.pos}, but the cache holds "
+                f"{session.length} tokens (a message was lost)"
+            )
+        length = len(chunk.tokens) if self.stage.is_first_stage else None
+        x = self._input(chunk.tokens, chunk.payload, rows=1, length=length)
+        self._check_room(chunk.sid, chunk.pos + x.shape[1])
+        if chunk.pos == 0 or session.batch is None:
+            if session.batch is not None:
+                session.batch.sids[session.row] = None
+            session.batch, session.row = self.stage.new_batch([chunk.sid],
+                                                              max_context=self.max_context), 0  # fmt: skip
+        elif session.batch.rows > 1:
+            self._regroup((chunk.sid,))
+        session.last_used = time.monotonic()
+        out = self._forward(x, session.batch, head=not chunk.more)
+        self.steps += 1
+        if self.stage.is_last_stage:
+            session.sampler.observe(chunk.tokens, count=x.shape[1])
+            if chunk.more:
+                return []
+            session.sampler.end_of_prompt()
+            session.prefilling = False
+            token, logprobs = session.sampler.pick(out[0, -1])
+            session.sampler.observe((token,))
+            reply = Tokens(group=-1, step=0, sids=(chunk.sid,), positions=(session.length,),
+                           tokens=(token,), logprobs=(logprobs,) if logprobs else ())  # fmt: skip
+            return [[reply.encode()]]
+        session.prefilling = chunk.more
+        # the ids go on only when the last stage needs them for a penalty (it counts the rest)
+        keep_ids = session.sampling is not None and session.sampling.needs_history
+        forward = Prefill(
+            sid=chunk.sid,
+            pos=chunk.pos,
+            tokens=chunk.tokens if keep_ids else (),
+            more=chunk.more,
+            sampling=session.sampling if chunk.pos == 0 else None,
+            prompt_len=session.prompt_len if chunk.pos == 0 else None,
+        )
+        return [[forward.encode(), *self._frame(out).to_parts()]]
+
+    # -- one decode step of a group -------------------------------------------------------------
+
+    def _decode(self, msg: Decode, payload: list) -> list[list]:
+        keep: list[int] = []
+        refused: dict[str, list[int]] = {}
+        for i, sid in enumerate(msg.sids):
+            why = self._refusal(sid, msg.positions[i], msg.tokens[i] if msg.tokens else None)
+            if why is None:
+                keep.append(i)
+            else:
+                refused.setdefault(why, []).append(sid)
+        out: list[list] = []
+        for why, sids in refused.items():
+            out.extend(self._error(sids, why))
+        if not keep:
+            return out
+        sids = tuple(msg.sids[i] for i in keep)
+        positions = tuple(msg.positions[i] for i in keep)
+        tokens = tuple(msg.tokens[i] for i in keep) if msg.tokens else ()
+        x = self._input(tokens, payload, rows=len(msg.sids), length=1)
+        if len(keep) < len(msg.sids) and not self.stage.is_first_stage:
+            x = x[torch.tensor(keep, device=x.device)]
+        batch = self._regroup(sids)
+        now = time.monotonic()
+        for sid in sids:
+            self.sessions[sid].last_used = now
+        try:
+            hidden = self._forward(x, batch, head=True)
+        except Exception as e:  # every row of the step fails with the forward's reason
+            return out + self._error(sids, f"{type(e).__name__}: {e}")
+        self.steps += 1
+        self.last_batch = len(sids)
+        self.peak_batch = max(self.peak_batch, len(sids))
+        sizes = (*msg.sizes, len(sids))
+        if not self.stage.is_last_stage:
+            # only stage 0 reads the ids (the last stage picked them itself)
+            step = Decode(
+                group=msg.group, step=msg.step, sids=sids, positions=positions, sizes=sizes
+            )
+            return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
+        picked, logprobs = [], []
+        for row, sid in enumerate(sids):
+            sampler = self.sessions[sid].sampler
+            token, lp = sampler.pick(hidden[row, -1])
+            sampler.observe((token,))
+            picked.append(token)
+            logprobs.append(lp)
+        reply = Tokens(
+            group=msg.group,
+            step=msg.step,
+            sids=sids,
+            positions=tuple(p + 1 for p in positions),
+            tokens=tuple(picked),
+            sizes=sizes,
+            logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
+        )
+        return [*out, [reply.encode()]]
+
+    def _refusal(self, sid: int, pos: int, token: int | None) -> str | None:
+        """Why this stage cannot step a row (None: it can); a refused session is dropped."""
+        session = self.sessions.get(sid)
+        if session is None:
+            return f"session {sid} is not open here (no prefill, or it ended)"
+        if session.prefilling:
+            return f"session {sid} got a decode step before its prefill finished"
+        if session.length != pos:
+            return (
+                f"session {sid} step at position {pos}, but the cache holds "
+                f"{session.length} tokens (a message was lost)"
+            )
+        if pos + 1 > self.max_context:
+            return f"session {sid} would hold {pos + 1} tokens, over max_context {self.max_context}"
+        if self.stage.is_first_stage and token is None:
+            return f"session {sid}: a decode step without its token id reached the first stage"
+        if self.stage.is_first_stage and self._vocab is not None and token >= self._vocab:
+            return f"token id {token} is outside the vocabulary ({self._vocab} ids)"
+        return None
+
+    def _regroup(self, sids: tuple[int, ...]) -> SessionBatch:
+        """The batch holding exactly ``sids`` as its rows, in order (rows copied on a change)."""
+        first = self.sessions[sids[0]]
+        if first.batch is not None and first.batch.sids == list(sids):
+            return first.batch
+        parts = [(self.sessions[sid].batch, self.sessions[sid].row) for sid in sids]
+        batch = SessionBatch.gather(parts, sids, max_context=self.max_context)
+        for row, sid in enumerate(sids):
+            self.sessions[sid].batch, self.sessions[sid].row = batch, row
+        return batch
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def _check_room(self, sid: int, tokens: int) -> None:
+        if tokens > self.max_context:
+            raise SessionRefused(
+                f"session {sid} would hold {tokens} tokens, over max_context {self.max_context}"
+            )
+
+    def _input(self, tokens, payload: list, *, rows: int, length: int | None) -> torch.Tensor:
+        """Stage 0: the token ids as ``[rows, length]`` (one row of ``length`` for a prefill,
+        one id per row for a decode step); later stages: the hidden state that came with the
+        message, ``[rows, T, H]``."""
         if self.stage.is_first_stage:
-            if not msg.tokens:
-                raise ValueError(f"{msg.op} for session {msg.sid} carries no token ids")
-            return torch.tensor([msg.tokens], dtype=torch.long, device=self._device)
+            if not tokens:
+                raise ValueError("the message carries no token ids")
+            if self._vocab is not None and max(tokens) >= self._vocab:
+                raise ValueError(
+                    f"token id {max(tokens)} is outside the vocabulary ({self._vocab} ids)"
+                )
+            ids = torch.tensor(tokens, dtype=torch.long, device=self._device)
+            return ids.view(-1, 1) if length == 1 else ids.view(1, -1)
         if not payload:
-            raise ValueError(f"{msg.op} for session {msg.sid} carries no hidden state")
+            raise ValueError("the message carries no hidden state")
         array = decode_tensor(TensorFrame.from_parts(payload))
         tensor = torch.from_numpy(np.array(array, copy=True))
         if tensor.dtype == torch.uint16:  # bfloat16 travels as its raw 16 bits
             tensor = tensor.view(torch.bfloat16)
-        if tensor.dim() != 3 or tensor.shape[0] != 1:
-            raise ValueError(f"hidden state of shape {tuple(tensor.shape)} is not [1, T, H]")
+        if tensor.dim() != 3 or tensor.shape[0] != rows:
+            raise ValueError(
+                f"hidden state of shape {tuple(tensor.shape)} is not [{rows}, T, H] for "
+                f"{rows} row(s)"
+            )
         return tensor.to(device=self._device, dtype=self._dtype)
 
-    def _step(self, msg: RingMessage, payload: list) -> list:
-        session = self._session(msg)
-        x = self._input(msg, payload)
-        length = x.shape[1]
-        if session.cache.seen_tokens + length > self.max_context:
-            self.sessions.pop(msg.sid, None)
-            raise SessionRefused(
-                f"session {msg.sid} would hold {session.cache.seen_tokens + length} tokens, "
-                f"over max_context {self.max_context}"
-            )
+    def _forward(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
+        """The stage over ``x`` on ``batch``; logits of the last position on a last stage
+        (hidden states when ``head`` is False), else what crosses the boundary after it."""
+        started = time.perf_counter()
+        try:
+            return self._run(x, batch, head=head)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    def _run(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
         with torch.inference_mode():
             if self.receiver is not None:  # a learned boundary's receive half: code -> hidden
                 x = self.receiver(x)
             # the head over the last position only (generate's logits_to_keep=1): a long
             # prompt's prefill skips T-1 rows of the vocabulary-wide matmul
-            out = self.stage(x, cache=session.cache, logits_to_keep=1)
+            out = self.stage(x, cache=batch, logits_to_keep=1, hidden_only=not head)
             if self.stage.is_last_stage:
-                token = sample_token(out[0, -1], session.params, session.generator)
-            else:
-                hidden = out
-                if self.sender is not None:
-                    hidden = self.sender(hidden)
-                elif self.codec == "none":
-                    hidden = apply_boundary(hidden, self.send_compression)
-        self.steps += 1
-        if self.stage.is_last_stage:
-            return [RingMessage(op="token", sid=msg.sid, pos=msg.pos, token=token).encode()]
-        forward = RingMessage(op=msg.op, sid=msg.sid, pos=msg.pos, sampling=msg.sampling)
-        return [forward.encode(), *self._frame(hidden).to_parts()]
+                return out
+            if self.sender is not None:
+                return self.sender(out)
+            if self.codec == "none":
+                return apply_boundary(out, self.send_compression)
+            return out
 
     def _frame(self, hidden: torch.Tensor) -> TensorFrame:
         hidden = hidden.detach().cpu().contiguous()

@@ -1,5 +1,6 @@
-"""Training snapshots of one stage: trainable state, compressor halves, optimizer, step and RNG,
-written atomically (temp file + rename) and read back with ``weights_only=True``.
+"""Training snapshots of one stage: trainable state, compressor halves, optimizer (with the float32
+master copies of a half-precision stage), loss scale, step and RNG, written atomically (temp file
++ rename) and read back with ``weights_only=True``.
 
 A run resumed from a snapshot continues exactly as the uninterrupted run: the data order is a
 function of the step, and the snapshot restores everything else that changes between steps.
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p.runtime.torch.precision import LossScaler, StageOptimizer
 from swarmp2p.runtime.torch.train import StageBundle
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -40,9 +42,10 @@ def snapshot_path(folder: str | os.PathLike, stage: int, step: int) -> Path:
 def save_snapshot(
     folder: str | os.PathLike,
     bundle: StageBundle,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: StageOptimizer | None,
     *,
     step: int,
+    scaler: LossScaler | None = None,
 ) -> Path:
     """Write this stage's snapshot taken after ``step`` steps; return its path."""
     path = snapshot_path(folder, bundle.index, step)
@@ -52,6 +55,7 @@ def save_snapshot(
         "stage": bundle.index,
         "state": {k: v.to("cpu").clone() for k, v in _named_state(bundle).items()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "rng": torch.get_rng_state(),
     }
     write_atomic(path, lambda tmp: torch.save(payload, tmp))
@@ -68,9 +72,14 @@ def latest_snapshot(folder: str | os.PathLike, stage: int) -> Path | None:
 
 
 def load_snapshot(
-    path: str | os.PathLike, bundle: StageBundle, optimizer: torch.optim.Optimizer | None
+    path: str | os.PathLike,
+    bundle: StageBundle,
+    optimizer: StageOptimizer | None,
+    *,
+    scaler: LossScaler | None = None,
 ) -> int:
-    """Restore a snapshot into the bundle and optimizer; return the steps it had done."""
+    """Restore a snapshot into the bundle, optimizer and loss scaler; return the steps it had
+    done."""
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("stage") != bundle.index:
         raise ValueError(f"snapshot {path} is of stage {payload.get('stage')}, not {bundle.index}")
@@ -93,6 +102,13 @@ def load_snapshot(
     if optimizer is not None:
         if payload["optimizer"] is None:
             raise ValueError(f"snapshot {path} holds no optimizer state")
-        optimizer.load_state_dict(payload["optimizer"])
+        state = payload["optimizer"]
+        if "by_name" in state:  # re-sliced onto new cuts (``reslice``): back in this order
+            from swarmp2p.runtime.torch.reslice import positional
+
+            state = positional(state, bundle)
+        optimizer.load_state_dict(state)
+    if scaler is not None and payload.get("loss_scaler") is not None:
+        scaler.load_state_dict(payload["loss_scaler"])
     torch.set_rng_state(payload["rng"])
     return int(payload["step"])

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION, Topology, introspect
+from swarmp2p.runtime.torch.session_cache import SessionBatch
 
 
 class StageCache:
@@ -94,8 +95,12 @@ class Stage(nn.Module):
             self._first_of_type.setdefault(layer_type, index)
 
     def new_cache(self) -> StageCache:
-        """An empty decode cache for this stage."""
+        """An empty decode cache for this stage (one sequence; serving uses SessionBatch)."""
         return StageCache(self.config)
+
+    def new_batch(self, sids, *, max_context: int) -> SessionBatch:
+        """Empty decode state for the sessions ``sids`` (one row each), for batched serving."""
+        return SessionBatch(self.config, sids, max_context=max_context)
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dtype not in (torch.int32, torch.int64):
@@ -131,16 +136,22 @@ class Stage(nn.Module):
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cache: StageCache | None = None,
+        cache: StageCache | SessionBatch | None = None,
         *,
         logits_to_keep: int = 0,
         hidden_only: bool = False,
     ) -> torch.Tensor:
-        past = cache.seen_tokens if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+        batch = cache if isinstance(cache, SessionBatch) else None
+        if batch is not None:  # serving: each row at its own position, masks from the batch
+            batch.begin(x.shape[1], x.device)
+            position_ids, past = batch.position_ids, 0
+            hf_cache = batch
+        else:
+            past = cache.seen_tokens if cache is not None else 0
+            if position_ids is None:
+                position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+            hf_cache = cache.cache if cache is not None else None
         hidden = self._embed(x, position_ids) if self.is_first_stage else x
-        hf_cache = cache.cache if cache is not None else None
 
         masks: dict[str, torch.Tensor | None] = {}
         rotary: dict[str, object] = {}
@@ -148,7 +159,9 @@ class Stage(nn.Module):
         if self.rotary is not None and self._pass_rotary and not self._rotary_per_type:
             shared = self.rotary(hidden, position_ids)
         for layer_type, first in self._first_of_type.items():
-            if layer_type == LINEAR_ATTENTION:
+            if batch is not None:
+                masks[layer_type] = batch.mask(layer_type, hidden.dtype)
+            elif layer_type == LINEAR_ATTENTION:
                 masks[layer_type] = None  # recurrent blocks take only a padding mask; none here
             else:
                 masks[layer_type] = _mask_function(layer_type)(
@@ -172,7 +185,9 @@ class Stage(nn.Module):
                 kwargs["position_embeddings"] = rotary.get(layer_type)
             out = block(hidden, attention_mask=masks[layer_type], **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
-        if cache is not None:
+        if batch is not None:
+            batch.commit()
+        elif cache is not None:
             cache.seen_tokens = past + x.shape[1]
         if not self.is_last_stage or hidden_only:
             return hidden

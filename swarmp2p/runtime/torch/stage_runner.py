@@ -68,7 +68,9 @@ def _load_tokens(spec: WorkerSpec):
     return {"train": windows[:-held], "held_out": windows[-held:]}
 
 
-def _build(spec: WorkerSpec):
+def build_from_spec(spec: WorkerSpec):
+    """(bundle, vocab size, LoRA info) of the stage ``spec`` assigns: loaded in ``spec.dtype``,
+    adapters and compressors attached, the frozen backbone stored in ``spec.weight_dtype``."""
     import torch
 
     from swarmp2p.runtime.torch import decoder_config, load_stage_shard
@@ -125,26 +127,46 @@ def _build(spec: WorkerSpec):
         finetune_mode=spec.finetune_mode,
         block_devices=[spec.device] * len(stage.blocks),
         wire_v2=spec.wire_v2,
+        dtype=dtype,
     )
+    _store_frozen_weights(spec, bundle)
     lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
     return bundle, config.vocab_size, lora_info
 
 
+def _store_frozen_weights(spec: WorkerSpec, bundle) -> int:
+    """Apply ``weight_dtype`` to a frozen backbone (after ``build_bundle`` froze it); returns
+    how many weights now live in 16 bits. A full fine-tune trains every weight: it keeps them."""
+    from swarmp2p.runtime.torch.half_storage import apply_half_storage
+
+    if spec.weight_dtype is None or spec.finetune_mode == "full":
+        return 0
+    if spec.weight_dtype == spec.dtype:
+        return 0  # the weights are in that dtype already
+    return apply_half_storage(bundle.stage, spec.weight_dtype, compute_dtype=bundle.dtype)
+
+
 def _open_links(spec: WorkerSpec, emit):
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink
+    from swarmp2p.net.links import link_credentials
 
     try:
-        secret = SwarmSecret.from_token(spec.token)
+        if spec.link_keys:  # the node's own keys: only the neighbouring stages' nodes connect
+            server, client = link_credentials(spec.link_keys)
+        else:
+            server = client = SwarmSecret.from_token(spec.token)
     except ValueError as exc:
-        raise ValueError(f"token: {exc}") from None
+        raise ValueError(f"link keys: {exc}") from None
     ctx = SecureContext()
     prev_link = next_link = None
     try:
         if not spec.is_first:
-            prev_link = ZmqLink.bind(ctx, secret, spec.host, spec.port)
+            prev_link = ZmqLink.bind(ctx, server, spec.host, spec.port)
         emit("ready", port=prev_link.port if prev_link is not None else None)
         if not spec.is_last:
-            next_link = ZmqLink.dial(ctx, secret, spec.next)
+            if client is None:
+                raise ValueError("link keys: no 'next' key for a stage that is not the last")
+            next_link = ZmqLink.dial(ctx, client, spec.next)
     except BaseException:
         for link in (prev_link, next_link):
             if link is not None:
@@ -167,21 +189,31 @@ def run_stage(spec: WorkerSpec, emit: Callable[..., None]) -> None:
 
 
 def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
+    from swarmp2p.runtime.torch.boundary import Channel, tell_neighbours
+
+    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
+    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
+    try:
+        _run_on(spec, emit, prev, nxt)
+    except Exception as exc:  # the neighbours stop now, not at their link timeout
+        tell_neighbours(exc, stage=spec.stage, step=None, prev=prev, next=nxt)
+        raise
+
+
+def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     import time
 
     from swarmp2p.plan.schedule import stage_schedule
     from swarmp2p.plan.split import parse_compression
-    from swarmp2p.runtime.torch.boundary import Channel
     from swarmp2p.runtime.torch.calibration import calibrate_stage
     from swarmp2p.runtime.torch.evaluation import evaluate_stage
+    from swarmp2p.runtime.torch.precision import make_loss_scaler
     from swarmp2p.runtime.torch.snapshot import latest_snapshot, load_snapshot, save_snapshot
     from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage
 
-    bundle, vocab, lora_info = _build(spec)
+    bundle, vocab, lora_info = build_from_spec(spec)
     fingerprint = lora_info["fingerprint"]
     evaluation: dict[str, dict] = {}
-    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
-    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
     t = spec.train
     tokens = _load_tokens(spec) if spec.is_first and spec.data.source == "tokens" else None
     held_out = eval_batches(spec, vocab, tokens) if spec.is_first else None
@@ -199,15 +231,18 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
         weight_decay=t.weight_decay,
         recompute=t.recompute,
         loss_chunk_tokens=t.loss_chunk_tokens,
+        loss_scale=t.loss_scale,
+        inject_nan_step=t.inject_nan_step,
     )
     trains = spec.finetune_mode != "none" and t.steps > 0
     optimizer = make_optimizer(bundle, settings) if trains and bundle.trainable_parameters else None
+    scaler = make_loss_scaler(bundle.dtype, t.loss_scale)
     start = 0
     if spec.resume:
         path = latest_snapshot(spec.snapshot_dir, spec.stage)
         if path is None:
             raise ValueError(f"resume: no snapshot of stage {spec.stage} under {spec.snapshot_dir}")
-        start = load_snapshot(path, bundle, optimizer)
+        start = load_snapshot(path, bundle, optimizer, scaler=scaler)
         emit("resumed", step=start, snapshot=str(path))
 
     def evaluate(name: str, through: bool) -> None:
@@ -249,7 +284,7 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
         emit("step", **m.as_dict())
         done = m.step + 1
         if spec.snapshot_dir and t.checkpoint_every and done % t.checkpoint_every == 0:
-            path = save_snapshot(spec.snapshot_dir, bundle, optimizer, step=done)
+            path = save_snapshot(spec.snapshot_dir, bundle, optimizer, step=done, scaler=scaler)
             emit("snapshot", step=done, path=str(path))
 
     steps_left = max(0, t.steps - start)
@@ -266,6 +301,7 @@ def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
             optimizer=optimizer,
             start_step=start,
             on_step=on_step,
+            scaler=scaler,
         )
     if t.eval_batches:
         evaluate("trained", True)

@@ -1,6 +1,7 @@
 """Training one pipeline stage: build its bundle, then run the schedule's ops step after step.
 
-A stage of an N-stage pipeline (any N >= 2) runs between up to two channels. Per step it splits
+A stage of an N-stage pipeline (any N >= 1; one stage embeds, runs every block and scores)
+runs between up to two channels. Per step it splits
 the batch into M micro-batches and runs its op list (GPipe or 1F1B, from ``plan.schedule``):
 
 - ``F m``: the first stage embeds micro-batch m's ids; the others receive its payload and labels
@@ -12,12 +13,16 @@ the batch into M micro-batches and runs its op list (GPipe or 1F1B, from ``plan.
   gradient of what it received.
 
 One AdamW step per step: the accumulated gradient equals the full batch's (reference,
-"Micro-batched schedules").
+"Micro-batched schedules"). A float16 or bfloat16 stage steps float32 master copies; a float16
+pipeline scales the loss and skips a step that overflowed on any stage; a non-finite loss or
+gradient nothing can fix fails the step with ``NonFiniteError`` (``precision``). A stage that
+fails tells its neighbours (an ``abort`` control message) so they stop at once with its reason.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,8 +33,25 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from swarmp2p.runtime.torch.boundary import ACT, GRAD, Channel, SentMicroBatch, send_through
+from swarmp2p.runtime.torch.boundary import (
+    ACT,
+    GRAD,
+    Channel,
+    SentMicroBatch,
+    send_through,
+    tell_neighbours,
+)
 from swarmp2p.runtime.torch.compression import Compressor, LearnedBottleneck
+from swarmp2p.runtime.torch.precision import (
+    LossScaler,
+    NonFiniteError,
+    StageOptimizer,
+    StepHealth,
+    Verdict,
+    agree,
+    decide,
+    make_loss_scaler,
+)
 
 FINETUNE_MODES = ("full", "compressor_only", "lora", "none")
 
@@ -54,6 +76,10 @@ class TrainSettings:
     """Activation checkpointing per block: keep block inputs only, recompute in backward."""
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
     """The last stage scores this many tokens at a time."""
+    loss_scale: float | None = None
+    """A float16 pipeline's first loss scale (None: ``precision.INIT_LOSS_SCALE``)."""
+    inject_nan_step: int | None = None
+    """Test knob: from this step on, this stage's gradients hold a NaN."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -64,6 +90,10 @@ class TrainSettings:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens!r}")
+        if self.loss_scale is not None and not (
+            math.isfinite(self.loss_scale) and self.loss_scale > 0
+        ):
+            raise ValueError(f"loss_scale must be a finite number > 0, got {self.loss_scale!r}")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -82,6 +112,8 @@ class StageBundle:
     finetune_mode: str = "full"
     trainable_parameters: list[nn.Parameter] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    """The compute dtype: what arrives over a boundary is cast to it."""
     wire_v2: bool = True
     """Send a quantized payload as its codes (lossless); False sends the floats (wire v1)."""
 
@@ -98,6 +130,12 @@ class StageBundle:
         if self.send_compressor is None or not self.wire_v2:
             return "none"
         return self.send_compressor.payload_codec
+
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor from another stage on this stage's device, floats in its compute dtype."""
+        if tensor.is_floating_point():
+            return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(self.device)
 
     def receive(self, payload: torch.Tensor) -> torch.Tensor:
         """The receiver half of the incoming boundary (identity without one)."""
@@ -127,16 +165,18 @@ def build_bundle(
     finetune_mode: str = "full",
     block_devices: Sequence[str] | None = None,
     wire_v2: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> StageBundle:
     """Place a stage's blocks on ``block_devices`` and resolve what it trains.
 
     ``trainable_parameters`` is never empty unless the mode is ``none``, or ``compressor_only`` on
     a stage with no learned bottleneck half (it only relays). For ``lora``, apply the adapters
     first (``lora.apply_lora``): the bundle trains the adapter weights inside the stage.
+    ``dtype`` is the compute dtype (None: the stage's first floating-point parameter's).
     """
-    if n_stages < 2 or not 0 <= index < n_stages:
+    if n_stages < 1 or not 0 <= index < n_stages:
         raise ValueError(
-            f"stage index {index} of {n_stages} stages: need n_stages >= 2, 0 <= index < n"
+            f"stage index {index} of {n_stages} stages: need n_stages >= 1, 0 <= index < n"
         )
     if finetune_mode not in FINETUNE_MODES:
         raise ValueError(
@@ -195,6 +235,9 @@ def build_bundle(
         raise ValueError(f"stage {index} has nothing to train in finetune mode {finetune_mode!r}")
     # deduplicate (a tied head and embedding are one parameter)
     unique = list({id(p): p for p in params}.values())
+    if dtype is None:
+        floating = [p.dtype for p in stage.parameters() if p.is_floating_point()]
+        dtype = floating[0] if floating else torch.float32
     return StageBundle(
         index=index,
         n_stages=n_stages,
@@ -204,6 +247,7 @@ def build_bundle(
         finetune_mode=finetune_mode,
         trainable_parameters=unique,
         device=device,
+        dtype=dtype,
         wire_v2=wire_v2,
     )
 
@@ -255,10 +299,11 @@ def _head_loss_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Te
 def chunked_head_loss(
     head, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
-    """``chunked_loss`` of ``head(hidden)`` without ever holding the whole logits tensor: each
-    chunk of ``chunk_tokens`` tokens runs the head and its float32 loss under checkpoint, so
-    forward and backward keep one chunk's logits at a time (the reference's head loss; a
-    248k-token vocabulary at 4x2048 tokens is 8 GB of float32 logits otherwise)."""
+    """The float32 mean of ``chunked_loss`` of ``head(hidden)`` without ever holding the whole
+    logits tensor: each chunk of ``chunk_tokens`` tokens runs the head and its float32 loss under
+    checkpoint, so forward and backward keep one chunk's logits at a time (the reference's head
+    loss; a 248k-token vocabulary at 4x2048 tokens is 8 GB of float32 logits otherwise). It stays
+    float32 so a float16 stage can scale it before backward without overflowing."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(flat.device)
     if flat.shape[0] != flat_labels.shape[0]:
@@ -271,7 +316,7 @@ def chunked_head_loss(
             total = total + checkpoint(_head_loss_sum, head, part, part_labels, use_reentrant=False)
         else:
             total = total + _head_loss_sum(head, part, part_labels)
-    return (total / flat.shape[0]).to(hidden.dtype)
+    return total / flat.shape[0]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -290,16 +335,33 @@ class StepMetrics:
     step_s: float
     peak_memory_bytes: int
     """Peak accelerator memory (CUDA) or peak resident set of the process (CPU)."""
+    loss_scale: float | None = None
+    """The loss scale this step's backward ran under (float16 only)."""
+    skipped: bool = False
+    """The step was not applied: a float16 gradient overflowed on some stage."""
+    forward_s: float = 0.0
+    """Seconds computing its forwards (waits on the neighbours excluded)."""
+    backward_s: float = 0.0
+    """Seconds computing its backwards (waits on the neighbours excluded)."""
+    optimizer_s: float = 0.0
+    """Seconds checking the gradients and stepping the optimizer (waits excluded)."""
+    wait_s: float = 0.0
+    """Seconds blocked on its links: waiting for a neighbour (the pipeline's bubble and any
+    imbalance show here)."""
+    at: float = 0.0
+    """Wall-clock time (``time.time()``) the step ended: the pipeline's pace from one step to
+    the next, whatever happens between steps (data, events, snapshots)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-def make_optimizer(bundle: StageBundle, settings: TrainSettings) -> torch.optim.Optimizer:
-    """AdamW over exactly the bundle's trainable parameters."""
+def make_optimizer(bundle: StageBundle, settings: TrainSettings) -> StageOptimizer:
+    """AdamW over exactly the bundle's trainable parameters (float32 master copies of the half
+    precision ones)."""
     if not bundle.trainable_parameters:
         raise ValueError(f"stage {bundle.index} has no trainable parameters to optimise")
-    return torch.optim.AdamW(
+    return StageOptimizer(
         bundle.trainable_parameters,
         lr=settings.lr,
         betas=settings.betas,
@@ -336,26 +398,31 @@ def split_batch(
 class _Step:
     """The in-flight state of one step on one stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float) -> None:
         self.inputs: dict[int, torch.Tensor] = {}
         self.sent: dict[int, SentMicroBatch] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.loss_values: dict[int, float] = {}
         self.tokens = 0
+        self.scale = scale
+        """The loss scale of this step's backward (1.0 without loss scaling)."""
 
 
 def run_step(
     bundle: StageBundle,
     settings: TrainSettings,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: StageOptimizer | None,
     ops: Sequence[Any],
     *,
     step: int,
     prev: Channel | None,
     next: Channel | None,
     tokens: torch.Tensor | None = None,
+    scaler: LossScaler | None = None,
 ) -> StepMetrics:
-    """One training step of one stage: the op list, then one optimizer step."""
+    """One training step of one stage: the op list, the verdict, then one optimizer step (or
+    none, when a float16 gradient overflowed somewhere). ``scaler``: a float16 pipeline's loss
+    scale, the same on every stage. Raises ``NonFiniteError`` when the step cannot be fixed."""
     m = settings.micro_batches
     started = time.perf_counter()
     act0 = next.sent_bytes[ACT] if next is not None else 0
@@ -363,21 +430,37 @@ def run_step(
     micro_inputs = split_batch(tokens.to(bundle.device), m) if bundle.is_first else None
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    state = _Step()
+    state = _Step(scaler.scale if scaler is not None else 1.0)
     bundle.stage.train()
+    spent = {"F": 0.0, "B": 0.0}
+    wait0 = _waited(prev, next)
     for op in ops:
         kind, micro = _op(op)
+        began, waited = time.perf_counter(), _waited(prev, next)
         if kind == "F":
             _forward(bundle, settings, state, step, micro, prev, next, micro_inputs)
         elif kind == "B":
             _backward(bundle, state, step, micro, prev)
         else:
             raise ValueError(f"unknown schedule op {kind!r}; ops are F and B")
+        spent[kind] += time.perf_counter() - began - (_waited(prev, next) - waited)
     if len(state.loss_values) != m:
         raise ValueError(f"the op list answered {len(state.loss_values)} of {m} micro-batches")
+    began, waited = time.perf_counter(), _waited(prev, next)
+    verdict = _verdict(bundle, settings, optimizer, scaler, state, step, prev, next)
+    if verdict.failure is not None:
+        failed = bundle.index if verdict.failed_stage is None else verdict.failed_stage
+        raise NonFiniteError(stage=failed, step=step, reason=verdict.failure)
     if optimizer is not None:
-        optimizer.step()
-    elapsed = time.perf_counter() - started
+        if verdict.skip:
+            optimizer.zero_grad()
+        else:
+            optimizer.step()
+    if scaler is not None:
+        scaler.adopt(verdict)
+    ended = time.perf_counter()
+    optimizer_s = ended - began - (_waited(prev, next) - waited)
+    elapsed = ended - started
     return StepMetrics(
         step=step,
         loss=sum(state.loss_values.values()),
@@ -387,7 +470,46 @@ def run_step(
         grad_bytes=(prev.sent_bytes[GRAD] - grad0) if prev is not None else 0,
         step_s=elapsed,
         peak_memory_bytes=_peak_memory(bundle.device),
+        loss_scale=state.scale if scaler is not None else None,
+        skipped=verdict.skip,
+        forward_s=spent["F"],
+        backward_s=spent["B"],
+        optimizer_s=optimizer_s,
+        wait_s=_waited(prev, next) - wait0,
+        at=time.time(),
     )
+
+
+def _waited(prev: Channel | None, next: Channel | None) -> float:
+    """Seconds both links have spent blocked so far."""
+    return (prev.wait_s if prev is not None else 0.0) + (next.wait_s if next is not None else 0.0)
+
+
+def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next) -> Verdict:
+    """What this stage found in the step, and what every stage does with it."""
+    health = StepHealth()
+    if bundle.is_last:
+        bad = [v for v in state.loss_values.values() if not math.isfinite(v)]
+        if bad:
+            why = f"the loss is {bad[0]}; lower train.lr or check the data"
+            if bundle.dtype == torch.float16:
+                why += " (float16 activations may overflow: bfloat16 or float32 would not)"
+            health = StepHealth(fatal=why, stage=bundle.index)
+    if settings.inject_nan_step is not None and step >= settings.inject_nan_step:
+        _inject_nan(bundle)
+    if optimizer is not None and not optimizer.gradients_finite(state.scale):
+        health = StepHealth(overflow=True, fatal=health.fatal, stage=bundle.index)
+    if scaler is None:  # nothing to agree on: no step is skipped, a failure is this stage's own
+        return decide(health, None)
+    return agree(health, scaler, step=step, prev=prev, next=next)
+
+
+def _inject_nan(bundle: StageBundle) -> None:
+    for p in bundle.trainable_parameters:
+        if p.grad is not None:
+            p.grad.view(-1)[0] = math.nan
+            return
+    raise ValueError(f"train.inject_nan_step: stage {bundle.index} has no gradient to put a NaN in")
 
 
 def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> None:
@@ -396,7 +518,7 @@ def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> 
         hidden_in = x
     else:
         payload, labels = prev.recv_activation(step, micro)
-        x = payload.to(bundle.device)
+        x = bundle.adopt(payload)
         if x.is_floating_point():
             x.requires_grad_(True)
         state.inputs[micro] = x
@@ -417,7 +539,7 @@ def _backward(bundle, state, step, micro, prev) -> None:
     if bundle.is_last:
         loss = state.losses.pop(micro)
         if loss.requires_grad:
-            loss.backward()
+            (loss * state.scale if state.scale != 1.0 else loss).backward()
         value = float(loss.detach())
     else:
         sent = state.sent.pop(micro)
@@ -438,15 +560,18 @@ def train_stage(
     prev: Channel | None = None,
     next: Channel | None = None,
     batches: Iterator[torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: StageOptimizer | None = None,
     start_step: int = 0,
     on_step: Callable[[StepMetrics], None] | None = None,
+    scaler: LossScaler | None = None,
 ) -> list[StepMetrics]:
     """Run ``settings.steps`` steps (from ``start_step``) of one stage; return each step's metrics.
 
     ``ops`` is this stage's op list for one step (``plan.schedule.stage_schedule``: items with
     ``kind`` "F"/"B" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
-    ``[B, T + 1]`` token batch per step from ``batches``.
+    ``[B, T + 1]`` token batch per step from ``batches``. A float16 stage scales its loss with
+    ``scaler`` (made from ``settings.loss_scale`` when not given; pass the one a snapshot
+    restored). A step that fails tells the neighbours before the error propagates.
     """
     if bundle.is_first != (prev is None) or bundle.is_last != (next is None):
         raise ValueError(
@@ -457,13 +582,27 @@ def train_stage(
         raise ValueError("the first stage needs batches")
     if optimizer is None and bundle.trainable_parameters:
         optimizer = make_optimizer(bundle, settings)
+    if scaler is None:
+        scaler = make_loss_scaler(bundle.dtype, settings.loss_scale)
     set_recompute(bundle.stage, settings.recompute)
     metrics = []
     for step in range(start_step, start_step + settings.steps):
-        tokens = next_batch(batches, step) if bundle.is_first else None
-        result = run_step(
-            bundle, settings, optimizer, ops, step=step, prev=prev, next=next, tokens=tokens
-        )
+        try:
+            tokens = next_batch(batches, step) if bundle.is_first else None
+            result = run_step(
+                bundle,
+                settings,
+                optimizer,
+                ops,
+                step=step,
+                prev=prev,
+                next=next,
+                tokens=tokens,
+                scaler=scaler,
+            )
+        except Exception as exc:
+            tell_neighbours(exc, stage=bundle.index, step=step, prev=prev, next=next)
+            raise
         metrics.append(result)
         if on_step is not None:
             on_step(result)

@@ -209,7 +209,10 @@ def _load_weights(stage: Stage, shard: Path, tied_head: str | os.PathLike | None
         )
     head = f"{mapping['head']}.weight" if stage.head is not None else None
     tied = bool(getattr(stage.config, "tie_word_embeddings", False))
-    if head is not None and head not in weights and tied and not stage.is_first_stage:
+    embed = f"{mapping['embed']}.weight" if stage.embed is not None else None
+    if head is not None and head not in weights and tied and embed in weights:
+        weights[head] = weights[embed]  # one stage: its tied head is its own embedding
+    elif head is not None and head not in weights and tied and not stage.is_first_stage:
         if tied_head is None:
             raise ValueError(
                 f"shard {shard} is the last stage of a tied-embedding model and holds no "

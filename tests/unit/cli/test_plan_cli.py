@@ -78,6 +78,7 @@ def test_every_example_plans(tmp_path, job, cluster):
 def test_blocked_prints_the_reason_and_exits_3(tmp_path):
     data = json.loads((EXAMPLES / "lora.json").read_text())
     data["model"]["dtype"] = "bfloat16"
+    data["split"]["stages"] = 2  # auto stages would leave the Turing card out
     job = write(tmp_path, "bf16.json", data)
     out = swarm("plan", job, "--cluster", "examples/cluster-mixed.json", tmp_path=tmp_path)
     assert out.returncode == 3

@@ -12,11 +12,15 @@ import zmq.asyncio
 
 from swarmp2p.net import (
     AsyncSecureContext,
+    ClientKeys,
+    KeyCheck,
+    NodeKey,
     RpcClient,
     RpcError,
     RpcServer,
     RpcTimeout,
     SecureContext,
+    ServerKeys,
     SwarmSecret,
     make_client_socket,
     request_sync,
@@ -223,3 +227,35 @@ def test_request_sync(secret):
                     )
 
     run(scenario)
+
+
+def test_the_handler_gets_the_key_each_request_was_authenticated_with():
+    """Per-node keys: ZAP admits listed client keys and every request reaches the handler with
+    its sender's key (the ``User-Id`` frame property), so a server binds it to a node id."""
+    server_key, alice, bob, eve = (NodeKey.generate() for _ in range(4))
+    allowed = {alice.public, bob.public}
+    senders: list[str] = []
+
+    async def handler(msg, sender):
+        senders.append(sender)
+        return Echo(text=msg.text.upper())
+
+    async def scenario(ctx):
+        keys = ServerKeys(public=server_key.public, secret=server_key.secret,
+                          admits=KeyCheck(allowed.__contains__), domain="t-members")  # fmt: skip
+        async with RpcServer(ctx, keys, "127.0.0.1", 0, handler) as srv:
+            for who in (alice, bob):
+                creds = ClientKeys(public=who.public, secret=who.secret, server=server_key.public)
+                async with RpcClient(ctx, creds, srv.endpoint) as cli:
+                    assert (await cli.request(Echo(text="hi"), timeout=5)).text == "HI"
+            creds = ClientKeys(public=eve.public, secret=eve.secret, server=server_key.public)
+            async with RpcClient(ctx, creds, srv.endpoint) as cli:  # not listed: no handshake
+                with pytest.raises(RpcTimeout):
+                    await cli.request(Echo(text="let me in"), timeout=0.5)
+            wrong = ClientKeys(public=alice.public, secret=alice.secret, server=eve.public)
+            async with RpcClient(ctx, wrong, srv.endpoint) as cli:  # expects another server
+                with pytest.raises(RpcTimeout):
+                    await cli.request(Echo(text="who are you"), timeout=0.5)
+
+    run(scenario)
+    assert senders == [alice.public, bob.public]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import zmq
+import zmq.utils.z85
+
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
 from swarmp2p.node.jobtable import JobTable
@@ -48,6 +53,12 @@ def plan(node_ids=("a", "b"), the_job=None):
     return compute_plan(the_job or job(), cluster(*node_ids), shape=SHAPE)
 
 
+def key(node_id: str) -> str:
+    """A stable, valid CURVE public key for ``node_id`` (a test's member key)."""
+    secret = zmq.utils.z85.encode(hashlib.blake2b(node_id.encode(), digest_size=32).digest())
+    return zmq.curve_public(secret).decode("ascii")
+
+
 class Log:
     """Appends events as the leader of ``term`` would: one version after another."""
 
@@ -65,17 +76,18 @@ class Log:
 def founded(*members: str, term: int = 1) -> Log:
     log = Log(term=term)
     log(ev.LeaderElected(leader=members[0], epoch="e1"))
-    log(*(ev.MemberJoined(node_id=m, name=f"host-{m}") for m in members))
+    log(*(ev.MemberJoined(node_id=m, name=f"host-{m}", key=key(m)) for m in members))
     return log
 
 
-def running(job_id: str = "j1", nodes=("a", "b")) -> Log:
+def running(job_id: str = "j1", nodes=("a", "b"), the_job=None) -> Log:
     """A founded swarm with one job placed on ``nodes`` and running (attempt 1)."""
     log = founded(*sorted(set(nodes) | {"a"}))
+    the_job = the_job or job()
     log(
-        ev.JobSubmitted(job_id=job_id, job=job(), submitted_by="cli", at=1.0),
-        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes), cluster=tuple(cluster(*nodes)),
-                     placed_by="a", at=2.0),
+        ev.JobSubmitted(job_id=job_id, job=the_job, submitted_by="cli", at=1.0),
+        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes, the_job),
+                     cluster=tuple(cluster(*nodes)), placed_by="a", at=2.0),
         ev.JobRunning(job_id=job_id, attempt=1, at=3.0),
     )  # fmt: skip
     return log

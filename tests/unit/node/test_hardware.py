@@ -104,7 +104,8 @@ def test_real_probe_on_this_machine_without_nvml():
     assert record["capabilities"] == [] and record["version"] == "0.1.0"
     assert [d["kind"] for d in record["devices"]] == ["cpu"]
     assert record["ram"] > 0 and record["disk_free"] > 0
-    assert host == {"cpu_cores": host["cpu_cores"], "driver": ""} and host["cpu_cores"] >= 1
+    assert set(host) == {"cpu_cores", "cpu_quota", "machine", "driver"} and host["driver"] == ""
+    assert host["cpu_cores"] >= 1 and host["machine"]
     cpu = record["devices"][0]
     assert 0 < cpu["memory_free"] <= cpu["memory_total"] == record["ram"]
     assert set(cpu) == DEVICE_KEYS
@@ -173,3 +174,34 @@ def test_bad_env_fails_the_probe():
 def test_model_cache_dir_follows_hf_env(tmp_path):
     assert hardware.model_cache_dir({"HF_HUB_CACHE": str(tmp_path)}) == tmp_path
     assert hardware.model_cache_dir({"HF_HOME": str(tmp_path)}) == tmp_path / "hub"
+
+
+def test_live_memory_re_reads_nvml_and_ram_at_most_once_a_second(tmp_path):
+    gpus = [("RTX A5000", 24 * GIB, 20 * GIB, (8, 6))]
+    nvml = _fake_nvml(gpus)
+    calls = nvml.calls
+    record, _ = hardware.probe(node_id="n1", name="n1", version="0", env={}, nvml=nvml)
+    calls.clear()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 64 kB\n")
+    now = [0.0]
+    live = hardware.LiveMemory(record, nvml=nvml, clock=lambda: now[0], meminfo=meminfo)
+    assert live.read() == {"cuda:0": 20 * GIB, "cpu:0": 64 * 1024}
+    gpus[0] = ("RTX A5000", 24 * GIB, 3 * GIB, (8, 6))  # a served model loaded meanwhile
+    meminfo.write_text("MemAvailable: 32 kB\n")
+    assert live.read()["cuda:0"] == 20 * GIB  # within the second: the last reading
+    now[0] = hardware.LIVE_EVERY_S
+    assert live.read() == {"cuda:0": 3 * GIB, "cpu:0": 32 * 1024}
+    assert calls.count("init") == 1  # NVML stays initialised between readings
+
+
+def test_a_fake_device_keeps_its_memory_and_a_report_lands_in_the_record():
+    env = {hardware.FAKE_DEVICES_ENV: "A5000:24:8.6"}
+    record, _ = hardware.probe(node_id="n1", name="n1", version="0", env=env)
+    assert hardware.LiveMemory(record).read()["cuda:0"] == 24 * GIB
+    hardware.apply_memory(record, {"free": {"cuda:0": 30 * GIB, "cpu:0": -1},
+                                   "held": {"serve": {"cuda:0": GIB}, "other": {}}})  # fmt: skip
+    gpu, cpu = record["devices"]
+    assert gpu["memory_free"] == 24 * GIB  # never above the total
+    assert cpu["memory_free"] > 0  # a bad value is ignored
+    assert record["held"] == {"serve": {"cuda:0": GIB}}

@@ -157,6 +157,35 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
 
 
+def test_metrics_keep_compute_per_stage_and_the_steady_pace():
+    from swarmp2p.node.metrics import COMPUTE_STEPS, MetricsStore
+
+    store = MetricsStore()
+
+    def step(s, stage, at, **extra):
+        event = {"event": "step", "step": s, "tokens": 512, "forward_s": 0.1, "backward_s": 0.2,
+                 "optimizer_s": 0.05, "wait_s": 0.3, "at": at, "step_s": 0.65, **extra}  # fmt: skip
+        store.fold("j", attempt=1, stage=stage, n_stages=2, events=[event])
+
+    for s in range(6):  # a slow first step, then one step every 0.5 s
+        at = 100.0 + (2.0 if s == 0 else 2.0 + 0.5 * s)
+        step(s, 0, at, forward_s=0.3)
+        step(s, 1, at)
+    got = store.get("j")
+    assert got["compute"]["steps"]["5"] == {"0": 0.55, "1": 0.35}
+    assert got["stages"]["1"]["wait_s"] == 0.3
+    # steps 0 and 1 warm up; steps 2..5 (4 x 512 tokens) over the 2 s after step 1 ended
+    assert got["steady_tokens_per_s"] == 1024.0
+    step(6, 1, 200.0, skipped=True)  # a skipped float16 step computes nothing useful
+    assert "6" not in store.get("j")["compute"]["steps"]
+    for s in range(7, 7 + COMPUTE_STEPS):
+        step(s, 1, 300.0 + s)
+    assert len(store.get("j")["compute"]["steps"]) == COMPUTE_STEPS
+    store.fold("j", attempt=2, stage=1, n_stages=2, events=[{"event": "step", "step": 50,
+               "forward_s": 1.0, "backward_s": 1.0, "optimizer_s": 0.0, "at": 1.0, "tokens": 1}])  # fmt: skip
+    assert store.get("j")["compute"] == {"attempt": 2, "steps": {"50": {"1": 2.0}}}
+
+
 def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
     import sys
     from pathlib import Path
@@ -281,3 +310,38 @@ def test_a_daemon_declares_the_runtime_features_only_where_torch_is_importable(m
         importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
     )
     assert runtime_capabilities() == []
+
+
+def test_job_view_shows_each_stage_predicted_beside_measured():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import cluster, founded, job
+
+    from swarmp2p.node import events as ev
+    from swarmp2p.node.views import job_view
+
+    records = cluster("a", "b")
+    for r in records:
+        r["devices"][0]["speed"] = {"float32": 1e10}
+    log = founded("a", "b")
+    log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
+    planned = jobs.compute_plan(job(), records, shape=_shape())
+    log(ev.JobPlaced(job_id="j1", attempt=1, plan=planned, cluster=tuple(records), placed_by="a",
+                     at=2.0))  # fmt: skip
+    metrics = {"stages": {"1": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_s": 0.05,
+                                "wait_s": 0.3}}}  # fmt: skip
+    view = job_view(log.table.jobs["j1"], metrics)
+    first, last = view["plan"]["stages"]
+    assert first["predicted_s"] == planned.timing.stages[0].compute_s > 0
+    assert first["measured_s"] is None  # stage 0 reported nothing yet
+    assert last["measured_s"] == 0.35 and last["wait_s"] == 0.3
+    assert view["plan"]["predicted_step_s"] == planned.timing.step_s
+    assert view["plan"]["bottleneck"] in (0, 1) and view["rebalances"] == 0
+
+
+def _shape():
+    from _tables import SHAPE
+
+    return SHAPE

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import Log, cluster, founded, job, plan, running
+from _tables import Log, cluster, founded, job, key, plan, running
 
 from swarmp2p.node import events as ev
 from swarmp2p.node.jobtable import JobTable, apply, load, save
@@ -71,6 +71,26 @@ def test_a_lost_node_resumes_on_a_new_attempt_from_a_snapshot():
     assert t.jobs["j1"].state == "running"  # the first step of the new attempt
 
 
+def test_a_rebalanced_job_says_why_in_its_history_and_keeps_the_speeds_it_measured():
+    log = running()
+    speeds = {"a": {"cpu:0": 1.5e10}, "b": {"cpu:0": 4.5e10}}
+    why = "stage 0 ran 1.8x its predicted time for 20 steps: cuts [2] from [3]"
+    t = log(ev.JobRebalanced(job_id="j1", attempt=1, reason=why, dtype="float32", speeds=speeds,
+                             at=5.0))  # fmt: skip
+    entry = t.jobs["j1"]
+    assert (entry.state, entry.reason, entry.rebalances) == ("resuming", why, 1)
+    assert entry.learned == speeds and entry.learned_dtype == "float32"
+    assert (entry.history[-1].state, entry.history[-1].reason) == ("resuming", why)
+    t = log(ev.JobPlaced(job_id="j1", attempt=2, plan=plan(), cluster=tuple(cluster("a", "b")),
+                         resume_step=4, placed_by="a", at=6.0))  # fmt: skip
+    assert t.jobs["j1"].learned == speeds and t.jobs["j1"].rebalances == 1  # kept: later plans
+    with pytest.raises(ValueError, match="only a running job is re-balanced"):
+        log(ev.JobRebalanced(job_id="j1", attempt=2, reason="", dtype="float32", speeds={}, at=7.0))
+    with pytest.raises(ValueError, match="the current one is 2"):
+        log(ev.JobRebalanced(job_id="j1", attempt=1, reason="", dtype="float32", speeds={}, at=7.0))
+    assert JobTable.from_dict(t.to_dict()) == t  # persisted and replicated as it is
+
+
 def test_a_blocked_job_waits_with_its_reason_and_a_failure_is_kept():
     log = founded("a")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
@@ -84,10 +104,42 @@ def test_a_blocked_job_waits_with_its_reason_and_a_failure_is_kept():
 def test_members_join_and_leave():
     log = founded("b", "a")
     assert [m.node_id for m in log.table.members] == ["a", "b"] and log.table.majority() == 2
-    t = log(ev.MemberJoined(node_id="c"))
+    t = log(ev.MemberJoined(node_id="c", key=key("c")))
     assert t.majority() == 2 and t.member_ids == {"a", "b", "c"}
+    assert t.member("c").key == key("c")
     t = log(ev.MemberLeft(node_id="a", reason="stopped"))
-    assert t.member_ids == {"b", "c"}
+    assert t.member_ids == {"b", "c"} and not t.revoked
+    t = log(ev.MemberJoined(node_id="a", key=key("a")))  # left cleanly: may come back
+    assert "a" in t.member_ids
+
+
+def test_a_removed_member_is_revoked_and_its_key_never_listed_again():
+    log = founded("a", "b", "c")
+    t = log(ev.MemberRemoved(node_id="c", key=key("c"), reason="stolen laptop"))
+    assert t.member_ids == {"a", "b"} and t.revoked == (key("c"),)
+    with pytest.raises(ValueError, match="revoked"):
+        log(ev.MemberJoined(node_id="c", key=key("c")))
+    with pytest.raises(ValueError, match="revoked"):
+        log(ev.MemberJoined(node_id="d", key=key("c")))  # under another id neither
+    with pytest.raises(ValueError, match="removed already"):
+        log(ev.MemberRemoved(node_id="c", key=key("c")))
+    with pytest.raises(ValueError, match="is not"):
+        log(ev.MemberRemoved(node_id="b", key=key("a")))  # b's key is b's
+    with pytest.raises(ValueError, match="member a's"):
+        log(ev.MemberJoined(node_id="e", key=key("a")))  # one key, one node
+    t = log(ev.MemberRemoved(node_id="x", key=key("x")))  # joined, never listed: revoked too
+    assert t.revoked == (key("c"), key("x"))
+
+
+def test_the_admission_key_follows_the_secret():
+    from swarmp2p.net.security import SwarmSecret
+
+    first, second = SwarmSecret.generate(), SwarmSecret.generate()
+    log = founded("a")
+    t = log(ev.AdmissionChanged(swarm_id=first.swarm_id, key=first.admission_key))
+    assert (t.swarm_id, t.admission) == (first.swarm_id, first.admission_key)
+    t = log(ev.AdmissionChanged(swarm_id=second.swarm_id, key=second.admission_key))
+    assert t.admission == second.admission_key
 
 
 def test_snapshots_keep_the_newest_four_per_stage():
@@ -144,7 +196,7 @@ def _after(log: Log, *events):
             lambda log: log(ev.ModelRegistered(job_id="j1", model={"id": "t"})),
             "only a completed job",
         ),
-        (lambda log: log(ev.MemberJoined(node_id="a")), "a member already"),
+        (lambda log: log(ev.MemberJoined(node_id="a", key=key("a"))), "a member already"),
         (lambda log: log(ev.MemberLeft(node_id="zz")), "not a member"),
         (lambda log: log(ev.ShardCopied(job_id="j1", stage=0, node_id="c")), "registered no model"),
     ],
@@ -199,16 +251,19 @@ def test_save_load_roundtrip_and_corruption(tmp_path):
         load(path)
 
 
-def test_an_older_format_is_kept_aside_not_lost(tmp_path):
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_format_is_kept_aside_not_lost(tmp_path, old):
+    """Format 2 listed members without keys: such a node joins its swarm again (issue 15)."""
     import hashlib
 
     path = tmp_path / "jobs.json"
-    body = json.dumps({"format": 1, "term": 3, "version": 9, "leader": "a", "jobs": {}})
+    members = [{"node_id": "a", "name": "a"}]
+    body = json.dumps({"format": old, "term": 3, "version": 9, "leader": "a", "jobs": {}, "members": members})  # fmt: skip
     path.write_text(
         json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "table": body})
     )
     assert load(path) == JobTable()
-    assert (tmp_path / "jobs.json.format-1").read_text().count('"format\\": 1') == 1
+    assert (tmp_path / f"jobs.json.format-{old}").read_text().count(f'"format\\": {old}') == 1
     assert not path.exists()
 
 

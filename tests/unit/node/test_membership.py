@@ -65,3 +65,65 @@ def test_hello_updates_endpoint_and_record():
         {"ram": 1},
         {"cpu_cores": 2},
     )
+
+
+# --- the keyring: which key speaks for which node ------------------------------------------
+
+
+def _ring(table_box: list, now: list | None = None):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import key
+
+    from swarmp2p.node.membership import Keyring
+
+    now = now or [0.0]
+    return Keyring("a", key("a"), lambda: table_box[0], lambda: now[0]), key
+
+
+def test_the_keyring_binds_members_by_the_table_and_joiners_until_listed():
+    from _tables import founded
+
+    from swarmp2p.node import events as ev
+    from swarmp2p.node.membership import Refused
+
+    log = founded("a", "b")
+    box = [log.table]
+    ring, key = _ring(box)
+    assert ring.node_of(key("b")) == "b" and ring.key_of("b") == key("b")
+    assert ring.node_of(key("c")) is None and not ring.admits(key("c"))
+    ring.admit("c", key("c"), 0.0)  # c passed the join port: bound, not a member
+    assert ring.node_of(key("c")) == "c" and not ring.is_member("c") and ring.pending == {"c": key("c")}  # fmt: skip
+    with pytest.raises(Refused, match="belongs to a member with another key"):
+        ring.admit("b", key("x"), 0.0)  # nobody takes over a member's id
+    with pytest.raises(Refused, match="presents the key of b"):
+        ring.admit("x", key("b"), 0.0)  # nor its key
+    with pytest.raises(Refused, match="this node's"):
+        ring.admit("a", key("a"), 0.0)
+    box[0] = log(ev.MemberJoined(node_id="c", key=key("c")))
+    assert ring.is_member("c") and ring.pending == {}
+
+
+def test_a_removed_key_is_refused_at_once_and_a_left_member_stays_bound():
+    from _tables import founded
+
+    from swarmp2p.node import events as ev
+    from swarmp2p.node.membership import Refused
+
+    log = founded("a", "b", "c")
+    box = [log.table]
+    now = [5.0]
+    ring, key = _ring(box, now)
+    assert ring.admits(key("b")) and ring.admits(key("c"))
+    box[0] = log(ev.MemberRemoved(node_id="c", key=key("c"), reason="lost"))
+    assert not ring.admits(key("c")) and ring.key_of("c") is None  # its next message: refused
+    with pytest.raises(Refused, match="revoked"):
+        ring.admit("c", key("c"), 6.0)
+    box[0] = log(ev.MemberLeft(node_id="b", reason="stopped"))
+    assert ring.node_of(key("b")) == "b" and not ring.is_member("b")  # its goodbyes count
+    ring.prune(keep=set(), now=5.0 + 30, older_than=60)
+    assert ring.node_of(key("b")) == "b"
+    ring.prune(keep=set(), now=5.0 + 61, older_than=60)
+    assert ring.node_of(key("b")) is None  # forgotten like a dead peer

@@ -27,7 +27,8 @@ def _model(folder, seed=0):
         },
         str(folder / "model.safetensors"),
     )
-    (folder / "tokenizer.json").write_text("{}")  # not a model file: stays with the issuer
+    (folder / "tokenizer.json").write_text("{}")  # travels: stage 0 tokenizes the data
+    (folder / "notes.md").write_text("# not a model file: stays where it is")
     return folder
 
 
@@ -44,7 +45,7 @@ def _counting(read):
 def test_a_listing_names_the_weights_and_config_with_their_sha256(tmp_path):
     folder = _model(tmp_path / "m")
     listing = model_files.folder_listing(folder)
-    assert sorted(listing) == ["config.json", "model.safetensors"]
+    assert sorted(listing) == ["config.json", "model.safetensors", "tokenizer.json"]
     data = (folder / "model.safetensors").read_bytes()
     assert listing["model.safetensors"] == [len(data), hashlib.sha256(data).hexdigest()]
     assert model_files.check_listing(listing) == listing

@@ -15,7 +15,7 @@ from _tables import job
 
 from swarmp2p.errors import Unavailable
 from swarmp2p.net.rpc import RpcTimeout
-from swarmp2p.net.security import SwarmSecret
+from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
 from swarmp2p.node.config import NodeConfig
@@ -65,16 +65,17 @@ class FakeContext(NodeContext):
             ),
             state=state,
             secret=SECRET,
+            key=NodeKey.generate(),
             config=NodeConfig(state_dir=state.root, heartbeat_s=0.05, failure_timeout_s=0.2),
         )
         self.net = net
         self.started_at = -1e9  # long past its start-up grace
 
-    async def call_endpoint(self, endpoint, msg, timeout):
+    async def call_endpoint(self, endpoint, msg, timeout, key=None):
         target = endpoint.removeprefix("fake://")
         if not self.net.reach(self.node_id, target) or target not in self.net.nodes:
             raise RpcTimeout(f"{target} unreachable")
-        reply = await self.net.nodes[target].handle(decode(encode(msg)))
+        reply = await self.net.nodes[target].handle(decode(encode(msg)), self.node_id)
         return decode(encode(reply))
 
 
@@ -94,21 +95,23 @@ class FakeNode:
             if other == self.ctx.node_id:
                 continue
             if self.net.reach(self.ctx.node_id, other):
+                self.ctx.keyring.admit(other, self.net.nodes[other].ctx.key.public, 0.0)
                 self.ctx.members.hello(node_id=other, name=f"host-{other}", endpoint=f"fake://{other}", record={}, now=0.0)  # fmt: skip
             else:
                 self.ctx.members.dead(other, 0.0, "cut")
         if self.ctx.leader != self.ctx.node_id:
             self.rep.lost_lead()
 
-    async def handle(self, msg):
+    async def handle(self, msg, sender=None):
+        sender = sender or self.ctx.node_id
         if isinstance(msg, LeadRequest):
             return self.rep.on_vote_request(msg)
         if isinstance(msg, TableFetch):
             return self.rep.on_fetch(msg)
         if isinstance(msg, TableEvents):
-            return await self.rep.on_events(msg)
+            return await self.rep.on_events(msg, sender)
         if isinstance(msg, TablePush):
-            return await self.rep.on_table(msg)
+            return await self.rep.on_table(msg, sender)
         raise AssertionError(msg)
 
 
@@ -151,6 +154,9 @@ def test_the_first_leader_founds_the_swarm_with_every_live_node(tmp_path):
         nodes = await _founding(tmp_path)
         a = nodes["a"].rep
         assert a.ready and a.table.member_ids == {"a", "b", "c"} and a.table.epoch
+        keys = {m.node_id: m.key for m in a.table.members}
+        assert keys == {n: nodes[n].ctx.key.public for n in "abc"}  # each with its own key
+        assert a.table.admission == SECRET.admission_key
         for n in nodes.values():
             assert n.rep.table == a.table  # every member holds it
         assert a.commit == a.table.version
@@ -224,11 +230,18 @@ def test_only_the_leader_of_the_newest_term_writes(tmp_path):
                 )
             ],
         )
-        ack = await b.on_events(forged)
+        ack = await b.on_events(forged, "c")
         assert not ack.ok and "a leads term" in ack.reason and b.table.version == version
         old = TablePush(node_id="a", term=term - 1, table=jobtable.JobTable().to_dict())
-        ack = await b.on_table(old)
+        ack = await b.on_table(old, "a")
         assert not ack.ok and "older than" in ack.reason and b.table.version == version
+        # a newer term does not make c a writer: b's view says a leads (and a stranger is
+        # not even a member); the sender is whoever the request's key is bound to
+        newer = TablePush(node_id="c", term=term + 5, table=b.table.to_dict())
+        ack = await b.on_table(newer, "c")
+        assert not ack.ok and "view says a leads" in ack.reason
+        ack = await b.on_table(TablePush(node_id="a", term=term + 5, table=b.table.to_dict()), "zz")  # fmt: skip
+        assert not ack.ok and "zz is not a member" in ack.reason and b.table.version == version
 
     asyncio.run(main())
 

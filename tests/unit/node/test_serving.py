@@ -13,6 +13,7 @@ from swarmp2p.node.messages import (
     ServeFileRead,
     ServePlace,
     ServePlaced,
+    ServeShardHold,
     ServeStage,
     ServeStageConnect,
     ServeStageExit,
@@ -66,7 +67,7 @@ def inputs(*records: dict, **kw) -> ServeInputs:
                                                      holders=(("a",), ("b", "c")))),
         ServePlaced(serve_id="s1", leader="a", inputs=inputs(record("a")), plan="{}"),
         ServeStageStart(serve_id="s1", attempt=2, stage=1, inputs=inputs(record("a")), plan="{}",
-                        model="/m", issuer="b", embedded=True,
+                        model="/m", issuer="b", embedded=True, revision="0" * 40,
                         files={"config.json": [10, "0" * 64]},
                         shard={"job_id": "j1", "folder": "export/stage-1", "files": {},
                                "sources": ["a"], "tied": None}),
@@ -76,6 +77,9 @@ def inputs(*records: dict, **kw) -> ServeInputs:
         ServeStage(serve_id="s1", attempt=2, stage=0, endpoint="tcp://x:1", state="ready"),
         ServeFileRead(serve_id="s1", file="model.safetensors", offset=0, size=1 << 20),
         ShardCopy(job_id="j1", stage=1, node_id="c"),
+        ServeShardHold(stage=1, shard={"job_id": "j1", "folder": "export/stage-1",
+                                       "files": {"weights.safetensors": "0" * 64},
+                                       "sources": ["a"], "tied": None}),
     ],
 )  # fmt: skip
 def test_serve_messages_round_trip(msg):
@@ -92,7 +96,7 @@ def test_a_serve_id_that_is_not_one_path_component_is_refused_on_the_wire():
 def test_the_daemon_routes_exactly_the_serve_requests():
     assert set(SERVE_MESSAGES) == {
         ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit,
-        ServeFileRead,
+        ServeFileRead, ServeShardHold,
     }  # fmt: skip
 
 

@@ -42,11 +42,33 @@ def test_omitted_capabilities_and_version_mean_this_version():
 
 
 def test_round_trip_is_exact():
-    data = {**NODE, "capabilities": ["wire-v2"], "version": "0.0.9"}
+    data = {**NODE, "capabilities": ["wire-v2"], "version": "0.0.9", "link_speed": 125_000_000}
+    data["devices"] = [{**NODE["devices"][0], "speed": {"bfloat16": 9.5e13, "float32": 2.1e13}}]
     (node,) = parse_cluster([data])
     assert node.to_dict() == data
     assert Node.from_dict(node.to_dict()) == node
     assert parse_cluster(json.loads(cluster_to_json([node]))) == (node,)
+
+
+def test_an_old_record_has_no_speeds_and_an_unknown_link():
+    (node,) = parse_cluster([NODE])
+    assert node.link_speed == 0 and node.devices[0].speed.get("float32") is None
+
+
+@pytest.mark.parametrize(
+    ("speed", "message"),
+    [
+        ({"float64": 1.0}, "devices[0].speed.float64: is not a dtype"),
+        ({"float32": 0}, "devices[0].speed.float32: must be FLOP/s"),
+        ({"float32": True}, "devices[0].speed.float32: must be FLOP/s"),
+        ([1.0], "devices[0].speed: must be an object"),
+    ],
+)
+def test_bad_speeds_are_refused_with_their_path(speed, message):
+    data = {**NODE, "devices": [{**NODE["devices"][0], "speed": speed}]}
+    with pytest.raises(ClusterError) as err:
+        parse_cluster([data])
+    assert message in str(err.value)
 
 
 def test_device_labels():

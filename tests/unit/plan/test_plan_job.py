@@ -27,7 +27,7 @@ def test_defaults():
     assert (
         not job.model.lora.enabled and job.model.lora.r == 8 and job.model.lora.export == "merged"
     )
-    assert job.split.stages == "auto" and job.split.mode == "weighted"
+    assert job.split.stages == "auto" and job.split.mode == "speed"
     assert [c.method for c in job.split.compression] == ["none"]
     assert (job.data.source, job.data.text_field) == ("embedded", "text")
     t = job.train

@@ -44,11 +44,17 @@ def test_weight_dtype_applies_only_to_a_frozen_backbone():
     assert full.weights == SMOL.total_params * 4
 
 
-def test_lora_adapters_only():
-    m = price(Pricing(dtype="bfloat16", finetune_mode="lora", lora_r=8))
+@pytest.mark.parametrize(
+    ("dtype", "per_adapter"),
+    # the adapter itself (compute dtype), its fp32 gradient and two moments, and in half
+    # precision the fp32 master copy AdamW steps
+    [("bfloat16", 2 + 4 + 4 + 8), ("float16", 2 + 4 + 4 + 8), ("float32", 4 + 4 + 8)],
+)
+def test_lora_adapters_only(dtype, per_adapter):
+    m = price(Pricing(dtype=dtype, finetune_mode="lora", lora_r=8))
     per_layer = 8 * ((576 + 576) + 2 * (576 + 192) + (576 + 576))
     assert lora_params_per_layer(SMOL, 8, None) == per_layer
-    assert m.trainable_state == per_layer * L * 16
+    assert m.trainable_state == per_layer * L * per_adapter
 
 
 def test_modes_order_and_none_trains_nothing():
@@ -123,4 +129,9 @@ def test_learned_compressor_halves_are_priced():
     pricer = StagePricer(SMOL, Pricing(dtype="float32", finetune_mode="compressor_only"),
                          Workload())  # fmt: skip
     sender = pricer.price(0, 15, first=True, last=False, send=c)
-    assert sender.trainable_state == (576 * 256 + 256) * 16
+    halves = 576 * 256 + 256
+    assert sender.trainable_state == halves * 12  # fp32 gradient + two moments
+    half = StagePricer(SMOL, Pricing(dtype="bfloat16", finetune_mode="compressor_only"),
+                       Workload()).price(0, 15, first=True, last=False, send=c)  # fmt: skip
+    assert half.trainable_state == halves * 16  # + the fp32 master copy
+    assert half.weights == sender.weights // 2  # the halves compute in the job's dtype too

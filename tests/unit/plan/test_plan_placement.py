@@ -95,16 +95,31 @@ def test_quantization_makes_it_fit():
     assert plan.weight_storage == "nf4"
 
 
-def test_a_disk_too_small_is_blocked_naming_the_node():
+def test_a_disk_too_small_is_blocked_naming_the_node_when_the_stage_count_needs_it():
     cluster = [
         node("a", gpu(*A5000, 20)),
         node("b", gpu(*A5000, 20), disk_gb=0.6, name="tiny-disk"),
     ]
-    result = plan_job(job(), cluster, shape=SMOL)
+    result = plan_job(job(split={"stages": 2}), cluster, shape=SMOL)
     assert isinstance(result, Blocked)
     reason = result.placement_blocked_reason
     assert reason.startswith("placed 1 of 2 required workers; 1 node(s) lack the disk")
     assert "tiny-disk: stage(s) 1 download" in reason and "the disk has 0.6 GB free" in reason
+
+
+def test_a_node_short_of_disk_is_left_out_with_the_reason_when_the_others_run_the_job():
+    cluster = [
+        node("a", gpu(*A5000, 20)),
+        node("b", gpu(*A5000, 20), disk_gb=0.6, name="tiny-disk"),
+        node("c", gpu(*A5000, 20)),
+    ]
+    auto = plan_job(job(), cluster, shape=SMOL)  # stages "auto": two of the three
+    assert isinstance(auto, Plan) and [s.node_id for s in auto.stages] == ["a", "c"]
+    (note,) = [n for n in auto.notes if "disk" in n]
+    assert note.startswith("left out for lack of disk: tiny-disk: stage(s) 1 download")
+    fixed = plan_job(job(split={"stages": 2}), cluster, shape=SMOL)  # two: c takes b's place
+    assert isinstance(fixed, Plan) and [s.node_id for s in fixed.stages] == ["a", "c"]
+    assert any("tiny-disk" in n for n in fixed.notes)
 
 
 def test_download_share_includes_embeddings_first_and_tied_head_last():

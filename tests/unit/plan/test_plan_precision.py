@@ -52,14 +52,27 @@ def test_mixed_pair_plans_float16():
     assert [s.node_name for s in result.stages] == ["fellow-1", "fellow-2"]
 
 
-def test_explicit_bfloat16_on_mixed_pair_is_blocked_with_the_reference_message():
-    result = plan_job(job(model={"pretrained": "embedded", "dtype": "bfloat16"}), mixed_pair())
+def test_explicit_bfloat16_on_two_forced_stages_is_blocked_with_the_reference_message():
+    data = {"pretrained": "embedded", "dtype": "bfloat16"}
+    result = plan_job(job(model=data, split={"stages": 2}), mixed_pair())
     assert isinstance(result, Blocked)
     assert result.placement_blocked_reason == (
         "placed 1 of 2 required workers; 1 GPU(s) excluded by dtype bfloat16:\n"
         "fellow-2 GPU 0 (GTX 1660 SUPER, compute 7.5) cannot run bfloat16"
     )
     assert (result.placed, result.required) == (1, 2)
+
+
+def test_explicit_bfloat16_with_auto_stages_uses_the_cards_that_run_it_and_names_the_rest():
+    cluster = [node(f"a{i}", gpu(*A5000, 23)) for i in range(3)] + [
+        node("t", gpu(*GTX1660S, 5.5), name="turing")
+    ]
+    result = plan_job(job(model={"pretrained": "embedded", "dtype": "bfloat16"}), cluster)
+    assert isinstance(result, Plan) and result.dtype == "bfloat16"
+    assert [s.node_id for s in result.stages] == ["a0", "a1", "a2"]
+    assert "left out (dtype bfloat16): turing GPU 0 (GTX 1660 SUPER, compute 7.5) cannot run bfloat16" in result.notes  # fmt: skip
+    only = plan_job(job(model={"pretrained": "embedded", "dtype": "bfloat16"}), mixed_pair())
+    assert isinstance(only, Plan) and [s.node_name for s in only.stages] == ["fellow-1"]
 
 
 def test_pascal_and_turing_run_float32():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import sys
 
 import pytest
 import torch
@@ -185,13 +184,12 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path, m
 
 
 def test_embedded_resolves_through_ensure_embedded(checkpoints, monkeypatch, tmp_path):
-    import types
+    from swarmp2p.runtime.torch.runtime import TorchRuntime
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # not converted yet in this cache
     calls = []
-    fake = types.ModuleType("swarmp2p.runtime.torch.embedded")
-    fake.ensure_embedded = lambda: calls.append(1) or checkpoints("llama")
-    monkeypatch.setitem(sys.modules, "swarmp2p.runtime.torch.embedded", fake)
+    fake = staticmethod(lambda: calls.append(1) or checkpoints("llama"))
+    monkeypatch.setattr(TorchRuntime, "ensure_embedded", fake)  # the runtime's entry point
     stage = load_stage_shard("embedded", 0, 2, True, False, torch.float32)
     assert calls == [1]
     assert stage.block_indices == (0, 1)

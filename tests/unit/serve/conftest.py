@@ -12,6 +12,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # tiny
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ring_helpers, in any import mode
 
 
+CORPUS = [
+    "the capital of France is Paris",
+    "hello world, hello there",
+    "one two three four five six",
+    "naïve café – déjà vu ✓",
+]
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folder(tmp_path_factory):
+    """A model folder's text files only: a byte-level BPE tokenizer trained on CORPUS (ids
+    0-2 are <unk>, <s>, </s>), a chat template, end-of-sequence ids 2 and 7."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    out = tmp_path_factory.mktemp("tok")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family) -> Path``: a tiny random model saved once per session."""

@@ -15,9 +15,13 @@ from swarmp2p.serve import RingClient
 
 
 @contextmanager
-def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16):
+def thread_stages(
+    model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16, servers=None,
+    **server_kw,
+):  # fmt: skip
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
-    ends ``(to_stage0, from_last)`` and the links between stages."""
+    ends ``(to_stage0, from_last)`` and the links between stages (``servers``, a list, gets the
+    StageServers; ``server_kw`` go to each)."""
     bounds = [0, *cuts, introspect(model).num_blocks]
     n = len(bounds) - 1
     compression = compression or ["none"] * (n - 1)
@@ -34,7 +38,10 @@ def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64, 
             send_codes=codes[i] if i < n - 1 else False,
             max_context=max_context,
             max_sessions=max_sessions,
+            **server_kw,
         )
+        if servers is not None:
+            servers.append(server)
         thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
         thread.start()
         threads.append(thread)
@@ -47,12 +54,18 @@ def thread_stages(model, cuts, *, compression=None, codes=None, max_context=64, 
 
 
 @contextmanager
-def thread_ring(model, cuts, *, compression=None, codes=None, max_context=64, **client_kw):
-    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread."""
+def thread_ring(
+    model, cuts, *, compression=None, codes=None, max_context=64, prefill_chunk=64, **client_kw
+):
+    """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread
+    (``client.servers``: the StageServers)."""
+    servers: list = []
     with thread_stages(
-        model, cuts, compression=compression, codes=codes, max_context=max_context
-    ) as (first, last, links):
+        model, cuts, compression=compression, codes=codes, max_context=max_context,
+        servers=servers, prefill_chunk=prefill_chunk,
+    ) as (first, last, links):  # fmt: skip
         client = RingClient(first, last, max_context=max_context, **client_kw)
+        client.servers = servers
         client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, len(links) - 1)]
         with client:
             yield client

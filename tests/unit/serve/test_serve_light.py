@@ -54,3 +54,15 @@ def test_swarm_generate_names_an_unreachable_api():
     result = CliRunner().invoke(main, ["generate", "--url", f"http://127.0.0.1:{port}", "m", "hi"])
     assert result.exit_code == 1
     assert f"cannot reach the swarm API at http://127.0.0.1:{port}" in result.output
+
+
+def test_the_hosts_a_server_answers_to():
+    from swarmp2p.serve.api import _host_name, allowed_hosts
+
+    assert allowed_hosts("127.0.0.1") == {"127.0.0.1", "localhost", "::1"}
+    assert allowed_hosts("192.168.1.4") == {"127.0.0.1", "localhost", "::1", "192.168.1.4"}
+    assert allowed_hosts("::1", ["box.lan"]) == {"127.0.0.1", "localhost", "::1", "box.lan"}
+    assert allowed_hosts("0.0.0.0") is None and allowed_hosts("::") is None
+    assert [_host_name(h) for h in ("[::1]:8080", "LOCALHOST:80", "127.0.0.1", "evil.example:1")] == [
+        "::1", "localhost", "127.0.0.1", "evil.example"
+    ]  # fmt: skip

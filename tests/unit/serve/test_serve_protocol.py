@@ -6,48 +6,79 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from swarmp2p.serve import RingMessage, SamplingParams, boundary_codec
+from swarmp2p.serve import (
+    Decode,
+    End,
+    Failed,
+    Prefill,
+    SamplingParams,
+    TokenLogprobs,
+    Tokens,
+    boundary_codec,
+    decode_message,
+)
 from swarmp2p.wire import WireError
 
+FULL = SamplingParams(
+    temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3, presence_penalty=0.5,
+    frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias=((5, -100.0), (9, 2.5)),
+    logprobs=3,
+)  # fmt: skip
 ROUND_TRIPS = [
-    RingMessage(op="prefill", sid=1, pos=0, tokens=(5, 6, 7), sampling=SamplingParams(seed=3)),
-    RingMessage(op="prefill", sid=2, pos=0, sampling=SamplingParams(temperature=0.0)),
-    RingMessage(op="decode", sid=2**63 - 1, pos=9, tokens=(1,)),
-    RingMessage(op="decode", sid=4, pos=9),
-    RingMessage(op="end", sid=4),
-    RingMessage(op="token", sid=4, pos=3, token=0),
-    RingMessage(op="error", sid=4, message="stage [0, 2): boom"),
+    Prefill(sid=1, pos=0, tokens=(5, 6, 7), sampling=SamplingParams(seed=3)),
+    Prefill(sid=2, pos=0, tokens=(1,), sampling=FULL, prompt_len=1, more=True),
+    Prefill(sid=2, pos=64, tokens=(4, 4)),
+    Decode(group=0, step=1, sids=(2**63 - 1, 4), positions=(9, 3), tokens=(1, 0)),
+    Decode(group=2, step=7, sids=(4,), positions=(9,), tokens=(8,), sizes=(1, 1)),
+    End(sid=4),
+    Tokens(group=-1, step=0, sids=(4,), positions=(3,), tokens=(0,)),
+    Tokens(
+        group=1,
+        step=5,
+        sids=(4, 5),
+        positions=(3, 8),
+        tokens=(0, 7),
+        sizes=(2, 2),
+        logprobs=(TokenLogprobs(logprob=-0.5, top=((0, -0.5), (3, -1.25))), None),
+    ),
+    Failed(sids=(4, 9), message="stage [0, 2): boom"),
 ]
 
 
 @pytest.mark.parametrize("msg", ROUND_TRIPS, ids=lambda m: m.op)
 def test_ring_messages_round_trip(msg):
-    assert RingMessage.decode(msg.encode()) == msg
+    assert decode_message(msg.encode()) == msg
 
 
 def _packed(**body):
     return msgpack.packb(body)
 
 
+ROWS = dict(group=0, step=1, sids=[1], positions=[0], tokens=[5], sizes=[])
 REFUSALS = [
     (b"\xc1", "not a msgpack object"),
     (_packed(op="jump", sid=1), "op: 'jump' is not one of"),
-    (_packed(op="decode", sid=-1, pos=0), "sid: -1"),
-    (_packed(op="decode", sid=1, pos=-2), "pos: -2"),
-    (_packed(op="decode", sid=1, pos=0, tokens=[1, -5]), "tokens: must be a list"),
-    (_packed(op="decode", sid=1, pos=0, sampling={}), "unexpected field"),
-    (_packed(op="prefill", sid=1, pos=0, sampling={"temperature": -1}), "temperature: -1"),
-    (_packed(op="prefill", sid=1, pos=0, sampling={"warmth": 1}), "unknown field"),
-    (_packed(op="token", sid=1, pos=0), "token: -1"),
-    (_packed(op="error", sid=1, message=3), "message: must be a string"),
+    (_packed(op="end", sid=-1), "sid: -1"),
+    (_packed(op="end", sid=2**63), "sid: 9223372036854775808"),
+    (_packed(op="decode", **{**ROWS, "positions": [-2]}), "positions: must be a list of integers"),
+    (_packed(op="decode", **{**ROWS, "tokens": [2**31]}), "tokens: must be a list of integers"),
+    (_packed(op="decode", **{**ROWS, "sids": [1, 2]}), "must be as many"),
+    (_packed(op="decode", **{**ROWS, "sampling": {}}), "unexpected field"),
+    (_packed(op="decode", group=0), "missing field"),
+    (_packed(op="prefill", sid=1, pos=0, tokens=[], sampling={"temperature": -1}), "temperature: -1"),
+    (_packed(op="prefill", sid=1, pos=0, tokens=[], sampling={"warmth": 1}), "unknown field"),
+    (_packed(op="prefill", sid=1, pos=3, tokens=[1], prompt_len=1), "first chunk"),
+    (_packed(op="prefill", sid=1, pos=0, tokens=[1], more=1), "more: 1"),
+    (_packed(op="tokens", **ROWS, logprobs=[[1, []]]), "logprobs"),
+    (_packed(op="error", sids=[1], message=3), "message: must be a string"),
     (msgpack.packb([1, 2]), "is a map"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("data", "match"), REFUSALS)
 def test_bad_ring_messages_are_refused_naming_the_field(data, match):
     with pytest.raises(WireError, match=match):
-        RingMessage.decode(data)
+        decode_message(data)
 
 
 @pytest.mark.parametrize(
@@ -59,8 +90,16 @@ def test_bad_ring_messages_are_refused_naming_the_field(data, match):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
+        ({"top_k": 10**23}, "top_k"),
         ({"seed": -3}, "seed"),
         ({"seed": 2**63}, "seed"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"logit_bias": ((2**40, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_sampling_params_refuse_out_of_range_values(kwargs, match):
@@ -68,9 +107,17 @@ def test_sampling_params_refuse_out_of_range_values(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_greedy_is_temperature_zero():
+def test_sampling_params_send_only_what_differs_from_the_defaults():
+    assert SamplingParams().to_dict() == {}
+    assert SamplingParams.from_dict(FULL.to_dict()) == FULL
+    assert not SamplingParams().needs_history and FULL.needs_history
+
+
+def test_greedy_is_temperature_zero_or_too_small_to_divide_by():
     assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-300).greedy
     assert not SamplingParams().greedy
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 @pytest.mark.parametrize(

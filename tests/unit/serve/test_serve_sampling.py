@@ -66,3 +66,59 @@ def test_greedy_needs_no_generator_and_others_do():
         sample_token(LOGITS, SamplingParams(), None)
     with pytest.raises(ValueError, match=r"one \[vocab\] row"):
         sample_token(LOGITS[None], SamplingParams(temperature=0), None)
+
+
+def test_min_p_keeps_tokens_at_least_that_share_of_the_top_one():
+    # top p = 0.5: min_p 0.3 keeps p >= 0.15 (0.5, 0.25); min_p 0.2 keeps p >= 0.1 (and 0.125)
+    assert _kept(SamplingParams(min_p=0.3)) == [1, 4]
+    assert _kept(SamplingParams(min_p=0.2)) == [1, 2, 4]
+
+
+def _sampler(**kw):
+    from swarmp2p.runtime.torch.sampling import SessionSampler
+
+    return SessionSampler(SamplingParams(temperature=0, **kw), vocab_size=5)
+
+
+def test_penalties_follow_openai_and_transformers_rules():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    # prompt [1, 4], then generated 2, 2, 0: presence/frequency count the generated ones only
+    sampler = _sampler(presence_penalty=0.5, frequency_penalty=0.25)
+    sampler.observe([1, 4])
+    sampler.end_of_prompt()
+    sampler.observe([2, 2, 0])
+    token, _ = sampler.pick(LOGITS)
+    counts = torch.tensor([1.0, 0, 2, 0, 0])
+    want = LOGITS - 0.25 * counts - 0.5 * (counts > 0).float()
+    assert token == int(torch.argmax(want)) == 1
+    # repetition: transformers' processor over prompt and output alike
+    sampler = _sampler(repetition_penalty=8.0)
+    sampler.observe([1, 4])
+    sampler.end_of_prompt()
+    processor = RepetitionPenaltyLogitsProcessor(penalty=8.0)
+    want = processor(torch.tensor([[1, 4]]), LOGITS[None].clone())[0]
+    assert sampler.pick(LOGITS)[0] == int(torch.argmax(want)) == 2
+
+
+def test_logit_bias_and_logprobs():
+    token, logprobs = _sampler(logit_bias=((3, 100.0),), logprobs=2).pick(LOGITS)
+    assert token == 3  # forced by the bias
+    # log-probabilities are the model's own (before the bias): p(3) = 0.0625
+    assert logprobs.logprob == pytest.approx(math.log(0.0625), abs=1e-5)
+    assert [t for t, _ in logprobs.top] == [1, 4]
+    assert logprobs.top[0][1] == pytest.approx(math.log(0.5), abs=1e-5)
+    assert _sampler().pick(LOGITS) == (1, None)  # greedy, no logprobs asked
+
+
+def test_a_replayed_session_counts_only_its_generated_tokens():
+    from swarmp2p.runtime.torch.sampling import SessionSampler
+
+    params = SamplingParams(temperature=0, frequency_penalty=2.0)
+    replay = SessionSampler(params, vocab_size=5, prompt_len=2)
+    replay.observe([1, 4, 1, 1])  # prompt [1, 4] and two generated 1s, in one replay
+    fresh = SessionSampler(params, vocab_size=5)
+    fresh.observe([1, 4])
+    fresh.end_of_prompt()
+    fresh.observe([1, 1])
+    assert replay.pick(LOGITS) == fresh.pick(LOGITS) == (4, None)

@@ -63,6 +63,12 @@ def test_the_spec_reads_the_stage_from_the_plan_and_round_trips():
         ({"shard": ""}, "shard", "non-empty"),
         ({"colour": "red"}, "colour", "unknown key"),
         ({"plan": {"stages": []}}, "plan.model", "required"),
+        ({"link_keys": {"public": "p", "secret": "s", "prev": "a"}}, "link_keys", "prev and next"),
+        (
+            {"link_keys": {"public": "p", "secret": "", "prev": "a", "next": "b"}},
+            "link_keys",
+            "secret",
+        ),
     ],
 )
 def test_a_bad_field_is_refused_with_its_path(change, path, match):
@@ -89,3 +95,21 @@ def test_the_worker_refuses_a_bad_spec_before_it_imports_torch():
     event = json.loads(out.stdout.splitlines()[-1])
     assert event["event"] == "error" and "plan.dtype" in event["message"]
     assert "| torch" not in out.stderr  # -X importtime lists every module imported
+
+
+def test_the_link_keys_travel_to_the_worker_as_its_link_credentials():
+    """Per-node link keys (issue 15): the worker binds admitting only ``prev`` and dials
+    ``next`` with its node's own key pair."""
+    from swarmp2p.net import NodeKey
+    from swarmp2p.net.links import link_credentials
+
+    me, before, after = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    keys = {"public": me.public, "secret": me.secret, "prev": before.public, "next": after.public}
+    spec = serve_spec(plan(), 0, model="/m", token="t", link_keys=keys)
+    back = parse_serve_spec(json.loads(json.dumps(spec.to_dict())))
+    assert back.link_keys == keys
+    server, client = link_credentials(back.link_keys)
+    check = server.admits.callback
+    assert check("", before.public.encode()) and not check("", after.public.encode())
+    assert client is not None and client.server == after.public
+    assert serve_spec(plan(), 0, model="/m", token="t").link_keys is None  # the token's keys

@@ -8,7 +8,16 @@ import pytest
 from ring_helpers import reference_generate, thread_ring, thread_stages
 
 from swarmp2p.net import InProcLink, Link
-from swarmp2p.serve import GREEDY, GenerationError, RingClient, RingMessage, SamplingParams
+from swarmp2p.serve import (
+    GREEDY,
+    Decode,
+    End,
+    GenerationError,
+    Prefill,
+    RingClient,
+    SamplingParams,
+    decode_message,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -69,6 +78,46 @@ def test_four_concurrent_sessions_each_produce_their_solo_output(tiny_whole):
         assert ring.active == 0
     assert together == solo
     assert len({tuple(t) for t in solo}) == 4
+
+
+PROMPTS = [[5 + i * 7 % 100 for i in range(n)] for n in (1, 3, 14, 6, 9, 2, 11, 5)]
+BUDGETS = [10, 6, 12, 8, 4, 11, 7, 9]
+"""Eight sessions of different prompt lengths and lengths of output: they leave at different
+steps."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("cuts", [[], [2], [1, 3]], ids=["1stage", "2stages", "3stages"])
+def test_eight_batched_sessions_each_produce_their_solo_output(family, cuts, tiny_whole):
+    """Greedy parity under continuous batching: five sessions start together, three more join
+    while they decode, all leave at different steps; a seeded sampled one is its solo self too."""
+    model = tiny_whole(family)
+    samplings = [GREEDY] * 8
+    samplings[3] = SamplingParams(temperature=0.9, seed=11)
+    with thread_ring(model, cuts) as ring:
+        solo = [
+            ring.generate(p, max_tokens=n, sampling=s, timeout=60)
+            for p, n, s in zip(PROMPTS, BUDGETS, samplings)
+        ]
+        first = [
+            ring.submit(p, max_tokens=n, sampling=s)
+            for p, n, s in zip(PROMPTS[:5], BUDGETS[:5], samplings[:5])
+        ]
+        while len(first[0].tokens) < 3 and not first[0].done.is_set():
+            first[0].done.wait(0.002)
+        later = [
+            ring.submit(p, max_tokens=n, sampling=s)
+            for p, n, s in zip(PROMPTS[5:], BUDGETS[5:], samplings[5:])
+        ]
+        together = [s.result(60) for s in first + later]
+        peaks = [server.peak_batch for server in ring.servers]
+        groups = len(ring.group_sizes)
+        assert ring.active == 0
+    assert together == solo
+    assert solo[0] == reference_generate(model, PROMPTS[0], BUDGETS[0])
+    assert max(peaks) >= 3, peaks  # the sessions really ran batched
+    assert groups == len(cuts) + 1  # one group per stage, so every stage computes
 
 
 def test_sampling_seed_repeats_and_differs(tiny_whole):
@@ -188,27 +237,81 @@ def test_bfloat16_stages_equal_generate_in_bfloat16(tiny_checkpoint):
 
 def _ask(first, last, message, payload=()):
     first.send([message.encode(), *payload])
-    return RingMessage.decode(last.recv(30)[0])
+    return decode_message(last.recv(30)[0])
+
+
+def _step(sid, pos, token, *, group=0, step=1):
+    return Decode(group=group, step=step, sids=(sid,), positions=(pos,), tokens=(token,))
 
 
 def test_the_protocol_at_the_stages_sessions_positions_and_room(tiny_whole):
     model = tiny_whole("llama")
     with thread_stages(model, [2], max_sessions=2) as (first, last, _):
         greedy = SamplingParams(temperature=0)
-        a = _ask(first, last, RingMessage(op="prefill", sid=1, tokens=(5, 6), sampling=greedy))
-        assert (a.op, a.sid, a.pos) == ("token", 1, 0)
-        b = _ask(first, last, RingMessage(op="prefill", sid=2, tokens=(7,), sampling=greedy))
-        assert b.op == "token"
-        full = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,)))
+        a = _ask(first, last, Prefill(sid=1, tokens=(5, 6), sampling=greedy))
+        assert (a.op, a.sids, a.positions, a.group) == ("tokens", (1,), (2,), -1)
+        b = _ask(first, last, Prefill(sid=2, tokens=(7,), sampling=greedy))
+        assert b.op == "tokens"
+        full = _ask(first, last, Prefill(sid=3, tokens=(7,)))
         assert full.op == "error" and "already holds 2 sessions (max_sessions 2)" in full.message
-        lost = _ask(first, last, RingMessage(op="decode", sid=1, pos=5, tokens=(a.token,)))
+        lost = _ask(first, last, _step(1, 5, a.tokens[0]))
         assert (
             lost.op == "error" and "the cache holds 2 tokens (a message was lost)" in lost.message
         )
-        gone = _ask(first, last, RingMessage(op="decode", sid=1, pos=2, tokens=(a.token,)))
+        gone = _ask(first, last, _step(1, 2, a.tokens[0]))
         assert gone.op == "error" and "session 1 is not open here" in gone.message
-        first.send([RingMessage(op="end", sid=2).encode()])
-        again = _ask(first, last, RingMessage(op="prefill", sid=3, tokens=(7,), sampling=greedy))
-        assert again.op == "token" and again.token == b.token  # same prompt, same greedy token
-        empty = _ask(first, last, RingMessage(op="decode", sid=3, pos=1))
-        assert empty.op == "error" and "carries no token ids" in empty.message
+        first.send([End(sid=2).encode()])
+        again = _ask(first, last, Prefill(sid=3, tokens=(7,), sampling=greedy))
+        assert again.op == "tokens" and again.tokens == b.tokens  # same prompt, same token
+        wild = _ask(first, last, _step(3, 1, 500))
+        assert (
+            wild.op == "error"
+            and "token id 500 is outside the vocabulary (128 ids)" in wild.message
+        )
+        c = _ask(first, last, Prefill(sid=4, tokens=(9, 9, 9), sampling=greedy))
+        d = _ask(first, last, Prefill(sid=5, tokens=(9,), sampling=greedy))
+        assert (c.op, d.op) == ("tokens", "tokens")
+        # one step of a group: a row the stages do not hold fails alone, the others go on
+        both = Decode(group=1, step=4, sids=(4, 99, 5), positions=(3, 0, 1),
+                      tokens=(c.tokens[0], 1, d.tokens[0]))  # fmt: skip
+        first.send([both.encode()])
+        replies = [decode_message(last.recv(30)[0]) for _ in range(2)]
+        error = next(r for r in replies if r.op == "error")
+        step = next(r for r in replies if r.op == "tokens")
+        assert error.sids == (99,) and "session 99 is not open here" in error.message
+        assert (step.group, step.step, step.sids, step.positions) == (1, 4, (4, 5), (4, 2))
+        assert step.sizes == (2, 2)  # each stage ran the two rows as one batch
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny_whole):
+    """A 40-token prompt goes through in 8-token chunks; a running session's decode steps
+    keep going meanwhile, and every output equals its solo run."""
+    model = tiny_whole("llama")
+    long_prompt = [(7 * i) % 120 + 3 for i in range(40)]
+    with thread_ring(model, [2], max_context=64, prefill_chunk=8) as ring:
+        before = ring.servers[0].steps
+        solo_long = ring.generate(long_prompt, max_tokens=6, timeout=60)
+        assert ring.servers[0].steps - before == 40 // 8 + 5  # 5 chunks, then 5 decode steps
+        solo_short = ring.generate(PROMPT, max_tokens=NEW, timeout=60)
+        short = ring.submit(PROMPT, max_tokens=NEW)
+        while len(short.tokens) < 2:
+            short.done.wait(0.01)
+        long = ring.submit(long_prompt, max_tokens=6)
+        assert long.result(60) == solo_long
+        assert short.result(60) == solo_short
+    assert solo_long == reference_generate(model, long_prompt, 6)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_caches_grow_past_their_first_capacity_in_a_batch(family, tiny_whole):
+    """Sessions outgrow the first 64-token allocation while batched (the rows are copied into
+    a larger capacity), prompts go in 16-token chunks, and Mistral's 4-token sliding window
+    masks each row at its own position: every output equals generate's."""
+    model = tiny_whole(family)
+    long_prompt = [(11 * i) % 120 + 3 for i in range(58)]
+    with thread_ring(model, [2], max_context=128, prefill_chunk=16, groups=1) as ring:
+        sessions = [ring.submit(long_prompt, max_tokens=20), ring.submit(PROMPT, max_tokens=20)]
+        got = [s.result(60) for s in sessions]
+        assert [server.peak_batch for server in ring.servers] == [2, 2]
+    assert got[0] == reference_generate(model, long_prompt, 20)
+    assert got[1] == reference_generate(model, PROMPT, 20)

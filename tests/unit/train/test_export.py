@@ -128,3 +128,34 @@ def test_a_corrupted_shard_file_is_refused(base, tmp_path):
         handle.write(b"\x00")
     with pytest.raises(ValueError, match="does not match its sha256"):
         reconstruct_from_shards(folder, dirs)
+
+
+def test_a_one_stage_tied_model_exports_its_head_once_and_loads_back(tmp_path):
+    """One stage holds both ends of a tied model: the head is its embedding, stored once."""
+    import transformers as tf
+
+    from swarmp2p.runtime.torch import build_stage
+    from swarmp2p.runtime.torch.train import build_bundle
+    from swarmp2p.runtime.torch.trained import _load_weights
+
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(tmp_path / "base")
+    bundle = build_bundle(build_stage(model, 0, 2), index=0, n_stages=1)
+    with torch.no_grad():
+        bundle.stage.embed.weight.add_(0.5)  # "trained": the tied head moves with it
+    export_stage(bundle, tmp_path / "stage-0", layers=(0, 2), n_layers=2)
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "stage-0" / "weights.safetensors")
+    rebuilt = reconstruct_from_shards(tmp_path / "base", [tmp_path / "stage-0"]).eval()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, bundle.stage.eval()(ids))
+    fresh = build_stage(tf.AutoModelForCausalLM.from_config(config).float(), 0, 2)
+    _load_weights(fresh, tmp_path / "stage-0", None)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(ids), bundle.stage(ids))

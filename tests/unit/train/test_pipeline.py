@@ -81,9 +81,11 @@ def _reference_lora(model, batches, settings):
 
 
 def run_pipeline(
-    model, n, batches, settings, schedule, compression="none", mode="full", wire_v2=True
-):
-    """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)])."""
+    model, n, batches, settings, schedule, compression="none", mode="full", wire_v2=True,
+    prepare=None,
+):  # fmt: skip
+    """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)]).
+    ``prepare(bundles)`` runs before the threads start."""
     links = [InProcLink.pair() for _ in range(n - 1)]
     hidden = model.config.get_text_config().hidden_size
     bundles = []
@@ -114,6 +116,8 @@ def run_pipeline(
             bundle, settings, ops, prev=prev, next=nxt, batches=iter(batches) if i == 0 else None
         )
 
+    if prepare is not None:
+        prepare([b for b, _ in bundles])
     metrics = run_threads([lambda i=i: target(i) for i in range(n)])
     return metrics, bundles
 
@@ -190,6 +194,32 @@ def test_metrics_count_bytes_and_tokens(models):
     assert act < last.grad_bytes == middle.grad_bytes
     for m in (first, middle, last):
         assert m.tokens == 36 and m.tokens_per_s > 0 and m.step_s > 0 and m.peak_memory_bytes > 0
+
+
+def test_each_step_says_where_its_time_went(models):
+    """Compute (forward, backward, optimizer) apart from waiting on the links: a stage made
+    slow computes longer, and the stage after it waits for it."""
+    import time
+
+    model = models("llama")
+    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    batches = token_batches(2, 4, 9)
+
+    def slow(*_):
+        time.sleep(0.05)
+
+    def slow_first_stage(bundles):
+        bundles[0].stage.blocks[0].register_forward_hook(slow)
+
+    metrics, _ = run_pipeline(model, 2, batches, settings, "1f1b", prepare=slow_first_stage)
+    first, last = metrics[0][-1], metrics[1][-1]
+    for m in (first, last):
+        parts = m.forward_s + m.backward_s + m.optimizer_s + m.wait_s
+        assert parts == pytest.approx(m.step_s, rel=0.05, abs=0.005)
+        assert m.at > 0
+    assert first.forward_s >= 2 * 0.05  # two micro-batches through the slowed block
+    assert last.wait_s > first.wait_s  # the last stage waits for the slow one
+    assert last.wait_s >= 0.05
 
 
 def test_fixed_int8_trains_bit_identically_to_plain_floats(models):

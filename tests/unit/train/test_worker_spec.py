@@ -72,6 +72,9 @@ def test_a_good_spec_round_trips_and_reads_the_job_and_plan():
         ({"model": ""}, "model: must be a non-empty string"),
         ({"port": 2**64}, "port: must be an integer >= 0 and <= 65535"),
         ({"extra": 1}, "extra: unknown key"),
+        ({"loss_scale": 1024.0}, "loss_scale: applies only to float16 jobs"),
+        ({"loss_scale": 0}, "loss_scale: must be a number > 0, got 0"),
+        ({"inject_nan_step": -1}, "inject_nan_step: must be an integer >= 0"),
     ],
 )
 def test_bad_fields_are_named(change, message):
@@ -86,6 +89,17 @@ def test_a_tampered_plan_is_named_by_its_path():
     with pytest.raises(WorkerSpecError) as info:
         parse_worker_spec(data)
     assert any(e.path == "plan" and "stages[1] starts at block 3" in e.message for e in info.value.errors)  # fmt: skip
+
+
+def test_half_precision_fields_parse():
+    job = parse_job(
+        {**JOB, "model": {**JOB["model"], "dtype": "float16", "weight_dtype": "float16"}}
+    )
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    spec = worker_spec(job, plan, 2, token="t", loss_scale=1024, inject_nan_step=3)
+    spec = parse_worker_spec(spec.to_dict())
+    assert spec.dtype == "float16" and spec.weight_dtype == "float16"
+    assert spec.train.loss_scale == 1024.0 and spec.train.inject_nan_step == 3
 
 
 def test_every_problem_is_reported_at_once():

@@ -1,0 +1,48 @@
+"""``swarm doctor --bench``: measure this node's training speed again (``node.speed_probe``),
+through the running daemon when there is one. Never imports torch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from swarmp2p import __version__
+from swarmp2p.node import api, hardware
+from swarmp2p.node.speed_probe import PROBE_TIMEOUT_S, apply_speeds, measure
+from swarmp2p.node.state import StateDir
+
+
+def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``swarm doctor --bench``: measure again. The running daemon measures and advertises
+    (its record, its thread share); with none, this machine is measured and the cache written
+    for the next ``swarm up``."""
+    env = os.environ if env is None else env
+    try:
+        return api.request(StateDir(root=state_dir).api_socket, "bench", timeout=PROBE_TIMEOUT_S)
+    except api.NoDaemon:
+        pass
+    record, host = hardware.probe(node_id="bench", name="bench", version=__version__, env=env)
+    omp = str(env.get("OMP_NUM_THREADS", "")).strip()
+    threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(host["cpu_cores"])
+    speeds = measure(record, threads=threads, env=env, fresh=True)
+    apply_speeds(record, speeds)
+    return {"node_id": None, "speeds": speeds, "devices": record["devices"]}
+
+
+def format_bench(result: Mapping[str, Any]) -> str:
+    """One line per device: its measured training speed per dtype."""
+    lines = []
+    for d in result.get("devices", []):
+        speeds = d.get("speed") or {}
+        text = ", ".join(f"{dt} {v / 1e9:.1f} GFLOP/s" for dt, v in sorted(speeds.items()))
+        label = f"{d.get('kind')}:{d.get('index')} {d.get('name')}"
+        lines.append(f"{label}: {text or 'not measured'}")
+    where = (
+        f"node {result['node_id']}" if result.get("node_id") else "this machine (no daemon runs)"
+    )
+    return f"training speed of {where}:\n" + "\n".join(lines)
+
+
+__all__ = ["bench", "format_bench"]

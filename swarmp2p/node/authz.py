@@ -1,0 +1,89 @@
+"""Who may send which control request: a pure function of the request, its authenticated
+sender and the table. Never imports torch.
+
+Every request on a control port arrives with the public key ZAP admitted for its connection;
+the keyring binds that key to one node id, the *sender*. A request that names a node (a hello,
+a heartbeat, a leave, a vote request, a table write, a stage report...) must name its sender:
+no node speaks, leaves, leads or writes as another (issue 15). Requests that act on the
+swarm's state come only from members; commands to a stage's node come only from the leader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from swarmp2p.node import join as jn
+from swarmp2p.node import messages as m
+from swarmp2p.node.jobtable import JobTable
+from swarmp2p.wire.messages import Message
+
+CLAIMS: Mapping[type, str] = {
+    m.NodeHello: "node_id",
+    m.Heartbeat: "node_id",
+    m.Leave: "node_id",
+    m.LeadRequest: "candidate",
+    m.TableFetch: "node_id",
+    m.TablePush: "node_id",
+    m.TableEvents: "leader",
+    m.StageReport: "node_id",
+    m.ShardCopy: "node_id",
+    m.ServeStageExit: "node_id",
+    m.ServeStageStart: "issuer",
+    m.StageStart: "leader",
+}
+"""The field of each request that names its sender."""
+
+ANY_ADMITTED = (m.NodeHello, m.Heartbeat, m.Leave, m.TableFetch)
+"""Requests a node that joined but is not listed yet may send (to be met, to be listed)."""
+
+FROM_LEADER = (m.StageStart, m.StageStop, jn.SecretPush)
+"""Commands only the leader gives. (``job.file_pull`` comes from the leader copying a snapshot
+or from a node serving a trained model: any member; the file lands confined to its job's
+folder, ``swarmp2p.paths``.)"""
+
+VOTES_AND_WRITES = (m.LeadRequest, m.TablePush, m.TableEvents)
+"""Members only, except while no swarm is founded (the first leader founds it with the nodes
+that voted for it; replication checks term and leader)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sender:
+    """Who sent a request, as this node sees it."""
+
+    node_id: str
+    """The node id its key is bound to."""
+    member: bool
+    """Listed in this node's table."""
+
+
+def refusal(msg: Message, sender: Sender, table: JobTable, view_leader: str) -> str:
+    """Why ``sender`` may not send ``msg`` ("" when it may)."""
+    who = sender.node_id
+    claim = CLAIMS.get(type(msg))
+    if claim is not None and getattr(msg, claim) != who:
+        return f"{type(msg).TYPE} claims {claim} {getattr(msg, claim)!r}, but it comes from node {who}"  # fmt: skip
+    if isinstance(msg, ANY_ADMITTED):
+        return ""
+    if isinstance(msg, VOTES_AND_WRITES):
+        return "" if sender.member or not table.members else _not_member(who)
+    if not sender.member:
+        return _not_member(who)
+    if isinstance(msg, FROM_LEADER):
+        if who not in (view_leader, table.leader):
+            return f"only the leader gives {type(msg).TYPE}; node {who} does not lead"
+        return ""
+    if isinstance(msg, m.StageReport):
+        entry = table.jobs.get(msg.job_id)
+        if entry is not None and entry.plan is not None and entry.attempt == msg.attempt:
+            stages = entry.plan.stages
+            if not 0 <= msg.stage < len(stages) or stages[msg.stage].node_id != who:
+                return f"stage {msg.stage} of job {msg.job_id} does not run on node {who}"
+    return ""
+
+
+def _not_member(who: str) -> str:
+    return f"node {who} is not a member of this swarm (yet)"
+
+
+__all__ = ["CLAIMS", "Sender", "refusal"]

@@ -1,0 +1,471 @@
+"""Pairing codes: a new machine joins with a few words instead of a copied token. No torch.
+
+``swarm invite`` on any member makes a one-time code, ``<nameplate>-<word>-<word>-<word>``
+(e.g. ``42-otter-violin-maple``), valid for :data:`INVITE_TTL_S`. The member advertises only
+the nameplate (mDNS TXT ``inv=42:PORT``) and opens a **pairing port** keyed by its own node key
+(advertised beside it). ``swarm up --code ...`` on the new machine finds that advert and runs
+SPAKE2 (RFC 9382; the ``spake2`` package) with the whole code as the password:
+
+1. ``pair.start``: the joiner's SPAKE2 message. The inviter counts a try, answers with its own
+   message and a confirmation MAC over the transcript under the shared key.
+2. The joiner checks that MAC: a wrong code shows here, and the joiner stops (it sends nothing
+   that depends on the key, so an impostor inviter learns nothing either).
+3. ``pair.finish``: the joiner's MAC. The inviter checks it, burns the invite, and answers
+   with the swarm token sealed (ChaCha20-Poly1305) under a key derived from the shared key.
+
+A listener sees two SPAKE2 messages, two MACs and a sealed box: none lets it test a guess of
+the code offline, and replaying them gets nothing (the inviter's SPAKE2 half is fresh every
+time, and a used invite is gone). Each invite allows :data:`MAX_TRIES` starts, at most one per
+:data:`TRY_INTERVAL_S`; then it is burnt. ``--open`` (a trusted home LAN only) runs the same
+exchange with a well-known password: no code, no limit on uses, and no protection against an
+active impostor on the LAN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import Failed, Unavailable, UserError
+from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
+from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from swarmp2p.net.security import NodeKey, SwarmSecret
+from swarmp2p.node.join import JOIN_PORT_OFFSET
+from swarmp2p.node.words import WORDS
+from swarmp2p.schema import field
+from swarmp2p.wire.messages import Message, message
+
+if TYPE_CHECKING:
+    from swarmp2p.net.discovery import Seen
+    from swarmp2p.node.context import NodeContext
+
+log = logging.getLogger("swarmp2p.node.pairing")
+
+INVITE_TTL_S = 600.0
+"""An invite is valid for 10 minutes: long enough to walk to the other machine."""
+MAX_TRIES = 3
+"""Exchanges one invite allows; a wrong code uses one, and the third wrong one burns it."""
+TRY_INTERVAL_S = 1.0
+"""At most one exchange per invite per second (an online guesser gets 3 guesses in all)."""
+SESSION_TTL_S = 30.0
+"""A started exchange that is not finished within this is dropped."""
+MAX_SESSIONS = 8
+CODE_WORDS = 3
+"""3 words of 313 and a nameplate of 90: 2.7e9 codes; with 3 tries an online guesser wins
+once in ~1e9 invites (offline guessing is what SPAKE2 rules out)."""
+OPEN = "open"
+"""The nameplate of an open swarm's standing invite (`swarm up --open`)."""
+BROWSE_S = 5.0
+"""How long `swarm up --code` looks for the inviting node on the LAN."""
+EXCHANGE_TIMEOUT_S = 5.0
+
+_IDS = {"idA": b"swarmp2p-joiner", "idB": b"swarmp2p-inviter"}
+_OPEN_PASSWORD = "swarmp2p-open-swarm"
+
+
+# --- codes -----------------------------------------------------------------------------------
+
+
+def new_code(rand: Callable[[int], int] = secrets.randbelow) -> str:
+    """A fresh code: a nameplate 10-99 and :data:`CODE_WORDS` words."""
+    words = [WORDS[rand(len(WORDS))] for _ in range(CODE_WORDS)]
+    return "-".join([str(10 + rand(90)), *words])
+
+
+def parse_code(text: str) -> tuple[str, str]:
+    """``(nameplate, canonical code)`` from what a user typed (spaces or dashes, any case);
+    UserError naming what is wrong."""
+    if not isinstance(text, str):
+        raise UserError("a pairing code is text like 42-otter-violin-maple", code="bad_code")
+    parts = [p for p in re.split(r"[\s\-_]+", text.strip().lower()) if p]
+    if not parts or not parts[0].isdigit() or len(parts) != CODE_WORDS + 1:
+        raise UserError(
+            f"pairing code {text.strip()[:40]!r} is not a number and {CODE_WORDS} words like "
+            "42-otter-violin-maple; copy it from `swarm invite` on a member",
+            code="bad_code",
+        )
+    unknown = [w for w in parts[1:] if w not in WORDS]
+    if unknown:
+        raise UserError(
+            f"pairing code word(s) {', '.join(unknown)} are not code words: check the spelling "
+            "against `swarm invite`'s output",
+            code="bad_code",
+        )
+    return parts[0], "-".join(parts)
+
+
+def _mac(key: bytes, who: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, b"swarmp2p-pair-" + who + b"\0" + transcript, hashlib.sha256).digest()
+
+
+def _box_key(key: bytes) -> bytes:
+    return hashlib.blake2b(b"token-box", key=key, digest_size=32, person=b"swarmp2p-pair").digest()  # fmt: skip
+
+
+def seal(key: bytes, plaintext: bytes) -> tuple[bytes, bytes]:
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    nonce = secrets.token_bytes(12)
+    return nonce, ChaCha20Poly1305(_box_key(key)).encrypt(nonce, plaintext, b"swarmp2p-token")
+
+
+def unseal(key: bytes, nonce: bytes, box: bytes) -> bytes:
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    try:
+        return ChaCha20Poly1305(_box_key(key)).decrypt(nonce, box, b"swarmp2p-token")
+    except InvalidTag:
+        raise Failed("the sealed token does not open with the pairing key", code="bad_code") from None  # fmt: skip
+
+
+# --- messages (on a pairing port) ------------------------------------------------------------
+
+
+@message("pair.start")
+class PairStart(Message):
+    nameplate: str = field(max_len=16)
+    session: bytes = field(max_len=32)
+    spake: bytes = field(max_len=128)
+
+
+@message("pair.reply")
+class PairReply(Message):
+    spake: bytes = field(max_len=128)
+    confirm: bytes = field(max_len=64)
+    tries_left: int = field(default=0, ge=0, le=MAX_TRIES)
+
+
+@message("pair.finish")
+class PairFinish(Message):
+    session: bytes = field(max_len=32)
+    confirm: bytes = field(max_len=64)
+
+
+@message("pair.welcome")
+class PairWelcome(Message):
+    """The sealed token, and where the inviter listens (a first peer for the new node)."""
+
+    nonce: bytes = field(max_len=12)
+    box: bytes = field(max_len=256)
+    swarm_id: str = field(max_len=16)
+    node_id: str = field(max_len=64)
+    control_port: int = field(ge=0, le=65535)
+    join_port: int = field(ge=0, le=65535)
+
+
+# --- the inviter's side ------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class Invite:
+    nameplate: str
+    code: str
+    """The canonical code: the SPAKE2 password."""
+    expires: float
+    tries_left: int = MAX_TRIES
+    open: bool = False
+    last_try: float = -1e18
+
+
+@dataclass(kw_only=True, slots=True)
+class _Session:
+    invite: Invite
+    key: bytes
+    transcript: bytes
+    started: float
+
+
+class Invites:
+    """The invites a member holds (in memory: a restart forgets them, as it should)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.by_plate: dict[str, Invite] = {}
+        self._sessions: dict[bytes, _Session] = {}
+
+    def create(self, ttl: float = INVITE_TTL_S) -> Invite:
+        self.prune()
+        while True:
+            code = new_code()
+            plate = code.split("-", 1)[0]
+            if plate not in self.by_plate:
+                break
+        invite = Invite(nameplate=plate, code=code, expires=self.clock() + ttl)
+        self.by_plate[plate] = invite
+        return invite
+
+    def open_swarm(self) -> Invite:
+        invite = Invite(nameplate=OPEN, code=_OPEN_PASSWORD, expires=float("inf"), open=True)
+        self.by_plate[OPEN] = invite
+        return invite
+
+    def prune(self) -> list[str]:
+        """Drop expired invites, stale sessions and burnt invites; the nameplates dropped."""
+        now = self.clock()
+        self._sessions = {s: x for s, x in self._sessions.items() if now - x.started < SESSION_TTL_S}  # fmt: skip
+        busy = {x.invite.nameplate for x in self._sessions.values()}
+        gone = [
+            p
+            for p, inv in self.by_plate.items()
+            if now > inv.expires or (inv.tries_left <= 0 and not inv.open and p not in busy)
+        ]
+        for plate in gone:
+            del self.by_plate[plate]
+        return gone
+
+    def start(self, msg: PairStart) -> PairReply:
+        """Count a try and answer the joiner's SPAKE2 message."""
+        from spake2 import SPAKE2_B
+
+        self.prune()
+        now = self.clock()
+        invite = self.by_plate.get(msg.nameplate)
+        if invite is None:
+            raise UserError(f"no open invite {msg.nameplate!r} here (expired, used or burnt after {MAX_TRIES} wrong tries); run `swarm invite` again", code="no_invite")  # fmt: skip
+        if not invite.open and invite.tries_left <= 0:
+            raise UserError(f"invite {msg.nameplate} is burnt: {MAX_TRIES} tries used; run `swarm invite` again", code="no_invite")  # fmt: skip
+        if now - invite.last_try < TRY_INTERVAL_S:
+            raise Unavailable(f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s; retry in a moment", code="slow_down")  # fmt: skip
+        if len(self._sessions) >= MAX_SESSIONS or len(msg.session) < 16:
+            raise Unavailable("too many pairings at once; retry in a moment", code="slow_down")
+        invite.last_try = now
+        if not invite.open:
+            invite.tries_left -= 1
+        inviter = SPAKE2_B(invite.code.encode(), **_IDS)
+        mine = inviter.start()
+        try:
+            key = inviter.finish(msg.spake)
+        except Exception as exc:  # a malformed SPAKE2 element
+            raise UserError(f"pair.start: not a SPAKE2 message ({type(exc).__name__})", code="bad_field") from None  # fmt: skip
+        transcript = msg.session + msg.spake + mine
+        self._sessions[msg.session] = _Session(invite=invite, key=key, transcript=transcript, started=now)  # fmt: skip
+        if not invite.open and invite.tries_left == 0:
+            log.warning("invite %s: last of %d tries in use", invite.nameplate, MAX_TRIES)
+        return PairReply(spake=mine, confirm=_mac(key, b"inviter", transcript), tries_left=max(invite.tries_left, 0))  # fmt: skip
+
+    def finish(self, msg: PairFinish) -> tuple[Invite, bytes]:
+        """The invite and the shared key, once the joiner proved it holds the same code."""
+        session = self._sessions.pop(msg.session, None)
+        if session is None:
+            raise UserError("no pairing in progress for this session (expired?)", code="no_invite")
+        if not hmac.compare_digest(msg.confirm, _mac(session.key, b"joiner", session.transcript)):
+            self.prune()
+            raise UserError("the pairing code does not match", code="bad_code")
+        invite = session.invite
+        if not invite.open:
+            self.by_plate.pop(invite.nameplate, None)  # one time
+        return invite, session.key
+
+    def advertised(self, port: int) -> str:
+        return ",".join(f"{p}:{port}" for p in sorted(self.by_plate))
+
+
+class PairingPort:
+    """A member's pairing port: open while it holds invites, keyed by its node key, admitting
+    any client key (the SPAKE2 exchange inside is the authentication)."""
+
+    def __init__(self, ctx: NodeContext, host: str, on_change: Callable[[], Any]) -> None:
+        self.ctx, self.host = ctx, host
+        self.invites = Invites(ctx.clock)
+        self._on_change = on_change
+        """Called when the advertised invites change (re-advertise)."""
+        self._server: RpcServer | None = None
+        self.port = 0
+
+    async def invite(self, ttl: float = INVITE_TTL_S) -> dict[str, Any]:
+        invite = self.invites.create(ttl)
+        await self._ensure()
+        log.info("invite %s open for %.0f s", invite.nameplate, ttl)
+        return {"code": invite.code, "expires_in_s": ttl, "nameplate": invite.nameplate}
+
+    async def open_swarm(self) -> None:
+        self.invites.open_swarm()
+        await self._ensure()
+        log.warning("this swarm is OPEN: any machine on the LAN joins with `swarm up --open`")
+
+    @property
+    def advertised(self) -> str:
+        return self.invites.advertised(self.port) if self._server is not None else ""
+
+    async def _ensure(self) -> None:
+        if self._server is None:
+            keys = ServerKeys(
+                public=self.ctx.key.public, secret=self.ctx.key.secret,
+                admits=KeyCheck.anyone(), domain=f"swarmp2p-pairing-{self.ctx.node_id}",
+            )  # fmt: skip
+            self._server = RpcServer(self.ctx.zmq, keys, self.host, 0, self._handle, max_per_source=8)  # fmt: skip
+            await self._server.start()
+            self.port = self._server.port
+        await self._changed()
+
+    async def tick(self) -> None:
+        """Drop expired or burnt invites; close the port when none is left."""
+        gone = self.invites.prune()
+        for plate in gone:
+            log.info("invite %s closed (expired, used or burnt)", plate)
+        if not self.invites.by_plate and self._server is not None:
+            await self.close()
+            await self._changed()
+        elif gone:
+            await self._changed()
+
+    async def _changed(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._on_change()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+            self.port = 0
+
+    async def _handle(self, msg: Message, sender: str) -> Message:
+        if isinstance(msg, PairStart):
+            try:
+                return self.invites.start(msg)
+            except UserError as exc:
+                log.warning("pairing refused: %s", exc.message)
+                raise
+        if isinstance(msg, PairFinish):
+            try:
+                invite, key = self.invites.finish(msg)
+            except UserError as exc:
+                log.warning("pairing refused: %s", exc.message)
+                raise
+            nonce, box = seal(key, self.ctx.secret.token.encode("ascii"))
+            log.info("a machine paired with invite %s: it holds the swarm secret now", invite.nameplate)  # fmt: skip
+            # the heartbeat's tick() closes the port once no invite is left (not here: the
+            # reply still has to leave through it)
+            return PairWelcome(
+                nonce=nonce, box=box, swarm_id=self.ctx.secret.swarm_id, node_id=self.ctx.node_id,
+                control_port=self.ctx.port, join_port=self.ctx.join_port,
+            )  # fmt: skip
+        raise RpcError("unexpected", f"a pairing port takes pair.start/pair.finish, not {type(msg).TYPE}")  # fmt: skip
+
+
+# --- the joiner's side -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Paired:
+    """What a pairing gave the new machine."""
+
+    secret: SwarmSecret
+    inviter: str
+    """The inviting node's id."""
+    peer: str
+    """``host:port`` of the inviter's control port (a first peer), "" when unknown."""
+
+
+async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) -> Paired:
+    """Run the SPAKE2 exchange with the pairing port at ``endpoint``; the swarm secret."""
+    import zmq.asyncio
+    from spake2 import SPAKE2_A
+
+    ephemeral = NodeKey.generate()
+    ctx = zmq.asyncio.Context()
+    client = RpcClient(ctx, ClientKeys(public=ephemeral.public, secret=ephemeral.secret, server=server_key), endpoint)  # fmt: skip
+    try:
+        joiner = SPAKE2_A(code.encode(), **_IDS)
+        session = secrets.token_bytes(16)
+        mine = joiner.start()
+        reply = await client.request(PairStart(nameplate=nameplate, session=session, spake=mine), EXCHANGE_TIMEOUT_S)  # fmt: skip
+        if not isinstance(reply, PairReply):
+            raise Failed(f"{endpoint} answered {type(reply).TYPE}, not pair.reply", code="bad_reply")  # fmt: skip
+        try:
+            key = joiner.finish(reply.spake)
+        except Exception:
+            raise Failed(f"{endpoint} sent a malformed SPAKE2 message", code="bad_reply") from None  # fmt: skip
+        transcript = session + mine + reply.spake
+        if not hmac.compare_digest(reply.confirm, _mac(key, b"inviter", transcript)):
+            left = (
+                f"{reply.tries_left} tries left" if reply.tries_left else "the invite is burnt now"
+            )
+            raise UserError(
+                f"the pairing code does not match invite {nameplate} ({left}); check the "
+                "words against `swarm invite`'s output, or make a new invite",
+                code="bad_code",
+            )
+        welcome = await client.request(PairFinish(session=session, confirm=_mac(key, b"joiner", transcript)), EXCHANGE_TIMEOUT_S)  # fmt: skip
+        if not isinstance(welcome, PairWelcome):
+            raise Failed(f"{endpoint} answered {type(welcome).TYPE}, not pair.welcome", code="bad_reply")  # fmt: skip
+        secret = SwarmSecret.from_token(unseal(key, welcome.nonce, welcome.box).decode("ascii"))
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+        joinable = (
+            welcome.control_port and welcome.join_port == welcome.control_port + JOIN_PORT_OFFSET
+        )
+        peer = f"{host}:{welcome.control_port}" if joinable else ""
+        return Paired(secret=secret, inviter=welcome.node_id, peer=peer)
+    finally:
+        await client.close()
+        ctx.destroy(0)
+
+
+def _offers(seen: list[Seen], nameplate: str) -> list[tuple[str, str, str]]:
+    """(endpoint, server key, swarm id) of each advert offering ``nameplate``."""
+    out = []
+    for s in seen:
+        port = s.advert.invite_ports().get(nameplate)
+        if port and s.advert.key and s.addresses:
+            out.append((f"tcp://{s.addresses[0]}:{port}", s.advert.key, s.advert.swarm_id))
+    return out
+
+
+async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
+    """Find the invite of ``code`` on the LAN (``None``: the single open swarm) and pair with
+    it; UserError when none (or, open, more than one swarm) is found or the code is wrong."""
+    from swarmp2p.net.discovery import browse
+
+    if code is None:
+        nameplate, password = OPEN, _OPEN_PASSWORD
+        seen = await browse(min(browse_s, 2.0))
+    else:
+        nameplate, password = parse_code(code)
+        seen = await browse(browse_s, until=lambda s: bool(_offers(s, nameplate)))
+    offers = _offers(seen, nameplate)
+    if not offers:
+        if code is None:
+            raise UserError("no open swarm on this LAN (`swarm up --open` on a member opens one)", code="no_invite")  # fmt: skip
+        raise UserError(
+            f"no member on this LAN offers invite {nameplate} (looked {browse_s:g} s): is it "
+            "expired, or is this machine on another network? Run `swarm invite` again",
+            code="no_invite",
+        )
+    swarms = sorted({o[2] for o in offers})
+    if code is None and len(swarms) > 1:
+        raise UserError(f"several open swarms on this LAN ({', '.join(swarms)}); join one with a pairing code from `swarm invite`", code="bad_request")  # fmt: skip
+    last: Exception | None = None
+    for endpoint, key, _ in offers:  # an impostor's advert fails its exchange; try the next
+        try:
+            return await exchange(endpoint, key, password, nameplate)
+        except (RpcError, RpcTimeout, Failed) as exc:
+            last = exc
+        except UserError as exc:
+            if exc.code != "bad_code" or len(offers) == 1:
+                raise
+            last = exc
+    assert last is not None
+    raise last
+
+
+__all__ = [
+    "INVITE_TTL_S",
+    "MAX_TRIES",
+    "OPEN",
+    "Invite",
+    "Invites",
+    "Paired",
+    "PairingPort",
+    "new_code",
+    "pair",
+    "parse_code",
+]

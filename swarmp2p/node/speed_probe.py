@@ -1,0 +1,298 @@
+"""This node's measured speeds and its share of the CPU. Never imports torch.
+
+The daemon runs ``python -m swarmp2p.runtime.probe`` (a subprocess: torch lives there) once per
+hardware and software version: its result is cached in ``$XDG_CACHE_HOME/swarmp2p/speed/``
+under a key made of the devices, the CPU model and share, the thread count, this version and
+torch's; ``swarm doctor --bench`` measures again. The speeds go into the node's hardware record
+(``devices[i]["speed"]``, FLOP/s per dtype), which its hello advertises and the planner reads
+(``swarmp2p.plan.speed``).
+
+The CPU share is what a node may use of this machine: its affinity, capped by its cgroup's CPU
+quota (v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us`` or v2 ``cpu.max``), the way a container
+or ``systemd`` slice limits it. ``machine_id`` tells daemons that share one machine apart from
+separate ones (a hash of the kernel's boot id: network namespaces and containers share it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from swarmp2p import __version__
+from swarmp2p._atomic import write_atomic
+
+PROBE_ENV = "SWARM_SPEED_PROBE"
+"""``off``: never measure (the planner then splits by free memory); anything else: measure."""
+PROBE_TIMEOUT_S = 600.0
+"""A probe that takes longer than this (a wedged GPU) is given up; the node stays unmeasured."""
+PROBE_SECONDS = 1.0
+"""Wall time each (device, dtype) is timed (``runtime.probe.SECONDS``)."""
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+# --- the CPU share -----------------------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """(the cgroup v1 ``cpu`` controller's path, the v2 path) of a /proc/PID/cgroup text."""
+    v1 = v2 = None
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1 = parts[2]
+    return v1, v2
+
+
+def cpu_quota(root: Path = _CGROUP, proc_cgroup: str | None = None) -> float | None:
+    """CPUs this process's cgroup may use (quota / period, the tightest up the tree); None
+    when unlimited or unknown."""
+    if proc_cgroup is None:
+        proc_cgroup = _read(Path("/proc/self/cgroup")) or ""
+    v1, v2 = _cgroup_paths(proc_cgroup)
+    limits = []
+    for mount, path, kind in (
+        (root / "cpu", v1, 1), (root / "cpu,cpuacct", v1, 1), (root, v2, 2), (root / "unified", v2, 2),
+    ):  # fmt: skip
+        if path is None or not mount.is_dir():
+            continue
+        folder = mount / path.lstrip("/")
+        while True:
+            if kind == 1:
+                quota, period = (
+                    _read(folder / "cpu.cfs_quota_us"),
+                    _read(folder / "cpu.cfs_period_us"),
+                )
+            else:
+                both = (_read(folder / "cpu.max") or "").split()
+                quota, period = [*both, None, None][:2]
+            with contextlib.suppress(TypeError, ValueError):
+                q, p = int(quota), int(period)
+                if q > 0 and p > 0:
+                    limits.append(q / p)
+            if folder == mount or mount not in folder.parents:
+                break
+            folder = folder.parent
+    return min(limits) if limits else None
+
+
+def cpu_share(affinity: int, quota: float | None) -> int:
+    """Whole CPUs a node may keep busy: its affinity, capped by its quota (at least 1)."""
+    if quota is None:
+        return max(affinity, 1)
+    return max(1, min(affinity, math.ceil(quota - 1e-9)))
+
+
+def machine_id() -> str:
+    """A short hash of the kernel's boot id: the same for every daemon on one machine (network
+    namespaces and containers share the kernel), different across machines and reboots."""
+    boot = _read(Path("/proc/sys/kernel/random/boot_id")) or _read(Path("/etc/machine-id")) or ""
+    return hashlib.sha256(f"swarmp2p-machine:{boot}".encode()).hexdigest()[:16] if boot else ""
+
+
+def link_speed(interfaces: list[str], sys_net: Path = Path("/sys/class/net")) -> int:
+    """Bytes/s of the fastest of ``interfaces`` as the kernel rates it (``speed`` in Mb/s);
+    0 when none says (loopback, most virtual interfaces)."""
+    best = 0
+    for name in interfaces:
+        if "/" in name or name in (".", ".."):
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            mbit = int(_read(sys_net / name / "speed"))  # type: ignore[arg-type]
+            best = max(best, mbit * 125_000 if mbit > 0 else 0)
+    return best
+
+
+# --- the probe ---------------------------------------------------------------------------------
+
+
+def _device_dtypes(device: Mapping[str, Any]) -> tuple[str, ...]:
+    from swarmp2p.plan.hardware import Device
+    from swarmp2p.plan.precision import supported_dtypes
+
+    fields = {k: device.get(k) for k in ("kind", "index", "name", "memory_total", "memory_free")}
+    cc = device.get("compute_capability") or ""
+    dev = Device(**fields, compute_capability=cc)
+    return supported_dtypes(dev, explicit="bfloat16" if dev.kind == "cpu" else None)
+
+
+def device_key(device: Mapping[str, Any]) -> str:
+    return f"{device.get('kind')}:{device.get('index')}"
+
+
+def probe_request(record: Mapping[str, Any], threads: int) -> dict[str, Any]:
+    """What to measure: every device of ``record`` without a given speed, in every dtype it
+    trains (a CPU in bfloat16 too: a job may ask for it); a fake GPU runs on the CPU."""
+    devices = []
+    for d in record.get("devices", []):
+        if d.get("speed"):
+            continue  # described (a fake device with a speed): kept as given
+        kind = d.get("kind")
+        where = "cpu" if kind == "cpu" or d.get("fake") else f"{kind}:{d.get('index')}"
+        devices.append({"key": device_key(d), "torch_device": where, "dtypes": list(_device_dtypes(d))})  # fmt: skip
+    return {"devices": devices, "threads": threads, "seconds": PROBE_SECONDS}
+
+
+def _cpu_model() -> str:
+    text = _read(Path("/proc/cpuinfo")) or ""
+    for line in text.splitlines():
+        if line.startswith(("model name", "Model", "cpu model")):
+            return line.split(":", 1)[-1].strip()
+    return ""
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def cache_key(request: Mapping[str, Any], record: Mapping[str, Any], quota: float | None) -> str:
+    """The probe's cache key: the devices, the CPU and its share, the request, the versions."""
+    devices = [
+        {k: d.get(k) for k in ("kind", "index", "name", "memory_total", "compute_capability", "fake")}
+        for d in record.get("devices", [])
+    ]  # fmt: skip
+    facts = {
+        "devices": devices, "cpu": _cpu_model(), "affinity": len(os.sched_getaffinity(0)),
+        "quota": quota, "request": request, "swarmp2p": __version__, "torch": _torch_version(),
+        "python": sys.version.split()[0],
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_folder(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = (
+        Path(xdg) if xdg and os.path.isabs(xdg) else Path(env.get("HOME") or Path.home()) / ".cache"
+    )
+    return base / "swarmp2p" / "speed"
+
+
+def _run_probe(request: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    import subprocess
+
+    run_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "")}
+    if not any(d["torch_device"].startswith("cuda") for d in request["devices"]):
+        run_env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU probe never initialises CUDA
+    else:
+        run_env.pop("CUDA_VISIBLE_DEVICES")
+    run_env["OMP_NUM_THREADS"] = str(request["threads"])
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p.runtime.probe"],
+        input=json.dumps(request), capture_output=True, text=True, env=run_env,
+        timeout=PROBE_TIMEOUT_S,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"the speed probe exited with {out.returncode}: {' | '.join(tail)}")
+    answer = json.loads(lines[-1])
+    if not isinstance(answer.get("speeds"), dict):
+        raise RuntimeError(f"the speed probe answered {lines[-1][:200]!r}")
+    return answer
+
+
+def measure(
+    record: Mapping[str, Any],
+    *,
+    threads: int,
+    env: Mapping[str, str] | None = None,
+    fresh: bool = False,
+) -> dict[str, dict[str, float]]:
+    """``{device key: {dtype: FLOP/s}}`` for ``record``'s devices: from the cache, else (or when
+    ``fresh``) measured by the probe subprocess and cached. Blocks for the probe (seconds);
+    daemons starting together on one machine measure once (a lock on the cache file)."""
+    env = os.environ if env is None else env
+    request = probe_request(record, threads)
+    if not request["devices"]:
+        return {}
+    quota = cpu_quota()
+    path = cache_folder(env) / f"{cache_key(request, record, quota)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not fresh:
+            cached = _cached(path)
+            if cached is not None:
+                return cached
+        answer = _run_probe(request, env)
+        speeds = {
+            str(k): {str(dt): float(v) for dt, v in per.items() if isinstance(v, (int, float)) and v > 0}
+            for k, per in answer["speeds"].items() if isinstance(per, dict)
+        }  # fmt: skip
+        payload = {"speeds": speeds, "errors": answer.get("errors") or {}, "at": time.time(),
+                   "request": request, "torch": answer.get("torch")}  # fmt: skip
+        write_atomic(path, json.dumps(payload, indent=1, sort_keys=True))
+        return speeds
+
+
+def _cached(path: Path) -> dict[str, dict[str, float]] | None:
+    try:
+        data = json.loads(path.read_text())
+        speeds = data["speeds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return speeds if isinstance(speeds, dict) else None
+
+
+def apply_speeds(record: dict[str, Any], speeds: Mapping[str, Mapping[str, float]]) -> bool:
+    """Put measured speeds into ``record``'s devices (in place); True when any changed."""
+    changed = False
+    for d in record.get("devices", []):
+        got = speeds.get(device_key(d))
+        if got and d.get("speed") != dict(got):
+            d["speed"] = dict(sorted(got.items()))
+            changed = True
+    return changed
+
+
+def can_probe(env: Mapping[str, str]) -> bool:
+    """Whether this node measures: not switched off, and torch is importable here."""
+    if env.get(PROBE_ENV, "").strip().lower() in ("off", "0", "no", "false"):
+        return False
+    return importlib.util.find_spec("torch") is not None
+
+
+async def measure_async(record: Mapping[str, Any], *, threads: int, env: Mapping[str, str]) -> dict[str, dict[str, float]]:  # fmt: skip
+    """``measure`` on a thread (the daemon's loop keeps running)."""
+    return await asyncio.to_thread(measure, record, threads=threads, env=env)
+
+
+__all__ = [
+    "PROBE_ENV",
+    "apply_speeds",
+    "cache_folder",
+    "can_probe",
+    "cpu_quota",
+    "cpu_share",
+    "link_speed",
+    "machine_id",
+    "measure",
+    "measure_async",
+    "probe_request",
+]

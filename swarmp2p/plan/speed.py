@@ -1,0 +1,231 @@
+"""Predicted step times: each stage's compute at its device's measured training speed, the bytes
+it sends over the link, and the schedule's bubble. Pure, standard library only.
+
+A device's speed is the training throughput ``swarmp2p.runtime.probe`` measured on it for one
+dtype, in FLOP/s counted the planner's way: 6 FLOPs per parameter and token, forward 2 and
+backward 4 (Kaplan et al. 2020). The rules:
+
+- a stage's compute is the ``cost`` split's FLOPs for its layers (the head on the last stage,
+  AdamW's update over what trains), plus another forward of its blocks under recompute and of
+  the head (the chunked loss always recomputes it), at its device's speed;
+- its link time is the bytes it sends per step (activations and labels forward, gradients back
+  at the compute dtype) at the slower of the two nodes' link speeds, none between two stages
+  of one node, none when a speed is unknown;
+- the pipeline's step is ``(M - 1) / M`` of the slowest stage plus ``1 / M`` of the sum of all:
+  the slowest stage paces the M micro-batches, the others fill and drain the pipeline.
+
+The ``speed`` split (the default) minimises the slowest stage's time under every memory limit,
+so the slow device gets fewer layers. It needs a speed for the job's dtype on every device it
+uses; without one it splits by free memory (``weighted``) and the plan says which device lacks
+a measurement (``swarm doctor --bench`` on that node takes one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any
+
+from swarmp2p.plan.hardware import Device, Node
+from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.schema import field
+
+FLOPS_PER_PARAM_TOKEN = 6
+"""Forward 2 + backward 4 (Kaplan et al. 2020): how the probe counts and the planner prices."""
+RECOMPUTE_FLOPS_PER_PARAM_TOKEN = 2
+"""A recomputed forward."""
+LABEL_BYTES = 8
+"""The int64 label of each token travels forward with the activations."""
+_DIGITS = 6
+"""Significant digits kept in a plan (peers compare plans byte for byte)."""
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.{_DIGITS}g}")
+
+
+def device_speed(device: Device, dtype: str) -> float | None:
+    """The device's measured training FLOP/s in ``dtype``; None when never measured."""
+    return device.speed.get(dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageTime:
+    """One stage's predicted share of a step."""
+
+    flops: float = field(ge=0)
+    """FLOPs per step."""
+    sent_bytes: int = field(ge=0)
+    """Bytes it sends per step over its boundaries."""
+    speed: float | None = None
+    """Its device's measured FLOP/s in the job's dtype (None: not measured)."""
+    compute_s: float | None = None
+    """``flops / speed`` (None without a speed)."""
+    link_s: float = field(default=0.0, ge=0)
+    """``sent_bytes`` over the link (0: one node, or the link speed is unknown)."""
+    step_s: float | None = dataclass_field(init=False)
+    """``compute_s + link_s`` (derived)."""
+
+    def __post_init__(self) -> None:
+        step = None if self.compute_s is None else _round(self.compute_s + self.link_s)
+        object.__setattr__(self, "step_s", step)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedTiming:
+    """A plan's predicted step: per stage, the pipeline's, and its bottleneck."""
+
+    measured: bool
+    """Every stage's device has a measured speed: the times are seconds."""
+    stages: tuple[StageTime, ...]
+    step_s: float | None = None
+    """The pipeline's step, bubble included (None unless measured)."""
+    bottleneck: int = field(default=0, ge=0)
+    """The slowest stage (by time when measured, else by FLOPs)."""
+    unmeasured: tuple[str, ...] = ()
+    """The devices without a speed for the dtype, as "node device"."""
+
+    def stage_cost(self, i: int) -> float:
+        """Stage i's predicted time, or its FLOPs when not measured (a relative cost)."""
+        s = self.stages[i]
+        return s.step_s if s.step_s is not None else s.flops
+
+
+def pipeline_step_s(stage_s: Sequence[float], micro_batches: int) -> float:
+    """A synchronous pipeline's step: the slowest stage paces the micro-batches, the rest fill
+    and drain it: ``((M - 1) max + sum) / M``."""
+    if not stage_s or micro_batches < 1:
+        raise ValueError(f"need stage times and micro_batches >= 1, got {list(stage_s)} and {micro_batches}")  # fmt: skip
+    return ((micro_batches - 1) * max(stage_s) + sum(stage_s)) / micro_batches
+
+
+def link_speed(a: Node, b: Node) -> float | None:
+    """Bytes/s between two nodes' stages: None within one node (free) or when either link speed
+    is unknown (not priced)."""
+    if a.node_id == b.node_id or not a.link_speed or not b.link_speed:
+        return None
+    return float(min(a.link_speed, b.link_speed))
+
+
+class StageClock:
+    """Prices any layer range of one placement in time (O(1) a range).
+
+    ``placer`` is placement's placer: ``devices`` ((node, device) per stage), ``n``,
+    ``compute_cost(i, start, end)``, ``shape``, ``pricer`` (its ``pricing.dtype`` and
+    ``workload``) and ``compression`` (one per boundary).
+    """
+
+    def __init__(self, placer: Any) -> None:
+        self.placer = placer
+        self.n = placer.n
+        shape, workload = placer.shape, placer.pricer.workload
+        self.dtype = placer.pricer.pricing.dtype
+        self.tokens = workload.batch_size * workload.seq_len
+        self.recompute = workload.recompute
+        self._active = [0]
+        for p in shape.layer_active_params:
+            self._active.append(self._active[-1] + p)
+        self._head = shape.head_compute_params
+        self.speeds = [device_speed(d, self.dtype) for _, d in placer.devices]
+        self.unmeasured = tuple(
+            f"{node.name} {dev.label}"
+            for (node, dev), s in zip(placer.devices, self.speeds)
+            if s is None
+        )
+        self.measured = not self.unmeasured
+        self.sent = [self._sent_bytes(i, shape.hidden) for i in range(self.n)]
+        self.link_s = [self._link_s(i) for i in range(self.n)]
+
+    def _sent_bytes(self, i: int, hidden: int) -> int:
+        out = 0
+        if i < self.n - 1:  # activations (as the boundary's codec sends them) and labels
+            per_token = self.placer.compression[i].bytes_per_token(hidden, self.dtype)
+            out += self.tokens * (per_token + LABEL_BYTES)
+        if i > 0:  # the gradient of what it received, at the compute dtype
+            out += self.tokens * hidden * DTYPE_BYTES[self.dtype]
+        return out
+
+    def _link_s(self, i: int) -> float:
+        devices, total = self.placer.devices, 0.0
+        nxt = (i + 1,) if i < self.n - 1 else ()
+        prev = (i - 1,) if i > 0 else ()
+        hidden = self.placer.shape.hidden
+        for j in (*nxt, *prev):
+            speed = link_speed(devices[i][0], devices[j][0])
+            if speed is None:
+                continue
+            if j > i:
+                per_token = self.placer.compression[i].bytes_per_token(hidden, self.dtype)
+                total += self.tokens * (per_token + LABEL_BYTES) / speed
+            else:
+                total += self.tokens * hidden * DTYPE_BYTES[self.dtype] / speed
+        return total
+
+    def flops(self, i: int, start: int, end: int) -> float:
+        """Stage i's FLOPs per step over layers [start, end)."""
+        cost = self.placer.compute_cost(i, start, end)
+        again = 0
+        if self.recompute:
+            again += self._active[end] - self._active[start]
+        if i == self.n - 1:
+            again += self._head  # the chunked loss runs the head again in backward
+        return cost + float(RECOMPUTE_FLOPS_PER_PARAM_TOKEN * self.tokens * again)
+
+    def time(self, i: int, start: int, end: int) -> float:
+        """Stage i's predicted seconds per step (its FLOPs when speeds are not all measured:
+        then devices count as equally fast)."""
+        if not self.measured:
+            return self.flops(i, start, end)
+        return self.flops(i, start, end) / self.speeds[i] + self.link_s[i]
+
+    def timing(self, ranges: Sequence[tuple[int, int]], micro_batches: int) -> PlannedTiming:
+        """The predicted timing of a split."""
+        stages = []
+        for i, (a, b) in enumerate(ranges):
+            flops = self.flops(i, a, b)
+            speed = self.speeds[i]
+            stages.append(
+                StageTime(
+                    flops=_round(flops),
+                    sent_bytes=self.sent[i],
+                    speed=speed,
+                    compute_s=_round(flops / speed) if speed else None,
+                    link_s=_round(self.link_s[i]),
+                )
+            )
+        costs = [self.time(i, a, b) for i, (a, b) in enumerate(ranges)]
+        bottleneck = max(range(len(costs)), key=lambda i: (costs[i], -i))
+        step = _round(pipeline_step_s(costs, micro_batches)) if self.measured else None
+        return PlannedTiming(
+            measured=self.measured,
+            stages=tuple(stages),
+            step_s=step,
+            bottleneck=bottleneck,
+            unmeasured=self.unmeasured,
+        )
+
+
+def learned_speeds(
+    timing: PlannedTiming, measured_compute_s: Sequence[float]
+) -> tuple[float | None, ...]:
+    """Each stage device's speed as the run measured it: its planned FLOPs over its measured
+    compute seconds per step (None where nothing usable was measured)."""
+    out: list[float | None] = []
+    for stage, secs in zip(timing.stages, measured_compute_s):
+        ok = isinstance(secs, (int, float)) and math.isfinite(secs) and secs > 0
+        out.append(_round(stage.flops / secs) if ok and stage.flops > 0 else None)
+    return tuple(out)
+
+
+__all__ = [
+    "FLOPS_PER_PARAM_TOKEN",
+    "PlannedTiming",
+    "StageClock",
+    "StageTime",
+    "device_speed",
+    "learned_speeds",
+    "link_speed",
+    "pipeline_step_s",
+]

@@ -1,0 +1,233 @@
+"""The decode state of a group of serving sessions at one stage, laid out for batched forwards.
+
+A :class:`SessionBatch` holds an ordered set of sessions (its *rows*) for one stage's blocks:
+
+- an attention block's keys and values as ``[rows, kv_heads, capacity, head_dim]``: a session's
+  token at position ``p`` lives at index ``p`` of its row, so a decode step writes one column
+  per row in place and attention reads a view of the first ``max(length) + 1`` columns, with a
+  mask per row (causal, and the sliding window where the layer type has one) hiding what a
+  shorter row does not hold;
+- a recurrent (Gated DeltaNet) block's conv and recurrent states as ``[rows, ...]``, updated in
+  place by the block's own kernels.
+
+Blocks see it as transformers' cache (``update``, ``get_conv_state``, ...): it stands in for a
+``DynamicCache`` during one forward. Why this layout and not transformers' ``DynamicCache`` per
+session: a ``DynamicCache`` concatenates the whole cache on every step (a copy of every key and
+value per layer per token), and batching per-session caches would copy them all into one
+padded batch on every step again. Here a step copies nothing; rows are copied only when a
+group's membership changes (:meth:`SessionBatch.gather`), which happens once or twice in a
+session's life. Capacity grows by doubling, so appending a token is O(1) amortised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION
+
+GROW_TOKENS = 64
+"""Smallest capacity step (tokens): a session's first prefill allocates at least this much."""
+
+
+class SessionBatch:
+    """Decode state of an ordered group of sessions (rows) for one stage's blocks."""
+
+    def __init__(self, config, sids: Sequence[int], *, max_context: int) -> None:
+        self.config = config
+        self.sids: list[int | None] = list(sids)
+        """Each row's session; None once the session moved to another batch or ended."""
+        self.lengths: list[int] = [0] * len(self.sids)
+        """Tokens each row holds."""
+        self.max_context = max_context
+        self.capacity = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        self.conv_kernel: dict[int, int] = {}
+        self._new = 0
+        self._view = 0
+        self._rows: torch.Tensor | None = None
+        self._cols: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None
+        self._impl = getattr(config, "_attn_implementation", None) or "sdpa"
+        self._window = getattr(config, "sliding_window", None)
+
+    @property
+    def rows(self) -> int:
+        return len(self.sids)
+
+    @property
+    def live(self) -> int:
+        return sum(s is not None for s in self.sids)
+
+    # --- regrouping -------------------------------------------------------------------------
+
+    @classmethod
+    def gather(
+        cls, parts: Sequence[tuple[SessionBatch, int]], sids: Sequence[int], *, max_context: int
+    ) -> SessionBatch:
+        """A new batch whose row i is row ``parts[i][1]`` of batch ``parts[i][0]`` (copied);
+        the source rows are marked moved."""
+        first = parts[0][0]
+        batch = cls(first.config, sids, max_context=max_context)
+        batch.lengths = [src.lengths[row] for src, row in parts]
+        batch.capacity = min(max_context, _grown(max(batch.lengths) + 1, 0))
+        n = len(parts)
+        for layer, sample in first.keys.items():
+            shape = (n, sample.shape[1], batch.capacity, sample.shape[3])
+            batch.keys[layer] = sample.new_zeros(shape)
+            batch.values[layer] = first.values[layer].new_zeros(shape)
+            for i, (src, row) in enumerate(parts):
+                length = batch.lengths[i]
+                batch.keys[layer][i, :, :length] = src.keys[layer][row, :, :length]
+                batch.values[layer][i, :, :length] = src.values[layer][row, :, :length]
+        for layer in first.conv:
+            batch.conv[layer] = torch.cat([src.conv[layer][row : row + 1] for src, row in parts])
+        for layer in first.recurrent:
+            batch.recurrent[layer] = torch.cat(
+                [src.recurrent[layer][row : row + 1] for src, row in parts]
+            )
+        batch.conv_kernel = dict(first.conv_kernel)
+        for src, row in parts:
+            src.sids[row] = None
+        return batch
+
+    # --- one forward --------------------------------------------------------------------------
+
+    def begin(self, new_tokens: int, device: torch.device) -> None:
+        """Prepare a forward of ``new_tokens`` tokens per row (rows > 1 take one token each):
+        room for them, each row's position ids, index tensors for the in-place writes."""
+        if self.rows > 1 and new_tokens != 1:
+            raise ValueError(f"a batch of {self.rows} rows steps one token each, not {new_tokens}")
+        need = max(self.lengths) + new_tokens
+        if need > self.max_context:
+            raise ValueError(f"{need} tokens is over max_context {self.max_context}")
+        if need > self.capacity:
+            self._grow(min(self.max_context, _grown(need, self.capacity)))
+        self._new = new_tokens
+        self._view = need
+        starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        self.position_ids = starts[:, None] + torch.arange(new_tokens, device=device)[None, :]
+        if self.rows > 1:
+            self._rows = torch.arange(self.rows, device=device)
+            self._cols = starts
+
+    def commit(self) -> None:
+        """The forward ran: every row holds its new tokens."""
+        self.lengths = [n + self._new for n in self.lengths]
+        self._new = 0
+
+    def mask(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The attention mask of this forward for blocks of ``layer_type``: None where nothing
+        needs hiding (one row, and no window cutting in), else ``[rows, 1, new, view]``, boolean
+        for SDPA and additive for eager attention."""
+        if layer_type == LINEAR_ATTENTION:
+            return None
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise NotImplementedError(
+                f"layer type {layer_type!r}: batched serving knows full and sliding-window "
+                "attention only"
+            )
+        window = self._window if layer_type == "sliding_attention" else None
+        positions = self.position_ids  # [rows, new]
+        single = self.rows == 1 and (window is None or self._view <= window)
+        if single and (self._new == 1 or (self.lengths[0] == 0 and self._impl == "sdpa")):
+            return None  # every key visible (decode), or SDPA's own causal path (first chunk)
+        keys = torch.arange(self._view, device=positions.device)
+        allowed = keys[None, None, :] <= positions[:, :, None]
+        if window is not None:
+            allowed = allowed & (keys[None, None, :] > positions[:, :, None] - window)
+        allowed = allowed[:, None]
+        if self._impl == "sdpa":
+            return allowed
+        if self._impl != "eager":
+            raise NotImplementedError(
+                f"attention implementation {self._impl!r}: batched serving supports sdpa and eager"
+            )
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def _grow(self, capacity: int) -> None:
+        for store in (self.keys, self.values):
+            for layer, old in store.items():
+                grown = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                grown[:, :, : self.capacity] = old[:, :, : self.capacity]
+                store[layer] = grown
+        self.capacity = capacity
+
+    # --- transformers' cache interface, as the blocks call it --------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a, **k):
+        """Write this forward's keys and values in place; the keys and values to attend to."""
+        if layer_idx not in self.keys:
+            shape = (self.rows, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(
+                (self.rows, value_states.shape[1], self.capacity, value_states.shape[3])
+            )
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.rows == 1:
+            start = self.lengths[0]
+            keys[0, :, start : start + self._new] = key_states[0]
+            values[0, :, start : start + self._new] = value_states[0]
+        else:  # one new token per row, each at its own position
+            keys[self._rows, :, self._cols] = key_states[:, :, 0]
+            values[self._rows, :, self._cols] = value_states[:, :, 0]
+        return keys[:, :, : self._view], values[:, :, : self._view]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths)
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv.get(layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent.get(layer_idx)
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Keep the last ``conv_kernel_size`` inputs; the inputs the causal conv must see (the
+        kept ones before the new ones; zeros before a session's first token)."""
+        state = self.conv.get(layer_idx)
+        if state is None:
+            kernel = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
+            self.conv_kernel[layer_idx] = kernel
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+            self.conv[layer_idx] = full[..., -kernel:].clone()
+            return full
+        full = torch.cat([state, conv_states], dim=-1)
+        state.copy_(full[..., -self.conv_kernel[layer_idx] :])
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        state = self.recurrent.get(layer_idx)
+        if state is None:
+            self.recurrent[layer_idx] = state = recurrent_states.clone()
+        else:
+            state.copy_(recurrent_states)
+        return state
+
+
+def _grown(need: int, capacity: int) -> int:
+    """Capacity for ``need`` tokens: doubling, in steps of at least GROW_TOKENS."""
+    grown = max(GROW_TOKENS, capacity)
+    while grown < need:
+        grown *= 2
+    return grown

@@ -1,0 +1,96 @@
+"""Joining with a pairing code over mDNS on 127.0.0.1 (issue 14 Build 3): `swarm up` on a
+machine with no swarm lists the LAN's swarms; `swarm invite` + `swarm up --code` joins with no
+token typed; three wrong codes burn the invite; `--open` joins an open swarm with no code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from swarm_harness import ROOT, NodeProc, dump, free_port, swarm, swarm_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _up(state, node_id: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state), "--node-id", node_id,
+           "--port", str(port), "--interface", "127.0.0.1", "--heartbeat", "0.2",
+           "--failure-timeout", "1.5", *args]  # fmt: skip
+    env = swarm_env({"SWARM_DASHBOARD_PORT": "off"})
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, input=stdin, timeout=120)  # fmt: skip
+
+
+def _down(state) -> None:
+    subprocess.run([sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(state)],
+                   capture_output=True, env=swarm_env(), timeout=60)  # fmt: skip
+
+
+def _listed(node, other: str) -> bool:
+    return any(p["node_id"] == other and p["alive"] for p in node.status()["peers"])
+
+
+def test_a_code_joins_a_new_machine_and_wrong_codes_burn_the_invite(tmp_path):
+    a = NodeProc(tmp_path / "a", ["--node-id", "a", "--port", str(free_port()), "--interface",
+                                  "127.0.0.1", "--new"], env={"SWARM_DASHBOARD_PORT": "off"})  # fmt: skip
+    a.start()
+    joined = []
+    try:
+        a.wait_up()
+        swarm_id = a.status()["swarm_id"]
+        # a machine with no swarm sees this one and says how to join, creating nothing
+        seen = _up(tmp_path / "x", "x")
+        assert seen.returncode == 2 and swarm_id in seen.stderr and "swarm invite" in seen.stderr
+        assert not (tmp_path / "x" / "secret").exists()
+
+        got = json.loads(swarm(a, "invite", "--json").stdout)
+        code = got["code"]
+        started = time.monotonic()
+        out = _up(tmp_path / "b", "b", "--code", "-", stdin=code + "\n")  # not in argv either
+        joined.append(tmp_path / "b")
+        assert out.returncode == 0, out.stderr + dump([a])
+        assert "paired with node a" in out.stdout and "swarm1-" not in out.stdout + out.stderr
+        b = NodeProc(tmp_path / "b", [])
+        wait_until(lambda: _listed(a, "b") and _listed(b, "a"), 20, "a and b to list each other")
+        took = time.monotonic() - started
+        assert b.status()["swarm_id"] == swarm_id
+        wait_until(lambda: "b" in a.status()["quorum"]["members"], 10, "b to be a member")
+        assert took < 15, took
+
+        # a used code is gone; a new invite with 3 wrong codes is burnt for the right one too
+        again = _up(tmp_path / "c", "c", "--code", code)
+        assert again.returncode != 0 and "no member on this LAN offers invite" in again.stderr
+        code = json.loads(swarm(a, "invite", "--json").stdout)["code"]
+        plate, words = code.split("-", 1)
+        wrong = f"{plate}-" + (
+            "lion-lion-lion" if words != "lion-lion-lion" else "otter-otter-otter"
+        )
+        for left in ("2 tries left", "1 tries left", "the invite is burnt"):
+            bad = _up(tmp_path / "c", "c", "--code", wrong)
+            assert bad.returncode == 2 and left in bad.stderr, bad.stderr
+            assert not (tmp_path / "c" / "secret").exists()
+            time.sleep(1.0)  # one try per second
+        late = _up(tmp_path / "c", "c", "--code", code)
+        assert late.returncode != 0 and "c" not in a.status()["quorum"]["members"], late.stderr
+    finally:
+        for state in joined:
+            _down(state)
+        a.stop()
+
+
+def test_open_swarm_joins_without_a_code(tmp_path):
+    first = _up(tmp_path / "o1", "o1", "--open")
+    states = [tmp_path / "o1"]
+    try:
+        assert first.returncode == 0 and "created a new swarm" in first.stdout, first.stderr
+        second = _up(tmp_path / "o2", "o2", "--open")
+        states.append(tmp_path / "o2")
+        assert second.returncode == 0 and "paired with node o1" in second.stdout, second.stderr
+        o1 = NodeProc(tmp_path / "o1", [])
+        wait_until(lambda: _listed(o1, "o2"), 20, "o1 to list o2")
+    finally:
+        for state in states:
+            _down(state)

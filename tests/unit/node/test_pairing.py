@@ -1,0 +1,142 @@
+"""Pairing codes: parsing, the SPAKE2 exchange with an invite book, tries and burning, replay."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from spake2 import SPAKE2_A
+
+from swarmp2p.errors import SwarmError, UserError
+from swarmp2p.node import pairing
+from swarmp2p.node.pairing import Invites, PairFinish, PairStart, parse_code
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _joiner(code: str, nameplate: str, book: Invites):
+    """The joiner's half up to its check of the inviter's MAC: (ok, session, key, mine, reply)."""
+    joiner = SPAKE2_A(code.encode(), **pairing._IDS)
+    mine, session = joiner.start(), secrets.token_bytes(16)
+    reply = book.start(PairStart(nameplate=nameplate, session=session, spake=mine))
+    key = joiner.finish(reply.spake)
+    ok = reply.confirm == pairing._mac(key, b"inviter", session + mine + reply.spake)
+    return ok, session, key, mine, reply
+
+
+def _finish(book, session, key, mine, reply):
+    confirm = pairing._mac(key, b"joiner", session + mine + reply.spake)
+    return book.finish(PairFinish(session=session, confirm=confirm))
+
+
+@pytest.mark.parametrize(
+    ("typed", "expected"),
+    [
+        ("42-otter-violin-maple", ("42", "42-otter-violin-maple")),
+        ("  42 Otter VIOLIN  maple ", ("42", "42-otter-violin-maple")),
+        ("42_otter-violin maple", ("42", "42-otter-violin-maple")),
+    ],
+)
+def test_a_code_is_read_however_it_was_typed(typed, expected):
+    assert parse_code(typed) == expected
+
+
+@pytest.mark.parametrize(
+    ("typed", "message"),
+    [
+        ("otter-violin-maple", "number and 3 words"),
+        ("42-otter-violin", "number and 3 words"),
+        ("42-otter-violin-mapel", "mapel are not code words"),
+        ("", "number and 3 words"),
+    ],
+)
+def test_a_bad_code_says_what_is_wrong(typed, message):
+    with pytest.raises(UserError, match=message):
+        parse_code(typed)
+
+
+def test_the_right_code_pairs_once_and_the_invite_is_gone():
+    clock = Clock()
+    book = Invites(clock)
+    invite = book.create()
+    ok, *rest = _joiner(invite.code, invite.nameplate, book)
+    assert ok
+    got, key = _finish(book, *rest)
+    assert got is invite and key == rest[1]
+    assert invite.nameplate not in book.by_plate  # one time
+    clock.now += 5
+    with pytest.raises(UserError, match="no open invite"):
+        _joiner(invite.code, invite.nameplate, book)
+
+
+def test_three_wrong_codes_burn_the_invite_and_tries_are_rate_limited():
+    clock = Clock()
+    book = Invites(clock)
+    invite = book.create()
+    plate = invite.nameplate
+    wrong = f"{plate}-otter-otter-otter" if invite.code != f"{plate}-otter-otter-otter" else f"{plate}-lion-lion-lion"  # fmt: skip
+    lefts = []
+    for i in range(3):
+        ok, session, key, mine, reply = _joiner(wrong, plate, book)
+        assert not ok  # the joiner sees the wrong code from the inviter's MAC
+        lefts.append(reply.tries_left)
+        if i == 0:
+            with pytest.raises(SwarmError, match="one try per"):
+                _joiner(invite.code, plate, book)  # at once again: slowed down, no try used
+        with pytest.raises(UserError, match="does not match"):
+            _finish(book, session, key, mine, reply)  # and a finish anyway is refused
+        clock.now += pairing.TRY_INTERVAL_S
+    assert lefts == [2, 1, 0]
+    with pytest.raises(UserError, match=r"no open invite|burnt"):
+        _joiner(invite.code, plate, book)  # the right code now: too late
+    assert plate not in book.by_plate
+
+
+def test_a_replayed_exchange_gets_nothing():
+    """A listener replays the joiner's messages: the inviter's half is fresh, so the key
+    differs; the old MAC does not match; and once the invite was used it is gone."""
+    clock = Clock()
+    book = Invites(clock)
+    invite = book.create(ttl=600)
+    ok, session, key, mine, reply = _joiner(invite.code, invite.nameplate, book)
+    assert ok
+    clock.now += 2
+    replay = book.start(PairStart(nameplate=invite.nameplate, session=secrets.token_bytes(16), spake=mine))  # fmt: skip
+    assert replay.spake != reply.spake and replay.confirm != reply.confirm
+    with pytest.raises(UserError, match=r"no pairing in progress|does not match"):
+        book.finish(PairFinish(session=b"x" * 16, confirm=pairing._mac(key, b"joiner", session + mine + reply.spake)))  # fmt: skip
+
+
+def test_an_invite_expires():
+    clock = Clock()
+    book = Invites(clock)
+    invite = book.create(ttl=60)
+    clock.now += 61
+    with pytest.raises(UserError, match="no open invite"):
+        _joiner(invite.code, invite.nameplate, book)
+
+
+def test_the_sealed_token_opens_only_with_the_key():
+    key = secrets.token_bytes(32)
+    nonce, box = pairing.seal(key, b"swarm1-abc")
+    assert pairing.unseal(key, nonce, box) == b"swarm1-abc"
+    with pytest.raises(SwarmError, match="does not open"):
+        pairing.unseal(secrets.token_bytes(32), nonce, box)
+
+
+def test_an_open_swarm_never_burns():
+    clock = Clock()
+    book = Invites(clock)
+    book.open_swarm()
+    for _ in range(5):
+        ok, *rest = _joiner(pairing._OPEN_PASSWORD, pairing.OPEN, book)
+        assert ok
+        _finish(book, *rest)
+        clock.now += pairing.TRY_INTERVAL_S
+    assert pairing.OPEN in book.by_plate
