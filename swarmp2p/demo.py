@@ -10,7 +10,6 @@ imports torch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmp2p.node import api
+from swarmp2p.node.workers import preexec
 from swarmp2p.runtime.models import (
     EmbeddedModelMissing,
     embedded_gguf,
@@ -40,7 +40,6 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 HEARTBEAT_S = 0.5
 FAILURE_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 MARK_ENV = "SWARMP2P_DEMO_ROOT"
 """Set to the demo's temp dir in its daemons' environment (their workers inherit it), so every
 process of one demo can be found."""
@@ -159,14 +158,6 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """A demo daemon gets SIGTERM (and stops its workers) when the demo process dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DemoNode:
     node_id: str
@@ -240,7 +231,8 @@ class LocalSwarm:
                         stderr=subprocess.STDOUT,
                         env={**self.env, "SWARM_TOKEN": self.token},
                         start_new_session=True,  # Ctrl-C reaches the demo, which stops them
-                        preexec_fn=_die_with_parent if self._die_with_demo else None,
+                        # a demo daemon gets SIGTERM (and stops its workers) when the demo dies
+                        preexec_fn=preexec(signal.SIGTERM) if self._die_with_demo else None,
                     )
                 )
         self._wait(self._agreed, timeout, f"{len(self.nodes)} daemons to agree on a leader")

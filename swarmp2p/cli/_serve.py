@@ -27,7 +27,9 @@ from swarmp2p.cli import (
     help="Stop serving NAME: the name the API answers to (--name when it was served, else "
     "MODEL as given).",
 )
-@click.option("--stages", type=click.IntRange(min=0), default=0, help="Stages (0: one per node).")
+@click.option(
+    "--stages", type=click.IntRange(min=0), default=0, help="Stages (0: one per usable device)."
+)
 @click.option(
     "--port",
     type=click.IntRange(0, 65535),
@@ -53,7 +55,8 @@ from swarmp2p.cli import (
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16"]),
     default=None,
-    help="Default: float32, or the dtype a trained model was trained in.",
+    help="Default: the best dtype every stage's device runs (bfloat16 on compute 8.0+, float16 "
+    "on 7.x, float32 below and on CPUs), or the dtype a trained model was trained in.",
 )
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
@@ -70,14 +73,15 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
     """Serve MODEL (a model from `swarm models`, a folder, a cached Hub id, or "embedded")
     across the swarm.
 
-    The leader places the stages (memory priced with the KV cache of --max-sessions sessions
-    of --max-context tokens), each stage loads on its node, and this node answers the
-    OpenAI-compatible API until `swarm serve --stop NAME`. A trained model serves in place:
-    each stage loads its trained shard on the node that holds it. "embedded" is converted on
-    first use.
+    The leader plans the stages as it plans training (dtype by compute capability, memory
+    priced with the KV cache of --max-sessions sessions of --max-context tokens), every stage's
+    node checks the plan and loads its blocks, and this node answers the OpenAI-compatible API
+    until `swarm serve --stop NAME`. A trained model serves in place: each stage loads its
+    trained shard on the node that holds it. "embedded" is converted on first use.
     """
     from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
+    from swarmp2p.plan.serve import parse_serve_request
 
     sd = _state_dir(state_dir)
     try:
@@ -95,8 +99,10 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
             except ValueError as exc:
                 raise click.BadParameter(f"not JSON: {exc}", param_hint="--quantization") from None
         # the daemon runs in another folder: it reads a relative MODEL folder from this one
-        request = {"model": model, "quantization": quantization, "cwd": os.getcwd(), **options}
-        view = control.serve(sd, request)
+        request = parse_serve_request(
+            {"model": model, "quantization": quantization, "cwd": os.getcwd(), **options}
+        )
+        view = control.serve(sd, request.to_dict())
     except (ApiError, ValueError) as exc:
         _fail(exc)
     if as_json:
@@ -106,5 +112,6 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
         f"{s['node']} [{s['layers'][0]}-{s['layers'][1] - 1}]" for s in view["stages"]
     )
     click.echo(
-        f"serving {view['model']} at {view['url']}/v1 on {len(view['stages'])} stage(s): {where}"
+        f"serving {view['model']} at {view['url']}/v1 on {len(view['stages'])} stage(s) "
+        f"({view.get('dtype')}): {where}"
     )

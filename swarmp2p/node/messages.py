@@ -7,6 +7,7 @@ from swarmp2p.node.events import Attempt, JobId, NodeId, StageIndex
 from swarmp2p.node.jobtable import MAX_VERSION
 from swarmp2p.plan import Job
 from swarmp2p.plan.inputs import JobInputs
+from swarmp2p.plan.serve import ServeInputs
 from swarmp2p.schema import field
 from swarmp2p.wire.messages import Message, message
 
@@ -293,53 +294,49 @@ class ShardChunk(Message):
 
 @message("serve.plan")
 class ServePlace(Message):
-    """Issuing node to the leader: place ``stages`` serving stages of a model over the live
-    nodes (memory priced with the KV cache of ``max_sessions`` x ``max_context`` tokens)."""
+    """Issuing node to the leader: plan a serving ring from ``inputs`` (``plan.serve``) over the
+    live nodes, whose records the leader fills in as ``inputs.cluster``."""
 
-    serve_id: str
-    model: str
-    """The resolved model folder (or Hub id) every stage loads."""
-    stages: int
-    """0: one stage per live node (at most one per block)."""
-    max_sessions: int
-    max_context: int
-    dtype: str
-    quantization: dict | None = None
-    shape: dict | None = None
-    """The model's shape (``plan.model_shape.shape_to_wire``): the leader need not hold the
-    model. None: the leader reads ``model`` itself."""
-    bounds: list | None = None
-    """``[[start, end], ...]`` per stage: a trained model keeps the split it was trained with."""
-    holders: list | None = None
-    """Per stage, the nodes holding its trained shard, best first: placed there when it fits."""
+    serve_id: JobId
+    inputs: ServeInputs
 
 
 @message("serve.placed")
 class ServePlaced(Message):
-    """The leader's placement: ``stages`` is a list of ``{"node_id", "endpoint", "device",
-    "layer_start", "layer_end", "memory"}``, first to last."""
+    """The leader's plan (``ServePlan.to_json()``) and the exact inputs it was made from."""
 
-    serve_id: str
+    serve_id: JobId
     leader: str
-    stages: list
+    inputs: ServeInputs
+    plan: str
 
 
 @message("serve.stage_start")
 class ServeStageStart(Message):
-    """Issuing node to a stage's node: start a serve worker with ``spec`` (a StageServeSpec
-    without ``token`` and ``host``: the node fills in its own)."""
+    """Issuing node to a stage's node: check the plan from these inputs, then start stage
+    ``stage``'s serve worker (the node fills in its own token, address, device and files)."""
 
-    serve_id: str
-    attempt: int
-    spec: dict
-    env: dict
+    serve_id: JobId
+    attempt: Attempt
+    stage: StageIndex
+    inputs: ServeInputs
+    """What the leader planned from (the live nodes' records included)."""
+    plan: str
+    """The leader's plan, canonical JSON (``ServePlan.to_json()``)."""
+    model: str = field(min_len=1, max_len=4096)
+    """The model folder (or Hub id) on the issuing node; a trained model's base."""
     issuer: str
-    """The issuing node: told with ``serve.stage_exit`` if the worker dies. ``env``: extra
-    environment for the worker (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+    """The issuing node: told with ``serve.stage_exit`` if the worker dies."""
+    embedded: bool = False
+    """The model is the embedded one: a node may load its own converted copy."""
+    revision: str = field(default="", max_len=128)
+    """A Hub model's revision as the issuing node resolved it: every stage loads the same one
+    ("": a folder or embedded model)."""
     files: dict | None = None
     """A folder model's files, ``{name: [bytes, sha256]}``: the node serves its own copy at the
-    same path (or its embedded model) only if every file matches, else it fetches them from
-    the issuer (``serve.file_read``)."""
+    same path (or its embedded model) only if the files its stage reads match, else it fetches
+    just those (``node.inputs``: from the issuer, ``serve.file_read``, then any node that holds
+    them)."""
     shard: dict | None = None
     """A trained model's stage: ``{"job_id", "folder", "files": {name: sha256}, "sources":
     [node ids], "tied": {"file", "tensor", "sources"} or None}``; the node makes the shard
@@ -350,7 +347,7 @@ class ServeStageStart(Message):
 class ServeStageConnect(Message):
     """Tell a started stage where the next stage (or the return link) listens."""
 
-    serve_id: str
+    serve_id: JobId
     attempt: int
     stage: int
     next: str
@@ -360,7 +357,7 @@ class ServeStageConnect(Message):
 class ServeStageStop(Message):
     """Stop one stage's worker (``stage`` -1: every stage of ``serve_id`` on that node)."""
 
-    serve_id: str
+    serve_id: JobId
     attempt: int
     stage: int
 
@@ -381,7 +378,7 @@ class ServeStage(Message):
 class ServeStageExit(Message):
     """A stage's node to the issuing node: the stage's worker died (its node lives on)."""
 
-    serve_id: str
+    serve_id: JobId
     attempt: int
     stage: int
     node_id: str
@@ -401,12 +398,23 @@ class InputRead(Message):
     size: int = field(ge=1)
 
 
+@message("serve.shard_hold")
+class ServeShardHold(Message):
+    """Issuing node to a node serving none of it: hold an intact copy of stage ``stage``'s
+    trained shard (``shard`` as in ``serve.stage_start``: fetched from its sources unless this
+    node has it) and tell the leader (``model.shard_copy``, which only the holder may send).
+    Answered with ``job.ack``."""
+
+    stage: StageIndex
+    shard: dict
+
+
 @message("serve.file_read")
 class ServeFileRead(Message):
     """Stage node to the issuing node: ``size`` bytes at ``offset`` of file ``file`` of the
     folder model served as ``serve_id`` (answered with ``job.shard_chunk``)."""
 
-    serve_id: str
+    serve_id: JobId
     file: str
     offset: int
     size: int
@@ -430,5 +438,6 @@ SERVE_MESSAGES = (
     ServeStageConnect,
     ServeStageStop,
     ServeStageExit,
+    ServeShardHold,
 )
 """The requests the daemon hands to its serving side."""

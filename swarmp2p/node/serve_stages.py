@@ -1,35 +1,38 @@
-"""Every node's side of ``swarm serve``: a serve worker per stage placed here, started from the
-files it loads made local first (the model's files or a trained stage's shard, fetched from a
-node that has them when this node holds no intact copy), connected to the next stage, stopped.
-Never imports torch."""
+"""Every node's side of ``swarm serve``: check the serve plan, make the stage's files local (the
+model's files or a trained stage's shard, fetched from a node that has them when this node
+holds no intact copy), start a serve worker (``node.workers.WorkerProcess``), connect it to
+the next stage, stop it. Never imports torch."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-import sys
-from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmp2p.errors import SwarmError
-from swarmp2p.net.rpc import RpcError, RpcTimeout
-from swarmp2p.node.jobs import device_for
+from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.node.jobs import PlanMismatch, cpu_threads, device_for, exit_message
 from swarmp2p.node.messages import (
+    JobAck,
     ServeFileRead,
+    ServeShardHold,
     ServeStage,
     ServeStageConnect,
     ServeStageExit,
     ServeStageStart,
     ServeStageStop,
+    ShardCopy,
     ShardRead,
 )
-from swarmp2p.node.serve_placement import ServeError
-from swarmp2p.node.workers import WorkerProcess, _die_with_parent
+from swarmp2p.node.stages import CHUNK_BYTES
+from swarmp2p.node.workers import WorkerProcess
+from swarmp2p.paths import UnsafeName, check_id, confine
+from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeStagePlan
+from swarmp2p.serve.spec import serve_spec
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from swarmp2p.node.context import NodeContext
     from swarmp2p.node.stages import StageHost
 
@@ -39,75 +42,42 @@ SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 LOAD_TIMEOUT_S = 120.0
 """How long a stage's node may take to load its slice and bind its link."""
 CONNECT_TIMEOUT_S = 30.0
+"""How long a started worker may take to dial the next stage and report ``serving``."""
 
 
-class ServeWorkerProcess(WorkerProcess):
-    """A serve worker: the jobs' worker management, with stdin kept open for the connect
-    line (``send_line``) and a ``serving`` future set by the worker's ``serving`` event."""
-
-    serving: asyncio.Future | None = None
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.ready = loop.create_future()
-        self.serving = loop.create_future()
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            SERVE_WORKER_MODULE,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **self._env},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            limit=1 << 22,
+def check_serve_plan(inputs: ServeInputs, plan_json: str, *, node_id: str) -> ServePlan:
+    """Plan again from ``inputs`` on this peer; PlanMismatch unless it is byte-identical."""
+    mine = inputs.plan()
+    if not isinstance(mine, ServePlan):
+        raise PlanMismatch(
+            f"node {node_id} cannot place this serving ring from the same inputs: "
+            f"{mine.reason}; run the same swarmp2p version on every node"
         )
-        await self.send_line(self._spec)
-        self._tasks = [
-            asyncio.ensure_future(self._read_stdout()),
-            asyncio.ensure_future(self._read_stderr()),
-        ]
-        self._tasks.append(asyncio.ensure_future(self._wait()))
-
-    async def send_line(self, obj: dict[str, Any]) -> None:
-        import json
-
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
-        await self.proc.stdin.drain()
-
-    def event(self, event: dict[str, Any]) -> None:
-        if event.get("event") == "serving" and self.serving and not self.serving.done():
-            self.serving.set_result(event)
-
-    async def wait_serving(self, timeout: float) -> None:
-        assert self.serving is not None and self.ready is not None
-        await asyncio.wait(
-            [asyncio.ensure_future(asyncio.shield(self.serving)), self._tasks[2]],
-            timeout=timeout,
-            return_when=asyncio.FIRST_COMPLETED,
+    text = mine.to_json()
+    if text != plan_json:
+        at = next((i for i, (x, y) in enumerate(zip(text, plan_json)) if x != y), min(len(text), len(plan_json)))  # fmt: skip
+        raise PlanMismatch(
+            f"node {node_id} computes a different serve plan from the same inputs (first "
+            f"difference at byte {at}); run the same swarmp2p version on every node"
         )
-        if not self.serving.done():
-            tail = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
-            raise RuntimeError(
-                f"stage {self.stage} worker did not start serving within {timeout:g} s{tail}"
-            )
+    return mine
+
+
+def _confined(root: Path, name: object, what: str) -> Path:
+    """``root / name`` for a name a peer sent, confined to ``root``; UserError otherwise."""
+    try:
+        return confine(root, name, what=what)
+    except UnsafeName as exc:
+        raise UserError(str(exc), code="bad_field") from None
 
 
 class ServeStages:
-    """This node's serve workers. ``call_node(node_id, msg, timeout)`` reaches a node (this one
-    included), for telling an issuing node that its stage's worker died."""
+    """This node's serve workers."""
 
-    def __init__(
-        self,
-        ctx: NodeContext,
-        stage_host: StageHost,
-        call_node: Callable[[str, Any, float], Awaitable[Any]],
-    ) -> None:
+    def __init__(self, ctx: NodeContext, stage_host: StageHost) -> None:
         self.ctx = ctx
         self.stage_host = stage_host
-        self._call_node = call_node
-        self.workers: dict[tuple[str, int, int], ServeWorkerProcess] = {}
+        self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
         self._pulls: dict[str, asyncio.Lock] = {}
         self._issuers: dict[str, tuple[str, float]] = {}
         """serve id -> (issuing node, when its first stage started here)."""
@@ -151,13 +121,15 @@ class ServeStages:
     async def handle(self, msg: Any) -> Any:
         if isinstance(msg, ServeStageStart):
             return await self.start(msg)
+        if isinstance(msg, ServeShardHold):
+            return await self.hold_shard(msg)
         if isinstance(msg, ServeStageConnect):
             worker = self._worker(msg.serve_id, msg.attempt, msg.stage)
-            await worker.send_line({"op": "connect", "next": msg.next})
             try:
-                await worker.wait_serving(CONNECT_TIMEOUT_S)
-            except RuntimeError as exc:
-                raise RpcError("stage_failed", str(exc)) from None
+                await worker.send_line({"op": "connect", "next": msg.next})
+                await worker.wait_event("serving", CONNECT_TIMEOUT_S)
+            except (RuntimeError, OSError) as exc:
+                raise Failed(f"node {self.ctx.node_id}: {exc}", code="stage_failed") from None
             return ServeStage(
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="serving",
@@ -170,25 +142,26 @@ class ServeStages:
                 and k[1] == msg.attempt
                 and (msg.stage < 0 or k[2] == msg.stage)
             ]
-            for key in keys:
-                await self.workers.pop(key).stop()
+            await asyncio.gather(*(self.workers.pop(key).stop() for key in keys))
             return ServeStage(
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="stopped",
             )  # fmt: skip
-        raise RpcError("unexpected", f"a serve stage does not take {type(msg).TYPE}")
+        raise UserError(f"a serve stage does not take {type(msg).TYPE}", code="bad_request")
 
     async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
         try:
-            await self._call_node(issuer, msg, CONNECT_TIMEOUT_S)
-        except ServeError as exc:
+            await self.ctx.call(issuer, msg, CONNECT_TIMEOUT_S)
+        except SwarmError as exc:
             log.info("could not tell %s that a serve worker died: %s", issuer, exc)
 
-    def _worker(self, serve_id: str, attempt: int, stage: int) -> ServeWorkerProcess:
+    def _worker(self, serve_id: str, attempt: int, stage: int) -> WorkerProcess:
         worker = self.workers.get((serve_id, attempt, stage))
         if worker is None:
-            raise RpcError(
-                "no_stage", f"no serve worker {serve_id} attempt {attempt} stage {stage} here"
+            raise UserError(
+                f"no serve worker {serve_id} attempt {attempt} stage {stage} on node "
+                f"{self.ctx.node_id}",
+                code="bad_field",
             )
         return worker
 
@@ -197,29 +170,23 @@ class ServeStages:
     def _lock(self, key: str) -> asyncio.Lock:
         return self._pulls.setdefault(key, asyncio.Lock())
 
-    def peer_endpoint(self, node_id: str) -> str:
-        peer = self.ctx.members.peers.get(node_id)
-        if peer is None or not peer.alive:
-            raise ServeError(f"node {node_id} is not alive")
-        return peer.endpoint
-
     def _reader(self, node_id: str, read_msg: Any) -> Any:
         """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
         from swarmp2p.node.model_files import rpc_reader
 
-        return rpc_reader(self.ctx.call_endpoint, self.peer_endpoint(node_id), read_msg)
+        return rpc_reader(self.ctx.call_endpoint, self.ctx.endpoint_of(node_id), read_msg)
 
-    async def _local_model(self, msg: ServeStageStart) -> str:
+    async def _local_model(
+        self, msg: ServeStageStart, planned: ServeStagePlan, n_stages: int
+    ) -> str:
         """The folder this stage loads: only the files its blocks read made local, from this
         node's own copy when it matches the issuer's listing (at the same path, or its
         embedded model), else fetched (``node.inputs``: the issuer first, then any node that
         holds them, into ``<state>/models/<digest>``); a Hub model's from the Hub."""
         from swarmp2p.runtime.models import embedded_dir
 
-        spec = msg.spec
-        model = str(spec.get("model", ""))
-        start, end = int(spec.get("layer_start", 0)), int(spec.get("layer_end", 0))
-        layers = (start, end, bool(spec.get("is_first_stage")), bool(spec.get("is_last_stage")))
+        start, end = planned.layers
+        layers = (start, end, planned.index == 0, planned.index == n_stages - 1)
         reader = None
         if msg.issuer != self.ctx.node_id:
             serve_id = msg.serve_id
@@ -228,39 +195,33 @@ class ServeStages:
                 lambda f, o, n: ServeFileRead(serve_id=serve_id, file=f, offset=o, size=n),
             )
         return await self.stage_host.inputs.serve_stage_folder(
-            model,
+            msg.model,
             msg.files,
             issuer=msg.issuer,
-            revision=str(msg.env.get("revision") or ""),
+            revision=msg.revision,
             layers=layers,
-            what=f"serve {msg.serve_id} stage {spec.get('stage_index')}",
+            what=f"serve {msg.serve_id} stage {msg.stage}",
             first_reader=reader,
-            also=[embedded_dir()] if msg.env.get("embedded") else [],
+            also=[embedded_dir()] if msg.embedded else [],
         )
 
-    async def _local_shard(self, ask: dict[str, Any]) -> tuple[str, str | None]:
-        """(shard folder, tied-head file or None) of a trained stage on this node: the copy in
-        its job folder when intact, else fetched from a holder first."""
-        import json
-
+    async def _local_shard(
+        self, ask: dict[str, Any], stage: int, announce: bool = True
+    ) -> tuple[str, str | None]:
+        """(shard folder, tied-head file or None) of trained stage ``stage`` on this node: the
+        copy in its job folder when intact, else fetched from a holder first (and then listed
+        in the registry: this node tells the leader it holds a copy)."""
         from swarmp2p.node import model_files
-        from swarmp2p.node.stages import CHUNK_BYTES
-        from swarmp2p.paths import confine
-
-        def _safe(name: str) -> str:
-            """A relative name from the issuer, confined to the job's folder."""
-            confine(job_dir, name, what="shard file")
-            return name
 
         job_id = str(ask.get("job_id", ""))
         job_dir = self.stage_host.job_dir(job_id)
-        rel = _safe(str(ask.get("folder", "")))
-        folder = job_dir / rel
+        rel = str(ask.get("folder", ""))
+        folder = _confined(job_dir, rel, "shard folder")
         files = ask.get("files")
         if not isinstance(files, dict) or not files:
-            raise ServeError(f"shard {rel}: no file list")
+            raise UserError(f"shard {rel}: no file list", code="bad_field")
         for name in files:
-            _safe(str(name))
+            _confined(job_dir, f"{rel}/{name}", "shard file")
 
         def intact() -> bool:
             try:
@@ -290,12 +251,13 @@ class ServeStages:
                 try:
                     await fetch(node)
                     return
-                except (ServeError, RpcError, RpcTimeout, OSError, ValueError) as exc:
+                except (SwarmError, OSError, ValueError) as exc:
                     errors.append(f"{node}: {exc}")
-            raise ServeError(
+            raise Failed(
                 f"cannot fetch {what} of job {job_id} from any holder ("
                 + ("; ".join(errors) or "none alive")
-                + ")"
+                + ")",
+                code="no_file",
             )
 
         async with self._lock(str(folder)):
@@ -313,11 +275,14 @@ class ServeStages:
                     ),
                 )
                 if not await asyncio.to_thread(intact):
-                    raise ServeError(f"shard {rel} of job {job_id}: its manifest lists other files than the registry")  # fmt: skip
+                    raise Failed(f"shard {rel} of job {job_id}: its manifest lists other files than the registry", code="no_file")  # fmt: skip
+                if announce:
+                    self.ctx.spawn(self._announce(job_id, stage), f"shard-copy:{job_id}:{stage}")
         tied = ask.get("tied")
         if not tied:
             return str(folder), None
-        file = _safe(str(tied.get("file", "")))
+        file = str(tied.get("file", ""))
+        _confined(job_dir, file, "tied head file")
         dest = job_dir / "serve" / (file.replace("/", "-") + ".head.safetensors")
         async with self._lock(str(dest)):
             if not dest.is_file():
@@ -331,103 +296,138 @@ class ServeStages:
                 )
         return str(folder), str(dest)
 
+    async def _announce(self, job_id: str, stage: int) -> bool:
+        """Tell the leader this node holds a copy of ``stage``'s shard (only the holder may):
+        the registry lists it, so serving and ``swarm export`` find it when the node that
+        trained the stage is gone. Best effort: a copy it misses is only not found later."""
+        note = ShardCopy(job_id=job_id, stage=stage, node_id=self.ctx.node_id)
+        try:
+            await self.ctx.to_leader(note, 10.0)
+        except SwarmError as exc:
+            log.info("the registry does not list this node's copy of stage %d of %s: %s", stage, job_id, exc)  # fmt: skip
+            return False
+        return True
+
+    async def hold_shard(self, msg: ServeShardHold) -> JobAck:
+        """A standby copy: make stage ``msg.stage``'s shard local and have it listed."""
+        shard = {**msg.shard, "tied": None}
+        try:
+            await self._local_shard(shard, msg.stage, announce=False)
+        except (ValueError, OSError) as exc:
+            raise Failed(f"node {self.ctx.node_id}: {exc}", code="no_file") from None
+        await self._announce(str(shard.get("job_id", "")), msg.stage)
+        return JobAck(job_id=str(shard.get("job_id", "")))
+
+    # --- starting a stage ----------------------------------------------------------------------
+
     async def start(self, msg: ServeStageStart) -> ServeStage:
-        from swarmp2p.paths import UnsafeName, check_id
-        from swarmp2p.serve.spec import StageServeSpec
-
+        me = self.ctx.node_id
         try:
-            check_id(msg.serve_id, what="serve id")  # it names log files and folders here
+            check_id(msg.serve_id, what="serve id")
         except UnsafeName as exc:
-            raise RpcError("bad_field", str(exc)) from None
-
-        device_name = str(msg.env.get("device", "cpu"))
-        device, visible = device_for([device_name], self.ctx.me.record)
-        local: dict[str, Any] = {}
+            raise UserError(str(exc), code="bad_field") from None
         try:
-            local["model"] = await self._local_model(msg)
-            if msg.shard is not None:
-                local["shard"], local["tied_head"] = await self._local_shard(msg.shard)
-        except (ServeError, ValueError, OSError, RpcTimeout, SwarmError) as exc:
-            raise RpcError("stage_failed", f"node {self.ctx.node_id}: {exc}") from None
-        try:
-            spec = StageServeSpec.from_dict(
-                {
-                    **msg.spec,
-                    **local,
-                    "token": self.ctx.secret.token,
-                    "host": self.ctx.me.addresses[0],
-                    "device": device,
-                    # the issuer names the neighbours' keys; the key pair is this node's own
-                    "link_keys": {
-                        **msg.spec["link_keys"],
-                        "public": self.ctx.key.public,
-                        "secret": self.ctx.key.secret,
-                    }
-                    if isinstance(msg.spec.get("link_keys"), dict)
-                    else None,
-                }
-            )
+            plan = await asyncio.to_thread(check_serve_plan, msg.inputs, msg.plan, node_id=me)
+        except PlanMismatch:
+            raise
         except ValueError as exc:
-            raise RpcError("bad_field", str(exc)) from None
+            raise Failed(f"node {me} cannot check the serve plan: {exc}", code="plan_mismatch") from None  # fmt: skip
+        if msg.stage >= len(plan.stages):
+            raise UserError(f"stage {msg.stage}: the plan has {len(plan.stages)} stage(s)", code="bad_field")  # fmt: skip
+        planned = plan.stages[msg.stage]
+        if planned.node_id != me:
+            raise UserError(f"stage {msg.stage} is planned on {planned.node_id}, not {me}", code="bad_field")  # fmt: skip
+        key = (msg.serve_id, msg.attempt, msg.stage)
+        if key in self.workers:
+            raise UserError(f"stage {msg.stage} of {msg.serve_id} already runs", code="exists")
+        device, visible = device_for([planned.device], self.ctx.me.record)
+        link_keys = self._link_keys(plan, msg.stage, msg.issuer)
+        try:
+            model = await self._local_model(msg, planned, len(plan.stages))
+            shard, tied = (
+                await self._local_shard(msg.shard, msg.stage) if msg.shard else (None, None)
+            )
+        except (ValueError, OSError) as exc:
+            raise Failed(f"node {me}: {exc}", code="stage_failed") from None
+        spec = serve_spec(
+            plan,
+            msg.stage,
+            model=model,
+            token=self.ctx.secret.token,
+            host=self.ctx.me.addresses[0],
+            device=device,
+            shard=shard,
+            tied_head=tied,
+            link_keys=link_keys,
+        )
         env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            here = max(int(msg.env.get("stages_here", 1) or 1), 1)
             cores = int(self.ctx.me.host.get("cpu_cores") or 1)
-            env["OMP_NUM_THREADS"] = str(max(1, cores // here))
-        key = (msg.serve_id, msg.attempt, spec.stage_index)
-        if key in self.workers:
-            raise RpcError("exists", f"stage {spec.stage_index} of {msg.serve_id} already runs")
+            env["OMP_NUM_THREADS"] = str(cpu_threads(cores, plan.stages_on(me)))
         self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
         log_dir = self.ctx.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)
-        worker: ServeWorkerProcess | None = None
+        worker: WorkerProcess | None = None
 
         def on_exit(code: int, tail: list[str]) -> None:
-            from swarmp2p.node.jobs import exit_message
-
             why = exit_message(code) + (f": {tail[-1]}" if tail else "")
-            log.warning("serve worker %s stage %d %s", msg.serve_id, spec.stage_index, why)
+            log.warning("serve worker %s stage %d %s", msg.serve_id, msg.stage, why)
             if self.workers.get(key) is worker:
                 self.workers.pop(key)
-            exited = ServeStageExit(
-                serve_id=msg.serve_id,
-                attempt=msg.attempt,
-                stage=spec.stage_index,
-                node_id=self.ctx.node_id,
-                message=why,
-            )
+            exited = ServeStageExit(serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage,
+                                    node_id=me, message=why)  # fmt: skip
             self.ctx.spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
 
-        worker = ServeWorkerProcess(
+        worker = WorkerProcess(
             job_id=msg.serve_id,
             attempt=msg.attempt,
-            stage=spec.stage_index,
-            spec=replace(spec).to_dict(),
+            stage=msg.stage,
+            spec=spec.to_dict(),
             env=env,
-            on_event=lambda e: worker.event(e) if worker is not None else None,
+            on_event=lambda event: None,
             on_exit=on_exit,
-            log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{spec.stage_index}.log"),
+            log_path=str(log_dir / f"{msg.serve_id}-{msg.attempt}-{msg.stage}.log"),
+            module=SERVE_WORKER_MODULE,
+            keep_stdin=True,
         )
         self.workers[key] = worker
         from swarmp2p.node.hardware import device_key
 
-        memory = msg.env.get("memory")
-        self._held[key] = (device_key(device_name), memory if type(memory) is int and memory > 0 else 0)  # fmt: skip
+        self._held[key] = (device_key(planned.device), int(planned.memory.peak))
         try:
             await worker.start()
-            ready = await worker.wait_ready(LOAD_TIMEOUT_S)
-        except (RuntimeError, asyncio.TimeoutError, OSError) as exc:
+            ready = await worker.wait_event("ready", LOAD_TIMEOUT_S)
+        except (RuntimeError, OSError) as exc:
             self.workers.pop(key, None)
             await worker.stop()
-            what = str(exc) or f"no ready event in {LOAD_TIMEOUT_S:g} s"
-            raise RpcError("stage_failed", f"node {self.ctx.node_id}: {what}") from None
+            raise Failed(f"node {me}: {exc}", code="stage_failed") from None
         return ServeStage(
             serve_id=msg.serve_id,
             attempt=msg.attempt,
-            stage=spec.stage_index,
+            stage=msg.stage,
             endpoint=str(ready["endpoint"]),
             state="ready",
         )
+
+    def _link_keys(self, plan: ServePlan, stage: int, issuer: str) -> dict[str, str]:
+        """This node's key pair and its ring neighbours' public keys (issue 15): the stage
+        before's node (the issuing node, which dials stage 0) is the only client its bound
+        link admits; it dials the next stage's node (the last stage: the issuer's return
+        link)."""
+
+        def key(i: int) -> str:
+            node_id, what = (plan.stages[i].node_id, f"stage {i}'s node") if 0 <= i < len(plan.stages) else (issuer, "the issuing node")  # fmt: skip
+            found = self.ctx.keyring.key_of(node_id)
+            if not found:
+                raise Failed(f"{what} {node_id} has no key node {self.ctx.node_id} knows (not a member?)", code="plan_mismatch")  # fmt: skip
+            return found
+
+        return {
+            "public": self.ctx.key.public,
+            "secret": self.ctx.key.secret,
+            "prev": key(stage - 1),
+            "next": key(stage + 1),
+        }
 
     def held(self) -> dict[str, int]:
         """Bytes this node's serve workers hold per device (their placements' prices)."""
@@ -440,6 +440,8 @@ class ServeStages:
         return out
 
     async def close(self) -> None:
-        for worker in list(self.workers.values()):
-            await worker.stop()
+        await asyncio.gather(*(w.stop() for w in self.workers.values()))
         self.workers.clear()
+
+
+__all__ = ["CONNECT_TIMEOUT_S", "ServeStages", "check_serve_plan"]

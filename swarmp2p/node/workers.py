@@ -1,7 +1,9 @@
-"""Stage worker subprocesses: start one, drain stdout (JSON-lines events) and stderr at once,
-keep a bounded stderr tail, and report how it ended (the signal it died of, if any).
+"""Stage worker subprocesses, training and serving alike: start one, drain stdout (JSON-lines
+events) and stderr at once, keep a bounded stderr tail, and report how it ended (the signal it
+died of, if any). The one wrapper: the daemon runs its workers with it, and
+``serve.local.LocalRing`` runs its own on a private event loop.
 
-A worker dies with its daemon: on Linux it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so
+A worker dies with its parent: on Linux it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so
 a SIGKILLed daemon never leaves a stage running on a job the swarm has re-planned.
 """
 
@@ -11,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -29,11 +32,20 @@ STOP_GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent(signum: int = signal.SIGKILL) -> None:  # pragma: no cover - in the child
+    """Have the kernel send ``signum`` to this process when its parent (thread) ends: run in
+    the child between fork and exec (``preexec_fn``). Linux only; elsewhere a no-op."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         pass
+
+
+def preexec(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """The ``preexec_fn`` that makes a child die with its parent, None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return functools.partial(die_with_parent, signum)
 
 
 class WorkerProcess:
@@ -85,7 +97,7 @@ class WorkerProcess:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=preexec(),
             limit=1 << 22,
         )
         if self._keep_stdin:  # a serve worker reads its spec, then ops, one JSON line each
@@ -117,7 +129,7 @@ class WorkerProcess:
         future = self._event_future(name)
         waiter = asyncio.ensure_future(asyncio.shield(future))
         ended = self._tasks[2] if len(self._tasks) > 2 else None
-        _done, _ = await asyncio.wait(
+        await asyncio.wait(
             [waiter, *([ended] if ended else [])],
             timeout=timeout,
             return_when=asyncio.FIRST_COMPLETED,
@@ -198,22 +210,31 @@ class WorkerProcess:
             log.exception("worker exit handler failed")
 
     async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a grace period; no exit report is made."""
+        """End of input for a worker that reads its stdin (a serve worker stops cleanly on
+        it), else SIGTERM; SIGKILL after a grace period. No exit report is made."""
         self._stopping = True
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
-            except asyncio.TimeoutError:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            if self._keep_stdin and proc.stdin is not None and not proc.stdin.is_closing():
+                proc.stdin.close()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
+                    proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                except asyncio.TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    await proc.wait()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 2.0)
         if self.ready is not None and not self.ready.done():
             self.ready.cancel()
+        elif self.ready is not None and not self.ready.cancelled():
+            self.ready.exception()  # seen: waiters of wait_event never asked for it
         for future in self._events.values():
             if not future.done():
                 future.cancel()

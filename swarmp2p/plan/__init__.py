@@ -1,6 +1,7 @@
 """The shared planner: pure functions over plain data, standard library only.
 
-Every peer runs `plan_job(job, cluster)` on the same inputs and gets the same bytes.
+Every peer runs `plan_job(job, cluster)` (training) or `plan_serve(shape, cluster, ...)`
+(serving) on the same inputs and gets the same bytes.
 """
 
 from swarmp2p.plan.hardware import (
@@ -41,6 +42,7 @@ from swarmp2p.plan.quantization import QuantSpec, bytes_per_param, estimate_weig
 from swarmp2p.plan.quantization import normalize as normalize_quantization
 from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedStage
 from swarmp2p.plan.schedule import SCHEDULES, Op, bubble_fraction, in_flight, stage_schedule
+from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest, plan_serve
 from swarmp2p.plan.split import (
     Compression,
     SplitSpec,
@@ -75,6 +77,9 @@ __all__ = [
     "PlannedStage",
     "Pricing",
     "QuantSpec",
+    "ServeInputs",
+    "ServePlan",
+    "ServeRequest",
     "SplitConfig",
     "SplitSpec",
     "StageMemory",
@@ -101,6 +106,7 @@ __all__ = [
     "parse_compression",
     "parse_job",
     "plan_job",
+    "plan_serve",
     "read_safetensors_header",
     "resolve_dtype",
     "stage_schedule",

@@ -1,17 +1,15 @@
-"""Placement: which layers each device holds, and `plan_job(job, cluster) -> Plan | Blocked`.
+"""Placement of a training job: `plan_job(job, cluster) -> Plan | Blocked`.
 
 Stages follow the nodes in `node_id` order and each node's devices in index order, one stage
 per device (several devices on one node each get a stage). GPUs are used when the cluster has
-any; a cluster of CPUs only runs on its CPUs. Split modes:
+any; a cluster of CPUs only runs on its CPUs. The split is `placer.Placer`'s, shared with
+serving:
 
 - `equal`: the same number of layers on every stage.
-- `weighted`: by free memory: minimises the largest share of its device's free memory any
-  stage needs (so each stage gets layers in proportion to its free memory, embeddings and
-  head priced in).
+- `weighted`: by free memory (each stage gets layers in proportion to its free memory,
+  embeddings and head priced in).
 - `cost`: balances compute per stage: 6 FLOPs per active parameter and token for each layer,
-  the head's vocab x hidden matmul on the last stage (SmolLM2's head costs about 8 of its 30
-  layers; DESIGN.md, "Pitfalls"), and AdamW's update over what trains; every stage must still
-  fit its device.
+  the head on the last stage, AdamW's update over what trains; every stage must still fit.
 - `speed` (the default): minimises the slowest stage's predicted step time (`plan/speed.py`:
   the `cost` FLOPs at each device's measured speed, the bytes it sends over the link); by free
   memory (`weighted`) when a device has no measured speed.
@@ -23,236 +21,39 @@ DISK_HEADROOM must fit its free disk.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from swarmp2p.plan import model_shape as _model_shape
-from swarmp2p.plan import speed as _speed
-from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
+from swarmp2p.plan.hardware import CAPABILITIES, Node
 from swarmp2p.plan.job import FieldError, Job, JobError
-from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
+from swarmp2p.plan.memory import Pricing, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.plan.placer import (
+    DEVICE_RESERVE,
+    Placed,
+    Placer,
+    SplitAttempt,
+    candidate_devices,
+    gb,
+    min_max_partition,
+    select_devices,
+    torch_device,
+    usable_memory,
+)
 from swarmp2p.plan.precision import DTYPE_BYTES, resolve_dtype
-from swarmp2p.plan.quantization import GB
 from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedSchedule, PlannedStage
 from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
-from swarmp2p.plan.split import Compression, SplitSpec
+from swarmp2p.plan.split import Compression
 
 DISK_HEADROOM = 512 * 2**20
 """Bytes a node's disk must keep free beyond its download share (the reference's 512 MB)."""
 
-DEVICE_RESERVE = {"cuda": 512 * 2**20, "mps": 512 * 2**20, "cpu": 2**30}
-"""Bytes of a device's free memory kept back: the CUDA context, or the OS and the daemon."""
 
-_FLOPS_PER_PARAM_TOKEN = 6  # forward 2 + backward 4 (Kaplan et al. 2020)
-_ADAMW_FLOPS_PER_PARAM = 12
-_BISECT_STEPS = 48
-
-Placed = tuple[Node, Device]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Attempt:
-    ranges: tuple[tuple[int, int], ...] | None
-    prices: tuple[StageMemory, ...]
-    """Prices of `ranges`, or of the closest split found when it does not fit."""
-    tried: tuple[tuple[int, int], ...]
-
-
-def gb(n: float) -> str:
-    """Bytes as the "GB" (2**30 bytes) every message prints, one decimal."""
-    return f"{n / GB:.1f}"
-
-
-def usable_memory(device: Device) -> int:
-    """Free memory a stage may take: memory_free less DEVICE_RESERVE."""
-    return max(device.memory_free - DEVICE_RESERVE[device.kind], 0)
-
-
-def candidate_devices(cluster: Sequence[Node]) -> list[Placed]:
-    """Every device a stage may use, in pipeline order: GPUs when any exist, else CPUs."""
-    nodes = sorted(cluster, key=lambda n: n.node_id)
-    pairs = [(n, d) for n in nodes for d in sorted(n.devices, key=lambda d: (d.kind, d.index))]
-    gpus = [(n, d) for n, d in pairs if d.is_gpu]
-    return gpus or pairs
-
-
-def _torch_device(device: Device) -> str:
-    return "cpu" if device.kind == "cpu" else f"{device.kind}:{device.index}"
-
-
-def min_max_partition(
-    n_layers: int,
-    n_stages: int,
-    cost: Callable[[int, int, int], float],
-    fits: Callable[[int, int, int], bool] | None = None,
-) -> tuple[tuple[int, int], ...] | None:
-    """Contiguous ranges, one per stage, minimising the largest `cost(stage, start, end)`.
-
-    `cost` and `fits` must be monotone in the range (a sub-range never costs more and always
-    fits when the range does). Bisection on the bound with a greedy check: each stage takes as
-    many layers as the bound and `fits` allow, leaving one per remaining stage. None when no
-    split satisfies `fits`.
-    """
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"stages: must be between 1 and {n_layers}, got {n_stages}")
-
-    def greedy(bound: float) -> tuple[tuple[int, int], ...] | None:
-        ranges, start = [], 0
-        for i in range(n_stages):
-            max_end = n_layers - (n_stages - 1 - i)
-            end = max_end if i == n_stages - 1 else start + 1
-            if cost(i, start, end) > bound or (fits is not None and not fits(i, start, end)):
-                return None
-            while (
-                end < max_end
-                and cost(i, start, end + 1) <= bound
-                and (fits is None or fits(i, start, end + 1))
-            ):
-                end += 1
-            ranges.append((start, end))
-            start = end
-        return tuple(ranges)
-
-    hi = max(cost(i, 0, n_layers) for i in range(n_stages))
-    best = greedy(hi)
-    if best is None:
-        return None
-    lo = 0.0
-    for _ in range(_BISECT_STEPS):
-        if hi - lo <= abs(hi) * 1e-9:
-            break
-        mid = (lo + hi) / 2
-        found = greedy(mid)
-        if found is None:
-            lo = mid
-        else:
-            hi, best = mid, found
-    return best
-
-
-class _Placer:
-    """Prices and splits one job over one ordered list of devices."""
-
-    def __init__(
-        self,
-        job: Job,
-        shape: ModelShape,
-        devices: list[Placed],
-        pricer: StagePricer,
-        compression: tuple[Compression, ...],
-        micro_batches: int,
-    ) -> None:
-        self.job, self.shape, self.devices, self.pricer = job, shape, devices, pricer
-        self.n = len(devices)
-        self.compression = compression
-        self.micro_batches = micro_batches
-        self.free = [usable_memory(d) for _, d in devices]
-        self.flight = [
-            in_flight(job.train.schedule, i, self.n, micro_batches) for i in range(self.n)
-        ]
-        self._active = [0]
-        for p in shape.layer_active_params:
-            self._active.append(self._active[-1] + p)
-        self._params = [0]
-        for p in shape.layer_params:
-            self._params.append(self._params[-1] + p)
-        self._clock: _speed.StageClock | None = None
-
-    def price(self, i: int, start: int, end: int) -> StageMemory:
-        return self.pricer.price(
-            start,
-            end,
-            first=i == 0,
-            last=i == self.n - 1,
-            in_flight=self.flight[i],
-            receive=self.compression[i - 1] if i > 0 else None,
-            send=self.compression[i] if i < self.n - 1 else None,
-        )
-
-    def fits(self, i: int, start: int, end: int) -> bool:
-        return self.price(i, start, end).peak <= self.free[i]
-
-    def memory_share(self, i: int, start: int, end: int) -> float:
-        peak = self.price(i, start, end).peak
-        return peak / self.free[i] if self.free[i] else float("inf") if peak else 0.0
-
-    def compute_cost(self, i: int, start: int, end: int) -> float:
-        s, job = self.shape, self.job
-        tokens = job.train.batch_size * job.train.seq_len
-        active = self._active[end] - self._active[start]
-        if i == self.n - 1:
-            active += s.head_compute_params
-        cost = float(_FLOPS_PER_PARAM_TOKEN * tokens * active)
-        if job.finetune_mode == "full":
-            trained = self._params[end] - self._params[start]
-            trained += self.pricer.held_outer_params(i == 0, i == self.n - 1)
-            cost += _ADAMW_FLOPS_PER_PARAM * trained
-        return cost
-
-    def proportional(self) -> tuple[tuple[int, int], ...]:
-        """Layer parameters in proportion to each device's free memory (>= 1 layer each)."""
-        L, n = self.shape.n_layers, self.n
-        total_free = sum(self.free) or n
-        shares = self.free if sum(self.free) else [1] * n
-        total = self._params[L]
-        ranges, start, acc = [], 0, 0
-        for i in range(n - 1):
-            acc += shares[i]
-            target = total * acc / total_free
-            hi = L - (n - 1 - i)
-            end = min(range(start + 1, hi + 1), key=lambda k: (abs(self._params[k] - target), k))
-            ranges.append((start, end))
-            start = end
-        ranges.append((start, L))
-        return tuple(ranges)
-
-    @property
-    def clock(self) -> _speed.StageClock:
-        """Predicted stage times of this placement (``plan/speed.py``)."""
-        if self._clock is None:
-            self._clock = _speed.StageClock(self)
-        return self._clock
-
-    def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
-        return all(self.fits(i, a, b) for i, (a, b) in enumerate(ranges))
-
-    def split(self, cuts: tuple[int, ...] | None = None) -> _Attempt:
-        L, n, mode = self.shape.n_layers, self.n, self.job.split.mode
-        cost = self.compute_cost
-        if mode == "speed":  # by predicted time; by free memory unless every speed is measured
-            cost, mode = self.clock.time, "cost" if self.clock.measured else "weighted"
-        if cuts is not None:  # the split is given (a trained model, a resume, a test)
-            found = tuple(itertools.pairwise((0, *cuts, L)))
-            prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
-            return _Attempt(ranges=found if self.all_fit(found) else None, prices=prices,
-                            tried=found)  # fmt: skip
-        if mode == "equal":
-            ranges = SplitSpec.even(L, n).boundaries
-            cuts = (0, *ranges, L)
-            found = tuple(itertools.pairwise(cuts))
-            ok = all(self.fits(i, a, b) for i, (a, b) in enumerate(found))
-            prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
-            return _Attempt(ranges=found if ok else None, prices=prices, tried=found)
-        if mode == "cost":
-            found = min_max_partition(L, n, cost, self.fits)
-        else:
-            found = self.proportional()
-            if not self.all_fit(found):
-                # the split that needs the smallest share of any device's free memory
-                found = min_max_partition(L, n, self.memory_share)
-                if found is not None and not self.all_fit(found):
-                    found = None
-        # when nothing fits, report the split closest to fitting
-        tried = found or min_max_partition(L, n, self.memory_share)
-        assert tried is not None  # without `fits` there is always a split
-        prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(tried))
-        return _Attempt(ranges=found, prices=prices, tried=tried)
-
-
-def _memory_reason(placer: _Placer, attempt: _Attempt, dtype: str, recompute: bool) -> str:
-    job, lines = placer.job, []
+def _memory_reason(
+    job: Job, placer: Placer, attempt: SplitAttempt, dtype: str, recompute: bool
+) -> str:
+    lines = []
     for i, ((node, dev), (a, b), price) in enumerate(
         zip(placer.devices, attempt.tried, attempt.prices)
     ):
@@ -303,15 +104,6 @@ def _required_features(job: Job, n_stages: int, compression: tuple[Compression, 
     if job.model.weight_dtype is not None and job.finetune_mode != "full":
         needs["half-weights"] = "model.weight_dtype stores the frozen backbone narrow"
     return needs
-
-
-def _select(devices: list[Placed], n: int) -> list[Placed]:
-    """The n devices with the most free memory, kept in pipeline order."""
-    if n >= len(devices):
-        return list(devices)
-    ranked = sorted(range(len(devices)), key=lambda i: (-devices[i][1].memory_free, i))
-    keep = set(ranked[:n])
-    return [p for i, p in enumerate(devices) if i in keep]
 
 
 def _weight_storage(job: Job, dtype: str) -> str:
@@ -459,7 +251,7 @@ def _place_on(
     """The plan on the ``required`` roomiest candidates (auto: on fewer, dropping the device
     with the least free memory, while memory is what falls short); or Blocked, with the nodes
     short of disk for their download share."""
-    selected = _select(candidates, required)
+    selected = select_devices(candidates, required)
     attempts = [selected]
     if auto:  # as many stages as fit: drop the device with the least free memory, one by one
         rest = list(selected)
@@ -548,12 +340,20 @@ def _plan_on(
             efficient_attention=long_context,
             chunked_loss=long_context,
         )
-        placer = _Placer(job, shape, devices, StagePricer(shape, pricing, workload), compression,
-                         micro)  # fmt: skip
+        placer = Placer(
+            shape,
+            devices,
+            StagePricer(shape, pricing, workload),
+            mode=job.split.mode,
+            compression=compression,
+            in_flight=[in_flight(job.train.schedule, i, n, micro) for i in range(n)],
+            tokens=job.train.batch_size * job.train.seq_len,
+            update_trained=job.finetune_mode == "full",
+        )
         attempt = placer.split(cuts)
         if attempt.ranges is None:
             blocked = Blocked(
-                reason=_memory_reason(placer, attempt, dtype, recompute),
+                reason=_memory_reason(job, placer, attempt, dtype, recompute),
                 dtype=dtype,
                 required=n,
                 placed=sum(p.peak <= f for p, f in zip(attempt.prices, placer.free)),
@@ -567,14 +367,16 @@ def _plan_on(
                            placed=n - bad), False, short  # fmt: skip
         if micro != job.train.micro_batches:
             notes.append("micro_batches 1: not every node declares microbatch")
-        plan = _build_plan(job, shape, placer, attempt.ranges, dtype, recompute, features, notes)
+        plan = _build_plan(
+            job, shape, placer, attempt.ranges, dtype, recompute, features, notes, micro
+        )
         return plan, False, frozenset()
     assert blocked is not None
     return blocked, True, frozenset()
 
 
 def _disk_reason(
-    placer: _Placer, ranges: tuple[tuple[int, int], ...]
+    placer: Placer, ranges: tuple[tuple[int, int], ...]
 ) -> tuple[str | None, int, frozenset[str]]:
     share: dict[str, int] = {}
     stages: dict[str, list[int]] = {}
@@ -610,14 +412,15 @@ def _disk_reason(
 def _build_plan(
     job: Job,
     shape: ModelShape,
-    placer: _Placer,
+    placer: Placer,
     ranges: tuple[tuple[int, int], ...],
     dtype: str,
     recompute: bool,
     features: set[str],
     notes: list[str],
+    micro: int,
 ) -> Plan:
-    n, kind, micro = placer.n, job.train.schedule, placer.micro_batches
+    n, kind = placer.n, job.train.schedule
     stages = []
     for i, ((node, dev), (a, b)) in enumerate(zip(placer.devices, ranges)):
         files = _model_shape.stage_files(shape, a, b, i == 0, i == n - 1)
@@ -626,7 +429,7 @@ def _build_plan(
                 index=i,
                 node_id=node.node_id,
                 node=node.name,
-                devices=(_torch_device(dev),),
+                devices=(torch_device(dev),),
                 device_labels=(dev.label,),
                 device_names=(dev.name,),
                 layers=(a, b),
@@ -669,7 +472,7 @@ def _build_plan(
     )
 
 
-def _speed_note(job: Job, placer: _Placer) -> tuple[str, ...]:
+def _speed_note(job: Job, placer: Placer) -> tuple[str, ...]:
     if job.split.mode != "speed" or placer.clock.measured:
         return ()
     return (
@@ -677,3 +480,14 @@ def _speed_note(job: Job, placer: _Placer) -> tuple[str, ...]:
         + ", ".join(placer.clock.unmeasured)
         + " (swarm doctor --bench there measures it)",
     )
+
+
+__all__ = [
+    "DEVICE_RESERVE",
+    "DISK_HEADROOM",
+    "candidate_devices",
+    "gb",
+    "min_max_partition",
+    "plan_job",
+    "usable_memory",
+]

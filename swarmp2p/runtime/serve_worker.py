@@ -1,7 +1,8 @@
 """A serving stage worker: ``python -m swarmp2p.runtime.serve_worker``.
 
 stdin, one JSON object per line:
-  1. the stage spec (:class:`swarmp2p.serve.StageServeSpec`);
+  1. the stage spec (:class:`swarmp2p.serve.spec.ServeSpec`: the serve plan, the stage, what
+     only this node knows), checked before torch is imported;
   2. after ``ready``: ``{"op": "connect", "next": "tcp://host:port"}`` (the next stage's input
      link, or the session manager's return link after the last stage);
   then ``{"op": "stop"}`` or end of input stops the worker.
@@ -98,9 +99,9 @@ def _load_trained(spec):
 
 
 def run() -> int:
-    from swarmp2p.serve.spec import StageServeSpec
+    from swarmp2p.serve.spec import parse_serve_spec
 
-    spec = StageServeSpec.from_dict(_read_json_line("stage spec"))
+    spec = parse_serve_spec(_read_json_line("stage spec"))
 
     import torch
 

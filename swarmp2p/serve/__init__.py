@@ -4,7 +4,7 @@ A light package: it never imports torch (stage servers live in ``swarmp2p.runtim
 """
 
 from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
-from swarmp2p.serve.local import LocalRing, StageWorker, WorkerFailed, even_bounds, serve_local
+from swarmp2p.serve.local import LocalRing, WorkerFailed, even_bounds, local_serve_plan, serve_local
 from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.protocol import (
     GREEDY,
@@ -18,8 +18,15 @@ from swarmp2p.serve.protocol import (
     Tokens,
     decode_message,
 )
+from swarmp2p.serve.ring import RingEnds, build_ring
 from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
-from swarmp2p.serve.spec import BOUNDARY_COMPRESSIONS, StageServeSpec, boundary_codec
+from swarmp2p.serve.spec import (
+    BOUNDARY_COMPRESSIONS,
+    ServeSpec,
+    boundary_codec,
+    parse_serve_spec,
+    serve_spec,
+)
 from swarmp2p.serve.text import TextCodec, TextStream
 
 __all__ = [
@@ -36,13 +43,13 @@ __all__ = [
     "Prefill",
     "RingBusy",
     "RingClient",
+    "RingEnds",
     "RingMessage",
     "SamplingParams",
     "ServeMetrics",
+    "ServeSpec",
     "ServedModel",
     "Session",
-    "StageServeSpec",
-    "StageWorker",
     "TextCodec",
     "TextStream",
     "TokenLogprobs",
@@ -50,8 +57,12 @@ __all__ = [
     "WorkerFailed",
     "boundary_codec",
     "build_app",
+    "build_ring",
     "check_bind",
     "decode_message",
     "even_bounds",
+    "local_serve_plan",
+    "parse_serve_spec",
     "serve_local",
+    "serve_spec",
 ]

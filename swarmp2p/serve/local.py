@@ -1,34 +1,34 @@
 """A serving ring of stage worker processes on this machine, wired by CURVE ZmqLinks.
 
-The daemon places stages on many nodes; this is the one-machine case it builds on (tests,
-benchmarks, ``swarm serve`` on a single node): spawn one ``swarmp2p.runtime.serve_worker`` per
-stage, read each one's ``ready`` endpoint, tell each where the next one listens, and drive the
-ring with a :class:`~swarmp2p.serve.RingClient`.
+The daemon places stages on many nodes; this is the one-machine case (tests, benchmarks,
+``swarm serve`` on a single node without a swarm): the ring is planned by ``plan_serve`` over
+one local device per stage, built by :func:`~swarmp2p.serve.ring.build_ring` (as the daemon
+builds its rings) from ``node.workers.WorkerProcess`` workers (the daemon's wrapper) run on a
+private event-loop thread, and driven by a :class:`~swarmp2p.serve.RingClient`. The API stays
+synchronous.
 """
 
 from __future__ import annotations
 
-import collections
-import json
+import asyncio
 import os
-import queue
-import signal
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
+from swarmp2p.plan.serve import ServePlan, plan_serve
+from swarmp2p.plan.split import layer_range
+from swarmp2p.serve.ring import build_ring
 from swarmp2p.serve.sessions import RingClient
-from swarmp2p.serve.spec import StageServeSpec
+from swarmp2p.serve.spec import serve_spec
 
 READY_TIMEOUT_S = 300.0
 """How long a worker may take to load its stage and bind its link."""
-STOP_TIMEOUT_S = 10.0
-"""How long a worker gets to exit after its stdin closes, before it is killed."""
-STDERR_TAIL_LINES = 40
+CONNECT_TIMEOUT_S = 60.0
+"""How long a started worker may take to dial the next stage and report ``serving``."""
+SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 
 
 class WorkerFailed(RuntimeError):
@@ -36,113 +36,62 @@ class WorkerFailed(RuntimeError):
 
 
 def even_bounds(num_blocks: int, stages: int) -> list[tuple[int, int]]:
-    """``stages`` contiguous block ranges as equal as integers allow (earlier ones larger)."""
-    if not 1 <= stages <= num_blocks:
-        raise ValueError(f"stages: {stages} is not in [1, {num_blocks}] (the model's blocks)")
-    base, extra = divmod(num_blocks, stages)
-    bounds, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """``stages`` contiguous block ranges as equal as integers allow (``plan.split``'s even
+    split, the one ``plan_serve`` and training use)."""
+    return [layer_range(i, stages, num_blocks) for i in range(stages)]
 
 
-class StageWorker:
-    """One worker process: its stdout events in a queue, a bounded tail of its stderr."""
+def local_serve_plan(
+    model: str,
+    *,
+    bounds: Sequence[tuple[int, int]] | None = None,
+    stages: int = 1,
+    compression: Sequence[str] = (),
+    codes: bool | Sequence[bool] | None = False,
+    dtype: str | None = "float32",
+    max_sessions: int = 16,
+    max_context: int = 2048,
+) -> ServePlan:
+    """The serve plan of ``model`` over one local device per stage with room for anything:
+    the given ``bounds`` (else ``stages`` cut as plan_serve cuts them), in ``dtype`` (a half
+    dtype plans on fake GPUs of unknown capability, as a CPU does not run float16).
+    ValueError when it cannot be planned."""
+    from swarmp2p.plan import model_shape
+    from swarmp2p.plan.worker_spec import local_cluster
 
-    def __init__(self, spec: StageServeSpec, *, env: dict[str, str] | None = None) -> None:
-        self.spec = spec
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmp2p.runtime.serve_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.events: queue.Queue = queue.Queue()
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        # both pipes drain for the life of the process, so neither can fill and block it
-        self._readers = [
-            threading.Thread(target=self._read_stdout, name=f"stage{spec.stage_index}-out"),
-            threading.Thread(target=self._read_stderr, name=f"stage{spec.stage_index}-err"),
-        ]
-        for reader in self._readers:
-            reader.daemon = True
-            reader.start()
-        self.send_line(spec.to_dict())
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                self.stderr_tail.append(f"(stdout) {line.rstrip()}")
-        self.events.put({"event": "exit"})
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr_tail.append(line.rstrip())
-
-    def send_line(self, obj: dict) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def describe_exit(self) -> str:
-        code = self.proc.poll()
-        if code is None:
-            return "still running"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exited with status {code}"
-
-    def wait_event(self, name: str, timeout: float) -> dict:
-        """The next event, which must be ``name``; WorkerFailed naming why otherwise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise WorkerFailed(
-                    f"stage {self.spec.stage_index} sent no {name!r} within {timeout:g} s"
-                ) from None
-            if event.get("event") == name:
-                return event
-            if event.get("event") in ("error", "exit"):
-                self.proc.wait(STOP_TIMEOUT_S)
-                tail = "\n".join(list(self.stderr_tail)[-10:])
-                raise WorkerFailed(
-                    f"stage {self.spec.stage_index} ({self.spec.model} blocks "
-                    f"[{self.spec.layer_start}, {self.spec.layer_end})) "
-                    f"{self.describe_exit()}: {event.get('message', 'no message')}\n{tail}"
-                )
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Close stdin (the worker's stop), wait, kill on timeout; join the readers."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for reader in self._readers:
-            reader.join()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+    shape = model_shape.load(model)
+    n = len(bounds) if bounds is not None else stages
+    kind = "cpu" if dtype in (None, "float32") else "cuda"
+    result = plan_serve(
+        shape,
+        local_cluster(n, kind=kind),
+        stages=n,
+        dtype=dtype,
+        max_sessions=max_sessions,
+        max_context=max_context,
+        bounds=bounds,
+        compression=compression,
+        codes=codes,
+    )
+    if not isinstance(result, ServePlan):
+        raise ValueError(f"cannot plan {model} on {n} local stage(s): {result.reason}")
+    return result
 
 
 class LocalRing:
-    """Stage workers on this machine plus the session manager driving them (``.client``)."""
+    """Stage workers on this machine plus the session manager driving them (``.client``).
+
+    ``plan`` (a ServePlan) or ``bounds`` (block ranges; planned with ``local_serve_plan``)
+    says what each stage serves. ``shards`` (per stage, an exported shard folder or None) and
+    ``tied_head`` (the last stage's tied head file) serve a trained model on ``model``, its base.
+    """
 
     def __init__(
         self,
         model: str,
         *,
-        bounds: Sequence[tuple[int, int]],
+        bounds: Sequence[tuple[int, int]] | None = None,
+        plan: ServePlan | None = None,
         compression: Sequence[str] = (),
         codes: bool | Sequence[bool] = False,
         threads: int | Sequence[int] = 0,
@@ -153,73 +102,68 @@ class LocalRing:
         step_timeout: float = 60.0,
         ready_timeout: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        shards: Sequence[str | None] = (),
+        tied_head: str | None = None,
         groups: int | None = None,
     ) -> None:
-        n = len(bounds)
-        if n < 1:
-            raise ValueError("bounds: at least one stage")
-        compression = list(compression) or ["none"] * (n - 1)
-        if len(compression) != n - 1:
-            raise ValueError(f"compression: {len(compression)} spec(s) for {n - 1} boundaries")
-        codes = [codes] * (n - 1) if isinstance(codes, bool) else list(codes)
+        if plan is None:
+            if not bounds:
+                raise ValueError("bounds: at least one stage (or give a plan)")
+            plan = local_serve_plan(
+                model,
+                bounds=[tuple(b) for b in bounds],
+                compression=compression,
+                codes=codes,
+                dtype=dtype,
+                max_sessions=max_sessions,
+                max_context=max_context,
+            )
+        n = len(plan.stages)
         threads = [threads] * n if isinstance(threads, int) else list(threads)
-        self.model = model
-        self.bounds = [tuple(b) for b in bounds]
-        self.max_context = max_context
-        secret = SwarmSecret.generate()
-        self._ctx = SecureContext()
-        self.workers: list[StageWorker] = []
-        self._links: list[ZmqLink] = []
+        self.model, self.plan = model, plan
+        self.bounds = plan.bounds
+        self.max_context = plan.max_context
+        self.workers: list[Any] = []
+        """``node.workers.WorkerProcess`` per stage, first to last."""
         self.client: RingClient | None = None
-        base = StageServeSpec(
-            model=model,
-            stage_index=0,
-            layer_start=0,
-            layer_end=1,
-            is_first_stage=True,
-            is_last_stage=False,
-            token=secret.token,
-            host=host,
-            dtype=dtype,
-            max_sessions=max_sessions,
-            max_context=max_context,
-        )
+        self.load_s: list[float] = []
+        self._links: list[ZmqLink] = []
+        secret = SwarmSecret.generate()
+        shards = list(shards) or [None] * n
+        specs = [
+            serve_spec(
+                plan,
+                i,
+                model=model,
+                token=secret.token,
+                host=host,
+                threads=threads[i],
+                shard=shards[i],
+                tied_head=tied_head if i == n - 1 else None,
+            )
+            for i in range(n)
+        ]
         worker_env = dict(os.environ if env is None else env)
         worker_env.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+        self._ctx = SecureContext()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-ring", daemon=True)  # fmt: skip
+        self._thread.start()
         try:
-            back = ZmqLink.bind(self._ctx, secret, host)
-            self._links.append(back)
-            for i, (start, end) in enumerate(self.bounds):
-                spec = replace(
-                    base,
-                    stage_index=i,
-                    layer_start=start,
-                    layer_end=end,
-                    is_first_stage=i == 0,
-                    is_last_stage=i == n - 1,
-                    send_compression=compression[i] if i < n - 1 else "none",
-                    send_codes=codes[i] if i < n - 1 else False,
-                    threads=threads[i],
-                )
-                self.workers.append(StageWorker(spec, env=worker_env))
-            ready = [w.wait_event("ready", ready_timeout) for w in self.workers]
-            self.load_s = [e["load_s"] for e in ready]
-            for i, worker in enumerate(self.workers):
-                after = ready[i + 1]["endpoint"] if i + 1 < n else back.endpoint
-                worker.send_line({"op": "connect", "next": after})
-            for worker in self.workers:
-                worker.wait_event("serving", ready_timeout)
-            first = ZmqLink.dial(self._ctx, secret, ready[0]["endpoint"])
-            self._links.append(first)
+            ends = self._run(
+                self._build(specs, secret, host, worker_env, ready_timeout),
+                timeout=ready_timeout + CONNECT_TIMEOUT_S + 30,
+            )
+            self._links = [ends.back, ends.first]
             # groups of sessions in the ring at once: one per stage keeps every stage busy,
             # but stages on one machine cannot compute on more cores than it has
             if groups is None:
                 groups = max(1, min(n, os.cpu_count() or 1))
             self.client = RingClient(
-                first,
-                back,
-                max_context=max_context,
-                max_sessions=max_sessions,
+                ends.first,
+                ends.back,
+                max_context=plan.max_context,
+                max_sessions=plan.max_sessions,
                 step_timeout=step_timeout,
                 groups=groups,
             ).start()
@@ -227,13 +171,89 @@ class LocalRing:
             self.close()
             raise
 
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _build(
+        self,
+        specs: list[Any],
+        secret: SwarmSecret,
+        host: str,
+        env: dict[str, str],
+        ready_timeout: float,
+    ) -> Any:
+        from swarmp2p.node.workers import WorkerProcess
+
+        self.workers = [
+            WorkerProcess(
+                job_id="local",
+                attempt=1,
+                stage=spec.stage,
+                spec=spec.to_dict(),
+                env=env,
+                on_event=lambda event: None,
+                on_exit=lambda code, tail: None,
+                module=SERVE_WORKER_MODULE,
+                keep_stdin=True,
+            )
+            for spec in specs
+        ]
+        self.load_s = [0.0] * len(specs)
+
+        async def start(i: int) -> str:
+            worker = self.workers[i]
+            try:
+                await worker.start()
+                ready = await worker.wait_event("ready", ready_timeout)
+            except (RuntimeError, OSError) as exc:
+                raise self._failed(i, exc) from None
+            self.load_s[i] = float(ready.get("load_s", 0.0))
+            return str(ready["endpoint"])
+
+        async def connect(i: int, after: str) -> None:
+            worker = self.workers[i]
+            try:
+                await worker.send_line({"op": "connect", "next": after})
+                await worker.wait_event("serving", CONNECT_TIMEOUT_S)
+            except (RuntimeError, OSError) as exc:
+                raise self._failed(i, exc) from None
+
+        return await build_ring(
+            len(specs),
+            bind_back=lambda: ZmqLink.bind(self._ctx, secret, host),
+            start=start,
+            connect=connect,
+            dial=lambda endpoint: ZmqLink.dial(self._ctx, secret, endpoint),
+            stop=self._stop_workers,
+        )
+
+    def _failed(self, i: int, exc: BaseException) -> WorkerFailed:
+        a, b = self.bounds[i]
+        tail = "\n".join(list(self.workers[i].stderr_tail)[-10:])
+        return WorkerFailed(f"stage {i} ({self.model} blocks [{a}, {b})): {exc}\n{tail}")
+
+    async def _stop_workers(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
+
+    def wait_exit(self, stage: int, timeout: float = 30.0) -> str:
+        """How stage ``stage``'s worker ended ("killed by SIGKILL"), once it has."""
+        from swarmp2p.node.jobs import exit_message
+
+        proc = self.workers[stage].proc
+        return exit_message(self._run(asyncio.wait_for(proc.wait(), timeout), timeout + 5))
+
     def close(self) -> None:
         """Stop the manager, then every worker, then the links; idempotent."""
         if self.client is not None:
             self.client.close()
             self.client = None
-        for worker in self.workers:
-            worker.stop()
+        if self._loop.is_running():
+            if self.workers:
+                self._run(self._stop_workers())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        if not self._loop.is_closed():
+            self._loop.close()
         self.workers = []
         for link in self._links:
             link.close()
@@ -264,25 +284,19 @@ def serve_local(
 ) -> None:
     """Serve ``model`` on this machine alone: ``stages`` worker processes behind the HTTP API,
     until ``stop`` is set (or Ctrl-C). The swarm daemon does the same across nodes."""
-    from swarmp2p.plan import model_shape
     from swarmp2p.runtime.models import resolve_model_ref
     from swarmp2p.serve.api import ApiServer, ServedModel, build_app, check_bind
     from swarmp2p.serve.text import TextCodec
 
     check_bind(host, api_key)
     folder = resolve_model_ref(model)
-    shape = model_shape.load(folder)
-    context = min(max_context or shape.max_positions, shape.max_positions)
+    plan = local_serve_plan(
+        folder, stages=stages, max_sessions=max_sessions, max_context=max_context or 0
+    )
     codec = TextCodec.from_folder(folder)
-    with LocalRing(
-        folder,
-        bounds=even_bounds(shape.n_layers, stages),
-        threads=threads,
-        max_context=context,
-        max_sessions=max_sessions,
-    ) as ring:
+    with LocalRing(folder, plan=plan, threads=threads) as ring:
         served = ServedModel(
-            name=name or model, client=ring.client, codec=codec, max_context=context
+            name=name or model, client=ring.client, codec=codec, max_context=plan.max_context
         )
         with ApiServer(build_app([served], api_key=api_key), host, port) as server:
             print(f"serving {served.name} on {server.url}/v1 ({stages} stage(s))", flush=True)

@@ -113,7 +113,9 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     view = json.loads(done.stdout)
     assert view["url"] == f"http://127.0.0.1:{port}"
     assert [s["node"] for s in view["stages"]] == ["a", "b", "c"]
+    # the shared planner's cost split: the 49152-token head costs more than two blocks
     assert [s["layers"] for s in view["stages"]] == [[0, 2], [2, 3], [3, 4]]
+    assert view["dtype"] == "float32"  # CPUs
     served = b.status()["served"]
     assert [(s["model"], s["state"], len(s["stages"])) for s in served] == [("tiny", "serving", 3)]
     assert a.status()["served"] == []  # the API lives on the issuing node only
@@ -184,16 +186,19 @@ def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged
     assert again.returncode == 0 and again.stdout.rstrip("\n") == greedy_text(tiny, PROMPT, 8)
 
 
-def test_serve_refuses_bad_requests_with_the_reason(loopback_swarm, tiny, tmp_path):
+def test_one_node_refuses_bad_requests_with_the_reason_and_serves_one_stage(
+    loopback_swarm, tiny, tmp_path
+):
     a = loopback_swarm.node("a", token=TOKEN, env=ENV).start()
     a.wait_up()
     wait_until(lambda: a.status()["leader_ready"], 30, "leader ready")
     cases = [
         (["serve", str(tmp_path / "missing")], "does not exist"),
         (["serve", str(tiny), "--host", "0.0.0.0"], "without an API key"),
-        (["serve", str(tiny), "--max-sessions", "100000", "--max-context", "512"],
-         "cannot place 1 serving stage"),
+        (["serve", str(tiny), "--max-sessions", "1000000", "--max-context", "512"],
+         "placed 0 of 1 serving stage(s)"),  # a KV cache of 262 GB
         (["serve", str(tiny), "--stages", "9"], "stages: 9 is not in [1, 4]"),
+        (["serve", str(tiny), "--max-sessions", "2000000"], "max_sessions: must be an integer"),
         (["serve"], "name a MODEL"),
     ]  # fmt: skip
     with socket.socket() as taken:
@@ -208,31 +213,45 @@ def test_serve_refuses_bad_requests_with_the_reason(loopback_swarm, tiny, tmp_pa
     assert a.status()["served"] == []
     assert _workers(a) == 0
 
+    # one stage on one node: the whole model in one worker
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "1", "--port",
+                 str(free_port()), "--max-context", "256", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a])
+    view = json.loads(done.stdout)
+    assert [(s["node"], s["layers"]) for s in view["stages"]] == [("a", [0, 4])]
+    out = generate(view["url"], PROMPT, 12)
+    assert out.returncode == 0, out.stderr + dump([a])
+    assert out.stdout.rstrip("\n") == greedy_text(tiny, PROMPT, 12)
+    assert _workers(a) == 1
+
 
 def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bounded_time(
     loopback_swarm, tiny
 ):
-    # each node: one fake GPU with ~51 MiB usable; 300 sessions of 512 tokens fit one stage
-    # per node, but not two stages on one node once a node is gone
-    env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55"}
-    a, b, c = _swarm(loopback_swarm, env=env)
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port",
-                 str(free_port()), "--max-context", "512", "--max-sessions", "300", "--json")  # fmt: skip
-    assert done.returncode == 0, done.stderr + dump([a, b, c])
-    url = json.loads(done.stdout)["url"]
+    # each node: one fake Ampere GPU with ~51 MiB usable, so the plan serves bfloat16 (on the
+    # CPU); 600 sessions of 512 tokens fit one stage per node, but not two stages on one node
+    # once a node is gone
+    env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55:8.6"}
+    a, b = _swarm(loopback_swarm, "ab", env=env)
+    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
+                 str(free_port()), "--max-context", "512", "--max-sessions", "600", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr + dump([a, b])
+    view = json.loads(done.stdout)
+    assert view["dtype"] == "bfloat16" and [s["devices"] for s in view["stages"]] == [["cuda:0"]] * 2  # fmt: skip
+    url = view["url"]
 
     from swarmp2p.serve.client import ApiClientError, stream_text
 
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
     stream = stream_text(url, "/v1/completions", body)
     next(stream)
-    c.kill()
+    b.kill()
     started = time.monotonic()
     with pytest.raises(ApiClientError, match="cannot be re-placed on the live nodes") as info:
         for _ in stream:
             pass
     assert time.monotonic() - started < 20
-    assert "needs" in str(info.value) and "MiB usable" in str(info.value)
+    assert "stages 0 (layers 0-" in str(info.value) and "MiB usable" in str(info.value)
     served = a.status()["served"][0]
     assert served["state"] == "degraded" and "cannot be re-placed" in served["reason"]
 
@@ -329,3 +348,52 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     assert _workers(a) == 1
     b.kill()
     wait_until(lambda: _workers(a) == 0, 30, "a reaping the workers of the dead issuer")
+
+
+def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
+    """Version skew: a stage's node plans again from the inputs it is sent and refuses another
+    plan, before it starts anything."""
+    import asyncio
+
+    from swarmp2p.net.auth import AsyncSecureContext
+    from swarmp2p.net.rpc import RpcClient, RpcError
+    from swarmp2p.node.messages import ServeStageStart
+    from swarmp2p.plan import from_config
+    from swarmp2p.plan.serve import ServeInputs
+
+    b = loopback_swarm.node("b", token=TOKEN, env=ENV).start()
+    b.wait_up()
+    wait_until(lambda: b.status()["leader_ready"], 30, "b to found the swarm")  # a member
+    shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+                         "intermediate_size": 64, "num_hidden_layers": 4,
+                         "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
+    cluster = ({"node_id": "b", "name": "host-b", "ram": 2**34, "disk_free": 2**34,
+                "devices": [{"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 2**34,
+                             "memory_free": 2**34, "compute_capability": ""}]},)  # fmt: skip
+    inputs = ServeInputs(shape=shape, cluster=cluster, stages=1, max_context=64)
+    plan = inputs.plan()
+    skewed = plan.to_json().replace('"dtype":"float32"', '"dtype":"bfloat16"')
+
+    from swarmp2p.net import ClientKeys, NodeKey
+
+    # as the issuer b itself (its own key: a serve.stage_start must come from its issuer)
+    b_key = NodeKey.load(b.state.node_key_file)
+    as_b = ClientKeys(public=b_key.public, secret=b_key.secret, server=b_key.public)
+
+    async def ask(plan_json):
+        ctx = AsyncSecureContext()
+        client = RpcClient(ctx, as_b, f"tcp://127.0.0.1:{loopback_swarm.ports['b']}")
+        try:
+            msg = ServeStageStart(serve_id="sx", attempt=1, stage=0, inputs=inputs,
+                                  plan=plan_json, model="/nonexistent", issuer="b")  # fmt: skip
+            return await client.request(msg, 30.0)
+        finally:
+            await client.close()
+            ctx.destroy(linger=0)
+
+    with pytest.raises(RpcError) as refused:
+        asyncio.run(ask(skewed))
+    assert refused.value.code == "plan_mismatch", refused.value
+    assert "node b computes a different serve plan" in refused.value.detail
+    assert "same swarmp2p version" in refused.value.detail
+    assert _workers(b) == 0  # nothing started

@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from security_harness import credentials, member, member_request
+from security_harness import credentials, member_request
 
 from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
 from swarmp2p.net.auth import KeyCheck
@@ -73,22 +72,19 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
 
 
 def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
-    """serve.stage_start(serve_id='../../x') made the worker's log outside the state dir."""
+    """serve.stage_start(serve_id='../../x') made the worker's log outside the state dir; a
+    serve id is one path component on the wire now."""
+    from swarmp2p.plan import from_config
+    from swarmp2p.plan.serve import ServeInputs
+
     outside = victim.state.root.parent
     before = set(outside.iterdir())
-    spec = {
-        "model": "/nonexistent-model", "stage_index": 0, "layer_start": 0, "layer_end": 1,
-        "is_first_stage": True, "is_last_stage": True,
-    }  # fmt: skip
-    msg = ServeStageStart(serve_id="s1", attempt=0, spec=spec, env={}, issuer="mallory")
-    code, created = None, []
-    with member(victim.endpoint, victim.token) as m:
-        m.send(msg, serve_id="../../escaped")
-        deadline = time.monotonic() + 30
-        while code is None and not created and time.monotonic() < deadline:
-            try:
-                m.reply(0.2)  # the worker fails to load: no reply, or an error
-            except RpcError as exc:
-                code = exc.code
-            created = sorted(p.name for p in set(outside.iterdir()) - before)
-    assert code == "bad_field" and not created, (code, created)
+    shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
+                         "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
+    msg = ServeStageStart(serve_id="s1", attempt=1, stage=0, inputs=ServeInputs(shape=shape),
+                          plan="{}", model="/nonexistent-model", issuer="mallory")  # fmt: skip
+    with pytest.raises(RpcError) as info:
+        member_request(victim.endpoint, victim.token, msg, serve_id="../../escaped")
+    assert info.value.code == "bad_field" and "serve_id" in info.value.detail, info.value
+    assert sorted(p.name for p in set(outside.iterdir()) - before) == []

@@ -36,7 +36,8 @@ def _gpus(size: int) -> str:
 def _prices(folder) -> tuple[int, int]:
     """(the job's largest stage, the served model's one stage) in bytes, as planned."""
     from swarmp2p.node.jobs import compute_plan
-    from swarmp2p.node.serve_placement import place_stages
+    from swarmp2p.plan.hardware import Node
+    from swarmp2p.plan.serve import plan_serve
 
     shape = model_shape.from_folder(folder)
     big = json.loads(_gpus(2**40))
@@ -45,9 +46,9 @@ def _prices(folder) -> tuple[int, int]:
                           for i, d in enumerate(big)]}  # fmt: skip
     plan = compute_plan(parse_job(JOB), [record], shape=shape)
     job = max(s.memory.peak for s in plan.stages)
-    serve = place_stages(shape, [record], stages=1, max_sessions=SESSIONS, max_context=CONTEXT,
-                         dtype="float32")[0]["memory"]  # fmt: skip
-    return job, serve
+    serve = plan_serve(shape, [Node.from_dict(record)], stages=1, max_sessions=SESSIONS,
+                       max_context=CONTEXT, dtype="float32")  # fmt: skip
+    return job, serve.stages[0].memory.peak
 
 
 def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
@@ -66,8 +67,10 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
     except AssertionError:
         raise AssertionError(dump([a])) from None
 
+    # float32 as priced above (the fake Ampere GPUs would otherwise serve bfloat16)
     served = swarm(a, "serve", MODEL, "--name", "tiny", "--stages", "1", "--port", "8080",
-                   "--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT), "--json")  # fmt: skip
+                   "--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT),
+                   "--dtype", "float32", "--json")  # fmt: skip
     assert served.returncode == 0, served.stderr + dump([a])
     (stage,) = json.loads(served.stdout)["stages"]
     gpu = stage["devices"][0]

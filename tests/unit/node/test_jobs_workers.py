@@ -69,3 +69,20 @@ def test_a_worker_that_fails_after_ready_reports_its_error_and_stderr_tail():
 def test_the_signal_a_worker_died_of_is_reported():
     _, exits = asyncio.run(_run(_spec(), kill_after_ready=True))
     assert exit_message(exits[0][0]) == "killed by SIGKILL"
+
+
+def test_a_worker_that_reads_its_stdin_is_stopped_by_the_end_of_input():
+    """A serve worker keeps stdin open for its ops; ``stop`` closes it first, so the worker
+    ends cleanly (here ``python -m json.tool``, which echoes what it read and exits 0)."""
+    exits, events = [], []
+
+    async def run():
+        w = WorkerProcess(job_id="s", attempt=1, stage=0, spec={"event": "ready", "endpoint": "x"},
+                          on_event=events.append, on_exit=lambda c, t: exits.append(c),
+                          module="json.tool", keep_stdin=True)  # fmt: skip
+        await w.start()
+        await w.stop()
+        return w.proc.returncode
+
+    assert asyncio.run(run()) == 0  # not -SIGTERM
+    assert exits == []  # a stop is no exit to report

@@ -1,4 +1,5 @@
-"""Ring messages, sampling parameters and stage specs: round trips and precise refusals."""
+"""Ring messages and sampling parameters: round trips and precise refusals (stage specs:
+``test_serve_spec.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from swarmp2p.serve import (
     Failed,
     Prefill,
     SamplingParams,
-    StageServeSpec,
     TokenLogprobs,
     Tokens,
     boundary_codec,
@@ -138,44 +138,3 @@ def test_boundary_codec_sends_codes_only_when_declared(compression, codes, codec
 def test_boundary_codec_refuses_unknown_compression():
     with pytest.raises(ValueError, match="'fixed_int9' is not one of"):
         boundary_codec("fixed_int9", True)
-
-
-SPEC = dict(
-    model="embedded",
-    stage_index=0,
-    layer_start=0,
-    layer_end=4,
-    is_first_stage=True,
-    is_last_stage=True,
-    token="swarm1-x",
-)
-
-
-def test_stage_spec_round_trips():
-    spec = StageServeSpec.from_dict(SPEC)
-    assert StageServeSpec.from_dict(spec.to_dict()) == spec
-
-
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [
-        ({"layer_end": 0}, "layer_end: 0 is not an integer above layer_start 0"),
-        ({"layer_start": 2, "layer_end": 4}, "the first stage starts at block 0"),
-        ({"host": "example.org"}, "host: 'example.org' is not an IP address"),
-        ({"port": 70000}, "port: 70000"),
-        ({"dtype": "int8"}, "dtype: 'int8'"),
-        ({"device": "gpu0"}, "device: 'gpu0' is not cpu, cuda or cuda:N"),
-        ({"send_compression": "zip"}, "send_compression: 'zip'"),
-        ({"max_context": 0}, "max_context: 0"),
-        ({"colour": "red"}, "unknown field"),
-        ({"token": ""}, "token: the swarm token is required"),
-    ],
-)
-def test_stage_spec_refusals_name_the_field(change, match):
-    with pytest.raises(ValueError, match=match):
-        StageServeSpec.from_dict({**SPEC, **change})
-
-
-def test_stage_spec_names_missing_fields():
-    with pytest.raises(ValueError, match=r"missing field.*layer_end.*token"):
-        StageServeSpec.from_dict({k: v for k, v in SPEC.items() if k not in ("layer_end", "token")})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_target
 from swarmp2p.runtime.torch.serve import apply_boundary  # noqa: E402
 from swarmp2p.runtime.torch.train import TrainSettings, build_bundle, train_stage  # noqa: E402
 from swarmp2p.runtime.torch.trained import load_trained_stage  # noqa: E402
-from swarmp2p.serve import GREEDY, StageServeSpec  # noqa: E402
+from swarmp2p.serve import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -458,92 +457,28 @@ def test_a_shard_served_at_another_position_or_on_a_quantized_base_is_refused(ba
         load_trained_stage(base, dirs[1], layer_start=2, layer_end=4, dtype="bfloat16", **kw)
 
 
-def test_stage_spec_shard_fields_are_validated():
-    good = dict(
-        model="/base",
-        stage_index=1,
-        layer_start=2,
-        layer_end=4,
-        is_first_stage=False,
-        is_last_stage=True,
-        token="t",
-        shard="/shards/stage-1",
-        tied_head="/shards/head.safetensors",
-    )
-    spec = StageServeSpec.from_dict(good)
-    assert StageServeSpec.from_dict(spec.to_dict()) == spec
-    with pytest.raises(ValueError, match="tied_head: only a stage served from a shard"):
-        StageServeSpec.from_dict({**good, "shard": None})
-    with pytest.raises(ValueError, match="tied_head: only the last stage"):
-        StageServeSpec.from_dict({**good, "is_last_stage": False})
-    with pytest.raises(ValueError, match="shard: '' is not a non-empty path"):
-        StageServeSpec.from_dict({**good, "shard": ""})
-
-
-def _first_spec(folder, dirs, **fields):
+def _first_spec(folder, dirs, compression="none"):
     """The spec of the first of two stages (blocks 0-1) serving ``dirs[0]``."""
-    return StageServeSpec(
-        model=str(folder), stage_index=0, layer_start=0, layer_end=2, is_first_stage=True,
-        is_last_stage=False, shard=str(dirs[0]), **{"token": "t", **fields},
-    )  # fmt: skip
+    from swarmp2p.serve import local_serve_plan, serve_spec
+
+    plan = local_serve_plan(str(folder), bounds=[(0, 2), (2, 4)], compression=[compression])
+    return serve_spec(plan, 0, model=str(folder), token="t", shard=str(dirs[0]))
 
 
 @pytest.mark.slow
 def test_serve_worker_processes_serve_trained_shards(tied):
-    """Two real ``python -m swarmp2p.runtime.serve_worker`` processes over CURVE links: the tied
-    last stage gets its head file, the learned boundary crosses as codes."""
-    import os
-    from dataclasses import replace
-
-    from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
-    from swarmp2p.serve import RingClient
-    from swarmp2p.serve.local import StageWorker
+    """Two real ``python -m swarmp2p.runtime.serve_worker`` processes over CURVE links (the
+    one ring builder, the one worker wrapper): the tied last stage gets its head file, the
+    learned boundary crosses as codes."""
+    from swarmp2p.serve import LocalRing
 
     folder, dirs, bounds, _, head = tied
     reference = reconstruct_from_shards(folder, dirs).eval()
     want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
-    secret = SwarmSecret.generate()
-    spec = _first_spec(folder, dirs, token=secret.token, send_codes=True, threads=1, max_context=64)
-    specs = [
-        spec,
-        replace(
-            spec,
-            stage_index=1,
-            layer_start=2,
-            layer_end=4,
-            is_first_stage=False,
-            is_last_stage=True,
-            shard=str(dirs[1]),
-            tied_head=str(head),
-            send_codes=False,
-        ),
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    ctx = SecureContext()
-    workers, links = [], []
-    try:
-        back = ZmqLink.bind(ctx, secret, "127.0.0.1")
-        links.append(back)
-        workers = [StageWorker(s, env=env) for s in specs]
-        ready = [w.wait_event("ready", 120) for w in workers]
-        for i, worker in enumerate(workers):
-            after = ready[i + 1]["endpoint"] if i + 1 < len(workers) else back.endpoint
-            worker.send_line({"op": "connect", "next": after})
-        for worker in workers:
-            worker.wait_event("serving", 60)
-        first = ZmqLink.dial(ctx, secret, ready[0]["endpoint"])
-        links.append(first)
-        with RingClient(first, back, max_context=64) as ring:
-            got = ring.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[EOS], timeout=60)
-        assert got == want
-    finally:
-        for worker in workers:
-            worker.stop()
-        for link in links:
-            link.close()
-        stop_zero_copy_collector()
-        ctx.destroy(0)
+    with LocalRing(str(folder), bounds=bounds, codes=[True], threads=1, max_context=64,
+                   shards=[str(d) for d in dirs], tied_head=str(head)) as ring:  # fmt: skip
+        got = ring.client.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[EOS], timeout=60)  # fmt: skip
+    assert got == want
 
 
 def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another_is_refused(tied):
@@ -552,10 +487,10 @@ def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another
     from swarmp2p.runtime.torch.serve import StageServer
 
     folder, dirs, _, _, _ = tied
-    spec = _first_spec(folder, dirs, send_compression="fixed_int8")
+    spec = _first_spec(folder, dirs, compression="fixed_int8")
     with pytest.raises(ValueError, match=r"asks for 'fixed_int8', but shard .* 'learned'"):
         _load_trained(spec)
-    first = _load_trained(replace(spec, send_compression="none"))
+    first = _load_trained(_first_spec(folder, dirs))
     a, b = InProcLink.pair()
     kw = dict(stage=first.stage, inbound=b, outbound=a)
     with pytest.raises(ValueError, match="sender: a learned boundary's send half replaces"):

@@ -1,0 +1,91 @@
+"""What ``swarm serve MODEL`` serves: the model a MODEL argument names (a folder, a Hub id,
+``embedded``, or a trained model of the registry with the settings it was trained with).
+Where it runs is ``plan.serve.plan_serve``'s. Never imports torch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import Failed, UserError
+from swarmp2p.plan.model_shape import EMBEDDED
+from swarmp2p.plan.quantization import QuantSpec
+
+if TYPE_CHECKING:
+    from swarmp2p.node.jobtable import JobTable
+
+# --- the model a MODEL argument names ---------------------------------------------------------
+
+
+def trained_entry(table: JobTable, model: str) -> dict[str, Any] | None:
+    """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
+    None when MODEL names no trained model."""
+    from swarmp2p.node.registry import models as registry_models
+
+    entry = next((m for m in registry_models(table.jobs) if m.get("id") == model), None)
+    if entry is None or entry["job_id"] not in table.jobs:
+        return None
+    quant = table.jobs[entry["job_id"]].job.model.quantization
+    return {**entry, "quantization": None if quant is None else quant.to_dict()}
+
+
+def trained_settings(
+    trained: dict[str, Any], stages: int, dtype: str | None, quantization: QuantSpec | None
+) -> tuple[str, QuantSpec | None]:
+    """(dtype, quantization) a trained model serves with: the split, the quantization and by
+    default the dtype it was trained with."""
+    from swarmp2p.plan.quantization import parse_quantization
+
+    manifest = trained["manifest"]
+    split = manifest["split"]
+    if stages and stages != len(split):
+        raise UserError(
+            f"stages: {trained['id']} was trained in {len(split)} stages {split}; it is served "
+            f"with that split (leave --stages out or give --stages {len(split)})",
+            code="bad_field",
+        )
+    theirs = parse_quantization(trained.get("quantization"))
+    if quantization is not None and quantization != theirs:
+        raise UserError(
+            f"quantization: {trained['id']} was trained with quantization "
+            f"{None if theirs is None else theirs.to_dict()}; its shards are served on the base "
+            "they were trained on (leave --quantization out)",
+            code="bad_field",
+        )
+    missing = [s["stage"] for s in manifest["stages"] if not s.get("files")]
+    if missing:
+        raise Failed(
+            f"model {trained['id']}: stage(s) {missing} have no exported shard in the registry",
+            code="no_file",
+        )
+    if dtype is not None and dtype != manifest["dtype"]:
+        raise UserError(
+            f"dtype: {trained['id']} was trained in {manifest['dtype']}; it is served in that "
+            "dtype (leave --dtype out)",
+            code="bad_field",
+        )
+    dtype = manifest["dtype"]
+    return dtype, theirs
+
+
+def resolve_model(model: str, trained: dict[str, Any] | None = None) -> str:
+    """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
+    on this node: its shape and tokenizer are read here."""
+    from swarmp2p.runtime.models import EmbeddedModelMissing, ensure_embedded, resolve_model_ref
+
+    what = f"the base model {model!r} of {trained['id']}" if trained else f"model {model!r}"
+    if model == EMBEDDED:
+        try:  # converted on first use, in a subprocess: the daemon never imports torch
+            return str(ensure_embedded())
+        except (EmbeddedModelMissing, RuntimeError) as exc:
+            raise Failed(f"{what} on this node: {exc}", code="no_model") from None
+    try:
+        return resolve_model_ref(model)
+    except ValueError as exc:
+        if trained:
+            nodes = sorted({s["node"] for s in trained["manifest"]["stages"]})
+            raise UserError(
+                f"{what} is not on this node ({exc}); serve it from a node that has its base "
+                f"(it trained on {', '.join(nodes)})",
+                code="no_model",
+            ) from None
+        raise UserError(str(exc), code="no_model") from None

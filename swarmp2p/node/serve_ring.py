@@ -1,0 +1,323 @@
+"""The issuing node's ring for ``swarm serve``: what it holds per served model, the plan it asks
+the leader for (``serve.plan``, answered from ``plan.serve.plan_serve`` over the live nodes'
+records), and the ring built from it with :func:`swarmp2p.serve.ring.build_ring` (each stage
+started on its node with ``serve.stage_start``, which re-checks the plan, then connected).
+Never imports torch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError, from_code
+from swarmp2p.net.rpc import RpcTimeout
+from swarmp2p.node.jobs import blocked_note, cluster_records
+from swarmp2p.node.messages import (
+    ServePlace,
+    ServePlaced,
+    ServeStage,
+    ServeStageConnect,
+    ServeStageStart,
+    ServeStageStop,
+)
+from swarmp2p.node.serve_stages import CONNECT_TIMEOUT_S
+from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
+from swarmp2p.schema import SchemaError
+from swarmp2p.serve.ring import RingEnds, build_ring
+
+if TYPE_CHECKING:
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.plan.model_shape import ModelShape
+    from swarmp2p.plan.quantization import QuantSpec
+
+log = logging.getLogger("swarmp2p.node.serving")
+
+START_TIMEOUT_S = 3500.0
+"""How long the issuing node waits for a stage to start: fetching the model's files or a
+trained shard to that node first (chunks time out on their own), then loading."""
+PLAN_TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False, kw_only=True)
+class Served:
+    """A model this node serves (it ran ``swarm serve``): its request, its ring, its API."""
+
+    request: ServeRequest
+    serve_id: str
+    folder: str
+    """The model folder (or Hub id) read here; a trained model's base."""
+    shape: ModelShape
+    """The model's shape, read here and sent with each plan."""
+    dtype: str | None
+    """The dtype asked for (a trained model's training dtype); None: the plan's choice."""
+    quantization: QuantSpec | None
+    trained: dict[str, Any] | None = None
+    """A registry model's entry (``swarm models``) when MODEL names one; its stages load
+    the base model plus their trained shards."""
+    holders: list[list[str]] = field(default_factory=list)
+    """A trained model: per stage, the nodes known to hold an intact copy of its shard."""
+    files: dict[str, Any] | None = None
+    """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
+    fetch their copy against."""
+    embedded: bool = False
+    local: Any = None
+    """The model as ``node.inputs.serve_model`` resolved it here (tokenizer folder, revision)."""
+    attempt: int = 0
+    live_attempt: int = 0
+    """The attempt whose workers form the ring now (0: none)."""
+    plan: ServePlan | None = None
+    """The live ring's plan."""
+    endpoints: tuple[str, ...] = ()
+    """The live ring's stage endpoints."""
+    ctx: Any = None
+    links: list[Any] = field(default_factory=list)
+    client: Any = None
+    api: Any = None
+    url: str = ""
+    state: str = "starting"
+    reason: str = ""
+    failovers: int = 0
+    replayed: int = 0
+    """Sessions replayed onto a rebuilt ring, in all."""
+    crashed: dict[int, str] = field(default_factory=dict)
+    """Stage index -> why its worker died, for the live ring (its node lives on)."""
+    crash_rebuilds: int = 0
+    rebuilding: asyncio.Task | None = None
+    degraded_since: float | None = None
+    """When the ring first could not be rebuilt (monotonic), for the retry grace."""
+
+    @property
+    def name(self) -> str:
+        return self.request.served_name
+
+    def view(self) -> dict[str, Any]:
+        stages = self.plan.stages if self.plan is not None else ()
+        return {
+            "model": self.name,
+            "trained": self.trained["id"] if self.trained else None,
+            "url": self.url,
+            "state": self.state,
+            "reason": self.reason,
+            "failovers": self.failovers,
+            "replayed": self.replayed,
+            "dtype": self.plan.dtype if self.plan is not None else None,
+            "max_context": self.plan.max_context if self.plan is not None else None,
+            "stages": [
+                {
+                    "index": s.index,
+                    "node_id": s.node_id,
+                    "node": s.node_id,
+                    "node_name": s.node,
+                    "devices": [s.device],
+                    "layers": list(s.layers),
+                    "memory": s.memory.peak,
+                    "endpoint": self.endpoints[s.index] if s.index < len(self.endpoints) else "",
+                    **({"holders": list(self.holders[s.index])} if self.trained else {}),
+                }
+                for s in stages
+            ],
+        }
+
+
+async def call_node(ctx: NodeContext, node_id: str, msg: Any, timeout: float) -> Any:
+    """A request to a node (this one included); a refusal keeps its code and names the node."""
+    try:
+        return await ctx.call(node_id, msg, timeout)
+    except RpcTimeout:
+        raise Failed(f"node {node_id} did not answer {msg.TYPE} in {timeout:g} s", code="stage_failed") from None  # fmt: skip
+    except SwarmError as exc:
+        raise from_code(exc.code, f"node {node_id}: {exc.message}") from None
+
+
+def key_of(ctx: NodeContext, node_id: str) -> str:
+    """The public key of a stage's node; Failed when this node knows none for it."""
+    key = ctx.keyring.key_of(node_id)
+    if not key:
+        raise Failed(f"node {node_id} has no key node {ctx.node_id} knows (not a member?)", code="stage_failed")  # fmt: skip
+    return key
+
+
+def alive_holders(served: Served, alive: frozenset[str]) -> list[list[str]]:
+    """Per stage, the live holders of its shard; Unavailable when a stage has none."""
+    out = [[h for h in held if h in alive] for held in served.holders]
+    lost = [(i, held) for i, (held, live) in enumerate(zip(served.holders, out)) if not live]
+    if lost:
+        raise Unavailable(
+            "; ".join(
+                f"stage {i}'s trained shard is held only by {', '.join(held)}, not alive"
+                for i, held in lost
+            )
+            + f"; {served.trained['id']} cannot be served until one of them is back",
+            code="no_peer",
+        )
+    return out
+
+
+def inputs_of(served: Served, alive: frozenset[str]) -> ServeInputs:
+    """What the issuing node plans from (the leader adds the live nodes' records)."""
+    req = served.request
+    trained = served.trained
+    return ServeInputs(
+        shape=served.shape,
+        stages=req.stages,
+        dtype=served.dtype,
+        quantization=served.quantization,
+        max_sessions=req.max_sessions,
+        max_context=req.max_context,
+        bounds=tuple(tuple(b) for b in trained["manifest"]["split"]) if trained else None,
+        holders=tuple(tuple(h) for h in alive_holders(served, alive)) if trained else None,
+    )
+
+
+def place(ctx: NodeContext, msg: ServePlace) -> ServePlaced:
+    """The leader: the serve plan of ``msg.inputs`` over the live nodes; Failed (``blocked``)
+    naming every device that cannot take its stage."""
+    if ctx.leader != ctx.node_id:
+        raise Unavailable(f"node {ctx.node_id} is not the leader", code="not_leader")
+    from swarmp2p.node.decide import available_memory
+
+    # never on memory a job's stages or another served model already take
+    records = available_memory(ctx.live_records(), ctx.table)
+    inputs = replace(msg.inputs, cluster=tuple(cluster_records(records)))
+    try:
+        result = inputs.plan()
+    except SchemaError as exc:  # a request no cluster could meet (more stages than blocks)
+        raise UserError("; ".join(str(e) for e in exc.errors), code="bad_field") from None
+    if not isinstance(result, ServePlan):
+        raise Failed(blocked_note(result.reason, records), code="blocked")
+    return ServePlaced(serve_id=msg.serve_id, leader=ctx.node_id, inputs=inputs, plan=result.to_json())  # fmt: skip
+
+
+async def plan_ring(ctx: NodeContext, served: Served) -> tuple[ServeInputs, ServePlan]:
+    """Ask the leader (this node, or forwarded) for the ring's plan."""
+    ask = ServePlace(serve_id=served.serve_id, inputs=inputs_of(served, ctx.live_nodes()))
+    if ctx.leader == ctx.node_id:
+        reply = place(ctx, ask)
+    else:
+        try:
+            reply = await ctx.to_leader(ask, PLAN_TIMEOUT_S)
+        except RpcTimeout:
+            raise Unavailable(f"the leader {ctx.leader} did not answer serve.plan in {PLAN_TIMEOUT_S:g} s", code="no_leader") from None  # fmt: skip
+    if not isinstance(reply, ServePlaced):
+        raise Failed(f"the leader answered {type(reply).TYPE}, not serve.placed")
+    return reply.inputs, ServePlan.from_json(reply.plan)
+
+
+def shard_ask(served: Served, alive: frozenset[str], i: int, n: int) -> dict[str, Any]:
+    """What a stage node needs to make stage ``i``'s trained shard local."""
+    stages = served.trained["manifest"]["stages"]
+    holders = alive_holders(served, alive)
+    tied = None
+    if i == n - 1 and n > 1 and served.shape.tie_embeddings and stages[0].get("weights_included", True):  # fmt: skip
+        # export stores a tied head once, as stage 0's embedding: the last stage serves
+        # with that one, as the exported model does
+        tied = {"file": f"{stages[0]['folder']}/weights.safetensors", "sources": holders[0]}
+    return {
+        "job_id": served.trained["job_id"],
+        "folder": stages[i]["folder"],
+        "files": dict(stages[i]["files"]),
+        "sources": holders[i],
+        "tied": tied,
+    }
+
+
+async def stop_stages(ctx: NodeContext, serve_id: str, attempt: int, nodes: set[str]) -> None:
+    """Stop the workers of ``attempt`` on ``nodes`` (the live ones)."""
+    stop = ServeStageStop(serve_id=serve_id, attempt=attempt, stage=-1)
+    await asyncio.gather(
+        *(call_node(ctx, node, stop, 15.0) for node in sorted(nodes & ctx.live_nodes())),
+        return_exceptions=True,
+    )
+
+
+async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePlan, RingEnds]:
+    """Plan, then start and connect every stage: the plan and the new ring's ends. On failure
+    every worker of this attempt is stopped and the new links closed. ``on_copy(stage, node)``
+    hears of a node that fetched a copy of a trained stage's shard to serve it."""
+    from swarmp2p.net import ClientKeys, KeyCheck, ServerKeys, ZmqLink
+
+    served.attempt += 1
+    attempt = served.attempt
+    inputs, plan = await plan_ring(ctx, served)
+    n = len(plan.stages)
+    alive = ctx.live_nodes()
+    nodes = {s.node_id for s in plan.stages}
+    # the ring's links are keyed per node: the return link admits only the last stage's
+    # node, and the first stage's node is the only one the issuer dials
+    first_key, last_key = key_of(ctx, plan.stages[0].node_id), key_of(ctx, plan.stages[-1].node_id)
+    mine = ctx.key
+    back_keys = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.only(last_key), domain=f"swarmp2p-serve-{last_key}")  # fmt: skip
+    first_keys = ClientKeys(public=mine.public, secret=mine.secret, server=first_key)
+
+    async def start(i: int) -> str:
+        node = plan.stages[i].node_id
+        msg = ServeStageStart(
+            serve_id=served.serve_id,
+            attempt=attempt,
+            stage=i,
+            inputs=inputs,
+            plan=plan.to_json(),
+            model=served.folder,
+            issuer=ctx.node_id,
+            embedded=served.embedded,
+            revision=served.local.revision if served.local is not None else "",
+            files=served.files,
+            shard=shard_ask(served, alive, i, n) if served.trained else None,
+        )
+        reply = await call_node(ctx, node, msg, START_TIMEOUT_S)
+        if not isinstance(reply, ServeStage) or not reply.endpoint:
+            raise Failed(f"node {node} answered serve.stage_start without an endpoint", code="stage_failed")  # fmt: skip
+        if served.trained and node not in served.holders[i]:
+            on_copy(i, node)  # it fetched a copy
+        return reply.endpoint
+
+    async def connect(i: int, after: str) -> None:
+        msg = ServeStageConnect(serve_id=served.serve_id, attempt=attempt, stage=i, next=after)
+        await call_node(ctx, plan.stages[i].node_id, msg, CONNECT_TIMEOUT_S)
+
+    async def stop() -> None:
+        await stop_stages(ctx, served.serve_id, attempt, nodes)
+
+    ends = await build_ring(
+        n,
+        bind_back=lambda: ZmqLink.bind(served.ctx, back_keys, ctx.me.addresses[0]),
+        start=start,
+        connect=connect,
+        dial=lambda endpoint: ZmqLink.dial(served.ctx, first_keys, endpoint),
+        stop=stop,
+    )
+    if served.plan is not None:
+        log.info("serving %s: ring rebuilt (attempt %d) on %s", served.name, attempt,
+                 ", ".join(s.node_id for s in plan.stages))  # fmt: skip
+    served.plan, served.endpoints, served.live_attempt = plan, ends.endpoints, attempt
+    served.crashed = {}
+    served.links.extend([ends.back, ends.first])
+    return plan, ends
+
+
+def check_request(req: ServeRequest) -> None:
+    """The API's bind rule (beyond loopback only with an API key), as a UserError."""
+    from swarmp2p.serve.api import check_bind
+
+    try:
+        check_bind(req.host, req.api_key)
+    except ValueError as exc:
+        raise UserError(str(exc), code="bad_field") from None
+
+
+__all__ = [
+    "START_TIMEOUT_S",
+    "Served",
+    "alive_holders",
+    "build",
+    "call_node",
+    "check_request",
+    "inputs_of",
+    "key_of",
+    "place",
+    "plan_ring",
+    "shard_ask",
+    "stop_stages",
+]

@@ -1,0 +1,64 @@
+"""Standby copies of a served trained model's shards: once it serves, every stage's shard gets
+a second live holder, so losing a stage's node does not lose the only copy of its trained
+weights. The holder makes its copy (``serve.shard_hold``: fetched and sha256-checked as a
+stage's shard is) and tells the leader's registry itself (``model.shard_copy`` comes only from
+the node it names). Never imports torch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from swarmp2p.errors import SwarmError
+from swarmp2p.node.messages import ServeShardHold
+
+if TYPE_CHECKING:
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.serve_ring import Served
+    from swarmp2p.node.stages import StageHost
+
+log = logging.getLogger("swarmp2p.node.serving")
+
+COPY_TIMEOUT_S = 3600.0
+"""How long one file of a standby copy may take (chunks time out on their own)."""
+
+
+class Standby:
+    """Copies of trained shards, made by the issuing node for the models it serves."""
+
+    def __init__(self, ctx: NodeContext, stage_host: StageHost) -> None:
+        self.ctx = ctx
+        self.stage_host = stage_host
+
+    def note_copy(self, served: Served, stage: int, node: str) -> None:
+        """``node`` holds a copy of ``stage``'s shard now (it told the leader so itself): use
+        it here."""
+        if node not in served.holders[stage]:
+            served.holders[stage].append(node)
+
+    def spawn(self, served: Served, still_served: Callable[[], bool]) -> None:
+        if served.trained is not None:
+            self.ctx.spawn(self._copy(served, still_served), f"serve-standby:{served.name}")
+
+    async def _copy(self, served: Served, still_served: Callable[[], bool]) -> None:
+        job_id = served.trained["job_id"]
+        for i, st in enumerate(served.trained["manifest"]["stages"]):
+            alive = self.ctx.live_nodes()
+            live = [h for h in served.holders[i] if h in alive]
+            others = sorted(alive - set(live))
+            if not live or len(live) >= 2 or not others or not still_served():
+                continue
+            target = others[i % len(others)]
+            ask = {"job_id": job_id, "folder": st["folder"], "files": dict(st["files"]),
+                   "sources": live, "tied": None}  # fmt: skip
+            try:
+                await self.ctx.call(target, ServeShardHold(stage=i, shard=ask), COPY_TIMEOUT_S)
+            except (SwarmError, OSError, ValueError) as exc:
+                log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
+                continue
+            self.note_copy(served, i, target)
+            log.info("serving %s: stage %d's shard has a standby copy on %s", served.name, i, target)  # fmt: skip
+
+
+__all__ = ["COPY_TIMEOUT_S", "Standby"]

@@ -1,0 +1,290 @@
+"""The split search every plan shares: device slots in pipeline order, memory prices per
+stage, and the equal / weighted / cost-balanced splits. Pure, standard library only.
+
+Training (``placement.plan_job``) and serving (``serve.plan_serve``) differ only in what they
+hand a :class:`Placer`: a pricer for their workload (trainable state and activations, or the
+KV cache) and a compute model (6 FLOPs per active parameter and token to train, 2 to serve).
+
+- ``equal``: the same number of layers on every stage (``SplitSpec.even``).
+- ``weighted``: layers in proportion to each device's free memory; failing that, the split
+  needing the smallest share of any device's free memory.
+- ``cost``: the split minimising the most expensive stage's compute (the head's
+  vocab x hidden matmul on the last stage: SmolLM2's head costs about 8 of its 30 layers;
+  DESIGN.md, "Pitfalls"), every stage still fitting its device.
+- ``speed``: the ``cost`` search over each stage's predicted step time (``plan/speed.py``:
+  its FLOPs at its device's measured training speed plus the bytes it sends over the link);
+  ``weighted`` when a device has no measured speed. It prices a training step (batch x
+  sequence tokens, gradients sent back), so training uses it (its default); serving does not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from swarmp2p.plan import speed as _speed
+from swarmp2p.plan.hardware import Device, Node
+from swarmp2p.plan.memory import StageMemory, StagePricer
+from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.plan.quantization import GB
+from swarmp2p.plan.split import Compression, SplitSpec
+
+DEVICE_RESERVE = {"cuda": 512 * 2**20, "mps": 512 * 2**20, "cpu": 2**30}
+"""Bytes of a device's free memory kept back: the CUDA context, or the OS and the daemon."""
+
+TRAIN_FLOPS_PER_PARAM_TOKEN = 6  # forward 2 + backward 4 (Kaplan et al. 2020)
+SERVE_FLOPS_PER_PARAM_TOKEN = 2  # forward only (Kaplan et al. 2020)
+_ADAMW_FLOPS_PER_PARAM = 12
+_BISECT_STEPS = 48
+
+Placed = tuple[Node, Device]
+
+
+def gb(n: float) -> str:
+    """Bytes as the "GB" (2**30 bytes) every message prints, one decimal."""
+    return f"{n / GB:.1f}"
+
+
+def usable_memory(device: Device) -> int:
+    """Free memory a stage may take: memory_free less DEVICE_RESERVE."""
+    return max(device.memory_free - DEVICE_RESERVE[device.kind], 0)
+
+
+def candidate_devices(cluster: Sequence[Node]) -> list[Placed]:
+    """Every device a stage may use, in pipeline order: GPUs when any exist, else CPUs."""
+    nodes = sorted(cluster, key=lambda n: n.node_id)
+    pairs = [(n, d) for n in nodes for d in sorted(n.devices, key=lambda d: (d.kind, d.index))]
+    gpus = [(n, d) for n, d in pairs if d.is_gpu]
+    return gpus or pairs
+
+
+def torch_device(device: Device) -> str:
+    """The torch device string of ``device`` on its node: "cpu", "cuda:1"."""
+    return "cpu" if device.kind == "cpu" else f"{device.kind}:{device.index}"
+
+
+def device_key(node: Node, device: Device) -> tuple[str, str, int]:
+    """One physical device: (node id, kind, index)."""
+    return (node.node_id, device.kind, device.index)
+
+
+def min_max_partition(
+    n_layers: int,
+    n_stages: int,
+    cost: Callable[[int, int, int], float],
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> tuple[tuple[int, int], ...] | None:
+    """Contiguous ranges, one per stage, minimising the largest `cost(stage, start, end)`.
+
+    `cost` and `fits` must be monotone in the range (a sub-range never costs more and always
+    fits when the range does). Bisection on the bound with a greedy check: each stage takes as
+    many layers as the bound and `fits` allow, leaving one per remaining stage. None when no
+    split satisfies `fits`.
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"stages: must be between 1 and {n_layers}, got {n_stages}")
+
+    def greedy(bound: float) -> tuple[tuple[int, int], ...] | None:
+        ranges, start = [], 0
+        for i in range(n_stages):
+            max_end = n_layers - (n_stages - 1 - i)
+            end = max_end if i == n_stages - 1 else start + 1
+            if cost(i, start, end) > bound or (fits is not None and not fits(i, start, end)):
+                return None
+            while (
+                end < max_end
+                and cost(i, start, end + 1) <= bound
+                and (fits is None or fits(i, start, end + 1))
+            ):
+                end += 1
+            ranges.append((start, end))
+            start = end
+        return tuple(ranges)
+
+    hi = max(cost(i, 0, n_layers) for i in range(n_stages))
+    best = greedy(hi)
+    if best is None:
+        return None
+    lo = 0.0
+    for _ in range(_BISECT_STEPS):
+        if hi - lo <= abs(hi) * 1e-9:
+            break
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitAttempt:
+    ranges: tuple[tuple[int, int], ...] | None
+    prices: tuple[StageMemory, ...]
+    """Prices of `ranges`, or of the closest split found when it does not fit."""
+    tried: tuple[tuple[int, int], ...]
+
+
+class Placer:
+    """Prices and splits one workload over one ordered list of device slots (training or
+    serving: ``pricer`` and the compute model are what differ).
+
+    A device may hold several consecutive slots (a serving ring with more stages than devices):
+    while a split is searched each of its stages may take an equal share of its usable memory,
+    and a finished split must fit every device with its stages together.
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        devices: list[Placed],
+        pricer: StagePricer,
+        *,
+        mode: str,
+        compression: tuple[Compression, ...] = (),
+        in_flight: Sequence[int] | None = None,
+        tokens: int = 1,
+        flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
+        update_trained: bool = False,
+    ) -> None:
+        self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
+        self.n = len(devices)
+        self.compression = compression
+        self.flight = list(in_flight) if in_flight is not None else [1] * self.n
+        self._tokens, self._flops, self._update = tokens, flops_per_param_token, update_trained
+        keys = [device_key(node, dev) for node, dev in devices]
+        self.usable = {k: usable_memory(dev) for k, (_, dev) in zip(keys, devices)}
+        self._keys = keys
+        self.free = [self.usable[k] // keys.count(k) for k in keys]
+        self._active = [0]
+        for p in shape.layer_active_params:
+            self._active.append(self._active[-1] + p)
+        self._params = [0]
+        for p in shape.layer_params:
+            self._params.append(self._params[-1] + p)
+        self._clock: _speed.StageClock | None = None
+
+    def price(self, i: int, start: int, end: int) -> StageMemory:
+        return self.pricer.price(
+            start,
+            end,
+            first=i == 0,
+            last=i == self.n - 1,
+            in_flight=self.flight[i],
+            receive=self.compression[i - 1] if i > 0 and self.compression else None,
+            send=self.compression[i] if i < self.n - 1 and self.compression else None,
+        )
+
+    def fits(self, i: int, start: int, end: int) -> bool:
+        return self.price(i, start, end).peak <= self.free[i]
+
+    def memory_share(self, i: int, start: int, end: int) -> float:
+        peak = self.price(i, start, end).peak
+        return peak / self.free[i] if self.free[i] else float("inf") if peak else 0.0
+
+    def compute_cost(self, i: int, start: int, end: int) -> float:
+        """FLOPs of one step on stage i: every active parameter per token, the head's matmul
+        on the last stage, and the optimizer's update over what trains in full."""
+        active = self._active[end] - self._active[start]
+        if i == self.n - 1:
+            active += self.shape.head_compute_params
+        cost = float(self._flops * self._tokens * active)
+        if self._update:
+            trained = self._params[end] - self._params[start]
+            trained += self.pricer.held_outer_params(i == 0, i == self.n - 1)
+            cost += _ADAMW_FLOPS_PER_PARAM * trained
+        return cost
+
+    def proportional(self) -> tuple[tuple[int, int], ...]:
+        """Layer parameters in proportion to each device's free memory (>= 1 layer each)."""
+        L, n = self.shape.n_layers, self.n
+        total_free = sum(self.free) or n
+        shares = self.free if sum(self.free) else [1] * n
+        total = self._params[L]
+        ranges, start, acc = [], 0, 0
+        for i in range(n - 1):
+            acc += shares[i]
+            target = total * acc / total_free
+            hi = L - (n - 1 - i)
+            end = min(range(start + 1, hi + 1), key=lambda k: (abs(self._params[k] - target), k))
+            ranges.append((start, end))
+            start = end
+        ranges.append((start, L))
+        return tuple(ranges)
+
+    @property
+    def clock(self) -> _speed.StageClock:
+        """Predicted stage times of this placement (``plan/speed.py``; a training step)."""
+        if self._clock is None:
+            self._clock = _speed.StageClock(self)
+        return self._clock
+
+    def overfull(
+        self, ranges: tuple[tuple[int, int], ...], prices: Sequence[StageMemory] | None = None
+    ) -> dict[tuple[str, str, int], int]:
+        """Devices whose stages together need more than their usable memory: key -> bytes."""
+        prices = prices or [self.price(i, a, b) for i, (a, b) in enumerate(ranges)]
+        need: dict[tuple[str, str, int], int] = {}
+        for key, price in zip(self._keys, prices):
+            need[key] = need.get(key, 0) + price.peak
+        return {k: v for k, v in need.items() if v > self.usable[k]}
+
+    def all_fit(self, ranges: tuple[tuple[int, int], ...]) -> bool:
+        return not self.overfull(ranges)
+
+    def split(self, cuts: tuple[int, ...] | None = None) -> SplitAttempt:
+        L, n, mode = self.shape.n_layers, self.n, self.mode
+        cost = self.compute_cost
+        if mode == "speed" and cuts is None:  # by predicted time; by free memory unless
+            # every device's speed is measured
+            cost, mode = self.clock.time, "cost" if self.clock.measured else "weighted"
+        if cuts is not None or mode == "equal":  # the split is given (a trained model, a
+            # resume, a test) or fixed by the mode
+            if cuts is None:
+                cuts = SplitSpec.even(L, n).boundaries
+            found = tuple(itertools.pairwise((0, *cuts, L)))
+            prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
+            return SplitAttempt(ranges=found if self.all_fit(found) else None, prices=prices,
+                                tried=found)  # fmt: skip
+        if mode == "cost":
+            found = min_max_partition(L, n, cost, self.fits)
+        else:
+            found = self.proportional()
+            if not self.all_fit(found):
+                # the split that needs the smallest share of any device's free memory
+                found = min_max_partition(L, n, self.memory_share)
+                if found is not None and not self.all_fit(found):
+                    found = None
+        # when nothing fits, report the split closest to fitting
+        tried = found or min_max_partition(L, n, self.memory_share)
+        assert tried is not None  # without `fits` there is always a split
+        prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(tried))
+        return SplitAttempt(ranges=found, prices=prices, tried=tried)
+
+
+def select_devices(devices: list[Placed], n: int) -> list[Placed]:
+    """The n devices with the most free memory, kept in pipeline order."""
+    if n >= len(devices):
+        return list(devices)
+    ranked = sorted(range(len(devices)), key=lambda i: (-devices[i][1].memory_free, i))
+    keep = set(ranked[:n])
+    return [p for i, p in enumerate(devices) if i in keep]
+
+
+__all__ = [
+    "DEVICE_RESERVE",
+    "SERVE_FLOPS_PER_PARAM_TOKEN",
+    "TRAIN_FLOPS_PER_PARAM_TOKEN",
+    "Placed",
+    "Placer",
+    "SplitAttempt",
+    "candidate_devices",
+    "device_key",
+    "gb",
+    "min_max_partition",
+    "select_devices",
+    "torch_device",
+    "usable_memory",
+]

@@ -1,0 +1,575 @@
+"""Serving, planned like training: what ``swarm serve`` asks (:class:`ServeRequest`), where each
+stage of the ring runs and in which dtype (:class:`ServePlan`), and
+``plan_serve(shape, cluster, ...) -> ServePlan | Blocked``. Pure, standard library only.
+
+Every stage's node recomputes the plan from the same :class:`ServeInputs` and refuses a
+mismatch, as it does for training. The rules are training's (``placement``, ``placer``):
+
+- devices: GPUs when the cluster has any, else CPUs, in node-id order. ``stages`` 0 is one
+  stage per device (at most one per block), dropping the device with the least free memory
+  while the stages do not fit; a number above the devices puts consecutive stages on one
+  device (the roomiest take one more), and they must fit it together.
+- dtype: ``precision.resolve_dtype``: bfloat16 on compute capability 8.0 and up, float16 on
+  7.x, float32 below and on CPUs; an explicit dtype is checked against every device, one that
+  cannot run it is left out when as many others remain, else Blocked names it.
+- memory: a stage's blocks (the embeddings on the first, the head on the last) in the dtype or
+  the quantization, plus the KV cache of ``max_sessions`` x ``max_context`` tokens
+  (``memory.StagePricer``), within the device's usable memory (``DEVICE_RESERVE`` kept back).
+- split: ``cost`` by default: a decode step is as slow as its slowest stage, so the split
+  balances forward FLOPs, the head's matmul priced on the last stage; ``equal`` and
+  ``weighted`` as for training. One split implementation: ``placer.Placer``. Training's
+  default ``speed`` split is not offered: it prices a training step (batch x sequence tokens,
+  gradients sent back) at each device's measured training speed, which says nothing of a
+  decode step; serving balances FLOPs as if every device were equally fast.
+- a trained model keeps its ``bounds``; each stage goes to the first of its shard's
+  ``holders`` with room left, else to the device with the most room (which fetches the shard).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from swarmp2p import PROTOCOL_VERSION
+from swarmp2p.plan.hardware import Node
+from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
+from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.plan.placer import (
+    SERVE_FLOPS_PER_PARAM_TOKEN,
+    Placed,
+    Placer,
+    candidate_devices,
+    device_key,
+    select_devices,
+    torch_device,
+    usable_memory,
+)
+from swarmp2p.plan.precision import resolve_dtype
+from swarmp2p.plan.quantization import QuantSpec, parse_quantization
+from swarmp2p.plan.result import Blocked
+from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
+
+_FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
+BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
+"""What a serving boundary applies to the hidden state it sends. A learned bottleneck is not
+named here: a stage served from a trained shard runs its compressor halves, per the shard's
+manifest (``swarmp2p.runtime.torch.trained``)."""
+BoundaryCompression = Literal[
+    "none", "fp16", "fixed_int2", "fixed_int3", "fixed_int4", "fixed_int5", "fixed_int6",
+    "fixed_int7", "fixed_int8",
+]  # fmt: skip
+Dtype = Literal["float32", "bfloat16", "float16"]
+SplitMode = Literal["equal", "weighted", "cost"]
+PlannedSplit = Literal["equal", "weighted", "cost", "fixed"]
+
+SERVE_SPLIT: SplitMode = "cost"
+"""The default split: decode speed is the slowest stage's, so balance compute."""
+NAME_PATTERN = r"[\w./:@+-]{1,200}"
+"""What a served model's name (the API's ``model``) may be."""
+MAX_STAGES = 4096
+MAX_SESSIONS = 1 << 20
+MAX_CONTEXT = 1 << 24
+"""Bounds of a request's numbers (a model has fewer blocks, no device holds more)."""
+
+
+def boundary_codec(compression: str, send_codes: bool) -> str:
+    """The TensorFrame codec a boundary sends with: codes only when both peers declared the
+    serve codec (``send_codes``), else plain floats (already quantized in the graph)."""
+    if compression not in BOUNDARY_COMPRESSIONS:
+        raise ValueError(
+            f"boundary compression {compression!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}"
+        )
+    if not send_codes or compression == "none":
+        return "none"
+    if compression == "fp16":
+        return "fp16"
+    return f"tokint{_FIXED[compression]}"  # one float32 scale per token, as plan.split prices it
+
+
+def fixed_bits(compression: str) -> int | None:
+    """``"fixed_int8" -> 8``; None for a compression that is not fixed_intN."""
+    return _FIXED.get(compression)
+
+
+# --- what `swarm serve` asks ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeRequest:
+    """``swarm serve MODEL [...]``: parsed once by the CLI and once by the daemon's local API
+    (the same record); a restarted daemon serves its saved requests again."""
+
+    model: str = field(min_len=1, max_len=4096)
+    """A trained model (``swarm models``), a folder, a Hub id in the cache, or "embedded"."""
+    name: str | None = field(default=None, pattern=NAME_PATTERN)
+    """The name the API answers to; None: ``model``."""
+    stages: int = field(default=0, ge=0, le=MAX_STAGES)
+    """0: one stage per usable device (at most one per block)."""
+    port: int = field(default=8080, ge=0, le=65535)
+    host: str = field(default="127.0.0.1", min_len=1, max_len=255)
+    """Where the API listens; beyond loopback only with ``api_key``."""
+    max_sessions: int = field(default=4, ge=1, le=MAX_SESSIONS)
+    max_context: int = field(default=0, ge=0, le=MAX_CONTEXT)
+    """Tokens a session may hold; 0: the model's own limit."""
+    dtype: Dtype | None = None
+    """None: the best dtype every stage's device runs (a trained model: its training dtype)."""
+    quantization: QuantSpec | None = None
+    api_key: str | None = field(default=None, min_len=1, max_len=4096)
+    cwd: str | None = field(default=None, min_len=1, max_len=4096)
+    """The CLI's folder: a relative MODEL folder is read from there."""
+
+    @staticmethod
+    def __schema_prepare__(data: dict[str, Any]) -> dict[str, Any]:
+        # a flag left out arrives as null (or an empty API key from the environment): default
+        return {k: v for k, v in data.items() if v is not None and not (k == "api_key" and v == "")}  # fmt: skip
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.model
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data without the defaults left out (what the daemon saves)."""
+        return {k: v for k, v in to_data(self).items() if v is not None}
+
+
+def parse_serve_request(data: Any) -> ServeRequest:
+    """A ServeRequest from plain data; SchemaError naming every bad field."""
+    return parse(ServeRequest, data, title="invalid serve request")
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeStagePlan:
+    """One stage of a serving ring, placed on one device of one node."""
+
+    index: int = field(ge=0)
+    node_id: str = field(min_len=1, max_len=64)
+    node: str = field(max_len=256)
+    """The node's human name."""
+    device: str = field(pattern=r"cpu|cuda(:\d+)?|mps(:\d+)?")
+    """The torch device on the node, such as "cuda:0"."""
+    device_label: str
+    """"GPU 0 (RTX A5000, compute 8.6)"."""
+    layers: tuple[int, int]
+    """``[start, end)`` of the model's decoder blocks."""
+    memory: StageMemory
+    device_free: int = field(ge=0)
+    """Bytes the device had free when planned."""
+    send_compression: BoundaryCompression = "none"
+    """The boundary after this stage ("none" on the last)."""
+    send_codes: bool = False
+    """A quantized boundary after this stage (``send_compression``, or a trained shard's own)
+    crosses as codes: both nodes declare the serve codec."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServePlan:
+    """A placed serving ring. Same inputs, same ``to_json()`` bytes on every peer;
+    ``ServePlan.from_json`` reads them back through the one validator."""
+
+    status: Literal["planned"] = "planned"
+    version: int = PROTOCOL_VERSION
+    model: str
+    """The model's name (its shape's)."""
+    dtype: Dtype
+    quantization: QuantSpec | None = None
+    max_sessions: int = field(ge=1, le=MAX_SESSIONS)
+    max_context: int = field(ge=1, le=MAX_CONTEXT)
+    """Tokens each session may hold in every stage's KV cache."""
+    split_mode: PlannedSplit
+    """How the blocks were shared out; "fixed": a trained model's split."""
+    stages: tuple[ServeStagePlan, ...] = field(min_len=1)
+    notes: tuple[str, ...] = ()
+    reason: Literal[None] = None
+    """Always null: a plan is not Blocked (the JSON shape both share)."""
+    errors: tuple[str, ...] = field(default=(), max_len=0)
+
+    def __post_init__(self) -> None:
+        for i, stage in enumerate(self.stages):
+            if stage.index != i:
+                raise ValueError(f"stages[{i}].index is {stage.index}")
+            if i and stage.layers[0] != self.stages[i - 1].layers[1]:
+                raise ValueError(f"stages[{i}] starts at block {stage.layers[0]}, not where stage {i - 1} ends")  # fmt: skip
+        if self.stages[0].layers[0] != 0:
+            raise ValueError("stages[0] must start at block 0")
+        if self.stages[-1].send_compression != "none" or self.stages[-1].send_codes:
+            raise ValueError("the last stage sends tokens: its send_compression is none")
+
+    @property
+    def n_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return [s.layers for s in self.stages]
+
+    def stages_on(self, node_id: str) -> int:
+        return sum(1 for s in self.stages if s.node_id == node_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_data(self)
+
+    def to_json(self) -> str:
+        """Canonical bytes: sorted keys, no whitespace; peers compare these."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ServePlan:
+        """A plan from ``to_json()`` bytes; SchemaError when they are not a serve plan."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise SchemaError(f"a serve plan must be JSON: {exc}", title="invalid serve plan") from None  # fmt: skip
+        return parse(cls, data, title="invalid serve plan")
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: GB (2**30) from a tenth of one, MiB below."""
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _stack(devices: list[Placed], n: int) -> list[Placed]:
+    """``n`` > len(devices) stages over ``devices`` in pipeline order, consecutive stages on one
+    device; the devices with the most free memory take one more."""
+    base, extra = divmod(n, len(devices))
+    ranked = sorted(range(len(devices)), key=lambda i: (-devices[i][1].memory_free, i))
+    more = set(ranked[:extra])
+    return [p for i, p in enumerate(devices) for _ in range(base + (i in more))]
+
+
+def _bad(path: str, message: str) -> SchemaError:
+    return SchemaError([FieldError(path=path, message=message)], title="invalid serve request")
+
+
+def _check_request(
+    shape: ModelShape,
+    stages: int,
+    bounds: Sequence[Sequence[int]] | None,
+    holders: Sequence[Sequence[str]] | None,
+    compression: Sequence[str],
+    codes: bool | Sequence[bool] | None,
+) -> int | None:
+    """The stage count the request fixes (None: auto); SchemaError naming a bad field."""
+    L = shape.n_layers
+    n = None
+    if bounds is not None:
+        n = len(bounds)
+        if (
+            not n
+            or any(len(b) != 2 or b[0] >= b[1] for b in bounds)
+            or bounds[0][0] != 0
+            or bounds[-1][1] != L
+            or any(x[1] != y[0] for x, y in itertools.pairwise(bounds))
+        ):
+            raise _bad("bounds", f"{[list(b) for b in bounds]} are not contiguous block ranges from 0 to {L}")  # fmt: skip
+        if stages and stages != n:
+            raise _bad("stages", f"{stages}, but the model is split in {n} stages {[list(b) for b in bounds]}; leave stages at 0 or give {n}")  # fmt: skip
+    elif stages:
+        n = stages
+        if n > L:
+            raise _bad("stages", f"{n} is not in [1, {L}] (the model's blocks)")  # fmt: skip
+    if holders is not None and (n is None or len(holders) != n):
+        raise _bad("holders", "one list of nodes per stage of bounds")
+    if compression:
+        n = len(compression) + 1 if n is None else n  # a spec per boundary fixes the stages
+        if len(compression) != n - 1:
+            raise _bad("compression", f"{len(compression)} spec(s), but the ring has {n} stage(s); give one per boundary")  # fmt: skip
+        bad = [c for c in compression if c not in BOUNDARY_COMPRESSIONS]
+        if bad:
+            raise _bad("compression", f"{bad[0]!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}")  # fmt: skip
+    if codes is not None and not isinstance(codes, bool) and (n is None or len(codes) != n - 1):
+        raise _bad("codes", "one flag per boundary")
+    return n
+
+
+def plan_serve(
+    shape: ModelShape,
+    cluster_nodes: Sequence[Node],
+    *,
+    stages: int = 0,
+    dtype: str | None = None,
+    quantization: QuantSpec | dict | None = None,
+    max_sessions: int = 4,
+    max_context: int = 0,
+    bounds: Sequence[Sequence[int]] | None = None,
+    holders: Sequence[Sequence[str]] | None = None,
+    compression: Sequence[str] = (),
+    codes: bool | Sequence[bool] | None = None,
+    split: SplitMode = SERVE_SPLIT,
+) -> ServePlan | Blocked:
+    """Place a serving ring of ``shape`` on ``cluster_nodes``: a ServePlan, or Blocked naming
+    every device that cannot take its stage (the node, the device and the bytes).
+
+    ``max_context`` 0 is the model's limit (and no session holds more than it). ``bounds`` and
+    ``holders`` (per stage, the nodes holding its trained shard, best first) place a trained
+    model. ``compression``: one per boundary (default none); ``codes``: send them as codes
+    (default: where both nodes declare the serve codec). Raises SchemaError for a request no
+    cluster could meet (more stages than blocks, bounds that do not cover the model).
+    """
+    n = _check_request(shape, stages, bounds, holders, compression, codes)
+    quant = parse_quantization(quantization) if isinstance(quantization, dict) else quantization
+    context = min(max_context or shape.max_positions, shape.max_positions)
+    if not 1 <= max_sessions <= MAX_SESSIONS:
+        raise _bad("max_sessions", f"must be in [1, {MAX_SESSIONS}], got {max_sessions}")  # fmt: skip
+    candidates = candidate_devices(cluster_nodes)
+    auto = n is None
+    required = n if n is not None else min(len(candidates), shape.n_layers)
+    if not candidates:
+        return Blocked(reason=f"placed 0 of {max(required, 1)} serving stage(s); no live node advertises a device; start swarm up on a machine with a GPU or CPU", dtype=dtype, required=max(required, 1))  # fmt: skip
+    notes: list[str] = []
+    if dtype is not None:
+        choice = resolve_dtype(candidates, dtype)
+        if choice.excluded:
+            ok = [p for p in candidates if p not in choice.excluded]
+            if auto or len(ok) < min(required, len(candidates)):
+                return Blocked(
+                    reason=f"placed {min(len(ok), required)} of {required} serving stage(s); "
+                    f"{len(choice.excluded)} device(s) cannot serve in {dtype}:\n"
+                    + "\n".join(choice.reason_lines)
+                    + f"\nleave --dtype out (the best dtype every device runs) or serve on "
+                    f"fewer stages (--stages {len(ok)})",
+                    dtype=dtype,
+                    required=required,
+                    placed=min(len(ok), required),
+                )
+            notes.append("left out, cannot run " + dtype + ": " + ", ".join(f"{nd.name} {d.label}" for nd, d in choice.excluded))  # fmt: skip
+            candidates = ok
+    ask = _Ask(shape, quant, max_sessions, context, compression, codes, split, bounds)
+    if holders is not None:
+        dtype_now = resolve_dtype(candidates, dtype).dtype
+        return _place(ask, _by_holders(ask, candidates, dtype_now, holders), dtype_now, notes)
+    selected = (
+        select_devices(candidates, required)
+        if required <= len(candidates)
+        else _stack(candidates, required)
+    )
+    attempts = [selected]
+    if auto:  # as many stages as fit: drop the device with the least free memory, one by one
+        rest = list(selected)
+        while len(rest) > 1:
+            drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
+            rest = rest[:drop] + rest[drop + 1 :]
+            attempts.append(rest)
+    first: Blocked | None = None
+    for devices in attempts:
+        result = _place(ask, devices, resolve_dtype(devices, dtype).dtype, notes)
+        if isinstance(result, ServePlan):
+            if len(devices) < len(selected):
+                left = [f"{nd.name} {d.label}" for nd, d in selected if (nd, d) not in devices]
+                result = _with_notes(result, "left out for lack of free memory: " + ", ".join(left))  # fmt: skip
+            return result
+        first = first or result
+    assert first is not None
+    return first
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    shape: ModelShape
+    quant: QuantSpec | None
+    sessions: int
+    context: int
+    compression: Sequence[str]
+    codes: bool | Sequence[bool] | None
+    split: str
+    bounds: Sequence[Sequence[int]] | None
+
+    def pricer(self, dtype: str) -> StagePricer:
+        return StagePricer(
+            self.shape,
+            Pricing(dtype=dtype, finetune_mode="none", quantization=self.quant),
+            Workload(training=False, serving_sessions=self.sessions, serving_tokens=self.context),
+        )
+
+    @property
+    def cuts(self) -> tuple[int, ...] | None:
+        return None if self.bounds is None else tuple(b[0] for b in self.bounds[1:])
+
+
+def _by_holders(
+    ask: _Ask, candidates: list[Placed], dtype: str, holders: Sequence[Sequence[str]]
+) -> list[Placed]:
+    """A trained model's stages: each on the first holder of its shard with room left, else on
+    the device with the most room left (ties: pipeline order)."""
+    assert ask.bounds is not None
+    pricer, n = ask.pricer(dtype), len(ask.bounds)
+    left = {device_key(nd, d): usable_memory(d) for nd, d in candidates}
+    order = {device_key(nd, d): i for i, (nd, d) in enumerate(candidates)}
+    out = []
+    for i, (a, b) in enumerate(ask.bounds):
+        need = pricer.price(a, b, first=i == 0, last=i == n - 1).peak
+        mine = [p for h in holders[i] for p in candidates if p[0].node_id == h]
+        mine.sort(key=lambda p: list(holders[i]).index(p[0].node_id))
+        others = sorted((p for p in candidates if p not in mine),
+                        key=lambda p: (-left[device_key(*p)], order[device_key(*p)]))  # fmt: skip
+        fits = [p for p in (*mine, *others) if left[device_key(*p)] >= need]
+        pick = fits[0] if fits else (mine or others)[0]
+        left[device_key(*pick)] -= need
+        out.append(pick)
+    return out
+
+
+def _place(ask: _Ask, devices: list[Placed], dtype: str, notes: list[str]) -> ServePlan | Blocked:
+    placer = Placer(
+        ask.shape,
+        devices,
+        ask.pricer(dtype),
+        mode=ask.split,
+        flops_per_param_token=SERVE_FLOPS_PER_PARAM_TOKEN,
+    )
+    attempt = placer.split(ask.cuts)
+    if attempt.ranges is None:
+        return _memory_blocked(ask, placer, attempt.tried, attempt.prices, dtype)
+    n = len(devices)
+    compression = list(ask.compression) or ["none"] * (n - 1)
+    stages = []
+    for i, ((node, dev), (a, b)) in enumerate(zip(devices, attempt.ranges)):
+        send = compression[i] if i < n - 1 else "none"
+        if i == n - 1:
+            codes = False
+        elif ask.codes is None:
+            codes = all("serve-codec" in nd.capabilities for nd in (node, devices[i + 1][0]))
+        else:
+            codes = ask.codes if isinstance(ask.codes, bool) else bool(ask.codes[i])
+        stages.append(
+            ServeStagePlan(
+                index=i,
+                node_id=node.node_id,
+                node=node.name,
+                device=torch_device(dev),
+                device_label=dev.label,
+                layers=(a, b),
+                memory=attempt.prices[i],
+                device_free=dev.memory_free,
+                send_compression=send,
+                send_codes=codes,
+            )
+        )
+    return ServePlan(
+        model=ask.shape.name,
+        dtype=dtype,
+        quantization=ask.quant,
+        max_sessions=ask.sessions,
+        max_context=ask.context,
+        split_mode="fixed" if ask.cuts is not None else ask.split,
+        stages=tuple(stages),
+        notes=tuple(notes),
+    )
+
+
+def _memory_blocked(
+    ask: _Ask,
+    placer: Placer,
+    ranges: Sequence[tuple[int, int]],
+    prices: Sequence[StageMemory],
+    dtype: str,
+) -> Blocked:
+    over = placer.overfull(tuple(ranges), prices)
+    lines, bad = [], 0
+    seen: set[tuple[str, str, int]] = set()
+    for node, dev in placer.devices:
+        key = device_key(node, dev)
+        if key not in over or key in seen:
+            continue
+        seen.add(key)
+        mine = [j for j, p in enumerate(placer.devices) if device_key(*p) == key]
+        bad += len(mine)
+        kv = sum(prices[j].kv_cache for j in mine)
+        what = ", ".join(f"{j} (layers {ranges[j][0]}-{ranges[j][1] - 1})" for j in mine)
+        lines.append(
+            f"{node.name} {dev.label}: stage{'s' if len(mine) > 1 else ''} {what} "
+            f"need{'' if len(mine) > 1 else 's'} {_size(over[key])} (KV cache {_size(kv)}), "
+            f"{_size(usable_memory(dev))} usable"
+        )
+    hints = ["lower --max-sessions or --max-context", "add a node"]
+    if ask.quant is None or ask.quant.bits == 8:
+        hints.insert(1, """quantize (--quantization '{"bits": 4}')""")
+    n = placer.n
+    return Blocked(
+        reason=(
+            f"placed {n - bad} of {n} serving stage(s); {len(lines)} device(s) lack the memory "
+            f"({ask.split if ask.cuts is None else 'fixed'} split, {dtype}, KV cache for "
+            f"{ask.sessions} session(s) of {ask.context} tokens):\n"
+            + "\n".join(lines)
+            + "\n"
+            + ", or ".join(hints)
+        ),
+        dtype=dtype,
+        required=n,
+        placed=n - bad,
+    )
+
+
+def _with_notes(plan: ServePlan, note: str) -> ServePlan:
+    fields = {name: getattr(plan, name) for name in ServePlan.__dataclass_fields__}
+    fields["notes"] = (*plan.notes, note)
+    return ServePlan(**fields)
+
+
+# --- what every stage node re-checks ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeInputs:
+    """Everything ``plan_serve`` reads. The issuing node fills in the request's side, the
+    leader the live nodes' records (``cluster``); each stage's node plans again from these and
+    refuses a plan it does not compute itself."""
+
+    shape: ModelShape
+    cluster: tuple[dict, ...] = ()
+    """Node records (cluster.json form) of the live nodes the leader planned on."""
+    stages: int = field(default=0, ge=0, le=MAX_STAGES)
+    dtype: Dtype | None = None
+    quantization: QuantSpec | None = None
+    max_sessions: int = field(default=4, ge=1, le=MAX_SESSIONS)
+    max_context: int = field(default=0, ge=0, le=MAX_CONTEXT)
+    bounds: tuple[tuple[int, int], ...] | None = None
+    holders: tuple[tuple[str, ...], ...] | None = None
+    compression: tuple[BoundaryCompression, ...] = ()
+    codes: bool | None = None
+
+    def nodes(self) -> list[Node]:
+        return [Node.from_dict(dict(r), f"cluster[{i}]") for i, r in enumerate(self.cluster)]
+
+    def plan(self) -> ServePlan | Blocked:
+        """``plan_serve`` of these inputs."""
+        return plan_serve(
+            self.shape,
+            self.nodes(),
+            stages=self.stages,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            max_sessions=self.max_sessions,
+            max_context=self.max_context,
+            bounds=self.bounds,
+            holders=self.holders,
+            compression=self.compression,
+            codes=self.codes,
+        )
+
+
+__all__ = [
+    "BOUNDARY_COMPRESSIONS",
+    "NAME_PATTERN",
+    "SERVE_SPLIT",
+    "ServeInputs",
+    "ServePlan",
+    "ServeRequest",
+    "ServeStagePlan",
+    "boundary_codec",
+    "fixed_bits",
+    "parse_serve_request",
+    "plan_serve",
+]

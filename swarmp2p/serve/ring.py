@@ -1,0 +1,75 @@
+"""Wiring a serving ring, once: the daemon (stages on many nodes) and
+:class:`~swarmp2p.serve.local.LocalRing` (worker processes on this machine) both build theirs
+here, each handing in how to start, connect and stop its stages.
+
+The steps: bind the return link the last stage sends tokens to; start every stage at once
+(each answers with its bound input endpoint); tell each stage where the next one listens (the
+last: the return link) and wait until every stage serves; dial the first stage. If any step
+fails, every stage is stopped and the links made here are closed, then the first error (in
+stage order) is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RingEnds:
+    """A built ring: the link to its first stage, the return link, each stage's endpoint."""
+
+    first: Any
+    """Sends to stage 0 (a ZmqLink)."""
+    back: Any
+    """Receives what the last stage sends (a ZmqLink)."""
+    endpoints: tuple[str, ...]
+
+
+async def build_ring(
+    n: int,
+    *,
+    bind_back: Callable[[], Any],
+    start: Callable[[int], Awaitable[str]],
+    connect: Callable[[int, str], Awaitable[None]],
+    dial: Callable[[str], Any],
+    stop: Callable[[], Awaitable[None]],
+) -> RingEnds:
+    """Build a ring of ``n`` stages: ``start(i)`` starts stage i and returns its input
+    endpoint; ``connect(i, next)`` points it at ``next`` and returns once it serves;
+    ``bind_back()`` binds the return link (its ``.endpoint``); ``dial(endpoint)`` a link to
+    stage 0; ``stop()`` stops whatever was started (called only on failure)."""
+    if n < 1:
+        raise ValueError(f"a ring needs at least one stage, got {n}")
+    links: list[Any] = []
+    try:
+        back = bind_back()
+        links.append(back)
+        endpoints = await _all(start(i) for i in range(n))
+        after = [*endpoints[1:], back.endpoint]
+        await _all(connect(i, after[i]) for i in range(n))
+        first = dial(endpoints[0])
+        links.append(first)
+        return RingEnds(first=first, back=back, endpoints=tuple(endpoints))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await stop()
+        for link in links:
+            link.close()
+        raise
+
+
+async def _all(steps: Any) -> list[Any]:
+    """Run ``steps`` at once and let every one finish (none keeps running once this returns);
+    the first failure in order is raised."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)
+
+
+__all__ = ["RingEnds", "build_ring"]
