@@ -55,6 +55,7 @@ CODES: dict[str, str] = {
     "not_leader": "unavailable",
     "not_ready": "unavailable",
     "no_quorum": "unavailable",
+    "joining": "unavailable",
     "no_peer": "unavailable",
     "timeout": "unavailable",
     "stopping": "unavailable",

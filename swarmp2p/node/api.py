@@ -129,7 +129,7 @@ class ApiServer:
             return {"ok": True, "result": await self._handlers[op](req)}
         except SwarmError as exc:
             return {"ok": False, "error": exc.message, "code": exc.code, "kind": exc.kind}
-        except ValueError as exc:  # a handler's refusal (ApiHandler's contract), e.g. ServeError
+        except ValueError as exc:  # a handler's refusal of a bad value (ApiHandler's contract)
             return {"ok": False, "error": str(exc), "code": "bad_request", "kind": "user"}
         except Exception as exc:  # a bug, not the user's mistake: say so, log the traceback
             _log.exception("local API request %r failed", line[:200])

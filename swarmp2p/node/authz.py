@@ -86,4 +86,11 @@ def _not_member(who: str) -> str:
     return f"node {who} is not a member of this swarm (yet)"
 
 
-__all__ = ["CLAIMS", "Sender", "refusal"]
+def refusal_code(sender: Sender, why: str) -> str:
+    """The error code of a refusal: ``joining`` when the only reason is that the table does
+    not list the sender yet (a node the swarm admitted moments ago, whose membership is
+    still committing: worth a retry), else ``forbidden``."""
+    return "joining" if why == _not_member(sender.node_id) else "forbidden"
+
+
+__all__ = ["CLAIMS", "Sender", "refusal", "refusal_code"]

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +121,8 @@ class Daemon:
             config=config,
             clock=clock,
         )
+        self._probe_stop = threading.Event()
+        """Set when the daemon stops: its speed probe (a subprocess on a thread) is killed."""
         self._live = hardware.LiveMemory(record)
         """Free memory re-read with the heartbeats (live, not the probe at start)."""
         self._disk_at, self._disk_free = -1e18, 0
@@ -249,6 +252,7 @@ class Daemon:
     async def _close(self) -> None:
         ctx = self.ctx
         log.info("stopping node %s", ctx.node_id)
+        self._probe_stop.set()  # a speed probe in flight is killed, not waited for
         await self._leave_members()
         ctx.closing = True
         # stop heartbeats and hellos first: a hello sent after our leave would re-add us
@@ -651,7 +655,7 @@ class Daemon:
             sender = authz.Sender(node_id=node_id, member=ctx.keyring.is_member(node_id))
             why = authz.refusal(msg, sender, self.rep.table, ctx.leader)
             if why:
-                raise RpcError("forbidden", why)
+                raise RpcError(authz.refusal_code(sender, why), why)
             return await self._dispatch(msg, node_id)
         except SwarmError as exc:
             if exc.kind != "unavailable":  # not leading, stopping: normal during a change
@@ -789,8 +793,11 @@ class Daemon:
         threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(self.ctx.me.host.get("cpu_cores") or 1)  # fmt: skip
         try:
             speeds = await asyncio.to_thread(
-                speed_probe.measure, self.ctx.me.record, threads=threads, env=self._env, fresh=fresh
-            )
+                speed_probe.measure, self.ctx.me.record, threads=threads, env=self._env,
+                fresh=fresh, stop=self._probe_stop,
+            )  # fmt: skip
+        except speed_probe.ProbeStopped:
+            return {}
         except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.warning("speed probe failed (the planner splits by free memory): %s", exc)
             if fresh:

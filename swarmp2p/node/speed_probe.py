@@ -15,7 +15,6 @@ separate ones (a hash of the kernel's boot id: network namespaces and containers
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -25,6 +24,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -193,7 +193,19 @@ def cache_folder(env: Mapping[str, str] | None = None) -> Path:
     return base / "swarmp2p" / "speed"
 
 
-def _run_probe(request: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+class ProbeStopped(RuntimeError):
+    """The daemon began to stop while its probe ran (or waited for another's): given up."""
+
+
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
+def _run_probe(
+    request: Mapping[str, Any], env: Mapping[str, str], stop: threading.Event | None = None
+) -> dict[str, Any]:
+    """The probe subprocess's answer; killed when ``stop`` is set (a daemon's shutdown never
+    waits for a probe) or past ``PROBE_TIMEOUT_S``."""
     import subprocess
 
     run_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "")}
@@ -202,19 +214,46 @@ def _run_probe(request: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, 
     else:
         run_env.pop("CUDA_VISIBLE_DEVICES")
     run_env["OMP_NUM_THREADS"] = str(request["threads"])
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "swarmp2p.runtime.probe"],
-        input=json.dumps(request), capture_output=True, text=True, env=run_env,
-        timeout=PROBE_TIMEOUT_S,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=run_env,
     )  # fmt: skip
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"the speed probe exited with {out.returncode}: {' | '.join(tail)}")
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    sent: str | None = json.dumps(request)
+    while True:
+        try:
+            stdout, stderr = proc.communicate(sent, timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            sent = None  # written once; a later communicate() only reads
+            if _stopped(stop) or time.monotonic() > deadline:
+                proc.kill()
+                proc.communicate()
+                if _stopped(stop):
+                    raise ProbeStopped("the node is stopping") from None
+                raise TimeoutError(f"the speed probe took over {PROBE_TIMEOUT_S:g} s") from None
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"the speed probe exited with {proc.returncode}: {' | '.join(tail)}")
     answer = json.loads(lines[-1])
     if not isinstance(answer.get("speeds"), dict):
         raise RuntimeError(f"the speed probe answered {lines[-1][:200]!r}")
     return answer
+
+
+def _lock(lock: Any, stop: threading.Event | None) -> None:
+    """The cache file's lock (daemons starting together on one machine measure once); a
+    stopping daemon stops waiting for it."""
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if _stopped(stop):
+                raise ProbeStopped("the node is stopping") from None
+            time.sleep(0.1)
 
 
 def measure(
@@ -223,10 +262,12 @@ def measure(
     threads: int,
     env: Mapping[str, str] | None = None,
     fresh: bool = False,
+    stop: threading.Event | None = None,
 ) -> dict[str, dict[str, float]]:
     """``{device key: {dtype: FLOP/s}}`` for ``record``'s devices: from the cache, else (or when
     ``fresh``) measured by the probe subprocess and cached. Blocks for the probe (seconds);
-    daemons starting together on one machine measure once (a lock on the cache file)."""
+    daemons starting together on one machine measure once (a lock on the cache file).
+    ``stop`` set: ``ProbeStopped`` at once, the probe killed."""
     env = os.environ if env is None else env
     request = probe_request(record, threads)
     if not request["devices"]:
@@ -235,12 +276,12 @@ def measure(
     path = cache_folder(env) / f"{cache_key(request, record, quota)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock, stop)
         if not fresh:
             cached = _cached(path)
             if cached is not None:
                 return cached
-        answer = _run_probe(request, env)
+        answer = _run_probe(request, env, stop)
         speeds = {
             str(k): {str(dt): float(v) for dt, v in per.items() if isinstance(v, (int, float)) and v > 0}
             for k, per in answer["speeds"].items() if isinstance(per, dict)
@@ -278,13 +319,9 @@ def can_probe(env: Mapping[str, str]) -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-async def measure_async(record: Mapping[str, Any], *, threads: int, env: Mapping[str, str]) -> dict[str, dict[str, float]]:  # fmt: skip
-    """``measure`` on a thread (the daemon's loop keeps running)."""
-    return await asyncio.to_thread(measure, record, threads=threads, env=env)
-
-
 __all__ = [
     "PROBE_ENV",
+    "ProbeStopped",
     "apply_speeds",
     "cache_folder",
     "can_probe",
@@ -293,6 +330,5 @@ __all__ = [
     "link_speed",
     "machine_id",
     "measure",
-    "measure_async",
     "probe_request",
 ]

@@ -60,8 +60,12 @@ def wait_until(
 
 
 def swarm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a daemon or the CLI: no SWARM_ variable of ours, the
+    checkout importable, and no speed probe (seconds of busy CPU per daemon on a shared box,
+    measuring each other; a test about speeds passes ``SWARM_SPEED_PROBE=on``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["SWARM_SPEED_PROBE"] = "off"
     env.update(extra or {})
     return env
 

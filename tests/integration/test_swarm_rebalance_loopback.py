@@ -16,7 +16,7 @@ from swarmp2p.node import api
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
-ENV = {"OMP_NUM_THREADS": "1"}  # the daemons share this machine's cores
+ENV = {"OMP_NUM_THREADS": "1", "SWARM_SPEED_PROBE": "on"}  # they share this machine's cores
 
 
 @pytest.fixture

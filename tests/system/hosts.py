@@ -225,6 +225,7 @@ class Host:
         """This process's environment less what points at shared folders, HOME on the host."""
         env = {k: v for k, v in swarm_env().items() if not k.startswith(HOST_ENV_DROP)}
         env["HOME"] = HOME
+        env["SWARM_SPEED_PROBE"] = "off"  # as swarm_env: a test about speeds turns it on
         env.update(extra or {})
         return env
 

@@ -128,3 +128,39 @@ def test_the_probe_runs_in_a_subprocess_and_is_cached(tmp_path, monkeypatch):
     speed_probe.measure(record, threads=1, env=env, fresh=True)
     assert json.loads(cached.read_text())["at"] > at  # measured again
     assert not speed_probe.can_probe({"SWARM_SPEED_PROBE": "off"})
+
+
+@pytest.mark.torch
+def test_a_stopping_node_kills_its_probe_and_stops_waiting_for_anothers(tmp_path):
+    import fcntl
+    import threading
+    import time
+
+    record, _ = _record()
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    stop = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            speed_probe.measure(record, threads=1, env=env, stop=stop)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)  # the probe subprocess is importing torch (seconds)
+    stopped = time.monotonic()
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - stopped < 2.0
+    assert [type(e) for e in outcome] == [speed_probe.ProbeStopped]
+    assert not list((tmp_path / "swarmp2p" / "speed").glob("*.json"))  # nothing half-cached
+
+    # another daemon holds the cache's lock (it measures): a stopping one stops waiting
+    (lock_file,) = (tmp_path / "swarmp2p" / "speed").glob("*.lock")
+    with open(lock_file, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stop.set()
+        with pytest.raises(speed_probe.ProbeStopped):
+            speed_probe.measure(record, threads=1, env=env, stop=stop)
