@@ -22,6 +22,27 @@ try:  # tqdm's monitor thread outlives every progress bar; it is not ours to lea
 except ImportError:
     pass
 
+SERIAL_GROUPS = (
+    ("tests/system/", "hosts"),
+    ("tests/integration/", "daemons"),
+    ("tests/security/", "daemons"),
+)
+"""Under ``pytest -n 2 --dist loadgroup`` (the suite's command) the tests that start daemons
+run one at a time in two streams: network-namespace hosts on one worker, daemons on this
+machine's loopback (mDNS on 127.0.0.1, the demo, the installs) on the other; unit tests fill
+both workers around them. Two loopback swarms at once would see each other's adverts."""
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        where = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        for prefix, group in SERIAL_GROUPS:
+            if where.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+
+
 LEAK_GRACE_S = 2.0
 """How long a test's threads and children get to finish after it returns."""
 
