@@ -14,7 +14,7 @@ from swarm_harness import dump, swarm, wait_until, worker_pids
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import api
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.alone]  # it times CPU shares
 
 ENV = {"OMP_NUM_THREADS": "1", "SWARM_SPEED_PROBE": "on"}  # they share this machine's cores
 

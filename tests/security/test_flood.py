@@ -238,6 +238,7 @@ def enough_descriptors():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it times the daemon under a flood
 def test_a_flood_of_idle_connections_leaves_the_daemon_serving(tmp_path, enough_descriptors):
     """Daemon a starts at the common soft limit of 1024 descriptors (hard 4096); 1,100 idle
     unauthenticated connections hit its control port. `swarm status` answers in < 1 s, the
