@@ -41,7 +41,7 @@ def _job(model):
         "model": {"pretrained": str(model)},  # a full fine-tune, the default speed split
         "split": {"stages": 2},
         "data": {"source": "random"},
-        "train": {"steps": 48, "batch_size": 4, "seq_len": 32, "micro_batches": 2, "lr": 1e-4,
+        "train": {"steps": 32, "batch_size": 4, "seq_len": 32, "micro_batches": 2, "lr": 1e-4,
                   "eval_batches": 0, "checkpoint_every": 8, "recompute": False},
     }  # fmt: skip
 
