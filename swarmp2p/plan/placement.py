@@ -35,6 +35,7 @@ from swarmp2p.plan.placer import (
     Placer,
     SplitAttempt,
     candidate_devices,
+    device_attempts,
     gb,
     min_max_partition,
     select_devices,
@@ -252,13 +253,7 @@ def _place_on(
     with the least free memory, while memory is what falls short); or Blocked, with the nodes
     short of disk for their download share."""
     selected = select_devices(candidates, required)
-    attempts = [selected]
-    if auto:  # as many stages as fit: drop the device with the least free memory, one by one
-        rest = list(selected)
-        while len(rest) > 1:
-            drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
-            rest = rest[:drop] + rest[drop + 1 :]
-            attempts.append(rest)
+    attempts = device_attempts(selected, auto)
     first: tuple[Blocked, frozenset[str]] | None = None
     for devices in attempts:
         dtype = resolve_dtype(devices, requested).dtype  # the best every used device runs

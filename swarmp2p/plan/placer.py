@@ -273,6 +273,18 @@ def select_devices(devices: list[Placed], n: int) -> list[Placed]:
     return [p for i, p in enumerate(devices) if i in keep]
 
 
+def device_attempts(selected: list[Placed], auto: bool) -> list[list[Placed]]:
+    """The device sets to try in turn: ``selected``, then (auto stages: as many as fit) fewer,
+    dropping the device with the least free memory, one by one."""
+    attempts = [list(selected)]
+    rest = list(selected)
+    while auto and len(rest) > 1:
+        drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
+        rest = rest[:drop] + rest[drop + 1 :]
+        attempts.append(rest)
+    return attempts
+
+
 __all__ = [
     "DEVICE_RESERVE",
     "SERVE_FLOPS_PER_PARAM_TOKEN",
@@ -281,6 +293,7 @@ __all__ = [
     "Placer",
     "SplitAttempt",
     "candidate_devices",
+    "device_attempts",
     "device_key",
     "gb",
     "min_max_partition",

@@ -42,6 +42,7 @@ from swarmp2p.plan.placer import (
     Placed,
     Placer,
     candidate_devices,
+    device_attempts,
     device_key,
     select_devices,
     torch_device,
@@ -355,13 +356,7 @@ def plan_serve(
         if required <= len(candidates)
         else _stack(candidates, required)
     )
-    attempts = [selected]
-    if auto:  # as many stages as fit: drop the device with the least free memory, one by one
-        rest = list(selected)
-        while len(rest) > 1:
-            drop = min(range(len(rest)), key=lambda i: (rest[i][1].memory_free, -i))
-            rest = rest[:drop] + rest[drop + 1 :]
-            attempts.append(rest)
+    attempts = device_attempts(selected, auto)
     first: Blocked | None = None
     for devices in attempts:
         result = _place(ask, devices, resolve_dtype(devices, dtype).dtype, notes)
