@@ -181,9 +181,19 @@ class ZmqLink(Link):
 
     def recv(self, timeout: float) -> list[memoryview]:
         sock = self._socket()
-        if not sock.poll(_ms(timeout), zmq.POLLIN):
-            raise LinkTimeout(f"link {self.endpoint}: nothing received within {timeout:g} s")
-        frames = sock.recv_multipart(copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # POLLIN means a message *may* be there: seen right after a connect, then a blocking
+            # recv that never returned (a reader that could not stop); so the recv never blocks
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if sock.poll(_ms(left), zmq.POLLIN):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    time.sleep(0.001)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LinkTimeout(f"link {self.endpoint}: nothing received within {timeout:g} s")
         parts = [f.buffer for f in frames]
         self.bytes_received += _nbytes(parts)
         return parts
