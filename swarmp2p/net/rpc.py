@@ -73,6 +73,24 @@ class RpcError(SwarmError):
         return cls(reply.code, reply.detail)
 
 
+REBIND_S = 5.0
+"""How long a fixed port is tried again while it is still in use: zmq releases a closed
+socket's listener on its I/O thread, after ``close()`` returns, so a server restarted on its
+own port (a re-key) can find the port still held for a moment."""
+
+
+async def _bind(sock: zmq.asyncio.Socket, addr: str) -> None:
+    deadline = time.monotonic() + REBIND_S
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
 class RpcServer:
     """ROUTER on ``tcp://host:port`` (port 0: a random free port, see :attr:`port`)."""
 
@@ -109,7 +127,7 @@ class RpcServer:
             if self._requested_port == 0:
                 self.port = sock.bind_to_random_port(f"tcp://{self._host}")
             else:
-                sock.bind(f"tcp://{self._host}:{self._requested_port}")
+                await _bind(sock, f"tcp://{self._host}:{self._requested_port}")
                 self.port = self._requested_port
         except BaseException:
             sock.close(0)

@@ -259,3 +259,42 @@ def test_the_handler_gets_the_key_each_request_was_authenticated_with():
 
     run(scenario)
     assert senders == [alice.public, bob.public]
+
+
+def test_a_server_restarted_on_its_port_waits_for_the_old_listener_to_let_go(secret):
+    """A re-key restarts the join server on its own port; the port may still be held for a
+    moment after the old socket closed (zmq lets go on its I/O thread). The new server binds
+    once the port is free, and fails naming the port when it never is."""
+    import socket
+
+    from swarmp2p.net import rpc
+
+    async def scenario(ctx):
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        asyncio.get_running_loop().call_later(0.3, holder.close)
+        server = RpcServer(ctx, secret, "127.0.0.1", port, lambda m, p: _handler([], m, p))
+        t0 = time.monotonic()
+        await server.start()
+        try:
+            assert server.port == port and time.monotonic() - t0 >= 0.25
+            async with RpcClient(ctx, secret, server.endpoint) as cli:
+                assert (await cli.request(Echo(text="up"), timeout=5)).text == "UP"
+        finally:
+            await server.close()
+
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        try:
+            rpc.REBIND_S, saved = 0.2, rpc.REBIND_S
+            stuck = RpcServer(ctx, secret, "127.0.0.1", held.getsockname()[1], lambda m, p: None)
+            with pytest.raises(zmq.ZMQError, match="in use"):
+                await stuck.start()
+        finally:
+            rpc.REBIND_S = saved
+            held.close()
+
+    run(scenario)
