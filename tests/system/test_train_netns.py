@@ -196,7 +196,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     watcher.host.put(tiny_llama, MODEL)  # only the submitting host has the model
     job_id = _submit(watcher, _write(watcher, job))
     entry = wait_until(
-        lambda: (e := _raw(watcher, job_id))["state"] == "running" and e, 60, "the job to run"
+        lambda: (e := _raw(watcher, job_id))["state"] == "running" and e, 120, "the job to run"
     )
     stage_nodes = [s["node_id"] for s in entry["record"]["plan"]["stages"]]
     victim = "a" if victim_is_leader else next(n for n in stage_nodes if n != "a")
@@ -204,7 +204,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     # freeze a stage past the first snapshot, so the job cannot end however fast this machine
     # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
     # has been noticed
-    wait_until(lambda: (_raw(watcher, job_id)["record"].get("step") or 0) >= 12, 60, "step 12")
+    wait_until(lambda: (_raw(watcher, job_id)["record"].get("step") or 0) >= 12, 120, "step 12")
     frozen = _workers_of(by_id[victim if replanned else stage_nodes[0]])
     assert frozen, "no stage worker to freeze"
     for pid in frozen:

@@ -280,8 +280,10 @@ def test_full_finetune_of_a_tied_model_serves_as_reconstructed_with_codes_or_flo
     floats, float_bytes = _serve(trained, codes=False)
     codes, code_bytes = _serve(trained, codes=True)
     assert floats == codes == want
-    # 16 int8 codes + a float32 scale per token against 16 float32s, each message's headers aside
-    assert code_bytes[0] < 0.7 * float_bytes[0]
+    # 16 int8 codes + a float32 scale per token (20 B) against 16 float32s (64 B); each message's
+    # headers (about 60% of the float bytes here, a few bytes more or less with the numbers in
+    # them) come on top of both
+    assert code_bytes[0] < 0.75 * float_bytes[0]
 
 
 def test_a_tied_last_stage_needs_its_tied_head(tied, tmp_path):
