@@ -23,24 +23,35 @@ except ImportError:
     pass
 
 SERIAL_GROUPS = (
+    ("tests/integration/test_install.py", "installs"),
     ("tests/system/", "hosts"),
     ("tests/integration/", "daemons"),
     ("tests/security/", "daemons"),
 )
-"""Under ``pytest -n 2 --dist loadgroup`` (the suite's command) the tests that start daemons
-run one at a time in two streams: network-namespace hosts on one worker, daemons on this
-machine's loopback (mDNS on 127.0.0.1, the demo, the installs) on the other; unit tests fill
-both workers around them. Two loopback swarms at once would see each other's adverts."""
+"""Under the suite's command (``pytest -n 2 --dist loadgroup --no-loadscope-reorder``) the
+tests that start daemons run one at a time per group: network-namespace hosts in one stream,
+daemons on this machine's loopback (mDNS on 127.0.0.1, the demo) in another, and the installs
+(fresh HOMEs, no mDNS) in a third; unit tests fill the workers around them. Two loopback
+swarms at once would see each other's adverts."""
+
+GROUP_ORDER = {"daemons": 0, "hosts": 1, None: 2, "installs": 3}
+"""The order the groups are handed out in: xdist gives each worker two units at the start, so
+the two longest streams come first, then the unit tests, and the installs go to whichever
+worker runs out of unit tests first."""
 
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
+    groups = {}
     for item in items:
         where = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        groups[item.nodeid] = None
         for prefix, group in SERIAL_GROUPS:
             if where.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
+                groups[item.nodeid] = group
                 break
+    items.sort(key=lambda item: GROUP_ORDER[groups[item.nodeid]])
 
 
 LEAK_GRACE_S = 2.0

@@ -77,6 +77,9 @@ def _env(home: Path, extra_path: str = "") -> dict[str, str]:
     env["NO_COLOR"] = "1"
     # pip's wheel cache from the real home: the registries are slow; nothing else is shared
     env["PIP_CACHE_DIR"] = str(Path(os.path.expanduser("~")) / ".cache" / "pip")
+    # pip byte-compiles every module it installs (torch's and transformers' take ~30 s of each
+    # install); here each module compiles on its first import instead, and only those imported
+    env["PIP_NO_COMPILE"] = "1"
     return env
 
 
