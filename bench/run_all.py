@@ -3,6 +3,7 @@
     python bench/run_all.py                   # full sizes; writes docs/benchmarks.md
     python bench/run_all.py --quick           # tiny sizes (CI: the benchmarks cannot rot);
                                               # writes only with --output
+    python bench/run_all.py --quick --jobs 2  # two at a time (quick mode only)
     python bench/run_all.py --only wire --only plan_scale --output /tmp/b.md
 
 Each benchmark prints markdown and, as its last line, one JSON object; a benchmark that exits
@@ -14,6 +15,7 @@ In quick mode a benchmark runs with ``--quick``; one without that flag must be l
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as dt
 import importlib.metadata
 import json
@@ -208,16 +210,26 @@ def main(argv: list[str] | None = None) -> int:
                              " none in --quick mode)")  # fmt: skip
     parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per benchmark")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="with --quick: run N benchmarks at once (their numbers mean nothing "
+                             "in quick mode; full runs go one at a time)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and not args.quick):
+        parser.error(f"--jobs {args.jobs}: must be 1, or more only with --quick (benchmarks "
+                     "side by side would skew each other's numbers)")  # fmt: skip
     try:
         scripts = discover(args.bench_dir, args.only)
         plan = [(s, quick_args(s) if args.quick else []) for s in scripts]
     except ValueError as exc:
         parser.error(str(exc))
-    results = []
-    for script, script_args in plan:
+
+    def one(item: tuple[Path, list[str]]) -> BenchResult:
+        script, script_args = item
         print(f"running bench/{script.name} {' '.join(script_args)}", file=sys.stderr, flush=True)
-        results.append(run_one(script, script_args, args.timeout))
+        return run_one(script, script_args, args.timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, plan))  # in the plan's order, whichever ends first
     output = args.output if args.output is not None else (None if args.quick else DEFAULT_OUTPUT)
     if output is not None:
         write_atomic(output, render(results, machine(), quick=args.quick), mode=0o644)

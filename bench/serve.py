@@ -298,8 +298,8 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
 
 def single(args) -> dict:
     """One session round rings of 1, 2 and 3 stages against ``model.generate`` (issue 8)."""
-    tokens = args.tokens or (32 if args.quick else 128)
-    repeats = args.repeats or 5
+    tokens = args.tokens or (16 if args.quick else 128)
+    repeats = args.repeats or (2 if args.quick else 5)
 
     import torch
     from transformers import AutoModelForCausalLM

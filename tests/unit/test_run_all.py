@@ -113,3 +113,28 @@ def test_run_all_on_the_real_cheap_benchmarks(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     text = out_md.read_text()
     assert "dense_ms" in text and '"crashes": 0' in text and "`--inputs 2000`" in text
+
+
+MEET = """import argparse, json, pathlib, sys, time
+p = argparse.ArgumentParser(); p.add_argument("--quick", action="store_true"); p.parse_args()
+here = pathlib.Path(sys.argv[0]); me, other = here.stem, {"a": "b", "b": "a"}[here.stem]
+(here.parent / f"{me}.up").touch()
+deadline = time.monotonic() + 30
+while not (here.parent / f"{other}.up").exists():  # ends only if both run at once
+    if time.monotonic() > deadline:
+        sys.exit(f"{other} never ran beside {me}")
+    time.sleep(0.02)
+print(json.dumps({"name": me}))
+"""
+
+
+def test_run_all_runs_quick_benchmarks_side_by_side_only_when_asked(tmp_path):
+    folder = _bench_dir(tmp_path, a=MEET, b=MEET)
+    out = _run(
+        "--quick", "--jobs", "2", "--bench-dir", str(folder), "--output", str(tmp_path / "q.md")
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (tmp_path / "q.md").read_text()
+    assert text.index("## bench/a.py") < text.index("## bench/b.py")  # the plan's order
+    full = _run("--jobs", "2", "--bench-dir", str(folder))
+    assert full.returncode == 2 and "--jobs 2" in full.stderr and "only with --quick" in full.stderr
