@@ -40,6 +40,7 @@ the two longest streams come first, then the unit tests, and the installs go to 
 worker runs out of unit tests first."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
     groups = {}
