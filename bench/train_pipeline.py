@@ -37,14 +37,11 @@ from swarmp2p.plan import load_model_shape, parse_job, stage_schedule  # noqa: E
 from swarmp2p.plan.worker_spec import local_plan, worker_spec  # noqa: E402
 from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
 from swarmp2p.runtime.torch.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.train import (  # noqa: E402
-    TrainSettings,
-    build_bundle,
-    chunked_loss,
-    train_stage,
-)
+from swarmp2p.runtime.torch.loss import chunked_loss  # noqa: E402
+from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
 
 CACHE = Path(os.environ.get("SWARMP2P_CACHE", Path.home() / ".cache" / "swarmp2p")) / "bench"
 COMPRESSIONS = {

@@ -151,18 +151,20 @@ def check_gpus(
     )  # fmt: skip
 
 
+def _not_probed(name: str) -> Check:
+    """A worker check ``--no-worker`` skipped."""
+    return Check(
+        name=name, status=WARN, detail="not checked (--no-worker)", fix="run without --no-worker"
+    )
+
+
 def check_worker_torch(
     worker: WorkerProbe, *, nvml_gpus: int, install: Install | None = None, nvidia: bool = False
 ) -> Check:
     name = "worker torch/CUDA"
     install = detect() if install is None else install
     if worker.skipped:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="not checked (--no-worker)",
-            fix="run without --no-worker",
-        )
+        return _not_probed(name)
     if worker.torch is None:
         return Check(
             name=name,
@@ -273,6 +275,21 @@ def check_multicast(interfaces: Sequence[Interface], *, error: str = "") -> Chec
     )
 
 
+def _no_daemon(name: str, unchecked: str, *, state_dir: bool = False) -> Check:
+    """A check that asks the running daemon, when none runs: what went ``unchecked``."""
+    where, up = (
+        (" for this state dir", "`swarm up` (or pass --state-dir)")
+        if state_dir
+        else ("", "`swarm up`")
+    )
+    return Check(
+        name=name,
+        status=WARN,
+        detail=f"no daemon runs{where}: {unchecked}",
+        fix=f"{up}, then run `swarm doctor` again",
+    )
+
+
 def peers_of(daemon: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [p for p in daemon.get("peers", []) if p.get("node_id") != daemon.get("node_id")]
 
@@ -280,12 +297,7 @@ def peers_of(daemon: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def check_ports(daemon: Mapping[str, Any] | None, reach: Mapping[str, str]) -> Check:
     name = "peer control ports"
     if daemon is None:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="no daemon runs for this state dir: peers not checked",
-            fix="`swarm up` (or pass --state-dir), then run `swarm doctor` again",
-        )
+        return _no_daemon(name, "peers not checked", state_dir=True)
     peers = peers_of(daemon)
     if not peers:
         return Check(
@@ -326,12 +338,7 @@ def check_ports(daemon: Mapping[str, Any] | None, reach: Mapping[str, str]) -> C
 def check_clock_skew(daemon: Mapping[str, Any] | None, *, warn_s: float = SKEW_WARN_S) -> Check:
     name = "clock skew"
     if daemon is None:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="no daemon runs: skew to peers not measured",
-            fix="`swarm up`, then run `swarm doctor` again",
-        )
+        return _no_daemon(name, "skew to peers not measured")
     live = [p for p in peers_of(daemon) if p.get("alive")]
     skews = {p["node_id"]: p.get("clock_skew_s") for p in live}
     measured = {k: v for k, v in skews.items() if isinstance(v, (int, float))}
@@ -379,12 +386,7 @@ def check_bitsandbytes(
     name = "bitsandbytes"
     install = detect() if install is None else install
     if worker.skipped:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="not checked (--no-worker)",
-            fix="run without --no-worker",
-        )
+        return _not_probed(name)
     if worker.bitsandbytes is not None:
         return Check(name=name, status=PASS, detail=f"bitsandbytes {worker.bitsandbytes} imports")
     detail = f"cannot import bitsandbytes: {worker.bitsandbytes_error or 'unknown error'}"
@@ -450,12 +452,7 @@ def can_run_stages(daemon: Mapping[str, Any]) -> bool:
 def check_versions(daemon: Mapping[str, Any] | None) -> Check:
     name = "swarmp2p versions"
     if daemon is None:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="no daemon runs: peers' versions not compared",
-            fix="`swarm up`, then run `swarm doctor` again",
-        )
+        return _no_daemon(name, "peers' versions not compared")
     mine = daemon.get("version", "?")
     skew = version_skew(daemon)
     if skew:
@@ -475,12 +472,7 @@ def check_swarm_runtime(daemon: Mapping[str, Any] | None, *, fix: str) -> Check:
     """Whether the swarm's live nodes can run stages; ``fix`` installs the runtime here."""
     name = "nodes that run stages"
     if daemon is None:
-        return Check(
-            name=name,
-            status=WARN,
-            detail="no daemon runs: the swarm's nodes not checked",
-            fix="`swarm up`, then run `swarm doctor` again",
-        )
+        return _no_daemon(name, "the swarm's nodes not checked")
     missing = without_runtime(daemon)
     live = sum(1 for p in daemon.get("peers", []) if p.get("alive"))
     if not missing:

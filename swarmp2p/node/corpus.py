@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p._module_main import run_main
 
 PREPARE_TIMEOUT_S = 600.0
 
@@ -87,8 +88,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (ValueError, OSError, ImportError) as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main, errors=(ValueError, OSError, ImportError))

@@ -63,15 +63,10 @@ class QuantSpec:
         return self.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "quant_type": self.quant_type,
-            "double_quant": self.double_quant,
-            "compute_dtype": self.compute_dtype,
-            "threshold": self.threshold,
-            "cpu_offload": self.cpu_offload,
-            "skip_modules": None if self.skip_modules is None else list(self.skip_modules),
-        }
+        """Every field, in declaration order, ``skip_modules`` as a list."""
+        out = {k: getattr(self, k) for k in self.__slots__}
+        out["skip_modules"] = None if self.skip_modules is None else list(self.skip_modules)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -195,7 +195,7 @@ def reference(folder, steps, batch_size, seq_len, seed, lr):
     """Single process: the loss of each step and the parameters after the last."""
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.train import chunked_loss
+    from swarmp2p.runtime.torch.loss import chunked_loss
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -125,58 +125,48 @@ class Compressor(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-class NoCompression(Compressor):
-    """The boundary sends the hidden state as it is."""
+class _SenderRounds(Compressor):
+    """A boundary whose sender half rounds the hidden state (or passes it on, ``send`` None) and
+    whose receiver half is the identity: the payload is already the hidden state's values."""
 
-    payload_codec = "none"
-
-    def __init__(self) -> None:
+    def __init__(self, send: nn.Module | None = None) -> None:
         super().__init__()
         self._identity = nn.Identity()
+        self._send = self._identity if send is None else send
 
     def sender(self) -> nn.Module:
-        return self._identity
+        return self._send
 
     def receiver(self) -> nn.Module:
         return self._identity
 
 
-class HalfPrecision(Compressor):
+class NoCompression(_SenderRounds):
+    """The boundary sends the hidden state as it is."""
+
+    payload_codec = "none"
+
+
+class HalfPrecision(_SenderRounds):
     """The boundary rounds the hidden state to float16 (straight-through)."""
 
     payload_codec = "fp16"
 
     def __init__(self) -> None:
-        super().__init__()
-        self._round = _Round(16, per_token=False)
-        self._identity = nn.Identity()
-
-    def sender(self) -> nn.Module:
-        return self._round
-
-    def receiver(self) -> nn.Module:
-        return self._identity
+        super().__init__(_Round(16, per_token=False))
 
 
-class FixedQuantization(Compressor):
+class FixedQuantization(_SenderRounds):
     """``fixed_intN``: one float32 scale per tensor, N-bit codes, straight-through estimator."""
 
     def __init__(self, bits: int) -> None:
-        super().__init__()
         if bits not in _QUANT_BITS:
             raise ValueError(
                 f"fixed_int bits must be 2..8, got {bits!r}; use fixed_int2..fixed_int8"
             )
+        super().__init__(_Round(bits, per_token=False))
         self.bits = bits
         self.payload_codec = f"int{bits}"
-        self._round = _Round(bits, per_token=False)
-        self._identity = nn.Identity()
-
-    def sender(self) -> nn.Module:
-        return self._round
-
-    def receiver(self) -> nn.Module:
-        return self._identity
 
 
 class LearnedBottleneck(Compressor):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmp2p.runtime.torch.train import DEFAULT_LOSS_CHUNK_TOKENS, StageBundle
+from swarmp2p.runtime.torch.bundle import StageBundle
+from swarmp2p.runtime.torch.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 EVAL_PASSES = ("base", "calibrated_boundary", "trained")
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p.runtime.torch.bundle import StageBundle
 from swarmp2p.runtime.torch.lora import LoraSettings, _target_regex
-from swarmp2p.runtime.torch.train import StageBundle
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"

@@ -121,13 +121,7 @@ class Verdict:
     good_steps: int = 0
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "skip": self.skip,
-            "failure": self.failure,
-            "failed_stage": self.failed_stage,
-            "scale": self.scale,
-            "good_steps": self.good_steps,
-        }
+        return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
     def from_fields(cls, header: dict[str, Any]) -> Verdict:

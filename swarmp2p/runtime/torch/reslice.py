@@ -15,13 +15,14 @@ each SRC ``PATH:START:END:FIRST:LAST`` (FIRST/LAST/TIED 0 or 1) is how a stage's
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from swarmp2p._module_main import run_main
 
 _BLOCK = re.compile(r"^stage\.blocks\.(\d+)\.(.+)$")
 _FIRST = ("stage.embed.", "stage.position_embed.", "stage.embed_dropout.")
@@ -158,8 +159,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (ValueError, OSError, KeyError) as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main, errors=(ValueError, OSError, KeyError))

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p.runtime.torch.bundle import StageBundle
 from swarmp2p.runtime.torch.precision import LossScaler, StageOptimizer
-from swarmp2p.runtime.torch.train import StageBundle
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 

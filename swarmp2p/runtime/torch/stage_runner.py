@@ -74,9 +74,9 @@ def build_from_spec(spec: WorkerSpec):
     import torch
 
     from swarmp2p.runtime.torch import decoder_config, load_stage_shard
+    from swarmp2p.runtime.torch.bundle import build_bundle
     from swarmp2p.runtime.torch.compression import compressor_from_spec
     from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
-    from swarmp2p.runtime.torch.train import build_bundle
 
     torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
     a, b = spec.layers

@@ -69,9 +69,9 @@ def _adapted_shards(root: Path):
     from transformers import AutoModelForCausalLM
 
     from swarmp2p.runtime.torch import build_stage
+    from swarmp2p.runtime.torch.bundle import build_bundle
     from swarmp2p.runtime.torch.compression import compressor_from_spec
     from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
-    from swarmp2p.runtime.torch.train import build_bundle
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_ref("embedded")).eval()
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")

@@ -22,6 +22,7 @@ from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import decoder_config, introspect, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.export import (  # noqa: E402
     export_stage,
@@ -30,7 +31,7 @@ from swarmp2p.runtime.torch.export import (  # noqa: E402
 )
 from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
 from swarmp2p.runtime.torch.serve import apply_boundary  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, build_bundle, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
 from swarmp2p.runtime.torch.trained import load_trained_stage  # noqa: E402
 from swarmp2p.serve import GREEDY  # noqa: E402
 

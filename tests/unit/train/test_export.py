@@ -135,7 +135,7 @@ def test_a_one_stage_tied_model_exports_its_head_once_and_loads_back(tmp_path):
     import transformers as tf
 
     from swarmp2p.runtime.torch import build_stage
-    from swarmp2p.runtime.torch.train import build_bundle
+    from swarmp2p.runtime.torch.bundle import build_bundle
     from swarmp2p.runtime.torch.trained import _load_weights
 
     config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

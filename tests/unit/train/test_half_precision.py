@@ -22,6 +22,7 @@ from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import build_stage  # noqa: E402
 from swarmp2p.runtime.torch.boundary import Channel, PipelineAborted  # noqa: E402
+from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.compression import NoCompression  # noqa: E402
 from swarmp2p.runtime.torch.precision import (  # noqa: E402
     GROWTH_INTERVAL,
@@ -35,12 +36,7 @@ from swarmp2p.runtime.torch.precision import (  # noqa: E402
     next_loss_scale,
 )
 from swarmp2p.runtime.torch.snapshot import load_snapshot, save_snapshot  # noqa: E402
-from swarmp2p.runtime.torch.train import (  # noqa: E402
-    TrainSettings,
-    build_bundle,
-    make_optimizer,
-    train_stage,
-)
+from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -13,10 +13,11 @@ torch = pytest.importorskip("torch")
 from test_snapshot import _train  # noqa: E402
 from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
+from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.reslice import Source, reslice  # noqa: E402
 from swarmp2p.runtime.torch.snapshot import load_snapshot, save_snapshot, snapshot_path  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, build_bundle, make_optimizer  # noqa: E402
+from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
