@@ -244,7 +244,7 @@ class Serving:
 
     async def _open(self, served: Served) -> None:
         from swarmp2p.net import SecureContext
-        from swarmp2p.serve import RingClient, ServedModel, build_app
+        from swarmp2p.serve import ServedModel, build_app
         from swarmp2p.serve.api import ApiServer
         from swarmp2p.serve.text import TextCodec
 
@@ -259,13 +259,7 @@ class Serving:
             except (OSError, ValueError) as exc:
                 raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
         plan, ends = await self._build(served)
-        served.client = RingClient(
-            ends.first,
-            ends.back,
-            max_context=plan.max_context,
-            max_sessions=plan.max_sessions,
-            step_timeout=STEP_TIMEOUT_S,
-        ).start()
+        served.client = ends.open_client(plan, step_timeout=STEP_TIMEOUT_S)
         model = ServedModel(
             name=served.name, client=served.client, codec=codec, max_context=plan.max_context
         )

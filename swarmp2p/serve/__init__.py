@@ -3,7 +3,7 @@
 A light package: it never imports torch (stage servers live in ``swarmp2p.runtime.torch``).
 """
 
-from swarmp2p.serve.api import API_KEY_ENV, ApiError, ApiServer, ServedModel, build_app, check_bind
+from swarmp2p.serve.api import API_KEY_ENV, ApiServer, build_app, check_bind
 from swarmp2p.serve.local import LocalRing, WorkerFailed, even_bounds, local_serve_plan, serve_local
 from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.protocol import (
@@ -18,8 +18,10 @@ from swarmp2p.serve.protocol import (
     Tokens,
     decode_message,
 )
+from swarmp2p.serve.request import ApiError, GenerationRequest, ServedModel, parse_request
 from swarmp2p.serve.ring import RingEnds, build_ring
-from swarmp2p.serve.sessions import GenerationError, RingBusy, RingClient, Session
+from swarmp2p.serve.session import GenerationError, RingBusy, Session
+from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.spec import (
     BOUNDARY_COMPRESSIONS,
     ServeSpec,
@@ -39,6 +41,7 @@ __all__ = [
     "End",
     "Failed",
     "GenerationError",
+    "GenerationRequest",
     "LocalRing",
     "Prefill",
     "RingBusy",
@@ -62,6 +65,7 @@ __all__ = [
     "decode_message",
     "even_bounds",
     "local_serve_plan",
+    "parse_request",
     "parse_serve_spec",
     "serve_local",
     "serve_spec",

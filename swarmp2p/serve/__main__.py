@@ -19,18 +19,9 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--max-sessions", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per stage")
-    args = parser.parse_args()
+    options = vars(parser.parse_args())  # each option's dest is serve_local's keyword
     try:
-        serve_local(
-            args.model,
-            stages=args.stages,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            max_context=args.max_context,
-            max_sessions=args.max_sessions,
-            threads=args.threads,
-        )
+        serve_local(options.pop("model"), **options)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 

@@ -159,14 +159,7 @@ class LocalRing:
             # but stages on one machine cannot compute on more cores than it has
             if groups is None:
                 groups = max(1, min(n, os.cpu_count() or 1))
-            self.client = RingClient(
-                ends.first,
-                ends.back,
-                max_context=plan.max_context,
-                max_sessions=plan.max_sessions,
-                step_timeout=step_timeout,
-                groups=groups,
-            ).start()
+            self.client = ends.open_client(plan, step_timeout=step_timeout, groups=groups)
         except BaseException:
             self.close()
             raise
@@ -285,7 +278,8 @@ def serve_local(
     """Serve ``model`` on this machine alone: ``stages`` worker processes behind the HTTP API,
     until ``stop`` is set (or Ctrl-C). The swarm daemon does the same across nodes."""
     from swarmp2p.runtime.models import resolve_model_ref
-    from swarmp2p.serve.api import ApiServer, ServedModel, build_app, check_bind
+    from swarmp2p.serve.api import ApiServer, build_app, check_bind
+    from swarmp2p.serve.request import ServedModel
     from swarmp2p.serve.text import TextCodec
 
     check_bind(host, api_key)

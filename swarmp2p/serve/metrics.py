@@ -94,26 +94,24 @@ class ServeMetrics:
             family("swarm_requests_total", "counter", "HTTP generation requests answered")
             for (model, endpoint, status), n in sorted(self.requests.items()):
                 out.append(f"swarm_requests_total{{{_labels(model=model, endpoint=endpoint, status=status)}}} {n}")  # fmt: skip
-            family("swarm_prompt_tokens_total", "counter", "prompt tokens of answered requests")
-            for model, n in sorted(self.prompt_tokens.items()):
-                out.append(f"swarm_prompt_tokens_total{{{_labels(model=model)}}} {n}")
-            family("swarm_generation_tokens_total", "counter", "tokens generated")
-            for model, n in sorted(self.generation_tokens.items()):
-                out.append(f"swarm_generation_tokens_total{{{_labels(model=model)}}} {n}")
-            family(
-                "swarm_time_to_first_token_seconds",
-                "histogram",
-                "from a request's arrival to its first token",
-            )
-            for model, hist in sorted(self.ttft.items()):
-                out.extend(hist.lines("swarm_time_to_first_token_seconds", _labels(model=model)))
-            family(
-                "swarm_inter_token_latency_seconds",
-                "histogram",
-                "between two consecutive tokens of one request",
-            )
-            for model, hist in sorted(self.itl.items()):
-                out.extend(hist.lines("swarm_inter_token_latency_seconds", _labels(model=model)))
+            per_model = (
+                ("swarm_prompt_tokens_total", "counter", "prompt tokens of answered requests",
+                 self.prompt_tokens),
+                ("swarm_generation_tokens_total", "counter", "tokens generated",
+                 self.generation_tokens),
+                ("swarm_time_to_first_token_seconds", "histogram",
+                 "from a request's arrival to its first token", self.ttft),
+                ("swarm_inter_token_latency_seconds", "histogram",
+                 "between two consecutive tokens of one request", self.itl),
+            )  # fmt: skip
+            for name, kind, help_, values in per_model:
+                family(name, kind, help_)
+                for model, value in sorted(values.items()):
+                    labels = _labels(model=model)
+                    if kind == "histogram":
+                        out.extend(value.lines(name, labels))
+                    else:
+                        out.append(f"{name}{{{labels}}} {value}")
         models = list(models)
         gauges = (
             ("swarm_queue_depth", "requests waiting for a session slot", "queue_depth"),

@@ -241,25 +241,43 @@ class Prefill:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Decode:
-    """One decode step of a group of sessions (a row each), run as one batched forward."""
+class _Step:
+    """The rows of one step of a group, a session and its position each (Decode going round
+    the ring, Tokens coming back from its last stage)."""
 
-    op: ClassVar[str] = "decode"
     group: int
     step: int
     """The group's step counter: a late answer to an older step is recognised and dropped."""
     sids: tuple[int, ...]
     positions: tuple[int, ...]
     tokens: tuple[int, ...] = ()
-    """Each row's newest token, for stage 0 (empty after it)."""
+    """Each row's token: in a Decode its newest, for stage 0 (empty after it); in Tokens the
+    one sampled next (required there)."""
     sizes: tuple[int, ...] = ()
     """The batch size each stage so far ran this step with."""
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "step": self.step,
+            "sids": list(self.sids),
+            "positions": list(self.positions),
+            "tokens": list(self.tokens),
+            "sizes": list(self.sizes),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decode(_Step):
+    """One decode step of a group of sessions (a row each), run as one batched forward."""
+
+    op: ClassVar[str] = "decode"
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens or self.sids)
 
     def encode(self) -> bytes:
-        return _pack(self.op, _rows(self))
+        return _pack(self.op, self.body())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,16 +292,11 @@ class End:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Tokens:
+class Tokens(_Step):
     """The next token of each row of a step (``group == -1``: after a prefill's last chunk)."""
 
     op: ClassVar[str] = "tokens"
-    group: int
-    step: int
-    sids: tuple[int, ...]
-    positions: tuple[int, ...]
     tokens: tuple[int, ...]
-    sizes: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] = ()
     """Empty when no row asked for log-probabilities, else one entry (or None) per row."""
 
@@ -293,7 +306,7 @@ class Tokens:
             raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.sids)} rows")
 
     def encode(self) -> bytes:
-        body = _rows(self)
+        body = self.body()
         if self.logprobs:
             body["logprobs"] = [
                 None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
@@ -323,17 +336,6 @@ def _same_lengths(sids, positions, tokens) -> None:
             f"rows: {len(sids)} sids, {len(positions)} positions and {len(tokens)} tokens "
             "must be as many"
         )
-
-
-def _rows(msg: Decode | Tokens) -> dict[str, Any]:
-    return {
-        "group": msg.group,
-        "step": msg.step,
-        "sids": list(msg.sids),
-        "positions": list(msg.positions),
-        "tokens": list(msg.tokens),
-        "sizes": list(msg.sizes),
-    }
 
 
 def _pack(op: str, body: dict[str, Any]) -> bytes:

@@ -15,7 +15,12 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from swarmp2p.serve.sessions import RingClient
+
+if TYPE_CHECKING:
+    from swarmp2p.plan.serve import ServePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +32,19 @@ class RingEnds:
     back: Any
     """Receives what the last stage sends (a ZmqLink)."""
     endpoints: tuple[str, ...]
+
+    def open_client(
+        self, plan: ServePlan, *, step_timeout: float, groups: int | None = None
+    ) -> RingClient:
+        """A started RingClient driving this ring within ``plan``'s context and session slots."""
+        return RingClient(
+            self.first,
+            self.back,
+            max_context=plan.max_context,
+            max_sessions=plan.max_sessions,
+            step_timeout=step_timeout,
+            groups=groups,
+        ).start()
 
 
 async def build_ring(

@@ -24,7 +24,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from swarmp2p.net import Link, LinkClosed, LinkTimeout
@@ -37,10 +37,10 @@ from swarmp2p.serve.protocol import (
     Failed,
     Prefill,
     SamplingParams,
-    TokenLogprobs,
     Tokens,
     decode_message,
 )
+from swarmp2p.serve.session import EventHook, GenerationError, RingBusy, Session
 from swarmp2p.wire import WireError
 
 POLL_S = 0.05
@@ -54,108 +54,6 @@ QUEUE_TIMEOUT_S = 30.0
 QUEUE_PER_SLOT = 4
 """Requests that may wait per session slot (``max_queue`` defaults to this x max_sessions)."""
 RETRY_AFTER_MAX_S = 60
-
-EventHook = Callable[[str, object], None]
-"""``hook(kind, value)``: ("token", id), ("done", finish_reason) or ("error", message)."""
-
-
-class GenerationError(RuntimeError):
-    """A request failed in the ring (a stage refused it, crashed, or went silent)."""
-
-
-class RingBusy(RuntimeError):
-    """Every session slot is taken and the queue is full (or the wait ran out)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-        """Seconds after which a retry may find a free slot (the HTTP ``Retry-After``)."""
-
-
-@dataclass(eq=False, kw_only=True)
-class Session:
-    """One request going round the ring. Its events arrive in ``events`` (and the hook, and
-    ``aevents()`` when submitted with a loop)."""
-
-    sid: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    stop: Callable[[list[int]], bool] | None
-    hook: EventHook | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    """Per generated token, when the sampling asked for log-probabilities."""
-    finish_reason: str | None = None
-    """"stop" (an end-of-sequence id or a stop rule), "length", or None while running."""
-    error: str | None = None
-    busy: bool = False
-    """It failed waiting for a session slot (the ring is full), not in the ring."""
-    retry_after: int = 1
-    state: str = "queued"
-    """"queued", "prefill" (its prompt is in the ring), "decode" (in a group), "done"."""
-    group: int | None = None
-    events: queue.Queue = field(default_factory=queue.Queue)
-    started: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_activity: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    _loop: asyncio.AbstractEventLoop | None = None
-    _aqueue: asyncio.Queue | None = None
-
-    @property
-    def expect(self) -> int:
-        """The position of the next token (tokens before it)."""
-        return len(self.prompt) + len(self.tokens)
-
-    def _emit(self, kind: str, value: object) -> None:
-        self.events.put((kind, value))
-        if self._aqueue is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, (kind, value))
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
-        if self.hook is not None:
-            self.hook(kind, value)
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """The generated token ids once finished; GenerationError if the ring failed it."""
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"session {self.sid} still running after {timeout} s")
-        if self.error is not None:
-            if self.busy:
-                raise RingBusy(self.error, self.retry_after)
-            raise GenerationError(self.error)
-        return list(self.tokens)
-
-    def stream(self, timeout: float | None = None) -> Iterator[int]:
-        """Each token id as it arrives; raises GenerationError if the ring fails the request."""
-        while True:
-            try:
-                kind, value = self.events.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"session {self.sid}: no event within {timeout} s") from None
-            if kind == "token":
-                yield value  # type: ignore[misc]
-            elif kind == "error":
-                if self.busy:
-                    raise RingBusy(str(value), self.retry_after)
-                raise GenerationError(str(value))
-            else:
-                return
-
-    async def aevents(self, timeout: float | None = None) -> AsyncIterator[tuple[str, object]]:
-        """Every ``(kind, value)`` event on the loop it was submitted with, the last one
-        ("done" or "error") included; TimeoutError when none comes within ``timeout`` s."""
-        if self._aqueue is None:
-            raise RuntimeError("submit with loop= (or submit_async) to read events on a loop")
-        while True:
-            kind, value = await asyncio.wait_for(self._aqueue.get(), timeout)
-            yield kind, value
-            if kind in ("done", "error"):
-                return
 
 
 @dataclass(eq=False, kw_only=True)
@@ -328,7 +226,7 @@ class RingClient:
             hook=hook,
         )
         if loop is not None:
-            session._loop, session._aqueue = loop, asyncio.Queue()
+            session.on_loop(loop)
         with self._lock:
             if self._closed:
                 raise GenerationError("the ring client was closed")
@@ -473,7 +371,7 @@ class RingClient:
             session.logprobs.append(msg.logprobs[i] if msg.logprobs else None)
             if self._finished(session):
                 continue
-            session._emit("token", msg.tokens[i])
+            session.emit("token", msg.tokens[i])
             if group is None:
                 joined.append(session)
         if group is not None:
@@ -499,10 +397,10 @@ class RingClient:
                 reason = "length"
         if reason is None:
             return False
-        session._emit("token", token)
+        session.emit("token", token)
         session.finish_reason = reason
         self._release(session)
-        session._emit("done", reason)
+        session.emit("done", reason)
         return True
 
     def _grow_groups(self) -> None:
@@ -515,7 +413,7 @@ class RingClient:
             return
         session.error = message
         self._release(session, notify=notify)
-        session._emit("error", message)
+        session.emit("error", message)
 
     def _release(self, session: Session, *, notify: bool = True) -> None:
         was_running = self._running.pop(session.sid, None) is not None

@@ -11,8 +11,9 @@ import urllib.request
 import openai
 import pytest
 
-from swarmp2p.serve.api import ApiServer, ServedModel, build_app
+from swarmp2p.serve.api import ApiServer, build_app
 from swarmp2p.serve.local import LocalRing
+from swarmp2p.serve.request import ServedModel
 from swarmp2p.serve.text import TextCodec
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
