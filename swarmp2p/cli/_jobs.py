@@ -13,6 +13,7 @@ from swarmp2p.cli import (
     EXIT_BLOCKED,
     EXIT_INVALID,
     EXIT_PLANNED,
+    _ask,
     _console,
     _echo_json,
     _exit,
@@ -274,12 +275,8 @@ def jobs(ctx, as_json, state_dir) -> None:
     if ctx.invoked_subcommand is not None:
         return
     from swarmp2p.node import job_commands
-    from swarmp2p.node.api import ApiError
 
-    try:
-        rows = job_commands.jobs(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    rows = _ask(job_commands.jobs, _state_dir(state_dir))
     click.echo(
         json.dumps(rows, indent=2, sort_keys=True) if as_json else job_commands.format_jobs(rows)
     )
@@ -289,20 +286,33 @@ def _jobs_state_dir(ctx, state_dir):
     return _state_dir(state_dir or ctx.obj.get("state_dir"))
 
 
-@jobs.command("show")
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_STATE_DIR_OPTION
-@click.pass_context
+def _job_command(name: str, json_help: str, *options):
+    """`swarm jobs NAME JOB_ID [OPTIONS] [--json] [--state-dir DIR]`: the command gets the
+    click context, the job id, ``options``' values, as_json and state_dir."""
+
+    def add(fn):
+        for decorator in reversed(
+            (
+                jobs.command(name),
+                click.argument("job_id"),
+                *options,
+                click.option("--json", "as_json", is_flag=True, help=json_help),
+                _STATE_DIR_OPTION,
+                click.pass_context,
+            )
+        ):
+            fn = decorator(fn)
+        return fn
+
+    return add
+
+
+@_job_command("show", "Print one JSON object.")
 def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     """One job: plan, state history, metrics, evaluation, reason, error."""
     from swarmp2p.node import job_commands
-    from swarmp2p.node.api import ApiError
 
-    try:
-        view = job_commands.job(_jobs_state_dir(ctx, state_dir), job_id)
-    except ApiError as exc:
-        _fail(exc)
+    view = _ask(job_commands.job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
         return
@@ -341,41 +351,28 @@ def when(epoch: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(epoch))
 
 
-@jobs.command("cancel")
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help='Print {"job_id", "state"}.')
-@_STATE_DIR_OPTION
-@click.pass_context
+@_job_command("cancel", 'Print {"job_id", "state"}.')
 def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     """Stop a job's workers and mark it CANCELLED."""
     from swarmp2p.node import job_commands
-    from swarmp2p.node.api import ApiError
 
-    try:
-        out = job_commands.cancel_job(_jobs_state_dir(ctx, state_dir), job_id)
-    except ApiError as exc:
-        _fail(exc)
+    out = _ask(job_commands.cancel_job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
         _echo_json(out)
     else:
         click.echo(f"{out['job_id']} {out['state']}")
 
 
-@jobs.command("logs")
-@click.argument("job_id")
-@click.option("--stage", type=int, default=None, help="Stage index (default: the last).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the log in text).")
-@_STATE_DIR_OPTION
-@click.pass_context
+@_job_command(
+    "logs",
+    "Print one JSON object (the log in text).",
+    click.option("--stage", type=int, default=None, help="Stage index (default: the last)."),
+)
 def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
     from swarmp2p.node import job_commands
-    from swarmp2p.node.api import ApiError
 
-    try:
-        out = job_commands.job_logs(_jobs_state_dir(ctx, state_dir), job_id, stage)
-    except ApiError as exc:
-        _fail(exc)
+    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage)
     if as_json:
         _echo_json(out)
     else:
@@ -388,12 +385,8 @@ def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
 def models(as_json, state_dir) -> None:
     """Models trained on the swarm (the registry)."""
     from swarmp2p.node import job_commands
-    from swarmp2p.node.api import ApiError
 
-    try:
-        rows = job_commands.models(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    rows = _ask(job_commands.models, _state_dir(state_dir))
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return

@@ -9,6 +9,7 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _ask,
     _echo_json,
     _fail,
     _state_dir,
@@ -213,12 +214,8 @@ def invite(state_dir, minutes, as_json) -> None:
     """Print a one-time pairing code that joins one more machine on this LAN: there, run
     `swarm up --code WORDS`. Three wrong tries burn it."""
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        got = control.invite(_state_dir(state_dir), minutes=minutes)
-    except ApiError as exc:
-        _fail(exc)
+    got = _ask(control.invite, _state_dir(state_dir), minutes=minutes)
     if as_json:
         _echo_json(got)
     else:
@@ -233,12 +230,8 @@ def remove(node_id, state_dir, as_json) -> None:
     """Remove NODE_ID from the swarm and revoke its key on every member (a lost or
     compromised machine). Then `swarm token --rotate`, so the token it holds admits nobody."""
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        got = control.remove(_state_dir(state_dir), node_id)
-    except ApiError as exc:
-        _fail(exc)
+    got = _ask(control.remove, _state_dir(state_dir), node_id)
     if as_json:
         _echo_json(got)
     else:
@@ -256,12 +249,8 @@ def status(state_dir, as_json) -> None:
     import json
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        s = control.status(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    s = _ask(control.status, _state_dir(state_dir))
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return
@@ -321,10 +310,6 @@ def peers(state_dir, as_json) -> None:
     import json
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        s = control.status(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    s = _ask(control.status, _state_dir(state_dir))
     click.echo(json.dumps(s["peers"], indent=2) if as_json else control.format_peers(s["peers"]))
