@@ -142,8 +142,9 @@ class Daemon:
         self._discovery: Discovery | None = None
         self._env = os.environ if env is None else env
         self.heartbeats = Heartbeats(
-            self.ctx, self.rep, self.stages, self.serving, self.hellos, self._changed, self._env
-        )
+            ctx=self.ctx, rep=self.rep, stages=self.stages, serving=self.serving,
+            hellos=self.hellos, on_change=self._changed, env=self._env,
+        )  # fmt: skip
         self._dashboard, self._dashboard_note = None, ""
         self._view_leader = node_id
         self._removed = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from swarmp2p.errors import Unavailable
@@ -24,33 +25,27 @@ from swarmp2p.node.stages import StageHost
 log = logging.getLogger("swarmp2p.node")
 
 
+@dataclass(eq=False)
 class Heartbeats:
     """One node's heartbeats with its peers; ``on_change`` gets the membership changes."""
 
-    def __init__(
-        self,
-        ctx: NodeContext,
-        rep: Replication,
-        stages: StageHost,
-        serving: Serving,
-        hellos: Hellos,
-        on_change: Callable[[list[Change]], None],
-        env: Mapping[str, str],
-    ) -> None:
-        self.ctx = ctx
-        self.rep = rep
-        self.stages = stages
-        self.serving = serving
-        self.hellos = hellos
-        self._on_change = on_change
-        self._env = env
-        self._live = hardware.LiveMemory(ctx.me.record)
+    ctx: NodeContext
+    rep: Replication
+    stages: StageHost
+    serving: Serving
+    hellos: Hellos
+    on_change: Callable[[list[Change]], None]
+    env: Mapping[str, str]
+    skews: dict[str, float] = field(default_factory=dict, init=False)
+    """node -> its wall clock minus this node's, from the last heartbeat it answered."""
+    _fetching: dict[str, list] = field(default_factory=dict, init=False)
+    """node -> the fetches its last heartbeat listed (``swarm status`` shows them)."""
+    _disk: tuple[float, int] = field(default=(-1e18, 0), init=False)
+    """(when, free bytes) of the last look at the model cache's disk."""
+
+    def __post_init__(self) -> None:
+        self._live = hardware.LiveMemory(self.ctx.me.record)
         """Free memory re-read with the heartbeats (live, not the probe at start)."""
-        self._disk_at, self._disk_free = -1e18, 0
-        self._fetching: dict[str, list] = {}
-        """node -> the fetches its last heartbeat listed (``swarm status`` shows them)."""
-        self.skews: dict[str, float] = {}
-        """node -> its wall clock minus this node's, from the last heartbeat it answered."""
 
     def fetches(self) -> list:
         """What the live peers' last heartbeats listed as fetching (``swarm status``)."""
@@ -74,7 +69,7 @@ class Heartbeats:
             await self.ctx.call_endpoint(endpoint, self.message(), rpc_timeout(self.ctx.config))
             self.ctx.members.seen(node_id, self.ctx.clock())
         except (RpcTimeout, RpcError, Unavailable):
-            self._on_change(self.ctx.members.dead(node_id, self.ctx.clock(), "mDNS goodbye and no heartbeat"))  # fmt: skip
+            self.on_change(self.ctx.members.dead(node_id, self.ctx.clock(), "mDNS goodbye and no heartbeat"))  # fmt: skip
 
     def message(self) -> Heartbeat:
         term, version = self.rep.held
@@ -89,16 +84,16 @@ class Heartbeats:
         memory = {
             "free": self._live.read(),
             "held": {"jobs": self.stages.held(), "serve": self.serving.stages.held()},
-            "disk": self._disk(),
+            "disk": self._disk_free(),
         }
         hardware.apply_memory(self.ctx.me.record, memory)
         return memory
 
-    def _disk(self) -> int:
+    def _disk_free(self) -> int:
         now = self.ctx.clock()
-        if now - self._disk_at >= hardware.LIVE_EVERY_S:
-            self._disk_at, self._disk_free = now, hardware.free_disk(self._env)
-        return self._disk_free
+        if now - self._disk[0] >= hardware.LIVE_EVERY_S:
+            self._disk = (now, hardware.free_disk(self.env))
+        return self._disk[1]
 
     def _report(self, beat: Heartbeat) -> None:
         """A peer's heartbeat: its live memory into its record, its fetches for status."""
