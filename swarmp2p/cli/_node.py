@@ -19,6 +19,14 @@ from swarmp2p.cli import (
 # --- the node daemon: up, down, token, status, peers -----------------------------------------
 
 
+def _seconds_option(flag: str, envvar: str, default: float, what: str):
+    """A timing option in seconds, also read from ``envvar``."""
+    return click.option(
+        flag, type=float, default=default, envvar=envvar, show_envvar=True, show_default=True,
+        help=what,
+    )  # fmt: skip
+
+
 @main.command()
 @click.option(
     "--token",
@@ -61,23 +69,12 @@ from swarmp2p.cli import (
     "SWARM_LOG=file|stderr|both picks one (under systemd: stderr, the journal, alone).",
 )
 @click.option("--no-mdns", is_flag=True, help="Do not advertise or browse over mDNS.")
-@click.option(
-    "--heartbeat",
-    type=float,
-    default=0.5,
-    envvar="SWARM_HEARTBEAT_S",
-    show_envvar=True,
-    show_default=True,
-    help="Seconds between heartbeats.",
-)
-@click.option(
+@_seconds_option("--heartbeat", "SWARM_HEARTBEAT_S", 0.5, "Seconds between heartbeats.")
+@_seconds_option(
     "--failure-timeout",
-    type=float,
-    default=3.0,
-    envvar="SWARM_FAILURE_TIMEOUT_S",
-    show_envvar=True,
-    show_default=True,
-    help="Seconds of silence after which a peer is dead.",
+    "SWARM_FAILURE_TIMEOUT_S",
+    3.0,
+    "Seconds of silence after which a peer is dead.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once it is up.")
 def up(
