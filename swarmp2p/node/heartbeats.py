@@ -60,6 +60,7 @@ class Heartbeats:
         return self.message()
 
     def on_mdns_remove(self, node_id: str) -> None:
+        """An mDNS goodbye: the peer is dead only if one heartbeat to it fails."""
         peer = self.ctx.members.peers.get(node_id)
         if peer is not None and peer.alive:
             self.ctx.spawn(self._confirm_gone(node_id, peer.endpoint), f"confirm:{node_id}")
@@ -72,6 +73,7 @@ class Heartbeats:
             self.on_change(self.ctx.members.dead(node_id, self.ctx.clock(), "mDNS goodbye and no heartbeat"))  # fmt: skip
 
     def message(self) -> Heartbeat:
+        """This node's heartbeat (its live memory read again)."""
         term, version = self.rep.held
         return Heartbeat(
             node_id=self.ctx.node_id, term=term, version=version, leader=self.ctx.leader,
@@ -103,6 +105,8 @@ class Heartbeats:
         self._fetching[beat.node_id] = list(beat.fetching or [])
 
     async def beat(self, node_id: str, endpoint: str, alive: bool, join_endpoint: str = "") -> None:
+        """Heartbeat one peer (a dead one gets a hello instead); its answer updates its view,
+        clock skew and table key."""
         if not alive:
             self.hellos.say(endpoint, join_endpoint)
             return

@@ -66,6 +66,7 @@ class Hellos:
                 del self._met_at[endpoint]
 
     def message(self) -> NodeHello:
+        """This node's hello: who it is, where it listens, its record and table key."""
         ctx = self.ctx
         term, version = self.rep.held
         return NodeHello(
@@ -76,6 +77,7 @@ class Hellos:
         )  # fmt: skip
 
     def check(self, hello: NodeHello) -> None:
+        """RpcError unless ``hello`` speaks this protocol and names another node id."""
         # no swarm id check: the key it came with is bound to a member or to a node that
         # proved the secret (mid-rotation two members may name different swarm ids)
         if PROTOCOL_VERSION not in hello.versions:
@@ -91,6 +93,7 @@ class Hellos:
             )
 
     def say(self, endpoint: str, join_endpoint: str = "") -> None:
+        """Meet the node at ``endpoint`` in the background (once at a time per endpoint)."""
         if endpoint in self.pending or self.ctx.closing:
             return
         self.pending.add(endpoint)
@@ -198,6 +201,7 @@ class Hellos:
         return reply
 
     def met(self, hello: NodeHello, endpoint: str, key: str) -> None:
+        """A hello from or to the node at ``endpoint`` (speaking with ``key``): it is live."""
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         changes = self.ctx.members.hello(
             node_id=hello.node_id, name=hello.name, endpoint=endpoint, record=hello.record,
@@ -219,6 +223,7 @@ class Hellos:
         return bool(advert.key) and keyring.is_member(advert.node_id) and keyring.key_of(advert.node_id) == advert.key  # fmt: skip
 
     def on_mdns_add(self, advert: Advert, addresses: list[str]) -> None:
+        """An mDNS advert: meet the node unless it is live at that endpoint already."""
         if not addresses:
             return
         address = best_address(addresses, self._networks)
