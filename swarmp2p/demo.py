@@ -389,7 +389,7 @@ def train(
     """Submit the demo's job through the leader and wait for it (``follow(state_dir, job_id)``
     when given, e.g. the CLI's progress bar); the final job view. DemoError unless the job
     completed with a registered model."""
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
     from swarmp2p.plan import JobError, parse_job
 
     try:
@@ -397,14 +397,14 @@ def train(
     except JobError as exc:  # a bug of the demo itself
         raise DemoError(f"the demo's own job is invalid: {exc}") from None
     state_dir = swarm.leader.state_dir
-    job_id = control.submit_train(state_dir, job)["job_id"]
+    job_id = job_commands.submit_train(state_dir, job)["job_id"]
     if follow is not None:
         view = follow(state_dir, job_id)
     else:
-        view = control.job(state_dir, job_id)
-        while view["state"] not in control.JOB_FINAL:
+        view = job_commands.job(state_dir, job_id)
+        while view["state"] not in job_commands.JOB_FINAL:
             time.sleep(poll_s)
-            view = control.job(state_dir, job_id)
+            view = job_commands.job(state_dir, job_id)
     if view["state"] != "COMPLETED" or not view.get("model"):
         error = view.get("error") or {}
         where = f" (stage {error.get('stage')} on {error.get('node')})" if error else ""
@@ -421,13 +421,13 @@ def serve_on_swarm(
     """Serve ``model`` (a registry model in place from its trained shards, or a folder)
     across the swarm's nodes with the OpenAI-compatible API on the first node; the daemon's
     view: ``url``, ``stages``."""
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
 
     if port == 0:
         port = free_ports(1)[0]
     request = {"model": str(model), "name": name, "stages": stages, "port": port}
     request |= {"max_sessions": 2, "max_context": 2048}
-    return control.serve(swarm.leader.state_dir, request)
+    return job_commands.serve(swarm.leader.state_dir, request)
 
 
 def generate(url: str, model: str, prompt: str, max_tokens: int) -> str:

@@ -43,18 +43,24 @@ class UnsafeName(ValueError):
         self.why = why
 
 
+def _check_string(value: object, what: str, max_chars: int) -> str:
+    """``value`` if it is a string of 1..``max_chars`` characters, else UnsafeName."""
+    if not isinstance(value, str):
+        raise UnsafeName(what, value, f"it must be a string, not {type(value).__name__}")
+    if not value:
+        raise UnsafeName(what, value, "it is empty")
+    if len(value) > max_chars:
+        raise UnsafeName(what, value, f"it is longer than {max_chars} characters")
+    return value
+
+
 def check_id(value: object, *, what: str) -> str:
     """``value`` if it is one strict path component: 1..MAX_ID_CHARS of ``[A-Za-z0-9_-]``.
 
     For job ids, serve ids and the like: no dot at all (so never ``.`` or ``..``), no slash,
     no other character, matched whole (a trailing newline is refused too).
     """
-    if not isinstance(value, str):
-        raise UnsafeName(what, value, f"it must be a string, not {type(value).__name__}")
-    if not value:
-        raise UnsafeName(what, value, "it is empty")
-    if len(value) > MAX_ID_CHARS:
-        raise UnsafeName(what, value, f"it is longer than {MAX_ID_CHARS} characters")
+    value = _check_string(value, what, MAX_ID_CHARS)
     if not _ID.fullmatch(value):
         bad = sorted({c for c in value if not _ID.fullmatch(c)})
         raise UnsafeName(
@@ -67,12 +73,7 @@ def check_id(value: object, *, what: str) -> str:
 
 def _check_text(name: object, what: str) -> str:
     """The lexical rules: a relative POSIX path of plain components, nothing to normalise."""
-    if not isinstance(name, str):
-        raise UnsafeName(what, name, f"it must be a string, not {type(name).__name__}")
-    if not name:
-        raise UnsafeName(what, name, "it is empty")
-    if len(name) > MAX_NAME_CHARS:
-        raise UnsafeName(what, name, f"it is longer than {MAX_NAME_CHARS} characters")
+    name = _check_string(name, what, MAX_NAME_CHARS)
     for c in name:
         if c == "\x00":
             raise UnsafeName(what, name, "it holds a NUL byte")

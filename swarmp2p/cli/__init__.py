@@ -72,6 +72,17 @@ def _fail(exc: Exception) -> None:
     raise CliExit(str(exc), code) from None
 
 
+def _ask(request, *args, **kwargs):
+    """``request(*args, **kwargs)``: one request to the local daemon (``node.control``,
+    ``node.job_commands``); its ApiError fails the command (`_fail`)."""
+    from swarmp2p.node.api import ApiError
+
+    try:
+        return request(*args, **kwargs)
+    except ApiError as exc:
+        _fail(exc)
+
+
 def _echo_json(value) -> None:
     """One JSON document on stdout (what every --json prints)."""
     click.echo(json.dumps(value, indent=2, sort_keys=True))

@@ -33,23 +33,32 @@ def _api_options(fn):
     return fn
 
 
+def _sampling_options(max_tokens: int, what: str):
+    """--max-tokens (default ``max_tokens``, help ``what``) and --temperature."""
+
+    def add(fn):
+        fn = click.option(
+            "--temperature",
+            type=click.FloatRange(0, 2),
+            default=0.7,
+            show_default=True,
+            help="Sampling temperature (0: greedy).",
+        )(fn)
+        return click.option(
+            "--max-tokens",
+            type=click.IntRange(min=1),
+            default=max_tokens,
+            show_default=True,
+            help=what,
+        )(fn)
+
+    return add
+
+
 @main.command("generate")
 @click.argument("model")
 @click.argument("prompt")
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=128,
-    show_default=True,
-    help="Tokens to generate at most.",
-)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(0, 2),
-    default=0.7,
-    show_default=True,
-    help="Sampling temperature (0: greedy).",
-)
+@_sampling_options(max_tokens=128, what="Tokens to generate at most.")
 @click.option("--stream/--no-stream", default=False, help="Print tokens as they come.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"model", "prompt", "text", "usage"}.')
 @_api_options
@@ -86,20 +95,7 @@ def generate_command(
 @main.command("chat")
 @click.argument("model")
 @click.option("--system", default=None, help="A system message to start the conversation.")
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Tokens of each answer at most.",
-)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(0, 2),
-    default=0.7,
-    show_default=True,
-    help="Sampling temperature (0: greedy).",
-)
+@_sampling_options(max_tokens=512, what="Tokens of each answer at most.")
 @_api_options
 def chat_command(
     model: str, system: str | None, max_tokens: int, temperature: float, url: str, api_key

@@ -13,6 +13,7 @@ from swarmp2p.cli import (
     EXIT_BLOCKED,
     EXIT_INVALID,
     EXIT_PLANNED,
+    _ask,
     _console,
     _echo_json,
     _exit,
@@ -71,14 +72,15 @@ def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> N
     Exit 0 completed, 1 failed or cancelled, 2 invalid job, 3 blocked (--plan), 4 no daemon,
     5 no live node can run a stage (nothing is submitted; --detach submits anyway and the job
     waits PENDING). A job that waits PENDING prints its reason whenever it changes."""
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
     from swarmp2p.node.api import ApiError
+    from swarmp2p.node.control import status as node_status
     from swarmp2p.plan import JobError
 
     if stages is not None:
         stages = stages if stages == "auto" else (int(stages) if stages.isdigit() else stages)
     try:
-        job = control.load_train_job(job_file, _train_overrides(stages=stages, **flags))
+        job = job_commands.load_train_job(job_file, _train_overrides(stages=stages, **flags))
     except (JobError, ValueError) as exc:
         errors = getattr(exc, "errors", None)
         rows = (
@@ -91,16 +93,16 @@ def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> N
     sd = _state_dir(state_dir)
     try:
         if plan_only:
-            result = control.live_plan(sd, job)
+            result = job_commands.live_plan(sd, job)
             if as_json:
                 click.echo(json.dumps(result, sort_keys=True, indent=2))
             else:
                 _print_live_plan(result)
                 if result["status"] != "planned":
-                    _warn_no_runtime(control.status(sd), fatal=False)
+                    _warn_no_runtime(node_status(sd), fatal=False)
             sys.exit(EXIT_PLANNED if result["status"] == "planned" else EXIT_BLOCKED)
-        _warn_no_runtime(control.status(sd), fatal=not detach)
-        done = control.submit_train(sd, job)
+        _warn_no_runtime(node_status(sd), fatal=not detach)
+        done = job_commands.submit_train(sd, job)
     except ApiError as exc:
         _fail(exc)
     if detach:
@@ -166,7 +168,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
     from swarmp2p.node.api import ApiError, NoDaemon
     from swarmp2p.node.views import eta_s
 
@@ -186,7 +188,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
         task = bar.add_task(job_id, total=None, info="")
         while True:
             try:
-                view = control.job(sd, job_id)
+                view = job_commands.job(sd, job_id)
             except ApiError as exc:
                 if isinstance(exc, NoDaemon):
                     unreachable_since = unreachable_since or time.monotonic()
@@ -218,7 +220,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
                     said = view["reason"]
                     bar.console.print(f"{view['state']}: {said}", markup=False, soft_wrap=True)
             bar.update(task, total=view["steps"], completed=view["step"], info=" · ".join(info))
-            if view["state"] in control.JOB_FINAL:
+            if view["state"] in job_commands.JOB_FINAL:
                 break
             time.sleep(0.5)
     if as_json:
@@ -272,34 +274,45 @@ def jobs(ctx, as_json, state_dir) -> None:
     ctx.obj["state_dir"] = state_dir
     if ctx.invoked_subcommand is not None:
         return
-    from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node import job_commands
 
-    try:
-        rows = control.jobs(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
-    click.echo(json.dumps(rows, indent=2, sort_keys=True) if as_json else control.format_jobs(rows))
+    rows = _ask(job_commands.jobs, _state_dir(state_dir))
+    click.echo(
+        json.dumps(rows, indent=2, sort_keys=True) if as_json else job_commands.format_jobs(rows)
+    )
 
 
 def _jobs_state_dir(ctx, state_dir):
     return _state_dir(state_dir or ctx.obj.get("state_dir"))
 
 
-@jobs.command("show")
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@_STATE_DIR_OPTION
-@click.pass_context
+def _job_command(name: str, json_help: str, *options):
+    """`swarm jobs NAME JOB_ID [OPTIONS] [--json] [--state-dir DIR]`: the command gets the
+    click context, the job id, ``options``' values, as_json and state_dir."""
+
+    def add(fn):
+        for decorator in reversed(
+            (
+                jobs.command(name),
+                click.argument("job_id"),
+                *options,
+                click.option("--json", "as_json", is_flag=True, help=json_help),
+                _STATE_DIR_OPTION,
+                click.pass_context,
+            )
+        ):
+            fn = decorator(fn)
+        return fn
+
+    return add
+
+
+@_job_command("show", "Print one JSON object.")
 def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     """One job: plan, state history, metrics, evaluation, reason, error."""
-    from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node import job_commands
 
-    try:
-        view = control.job(_jobs_state_dir(ctx, state_dir), job_id)
-    except ApiError as exc:
-        _fail(exc)
+    view = _ask(job_commands.job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
         return
@@ -338,41 +351,28 @@ def when(epoch: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(epoch))
 
 
-@jobs.command("cancel")
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help='Print {"job_id", "state"}.')
-@_STATE_DIR_OPTION
-@click.pass_context
+@_job_command("cancel", 'Print {"job_id", "state"}.')
 def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     """Stop a job's workers and mark it CANCELLED."""
-    from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node import job_commands
 
-    try:
-        out = control.cancel_job(_jobs_state_dir(ctx, state_dir), job_id)
-    except ApiError as exc:
-        _fail(exc)
+    out = _ask(job_commands.cancel_job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
         _echo_json(out)
     else:
         click.echo(f"{out['job_id']} {out['state']}")
 
 
-@jobs.command("logs")
-@click.argument("job_id")
-@click.option("--stage", type=int, default=None, help="Stage index (default: the last).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the log in text).")
-@_STATE_DIR_OPTION
-@click.pass_context
+@_job_command(
+    "logs",
+    "Print one JSON object (the log in text).",
+    click.option("--stage", type=int, default=None, help="Stage index (default: the last)."),
+)
 def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
-    from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node import job_commands
 
-    try:
-        out = control.job_logs(_jobs_state_dir(ctx, state_dir), job_id, stage)
-    except ApiError as exc:
-        _fail(exc)
+    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage)
     if as_json:
         _echo_json(out)
     else:
@@ -384,13 +384,9 @@ def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
 @_STATE_DIR_OPTION
 def models(as_json, state_dir) -> None:
     """Models trained on the swarm (the registry)."""
-    from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
+    from swarmp2p.node import job_commands
 
-    try:
-        rows = control.models(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    rows = _ask(job_commands.models, _state_dir(state_dir))
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
@@ -423,7 +419,7 @@ def export_command(model_id, out, file_mode, as_json, state_dir) -> None:
     with lora.export "adapters") with PEFT's PeftModel.from_pretrained on the base its
     adapter_config.json names (a Hub id; the embedded model's is
     HuggingFaceTB/SmolLM2-135M-Instruct, see swarm-model.json). Needs the torch runtime here."""
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
     from swarmp2p.node.api import ApiError
 
     try:
@@ -436,7 +432,7 @@ def export_command(model_id, out, file_mode, as_json, state_dir) -> None:
             param_hint="--mode",
         ) from None
     try:
-        done = control.export_model(_state_dir(state_dir), model_id, Path(out), file_mode=mode)
+        done = job_commands.export_model(_state_dir(state_dir), model_id, Path(out), file_mode=mode)
     except ModuleNotFoundError as exc:
         from swarmp2p._install import detect, runtime_fix
 

@@ -9,6 +9,7 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _ask,
     _echo_json,
     _fail,
     _state_dir,
@@ -16,6 +17,14 @@ from swarmp2p.cli import (
 )
 
 # --- the node daemon: up, down, token, status, peers -----------------------------------------
+
+
+def _seconds_option(flag: str, envvar: str, default: float, what: str):
+    """A timing option in seconds, also read from ``envvar``."""
+    return click.option(
+        flag, type=float, default=default, envvar=envvar, show_envvar=True, show_default=True,
+        help=what,
+    )  # fmt: skip
 
 
 @main.command()
@@ -60,23 +69,12 @@ from swarmp2p.cli import (
     "SWARM_LOG=file|stderr|both picks one (under systemd: stderr, the journal, alone).",
 )
 @click.option("--no-mdns", is_flag=True, help="Do not advertise or browse over mDNS.")
-@click.option(
-    "--heartbeat",
-    type=float,
-    default=0.5,
-    envvar="SWARM_HEARTBEAT_S",
-    show_envvar=True,
-    show_default=True,
-    help="Seconds between heartbeats.",
-)
-@click.option(
+@_seconds_option("--heartbeat", "SWARM_HEARTBEAT_S", 0.5, "Seconds between heartbeats.")
+@_seconds_option(
     "--failure-timeout",
-    type=float,
-    default=3.0,
-    envvar="SWARM_FAILURE_TIMEOUT_S",
-    show_envvar=True,
-    show_default=True,
-    help="Seconds of silence after which a peer is dead.",
+    "SWARM_FAILURE_TIMEOUT_S",
+    3.0,
+    "Seconds of silence after which a peer is dead.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once it is up.")
 def up(
@@ -213,12 +211,8 @@ def invite(state_dir, minutes, as_json) -> None:
     """Print a one-time pairing code that joins one more machine on this LAN: there, run
     `swarm up --code WORDS`. Three wrong tries burn it."""
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        got = control.invite(_state_dir(state_dir), minutes=minutes)
-    except ApiError as exc:
-        _fail(exc)
+    got = _ask(control.invite, _state_dir(state_dir), minutes=minutes)
     if as_json:
         _echo_json(got)
     else:
@@ -233,12 +227,8 @@ def remove(node_id, state_dir, as_json) -> None:
     """Remove NODE_ID from the swarm and revoke its key on every member (a lost or
     compromised machine). Then `swarm token --rotate`, so the token it holds admits nobody."""
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        got = control.remove(_state_dir(state_dir), node_id)
-    except ApiError as exc:
-        _fail(exc)
+    got = _ask(control.remove, _state_dir(state_dir), node_id)
     if as_json:
         _echo_json(got)
     else:
@@ -256,12 +246,8 @@ def status(state_dir, as_json) -> None:
     import json
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        s = control.status(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    s = _ask(control.status, _state_dir(state_dir))
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return
@@ -321,10 +307,6 @@ def peers(state_dir, as_json) -> None:
     import json
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        s = control.status(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    s = _ask(control.status, _state_dir(state_dir))
     click.echo(json.dumps(s["peers"], indent=2) if as_json else control.format_peers(s["peers"]))

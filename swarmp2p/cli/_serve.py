@@ -79,14 +79,14 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
     until `swarm serve --stop NAME`. A trained model serves in place: each stage loads its
     trained shard on the node that holds it. "embedded" is converted on first use.
     """
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
     from swarmp2p.node.api import ApiError
     from swarmp2p.plan.serve import parse_serve_request
 
     sd = _state_dir(state_dir)
     try:
         if stop_model is not None:
-            done = control.serve_stop(sd, stop_model)
+            done = job_commands.serve_stop(sd, stop_model)
             click.echo(
                 json.dumps(done, indent=2) if as_json else f"stopped serving {done['model']}"
             )
@@ -102,7 +102,7 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
         request = parse_serve_request(
             {"model": model, "quantization": quantization, "cwd": os.getcwd(), **options}
         )
-        view = control.serve(sd, request.to_dict())
+        view = job_commands.serve(sd, request.to_dict())
     except (ApiError, ValueError) as exc:
         _fail(exc)
     if as_json:

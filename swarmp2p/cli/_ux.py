@@ -9,6 +9,7 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _ask,
     _fail,
     _state_dir,
     main,
@@ -70,12 +71,8 @@ def dashboard(state_dir, as_json) -> None:
     """
 
     from swarmp2p.node import control
-    from swarmp2p.node.api import ApiError
 
-    try:
-        s = control.status(_state_dir(state_dir))
-    except ApiError as exc:
-        _fail(exc)
+    s = _ask(control.status, _state_dir(state_dir))
     url, note = s.get("dashboard"), s.get("dashboard_note", "")
     if as_json:
         click.echo(json.dumps({"url": url, "note": note}))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -136,13 +135,6 @@ def _reach(daemon: Mapping[str, Any], timeout: float) -> dict[str, str]:
     return reach
 
 
-def _free(path: Path) -> int:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return 0
-
-
 def gather(
     state_dir: Path,
     *,
@@ -194,7 +186,10 @@ def gather(
         interface_error=interface_error,
         daemon=daemon,
         reach=_reach(daemon, CONNECT_TIMEOUT_S) if daemon else {},
-        disks=(("Hugging Face hub cache", hub, _free(hub)), ("swarmp2p cache", ours, _free(ours))),
+        disks=(
+            ("Hugging Face hub cache", hub, hardware.disk_free(hub)),
+            ("swarmp2p cache", ours, hardware.disk_free(ours)),
+        ),
         embedded_installed=installed,
         embedded_converted=embedded_ready(),
         install=detect(),

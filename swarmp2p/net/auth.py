@@ -189,6 +189,32 @@ def _common(sock: zmq.Socket, max_message_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
 
+def _own_keys(keys: ServerKeys | ClientKeys) -> list[tuple[int, bytes]]:
+    return [
+        (zmq.CURVE_PUBLICKEY, keys.public.encode("ascii")),
+        (zmq.CURVE_SECRETKEY, keys.secret.encode("ascii")),
+    ]
+
+
+def _socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    max_message_bytes: int,
+    curve: Callable[[], list[tuple[int, Any]]],
+) -> zmq.Socket:
+    """A socket with the common options, then ``curve()``'s (CURVE keys, ZAP); closed when
+    setting any fails."""
+    sock = ctx.socket(socket_type)
+    try:
+        _common(sock, max_message_bytes)
+        for option, value in curve():
+            sock.setsockopt(option, value)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
+
+
 def make_server_socket(
     ctx: zmq.Context,
     socket_type: int,
@@ -212,20 +238,19 @@ def make_server_socket(
             "client key"
         )
     keys = _server_keys(secret)
-    sock = ctx.socket(socket_type)
-    try:
-        _common(sock, max_message_bytes)
-        if secure:
-            domain = ctx._admit(keys)  # type: ignore[attr-defined]
-            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-            sock.setsockopt(zmq.CURVE_SERVER, 1)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
-            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
-    except BaseException:
-        sock.close(0)
-        raise
-    return sock
+
+    def curve() -> list[tuple[int, Any]]:
+        if not secure:
+            return []
+        domain = ctx._admit(keys)  # type: ignore[attr-defined]
+        return [
+            (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
+            (zmq.ZAP_DOMAIN, domain.encode()),
+            (zmq.CURVE_SERVER, 1),
+            *_own_keys(keys),
+        ]
+
+    return _socket(ctx, socket_type, max_message_bytes, curve)
 
 
 def make_client_socket(
@@ -239,14 +264,8 @@ def make_client_socket(
     """A CURVE client socket (not yet connected) that talks only to the server whose key
     ``secret`` names (a SwarmSecret: a holder of that secret)."""
     keys = _client_keys(secret)
-    sock = ctx.socket(socket_type)
-    try:
-        _common(sock, max_message_bytes)
-        if secure:
-            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server.encode("ascii"))
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
-            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
-    except BaseException:
-        sock.close(0)
-        raise
-    return sock
+
+    def curve() -> list[tuple[int, Any]]:
+        return [(zmq.CURVE_SERVERKEY, keys.server.encode("ascii")), *_own_keys(keys)] if secure else []  # fmt: skip
+
+    return _socket(ctx, socket_type, max_message_bytes, curve)

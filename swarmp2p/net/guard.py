@@ -34,6 +34,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from swarmp2p._tasks import cancel_all
+
 log = logging.getLogger(__name__)
 
 MAX_PER_SOURCE = 64
@@ -108,11 +110,8 @@ class ConnectionGuard:
         self._task = asyncio.create_task(self._watch(), name=f"guard:{self._what}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await cancel_all(self._task)
+        self._task = None
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.net.auth import (
     ClientCredentials,
@@ -142,12 +143,7 @@ class RpcServer:
 
     async def close(self) -> None:
         """Stop serving, cancel running handlers, close the socket."""
-        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(self._loop_task, *self._tasks)
         self._tasks.clear()
         self._loop_task = None
         if self.guard is not None:
@@ -294,11 +290,8 @@ class RpcClient:
 
     async def close(self) -> None:
         """Stop reading, fail pending requests, close the socket."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-            self._reader = None
+        await cancel_all(self._reader)
+        self._reader = None
         for future in self._pending.values():
             if not future.done():
                 future.cancel()

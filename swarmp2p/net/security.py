@@ -130,12 +130,7 @@ class SwarmSecret:
     def load(cls, path: str | os.PathLike[str]) -> SwarmSecret:
         """Read a secret saved by :meth:`save`; refuses a file others can read (like ssh does)."""
         path = Path(path)
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise PermissionError(
-                f"swarm secret {path} has mode {mode:04o}, readable by other users; "
-                f"run `chmod 600 {path}` (and consider the swarm compromised if others read it)"
-            )
+        check_private(path, "swarm secret", "consider the swarm compromised")
         try:
             return cls.from_token(path.read_text(encoding="ascii"))
         except (ValueError, UnicodeDecodeError) as e:
@@ -175,6 +170,17 @@ def fingerprint(public_key: str) -> str:
     return "-".join(digest[i : i + 4] for i in range(0, 16, 4))
 
 
+def check_private(path: Path, what: str, if_read: str) -> None:
+    """PermissionError when users other than the owner may read ``path`` (like ssh), naming
+    ``what`` it holds, the fix, and ``if_read``: what to do if others read it."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise PermissionError(
+            f"{what} {path} has mode {mode:04o}, readable by other users; run "
+            f"`chmod 600 {path}` (and {if_read} if others read it)"
+        )
+
+
 class NodeKey:
     """A node's own Curve25519 key pair, z85-encoded; saved 0600 as two lines."""
 
@@ -202,13 +208,7 @@ class NodeKey:
     def load(cls, path: str | os.PathLike[str]) -> NodeKey:
         """Read a key saved by :meth:`save`; refuses a file others can read."""
         path = Path(path)
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise PermissionError(
-                f"node key {path} has mode {mode:04o}, readable by other users; run "
-                f"`chmod 600 {path}` (and `swarm remove` this node from another member if "
-                "others read it)"
-            )
+        check_private(path, "node key", "`swarm remove` this node from another member")
         try:
             public, secret = path.read_text(encoding="ascii").split()
             return cls(public, secret)

@@ -3,22 +3,19 @@
 from swarmp2p.node.api import ApiError
 from swarmp2p.node.config import DEFAULT_PORT, NodeConfig
 from swarmp2p.node.context import Identity, NodeContext
-from swarmp2p.node.control import (
+from swarmp2p.node.control import down, status, token, up
+from swarmp2p.node.daemon import Daemon, runtime_capabilities, serve
+from swarmp2p.node.election import check_node_id, leader
+from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices, planner_record, probe
+from swarmp2p.node.job_commands import (
     cancel_job,
-    down,
     export_model,
     job_logs,
     live_plan,
     load_train_job,
-    status,
     submit_job,
     submit_train,
-    token,
-    up,
 )
-from swarmp2p.node.daemon import Daemon, runtime_capabilities, serve
-from swarmp2p.node.election import check_node_id, leader
-from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices, planner_record, probe
 from swarmp2p.node.jobs import PlanMismatch, check_plan, compute_plan
 from swarmp2p.node.jobtable import JobEntry, JobTable, apply
 from swarmp2p.node.membership import Membership

@@ -214,7 +214,8 @@ def model_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _disk_free(path: Path) -> int:
+def disk_free(path: Path) -> int:
+    """Free bytes on the disk that holds ``path`` (its nearest existing parent); 0 if none."""
     for candidate in (path, *path.parents):
         if candidate.exists():
             return shutil.disk_usage(candidate).free
@@ -244,7 +245,7 @@ def probe(
         "node_id": node_id,
         "name": name,
         "ram": ram,
-        "disk_free": _disk_free(model_cache_dir(env)),
+        "disk_free": disk_free(model_cache_dir(env)),
         "capabilities": sorted(capabilities or []),
         "version": version,
         "devices": [*gpus, cpu],
@@ -352,7 +353,7 @@ class LiveMemory:
 
 def free_disk(env: Mapping[str, str] | None = None) -> int:
     """Free bytes where this node keeps model files now."""
-    return _disk_free(model_cache_dir(env))
+    return disk_free(model_cache_dir(env))
 
 
 def apply_memory(record: dict[str, Any], memory: Mapping[str, Any] | None) -> None:

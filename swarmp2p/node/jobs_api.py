@@ -1,4 +1,4 @@
-"""The daemon's local API for jobs and models: live plan, jobs, job, cancel, logs, models,
+"""The daemon's local API for jobs and models: submit (forwarded to the leader), live plan, jobs, job, cancel, logs, models,
 export (gather a model's shards here, every file checked against its sha256). Every stage
 name and file name read from the table is confined to its folder before it touches a path."""
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node import jobs, registry, views
-from swarmp2p.node.messages import ShardChunk, ShardRead
+from swarmp2p.node.messages import ShardChunk, ShardRead, Submit
 from swarmp2p.node.stages import CHUNK_BYTES
 from swarmp2p.paths import UnsafeName, confine
 
@@ -35,6 +35,21 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         if found is None:
             raise UserError(f"no job {key!r} in the table; see `swarm jobs`", code="no_job")
         return found
+
+    async def submit(req: dict[str, Any]) -> dict[str, Any]:
+        from swarmp2p.plan import JobError, parse_job
+
+        job_id = req.get("job_id") or ""
+        if not isinstance(job_id, str):
+            raise UserError("submit 'job_id' must be a string", code="bad_field")
+        try:
+            job = parse_job(req.get("job"))
+        except JobError as exc:
+            raise UserError(str(exc), code="invalid_job") from None
+        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
+        job, inputs = await stages.inputs.submit(job, cwd)  # its files travel from here
+        reply = await ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli"), inputs=inputs), 15.0)  # fmt: skip
+        return {"job_id": reply.job_id, "term": reply.term, "version": reply.version, "replicas": reply.replicas}  # fmt: skip
 
     async def live_plan(req: dict[str, Any]) -> dict[str, Any]:
         from swarmp2p.plan import JobError, parse_job
@@ -123,6 +138,7 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         return out_view
 
     return {
+        "submit": submit,
         "live_plan": live_plan,
         "jobs": list_jobs,
         "job": show,

@@ -264,10 +264,14 @@ def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dic
     }
 
 
-def apply_job_pending(t: JobTable, e: ev.JobPending, entry: ev.Entry) -> dict[str, JobEntry]:
+def apply_job_waiting(
+    t: JobTable, e: ev.JobPending | ev.JobResuming, entry: ev.Entry
+) -> dict[str, JobEntry]:
+    """An active job waits for a place (pending) or to resume, for ``e.reason``."""
+    state, verb = ("pending", "wait") if isinstance(e, ev.JobPending) else ("resuming", "resume")
     job = _job(t, e.job_id)
-    _active(job, "wait")
-    return {e.job_id: _moved(job, "pending", e.at, reason=e.reason)}
+    _active(job, verb)
+    return {e.job_id: _moved(job, state, e.at, reason=e.reason)}
 
 
 def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -291,12 +295,6 @@ def apply_job_running(t: JobTable, e: ev.JobRunning, entry: ev.Entry) -> dict[st
     job = _job(t, e.job_id)
     _current(job, e.attempt, "run")
     return {e.job_id: _moved(job, "running", e.at)}
-
-
-def apply_job_resuming(t: JobTable, e: ev.JobResuming, entry: ev.Entry) -> dict[str, JobEntry]:
-    job = _job(t, e.job_id)
-    _active(job, "resume")
-    return {e.job_id: _moved(job, "resuming", e.at, reason=e.reason)}
 
 
 def apply_job_rebalanced(t: JobTable, e: ev.JobRebalanced, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -400,10 +398,10 @@ _APPLY: dict[type, Callable[..., Any]] = {
     ev.MemberRemoved: apply_member_removed,
     ev.AdmissionChanged: apply_admission_changed,
     ev.JobSubmitted: apply_job_submitted,
-    ev.JobPending: apply_job_pending,
+    ev.JobPending: apply_job_waiting,
     ev.JobPlaced: apply_job_placed,
     ev.JobRunning: apply_job_running,
-    ev.JobResuming: apply_job_resuming,
+    ev.JobResuming: apply_job_waiting,
     ev.JobRebalanced: apply_job_rebalanced,
     ev.StepsReported: apply_steps_reported,
     ev.SnapshotHeld: apply_snapshot_held,

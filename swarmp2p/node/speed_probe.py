@@ -319,6 +319,40 @@ def can_probe(env: Mapping[str, str]) -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+async def measure_node(
+    record: dict[str, Any],
+    host: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    fresh: bool = False,
+    stop: threading.Event | None = None,
+) -> tuple[dict[str, dict[str, float]], bool]:
+    """``measure`` for a daemon, on a thread with ``OMP_NUM_THREADS`` (else the host's cores)
+    threads, the speeds put into ``record``: (speeds, whether any changed). Nothing where the
+    node does not measure or it stops; a failed probe is logged (``fresh``: raised)."""
+    import asyncio
+    import logging
+
+    if not can_probe(env):
+        return {}, False
+    omp = str(env.get("OMP_NUM_THREADS", "")).strip()
+    threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(host.get("cpu_cores") or 1)
+    try:
+        speeds = await asyncio.to_thread(
+            measure, record, threads=threads, env=env, fresh=fresh, stop=stop
+        )
+    except ProbeStopped:
+        return {}, False
+    except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
+        logging.getLogger("swarmp2p.node").warning(
+            "speed probe failed (the planner splits by free memory): %s", exc
+        )
+        if fresh:
+            raise
+        return {}, False
+    return speeds, apply_speeds(record, speeds)
+
+
 __all__ = [
     "PROBE_ENV",
     "ProbeStopped",
@@ -330,5 +364,6 @@ __all__ = [
     "link_speed",
     "machine_id",
     "measure",
+    "measure_node",
     "probe_request",
 ]

@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.election import check_node_id
@@ -28,40 +29,35 @@ def write_private(path: Path, text: str) -> None:
     write_atomic(path, text, mode=0o600)
 
 
+class _InRoot:
+    """A file of the state directory: ``StateDir(root=R).attr`` is ``R / file``."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+
+    @overload
+    def __get__(self, state: None, owner: type) -> _InRoot: ...
+    @overload
+    def __get__(self, state: StateDir, owner: type) -> Path: ...
+    def __get__(self, state: StateDir | None, owner: type) -> _InRoot | Path:
+        return self if state is None else state.root / self.file
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateDir:
     """Paths inside one node's state directory."""
 
     root: Path
 
-    @property
-    def node_id_file(self) -> Path:
-        return self.root / "node_id"
-
-    @property
-    def secret_file(self) -> Path:
-        return self.root / "secret"
-
-    @property
-    def node_key_file(self) -> Path:
-        """This node's own CURVE key pair (0600): who it is to the other members."""
-        return self.root / "node.key"
-
-    @property
-    def table_file(self) -> Path:
-        return self.root / "jobs.json"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.root / "daemon.pid"
-
-    @property
-    def api_socket(self) -> Path:
-        return self.root / "api.sock"
-
-    @property
-    def log_file(self) -> Path:
-        return self.root / "daemon.log"
+    node_id_file = _InRoot("node_id")
+    secret_file = _InRoot("secret")
+    node_key_file = _InRoot("node.key")
+    """This node's own CURVE key pair (0600): who it is to the other members."""
+    table_file = _InRoot("jobs.json")
+    pid_file = _InRoot("daemon.pid")
+    api_socket = _InRoot("api.sock")
+    log_file = _InRoot("daemon.log")
+    dashboard_key_file = _InRoot("dashboard.key")
 
     def ensure(self) -> StateDir:
         """Create the directory (0700) if needed and tighten its mode; returns self."""
@@ -84,10 +80,6 @@ class StateDir:
         node_id = "n" + secrets.token_hex(6)
         write_private(self.node_id_file, node_id + "\n")
         return node_id
-
-    @property
-    def dashboard_key_file(self) -> Path:
-        return self.root / "dashboard.key"
 
     def has_secret(self) -> bool:
         return self.secret_file.exists()

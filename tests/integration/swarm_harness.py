@@ -177,7 +177,7 @@ class NodeProc:
         return api.request(self.state.api_socket, "status", timeout=timeout)
 
     def submit(self, record: dict, job_id: str = "") -> dict[str, Any]:
-        from swarmp2p.node.control import submit_job
+        from swarmp2p.node.job_commands import submit_job
 
         return submit_job(self.state.root, record, job_id)
 

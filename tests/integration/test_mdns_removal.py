@@ -46,7 +46,7 @@ def test_mdns_removal_is_confirmed_by_a_heartbeat(tmp_path):
         try:
             await _until(lambda: "b" in a.ctx.members.peers and "a" in b.ctx.members.peers, 10)
             # a forged or mistaken goodbye: b still answers its heartbeat, so it stays
-            a._on_mdns_remove("b")
+            a.heartbeats.on_mdns_remove("b")
             await asyncio.sleep(0.5)
             assert a.ctx.members.peers["b"].alive
 
@@ -54,7 +54,7 @@ def test_mdns_removal_is_confirmed_by_a_heartbeat(tmp_path):
             b.ctx.members.peers.clear()
             b.stop()
             await runs[1]
-            a._on_mdns_remove("b")
+            a.heartbeats.on_mdns_remove("b")
             took = await _until(lambda: not a.ctx.members.peers["b"].alive, 5)
             assert took < 2.0  # far below the 30 s failure timeout
             assert a.status()["leader"] == "a"

@@ -218,10 +218,10 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
 
     model = _tiny_llama(tmp_path / "tiny-llama")
     a, b = _two_nodes(loopback_swarm)
-    from swarmp2p.node import control
+    from swarmp2p.node import job_commands
 
     job = parse_job(_job(model))
-    cluster = control.live_plan(a.state.root, job)["cluster"]
+    cluster = job_commands.live_plan(a.state.root, job)["cluster"]
     assert cluster_records(cluster) == cluster
     plan = compute_plan(job, cluster)
     assert [s.node_id for s in plan.stages] == ["a", "b"]

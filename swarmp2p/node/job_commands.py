@@ -1,0 +1,186 @@
+"""What the `swarm train/plan/jobs/job/cancel/logs/models/export/serve` commands do: each
+asks the local daemon over its API socket (`node/api.py`); the CLI only parses and prints."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from swarmp2p.node import api
+from swarmp2p.node.state import StateDir
+
+
+def submit_job(
+    state_dir: Path, job: dict[str, Any], job_id: str = "", timeout: float = 20.0
+) -> dict[str, Any]:
+    """Submit a job (job.json, as a dict) through the local daemon (forwarded to the leader);
+    returns once a majority of the members hold it. Retries while no leader is ready (an
+    ``unavailable`` refusal); a refusal of the job itself is raised at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return api.request(
+                StateDir(root=state_dir).api_socket,
+                "submit",
+                job=job,
+                job_id=job_id,
+                submitted_by="cli",
+                cwd=os.getcwd(),  # relative model and data paths are the CLI's
+                timeout=timeout,
+            )
+        except api.ApiError as exc:
+            wait = exc.kind == "unavailable" and exc.code not in ("no_daemon", "no_quorum")
+            if not wait or time.monotonic() > deadline:  # a partition does not heal in seconds
+                raise
+            time.sleep(0.2)
+
+
+JOB_FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
+    return api.request(StateDir(root=state_dir).api_socket, op, timeout=timeout, **fields)
+
+
+def load_train_job(path: str, overrides: dict[str, Any]):
+    """A parsed Job from JOB.json with the `swarm train` flags applied; JobError lists every
+    problem with its field path."""
+    import json
+
+    from swarmp2p.node.jobs import apply_overrides
+    from swarmp2p.plan import FieldError, JobError, parse_job
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise JobError(
+            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
+        ) from None
+    except ValueError as exc:
+        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise _too_deep(path) from None
+    if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
+        raise _too_deep(path)
+    return parse_job(apply_overrides(data, overrides))
+
+
+def _too_deep(path: str):
+    from swarmp2p.plan import FieldError, JobError
+
+    message = f"nested deeper than {MAX_JOB_DEPTH} levels; a job.json is a few levels deep"
+    return JobError([FieldError(path=str(path), message=message)])
+
+
+MAX_JOB_DEPTH = 32
+"""Levels of nesting a job.json may have (it needs about 4): deeper input is refused before
+any recursive code (validation, copies, msgpack) walks it."""
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0), counted without recursion; stops
+    counting past ``stop``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > stop:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def live_plan(state_dir: Path, job) -> dict[str, Any]:
+    """The plan the leader would make now over the live nodes (each stage with its node's
+    free disk beside its download share); nothing is submitted."""
+    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
+
+
+def submit_train(state_dir: Path, job) -> dict[str, Any]:
+    """Submit a parsed training Job; returns ``{"job_id", ...}`` once durable."""
+    return submit_job(state_dir, job.to_dict())
+
+
+def jobs(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "jobs")
+
+
+def job(state_dir: Path, job_id: str) -> dict[str, Any]:
+    return _api(state_dir, "job", job_id=job_id)
+
+
+def cancel_job(state_dir: Path, job_id: str) -> dict[str, Any]:
+    return _api(state_dir, "cancel", timeout=30.0, job_id=job_id)
+
+
+def job_logs(state_dir: Path, job_id: str, stage: int | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"job_id": job_id}
+    if stage is not None:
+        fields["stage"] = stage
+    return _api(state_dir, "logs", timeout=30.0, **fields)
+
+
+def models(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "models")
+
+
+def export_model(
+    state_dir: Path, model_id: str, out: Path, file_mode: int = 0o644
+) -> dict[str, Any]:
+    """Gather a model's shards over the swarm (sha256-checked) and write a Hugging Face folder
+    in ``out`` (`runtime.torch.export.write_export`): the merged model, or (adapters export) a
+    PEFT adapter naming its base by Hub id; files ``file_mode``. Imports the torch runtime
+    (only here, never in the daemon): ModuleNotFoundError where it is missing."""
+    import shutil
+
+    out = Path(out).resolve()
+    shards = out / ".shards"
+    got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
+    from swarmp2p.runtime.torch.export import write_export
+
+    done = write_export(
+        got["model"], got["shards"], out, file_mode=file_mode, base_dir=got.get("base_dir")
+    )
+    shutil.rmtree(shards)
+    return {**done, "model": model_id}
+
+
+def format_jobs(rows: list[dict[str, Any]]) -> str:
+    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "LOSS")]
+    for j in rows:
+        loss = j["metrics"].get("loss")
+        table.append(
+            (
+                j["id"],
+                j["name"] or "",
+                j["state"],
+                f"{j['step']}/{j['steps']}",
+                ",".join(s["node"] for s in j["plan"]["stages"]) or "-",
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+SERVE_TIMEOUT_S = 3600.0
+"""`swarm serve` waits this long for every stage to start: a stage node may first fetch the
+model's files or a trained shard (tens of GB over 1 GbE take minutes), then load. A stalled
+fetch fails sooner: every chunk has its own timeout."""
+
+
+def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
+    "stages", ...}`` once every stage serves and the HTTP API listens."""
+    return _api(state_dir, "serve", timeout=SERVE_TIMEOUT_S, **request)
+
+
+def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:
+    return _api(state_dir, "serve_stop", timeout=60.0, model=model)
+
+
+def served(state_dir: Path) -> list[dict[str, Any]]:
+    return _api(state_dir, "served")
