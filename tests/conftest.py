@@ -23,21 +23,20 @@ except ImportError:
     pass
 
 SERIAL_GROUPS = (
-    ("tests/integration/test_install.py", "installs"),
+    ("tests/integration/test_install.py", "hosts"),
     ("tests/system/", "hosts"),
     ("tests/integration/", "daemons"),
     ("tests/security/", "daemons"),
 )
 """Under the suite's command (``pytest -n 2 --dist loadgroup --no-loadscope-reorder``) the
-tests that start daemons run one at a time per group: network-namespace hosts in one stream,
-daemons on this machine's loopback (mDNS on 127.0.0.1, the demo) in another, and the installs
-(fresh HOMEs, no mDNS) in a third; unit tests fill the workers around them. Two loopback
-swarms at once would see each other's adverts."""
+tests that start daemons run one at a time per group, a group to a worker: daemons on this
+machine's loopback (mDNS on 127.0.0.1) in one stream; network-namespace hosts and the installs
+(fresh HOMEs, no mDNS; about as long together as the loopback stream) in the other. Unit tests
+fill both workers around them. Two loopback swarms at once would see each other's adverts."""
 
-GROUP_ORDER = {"daemons": 0, "hosts": 1, None: 2, "installs": 3}
+GROUP_ORDER = {"daemons": 0, "hosts": 1, None: 2}
 """The order the groups are handed out in: xdist gives each worker two units at the start, so
-the two longest streams come first, then the unit tests, and the installs go to whichever
-worker runs out of unit tests first."""
+the two streams come first (one to each worker), then the unit tests to whichever is free."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids
