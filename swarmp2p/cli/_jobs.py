@@ -162,6 +162,10 @@ def _print_live_plan(result: dict) -> None:
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
 
 
+REGISTER_WAIT_S = 30.0
+"""How long `swarm train` waits, once its job completed, for the model to be registered."""
+
+
 def _follow(sd, job_id: str, as_json: bool) -> dict:
     """Poll the job until it ends, with a live progress bar; the final view."""
     import time
@@ -176,6 +180,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
     view: dict = {}
     said = ""
     unreachable_since: float | None = None
+    registered_by = 0.0
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -221,6 +226,13 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
                     bar.console.print(f"{view['state']}: {said}", markup=False, soft_wrap=True)
             bar.update(task, total=view["steps"], completed=view["step"], info=" · ".join(info))
             if view["state"] in job_commands.JOB_FINAL:
+                # a completed job's model is registered by the table's next event: the view
+                # this prints names it (`swarm serve` right after must find it)
+                if view["state"] == "COMPLETED" and view.get("model") is None:
+                    registered_by = registered_by or time.monotonic() + REGISTER_WAIT_S
+                    if time.monotonic() < registered_by:
+                        time.sleep(0.2)
+                        continue
                 break
             time.sleep(0.5)
     if as_json:
