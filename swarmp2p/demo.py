@@ -281,6 +281,7 @@ class LocalSwarm:
         """From now on a daemon that exits interrupts the main thread (KeyboardInterrupt) with
         ``failure`` set, so a wait on a job or a served model never outlives the swarm."""
         main = threading.main_thread().ident
+        sigint_as_interrupt()  # else a SIGINT ignored since start would wake nothing
 
         def run() -> None:
             while not self._watch_stop.wait(interval):
@@ -366,13 +367,24 @@ def marked_processes(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
     return found
 
 
+def sigint_as_interrupt() -> None:
+    """SIGINT raises KeyboardInterrupt in the main thread even when this process started with
+    it ignored (a script's background job does): the watcher's interrupt and a `kill -INT`
+    must reach the demo's cleanup. Only from the main thread (elsewhere: nothing to do)."""
+    unhandled = signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None)
+    if unhandled and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt in the main thread while inside (cleanup runs)."""
+    """SIGTERM (and SIGINT, see :func:`sigint_as_interrupt`) raise KeyboardInterrupt in the
+    main thread while inside (cleanup runs)."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt
 
+    sigint_as_interrupt()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield

@@ -161,7 +161,7 @@ def test_ctrl_c_while_training_stops_every_daemon_and_worker_and_removes_the_sta
             time.sleep(0.2)
         assert any("swarmp2p.runtime.worker" in c for c in _demo_processes(root))
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -188,7 +188,7 @@ def test_a_daemon_that_dies_interrupts_the_demo_naming_it_and_close_leaves_nothi
         victim = swarm.procs[1]
         victim.send_signal(signal.SIGKILL)
         with pytest.raises(KeyboardInterrupt):  # the watcher interrupts a wait of the demo
-            time.sleep(10)
+            time.sleep(30)
         assert isinstance(swarm.failure, demo.DemoError)
         assert "daemon demo-2 exited with code -9" in str(swarm.failure)
         with pytest.raises(demo.DemoError, match=r"daemon demo-2 exited with code -9") as err:
