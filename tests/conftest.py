@@ -22,36 +22,38 @@ try:  # tqdm's monitor thread outlives every progress bar; it is not ours to lea
 except ImportError:
     pass
 
-SERIAL_GROUPS = (
-    ("tests/integration/test_install.py", "hosts"),
-    ("tests/system/", "hosts"),
-    ("tests/integration/", "daemons"),
-    ("tests/security/", "daemons"),
-)
-"""Under the suite's command (``pytest -n 2 --dist loadgroup --no-loadscope-reorder``) the
-tests that start daemons run one at a time per group, a group to a worker: daemons on this
-machine's loopback (mDNS on 127.0.0.1) in one stream; network-namespace hosts and the installs
-(fresh HOMEs, no mDNS; about as long together as the loopback stream) in the other. Unit tests
-fill both workers around them. Two loopback swarms at once would see each other's adverts."""
 
-GROUP_ORDER = {"daemons": 0, "hosts": 1, None: 2}
-"""The order the groups are handed out in: xdist gives each worker two units at the start, so
-the two streams come first (one to each worker), then the unit tests to whichever is free."""
+def _group(where: str) -> tuple[int, str | None]:
+    """(the order its group is handed out in, the group) of a test file, for the suite's
+    command: ``pytest -n 2 --dist loadgroup --no-loadscope-reorder``. A group runs on one
+    worker, one test at a time.
+
+    - The network-namespace hosts share one bridge and its addresses: one group, first (the
+      longest stream).
+    - Every other file that starts processes is a group of its own, so its module fixtures
+      (a pipx install, a trained model) are built once: the installs next (the longest file),
+      then the daemon and worker files. Their daemons run on loopback without mDNS (the
+      harness passes ``--no-mdns``; the one mDNS file sees only its own nodes), so two files
+      side by side do not see each other.
+    - Unit tests last, to whichever worker is free. xdist hands each worker two units at the
+      start, so the two longest come first."""
+    if where.startswith("tests/system/"):
+        return 0, "hosts"
+    if where.startswith(("tests/integration/", "tests/security/")):
+        return (1 if where.endswith("/test_install.py") else 2), where
+    return 3, None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
-    groups = {}
+    rank = {}
     for item in items:
         where = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
-        groups[item.nodeid] = None
-        for prefix, group in SERIAL_GROUPS:
-            if where.startswith(prefix):
-                item.add_marker(pytest.mark.xdist_group(group))
-                groups[item.nodeid] = group
-                break
-    items.sort(key=lambda item: GROUP_ORDER[groups[item.nodeid]])
+        rank[item.nodeid], group = _group(where)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 LEAK_GRACE_S = 2.0
