@@ -197,17 +197,14 @@ def _own_keys(keys: ServerKeys | ClientKeys) -> list[tuple[int, bytes]]:
 
 
 def _socket(
-    ctx: zmq.Context,
-    socket_type: int,
-    max_message_bytes: int,
-    curve: Callable[[], list[tuple[int, Any]]],
+    ctx: zmq.Context, socket_type: int, max_message_bytes: int, curve: list[tuple[int, Any]]
 ) -> zmq.Socket:
-    """A socket with the common options, then ``curve()``'s (CURVE keys, ZAP); closed when
+    """A socket with the common options, then ``curve`` (CURVE keys, ZAP); closed when
     setting any fails."""
     sock = ctx.socket(socket_type)
     try:
         _common(sock, max_message_bytes)
-        for option, value in curve():
+        for option, value in curve:
             sock.setsockopt(option, value)
     except BaseException:
         sock.close(0)
@@ -239,17 +236,15 @@ def make_server_socket(
         )
     keys = _server_keys(secret)
 
-    def curve() -> list[tuple[int, Any]]:
-        if not secure:
-            return []
+    curve: list[tuple[int, Any]] = []
+    if secure:
         domain = ctx._admit(keys)  # type: ignore[attr-defined]
-        return [
+        curve = [
             (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
             (zmq.ZAP_DOMAIN, domain.encode()),
             (zmq.CURVE_SERVER, 1),
             *_own_keys(keys),
         ]
-
     return _socket(ctx, socket_type, max_message_bytes, curve)
 
 
@@ -264,8 +259,5 @@ def make_client_socket(
     """A CURVE client socket (not yet connected) that talks only to the server whose key
     ``secret`` names (a SwarmSecret: a holder of that secret)."""
     keys = _client_keys(secret)
-
-    def curve() -> list[tuple[int, Any]]:
-        return [(zmq.CURVE_SERVERKEY, keys.server.encode("ascii")), *_own_keys(keys)] if secure else []  # fmt: skip
-
-    return _socket(ctx, socket_type, max_message_bytes, curve)
+    curve = [(zmq.CURVE_SERVERKEY, keys.server.encode("ascii")), *_own_keys(keys)]
+    return _socket(ctx, socket_type, max_message_bytes, curve if secure else [])
