@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarmp2p.plan.job import FINETUNE_MODES
-from swarmp2p.runtime.torch.compression import Compressor, LearnedBottleneck
+from swarmp2p.runtime.torch.compression import Compressor
 
 
 @dataclass(kw_only=True, eq=False)
@@ -189,9 +189,3 @@ def set_recompute(stage: nn.Module, enabled: bool) -> None:
             )
         block.gradient_checkpointing = enabled
         block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
-
-
-def learned_bottlenecks(bundle: StageBundle) -> list[LearnedBottleneck]:
-    """The stage's learned bottleneck compressors (incoming first)."""
-    comps = (bundle.recv_compressor, bundle.send_compressor)
-    return [c for c in comps if isinstance(c, LearnedBottleneck)]
