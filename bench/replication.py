@@ -16,48 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a fresh checkout
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _swarm(state: Path, *args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(state)],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-
-
-def _status(state: Path, env: dict) -> dict:
-    out = _swarm(state, "status", "--json", env=env, timeout=30)
-    if out.returncode:
-        raise RuntimeError(out.stderr)
-    return json.loads(out.stdout)
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (RuntimeError, ValueError, KeyError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise SystemExit(f"timed out waiting for {what}")
+from _swarm import LoopbackSwarm, wait  # noqa: E402
 
 
 def _tiny_llama(folder: Path) -> None:
@@ -81,19 +49,8 @@ def run(args) -> dict:
     token = SwarmSecret.generate().token
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env.update(PYTHONPATH=str(ROOT), SWARM_TOKEN=token, OMP_NUM_THREADS="1")
-    ports = {n: _free_port() for n in "abc"}
-    procs = []
-    try:
-        for n in "abc":
-            peers = [a for p in ports for a in ("--peer", f"127.0.0.1:{ports[p]}") if p != n]
-            cmd = [sys.executable, "-m", "swarmp2p", "up", "--foreground", "--state-dir",
-                   str(tmp / n), "--node-id", n, "--port", str(ports[n]), "--interface",
-                   "127.0.0.1", "--no-mdns", "--heartbeat", "0.2", "--failure-timeout", "2",
-                   *peers]  # fmt: skip
-            log = open(tmp / f"{n}.log", "wb")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))  # fmt: skip
-        leader = tmp / "a"
-        _wait(lambda: _status(leader, env)["leader_ready"] and len(_status(leader, env)["peers"]) == 3, 60, "the swarm")  # fmt: skip
+    with LoopbackSwarm("abc", tmp, env=env, failure_timeout=2.0) as sw:
+        wait(lambda: sw.ready("a"), 60, "the swarm")
         job = {
             "name": "repl", "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
             "data": {"source": "random"}, "split": {"stages": 3, "mode": "equal"},
@@ -101,31 +58,23 @@ def run(args) -> dict:
                       "checkpoint_every": max(args.steps // 3, 1), "eval_batches": 1},
         }  # fmt: skip
         (tmp / "job.json").write_text(json.dumps(job))
-        before = _status(leader, env)["replication"]
+        before = sw.status("a")["replication"]
         start = time.monotonic()
-        out = _swarm(tmp / "c", "train", str(tmp / "job.json"), "--detach", "--json", env=env)
+        out = sw.cli("c", "train", str(tmp / "job.json"), "--detach", "--json")
         if out.returncode:
             raise SystemExit(f"submit failed: {out.stderr}")
         job_id = json.loads(out.stdout)["job_id"]
 
         def done():
-            jobs = {j["job_id"]: j for j in _status(leader, env)["jobs"]}
+            jobs = {j["job_id"]: j for j in sw.status("a")["jobs"]}
             state = jobs[job_id]["state"]
             if state in ("failed", "cancelled"):
                 raise SystemExit(f"job {state}: {jobs[job_id]['record'].get('error')}")
             return state == "completed" and jobs[job_id]["record"].get("model")
 
-        _wait(done, 900, "the job")
+        wait(done, 900, "the job")
         seconds = time.monotonic() - start
-        after = _status(leader, env)["replication"]
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        after = sw.status("a")["replication"]
     sent = {k: after[k] - before.get(k, 0) for k in after}
     return {
         "steps": args.steps,

@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a fresh checkout
+sys.path.insert(0, str(ROOT / "bench"))  # _swarm: loopback daemons
+sys.path.insert(0, str(ROOT / "tests" / "integration"))  # cpu_quota: cgroup CPU quotas
 
 import torch  # noqa: E402
 
@@ -214,7 +216,9 @@ def run_swarm(
     return steps[args.warmup :]
 
 
-def _pp_rank(rank: int, folder: str, n_layers: int, args, port: int, threads: int, out) -> None:
+def _pp_rank(
+    rank: int, folder: str, n_layers: int, args, port: int, threads: int, out, cut: int
+) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -222,7 +226,6 @@ def _pp_rank(rank: int, folder: str, n_layers: int, args, port: int, threads: in
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        cut = n_layers // 2
         a, b = (0, cut) if rank == 0 else (cut, n_layers)
         module = load_stage_shard(folder, a, b, rank == 0, rank == 1)
         module.train()
@@ -250,7 +253,11 @@ def _pp_rank(rank: int, folder: str, n_layers: int, args, port: int, threads: in
         dist.destroy_process_group()
 
 
-def run_torch_pipelining(folder: Path, n_layers: int, args, threads: int) -> list[float]:
+def run_torch_pipelining(
+    folder: Path, n_layers: int, args, threads: int, *, cut: int | None = None, groups=()
+) -> list[float]:
+    """Step seconds of torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks cut at
+    ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given."""
     import multiprocessing as mp
     import socket
 
@@ -260,11 +267,16 @@ def run_torch_pipelining(folder: Path, n_layers: int, args, threads: int) -> lis
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_pp_rank, args=(r, str(folder), n_layers, args, port, threads, out))
+        ctx.Process(
+            target=_pp_rank,
+            args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2),
+        )
         for r in range(2)
     ]
-    for p in procs:
+    for r, p in enumerate(procs):
         p.start()
+        if groups:
+            groups[r].add(p.pid)
     results = dict(out.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join()
@@ -288,6 +300,150 @@ def run_single(folder: Path, args, threads: int) -> list[float]:
         opt.zero_grad()
         times.append(time.perf_counter() - start)
     return times[args.warmup :]
+
+
+# --- through the daemons: `swarm train` on two loopback daemons ---------------------------------
+
+
+def _daemon_job(folder: Path, args, mode: str | None, steps: int) -> dict:
+    split = {"stages": 2} if mode is None else {"stages": 2, "mode": mode}
+    return {
+        "name": "bench-daemons",
+        "model": {"pretrained": str(folder)},  # a full fine-tune
+        "split": split,
+        "data": {"source": "random"},
+        "train": {"steps": steps, "batch_size": args.batch, "seq_len": args.seq,
+                  "micro_batches": args.micro, "schedule": "1f1b", "lr": 1e-5,
+                  "eval_batches": 0, "recompute": False, "checkpoint_every": 0},
+    }  # fmt: skip
+
+
+def _measured(sw, names) -> bool:
+    """Every node's CPU advertises a measured speed (the default split needs them)."""
+    peers = sw.status(names[0])["peers"]
+    return len(peers) == len(names) and all(d.get("speed") for p in peers for d in p["devices"])
+
+
+def run_daemons(
+    folder: Path, args, *, modes: tuple, threads: int = 1, quotas: dict | None = None,
+    steps: int | None = None,
+) -> dict:  # fmt: skip
+    """``swarm train`` of a 2-stage full fine-tune on two loopback daemons (``OMP_NUM_THREADS``
+    ``threads``; each under a cgroup CPU quota when ``quotas`` maps node -> CPUs), once per
+    split mode in ``modes`` (None: the default, by measured speed), the daemons kept between
+    jobs. Per mode: the daemons' steady tokens/s (the last stage's tokens over the wall time
+    between its step ends, the first 2 steps left out) and the layers each stage held."""
+    from _swarm import LoopbackSwarm, wait
+
+    from swarmp2p.net.security import SwarmSecret
+
+    tmp = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-daemons-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env.update(PYTHONPATH=str(ROOT), SWARM_TOKEN=SwarmSecret.generate().token,
+               OMP_NUM_THREADS=str(threads), SWARM_SPEED_PROBE="on")  # fmt: skip
+    groups, prefixes = {}, {}
+    if quotas:
+        from cpu_quota import CpuQuota, prefix
+
+        for name, cpus in quotas.items():
+            groups[name] = CpuQuota(f"swarmp2p-bench-{name}-{os.getpid()}", cpus)
+            prefixes[name] = prefix(groups[name])
+    out: dict = {}
+    try:
+        with LoopbackSwarm("ab", tmp, env=env, prefixes=prefixes, failure_timeout=30) as sw:
+            try:
+                wait(lambda: sw.ready("a") and _measured(sw, "ab"), 300, "both daemons measured")
+                for mode in modes:
+                    job = tmp / f"job-{mode}.json"
+                    job.write_text(
+                        json.dumps(_daemon_job(folder, args, mode, steps or args.daemon_steps))
+                    )
+                    sub = sw.cli("b", "train", str(job), "--detach", "--json")
+                    if sub.returncode:
+                        raise SystemExit(f"swarm train failed: {sub.stderr}")
+                    job_id = json.loads(sub.stdout)["job_id"]
+
+                    def done(job_id=job_id):
+                        view = sw.json("a", "jobs", "show", job_id)
+                        if view["state"] in ("FAILED", "CANCELLED"):
+                            raise SystemExit(f"job {view['state']}: {view.get('error')}")
+                        return view if view["state"] == "COMPLETED" else None
+
+                    view = wait(done, 3600, f"the {mode or 'default'} job", interval=0.5)
+                    stages = view["plan"]["stages"]
+                    key = mode or "default"
+                    out[key] = {
+                        "tok_s": view["metrics"]["steady_tokens_per_s"],
+                        "layers": [s["layers"] for s in stages],
+                        "node_stages": [{"node": s["node"], "layers": s["layers"]} for s in stages],
+                        "measured_s": [s.get("measured_s") for s in stages],
+                        "predicted_s": [s.get("predicted_s") for s in stages],
+                    }
+                    print(f"daemons {key} {quotas or ''}: {out[key]}", file=sys.stderr)
+            except (SystemExit, KeyError) as exc:
+                raise SystemExit(f"{exc!r}\n{sw.log_tail()}") from None
+        for name, group in groups.items():
+            out.setdefault("throttled_us", {})[name] = group.throttled_us()
+    finally:
+        for group in groups.values():
+            group.remove()
+    return out
+
+
+def run_torch_pipelining_quota(
+    folder: Path, n_layers: int, args, cut: int, cpus: list[float]
+) -> list[float]:
+    """``run_torch_pipelining`` (one thread per rank) with rank r under a cgroup quota of
+    ``cpus[r]`` CPUs."""
+    from cpu_quota import CpuQuota
+
+    groups = [CpuQuota(f"swarmp2p-bench-pp{r}-{os.getpid()}", c) for r, c in enumerate(cpus)]
+    try:
+        return run_torch_pipelining(folder, n_layers, args, 1, cut=cut, groups=groups)
+    finally:
+        for group in groups:
+            group.remove()
+
+
+def daemons_case(folder: Path, n_layers: int, args) -> dict:
+    """Through ``swarm train``: the equal and the default split on two daemons (one thread
+    each) beside torch.distributed.pipelining with the same cuts (one thread per rank)."""
+    got = run_daemons(folder, args, modes=("equal", None))
+    cut = got["default"]["layers"][0][1]
+    pp = {"equal": run_torch_pipelining(folder, n_layers, args, 1, cut=n_layers // 2)}
+    pp["default"] = pp["equal"] if cut == n_layers // 2 else run_torch_pipelining(folder, n_layers, args, 1, cut=cut)  # fmt: skip
+    tokens = args.batch * args.seq
+    pp_tok_s = {k: tokens / statistics.median(v) for k, v in pp.items()}
+    return {
+        "shape": f"batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches",
+        "tok_s": {k: got[k]["tok_s"] for k in ("equal", "default")},
+        "torch_pipelining_tok_s": pp_tok_s,
+        "layers": {k: got[k]["layers"] for k in ("equal", "default")},
+        "measured_s": {k: got[k]["measured_s"] for k in ("equal", "default")},
+        "predicted_s": {k: got[k]["predicted_s"] for k in ("equal", "default")},
+    }
+
+
+def hetero_case(folder: Path, n_layers: int, args, cpus: dict[str, float]) -> dict:
+    """Mismatched machines: daemon a under a cgroup quota of ``cpus["a"]`` CPUs, b of
+    ``cpus["b"]``: the equal split, the default (measured-speed) split, and torch pipelining
+    with the equal cut, each rank under the quota of the node that held its stage."""
+    got = run_daemons(folder, args, modes=("equal", None), quotas=cpus)
+    nodes = [s["node"] for s in got["equal"]["node_stages"]]
+    pp = run_torch_pipelining_quota(folder, n_layers, args, n_layers // 2, [cpus[n] for n in nodes])
+    tokens = args.batch * args.seq
+    return {
+        "shape": f"batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches",
+        "cpus": cpus,
+        "tok_s": {
+            "equal": got["equal"]["tok_s"],
+            "speed": got["default"]["tok_s"],
+            "torch_pipelining_equal": tokens / statistics.median(pp),
+        },
+        "layers": {"equal": got["equal"]["layers"], "speed": got["default"]["layers"]},
+        "nodes": {"equal": nodes, "speed": [s["node"] for s in got["default"]["node_stages"]]},
+        "throttled_us": got.get("throttled_us"),
+    }
 
 
 # --- float16 beside float32 --------------------------------------------------------------------
@@ -468,15 +624,26 @@ def quality(model, train_windows, eval_windows, args) -> dict[str, dict[str, flo
 # --- main -------------------------------------------------------------------------------------
 
 
+SECTIONS = ("workers", "daemons", "hetero", "precision", "bytes", "quality")
+HETERO_CPUS = {"a": 1.0, "b": 0.35}
+"""The mismatched machines: cgroup CPU quotas of the two daemons (a full core, 35% of one)."""
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, small sizes (< 3 min)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
+    sections = [x for x in args.sections.split(",") if x]
+    if bad := [x for x in sections if x not in SECTIONS]:
+        parser.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     quick = args.quick
     args.steps = 10 if quick else 6
     args.warmup = 2
     args.batch, args.seq, args.micro = (8, 64, 4) if quick else (4, 64, 4)
+    args.daemon_steps = 8 if quick else 6
     args.repeats = args.repeats or (1 if quick else 2)
     args.compressor_steps = 10 if quick else 100
     args.compressor_lr = 1e-3 if quick else 1e-4
@@ -490,93 +657,150 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder).float()
     n_layers = model.config.num_hidden_layers
     tokens_per_step = args.batch * args.seq
-
-    runs = {"swarm": [], "torch_pipelining": [], "single": []}
-    for repeat in range(args.repeats):  # alternate the compared runs; medians below
-        runs["swarm"] += run_swarm(folder, n_layers, args, half)
-        runs["torch_pipelining"] += run_torch_pipelining(folder, n_layers, args, half)
-        runs["single"] += run_single(folder, args, cores)
-        print(
-            f"repeat {repeat}: { {k: [round(t, 3) for t in v] for k, v in runs.items()} }",
-            file=sys.stderr,
-        )
-    tok_s = {k: tokens_per_step / statistics.median(v) for k, v in runs.items()}
-    precision = precision_case(folder, n_layers, args, half, quick)
-    print(f"precision: {precision}", file=sys.stderr)
-
-    nbytes = boundary_bytes(model, args)
-    print(f"bytes: {nbytes}", file=sys.stderr)
-    if quick:
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (40 * (args.seq + 1),), generator=gen)
-        w = windows(ids, args.seq)
-        train_w, held_w = w[:-8], w[-8:]
-    else:
-        train_ids, held_ids = text_tokens(folder, 64 * (args.seq + 1))
-        train_w, held_w = windows(train_ids, args.seq), windows(held_ids, args.seq)[:16]
-    table = quality(model, train_w, held_w, args)
-
     name = "tiny random Llama (4 x 128)" if quick else "SmolLM2-135M-Instruct (embedded)"
-    print(
-        f"## Pipeline training: {name}, batch {args.batch} x {args.seq} tokens, "
-        f"{args.micro} micro-batches, {cores} cores, median of {len(runs['swarm'])} steps\n"
-    )
-    print("| run | tokens/s | vs torch pipelining |\n|---|---|---|")
-    for key, label in (
-        ("swarm", "swarmp2p 2-stage 1F1B (ZmqLink, CURVE)"),
-        ("torch_pipelining", "torch.distributed.pipelining Schedule1F1B (gloo)"),
-        ("single", "single process"),
-    ):
-        print(f"| {label} | {tok_s[key]:.0f} | {tok_s[key] / tok_s['torch_pipelining']:.2f}x |")
-    print(
-        f"\n## float16 beside float32 (the same 2-worker job, {PRECISION_STEPS} steps on a "
-        f"learnable corpus, {precision['shape']})\n"
-    )
-    print("| dtype | loss at step 30 | tokens/s | vs float32 |\n|---|---|---|---|")
-    for dtype in ("float32", "float16"):
+    result: dict = {"model": name, "quick": quick, "sections": sections}
+
+    if "workers" in sections:
+        runs = {"swarm": [], "torch_pipelining": [], "single": []}
+        for repeat in range(args.repeats):  # alternate the compared runs; medians below
+            runs["swarm"] += run_swarm(folder, n_layers, args, half)
+            runs["torch_pipelining"] += run_torch_pipelining(folder, n_layers, args, half)
+            runs["single"] += run_single(folder, args, cores)
+            print(
+                f"repeat {repeat}: { {k: [round(t, 3) for t in v] for k, v in runs.items()} }",
+                file=sys.stderr,
+            )
+        tok_s = {k: tokens_per_step / statistics.median(v) for k, v in runs.items()}
         print(
-            f"| {dtype} | {precision['loss'][dtype]:.4f} | {precision['tok_s'][dtype]:.0f} | "
-            f"{precision['tok_s'][dtype] / precision['tok_s']['float32']:.2f}x |"
+            f"## Pipeline training, two workers driven directly: {name}, batch {args.batch} x "
+            f"{args.seq} tokens, {args.micro} micro-batches, {cores} cores, median of "
+            f"{len(runs['swarm'])} steps (the last stage's step time)\n"
         )
-    print(
-        f"\nfloat16 loss / float32 loss: {precision['loss_ratio']:.4f} (target 0.98-1.02); "
-        f"float16 steps skipped for overflow: {precision['skipped']}"
-    )
-    print("\n## Bytes per step over the boundary\n")
-    print("| compression | activations | gradients | vs none |\n|---|---|---|---|")
-    for label, b in nbytes.items():
-        total = b["act"] + b["grad"]
+        print("| run | tokens/s | vs torch pipelining |\n|---|---|---|")
+        for key, label in (
+            ("swarm", "swarmp2p 2-stage 1F1B (ZmqLink, CURVE)"),
+            ("torch_pipelining", "torch.distributed.pipelining Schedule1F1B (gloo)"),
+            ("single", "single process"),
+        ):
+            print(f"| {label} | {tok_s[key]:.0f} | {tok_s[key] / tok_s['torch_pipelining']:.2f}x |")
+        result.update(
+            workers_tok_s=tok_s["swarm"],
+            torch_pipelining_tok_s=tok_s["torch_pipelining"],
+            single_tok_s=tok_s["single"],
+            workers_over_torch_pipelining=tok_s["swarm"] / tok_s["torch_pipelining"],
+        )
+
+    if "daemons" in sections:
+        dargs = argparse.Namespace(**{**vars(args), "batch": 4, "seq": 128}) if not quick else args
+        got = daemons_case(folder, n_layers, dargs)
+        print(f"daemons: {got}", file=sys.stderr)
         print(
-            f"| {label} | {b['act']} | {b['grad']} | {total / (nbytes['none']['act'] + nbytes['none']['grad']):.3f} |"
+            f"\n## Through `swarm train`: two loopback daemons, OMP_NUM_THREADS=1 each, a 2-stage "
+            f"full fine-tune, {got['shape']}, 1F1B, steady tokens/s (steps 3 on), beside "
+            f"torch.distributed.pipelining Schedule1F1B with the same cut, one thread per rank\n"
         )
-    print(
-        f"\n## Top-1 kept through a middle boundary (base top-1 {table['_base_top1']['untrained']:.3f})\n"
-    )
-    print(
-        f"| compression | untrained | after {args.compressor_steps} compressor-only steps |\n|---|---|---|"
-    )
-    for label in COMPRESSIONS:
-        row = table[label]
-        trained = "-" if row["trained"] is None else f"{100 * row['trained']:.1f} %"
-        print(f"| {label} | {100 * row['untrained']:.1f} % | {trained} |")
-    result = {
-        "model": name,
-        "quick": quick,
-        "swarm_tok_s": tok_s["swarm"],
-        "torch_pipelining_tok_s": tok_s["torch_pipelining"],
-        "single_tok_s": tok_s["single"],
-        "swarm_over_torch_pipelining": tok_s["swarm"] / tok_s["torch_pipelining"],
-        "fp16_loss_ratio_to_fp32": precision["loss_ratio"],
-        "fp16_over_fp32_tok_s": precision["speed_ratio"],
-        "fp32_loss_at_step_30": precision["loss"]["float32"],
-        "fp16_loss_at_step_30": precision["loss"]["float16"],
-        "fp16_skipped_steps": precision["skipped"],
-        "bytes_per_step": {k: v["act"] + v["grad"] for k, v in nbytes.items()},
-        "act_bytes_per_step": {k: v["act"] for k, v in nbytes.items()},
-        "top1_kept_untrained": {k: table[k]["untrained"] for k in COMPRESSIONS},
-        "top1_kept_trained": {k: table[k]["trained"] for k in COMPRESSIONS},
-        "base_top1": table["_base_top1"]["untrained"],
-    }
+        print("| split | layers | swarm train tokens/s | torch pipelining tokens/s | ratio |\n|---|---|---|---|---|")  # fmt: skip
+        for key in ("equal", "default"):
+            mine, theirs = got["tok_s"][key], got["torch_pipelining_tok_s"][key]
+            print(f"| {key} | {got['layers'][key]} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x |")  # fmt: skip
+        result.update(
+            daemons=got,
+            swarm_over_torch_pipelining=got["tok_s"]["default"]
+            / got["torch_pipelining_tok_s"]["default"],
+            swarm_equal_over_torch_pipelining=got["tok_s"]["equal"]
+            / got["torch_pipelining_tok_s"]["equal"],
+        )
+
+    if "hetero" in sections:
+        from cpu_quota import why_not
+
+        reason = why_not()
+        if reason:
+            print(f"\nheterogeneous case skipped: {reason}")
+            result["hetero_skipped"] = reason
+        else:
+            got = hetero_case(folder, n_layers, args, HETERO_CPUS)
+            print(f"hetero: {got}", file=sys.stderr)
+            t = got["tok_s"]
+            print(
+                f"\n## Mismatched machines: daemon a under a cgroup quota of {HETERO_CPUS['a']} CPU, "
+                f"b of {HETERO_CPUS['b']}; `swarm train`, a 2-stage full fine-tune, {got['shape']}\n"
+            )
+            print("| run | stages (node: layers) | tokens/s | vs equal |\n|---|---|---|---|")
+            for key, label in (("equal", "split.mode equal"), ("speed", "default split (measured speed)")):  # fmt: skip
+                where = ", ".join(f"{n}: {lay}" for n, lay in zip(got["nodes"][key], got["layers"][key]))  # fmt: skip
+                print(f"| {label} | {where} | {t[key]:.1f} | {t[key] / t['equal']:.2f}x |")
+            print(f"| torch.distributed.pipelining, the equal cut, same quotas | {', '.join(got['nodes']['equal'])} | "
+                  f"{t['torch_pipelining_equal']:.1f} | {t['torch_pipelining_equal'] / t['equal']:.2f}x |")  # fmt: skip
+            result.update(
+                hetero=got,
+                hetero_speed_over_equal=t["speed"] / t["equal"],
+                hetero_speed_over_torch_pipelining=t["speed"] / t["torch_pipelining_equal"],
+            )
+
+    if "precision" in sections:
+        precision = precision_case(folder, n_layers, args, half, quick)
+        print(f"precision: {precision}", file=sys.stderr)
+        print(
+            f"\n## float16 beside float32 (the same 2-worker job, {PRECISION_STEPS} steps on a "
+            f"learnable corpus, {precision['shape']})\n"
+        )
+        print("| dtype | loss at step 30 | tokens/s | vs float32 |\n|---|---|---|---|")
+        for dtype in ("float32", "float16"):
+            print(
+                f"| {dtype} | {precision['loss'][dtype]:.4f} | {precision['tok_s'][dtype]:.0f} | "
+                f"{precision['tok_s'][dtype] / precision['tok_s']['float32']:.2f}x |"
+            )
+        print(
+            f"\nfloat16 loss / float32 loss: {precision['loss_ratio']:.4f} (target 0.98-1.02); "
+            f"float16 steps skipped for overflow: {precision['skipped']}"
+        )
+        result.update(
+            fp16_loss_ratio_to_fp32=precision["loss_ratio"],
+            fp16_over_fp32_tok_s=precision["speed_ratio"],
+            fp32_loss_at_step_30=precision["loss"]["float32"],
+            fp16_loss_at_step_30=precision["loss"]["float16"],
+            fp16_skipped_steps=precision["skipped"],
+        )
+
+    if "bytes" in sections:
+        nbytes = boundary_bytes(model, args)
+        print(f"bytes: {nbytes}", file=sys.stderr)
+        print("\n## Bytes per step over the boundary\n")
+        print("| compression | activations | gradients | vs none |\n|---|---|---|---|")
+        none = nbytes["none"]["act"] + nbytes["none"]["grad"]
+        for label, b in nbytes.items():
+            print(f"| {label} | {b['act']} | {b['grad']} | {(b['act'] + b['grad']) / none:.3f} |")
+        result.update(
+            bytes_per_step={k: v["act"] + v["grad"] for k, v in nbytes.items()},
+            act_bytes_per_step={k: v["act"] for k, v in nbytes.items()},
+        )
+
+    if "quality" in sections:
+        if quick:
+            gen = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, model.config.vocab_size, (40 * (args.seq + 1),), generator=gen)
+            w = windows(ids, args.seq)
+            train_w, held_w = w[:-8], w[-8:]
+        else:
+            train_ids, held_ids = text_tokens(folder, 64 * (args.seq + 1))
+            train_w, held_w = windows(train_ids, args.seq), windows(held_ids, args.seq)[:16]
+        table = quality(model, train_w, held_w, args)
+        print(
+            f"\n## Top-1 kept through a middle boundary (base top-1 {table['_base_top1']['untrained']:.3f})\n"
+        )
+        print(
+            f"| compression | untrained | after {args.compressor_steps} compressor-only steps |\n|---|---|---|"
+        )
+        for label in COMPRESSIONS:
+            row = table[label]
+            trained = "-" if row["trained"] is None else f"{100 * row['trained']:.1f} %"
+            print(f"| {label} | {100 * row['untrained']:.1f} % | {trained} |")
+        result.update(
+            top1_kept_untrained={k: table[k]["untrained"] for k in COMPRESSIONS},
+            top1_kept_trained={k: table[k]["trained"] for k in COMPRESSIONS},
+            base_top1=table["_base_top1"]["untrained"],
+        )
     print(json.dumps(result))
     return result
 
