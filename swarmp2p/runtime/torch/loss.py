@@ -67,18 +67,29 @@ def _head_loss_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def chunked_head_loss(
-    head, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+    head,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    backward_next: bool = False,
 ) -> torch.Tensor:
     """The float32 mean of ``chunked_loss`` of ``head(hidden)`` without ever holding the whole
     logits tensor: each chunk of ``chunk_tokens`` tokens runs the head and its float32 loss under
     checkpoint, so forward and backward keep one chunk's logits at a time (the reference's head
     loss; a 248k-token vocabulary at 4x2048 tokens is 8 GB of float32 logits otherwise). It stays
-    float32 so a float16 stage can scale it before backward without overflowing."""
+    float32 so a float16 stage can scale it before backward without overflowing.
+
+    ``backward_next``: the caller runs this loss's backward before any other forward (the last
+    stage under 1F1B). A loss of one chunk then keeps its logits for that backward instead of
+    recomputing them: the recompute would rebuild the same chunk's logits in backward, so the
+    peak is the same and the head's second forward is saved."""
+    rows = hidden.numel() // max(hidden.shape[-1], 1)
     return _chunked_mean(
         functools.partial(_head_loss_sum, head),
         hidden,
         labels,
         chunk_tokens,
         what="hidden",
-        recompute=torch.is_grad_enabled(),
+        recompute=torch.is_grad_enabled() and not (backward_next and rows <= chunk_tokens),
     )

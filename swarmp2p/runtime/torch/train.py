@@ -21,6 +21,7 @@ fails tells its neighbours (an ``abort`` control message) so they stop at once w
 
 from __future__ import annotations
 
+import itertools
 import math
 import resource
 import time
@@ -175,6 +176,8 @@ class _Step:
         self.tokens = 0
         self.scale = scale
         """The loss scale of this step's backward (1.0 without loss scaling)."""
+        self.backward_next: set[int] = set()
+        """Micro-batches whose backward is the next op after their forward (1F1B's last stage)."""
 
 
 def run_step(
@@ -200,6 +203,11 @@ def run_step(
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     state = _Step(scaler.scale if scaler is not None else 1.0)
+    if bundle.is_last:
+        kinds = [_op(op) for op in ops]
+        state.backward_next = {
+            mi for (k, mi), after in itertools.pairwise(kinds) if k == "F" and after == ("B", mi)
+        }
     bundle.stage.train()
     spent = {"F": 0.0, "B": 0.0}
     wait0 = _waited(prev, next)
@@ -295,7 +303,10 @@ def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> 
     state.tokens += labels.numel()
     if bundle.is_last:
         hidden = bundle.stage(hidden_in, hidden_only=True)
-        loss = chunked_head_loss(bundle.stage.logits, hidden, labels, settings.loss_chunk_tokens)
+        loss = chunked_head_loss(
+            bundle.stage.logits, hidden, labels, settings.loss_chunk_tokens,
+            backward_next=micro in state.backward_next,
+        )  # fmt: skip
         state.losses[micro] = loss / settings.micro_batches
         return
     out = bundle.stage(hidden_in)

@@ -33,6 +33,7 @@ from swarmp2p.runtime.torch.precision import (  # noqa: E402
     StageOptimizer,
     StepHealth,
     decide,
+    fused_adamw,
     next_loss_scale,
 )
 from swarmp2p.runtime.torch.snapshot import load_snapshot, save_snapshot  # noqa: E402
@@ -122,6 +123,31 @@ def test_half_parameters_step_through_float32_master_copies():
     half.grad = torch.full_like(half, 1.0)
     half.grad[0, 0] = float("inf")
     assert not opt.gradients_finite(scale=2.0)
+
+
+def test_float32_masters_step_in_the_fused_kernel_and_equal_the_unfused_adamw():
+    """The CPU's fused AdamW gives the unfused one's weights; a state saved by the unfused one
+    (an older snapshot) resumes in the fused kernel."""
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ours = StageOptimizer(a, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    plain = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    assert ours.optimizer.param_groups[0]["fused"] is True and not plain.param_groups[0]["fused"]
+    for i in range(5):
+        if i == 3:  # resume from the unfused optimizer's state
+            ours.load_state_dict(copy.deepcopy(plain.state_dict()))  # as read from a snapshot
+            assert ours.optimizer.param_groups[0]["fused"] is True
+        grads = [torch.randn_like(p) for p in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        plain.step()
+    for p, q in zip(a, b):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0)
+    half = StageOptimizer([torch.nn.Parameter(torch.randn(3).half())], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
+    assert half.optimizer.param_groups[0]["fused"] is True  # its master is float32
+    assert not fused_adamw([torch.zeros(2, dtype=torch.float64)])
 
 
 @pytest.mark.slow  # float16 matmuls are emulated on the CPU: ~0.5 s per tiny LoRA step

@@ -16,7 +16,8 @@ from swarmp2p.runtime.torch.stage import build_stage  # noqa: E402
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-def test_chunked_head_loss_equals_the_whole_logits_loss(family, chunk):
+@pytest.mark.parametrize("backward_next", [False, True])
+def test_chunked_head_loss_equals_the_whole_logits_loss(family, chunk, backward_next):
     torch.manual_seed(0)
     model = build_model(family)
     stage = build_stage(model, 2, 4)
@@ -29,12 +30,31 @@ def test_chunked_head_loss_equals_the_whole_logits_loss(family, chunk):
     for p in [hidden, *stage.parameters()]:
         p.grad = None
 
-    loss = chunked_head_loss(stage.logits, stage(hidden, hidden_only=True), labels, chunk)
+    loss = chunked_head_loss(
+        stage.logits, stage(hidden, hidden_only=True), labels, chunk, backward_next=backward_next
+    )
     loss.backward()
     got = [hidden.grad] + [p.grad for p in stage.parameters()]
     assert torch.allclose(loss, whole, atol=1e-6, rtol=0)
     for a, b in zip(got, expected):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "backward_next", "chunks", "passes"),
+    [(1000, True, 1, 1), (1000, False, 1, 2), (7, True, 5, 2), (7, False, 5, 2)],
+)
+def test_the_head_runs_again_in_backward_unless_one_chunk_is_backed_at_once(chunk, backward_next, chunks, passes):  # fmt: skip
+    """One chunk whose backward comes next keeps its logits (the head runs once); several
+    chunks, or a backward that waits (GPipe), recompute each chunk's head in backward."""
+    torch.manual_seed(0)
+    stage = build_stage(build_model("llama"), 2, 4)
+    hidden = torch.randn(3, 11, stage.config.hidden_size, requires_grad=True)  # 33 rows
+    labels = torch.randint(0, VOCAB, (3, 11))
+    calls = []
+    head = lambda h: calls.append(h.shape[0]) or stage.logits(h)  # noqa: E731
+    chunked_head_loss(head, hidden, labels, chunk, backward_next=backward_next).backward()
+    assert len(calls) == chunks * passes and sum(calls) == 33 * passes
 
 
 def test_logits_to_keep_is_the_last_rows_of_the_whole_head():
