@@ -81,10 +81,10 @@ def _load_trained(spec):
     trained = load_trained_stage(
         spec.model,
         spec.shard,
-        layer_start=spec.layer_start,
-        layer_end=spec.layer_end,
-        is_first=spec.is_first_stage,
-        is_last=spec.is_last_stage,
+        layer_start=spec.layers[0],
+        layer_end=spec.layers[1],
+        is_first=spec.is_first,
+        is_last=spec.is_last,
         dtype=spec.dtype,
         quantization=spec.quantization,
         device=spec.device,
@@ -117,10 +117,9 @@ def run() -> int:
     if spec.shard is None:
         stage = load_stage_shard(
             spec.model,
-            spec.layer_start,
-            spec.layer_end,
-            spec.is_first_stage,
-            spec.is_last_stage,
+            *spec.layers,
+            spec.is_first,
+            spec.is_last,
             dtype=spec.dtype,
             quantization=spec.quantization,
             device=spec.device,
