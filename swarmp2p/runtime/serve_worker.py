@@ -106,7 +106,7 @@ def run() -> int:
     import torch
 
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
-    from swarmp2p.runtime.torch import load_stage_shard
+    from swarmp2p.runtime.torch import load_spec_stage
     from swarmp2p.runtime.torch.serve import StageServer
 
     if spec.threads:
@@ -115,15 +115,7 @@ def run() -> int:
     halves: dict = {}
     send_compression = spec.send_compression
     if spec.shard is None:
-        stage = load_stage_shard(
-            spec.model,
-            *spec.layers,
-            spec.is_first,
-            spec.is_last,
-            dtype=spec.dtype,
-            quantization=spec.quantization,
-            device=spec.device,
-        )
+        stage = load_spec_stage(spec)
     else:
         trained = _load_trained(spec)
         stage = trained.stage
