@@ -90,9 +90,10 @@ def _load_trained(spec):
         device=spec.device,
         tied_head=spec.tied_head,
     )
-    if spec.send_compression not in ("none", trained.send_compression):
+    asked = spec.planned.send_compression
+    if asked not in ("none", trained.send_compression):
         raise ValueError(
-            f"send_compression: the stage spec asks for {spec.send_compression!r}, but shard "
+            f"send_compression: the stage spec asks for {asked!r}, but shard "
             f"{spec.shard} was trained with {trained.send_compression!r} on that boundary"
         )
     return trained
@@ -113,7 +114,7 @@ def run() -> int:
         torch.set_num_threads(spec.threads)
     started = time.monotonic()
     halves: dict = {}
-    send_compression = spec.send_compression
+    send_compression = spec.planned.send_compression
     if spec.shard is None:
         stage = load_spec_stage(spec)
     else:
@@ -153,10 +154,10 @@ def run() -> int:
             inbound=inbound,
             outbound=outbound,
             send_compression=send_compression,
-            send_codes=spec.send_codes,
+            send_codes=spec.planned.send_codes,
             **halves,
-            max_sessions=spec.max_sessions,
-            max_context=spec.max_context,
+            max_sessions=spec.plan.max_sessions,
+            max_context=spec.plan.max_context,
         )
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)

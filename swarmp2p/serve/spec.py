@@ -87,24 +87,6 @@ class ServeSpec(StageOfPlan):
         q = self.plan.quantization
         return None if q is None else q.to_dict()
 
-    @property
-    def send_compression(self) -> str:
-        """The boundary after this stage ("none" on the last)."""
-        return self.planned.send_compression
-
-    @property
-    def send_codes(self) -> bool:
-        return self.planned.send_codes
-
-    @property
-    def max_sessions(self) -> int:
-        return self.plan.max_sessions
-
-    @property
-    def max_context(self) -> int:
-        """Tokens a session may hold in this stage's cache."""
-        return self.plan.max_context
-
     def to_dict(self) -> dict[str, Any]:
         return to_data(self)
 
