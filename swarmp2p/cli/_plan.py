@@ -83,7 +83,7 @@ def _print_plan(plan) -> None:
     console = _console()
     m = plan.model
     console.print(
-        f"[bold green]planned[/] {plan.job_name}: {m['name']} ({m['n_layers']} layers, "
+        f"[bold green]planned[/] {plan.job}: {m['name']} ({m['n_layers']} layers, "
         f"{m['params'] / 1e6:.1f}M params) over {len(plan.stages)} stage(s)"
     )
     console.print(
@@ -125,9 +125,10 @@ def _print_plan(plan) -> None:
             comp = b.compression.label
             bounds.add_row(f"{b.index} -> {b.index + 1}", comp, b.codec, str(b.bytes_per_token))
         console.print(bounds)
+    s = plan.schedule
     console.print(
-        f"schedule {plan.schedule.kind}, {plan.micro_batches} micro-batch(es), bubble fraction "
-        f"{plan.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
+        f"schedule {s.kind}, {s.micro_batches} micro-batch(es), bubble fraction "
+        f"{s.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
         f"eval batches {plan.eval_batches}"
     )
     console.print("features: " + (", ".join(plan.features) or "none"), markup=False)

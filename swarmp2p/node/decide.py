@@ -43,13 +43,6 @@ class LeaderView:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AddMember:
-    node_id: str
-    name: str
-    key: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class Place:
     job_id: str
 
@@ -68,7 +61,8 @@ class Register:
     job_id: str
 
 
-Action = AddMember | Place | Recover | Register
+Action = ev.MemberJoined | Place | Recover | Register
+"""What the leader does next; a node to admit is the event that admits it."""
 
 
 def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
@@ -78,7 +72,9 @@ def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
         for node_id in sorted(view.alive - table.member_ids):
             key = view.keys.get(node_id)
             if key and key not in table.revoked:
-                out.append(AddMember(node_id=node_id, name=view.names.get(node_id, ""), key=key))
+                out.append(
+                    ev.MemberJoined(node_id=node_id, name=view.names.get(node_id, ""), key=key)
+                )
     for job_id, entry in sorted(table.jobs.items()):
         if job_id in view.busy:
             continue
@@ -485,7 +481,6 @@ __all__ = [
     "REBALANCE_OFF",
     "REBALANCE_STEPS",
     "Action",
-    "AddMember",
     "LeaderView",
     "Place",
     "PlanTry",

@@ -12,7 +12,7 @@ from typing import Any
 
 from swarmp2p.errors import Failed
 from swarmp2p.node.jobtable import JobEntry
-from swarmp2p.plan import Blocked, Job, Node, Plan, plan_job
+from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.worker_spec import LINK_TIMEOUT_S
@@ -153,8 +153,8 @@ def device_for(stage_devices: Sequence[str], record: Mapping[str, Any]) -> tuple
     return f"{kind}:0", index
 
 
-def stages_on_machine(plan: Plan, node_id: str, machines: Mapping[str, str]) -> int:
-    """How many of ``plan``'s stages share ``node_id``'s machine: its own, and those of the
+def stages_on_machine(plan: Plan | ServePlan, node_id: str, machines: Mapping[str, str]) -> int:
+    """How many of ``plan``'s (a training or a serve plan) stages share ``node_id``'s machine: its own, and those of the
     nodes ``machines`` (node id -> its host's ``machine``) names the same (daemons started
     side by side, network namespaces); an unknown machine shares with none."""
     mine = machines.get(node_id) or ""

@@ -85,7 +85,7 @@ class JobsLeader:
             keys={n: k for n in self.ctx.live_nodes() if (k := self.ctx.keyring.key_of(n))},
         )
         for action in decide.leader_actions(self.ctx.table, view):
-            if isinstance(action, decide.AddMember):
+            if isinstance(action, ev.MemberJoined):
                 self._run(f"member:{action.node_id}", self._admit(action))
             elif isinstance(action, decide.Place):
                 self._run(action.job_id, self._place(action.job_id))
@@ -102,9 +102,9 @@ class JobsLeader:
     async def _append(self, events: list[ev.Event], *, wait: bool = False) -> int:
         return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
 
-    async def _admit(self, action: decide.AddMember) -> None:
-        await self._append([ev.MemberJoined(node_id=action.node_id, name=action.name, key=action.key)])  # fmt: skip
-        log.info("node %s is a member of the swarm now", action.node_id)
+    async def _admit(self, joined: ev.MemberJoined) -> None:
+        await self._append([joined])
+        log.info("node %s is a member of the swarm now", joined.node_id)
 
     # --- placing ------------------------------------------------------------------------------
 

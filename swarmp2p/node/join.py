@@ -273,7 +273,7 @@ class Admission:
         try:
             await self.admit(msg.node_id, msg.name, msg.key, ADMIT_TIMEOUT_S)
         except (SwarmError, OSError, asyncio.TimeoutError) as exc:
-            # the leader lists it anyway once it is live there (decide.AddMember)
+            # the leader lists it anyway once it is live there (decide.leader_actions)
             log.info("node %s not listed yet: %s", msg.node_id, exc)
 
     async def admit(self, node_id: str, name: str, key: str, timeout: float) -> None:

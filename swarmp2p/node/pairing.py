@@ -32,7 +32,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from swarmp2p.errors import Failed, Unavailable, UserError
 from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
@@ -40,7 +40,7 @@ from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node.join import JOIN_PORT_OFFSET
 from swarmp2p.node.words import WORDS
-from swarmp2p.schema import field
+from swarmp2p.schema import Bounds, field
 from swarmp2p.wire.messages import Message, message
 
 if TYPE_CHECKING:
@@ -130,24 +130,32 @@ def unseal(key: bytes, nonce: bytes, box: bytes) -> bytes:
 # --- messages (on a pairing port) ------------------------------------------------------------
 
 
+PairSession = Annotated[bytes, Bounds(max_len=32)]
+"""A pairing session's id (random, one per attempt at a code)."""
+SpakeMessage = Annotated[bytes, Bounds(max_len=128)]
+"""One side's SPAKE2 message."""
+Confirmation = Annotated[bytes, Bounds(max_len=64)]
+"""One side's key confirmation (an HMAC of the transcript)."""
+
+
 @message("pair.start")
 class PairStart(Message):
     nameplate: str = field(max_len=16)
-    session: bytes = field(max_len=32)
-    spake: bytes = field(max_len=128)
+    session: PairSession
+    spake: SpakeMessage
 
 
 @message("pair.reply")
 class PairReply(Message):
-    spake: bytes = field(max_len=128)
-    confirm: bytes = field(max_len=64)
+    spake: SpakeMessage
+    confirm: Confirmation
     tries_left: int = field(default=0, ge=0, le=MAX_TRIES)
 
 
 @message("pair.finish")
 class PairFinish(Message):
-    session: bytes = field(max_len=32)
-    confirm: bytes = field(max_len=64)
+    session: PairSession
+    confirm: Confirmation
 
 
 @message("pair.welcome")

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node.jobs import PlanMismatch, cpu_threads, device_for, exit_message
+from swarmp2p.node.jobs import PlanMismatch, device_for, exit_message
 from swarmp2p.node.messages import (
     JobAck,
     ServeFileRead,
@@ -26,7 +25,7 @@ from swarmp2p.node.messages import (
     ShardCopy,
     ShardRead,
 )
-from swarmp2p.node.stages import CHUNK_BYTES
+from swarmp2p.node.stages import CHUNK_BYTES, worker_env
 from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeStagePlan
@@ -73,6 +72,9 @@ def _confined(root: Path, name: object, what: str) -> Path:
 
 class ServeStages:
     """This node's serve workers."""
+
+    HANDLES = (ServeStageStart, ServeShardHold, ServeStageConnect, ServeStageStop)
+    """The messages :meth:`handle` takes (the serving dispatch forwards these here)."""
 
     def __init__(self, ctx: NodeContext, stage_host: StageHost) -> None:
         self.ctx = ctx
@@ -360,10 +362,7 @@ class ServeStages:
             tied_head=tied,
             link_keys=link_keys,
         )
-        env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
-        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            cores = int(self.ctx.me.host.get("cpu_cores") or 1)
-            env["OMP_NUM_THREADS"] = str(cpu_threads(cores, plan.stages_on(me)))
+        env = worker_env(self.ctx, plan, device, visible)
         self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
         log_dir = self.ctx.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)

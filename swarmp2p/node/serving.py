@@ -34,19 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
+from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node import serve_ring
-from swarmp2p.node.messages import (
-    ServeFileRead,
-    ServePlace,
-    ServeShardHold,
-    ServeStage,
-    ServeStageConnect,
-    ServeStageExit,
-    ServeStageStart,
-    ServeStageStop,
-    ShardChunk,
-)
+from swarmp2p.node.messages import ServeFileRead, ServePlace, ServeStage, ServeStageExit, ShardChunk
 from swarmp2p.node.registry import holders
 from swarmp2p.node.serve_model import resolve_model, trained_entry, trained_settings
 from swarmp2p.node.serve_ring import Served
@@ -277,10 +268,7 @@ class Serving:
         )
 
     async def _teardown(self, served: Served) -> None:
-        if served.rebuilding is not None:
-            served.rebuilding.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await served.rebuilding
+        await cancel_all(served.rebuilding)
         if served.api is not None:
             await asyncio.to_thread(served.api.close)
             served.api = None
@@ -397,7 +385,7 @@ class Serving:
                 serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
                 state="exited",
             )  # fmt: skip
-        if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop, ServeShardHold)):
+        if isinstance(msg, ServeStages.HANDLES):
             return await self.stages.handle(msg)
         raise UserError(f"serving does not take {type(msg).TYPE}", code="bad_request")
 

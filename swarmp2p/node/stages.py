@@ -38,6 +38,7 @@ from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.plan import Plan, ServePlan
 
 log = logging.getLogger("swarmp2p.node.stages")
 
@@ -45,6 +46,22 @@ REPORT_EVERY_S = 0.2
 """How often a node sends its workers' new events to the leader (one batch per worker)."""
 REPORT_BATCH = 200
 CHUNK_BYTES = 1 << 20
+
+
+def worker_env(
+    ctx: NodeContext, plan: Plan | ServePlan, device: str, visible: str | None
+) -> dict[str, str]:
+    """A stage worker's environment (a training or a serve stage): the GPUs it may see and, on
+    the CPU, its share of this machine's cores with the plan's other stages on the machine (an
+    ``OMP_NUM_THREADS`` the daemon was started with wins)."""
+    env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        machines = {p.node_id: str(p.host.get("machine") or "") for p in ctx.members.alive_peers()}
+        machines[ctx.node_id] = str(ctx.me.host.get("machine") or "")
+        here = jobs.stages_on_machine(plan, ctx.node_id, machines)  # they share its cores
+        cores = int(ctx.me.host.get("cpu_cores") or 1)
+        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
+    return env
 
 
 def job_dir(state_root: Path, job_id: str) -> Path:
@@ -164,13 +181,7 @@ class StageHost:
             link_keys=self._link_keys(plan, msg.stage),
         )
         folder.mkdir(parents=True, exist_ok=True)
-        env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
-        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            machines = {p.node_id: str(p.host.get("machine") or "") for p in self.ctx.members.alive_peers()}  # fmt: skip
-            machines[self.ctx.node_id] = str(self.ctx.me.host.get("machine") or "")
-            here = jobs.stages_on_machine(plan, self.ctx.node_id, machines)  # they share its cores
-            cores = int(self.ctx.me.host.get("cpu_cores") or 1)
-            env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
+        env = worker_env(self.ctx, plan, device, visible)
         key = (msg.job_id, msg.attempt, msg.stage)
         self._outbox[key] = []
         worker = WorkerProcess(

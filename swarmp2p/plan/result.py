@@ -126,18 +126,6 @@ class Plan:
             raise ValueError("stages[0] must start at block 0")
 
     @property
-    def job_name(self) -> str:
-        return self.job
-
-    @property
-    def micro_batches(self) -> int:
-        return self.schedule.micro_batches
-
-    @property
-    def bubble_fraction(self) -> float:
-        return self.schedule.bubble_fraction
-
-    @property
     def n_layers(self) -> int:
         return self.stages[-1].layer_end
 

@@ -213,9 +213,6 @@ class ServePlan:
     def bounds(self) -> list[tuple[int, int]]:
         return [s.layers for s in self.stages]
 
-    def stages_on(self, node_id: str) -> int:
-        return sum(1 for s in self.stages if s.node_id == node_id)
-
     def to_dict(self) -> dict[str, Any]:
         return to_data(self)
 

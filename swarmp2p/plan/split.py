@@ -222,8 +222,60 @@ class SplitSpec:
         )
 
 
+class StagePosition:
+    """Where a stage stands in its pipeline: first, last, both or neither.
+
+    For any record that knows its ``stage_index`` of ``n_stages`` (a split's stage, a worker or
+    serve spec, a runtime bundle), so the rule is written once.
+    """
+
+    __slots__ = ()
+    stage_index: int
+    n_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+
+class StageOfPlan(StagePosition):
+    """A spec of stage ``stage`` of ``plan`` (a training Plan or a ServePlan): what both kinds of
+    plan say about that stage, read the same way by a worker spec and a serve spec."""
+
+    __slots__ = ()
+    stage: int
+    plan: Any
+
+    @property
+    def stage_index(self) -> int:
+        return self.stage
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.plan.stages)
+
+    @property
+    def planned(self) -> Any:
+        """The plan's entry for this stage (a PlannedStage or a ServeStagePlan)."""
+        return self.plan.stages[self.stage]
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """This stage's blocks ``[start, end)``."""
+        return self.planned.layers
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype the plan chose."""
+        return self.plan.dtype
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StageSpec:
+class StageSpec(StagePosition):
     """One stage of a split: its layers and the boundaries it reads from and writes to."""
 
     stage_index: int
@@ -236,14 +288,6 @@ class StageSpec:
     """The boundary this stage writes activations to (None on the last stage)."""
     receive_compression: Compression | None = None
     send_compression: Compression | None = None
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.n_stages - 1
 
     @property
     def n_layers(self) -> int:

@@ -20,6 +20,7 @@ from swarmp2p.plan.job import Job, LoraConfig
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placement import plan_job
 from swarmp2p.plan.result import Plan
+from swarmp2p.plan.split import StageOfPlan
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 LINK_TIMEOUT_S = 30.0
@@ -74,7 +75,7 @@ class StageTraining:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerSpec:
+class WorkerSpec(StageOfPlan):
     """One training stage's assignment (``python -m swarmp2p.runtime.worker`` stdin)."""
 
     job: Job
@@ -134,25 +135,8 @@ class WorkerSpec:
     # --- what the stage runs, read from the job and the plan -----------------------------------
 
     @property
-    def n_stages(self) -> int:
-        return len(self.plan.stages)
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        """This stage's blocks ``[start, end)``."""
-        return self.plan.stages[self.stage].layers
-
-    @property
     def n_layers(self) -> int:
         return self.plan.n_layers
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.n_stages - 1
 
     @property
     def compression(self) -> tuple[Any, ...]:
@@ -162,10 +146,6 @@ class WorkerSpec:
     @property
     def finetune_mode(self) -> str:
         return self.plan.finetune_mode
-
-    @property
-    def dtype(self) -> str:
-        return self.plan.dtype
 
     @property
     def lora(self) -> LoraConfig | None:
@@ -198,7 +178,7 @@ class WorkerSpec:
             steps=t.steps,
             batch_size=t.batch_size,
             seq_len=t.seq_len,
-            micro_batches=self.plan.micro_batches,
+            micro_batches=self.plan.schedule.micro_batches,
             schedule=self.plan.schedule.kind,
             lr=t.lr,
             weight_decay=self.weight_decay,

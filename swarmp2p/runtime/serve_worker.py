@@ -81,18 +81,19 @@ def _load_trained(spec):
     trained = load_trained_stage(
         spec.model,
         spec.shard,
-        layer_start=spec.layer_start,
-        layer_end=spec.layer_end,
-        is_first=spec.is_first_stage,
-        is_last=spec.is_last_stage,
+        layer_start=spec.layers[0],
+        layer_end=spec.layers[1],
+        is_first=spec.is_first,
+        is_last=spec.is_last,
         dtype=spec.dtype,
         quantization=spec.quantization,
         device=spec.device,
         tied_head=spec.tied_head,
     )
-    if spec.send_compression not in ("none", trained.send_compression):
+    asked = spec.planned.send_compression
+    if asked not in ("none", trained.send_compression):
         raise ValueError(
-            f"send_compression: the stage spec asks for {spec.send_compression!r}, but shard "
+            f"send_compression: the stage spec asks for {asked!r}, but shard "
             f"{spec.shard} was trained with {trained.send_compression!r} on that boundary"
         )
     return trained
@@ -106,25 +107,16 @@ def run() -> int:
     import torch
 
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
-    from swarmp2p.runtime.torch import load_stage_shard
+    from swarmp2p.runtime.torch import load_spec_stage
     from swarmp2p.runtime.torch.serve import StageServer
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
     started = time.monotonic()
     halves: dict = {}
-    send_compression = spec.send_compression
+    send_compression = spec.planned.send_compression
     if spec.shard is None:
-        stage = load_stage_shard(
-            spec.model,
-            spec.layer_start,
-            spec.layer_end,
-            spec.is_first_stage,
-            spec.is_last_stage,
-            dtype=spec.dtype,
-            quantization=spec.quantization,
-            device=spec.device,
-        )
+        stage = load_spec_stage(spec)
     else:
         trained = _load_trained(spec)
         stage = trained.stage
@@ -162,10 +154,10 @@ def run() -> int:
             inbound=inbound,
             outbound=outbound,
             send_compression=send_compression,
-            send_codes=spec.send_codes,
+            send_codes=spec.planned.send_codes,
             **halves,
-            max_sessions=spec.max_sessions,
-            max_context=spec.max_context,
+            max_sessions=spec.plan.max_sessions,
+            max_context=spec.plan.max_context,
         )
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)

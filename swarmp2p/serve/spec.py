@@ -17,15 +17,15 @@ from typing import Any
 from swarmp2p.plan.serve import (
     BOUNDARY_COMPRESSIONS,
     ServePlan,
-    ServeStagePlan,
     boundary_codec,
     fixed_bits,
 )
+from swarmp2p.plan.split import StageOfPlan
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ServeSpec:
+class ServeSpec(StageOfPlan):
     """One serving stage: the plan, which stage, the files and the link this node uses."""
 
     plan: ServePlan
@@ -83,60 +83,9 @@ class ServeSpec:
     # --- what the stage runs, read from the plan ------------------------------------------------
 
     @property
-    def planned(self) -> ServeStagePlan:
-        return self.plan.stages[self.stage]
-
-    @property
-    def stage_index(self) -> int:
-        return self.stage
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.plan.stages)
-
-    @property
-    def layer_start(self) -> int:
-        return self.planned.layers[0]
-
-    @property
-    def layer_end(self) -> int:
-        """End-exclusive."""
-        return self.planned.layers[1]
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.n_stages - 1
-
-    @property
-    def dtype(self) -> str:
-        return self.plan.dtype
-
-    @property
     def quantization(self) -> dict | None:
         q = self.plan.quantization
         return None if q is None else q.to_dict()
-
-    @property
-    def send_compression(self) -> str:
-        """The boundary after this stage ("none" on the last)."""
-        return self.planned.send_compression
-
-    @property
-    def send_codes(self) -> bool:
-        return self.planned.send_codes
-
-    @property
-    def max_sessions(self) -> int:
-        return self.plan.max_sessions
-
-    @property
-    def max_context(self) -> int:
-        """Tokens a session may hold in this stage's cache."""
-        return self.plan.max_context
 
     def to_dict(self) -> dict[str, Any]:
         return to_data(self)

@@ -26,7 +26,6 @@ from swarmp2p.wire.messages import (
     message_types,
     shared_capabilities,
     unpack_plain,
-    wire_field,
 )
 
 __all__ = [
@@ -55,6 +54,5 @@ __all__ = [
     "shared_capabilities",
     "unpack_parts",
     "unpack_plain",
-    "wire_field",
     "wire_nbytes",
 ]

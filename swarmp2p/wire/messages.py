@@ -91,22 +91,6 @@ def message(type_name: str) -> Callable[[type[_M]], type[_M]]:
     return register
 
 
-def wire_field(
-    *,
-    default: Any = dataclasses.MISSING,
-    default_factory: Any = dataclasses.MISSING,
-    min: float | None = None,
-    max: float | None = None,
-    max_len: int | None = None,
-) -> Any:
-    """A message field with a range (``min``/``max``, numbers) or ``max_len`` (str, bytes,
-    list, dict) that :func:`encode` and :func:`decode` enforce, naming the field: a
-    ``schema.field`` (the one validator) under the names the wire has always used."""
-    return schema.field(
-        default=default, default_factory=default_factory, ge=min, le=max, max_len=max_len
-    )
-
-
 def message_types() -> dict[str, type[Message]]:
     """A copy of the registry: type name -> message class."""
     return dict(_REGISTRY)
@@ -250,15 +234,15 @@ class ErrorReply(Message):
 class Hello(Message):
     """What a peer says first: who it is, which protocol versions and features it speaks."""
 
-    node_id: str = wire_field(max_len=128)
-    name: str = wire_field(max_len=128)
-    versions: list[int] = wire_field(max_len=32)
-    capabilities: list[str] = wire_field(max_len=128)
-    software: str = wire_field(default="", max_len=64)
+    node_id: str = schema.field(max_len=128)
+    name: str = schema.field(max_len=128)
+    versions: list[int] = schema.field(max_len=32)
+    capabilities: list[str] = schema.field(max_len=128)
+    software: str = schema.field(default="", max_len=64)
     """The swarmp2p release the peer runs, for error messages."""
-    swarm_id: str = wire_field(default="", max_len=64)
+    swarm_id: str = schema.field(default="", max_len=64)
     """The public swarm id the peer belongs to (``SwarmSecret.swarm_id``)."""
-    control_port: int = wire_field(default=0, min=0, max=65535)
+    control_port: int = schema.field(default=0, ge=0, le=65535)
     """The peer's RPC port (0: not listening)."""
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from swarmp2p.runtime.torch.introspect import (
 from swarmp2p.runtime.torch.loader import (
     NotLoadableByName,
     check_free_disk,
+    load_spec_stage,
     load_stage_shard,
     resolve_dtype,
     stage_keys,
@@ -33,6 +34,7 @@ __all__ = [
     "decoder_config",
     "introspect",
     "layer_types",
+    "load_spec_stage",
     "load_stage_shard",
     "normalize_spec",
     "resolve_dtype",

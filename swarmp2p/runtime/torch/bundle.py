@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarmp2p.plan.job import FINETUNE_MODES
+from swarmp2p.plan.split import StagePosition
 from swarmp2p.runtime.torch.compression import Compressor
 
 
 @dataclass(kw_only=True, eq=False)
-class StageBundle:
+class StageBundle(StagePosition):
     """One stage, ready to train: its module, its compressor halves, what it optimises."""
 
     index: int
@@ -41,12 +42,8 @@ class StageBundle:
     """Send a quantized payload as its codes (lossless); False sends the floats (wire v1)."""
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.n_stages - 1
+    def stage_index(self) -> int:
+        return self.index
 
     @property
     def send_codec(self) -> str:

@@ -8,6 +8,7 @@ import shutil
 from collections import defaultdict
 from copy import deepcopy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -16,6 +17,10 @@ from torch import nn
 from swarmp2p.runtime.models import resolve_model_ref
 from swarmp2p.runtime.torch.introspect import Topology, introspect
 from swarmp2p.runtime.torch.stage import Stage
+
+if TYPE_CHECKING:
+    from swarmp2p.plan.worker_spec import WorkerSpec
+    from swarmp2p.serve.spec import ServeSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -358,6 +363,20 @@ def load_stage_shard(
     # eval mode, as from_pretrained hands a model back (dropout off; bnb int8 differs in train);
     # a trainer calls stage.train() itself
     return stage.eval()
+
+
+def load_spec_stage(spec: WorkerSpec | ServeSpec) -> Stage:
+    """The stage a training or serve spec assigns: its blocks of ``spec.model`` in the plan's
+    dtype and quantization, on ``spec.device``."""
+    return load_stage_shard(
+        spec.model,
+        *spec.layers,
+        spec.is_first,
+        spec.is_last,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        device=spec.device,
+    )
 
 
 def _convert(model, config, model_key, sources, read, converter_of) -> torch.Tensor:

@@ -73,23 +73,14 @@ def build_from_spec(spec: WorkerSpec):
     adapters and compressors attached, the frozen backbone stored in ``spec.weight_dtype``."""
     import torch
 
-    from swarmp2p.runtime.torch import decoder_config, load_stage_shard
+    from swarmp2p.runtime.torch import decoder_config, load_spec_stage
     from swarmp2p.runtime.torch.bundle import build_bundle
     from swarmp2p.runtime.torch.compression import compressor_from_spec
     from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
 
     torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
     a, b = spec.layers
-    stage = load_stage_shard(
-        spec.model,
-        a,
-        b,
-        spec.is_first,
-        spec.is_last,
-        dtype=spec.dtype,
-        quantization=spec.quantization,
-        device=spec.device,
-    )
+    stage = load_spec_stage(spec)
     if b - a != len(stage.blocks) or (spec.is_last and b != spec.n_layers):
         raise ValueError(
             f"layers [{a}, {b}) with n_layers {spec.n_layers} do not match the model "

@@ -30,7 +30,7 @@ def _kinds(actions):
     ("alive", "busy", "expected"),
     [
         (("a", "b"), (), []),
-        (("a", "b", "c"), (), [("AddMember", "c")]),
+        (("a", "b", "c"), (), [("MemberJoined", "c")]),
         (("a",), (), [("Recover", "j1")]),  # b, a stage node, is lost
         (("a",), ("j1",), []),  # a task already works on it
     ],

@@ -149,7 +149,7 @@ def test_features_need_every_assigned_node():
     cluster = [node("a", gpu(*A5000, 20)), node("b", gpu(*A5000, 20), caps=caps)]
     plan = plan_job(job(split={"compression": "fixed_int8"}), cluster, shape=SMOL)
     assert plan.features == ("long-context", "wire-v2")
-    assert plan.micro_batches == 1 and plan.eval_batches == 0
+    assert plan.schedule.micro_batches == 1 and plan.eval_batches == 0
     assert "micro_batches 1: not every node declares microbatch" in plan.notes
     assert plan.boundaries[0].codec == "int8"
     assert plan.boundaries[0].bytes_per_token == 576 + 4
@@ -246,7 +246,7 @@ def test_stage_records_memory_and_schedule():
     first, last = plan.stages
     assert first.ops == "F0 F1 B0 F2 B1 F3 B2 B3"
     assert last.memory.loss > 0 and first.memory.loss == 0
-    assert plan.bubble_fraction == pytest.approx(1 / 5)
+    assert plan.schedule.bubble_fraction == pytest.approx(1 / 5)
     assert first.device_free == int(23 * GiB)
 
 

@@ -40,12 +40,12 @@ def test_the_spec_reads_the_stage_from_the_plan_and_round_trips():
     p = plan(kind="cuda", compression=["fixed_int8"], codes=[True])  # a fake GPU: bfloat16
     spec = serve_spec(p, 1, model="/m", token="t", host="10.0.0.2", device="cuda:0", threads=2)
     assert parse_serve_spec(json.loads(json.dumps(spec.to_dict()))) == spec
-    assert (spec.stage_index, spec.layer_start, spec.layer_end) == (1, 1, 4)
-    assert (spec.is_first_stage, spec.is_last_stage, spec.n_stages) == (False, True, 2)
-    assert (spec.dtype, spec.max_sessions, spec.max_context) == ("bfloat16", 3, 100)
-    assert (spec.send_compression, spec.send_codes) == ("none", False)
+    assert (spec.stage_index, spec.layers) == (1, (1, 4))
+    assert (spec.is_first, spec.is_last, spec.n_stages) == (False, True, 2)
+    assert (spec.dtype, spec.plan.max_sessions, spec.plan.max_context) == ("bfloat16", 3, 100)
+    assert (spec.planned.send_compression, spec.planned.send_codes) == ("none", False)
     first = serve_spec(p, 0, model="/m", token="t")
-    assert (first.send_compression, first.send_codes, first.is_first_stage) == ("fixed_int8", True, True)  # fmt: skip
+    assert (first.planned.send_compression, first.planned.send_codes, first.is_first) == ("fixed_int8", True, True)  # fmt: skip
     assert first.quantization is None
     q = serve_spec(plan(quantization={"bits": 8}), 0, model="/m", token="t")
     assert q.quantization["bits"] == 8

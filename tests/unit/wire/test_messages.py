@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmp2p.schema import field
 from swarmp2p.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -23,7 +24,6 @@ from swarmp2p.wire import (
     message,
     message_types,
     shared_capabilities,
-    wire_field,
 )
 from swarmp2p.wire.messages import MAX_PLAIN_DEPTH
 
@@ -344,10 +344,10 @@ def test_mutated_and_truncated_messages_give_wire_errors(msg, data):
 
 @message("test.bounded")
 class Bounded(Message):
-    port: int = wire_field(default=0, min=0, max=65535)
-    ratio: float | None = wire_field(default=None, min=0.0, max=1.0)
-    tags: list[str] = wire_field(default_factory=list, max_len=2)
-    name: str = wire_field(default="", max_len=4)
+    port: int = field(default=0, ge=0, le=65535)
+    ratio: float | None = field(default=None, ge=0.0, le=1.0)
+    tags: list[str] = field(default_factory=list, max_len=2)
+    name: str = field(default="", max_len=4)
 
 
 @pytest.mark.parametrize(
