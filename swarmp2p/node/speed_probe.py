@@ -105,6 +105,13 @@ def cpu_share(affinity: int, quota: float | None) -> int:
     return max(1, min(affinity, math.ceil(quota - 1e-9)))
 
 
+def probe_cpus(threads: int, affinity: int, quota: float | None) -> float:
+    """CPUs a probe of ``threads`` threads may keep busy: its threads, capped by the affinity
+    and by the quota (fractional: 0.35 of a CPU stays 0.35)."""
+    cpus = float(max(1, min(threads, affinity)))
+    return cpus if quota is None else min(cpus, quota)
+
+
 def machine_id() -> str:
     """A short hash of the kernel's boot id: the same for every daemon on one machine (network
     namespaces and containers share the kernel), different across machines and reboots."""
@@ -142,9 +149,13 @@ def device_key(device: Mapping[str, Any]) -> str:
     return f"{device.get('kind')}:{device.get('index')}"
 
 
-def probe_request(record: Mapping[str, Any], threads: int) -> dict[str, Any]:
+def probe_request(
+    record: Mapping[str, Any], threads: int, quota: float | None = None
+) -> dict[str, Any]:
     """What to measure: every device of ``record`` without a given speed, in every dtype it
-    trains (a CPU in bfloat16 too: a job may ask for it); a fake GPU runs on the CPU."""
+    trains (a CPU in bfloat16 too: a job may ask for it); a fake GPU runs on the CPU. ``cpus``
+    (``probe_cpus``, ``quota``: this process's cgroup quota) keeps a passing load on the
+    machine out of a CPU's measured speed (``runtime.probe``)."""
     devices = []
     for d in record.get("devices", []):
         if d.get("speed"):
@@ -152,7 +163,8 @@ def probe_request(record: Mapping[str, Any], threads: int) -> dict[str, Any]:
         kind = d.get("kind")
         where = "cpu" if kind == "cpu" or d.get("fake") else f"{kind}:{d.get('index')}"
         devices.append({"key": device_key(d), "torch_device": where, "dtypes": list(_device_dtypes(d))})  # fmt: skip
-    return {"devices": devices, "threads": threads, "seconds": PROBE_SECONDS}
+    cpus = probe_cpus(threads, len(os.sched_getaffinity(0)), quota)
+    return {"devices": devices, "threads": threads, "seconds": PROBE_SECONDS, "cpus": cpus}
 
 
 def _cpu_model() -> str:
@@ -269,10 +281,10 @@ def measure(
     daemons starting together on one machine measure once (a lock on the cache file).
     ``stop`` set: ``ProbeStopped`` at once, the probe killed."""
     env = os.environ if env is None else env
-    request = probe_request(record, threads)
+    quota = cpu_quota()
+    request = probe_request(record, threads, quota)
     if not request["devices"]:
         return {}
-    quota = cpu_quota()
     path = cache_folder(env) / f"{cache_key(request, record, quota)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -365,5 +377,6 @@ __all__ = [
     "machine_id",
     "measure",
     "measure_node",
+    "probe_cpus",
     "probe_request",
 ]

@@ -4,7 +4,7 @@ and dtype in a worker subprocess (the daemon never imports torch).
 It reads one JSON request on stdin::
 
     {"devices": [{"key": "cuda:0", "torch_device": "cuda:0", "dtypes": ["bfloat16", ...]}],
-     "threads": 2, "seconds": 1.0}
+     "threads": 2, "seconds": 1.0, "cpus": 2.0}
 
 and prints one JSON line ``{"speeds": {key: {dtype: FLOP/s}}, "torch": version, "errors":
 {key: message}}``. A fake GPU (``SWARM_FAKE_DEVICES``) runs on the CPU, so its request names
@@ -12,6 +12,13 @@ and prints one JSON line ``{"speeds": {key: {dtype: FLOP/s}}, "torch": version, 
 forward and backward, counted as 6 FLOPs per parameter and token like the planner
 (``swarmp2p.plan.speed``). Each measurement runs ``seconds`` of wall time after a warm-up, so
 a CPU quota (a cgroup's ``cpu.cfs_quota_us`` over its 100 ms period) shows in the result.
+
+On a CPU the request's ``cpus`` (the CPUs the node may keep busy: its threads, capped by its
+affinity and its quota, fractional) keeps a passing load out of the result: a probe that got
+less CPU time than ``cpus`` x its wall time (other processes took the rest) is rated on the CPU
+time it got, at ``cpus``' pace. Measured on 2 cores, beside another probe and a loaded box: a
+1-CPU node's wall-time rate read 37-55 GFLOP/s against 66-73 alone, and the speed split it
+cached gave a 0.35-CPU node 3 of 8 layers instead of 2.
 """
 
 from __future__ import annotations
@@ -29,8 +36,20 @@ _SIZES = {"cpu": (256, 256), "cuda": (2048, 4096), "mps": (1024, 2048)}
 matmul units busy, small enough that an emulated dtype on a CPU still runs a few times."""
 
 
-def measure(torch_device: str, dtype: str, *, seconds: float = SECONDS) -> float:
-    """Training FLOP/s of the probe block on ``torch_device`` in ``dtype``."""
+def rate(flops: float, wall_s: float, cpu_s: float, cpus: float | None) -> float:
+    """FLOP/s of ``flops`` done in ``wall_s`` seconds using ``cpu_s`` CPU seconds, by a process
+    that may keep ``cpus`` CPUs busy (None: a device whose CPU time says nothing, a GPU):
+    over the wall time, or over ``cpu_s / cpus`` when others took part of its share."""
+    if not cpus or cpus <= 0 or cpu_s <= 0:
+        return flops / wall_s
+    return flops / min(wall_s, cpu_s / cpus)
+
+
+def measure(
+    torch_device: str, dtype: str, *, seconds: float = SECONDS, cpus: float | None = None
+) -> float:
+    """Training FLOP/s of the probe block on ``torch_device`` in ``dtype``; ``cpus``: the CPUs
+    a CPU measurement may use (``rate``)."""
     import torch
 
     device = torch.device(torch_device)
@@ -55,7 +74,7 @@ def measure(torch_device: str, dtype: str, *, seconds: float = SECONDS) -> float
 
     once()  # warm-up: allocations, kernel selection
     sync()
-    n, start = 0, time.perf_counter()
+    n, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while True:
         once()
         n += 1
@@ -64,7 +83,8 @@ def measure(torch_device: str, dtype: str, *, seconds: float = SECONDS) -> float
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
-    return 6.0 * params * tokens * n / elapsed
+    cpu_s = time.process_time() - cpu_start
+    return rate(6.0 * params * tokens * n, elapsed, cpu_s, cpus if device.type == "cpu" else None)
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -75,6 +95,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     if isinstance(threads, int) and threads >= 1:
         torch.set_num_threads(threads)
     seconds = float(request.get("seconds") or SECONDS)
+    cpus = request.get("cpus")
+    cpus = float(cpus) if isinstance(cpus, (int, float)) and cpus > 0 else None
     speeds: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
     done: dict[tuple[str, str], float] = {}
@@ -83,7 +105,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         for dtype in item.get("dtypes", []):
             try:
                 if (where, dtype) not in done:
-                    done[(where, dtype)] = measure(where, dtype, seconds=seconds)
+                    done[(where, dtype)] = measure(where, dtype, seconds=seconds, cpus=cpus)
                 speeds.setdefault(key, {})[dtype] = float(f"{done[(where, dtype)]:.4g}")
             except Exception as exc:  # a dtype this device cannot run: say so, measure the rest
                 errors[f"{key} {dtype}"] = f"{type(exc).__name__}: {exc}"[:500]

@@ -14,6 +14,10 @@ to another through the filesystem: a model folder or a data file a test puts on 
 exists only there. From outside, the test reads a host's disk under ``host.root``
 (``host.outside(path)`` maps a path on the host to it).
 
+``ip netns exec`` gives each host a fresh /sys (its network's), without the machine's cgroup
+hierarchies: they are mounted again there, read-only, as a container sees its own, so a daemon
+on a host reads the CPU quota it runs under (``tests/integration/cpu_quota.py``).
+
 Teardown stops every daemon and holder, deletes the namespaces (which deletes their veths),
 the bridge and the hosts' disks. Tests skip, saying why, when namespaces cannot be made (not
 root, no `ip`, `unshare` or `nsenter`): ``conftest.py`` has the fixtures.
@@ -45,6 +49,7 @@ CONFIG_ONLY = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
 }  # fmt: skip
 """A model's config without weights: enough to plan a job that never runs (its shape)."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 HOST_ENV_DROP = ("SWARM_", "HF_", "XDG_", "TRANSFORMERS_", "TORCH_HOME", "TMPDIR", "HUGGINGFACE")
 """Variables of this process that would point a host at a shared folder (or a test's token)."""
 MOUNT_SCRIPT = r"""
@@ -55,6 +60,17 @@ mount --bind "$SWARM_HOST_DISK/home" /home/swarm
 for d in $SWARM_HIDE; do
   if [ -d "$d" ]; then mount -t tmpfs -o mode=0700,size=1m swarm-hidden "$d"; fi
 done
+cgroups() {
+  case " $SWARM_CGROUPS " in
+    *" .="*) ;;
+    *) mount -t tmpfs -o mode=0755,size=1m swarm-cgroup /sys/fs/cgroup ;;
+  esac
+  for m in $SWARM_CGROUPS; do
+    dir=${m%%=*}; rest=${m#*=}; kind=${rest%%:*}; opts=${rest#*:}
+    mkdir -p "/sys/fs/cgroup/$dir" && mount -t "$kind" -o "$opts" "$kind" "/sys/fs/cgroup/$dir"
+  done
+}
+if [ -n "$SWARM_CGROUPS" ]; then cgroups || echo "cgroups not all mounted" >&2; fi
 mount --bind "$SWARM_PROJECT" "$SWARM_PROJECT"
 mount -o remount,bind,ro "$SWARM_PROJECT"
 mount -t tmpfs -o mode=1777 swarm-shm /dev/shm
@@ -104,6 +120,30 @@ def _hidden_folders() -> list[str]:
             continue
         out.append(str(real))
     return out
+
+
+def _cgroup_mounts() -> str:
+    """The machine's cgroup hierarchies under /sys/fs/cgroup as ``folder=type:options`` words
+    for MOUNT_SCRIPT (``.``: cgroup v2 mounted there itself): read-only, a v1 one with just its
+    controllers and name, which is what mounting it again (the same hierarchy) needs."""
+    try:
+        table = Path("/proc/cgroups").read_text().splitlines()[1:]
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    controllers = {line.split()[0] for line in table if line.strip()}
+    words = []
+    for line in mounts:
+        _, where, kind, options = line.split()[:4]
+        folder = Path(where)
+        if kind not in ("cgroup", "cgroup2") or " " in where or "=" in folder.name:
+            continue
+        if folder == CGROUP_ROOT and kind == "cgroup2":
+            words.append(".=cgroup2:ro")
+        elif folder.parent == CGROUP_ROOT:
+            keep = [o for o in options.split(",") if o in controllers or o.startswith("name=")]
+            words.append(f"{folder.name}={kind}:{','.join(['ro', *keep])}")
+    return " ".join(words)
 
 
 class HostNode(NodeProc):
@@ -164,6 +204,7 @@ class Host:
             "SWARM_HOST_DISK": str(self.root),
             "SWARM_HIDE": " ".join(_hidden_folders()),
             "SWARM_PROJECT": str(ROOT),
+            "SWARM_CGROUPS": _cgroup_mounts(),
         }
         cmd = ["ip", "netns", "exec", self.ns, "unshare", "--mount", "--propagation", "private"]
         self.holder = subprocess.Popen(

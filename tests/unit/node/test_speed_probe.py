@@ -49,6 +49,16 @@ def test_cpu_share_caps_affinity_by_the_quota(affinity, quota, want):
     assert speed_probe.cpu_share(affinity, quota) == want
 
 
+@pytest.mark.parametrize(
+    ("threads", "affinity", "quota", "want"),
+    [(1, 8, None, 1.0), (4, 2, None, 2.0), (1, 8, 0.35, 0.35), (4, 8, 2.5, 2.5), (2, 8, 4.0, 2.0)],
+)
+def test_the_probe_may_keep_its_threads_busy_capped_by_affinity_and_quota(
+    threads, affinity, quota, want
+):
+    assert speed_probe.probe_cpus(threads, affinity, quota) == want
+
+
 def test_link_speed_is_the_fastest_rated_interface(tmp_path):
     for name, speed in (("eth0", "1000"), ("eth1", "10000"), ("wg0", "-1")):
         (tmp_path / name).mkdir()
@@ -83,6 +93,8 @@ def test_the_probe_measures_what_each_device_trains_a_fake_gpu_on_the_cpu():
         "cpu:0": ("cpu", ["bfloat16", "float32"]),
     }  # the 1660S came with its speed: not measured
     assert record["devices"][1]["speed"] == {"float16": 5e12, "float32": 4e12}
+    assert request["cpus"] == 1.0  # one thread
+    assert speed_probe.probe_request(record, threads=1, quota=0.35)["cpus"] == 0.35
     assert Node.from_dict(hardware.planner_record(record)).devices[1].speed.get("float16") == 5e12
 
 
