@@ -149,9 +149,11 @@ def run_swarm(
     data: dict | None = None,
     lr: float = 1e-5,
     losses: list | None = None,
+    wall: bool = False,
 ) -> list[float]:
     """Step seconds of the last stage of 2 worker processes (1F1B over CURVE ZmqLinks); the
-    last stage's step events are appended to ``losses`` when given."""
+    last stage's step events are appended to ``losses`` when given. ``wall``: the wall time
+    between the last stage's step ends instead (what the daemons' steady tokens/s reads)."""
     token = SwarmSecret.generate().token
     cut = n_layers // 2
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
@@ -199,11 +201,12 @@ def run_swarm(
             if event["event"] == "error":
                 raise SystemExit(f"worker failed: {event}")
     last = procs[0]
-    steps = []
+    steps, ends = [], []
     for line in last.stdout:
         event = json.loads(line)
         if event["event"] == "step":
             steps.append(event["step_s"])
+            ends.append(event["at"])
             if losses is not None:
                 losses.append(event)
         elif event["event"] == "error":
@@ -213,6 +216,8 @@ def run_swarm(
             pass
         proc.wait()
         proc.stdout.close()
+    if wall:
+        return [b - a for a, b in zip(ends[args.warmup - 1 :], ends[args.warmup :])]
     return steps[args.warmup :]
 
 
@@ -364,12 +369,12 @@ def run_daemons(
                     job_id = json.loads(sub.stdout)["job_id"]
 
                     def done(job_id=job_id):
-                        view = sw.json("a", "jobs", "show", job_id)
+                        view = sw.api("a", "job", job_id=job_id)
                         if view["state"] in ("FAILED", "CANCELLED"):
                             raise SystemExit(f"job {view['state']}: {view.get('error')}")
                         return view if view["state"] == "COMPLETED" else None
 
-                    view = wait(done, 3600, f"the {mode or 'default'} job", interval=0.5)
+                    view = wait(done, 3600, f"the {mode or 'default'} job", interval=1.0)
                     stages = view["plan"]["stages"]
                     key = mode or "default"
                     out[key] = {
@@ -409,6 +414,7 @@ def daemons_case(folder: Path, n_layers: int, args) -> dict:
     """Through ``swarm train``: the equal and the default split on two daemons (one thread
     each) beside torch.distributed.pipelining with the same cuts (one thread per rank)."""
     got = run_daemons(folder, args, modes=("equal", None))
+    workers = run_swarm(folder, n_layers, args, 1, steps=args.daemon_steps, wall=True)
     cut = got["default"]["layers"][0][1]
     pp = {"equal": run_torch_pipelining(folder, n_layers, args, 1, cut=n_layers // 2)}
     pp["default"] = pp["equal"] if cut == n_layers // 2 else run_torch_pipelining(folder, n_layers, args, 1, cut=cut)  # fmt: skip
@@ -418,6 +424,7 @@ def daemons_case(folder: Path, n_layers: int, args) -> dict:
         "shape": f"batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches",
         "tok_s": {k: got[k]["tok_s"] for k in ("equal", "default")},
         "torch_pipelining_tok_s": pp_tok_s,
+        "workers_equal_tok_s": tokens / statistics.median(workers),
         "layers": {k: got[k]["layers"] for k in ("equal", "default")},
         "measured_s": {k: got[k]["measured_s"] for k in ("equal", "default")},
         "predicted_s": {k: got[k]["predicted_s"] for k in ("equal", "default")},
@@ -702,7 +709,14 @@ def main(argv: list[str] | None = None) -> dict:
         print("| split | layers | swarm train tokens/s | torch pipelining tokens/s | ratio |\n|---|---|---|---|---|")  # fmt: skip
         for key in ("equal", "default"):
             mine, theirs = got["tok_s"][key], got["torch_pipelining_tok_s"][key]
-            print(f"| {key} | {got['layers'][key]} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x |")  # fmt: skip
+            print(
+                f"| {key} | {got['layers'][key]} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x |"
+            )
+        print(
+            f"\nThe same 2 workers driven directly (no daemons), equal cut, wall time between step "
+            f"ends: {got['workers_equal_tok_s']:.1f} tokens/s; through the daemons "
+            f"{got['tok_s']['equal'] / got['workers_equal_tok_s']:.2f}x of that."
+        )  # fmt: skip
         result.update(
             daemons=got,
             swarm_over_torch_pipelining=got["tok_s"]["default"]
