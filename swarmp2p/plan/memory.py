@@ -46,6 +46,9 @@ from swarmp2p.schema import to_data
 
 LOSS_CHUNK_BYTES = 64 * 2**20
 """Float32 logits one chunk of the chunked loss may hold."""
+DEFAULT_LOSS_CHUNK_TOKENS = 2048
+"""Tokens whose float32 logits a training job's last stage holds at once while scoring
+(reference, "Long sequences"): the worker spec's default ``loss_chunk_tokens``."""
 
 _MOMENTS_AND_GRAD_BYTES = 12
 """AdamW's two float32 moments and the float32 gradient of one trainable parameter."""

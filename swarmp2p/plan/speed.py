@@ -7,7 +7,8 @@ backward 4 (Kaplan et al. 2020). The rules:
 
 - a stage's compute is the ``cost`` split's FLOPs for its layers (the head on the last stage,
   AdamW's update over what trains), plus another forward of its blocks under recompute and of
-  the head (the chunked loss always recomputes it), at its device's speed;
+  the head when the chunked loss recomputes it (several chunks a micro-batch, or several
+  micro-batches in flight on the last stage, as GPipe holds), at its device's speed;
 - its link time is the bytes it sends per step (activations and labels forward, gradients back
   at the compute dtype) at the slower of the two nodes' link speeds, none between two stages
   of one node, none when a speed is unknown;
@@ -29,6 +30,7 @@ from dataclasses import field as dataclass_field
 from typing import Any
 
 from swarmp2p.plan.hardware import Device, Node
+from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.plan.precision import DTYPE_BYTES
 from swarmp2p.schema import field
 
@@ -128,6 +130,9 @@ class StageClock:
         for p in shape.layer_active_params:
             self._active.append(self._active[-1] + p)
         self._head = shape.head_compute_params
+        self.head_again = placer.flight[-1] > 1 or workload.micro_tokens > DEFAULT_LOSS_CHUNK_TOKENS
+        """Whether the chunked loss runs the head again in backward (``chunked_head_loss``:
+        not for one chunk whose backward comes next, as on 1F1B's last stage)."""
         self.speeds = [device_speed(d, self.dtype) for _, d in placer.devices]
         self.unmeasured = tuple(
             f"{node.name} {dev.label}"
@@ -169,8 +174,8 @@ class StageClock:
         again = 0
         if self.recompute:
             again += self._active[end] - self._active[start]
-        if i == self.n - 1:
-            again += self._head  # the chunked loss runs the head again in backward
+        if i == self.n - 1 and self.head_again:
+            again += self._head
         return cost + float(RECOMPUTE_FLOPS_PER_PARAM_TOKEN * self.tokens * again)
 
     def time(self, i: int, start: int, end: int) -> float:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
 from swarmp2p.plan.job import Job, LoraConfig
+from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placement import plan_job
 from swarmp2p.plan.result import Plan
@@ -25,9 +26,6 @@ from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 LINK_TIMEOUT_S = 30.0
 """How long a stage waits on a silent neighbour before it fails (the leader stops it sooner)."""
-DEFAULT_LOSS_CHUNK_TOKENS = 2048
-"""Tokens whose float32 logits the last stage holds at once while scoring (reference, "Long
-sequences")."""
 DEFAULT_CALIBRATION_TOKENS = 16384
 """Tokens a learned bottleneck's PCA calibration reads (reference, "Calibration")."""
 

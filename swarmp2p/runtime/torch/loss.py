@@ -13,10 +13,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_LOSS_CHUNK_TOKENS = 2048
-"""Tokens whose float32 logits the last stage holds at once while scoring (reference, "Long
-sequences"); each chunk is recomputed in backward."""
-
 
 def _chunked_mean(
     score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

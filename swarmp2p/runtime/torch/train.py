@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.runtime.torch.boundary import (
     ACT,
     GRAD,
@@ -39,8 +40,8 @@ from swarmp2p.runtime.torch.boundary import (
     send_through,
     tell_neighbours,
 )
-from swarmp2p.runtime.torch.bundle import StageBundle, set_recompute
-from swarmp2p.runtime.torch.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_head_loss
+from swarmp2p.runtime.torch.bundle import StageBundle, dense_gradients, set_recompute
+from swarmp2p.runtime.torch.loss import chunked_head_loss
 from swarmp2p.runtime.torch.precision import (
     LossScaler,
     NonFiniteError,
@@ -264,6 +265,7 @@ def _waited(prev: Channel | None, next: Channel | None) -> float:
 
 def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next) -> Verdict:
     """What this stage found in the step, and what every stage does with it."""
+    dense_gradients(bundle.trainable_parameters)
     health = StepHealth()
     if bundle.is_last:
         bad = [v for v in state.loss_values.values() if not math.isfinite(v)]

@@ -132,3 +132,21 @@ def test_learned_speeds_are_flops_over_measured_seconds():
     learned = learned_speeds(timing, [timing.stages[0].compute_s * 2, float("nan")])
     assert learned[0] == pytest.approx(5e11, rel=1e-5)
     assert learned[1] is None
+
+
+def test_the_head_is_priced_twice_only_where_the_loss_runs_it_again():
+    """1F1B's last stage backs one micro-batch right after its forward, so a one-chunk loss keeps
+    its logits; GPipe holds them all (recomputed), and so does a micro-batch of several chunks."""
+    cluster = [node("a", fast(2e12)), node("b", fast(2e12))]
+    split = {"mode": "equal"}
+
+    def last_flops(**train):
+        plan = plan_job(job(split=split, train=train), cluster, shape=SMOL)
+        return plan.timing.stages[1].flops
+
+    tokens = 4 * 128  # BASE_JOB's batch
+    once = last_flops(schedule="1f1b", batch_size=4, seq_len=128, micro_batches=4)
+    again = last_flops(schedule="gpipe", batch_size=4, seq_len=128, micro_batches=4)
+    assert again - once == pytest.approx(2 * tokens * SMOL.head_compute_params, rel=1e-5)
+    long = dict(batch_size=2, seq_len=4096, micro_batches=2)  # 2 chunks a micro-batch
+    assert last_flops(schedule="1f1b", **long) == last_flops(schedule="gpipe", **long)

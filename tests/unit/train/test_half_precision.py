@@ -240,6 +240,7 @@ def test_one_stage_trains_exactly_like_a_single_process():
     whole = copy.deepcopy(model)
     bundle = build_bundle(build_stage(whole, 0, 4), index=0, n_stages=1)
     assert bundle.is_first and bundle.is_last
+    assert bundle.stage.embed.sparse  # its gradient sums sparse rows, made dense once a step
     (metrics,) = _train([bundle], settings, batches)
     assert [m.loss for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
     assert all(m.loss_scale is None and not m.skipped for m in metrics)
