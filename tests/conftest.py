@@ -35,13 +35,14 @@ def _group(where: str) -> tuple[int, str | None]:
       then the daemon and worker files. Their daemons run on loopback without mDNS (the
       harness passes ``--no-mdns``; the one mDNS file sees only its own nodes), so two files
       side by side do not see each other.
-    - Unit tests last, to whichever worker is free. xdist hands each worker two units at the
-      start, so the two longest come first."""
+    - Unit test files last, each a group of its own, to whichever worker is free: a module
+      fixture (the embedded model converted in a fresh cache, 27 s) was built on both workers
+      when a file's tests were spread over them."""
     if where.startswith("tests/system/"):
         return 0, "hosts"
     if where.startswith(("tests/integration/", "tests/security/")):
         return (1 if where.endswith("/test_install.py") else 2), where
-    return 3, None
+    return 3, where
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids
