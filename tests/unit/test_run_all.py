@@ -138,3 +138,16 @@ def test_run_all_runs_quick_benchmarks_side_by_side_only_when_asked(tmp_path):
     assert text.index("## bench/a.py") < text.index("## bench/b.py")  # the plan's order
     full = _run("--jobs", "2", "--bench-dir", str(folder))
     assert full.returncode == 2 and "--jobs 2" in full.stderr and "only with --quick" in full.stderr
+
+
+def test_the_longest_quick_runs_start_first_and_are_reported_in_order(tmp_path):
+    folder = _bench_dir(tmp_path, a=GOOD, serve=GOOD, train_pipeline=GOOD, z=GOOD)
+    out = _run("--quick", "--jobs", "2", "--bench-dir", str(folder))
+    assert out.returncode == 0, out.stdout + out.stderr
+    started = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("running")]
+    assert started[:2] == ["bench/train_pipeline.py", "bench/serve.py"], started
+    rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["a.py", "serve.py", "train_pipeline.py", "z.py"], rows
+    alone = _run("--quick", "--bench-dir", str(folder))  # one at a time: the plan's order
+    started = [line.split()[1] for line in alone.stderr.splitlines() if line.startswith("running")]
+    assert started == ["bench/a.py", "bench/serve.py", "bench/train_pipeline.py", "bench/z.py"]
