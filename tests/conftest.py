@@ -35,14 +35,15 @@ def _group(where: str) -> tuple[int, str | None]:
       then the daemon and worker files. Their daemons run on loopback without mDNS (the
       harness passes ``--no-mdns``; the one mDNS file sees only its own nodes), so two files
       side by side do not see each other.
-    - Unit test files last, each a group of its own, to whichever worker is free: a module
-      fixture (the embedded model converted in a fresh cache, 27 s) was built on both workers
-      when a file's tests were spread over them."""
+    - Unit tests last, to whichever worker is free, one test at a time (xdist hands each
+      worker two at the start, so the two longest come first). A unit file whose module
+      fixture is too dear to build twice names its own ``xdist_group`` (test_embedded.py: a
+      conversion in a fresh cache, 27 s); whole files as groups ran the suite 2 min slower."""
     if where.startswith("tests/system/"):
         return 0, "hosts"
     if where.startswith(("tests/integration/", "tests/security/")):
         return (1 if where.endswith("/test_install.py") else 2), where
-    return 3, where
+    return 3, None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids

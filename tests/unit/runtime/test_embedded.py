@@ -29,6 +29,8 @@ from swarmp2p.runtime.models import (
 )
 
 REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.xdist_group("tests/unit/runtime/test_embedded.py")
+"""One worker runs this file: its module fixture converts the model in a fresh cache (27 s)."""
 
 
 # --- light: no torch, no conversion ---------------------------------------------------------
