@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(item: tuple[Path, list[str]]) -> BenchResult:
         script, script_args = item
-        print(f"running bench/{script.name} {' '.join(script_args)}", file=sys.stderr, flush=True)
+        # one write per line: two benchmarks start at once with --jobs
+        sys.stderr.write(f"running bench/{script.name} {' '.join(script_args)}\n")
+        sys.stderr.flush()
         return run_one(script, script_args, args.timeout)
 
     def first(item: tuple[Path, list[str]]) -> int:
