@@ -13,7 +13,6 @@ about 0.3 s of CPU, which a benchmark polling every 0.5 s takes from the stages 
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -105,13 +104,6 @@ class LoopbackSwarm:
             [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(self.state(name))],
             capture_output=True, text=True, env=self.env, timeout=timeout, cwd=ROOT,
         )  # fmt: skip
-
-    def json(self, name: str, *args: str, timeout: float = 30) -> Any:
-        """``swarm ARGS --json``'s answer; RuntimeError with its stderr when it fails."""
-        out = self.cli(name, *args, "--json", timeout=timeout)
-        if out.returncode:
-            raise RuntimeError(out.stderr.strip() or out.stdout.strip())
-        return json.loads(out.stdout)
 
     def api(self, name: str, op: str, **fields: Any) -> Any:
         """One local-API request to node ``name``'s daemon (``swarmp2p.node.api``)."""
