@@ -34,7 +34,12 @@ class RingEnds:
     endpoints: tuple[str, ...]
 
     def open_client(
-        self, plan: ServePlan, *, step_timeout: float, groups: int | None = None
+        self,
+        plan: ServePlan,
+        *,
+        step_timeout: float,
+        groups: int | None = None,
+        min_group_rows: int = 1,
     ) -> RingClient:
         """A started RingClient driving this ring within ``plan``'s context and session slots."""
         return RingClient(
@@ -44,6 +49,7 @@ class RingEnds:
             max_sessions=plan.max_sessions,
             step_timeout=step_timeout,
             groups=groups,
+            min_group_rows=min_group_rows,
         ).start()
 
 

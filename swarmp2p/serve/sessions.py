@@ -6,7 +6,9 @@ a bounded time, then fail as busy). An admitted session's prompt goes to stage 0
 ring as one batched ``decode`` step per token: each stage runs a group's rows as one forward.
 There are as many groups as stages (learned from the ``sizes`` each stage appends), so while
 stage i runs group A, stage i+1 runs group B and every stage computes all the time. New sessions
-join a group between its steps; finished ones leave it.
+join a group between its steps; finished ones leave it. With ``min_group_rows`` a session joins
+a running group while that one has fewer rows, and a new group starts only once every running
+group holds that many (stages sharing one machine's cores: see ``serve/local.py``).
 
 Two threads do all the socket work: the *receiver* reads tokens from the last stage, decides
 per session (an end-of-sequence id, ``max_tokens``, the context, a stop rule) and queues each
@@ -87,11 +89,14 @@ class RingClient:
         max_queue: int | None = None,
         queue_timeout: float = QUEUE_TIMEOUT_S,
         groups: int | None = None,
+        min_group_rows: int = 1,
     ) -> None:
         if type(max_sessions) is not int or max_sessions < 1:
             raise ValueError(f"max_sessions: {max_sessions!r} is not an integer >= 1")
         if groups is not None and (type(groups) is not int or groups < 1):
             raise ValueError(f"groups: {groups!r} is not an integer >= 1 or None")
+        if type(min_group_rows) is not int or min_group_rows < 1:
+            raise ValueError(f"min_group_rows: {min_group_rows!r} is not an integer >= 1")
         self._first = first
         self._last = last
         self.max_context = max_context
@@ -100,6 +105,7 @@ class RingClient:
         self.max_queue = QUEUE_PER_SLOT * max_sessions if max_queue is None else max_queue
         self.queue_timeout = queue_timeout
         self._fixed_groups = groups
+        self.min_group_rows = min_group_rows
         self._lock = threading.RLock()
         self._sessions: dict[int, Session] = {}
         """Every open session, queued or running (the daemon reads it)."""
@@ -303,8 +309,10 @@ class RingClient:
             self._admit(self._waiting.popleft())
 
     def _join(self, session: Session) -> None:
-        """A session whose prompt is done joins the smallest group (now, if that one is idle)."""
-        group = min(self._groups, key=lambda g: (g.size, g.in_flight))
+        """A session whose prompt is done joins the smallest group (now, if that one is idle);
+        the smallest running one while it holds fewer than ``min_group_rows``."""
+        filling = [g for g in self._groups if 0 < g.size < self.min_group_rows]
+        group = min(filling or self._groups, key=lambda g: (g.size, g.in_flight))
         session.state, session.group = "decode", group.index
         group.joining.append(session)
         if not group.in_flight:

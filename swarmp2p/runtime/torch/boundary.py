@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from swarmp2p.serve.spec import fixed_bits
 from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
 ACT, GRAD, CONTROL = "act", "grad", "control"
@@ -353,3 +354,28 @@ def send_through(
     session = _Session(channel, step, micro, labels, codec)
     token = PipelineBoundary.apply(payload, session)
     return SentMicroBatch(token, session)
+
+
+def fake_quantize_per_token(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fixed_intN boundary in the graph: per-token scale ``max|x| / qmax``, round half to
+    even, clip; bit-identical to the wire's ``tokintN`` codec (``swarmp2p.wire.codec``)."""
+    qmax = 2 ** (bits - 1) - 1
+    x32 = x.float()
+    if not torch.isfinite(x32).all():
+        raise ValueError("cannot quantize a boundary hidden state holding inf or nan")
+    scale = x32.abs().amax(dim=-1, keepdim=True) / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.clamp(torch.round(x32 / scale), -qmax, qmax) + 0.0
+    return (codes * scale).to(x.dtype)
+
+
+def apply_boundary(hidden: torch.Tensor, compression: str) -> torch.Tensor:
+    """What the next stage receives when the boundary is applied in the graph."""
+    bits = fixed_bits(compression)
+    if bits is not None:
+        return fake_quantize_per_token(hidden, bits)
+    if compression == "fp16":
+        return hidden.to(torch.float16).to(hidden.dtype)
+    if compression == "none":
+        return hidden
+    raise ValueError(f"boundary compression {compression!r} cannot be served in the graph")

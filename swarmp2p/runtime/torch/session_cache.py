@@ -49,6 +49,7 @@ class SessionBatch:
         self.conv_kernel: dict[int, int] = {}
         self._new = 0
         self._view = 0
+        self._counts: list[int] | None = None
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
         self.position_ids: torch.Tensor | None = None
@@ -97,10 +98,29 @@ class SessionBatch:
 
     # --- one forward --------------------------------------------------------------------------
 
+    def expect(self, counts: Sequence[int]) -> None:
+        """The next forward is a prefill of fresh rows padded on the right: row i holds
+        ``counts[i]`` real tokens of the forward's width (the rest is padding, written past the
+        row's length, where the mask hides it until the row's own tokens overwrite it)."""
+        if len(counts) != self.rows or any(self.lengths):
+            raise ValueError(
+                f"a padded prefill needs {self.rows} counts for empty rows, got {list(counts)} "
+                f"for rows holding {self.lengths}"
+            )
+        if min(counts) < 1:
+            raise ValueError(f"every row of a padded prefill holds a token: {list(counts)}")
+        self._counts = list(counts)
+
     def begin(self, new_tokens: int, device: torch.device) -> None:
-        """Prepare a forward of ``new_tokens`` tokens per row (rows > 1 take one token each):
-        room for them, each row's position ids, index tensors for the in-place writes."""
-        if self.rows > 1 and new_tokens != 1:
+        """Prepare a forward of ``new_tokens`` tokens per row (rows > 1 take one token each,
+        unless :meth:`expect` announced a padded prefill of fresh rows): room for them, each
+        row's position ids, index tensors for the in-place writes."""
+        if self._counts is not None and max(self._counts) != new_tokens:
+            raise ValueError(
+                f"a padded prefill of {self._counts} tokens per row is {max(self._counts)} "
+                f"wide, not {new_tokens}"
+            )
+        if self.rows > 1 and new_tokens != 1 and self._counts is None:
             raise ValueError(f"a batch of {self.rows} rows steps one token each, not {new_tokens}")
         need = max(self.lengths) + new_tokens
         if need > self.max_context:
@@ -111,14 +131,19 @@ class SessionBatch:
         self._view = need
         starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
         self.position_ids = starts[:, None] + torch.arange(new_tokens, device=device)[None, :]
-        if self.rows > 1:
+        if self.rows > 1 and new_tokens == 1:
             self._rows = torch.arange(self.rows, device=device)
             self._cols = starts
 
     def commit(self) -> None:
-        """The forward ran: every row holds its new tokens."""
-        self.lengths = [n + self._new for n in self.lengths]
+        """The forward ran: every row holds its new tokens (a padded prefill's rows: their
+        real ones)."""
+        if self._counts is not None:
+            self.lengths = self._counts
+        else:
+            self.lengths = [n + self._new for n in self.lengths]
         self._new = 0
+        self._counts = None
 
     def mask(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The attention mask of this forward for blocks of ``layer_type``: None where nothing
@@ -174,6 +199,9 @@ class SessionBatch:
             start = self.lengths[0]
             keys[0, :, start : start + self._new] = key_states[0]
             values[0, :, start : start + self._new] = value_states[0]
+        elif self._new > 1:  # a padded prefill: every row starts empty
+            keys[:, :, : self._new] = key_states
+            values[:, :, : self._new] = value_states
         else:  # one new token per row, each at its own position
             keys[self._rows, :, self._cols] = key_states[:, :, 0]
             values[self._rows, :, self._cols] = value_states[:, :, 0]
@@ -201,6 +229,11 @@ class SessionBatch:
     ) -> torch.Tensor:
         """Keep the last ``conv_kernel_size`` inputs; the inputs the causal conv must see (the
         kept ones before the new ones; zeros before a session's first token)."""
+        if self._counts is not None and len(set(self._counts)) > 1:
+            raise ValueError(
+                f"a recurrent block cannot prefill rows of {self._counts} tokens padded to one "
+                "width (the padding would enter its state)"
+            )
         state = self.conv.get(layer_idx)
         if state is None:
             kernel = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size

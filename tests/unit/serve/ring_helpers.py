@@ -10,18 +10,20 @@ import torch
 
 from swarmp2p.net import InProcLink
 from swarmp2p.runtime.torch import build_stage, introspect
-from swarmp2p.runtime.torch.serve import StageServer, apply_boundary
+from swarmp2p.runtime.torch.boundary import apply_boundary
+from swarmp2p.runtime.torch.serve import StageServer
 from swarmp2p.serve import RingClient
 
 
 @contextmanager
 def thread_stages(
     model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16, servers=None,
-    **server_kw,
+    hold=None, **server_kw,
 ):  # fmt: skip
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
     ends ``(to_stage0, from_last)`` and the links between stages (``servers``, a list, gets the
-    StageServers; ``server_kw`` go to each)."""
+    StageServers; ``server_kw`` go to each; with ``hold``, an event, they serve once it is
+    set, so messages sent before wait together)."""
     bounds = [0, *cuts, introspect(model).num_blocks]
     n = len(bounds) - 1
     compression = compression or ["none"] * (n - 1)
@@ -42,13 +44,21 @@ def thread_stages(
         )
         if servers is not None:
             servers.append(server)
-        thread = threading.Thread(target=server.serve_forever, args=(stop, 0.02), name=f"stage{i}")
+
+        def serve(server=server):
+            if hold is not None:
+                hold.wait()
+            server.serve_forever(stop, 0.02)
+
+        thread = threading.Thread(target=serve, name=f"stage{i}")
         thread.start()
         threads.append(thread)
     try:
         yield links[0][0], links[n][1], links
     finally:
         stop.set()
+        if hold is not None:
+            hold.set()
         for thread in threads:
             thread.join()
 

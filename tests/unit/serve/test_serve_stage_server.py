@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -315,3 +316,54 @@ def test_caches_grow_past_their_first_capacity_in_a_batch(family, tiny_whole):
         assert [server.peak_batch for server in ring.servers] == [2, 2]
     assert got[0] == reference_generate(model, long_prompt, 20)
     assert got[1] == reference_generate(model, PROMPT, 20)
+
+
+@pytest.mark.parametrize(("family", "rows", "forwards"), [("llama", 4, 1), ("qwen3_5", 2, 3)])
+def test_prompts_waiting_together_prefill_as_one_forward_and_decode_as_if_alone(
+    family, rows, forwards, tiny_whole
+):
+    """Four new sessions' prompts (7, 3, 9 and 3 tokens) wait at the stages together: an
+    attention model prefills all four as ONE forward per stage, padded on the right; a hybrid
+    batches only prompts of one width (padding would enter its recurrent state). Then the four
+    decode as one group in the batch their prefill left, padding and all: every session's
+    tokens equal generate's for it alone."""
+    model = tiny_whole(family)
+    prompts = [PROMPT, [9, 8, 7], [100, 1, 50, 60, 70, 80, 90, 11, 12], [42, 43, 44]]
+    servers: list = []
+    hold = threading.Event()
+    with thread_stages(model, [2], servers=servers, hold=hold) as (first, last, _):
+        for sid, prompt in enumerate(prompts, 1):
+            first.send([Prefill(sid=sid, tokens=tuple(prompt), sampling=GREEDY).encode()])
+        hold.set()
+        replies = [decode_message(last.recv(30)[0]) for _ in prompts]
+        assert [r.op for r in replies] == ["tokens"] * 4, replies
+        got = {r.sids[0]: list(r.tokens) for r in replies}
+        assert [s.steps for s in servers] == [forwards, forwards]
+        assert [s.peak_prefill_rows for s in servers] == [rows, rows]
+        sids = (1, 2, 3, 4)
+        for step in range(1, NEW):
+            positions = tuple(len(p) + step - 1 for p in prompts)
+            first.send([Decode(group=0, step=step, sids=sids, positions=positions,
+                               tokens=tuple(got[sid][-1] for sid in sids)).encode()])  # fmt: skip
+            reply = decode_message(last.recv(30)[0])
+            assert (reply.op, reply.sids, reply.sizes) == ("tokens", sids, (4, 4)), reply
+            for sid, token in zip(sids, reply.tokens):
+                got[sid].append(token)
+    for sid, prompt in zip(sids, prompts):
+        want = reference_generate(model, prompt, NEW)  # ends at the end-of-sequence id
+        assert got[sid][: len(want)] == want, sid
+
+
+@pytest.mark.parametrize(("min_rows", "sizes"), [(1, [2, 3]), (4, [1, 4])])
+def test_a_group_fills_to_min_group_rows_before_the_next_starts(min_rows, sizes, tiny_whole):
+    """Five sessions on two groups: spread over both by default, four in one first when a
+    group must hold four rows before the next starts (stages sharing one machine)."""
+    model = tiny_whole("llama")
+    with thread_ring(model, [2], groups=2, min_group_rows=min_rows) as ring:
+        solo = ring.generate(PROMPT, max_tokens=30, timeout=60)
+        sessions = [ring.submit(PROMPT, max_tokens=30) for _ in range(5)]
+        deadline = time.monotonic() + 60
+        while sum(ring.group_sizes) < 5 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sorted(ring.group_sizes) == sizes
+        assert [s.result(60) for s in sessions] == [solo] * 5

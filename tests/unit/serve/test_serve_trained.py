@@ -21,7 +21,10 @@ from train_models import build_model, run_threads, token_batches  # noqa: E402
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import decoder_config, introspect, load_stage_shard  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.boundary import (  # noqa: E402
+    Channel,
+    apply_boundary,
+)
 from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.export import (  # noqa: E402
@@ -30,7 +33,6 @@ from swarmp2p.runtime.torch.export import (  # noqa: E402
     reconstruct_from_shards,
 )
 from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
-from swarmp2p.runtime.torch.serve import apply_boundary  # noqa: E402
 from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
 from swarmp2p.runtime.torch.trained import load_trained_stage  # noqa: E402
 from swarmp2p.serve import GREEDY  # noqa: E402
