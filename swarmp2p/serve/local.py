@@ -29,13 +29,6 @@ READY_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 60.0
 """How long a started worker may take to dial the next stage and report ``serving``."""
 SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
-SHARED_MIN_GROUP_ROWS = 8
-"""Rows a group of sessions fills before the next group starts, when the stages share this
-machine. A second group keeps a second stage computing, but on one machine the stages share its
-memory bandwidth, and a small batch reads every weight for fewer rows: on the 2-core dev
-machine a decode step of the embedded model cost 85 ms for 4 rows and 117 ms for 8, and two
-processes stepping at once ran at 1.37x one alone, so 8 sessions on 2 stages went faster in one
-group (see docs/serving.md, "Stages busy at once")."""
 
 
 class WorkerFailed(RuntimeError):
@@ -112,7 +105,6 @@ class LocalRing:
         shards: Sequence[str | None] = (),
         tied_head: str | None = None,
         groups: int | None = None,
-        min_group_rows: int = SHARED_MIN_GROUP_ROWS,
     ) -> None:
         if plan is None:
             if not bounds:
@@ -167,8 +159,10 @@ class LocalRing:
             # but stages on one machine cannot compute on more cores than it has
             if groups is None:
                 groups = max(1, min(n, os.cpu_count() or 1))
+            # CPU stages on this machine share its cores and memory bandwidth
+            cpu = all(stage.device == "cpu" for stage in plan.stages)
             self.client = ends.open_client(
-                plan, step_timeout=step_timeout, groups=groups, min_group_rows=min_group_rows
+                plan, step_timeout=step_timeout, groups=groups, shared=n > 1 and cpu
             )
         except BaseException:
             self.close()

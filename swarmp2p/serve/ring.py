@@ -22,6 +22,14 @@ from swarmp2p.serve.sessions import RingClient
 if TYPE_CHECKING:
     from swarmp2p.plan.serve import ServePlan
 
+SHARED_MIN_GROUP_ROWS = 8
+"""Rows a group of sessions fills before the next group starts, when two stages share a device.
+A second group keeps a second stage computing, but stages on one device share its memory
+bandwidth, and a small batch reads every weight for fewer rows: on the 2-core dev machine a
+decode step of the embedded model cost 85 ms for 4 rows and 117 ms for 8, and two processes
+stepping at once ran at 1.37x one alone, so 8 sessions on 2 stages went faster in one group
+(see docs/serving.md, "Stages busy at once")."""
+
 
 @dataclass(frozen=True, slots=True)
 class RingEnds:
@@ -39,9 +47,14 @@ class RingEnds:
         *,
         step_timeout: float,
         groups: int | None = None,
-        min_group_rows: int = 1,
+        shared: bool = False,
     ) -> RingClient:
-        """A started RingClient driving this ring within ``plan``'s context and session slots."""
+        """A started RingClient driving this ring within ``plan``'s context and session slots;
+        its groups fill to SHARED_MIN_GROUP_ROWS first when two stages share a device (two of
+        the plan's, or all of them: ``shared``)."""
+        places = {(stage.node_id, stage.device) for stage in plan.stages}
+        shared = shared or len(places) < len(plan.stages)
+        min_group_rows = SHARED_MIN_GROUP_ROWS if shared else 1
         return RingClient(
             self.first,
             self.back,

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from swarmp2p.serve.ring import build_ring
+from swarmp2p.serve.ring import SHARED_MIN_GROUP_ROWS, build_ring
 
 
 class Link:
@@ -89,3 +89,31 @@ def test_a_one_stage_ring_sends_straight_back():
     ends, log, _ = run(1)
     assert log == [("start", 0), ("connect", 0, "tcp://back")]
     assert ends.first.endpoint == "tcp://stage0"
+
+
+@pytest.mark.parametrize(
+    ("places", "shared", "rows"),
+    [
+        ([("a", "cpu"), ("b", "cpu")], False, 1),  # a machine per stage: a group per stage
+        ([("a", "cuda:0"), ("a", "cuda:1")], False, 1),
+        ([("a", "cpu"), ("a", "cpu")], False, SHARED_MIN_GROUP_ROWS),  # one device, two stages
+        ([("local0", "cpu"), ("local1", "cpu")], True, SHARED_MIN_GROUP_ROWS),  # LocalRing's
+    ],
+)
+def test_groups_fill_first_when_stages_share_a_device(places, shared, rows):
+    from types import SimpleNamespace
+
+    from swarmp2p.net import InProcLink
+    from swarmp2p.serve.ring import RingEnds
+
+    stages = [SimpleNamespace(node_id=n, device=d) for n, d in places]
+    plan = SimpleNamespace(stages=stages, max_context=64, max_sessions=4)
+    first, _ = InProcLink.pair()
+    back, _ = InProcLink.pair()
+    client = RingEnds(first=first, back=back, endpoints=[]).open_client(
+        plan, step_timeout=5.0, shared=shared
+    )
+    try:
+        assert client.min_group_rows == rows
+    finally:
+        client.close()
