@@ -7,9 +7,13 @@ import sys
 import click
 
 from swarmp2p.cli import (
+    _STATE_DIR_OPTION,
     _echo_json,
+    _state_dir,
     main,
 )
+
+DEFAULT_URL = "http://127.0.0.1:8080"
 
 # --- swarm generate / swarm chat: thin clients of the OpenAI-compatible API (serve) ----------
 
@@ -26,11 +30,31 @@ def _api_options(fn):
         "--url",
         envvar="SWARM_API_URL",
         show_envvar=True,
-        default="http://127.0.0.1:8080",
-        show_default=True,
-        help="Where `swarm serve` answers.",
+        default=None,
+        help="Where the API answers (default: where the local daemon serves MODEL, with its "
+        f"API key; without a daemon, {DEFAULT_URL}, as `python -m swarmp2p.serve` listens).",
     )(fn)
-    return fn
+    return _STATE_DIR_OPTION(fn)
+
+
+def _endpoint(
+    model: str, url: str | None, api_key: str | None, state_dir
+) -> tuple[str, str | None]:
+    """The API's base URL and key: ``--url`` as given, else the local daemon's answer for
+    MODEL (``--api-key`` wins over the key it served with), else DEFAULT_URL when no daemon
+    runs. A daemon that does not serve MODEL is an error naming what it serves."""
+    if url:
+        return url, api_key
+    from swarmp2p.node import job_commands
+    from swarmp2p.node.api import ApiError, NoDaemon
+
+    try:
+        found = job_commands.serve_endpoint(_state_dir(state_dir), model)
+    except NoDaemon:
+        return DEFAULT_URL, api_key
+    except ApiError as e:
+        raise click.ClickException(f"{e}; give --url where it is served") from None
+    return found["url"], api_key if api_key is not None else found["api_key"]
 
 
 def _sampling_options(max_tokens: int, what: str):
@@ -69,12 +93,14 @@ def generate_command(
     temperature: float,
     stream: bool,
     as_json: bool,
-    url: str,
+    url: str | None,
     api_key,
+    state_dir,
 ) -> None:
     """Complete PROMPT with MODEL through the swarm's API (`swarm serve` answers it)."""
     from swarmp2p.serve.client import ApiClientError, complete_text, stream_text
 
+    url, api_key = _endpoint(model, url, api_key, state_dir)
     if stream and as_json:
         raise click.UsageError("--json prints one object at the end: leave --stream out")
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
@@ -98,11 +124,18 @@ def generate_command(
 @_sampling_options(max_tokens=512, what="Tokens of each answer at most.")
 @_api_options
 def chat_command(
-    model: str, system: str | None, max_tokens: int, temperature: float, url: str, api_key
+    model: str,
+    system: str | None,
+    max_tokens: int,
+    temperature: float,
+    url: str | None,
+    api_key,
+    state_dir,
 ) -> None:
     """Chat with MODEL through the swarm's API (empty line or end of input quits)."""
     from swarmp2p.serve.client import ApiClientError, stream_text
 
+    url, api_key = _endpoint(model, url, api_key, state_dir)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -43,6 +43,7 @@ API_OPS = (
     "serve",
     "serve_stop",
     "served",
+    "serve_endpoint",
 )
 
 

@@ -184,3 +184,8 @@ def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:
 
 def served(state_dir: Path) -> list[dict[str, Any]]:
     return _api(state_dir, "served")
+
+
+def serve_endpoint(state_dir: Path, model: str) -> dict[str, Any]:
+    """``{"model", "url", "api_key"}`` of a model the local daemon serves."""
+    return _api(state_dir, "serve_endpoint", model=model)

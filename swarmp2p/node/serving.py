@@ -142,10 +142,21 @@ class Serving:
         return [views[name] for name in sorted(views)]
 
     def api_handlers(self) -> dict[str, Any]:
-        return {"serve": self._api_serve, "serve_stop": self._api_stop, "served": self._api_list}
+        return {"serve": self._api_serve, "serve_stop": self._api_stop, "served": self._api_list,
+                "serve_endpoint": self._api_endpoint}  # fmt: skip
 
     async def _api_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         return self.status()
+
+    async def _api_endpoint(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Where a model served from this node answers, and its API key (for `swarm generate`
+        and `swarm chat`: the local socket is its owner's alone)."""
+        name = req.get("model")
+        served = self.served.get(name) if isinstance(name, str) else None
+        if served is None or not served.url:
+            known = ", ".join(sorted(n for n, s in self.served.items() if s.url)) or "none"
+            raise UserError(f"model {name!r} is not served from this node (served: {known})", code="not_served")  # fmt: skip
+        return {"model": served.name, "url": served.url, "api_key": served.request.api_key}
 
     async def _api_stop(self, req: dict[str, Any]) -> dict[str, Any]:
         name = req.get("model")
@@ -257,7 +268,7 @@ class Serving:
         req = served.request
         served.api = ApiServer(build_app([model], api_key=req.api_key), req.host, req.port)
         try:
-            served.url = await asyncio.to_thread(served.api.start)
+            served.url = await served.api.start_async()  # on this daemon's loop
         except OSError as exc:
             served.api = None
             raise UserError(f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field") from None  # fmt: skip
@@ -270,7 +281,7 @@ class Serving:
     async def _teardown(self, served: Served) -> None:
         await cancel_all(served.rebuilding)
         if served.api is not None:
-            await asyncio.to_thread(served.api.close)
+            await served.api.close_async()
             served.api = None
         if served.client is not None:
             await asyncio.to_thread(served.client.close)

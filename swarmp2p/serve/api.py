@@ -345,9 +345,10 @@ def build_app(
 
 
 class ApiServer:
-    """Runs an app on its own thread and event loop (``start()`` returns the base URL).
-    ``close()`` never hangs: waiting requests are cancelled, and a loop that already died is
-    only joined."""
+    """Serves an app on an event loop: the caller's (``await start_async()``, as the daemon
+    does, so its served models answer on the daemon's own loop) or one of its own on a thread
+    (``start()``, for ``python -m swarmp2p.serve``). Both return the base URL. Closing never
+    hangs: waiting requests are cancelled, and a loop that already died is only joined."""
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0) -> None:
         self.app, self.host, self.port = app, host, port
@@ -356,31 +357,49 @@ class ApiServer:
         self._thread: threading.Thread | None = None
         self.url = ""
 
+    async def _setup(self) -> None:
+        api = self.app.get(API)
+        if api is not None:  # it answers to the address it binds, whatever build_app said
+            api.allow_host(self.host)
+        runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            handler_cancellation=True,
+        )
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        self.port = port
+        self.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    async def start_async(self) -> str:
+        """Serve on the running event loop."""
+        await self._setup()
+        return self.url
+
+    async def close_async(self) -> None:
+        """Stop serving on the running event loop; idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
     def start(self) -> str:
+        """Serve on an event loop of its own, on a thread."""
         started = threading.Event()
         failure: list[BaseException] = []
 
         def run() -> None:
             loop = asyncio.new_event_loop()
             self._loop = loop
-            api = self.app.get(API)
-            if api is not None:  # it answers to the address it binds, whatever build_app said
-                api.allow_host(self.host)
             try:
-                runner = web.AppRunner(
-                    self.app,
-                    access_log=None,
-                    handle_signals=False,
-                    shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                    handler_cancellation=True,
-                )
-                loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, self.host, self.port)
-                loop.run_until_complete(site.start())
-                self._runner = runner
-                host, port = runner.addresses[0][:2]
-                self.port = port
-                self.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+                loop.run_until_complete(self._setup())
             except BaseException as e:
                 failure.append(e)
                 started.set()
@@ -389,7 +408,7 @@ class ApiServer:
             started.set()
             try:
                 loop.run_forever()
-                loop.run_until_complete(runner.cleanup())
+                loop.run_until_complete(self.close_async())
             finally:
                 loop.close()
 
@@ -403,7 +422,7 @@ class ApiServer:
         return self.url
 
     def close(self) -> None:
-        """Stop serving; idempotent."""
+        """Stop what ``start()`` started; idempotent."""
         thread, self._thread = self._thread, None
         if thread is None:
             return

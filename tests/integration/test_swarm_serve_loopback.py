@@ -128,8 +128,14 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     out = generate(view["url"], PROMPT, 24)
     assert out.returncode == 0, out.stderr + dump([a, b, c])
     assert out.stdout.rstrip("\n") == expected
-    streamed = generate(view["url"], PROMPT, 24, stream=True)
-    assert streamed.stdout.rstrip("\n") == expected
+    # without --url: b's daemon says where it serves tiny; a serves nothing
+    streamed = swarm(b, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0",
+                     "--stream")  # fmt: skip
+    assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
+    elsewhere = swarm(a, "generate", "tiny", PROMPT)
+    assert elsewhere.returncode == 1
+    assert "'tiny' is not served from this node (served: none)" in elsewhere.stderr
+    assert "--url" in elsewhere.stderr
 
     stopped = swarm(b, "serve", "--stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr
@@ -336,6 +342,9 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
 
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     assert complete_text(url, "/v1/completions", body, api_key="k3y")[0] == expected
+    # `swarm generate` finds the URL and the API key from b's daemon, as it restored them
+    said = swarm(b, "generate", "tiny", PROMPT, "--max-tokens", "12", "--temperature", "0")
+    assert said.stdout.rstrip("\n") == expected, said.stderr
 
     # stopped for good: forgotten, and a's worker stops
     stopped = swarm(b, "serve", "--stop", "tiny")

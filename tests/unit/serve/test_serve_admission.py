@@ -196,3 +196,32 @@ def test_a_large_body_is_parsed_off_the_loop_with_the_same_answers(silent, token
         status, _, body = _post(url, {"model": "m", "prompt": "hi", "stop": ["x" * 70_000]})
         assert (status, body["error"]["param"]) == (400, "stop")
     assert client.active == 0
+
+
+def test_served_on_the_callers_loop_it_starts_no_thread_and_closes_at_once(
+    silent, tokenizer_folder
+):
+    """As the daemon serves its models: ``start_async`` on the running loop (no thread or loop
+    of its own); ``close_async`` cancels a request waiting on the ring without hanging."""
+    client, _ = silent
+
+    async def main():
+        server = ApiServer(build_app([_served(client, tokenizer_folder)]))
+        before = threading.active_count()
+        url = await server.start_async()
+        assert threading.active_count() == before
+        body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+        waiting = asyncio.ensure_future(asyncio.to_thread(_post, url + "/v1/completions", body))
+        deadline = time.monotonic() + 10
+        while client.active == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert client.active == 1  # the request waits on a ring that never answers
+        started = time.monotonic()
+        await server.close_async()
+        assert time.monotonic() - started < 3.0
+        status, _, _ = await asyncio.wait_for(waiting, 10)
+        assert status == 503
+        assert client.active == 0  # its session was cancelled
+        await server.close_async()  # idempotent
+
+    asyncio.run(main())
