@@ -445,7 +445,9 @@ def format_status(s: dict[str, Any]) -> str:
                            for st in m["stages"])  # fmt: skip
         where = f" at {m['url']}/v1" if m.get("url") else ""
         why = f"; {m['reason']}" if m.get("reason") else ""
-        lines.append(f"served  {m['model']}{where} ({m['state']}): {stages or '-'}{why}")
+        n = m.get("sessions")
+        load = f", {n['active']}/{n['max']} sessions, {n['queued']} queued" if n else ""
+        lines.append(f"served  {m['model']}{where} ({m['state']}{load}): {stages or '-'}{why}")
     from swarmp2p.node.inputs import fetch_line
 
     lines += [f"fetch   {fetch_line(f)}" for f in s.get("fetching") or []]

@@ -104,6 +104,7 @@ class Served:
             "replayed": self.replayed,
             "dtype": self.plan.dtype if self.plan is not None else None,
             "max_context": self.plan.max_context if self.plan is not None else None,
+            "sessions": self._sessions(),
             "stages": [
                 {
                     "index": s.index,
@@ -118,6 +119,19 @@ class Served:
                 }
                 for s in stages
             ],
+        }
+
+    def _sessions(self) -> dict[str, Any] | None:
+        """The ring's sessions now: running, queued for a slot, the bound, and the rows of the
+        latest decode step at each stage (None before the ring runs)."""
+        client = self.client
+        if client is None:
+            return None
+        return {
+            "active": client.active,
+            "queued": client.queue_depth,
+            "max": client.max_sessions,
+            "stage_batch": list(client.stage_batch_sizes),
         }
 
 

@@ -132,6 +132,8 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     streamed = swarm(b, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0",
                      "--stream")  # fmt: skip
     assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
+    sessions = b.status()["served"][0]["sessions"]  # the last step went through all 3 stages
+    assert sessions == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
     elsewhere = swarm(a, "generate", "tiny", PROMPT)
     assert elsewhere.returncode == 1
     assert "'tiny' is not served from this node (served: none)" in elsewhere.stderr
