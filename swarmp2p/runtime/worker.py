@@ -71,9 +71,15 @@ def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
         emit("error", type="WorkerSpecError", message=str(exc), errors=errors)
         return EXIT_BAD_SPEC
     try:
-        from swarmp2p.runtime.torch.stage_runner import run_stage
+        from swarmp2p.runtime.stage_links import open_stage_links
 
-        run_stage(spec, emit)
+        links = open_stage_links(spec, emit)  # ready before torch loads (see stage_links)
+        try:
+            from swarmp2p.runtime.torch.stage_runner import run_stage
+        except BaseException:
+            links.close()
+            raise
+        run_stage(spec, emit, links)
     except Exception as exc:
         import traceback
 
