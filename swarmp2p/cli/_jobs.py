@@ -50,6 +50,12 @@ def _train_overrides(**flags) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--pretrained", default=None, help="Override model.pretrained.")
 @click.option("--steps", type=int, default=None, help="Override train.steps.")
+@click.option(
+    "--eval-batches",
+    type=int,
+    default=None,
+    help="Override train.eval_batches (held-out batches of each evaluation; 0: none).",
+)
 @click.option("--stages", default=None, help='Override split.stages ("auto" or a number).')
 @click.option("--compression", default=None, help="Override split.compression (spec or JSON).")
 @click.option("--freeze-backbone/--no-freeze-backbone", default=None, help="model.freeze_backbone")

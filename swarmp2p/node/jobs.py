@@ -22,6 +22,7 @@ STDERR_TAIL_LINES = 40
 OVERRIDES: dict[str, tuple[str, ...]] = {
     "pretrained": ("model", "pretrained"),
     "steps": ("train", "steps"),
+    "eval_batches": ("train", "eval_batches"),
     "stages": ("split", "stages"),
     "compression": ("split", "compression"),
     "freeze_backbone": ("model", "freeze_backbone"),

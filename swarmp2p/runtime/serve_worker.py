@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
+
 CONNECT_TIMEOUT_S = 600.0
 """How long a ready worker waits for its connect line."""
 STATS_EVERY_S = 5.0
@@ -103,6 +105,7 @@ def run() -> int:
     from swarmp2p.serve.spec import parse_serve_spec
 
     spec = parse_serve_spec(_read_json_line("stage spec"))
+    keep_bitsandbytes_out(spec.quantization)
 
     import torch
 
@@ -186,7 +189,7 @@ def main() -> None:
         _emit("error", message=f"{type(e).__name__}: {e}")
         print(f"serve worker failed: {type(e).__name__}: {e}", file=sys.stderr)
         code = 1
-    sys.exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

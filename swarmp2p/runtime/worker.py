@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from swarmp2p.plan.worker_spec import WorkerSpec, WorkerSpecError, parse_worker_spec
+from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
@@ -50,8 +51,11 @@ def _emitter(out: TextIO, stage: int | None) -> Callable[..., None]:
     return emit
 
 
-def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
-    """Run one stage from the spec on stdin; return the exit code."""
+def main(
+    stdin: TextIO | None = None, stdout: TextIO | None = None, *, own_process: bool = False
+) -> int:
+    """Run one stage from the spec on stdin; return the exit code. ``own_process``: this is
+    the worker's process (``python -m``), so an unquantized stage leaves bitsandbytes out."""
     import faulthandler
 
     faulthandler.enable()
@@ -70,10 +74,18 @@ def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
         errors = [str(e) for e in exc.errors]
         emit("error", type="WorkerSpecError", message=str(exc), errors=errors)
         return EXIT_BAD_SPEC
+    if own_process:
+        keep_bitsandbytes_out(spec.quantization)
     try:
-        from swarmp2p.runtime.torch.stage_runner import run_stage
+        from swarmp2p.runtime.stage_links import open_stage_links
 
-        run_stage(spec, emit)
+        links = open_stage_links(spec, emit)  # ready before torch loads (see stage_links)
+        try:
+            from swarmp2p.runtime.torch.stage_runner import run_stage
+        except BaseException:
+            links.close()
+            raise
+        run_stage(spec, emit, links)
     except Exception as exc:
         import traceback
 
@@ -85,7 +97,7 @@ def main(stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main(own_process=True))
 
 
 __all__ = [

@@ -24,8 +24,11 @@ def test_swarm_up_then_train_the_example_on_one_host(netns_lab):
     up = host.run([*swarm, "up", "--json"], env=env, timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        out = host.run([*swarm, "train", "examples/lora.json", "--steps", "2", "--json"],
-                       cwd=ROOT, env=env, timeout=1200)  # fmt: skip
+        # one step and one held-out batch per evaluation: what runs is the example's whole
+        # path (convert, tokenize, evaluate, train, evaluate, export merged, register), not its
+        # length
+        out = host.run([*swarm, "train", "examples/lora.json", "--steps", "1", "--eval-batches",
+                        "1", "--json"], cwd=ROOT, env=env, timeout=1200)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         view = json.loads(out.stdout)
         print(
@@ -34,6 +37,8 @@ def test_swarm_up_then_train_the_example_on_one_host(netns_lab):
         )
         assert view["state"] == "COMPLETED", view
         assert len(view["plan"]["stages"]) == 1 and view["plan"]["stages"][0]["layers"] == [0, 30]
+        assert set(view["evaluation"]) == {"base", "trained"}, view["evaluation"]
+        assert all(e["tokens"] == 4 * 128 for e in view["evaluation"].values())  # 1 batch
         models = json.loads(host.run([*swarm, "models", "--json"]).stdout)
         assert [m["id"] for m in models] == ["smollm2-lora"]
     finally:

@@ -17,6 +17,7 @@ from hosts import HOME, STATE
 from swarm_harness import agreed_on, dump, swarm, wait_until, worker_pids
 
 from swarmp2p.net.security import SwarmSecret
+from swarmp2p.node.jobs import resume_step
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
 
@@ -183,12 +184,18 @@ def test_inputs_on_a_follower_only_train_export_on_another_serve_on_a_third(
     assert said.returncode == 0 and said.stdout.strip(), said.stderr
 
 
+CHECKPOINT_EVERY = 10
+STEPS = 60
+"""Of a job killed mid-run: frozen a few steps past its first snapshot, it resumes from that
+snapshot and runs to the end (300 steps ran ~250 of them after the resume, for nothing)."""
+
+
 def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=False):
     hosts = netns_lab(len(ids))
     nodes = _start(hosts, ids, SwarmSecret.generate().token)
     by_id = {n.node_id: n for n in nodes}
-    steps = 300
-    job = _job(MODEL, stages=stages, steps=steps, checkpoint_every=10, eval_batches=0,
+    steps = STEPS
+    job = _job(MODEL, stages=stages, steps=steps, checkpoint_every=CHECKPOINT_EVERY, eval_batches=0,
                batch_size=8, seq_len=32)  # fmt: skip
     if full:
         job["model"]["lora"] = {"enabled": False}
@@ -203,14 +210,14 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     replanned = victim in stage_nodes
     # freeze a stage past the first snapshot, so the job cannot end however fast this machine
     # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
-    # has been noticed
-    wait_until(lambda: (_raw(watcher, job_id)["record"].get("step") or 0) >= 12, 120, "step 12")
+    # has been noticed. A snapshot enters the table at once (the step count only every
+    # PROGRESS_EVERY_S), so the freeze comes a few steps past it and STEPS need not outlast that
+    wait_until(lambda: resume_step(_entry(watcher, job_id)) >= CHECKPOINT_EVERY, 120,
+               "a snapshot of every stage", interval=0.05)  # fmt: skip
     frozen = _workers_of(by_id[victim if replanned else stage_nodes[0]])
     assert frozen, "no stage worker to freeze"
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
-    from swarmp2p.node.jobs import resume_step
-
     wait_until(
         lambda: resume_step(_entry(watcher, job_id), copies=2),
         60, "a snapshot copy of every stage", interval=0.1,
@@ -244,7 +251,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     first, second = losses.get(1, {}), losses[2]
     assert first or victim_is_leader
     resumed_from = min(second)
-    assert resumed_from > 0 and resumed_from % 10 == 0  # from a snapshot, not from scratch
+    assert resumed_from > 0 and resumed_from % CHECKPOINT_EVERY == 0  # a snapshot, not scratch
     assert max(second) == steps - 1
     for step in set(first) & set(second):  # re-run steps give the same loss
         assert second[step] == pytest.approx(first[step], abs=1e-5), step

@@ -24,6 +24,9 @@ LIGHT_MODULES = [
     "swarmp2p.doctor",
     "swarmp2p.runtime",
     "swarmp2p.runtime.models",
+    "swarmp2p.runtime._process",
+    "swarmp2p.runtime.stage_links",
+    "swarmp2p.runtime.worker",
 ]
 HEAVY = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors.torch"]
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from swarmp2p.data.split import HELD_OUT_EVERY
 from swarmp2p.plan.worker_spec import WorkerSpec
+from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
 
 BYE_WAIT_S = 5.0
 """How long a stage waits for the stage before it to confirm the end before closing anyway."""
@@ -137,46 +138,15 @@ def _store_frozen_weights(spec: WorkerSpec, bundle) -> int:
     return apply_half_storage(bundle.stage, spec.weight_dtype, compute_dtype=bundle.dtype)
 
 
-def _open_links(spec: WorkerSpec, emit):
-    from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink
-    from swarmp2p.net.links import link_credentials
-
+def run_stage(spec: WorkerSpec, emit: Callable[..., None], links: StageLinks | None = None) -> None:
+    """Run one stage of a training job end to end, reporting through ``emit``: over ``links``
+    when the caller opened them (the worker does, before it imports torch), else its own;
+    closed at the end either way."""
+    links = links if links is not None else open_stage_links(spec, emit)
     try:
-        if spec.link_keys:  # the node's own keys: only the neighbouring stages' nodes connect
-            server, client = link_credentials(spec.link_keys)
-        else:
-            server = client = SwarmSecret.from_token(spec.token)
-    except ValueError as exc:
-        raise ValueError(f"link keys: {exc}") from None
-    ctx = SecureContext()
-    prev_link = next_link = None
-    try:
-        if not spec.is_first:
-            prev_link = ZmqLink.bind(ctx, server, spec.host, spec.port)
-        emit("ready", port=prev_link.port if prev_link is not None else None)
-        if not spec.is_last:
-            if client is None:
-                raise ValueError("link keys: no 'next' key for a stage that is not the last")
-            next_link = ZmqLink.dial(ctx, client, spec.next)
-    except BaseException:
-        for link in (prev_link, next_link):
-            if link is not None:
-                link.close()
-        ctx.destroy(linger=0)
-        raise
-    return ctx, prev_link, next_link
-
-
-def run_stage(spec: WorkerSpec, emit: Callable[..., None]) -> None:
-    """Run one stage of a training job end to end, reporting through ``emit``."""
-    ctx, prev_link, next_link = _open_links(spec, emit)
-    try:
-        _run(spec, emit, prev_link, next_link)
+        _run(spec, emit, links.prev, links.next)
     finally:
-        for link in (prev_link, next_link):
-            if link is not None:
-                link.close()
-        ctx.destroy(linger=0)
+        links.close()
 
 
 def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:

@@ -120,6 +120,16 @@ def test_jobs_show_prints_local_times_and_json_keeps_epoch():
     assert text.startswith(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)))
 
 
+def test_train_flags_are_validated_as_the_job_fields_they_set(tmp_path):
+    """--steps and --eval-batches: a bad value exits 2 naming its field, before any daemon."""
+    job = str(ROOT / "examples" / "demo-job.json")
+    result = click.testing.CliRunner().invoke(
+        main, ["train", job, "--eval-batches", "-1", "--steps", "0", "--state-dir", str(tmp_path)]
+    )
+    assert result.exit_code == _exit.INVALID, result.output
+    assert "train.eval_batches" in result.output and "train.steps" in result.output
+
+
 def test_generate_refuses_json_with_stream():
     result = click.testing.CliRunner().invoke(main, ["generate", "m", "p", "--json", "--stream"])
     assert result.exit_code == _exit.INVALID and "leave --stream out" in result.output

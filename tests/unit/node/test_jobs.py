@@ -60,6 +60,7 @@ def _canonical(data=JOB):
     ("flags", "path", "value"),
     [
         ({"steps": 7}, ("train", "steps"), 7),
+        ({"eval_batches": 2}, ("train", "eval_batches"), 2),
         ({"lora": False}, ("model", "lora", "enabled"), False),
         ({"lora_export": "adapters"}, ("model", "lora", "export"), "adapters"),
         ({"stages": "auto"}, ("split", "stages"), "auto"),

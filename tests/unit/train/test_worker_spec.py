@@ -128,6 +128,28 @@ def test_main_reports_a_bad_spec_as_an_event_and_exit_code():
     assert "spec is not JSON" in out.getvalue()
 
 
+def test_a_stage_is_ready_before_it_imports_torch():
+    """The leader starts the stages one by one, each once the next is ready: a stage binds its
+    link and says so before it imports torch (here: an interpreter where torch cannot load)."""
+    import subprocess
+    import sys
+
+    from swarmp2p.net.security import SwarmSecret
+
+    spec = _good(1)
+    spec["token"] = SwarmSecret.generate().token
+    code = "import sys; sys.modules['torch'] = None; from swarmp2p.runtime.worker import main; sys.exit(main())"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert out.returncode == 1 and [e["event"] for e in events] == ["ready", "error"], out
+    assert events[0]["stage"] == 1 and events[0]["port"] > 0
+    assert "torch" in events[1]["message"] and events[1]["type"] in (
+        "ImportError",
+        "ModuleNotFoundError",
+    )
+
+
 @pytest.mark.torch
 def test_batches_are_a_function_of_the_step_and_held_out_is_separate(tmp_path):
     np = pytest.importorskip("numpy")
