@@ -15,6 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # set by xdist before it reads this file
+    # The suite's xdist workers share the machine's cores: one torch (OpenMP) thread each, and
+    # for what they start unless a test says otherwise (the daemons' workers mostly do). Two
+    # threads per worker, spinning beside the other worker's, ran tests/unit/train 3.7x slower
+    # (88 s against 24 s, two pytest processes side by side on the 2-core box).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 try:  # tqdm's monitor thread outlives every progress bar; it is not ours to leak
     import tqdm
 
