@@ -359,8 +359,7 @@ class StageServer:
         else:
             x = pad_right([x for _, _, x in ready])
             batch = self.stage.new_batch(sids, max_context=self.max_context)
-            if len(ready) > 1:
-                batch.expect(counts)
+            batch.expect(counts)
             for row, (_, session, _) in enumerate(ready):
                 if session.batch is not None:
                     session.batch.sids[session.row] = None
@@ -369,15 +368,16 @@ class StageServer:
         for _, session, _ in ready:
             session.last_used = now
         heads = [row for row, (chunk, _, _) in enumerate(ready) if not chunk.more]
+        head_of = {row: i for i, row in enumerate(heads)}  # row -> its row of the logits
         try:
-            result = self._forward_rows(x, batch, counts, heads)
+            result = self._forward(x, batch, counts, heads)
         except Exception as e:  # every row fails with the forward's reason
             return out + self._error(sids, f"{type(e).__name__}: {e}")
         self.steps += 1
         self.peak_prefill_rows = max(self.peak_prefill_rows, len(ready))
         for row, (chunk, session, _) in enumerate(ready):
             if self.stage.is_last_stage:
-                logits = result[heads.index(row), -1] if row in heads else None
+                logits = result[head_of[row], -1] if row in head_of else None
                 out.extend(self._prefilled(chunk, session, counts[row], logits))
             else:
                 out.extend(self._prefilled(chunk, session, counts[row],
@@ -439,7 +439,7 @@ class StageServer:
         for sid in sids:
             self.sessions[sid].last_used = now
         try:
-            hidden = self._forward(x, batch, head=True)
+            hidden = self._forward(x, batch)
         except Exception as e:  # every row of the step fails with the forward's reason
             return out + self._error(sids, f"{type(e).__name__}: {e}")
         self.steps += 1
@@ -535,41 +535,25 @@ class StageServer:
             )
         return tensor.to(device=self._device, dtype=self._dtype)
 
-    def _forward(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
-        """The stage over ``x`` on ``batch``; logits of the last position on a last stage
-        (hidden states when ``head`` is False), else what crosses the boundary after it."""
-        started = time.perf_counter()
-        try:
-            return self._run(x, batch, head=head)
-        finally:
-            self.busy_s += time.perf_counter() - started
-
-    def _run(self, x: torch.Tensor, batch: SessionBatch, *, head: bool) -> torch.Tensor:
-        with torch.inference_mode():
-            if self.receiver is not None:  # a learned boundary's receive half: code -> hidden
-                x = self.receiver(x)
-            # the head over the last position only (generate's logits_to_keep=1): a long
-            # prompt's prefill skips T-1 rows of the vocabulary-wide matmul
-            out = self.stage(x, cache=batch, logits_to_keep=1, hidden_only=not head)
-            if self.stage.is_last_stage:
-                return out
-            return self._boundary(out)
-
-    def _forward_rows(
-        self, x: torch.Tensor, batch: SessionBatch, counts: list[int], heads: list[int]
-    ) -> torch.Tensor:
-        """A prefill (rows of ``counts`` real tokens, padded on the right): on a last stage the
-        logits of the last real position of each row in ``heads`` (``[len(heads), 1, V]``),
-        else what crosses the boundary."""
+    def _forward(
+        self, x: torch.Tensor, batch: SessionBatch, counts: list[int] | None = None,
+        heads: list[int] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The stage over ``x`` on ``batch``. Not last: what crosses the boundary after it. Last:
+        the logits of each row's last position (generate's ``logits_to_keep=1``: a long prompt
+        skips T-1 rows of the vocabulary-wide matmul), ``[rows, 1, V]``; for a prefill padded
+        on the right, the rows ``heads`` only, at their last real position (``counts``)."""
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                if self.receiver is not None:
+                if self.receiver is not None:  # a learned boundary's receive half
                     x = self.receiver(x)
                 hidden = self.stage(x, cache=batch, hidden_only=True)
                 if not self.stage.is_last_stage:
                     return self._boundary(hidden)
-                if not heads:
+                if heads is None:
+                    return self.stage.logits(hidden[:, -1:])
+                if not heads:  # no row's prompt ends in this chunk
                     return hidden[:0]
                 rows = torch.tensor(heads, device=hidden.device)
                 last = torch.tensor([counts[r] - 1 for r in heads], device=hidden.device)
