@@ -111,6 +111,7 @@ def run() -> int:
 
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
     from swarmp2p.runtime.torch import load_spec_stage
+    from swarmp2p.runtime.torch.packed import PACK_ROWS_HINT, pack_linears
     from swarmp2p.runtime.torch.serve import StageServer
 
     if spec.threads:
@@ -130,6 +131,9 @@ def run() -> int:
         }
         send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
+    packed = 0
+    if spec.device == "cpu" and spec.dtype == "float32":  # see runtime/torch/packed.py
+        packed = pack_linears(stage, rows=max(PACK_ROWS_HINT, spec.plan.max_sessions))
     if spec.link_keys:  # the node's own keys: only the ring's neighbouring nodes connect
         from swarmp2p.net.links import link_credentials
 
@@ -145,6 +149,7 @@ def run() -> int:
             endpoint=inbound.endpoint,
             stage=spec.stage_index,
             load_s=round(time.monotonic() - started, 3),
+            packed_linears=packed,
         )
         connect = _read_json_line("connect line")
         if connect.get("op") != "connect" or not isinstance(connect.get("next"), str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import torch
 from swarmp2p.net import InProcLink
 from swarmp2p.runtime.torch import build_stage, introspect
 from swarmp2p.runtime.torch.boundary import apply_boundary
+from swarmp2p.runtime.torch.packed import pack_linears
 from swarmp2p.runtime.torch.serve import StageServer
 from swarmp2p.serve import RingClient
 
@@ -18,12 +20,15 @@ from swarmp2p.serve import RingClient
 @contextmanager
 def thread_stages(
     model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16, servers=None,
-    hold=None, **server_kw,
+    hold=None, pack=False, **server_kw,
 ):  # fmt: skip
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
     ends ``(to_stage0, from_last)`` and the links between stages (``servers``, a list, gets the
     StageServers; ``server_kw`` go to each; with ``hold``, an event, they serve once it is
-    set, so messages sent before wait together)."""
+    set, so messages sent before wait together; with ``pack``, the stages are a copy of the
+    model with its linear layers packed as a CPU serve worker packs them)."""
+    if pack:
+        model = copy.deepcopy(model)
     bounds = [0, *cuts, introspect(model).num_blocks]
     n = len(bounds) - 1
     compression = compression or ["none"] * (n - 1)
@@ -32,8 +37,11 @@ def thread_stages(
     stop = threading.Event()
     threads = []
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        stage = build_stage(model, a, b)
+        if pack:
+            assert pack_linears(stage) > 0
         server = StageServer(
-            build_stage(model, a, b),
+            stage,
             inbound=links[i][1],
             outbound=links[i + 1][0],
             send_compression=compression[i] if i < n - 1 else "none",
@@ -65,14 +73,15 @@ def thread_stages(
 
 @contextmanager
 def thread_ring(
-    model, cuts, *, compression=None, codes=None, max_context=64, prefill_chunk=64, **client_kw
-):
+    model, cuts, *, compression=None, codes=None, max_context=64, prefill_chunk=64, pack=False,
+    **client_kw,
+):  # fmt: skip
     """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread
     (``client.servers``: the StageServers)."""
     servers: list = []
     with thread_stages(
         model, cuts, compression=compression, codes=codes, max_context=max_context,
-        servers=servers, prefill_chunk=prefill_chunk,
+        servers=servers, prefill_chunk=prefill_chunk, pack=pack,
     ) as (first, last, links):  # fmt: skip
         client = RingClient(first, last, max_context=max_context, **client_kw)
         client.servers = servers

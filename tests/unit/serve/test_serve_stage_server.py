@@ -121,6 +121,25 @@ def test_eight_batched_sessions_each_produce_their_solo_output(family, cuts, tin
     assert groups == len(cuts) + 1  # one group per stage, so every stage computes
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "mixtral"])
+def test_packed_stages_answer_as_generate_alone_and_batched(family, tiny_whole):
+    """A CPU serve worker packs its linear layers for oneDNN: each session's greedy output is
+    still model.generate's on the plain model, alone and with seven others batched."""
+    model = tiny_whole(family)
+    want = [reference_generate(model, p, n) for p, n in zip(PROMPTS, BUDGETS)]
+    with thread_ring(model, [2], pack=True) as ring:
+        solo = [
+            ring.generate(p, max_tokens=n, sampling=GREEDY, timeout=60)
+            for p, n in zip(PROMPTS, BUDGETS)
+        ]
+        streams = [ring.submit(p, max_tokens=n, sampling=GREEDY) for p, n in zip(PROMPTS, BUDGETS)]
+        together = [s.result(60) for s in streams]
+        peaks = [server.peak_batch for server in ring.servers]
+    assert solo == want
+    assert together == want
+    assert max(peaks) >= 3, peaks
+
+
 def test_sampling_seed_repeats_and_differs(tiny_whole):
     model = tiny_whole("llama")
     hot = SamplingParams(temperature=1.5, seed=3)

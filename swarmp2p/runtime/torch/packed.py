@@ -1,0 +1,90 @@
+"""Linear layers of a served CPU stage with their weights packed once for oneDNN.
+
+On the CPU, ``torch.nn.functional.linear`` reads a float32 weight in its plain row-major layout
+on every call; for more than one row that costs about as much as the product itself. A weight
+reordered once into oneDNN's blocked layout (what torch's own compiler does when it freezes a
+model for the CPU) runs the same product from then on without it. Measured on one thread of the
+2-core dev machine (AMD EPYC, AVX-512), microseconds per call:
+
+| weight | rows | plain | packed |
+|---|---|---|---|
+| 576 -> 1536 | 1 | 55 | 55 |
+| 576 -> 1536 | 8 | 238 | 85 |
+| 576 -> 49152 (the head) | 1 | 9,170 | 4,157 |
+| 576 -> 49152 (the head) | 8 | 18,349 | 5,129 |
+
+So a decode step of 8 sessions costs much less than 8 of one, and one session gains too. Only
+inference uses it (the packed op has no gradient); a stage serving on the CPU in float32 packs
+its plain ``nn.Linear`` layers once it has loaded (adapters, quantized and half-stored layers
+keep theirs). Rows of one product come out as they would alone or batched, within float32
+rounding of the plain product (the serving tests check greedy parity on packed stages).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACK_ROWS_HINT = 16
+"""The rows oneDNN lays a packed weight out for; 8 to 256 measured the same within noise."""
+
+
+def packing_available() -> bool:
+    """Whether this torch build can pack linear weights for oneDNN on the CPU (x86 builds with
+    oneDNN can; others serve with the plain layout)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """An inference-only ``nn.Linear`` whose weight lives in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear, rows: int = PACK_ROWS_HINT) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        with torch.no_grad():
+            weight = linear.weight.detach()
+            self.register_buffer(
+                "packed", torch.ops.mkldnn._reorder_linear_weight(weight, rows), persistent=False
+            )
+            bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _packable(child: nn.Module) -> bool:
+    if type(child) is not nn.Linear or "forward" in vars(child):  # half storage patches forward
+        return False
+    weight = child.weight
+    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def pack_linears(module: nn.Module, rows: int = PACK_ROWS_HINT) -> int:
+    """Replace ``module``'s plain float32 CPU ``nn.Linear`` layers by :class:`PackedLinear`, in
+    place, for inference from then on; the number replaced (0 where the build cannot pack). A
+    weight shared with another module (a tied head and embedding) stays for that module."""
+    if not packing_available():
+        return 0
+    # an adapter layer (peft's) reads its base layer's and its adapters' weights: left as is
+    adapted = {id(m) for owner in module.modules() if hasattr(owner, "lora_A") for m in owner.modules()}  # fmt: skip
+    packed: dict[int, PackedLinear] = {}  # a layer held twice (a stage's head) packs once
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in packed or (id(child) not in adapted and _packable(child)):
+                if id(child) not in packed:
+                    packed[id(child)] = PackedLinear(child, rows)
+                setattr(parent, name, packed[id(child)])
+    return len(packed)
+
+
+__all__ = ["PACK_ROWS_HINT", "PackedLinear", "pack_linears", "packing_available"]
