@@ -18,7 +18,9 @@ streamed chat requests of the official ``openai`` client (greedy, ``--conc-token
 against ``model.generate`` on a batch of the same size in one process with as many threads as
 the ring has stages. Aggregate tok/s is every request's completion tokens over the wall time
 from the first request to the last token (prefill included, on both sides); TTFT and the gaps
-between streamed chunks are reported as p50/p99 over all requests. ``--quick`` runs that part
+between streamed chunks are reported as p50/p99 over all requests. A CPU stage packs its linear
+layers for oneDNN (``runtime/torch/packed``), so ``generate`` is also run on a copy packed the
+same way ("x generate packed": the ring against the same kernels). ``--quick`` runs that part
 on a tiny random Llama (the embedded tokenizer), 1 and 2 stages, 1 and 8 users. Targets: 8 sessions >= 0.8x
 batched ``generate(8)`` and >= 4x one session; one session through HTTP >= 0.95x generate.
 
@@ -30,6 +32,7 @@ Prints markdown tables, then as its last line one JSON object.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -247,17 +250,21 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
     from transformers import AutoModelForCausalLM
 
     from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.runtime.torch.packed import pack_linears
     from swarmp2p.serve.text import TextCodec
 
     folder = resolve_model_ref(model_ref)
     prompt_ids = TextCodec.from_folder(folder).encode_chat(PROMPT)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    packed = copy.deepcopy(model)  # the kernels a CPU serve stage runs (runtime/torch/packed)
+    pack_linears(packed)
     context = len(prompt_ids) + tokens + 8
     servers = {n: _Server(model_ref, n, context, max(users)) for n in stages}
     if baseline_root is not None:
         servers["before"] = _Server(model_ref, HEADLINE_STAGES, context, max(users), baseline_root)
     ring: dict = {(n, u): [] for n in servers for u in users}
     gen: dict = {(n, u): [] for n in stages for u in users}
+    gen_packed: dict = {(n, u): [] for n in stages for u in users}
     try:
         clients = {
             n: openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=600)
@@ -266,6 +273,7 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
         for n in servers:  # warm-up, not counted
             _http_round(clients[n], model_ref, 2, 4)
         _generate_batch(model, prompt_ids, 2, 4, 1)
+        _generate_batch(packed, prompt_ids, 2, 4, 1)
         for _ in range(repeats):
             for n in stages:
                 for u in users:
@@ -275,6 +283,7 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
                             _http_round(clients["before"], model_ref, u, tokens)
                         )
                     gen[n, u].append(_generate_batch(model, prompt_ids, u, tokens, n))
+                    gen_packed[n, u].append(_generate_batch(packed, prompt_ids, u, tokens, n))
     finally:
         for server in servers.values():
             server.close()
@@ -287,6 +296,9 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
             "tok_s": statistics.median(r["tok_s"] for r in runs),
             "generate_tok_s": statistics.median(gen[HEADLINE_STAGES if n == "before" else n, u]),
             "generate_1_thread_tok_s": statistics.median(gen[min(stages), u]),
+            "generate_packed_tok_s": statistics.median(
+                gen_packed[HEADLINE_STAGES if n == "before" else n, u]
+            ),
             "ttft_p50_ms": 1000 * _percentile(ttft, 0.5),
             "ttft_p99_ms": 1000 * _percentile(ttft, 0.99),
             "itl_p50_ms": 1000 * _percentile(gaps, 0.5),
@@ -423,15 +435,16 @@ def http(args) -> dict:
     )
     print()
     print("| stages | users | ring tok/s | generate(batch) tok/s | x generate | x generate 1 thread "
-          "| x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| x generate packed | x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (n, u), r in table.items():
         single_user = table[n, 1]["tok_s"]
         label = f"{HEADLINE_STAGES} (before)" if n == "before" else str(n)
         print(
             f"| {label} | {u} | {r['tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
             f"{r['tok_s'] / r['generate_tok_s']:.2f} | "
-            f"{r['tok_s'] / r['generate_1_thread_tok_s']:.2f} | {r['tok_s'] / single_user:.2f} | "
+            f"{r['tok_s'] / r['generate_1_thread_tok_s']:.2f} | "
+            f"{r['tok_s'] / r['generate_packed_tok_s']:.2f} | {r['tok_s'] / single_user:.2f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |"
         )
@@ -440,6 +453,8 @@ def http(args) -> dict:
         "conc_8_tok_s": round(head["tok_s"], 2),
         "generate_batch_8_tok_s": round(head["generate_tok_s"], 2),
         "ratio_conc_8": round(head["tok_s"] / head["generate_tok_s"], 3),
+        "generate_packed_batch_8_tok_s": round(head["generate_packed_tok_s"], 2),
+        "ratio_conc_8_packed": round(head["tok_s"] / head["generate_packed_tok_s"], 3),
         "conc_8_over_single": round(head["tok_s"] / table[HEADLINE_STAGES, 1]["tok_s"], 3),
         "http_single_ratio": round(table[1, 1]["tok_s"] / table[1, 1]["generate_tok_s"], 3),
         "conc_headline_stages": HEADLINE_STAGES,
