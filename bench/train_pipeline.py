@@ -233,8 +233,9 @@ def run_swarm(
 
 
 def _pp_rank(
-    rank: int, folder: str, n_layers: int, args, port: int, threads: int, out, cut: int
-) -> None:
+    rank: int, folder: str, n_layers: int, args, port: int, threads: int, out, cut: int,
+    onednn: bool = False,
+) -> None:  # fmt: skip
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -245,6 +246,10 @@ def _pp_rank(
         a, b = (0, cut) if rank == 0 else (cut, n_layers)
         module = load_stage_shard(folder, a, b, rank == 0, rank == 1)
         module.train()
+        if onednn:  # the products a float32 CPU swarm stage runs (runtime/torch/packed.py)
+            from swarmp2p.runtime.torch.packed import use_onednn
+
+            use_onednn(module)
         stage = PipelineStage(module, rank, 2, torch.device("cpu"))
 
         def loss_fn(logits, target):
@@ -270,10 +275,12 @@ def _pp_rank(
 
 
 def run_torch_pipelining(
-    folder: Path, n_layers: int, args, threads: int, *, cut: int | None = None, groups=()
-) -> list[float]:
+    folder: Path, n_layers: int, args, threads: int, *, cut: int | None = None, groups=(),
+    onednn: bool = False,
+) -> list[float]:  # fmt: skip
     """Step seconds of torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks cut at
-    ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given."""
+    ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given; with
+    ``onednn``, its linear layers run oneDNN's products as a swarm's CPU stage does."""
     import multiprocessing as mp
     import socket
 
@@ -285,7 +292,7 @@ def run_torch_pipelining(
     procs = [
         ctx.Process(
             target=_pp_rank,
-            args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2),
+            args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2, onednn),
         )
         for r in range(2)
     ]
@@ -429,6 +436,7 @@ def daemons_case(folder: Path, n_layers: int, args) -> dict:
     cut = got["default"]["layers"][0][1]
     pp = {"equal": run_torch_pipelining(folder, n_layers, args, 1, cut=n_layers // 2)}
     pp["default"] = pp["equal"] if cut == n_layers // 2 else run_torch_pipelining(folder, n_layers, args, 1, cut=cut)  # fmt: skip
+    pp["default_onednn"] = run_torch_pipelining(folder, n_layers, args, 1, cut=cut, onednn=True)
     tokens = args.batch * args.seq
     pp_tok_s = {k: tokens / statistics.median(v) for k, v in pp.items()}
     return {
@@ -728,6 +736,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(
                 f"| {key} | {got['layers'][key]} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x |"
             )
+        same = got["torch_pipelining_tok_s"]["default_onednn"]
+        print(
+            f"\nThe swarm's stages run their linear layers' products on oneDNN "
+            f"(runtime/torch/packed.py); torch pipelining at the default cut with the same "
+            f"products: {same:.1f} tokens/s, the swarm {got['tok_s']['default'] / same:.2f}x of it."
+        )
         print(
             f"\nThe same 2 workers driven directly (no daemons), equal cut, wall time between step "
             f"ends: {got['workers_equal_tok_s']:.1f} tokens/s; through the daemons "
@@ -739,6 +753,8 @@ def main(argv: list[str] | None = None) -> dict:
             / got["torch_pipelining_tok_s"]["default"],
             swarm_equal_over_torch_pipelining=got["tok_s"]["equal"]
             / got["torch_pipelining_tok_s"]["equal"],
+            swarm_over_torch_pipelining_same_kernels=got["tok_s"]["default"]
+            / got["torch_pipelining_tok_s"]["default_onednn"],
         )
 
     if "hetero" in sections:

@@ -122,6 +122,10 @@ def build_from_spec(spec: WorkerSpec):
         dtype=dtype,
     )
     _store_frozen_weights(spec, bundle)
+    if spec.device == "cpu" and dtype == torch.float32:  # see runtime/torch/packed.py
+        from swarmp2p.runtime.torch.packed import use_onednn
+
+        use_onednn(bundle.stage)
     lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
     return bundle, config.vocab_size, lora_info
 

@@ -1,5 +1,6 @@
-"""Linear layers packed for oneDNN (a CPU serve worker's stages): the same logits, rows alike
-alone and batched, and the layers it must leave alone left alone."""
+"""Linear layers on oneDNN: packed for a CPU serve worker's stages (the same logits, rows alike
+alone and batched) and run by oneDNN's products for a CPU training stage (the same loss and
+gradients); the layers either must leave alone left alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from tiny_models import build_model
 from torch import nn
 
 from swarmp2p.runtime.torch import build_stage
-from swarmp2p.runtime.torch.packed import PackedLinear, pack_linears, packing_available
+from swarmp2p.runtime.torch.packed import (
+    OneDnnLinear,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+    use_onednn,
+)
 
 pytestmark = [
     pytest.mark.torch,
@@ -75,3 +82,68 @@ def test_half_weights_and_adapter_layers_stay_as_they_are():
     assert _plain_linears(adapted) == inside > 0
     with torch.inference_mode():
         assert torch.isfinite(adapted(torch.tensor([[5, 9, 11]])).logits).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe"])
+def test_onednn_layers_train_as_plain_ones(family):
+    """A float32 CPU training stage's products on oneDNN: the same loss and gradients (within
+    float32 rounding), the same parameters and state dict names."""
+    plain = build_model(family).train()
+    fast = copy.deepcopy(plain)
+    linears = _plain_linears(plain)
+    assert use_onednn(fast) == linears > 0
+    assert _plain_linears(fast) == 0
+    assert list(fast.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(3, plain.get_output_embeddings().out_features, (2, 9))
+    losses = []
+    for model in (plain, fast):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, a), b in zip(plain.named_parameters(), fast.parameters()):
+        if a.grad is not None:
+            assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-6 * a.grad.abs().max()), name
+
+
+def test_a_lora_stage_runs_its_base_layers_on_onednn_and_its_adapters_plain():
+    from peft import LoraConfig, get_peft_model
+
+    model = build_model("llama").train()
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    reference = copy.deepcopy(adapted)
+    use_onednn(adapted)
+    bases = [m.base_layer for m in adapted.modules() if hasattr(m, "lora_A")]
+    assert bases and all(type(b) is OneDnnLinear for b in bases)
+    lora = [m for n, m in adapted.named_modules() if ".lora_" in n and isinstance(m, nn.Linear)]
+    assert lora and all(type(m) is nn.Linear for m in lora)
+    ids = torch.tensor([[5, 9, 11, 7]])
+    for m in (reference, adapted):
+        m(ids, labels=ids).loss.backward()
+    grads = [(a.grad, b.grad) for a, b in zip(reference.parameters(), adapted.parameters())]
+    trained = [(a, b) for a, b in grads if a is not None]
+    assert trained and all(torch.allclose(b, a, rtol=1e-4, atol=1e-7) for a, b in trained)
+
+
+def test_the_training_build_of_a_cpu_float32_stage_uses_onednn(tmp_path):
+    import transformers as tf
+
+    from swarmp2p.plan import load_model_shape, parse_job
+    from swarmp2p.plan.worker_spec import local_plan, worker_spec
+    from swarmp2p.runtime.torch.stage_runner import build_from_spec
+
+    build_model("llama").save_pretrained(tmp_path)
+    assert tf.AutoConfig.from_pretrained(tmp_path).model_type == "llama"
+    job = parse_job(
+        {
+            "model": {"pretrained": str(tmp_path)},
+            "data": {"source": "random"},
+            "split": {"stages": 1},
+            "train": {"steps": 1, "batch_size": 1, "seq_len": 8},
+        }
+    )
+    spec = worker_spec(job, local_plan(job, load_model_shape(str(tmp_path))), 0, token="t")
+    assert (spec.device, spec.dtype) == ("cpu", "float32")
+    bundle, _, _ = build_from_spec(spec)
+    layers = [m for m in bundle.stage.modules() if isinstance(m, nn.Linear)]
+    assert layers and all(type(m) is OneDnnLinear for m in layers)
