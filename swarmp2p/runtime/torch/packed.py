@@ -1,4 +1,5 @@
-"""Linear layers of a served CPU stage with their weights packed once for oneDNN.
+"""Linear layers on oneDNN on the CPU in float32: a served stage's weights packed once, a
+training stage's products forward and backward.
 
 On the CPU, ``torch.nn.functional.linear`` over a float32 weight in its plain layout ran a
 product of a few rows at a fraction of the core's speed on the dev machine; the weight
@@ -26,6 +27,10 @@ state dict; only ``forward`` differs), whose forward and both backward products 
 with the weight as it is (``_linear_pointwise`` on a plain or transposed weight). One thread,
 128 rows (a micro-batch of 128 tokens), the 576 -> 1536 projection: forward, input gradient and
 weight gradient 2.1-2.5x faster than torch's plain products; the head likewise.
+
+Both use torch's own oneDNN operators (``torch.ops.mkldnn``), which torch's compiler calls; the
+install pins torch's version, and a build without them (``packing_available``) leaves every
+layer plain.
 """
 
 from __future__ import annotations
@@ -108,16 +113,28 @@ class OneDnnLinear(nn.Linear):
 def use_onednn(module: nn.Module) -> int:
     """Turn ``module``'s plain float32 CPU ``nn.Linear`` layers into :class:`OneDnnLinear`, in
     place (parameters, names and state dict unchanged); how many (0 where the build has no
-    oneDNN). Adapter layers and half-stored layers are left as they are."""
+    oneDNN). An adapter's base layer changes too (peft calls it and reads its weight, which
+    stays); the adapters and half-stored layers are left as they are."""
     if not packing_available():
         return 0
-    adapters = {id(m) for owner in module.modules() if hasattr(owner, "lora_A") for m in owner.modules() if m is not getattr(owner, "base_layer", None)}  # fmt: skip
+    adapters = _adapter_layers(module, base_layers=False)
     changed = 0
     for child in module.modules():
         if id(child) not in adapters and _packable(child):
             child.__class__ = OneDnnLinear
             changed += 1
     return changed
+
+
+def _adapter_layers(module: nn.Module, *, base_layers: bool) -> set[int]:
+    """Ids of the modules inside peft's adapter layers (those with ``lora_A``), their base
+    layers among them or not."""
+    inside = set()
+    for owner in module.modules():
+        if hasattr(owner, "lora_A"):
+            base = None if base_layers else getattr(owner, "base_layer", None)
+            inside.update(id(m) for m in owner.modules() if m is not base)
+    return inside
 
 
 def _packable(child: nn.Module) -> bool:
@@ -134,14 +151,15 @@ def pack_linears(module: nn.Module, rows: int = PACK_ROWS_HINT) -> int:
     if not packing_available():
         return 0
     # an adapter layer (peft's) reads its base layer's and its adapters' weights: left as is
-    adapted = {id(m) for owner in module.modules() if hasattr(owner, "lora_A") for m in owner.modules()}  # fmt: skip
+    adapted = _adapter_layers(module, base_layers=True)
     packed: dict[int, PackedLinear] = {}  # a layer held twice (a stage's head) packs once
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in packed or (id(child) not in adapted and _packable(child)):
-                if id(child) not in packed:
-                    packed[id(child)] = PackedLinear(child, rows)
-                setattr(parent, name, packed[id(child)])
+            if id(child) not in packed:
+                if id(child) in adapted or not _packable(child):
+                    continue
+                packed[id(child)] = PackedLinear(child, rows)
+            setattr(parent, name, packed[id(child)])
     return len(packed)
 
 
