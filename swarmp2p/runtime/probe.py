@@ -11,7 +11,8 @@ and prints one JSON line ``{"speeds": {key: {dtype: FLOP/s}}, "torch": version, 
 ``torch_device: "cpu"``. The workload is a residual MLP block (Linear h -> 4h, GELU, Linear 4h -> h),
 forward and backward, counted as 6 FLOPs per parameter and token like the planner
 (``swarmp2p.plan.speed``); on a CPU in float32 its layers run oneDNN's products, as a training
-stage's do (``runtime/torch/packed.py``). Each measurement runs ``seconds`` of wall time after a warm-up, so
+stage's do (``runtime/torch/packed.py``). Each measurement runs ``seconds`` of wall time after
+a warm-up, so
 a CPU quota (a cgroup's ``cpu.cfs_quota_us`` over its 100 ms period) shows in the result.
 
 On a CPU the request's ``cpus`` (the CPUs the node may keep busy: its threads, capped by its
@@ -53,16 +54,15 @@ def measure(
     a CPU measurement may use (``rate``)."""
     import torch
 
+    from swarmp2p.runtime.torch.packed import use_onednn
+
     device = torch.device(torch_device)
     hidden, tokens = _SIZES.get(device.type, _SIZES["cpu"])
     gen = torch.Generator().manual_seed(0)
     up = torch.nn.Linear(hidden, 4 * hidden)
     down = torch.nn.Linear(4 * hidden, hidden)
     block = torch.nn.Sequential(up, torch.nn.GELU(), down).to(device=device, dtype=getattr(torch, dtype))  # fmt: skip
-    if device.type == "cpu" and dtype == "float32":  # the products a CPU training stage runs
-        from swarmp2p.runtime.torch.packed import use_onednn
-
-        use_onednn(block)
+    use_onednn(block)  # on a CPU in float32, the products a training stage runs
     params = sum(p.numel() for p in block.parameters())
     x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=getattr(torch, dtype))
     x.requires_grad_(True)

@@ -111,7 +111,7 @@ def run() -> int:
 
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
     from swarmp2p.runtime.torch import load_spec_stage
-    from swarmp2p.runtime.torch.packed import PACK_ROWS_HINT, pack_linears
+    from swarmp2p.runtime.torch.packed import pack_linears
     from swarmp2p.runtime.torch.serve import StageServer
 
     if spec.threads:
@@ -131,9 +131,7 @@ def run() -> int:
         }
         send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
-    packed = 0
-    if spec.device == "cpu" and spec.dtype == "float32":  # see runtime/torch/packed.py
-        packed = pack_linears(stage, rows=max(PACK_ROWS_HINT, spec.plan.max_sessions))
+    packed = pack_linears(stage)  # its float32 CPU layers (see runtime/torch/packed.py)
     if spec.link_keys:  # the node's own keys: only the ring's neighbouring nodes connect
         from swarmp2p.net.links import link_credentials
 

@@ -69,14 +69,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _product(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` by oneDNN (``weight`` plain, or a transposed view)."""
+    """``x @ weight.T + bias`` by oneDNN (``weight`` plain, a transposed view, or packed)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -78,6 +78,7 @@ def build_from_spec(spec: WorkerSpec):
     from swarmp2p.runtime.torch.bundle import build_bundle
     from swarmp2p.runtime.torch.compression import compressor_from_spec
     from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.packed import use_onednn
 
     torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
     a, b = spec.layers
@@ -122,10 +123,7 @@ def build_from_spec(spec: WorkerSpec):
         dtype=dtype,
     )
     _store_frozen_weights(spec, bundle)
-    if spec.device == "cpu" and dtype == torch.float32:  # see runtime/torch/packed.py
-        from swarmp2p.runtime.torch.packed import use_onednn
-
-        use_onednn(bundle.stage)
+    use_onednn(bundle.stage)  # its float32 CPU layers (see runtime/torch/packed.py)
     lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
     return bundle, config.vocab_size, lora_info
 
