@@ -40,35 +40,35 @@ class PrefillQueue:
         self.batch_tokens = batch_tokens
         self._reads_ids = reads_ids
         self._one_width = one_width
-        self._chunks: collections.deque[Chunk] = collections.deque()
+        self._chunks: collections.deque[tuple[Chunk, int | None]] = collections.deque()
+        """Each waiting chunk with its width (read once, when it arrives)."""
 
     def __len__(self) -> int:
         return len(self._chunks)
 
     def append(self, chunk: Chunk) -> None:
-        self._chunks.append(chunk)
+        self._chunks.append((chunk, self.width(chunk)))
 
     def drop(self, sid: int) -> None:
         """Forget a session's waiting chunks (it ended, failed or starts over)."""
-        if any(c.sid == sid for c in self._chunks):
-            self._chunks = collections.deque(c for c in self._chunks if c.sid != sid)
+        if any(c.sid == sid for c, _ in self._chunks):
+            self._chunks = collections.deque(item for item in self._chunks if item[0].sid != sid)
 
     def take(self) -> list[Chunk]:
         """The next chunk, with the first chunks of other new sessions that fit beside it
         when it is a first chunk too; the rest keep their order."""
-        first = self._chunks.popleft()
-        width = self.width(first)
+        first, width = self._chunks.popleft()
         if first.pos != 0 or width is None or 2 * width > self.batch_tokens:
             return [first]
         taken, rest = [first], collections.deque()
-        for chunk in self._chunks:
-            w = self.width(chunk) if chunk.pos == 0 else None
-            fits = w is not None and max(width, w) * (len(taken) + 1) <= self.batch_tokens
+        for chunk, w in self._chunks:
+            fits = chunk.pos == 0 and w is not None
+            fits = fits and max(width, w) * (len(taken) + 1) <= self.batch_tokens
             if fits and (not self._one_width or w == width):
                 taken.append(chunk)
                 width = max(width, w)
             else:
-                rest.append(chunk)
+                rest.append((chunk, w))
         self._chunks = rest
         return taken
 
