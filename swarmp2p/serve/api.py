@@ -357,7 +357,8 @@ class ApiServer:
         self._thread: threading.Thread | None = None
         self.url = ""
 
-    async def _setup(self) -> None:
+    async def start_async(self) -> str:
+        """Serve on the running event loop."""
         api = self.app.get(API)
         if api is not None:  # it answers to the address it binds, whatever build_app said
             api.allow_host(self.host)
@@ -378,10 +379,6 @@ class ApiServer:
         host, port = runner.addresses[0][:2]
         self.port = port
         self.url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-
-    async def start_async(self) -> str:
-        """Serve on the running event loop."""
-        await self._setup()
         return self.url
 
     async def close_async(self) -> None:
@@ -399,7 +396,7 @@ class ApiServer:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                loop.run_until_complete(self._setup())
+                loop.run_until_complete(self.start_async())
             except BaseException as e:
                 failure.append(e)
                 started.set()
