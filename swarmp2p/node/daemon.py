@@ -283,8 +283,8 @@ class Daemon:
         ctx = self.ctx
         if ctx.zmq is None or ctx.node_id not in self.rep.table.member_ids:
             return
-        if len(self.rep.table.members) <= 1:
-            return
+        if len(self.rep.table.voters - {ctx.node_id}) < 1:
+            return  # the last voter keeps the swarm's history: it stays listed as up
         try:
             if ctx.leading:
                 await asyncio.wait_for(
@@ -334,6 +334,7 @@ class Daemon:
         self._bad.flush()
         self.admission.check_secret()
         await self.pairing.tick()
+        self.rep.check_quorum()
         if ctx.leader == ctx.node_id and not self.rep.ready:
             self.rep.start_takeover()
         self.jobs.tick()

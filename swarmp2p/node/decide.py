@@ -68,10 +68,13 @@ Action = ev.MemberJoined | Place | Recover | Register
 def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     """The leader's next steps, in a stable order."""
     out: list[Action] = []
-    if table.members:  # a founded swarm admits the live nodes that are not members yet
-        for node_id in sorted(view.alive - table.member_ids):
+    if table.members:  # a founded swarm lists the live nodes that are not voters (new or down)
+        for node_id in sorted(view.alive - table.voters):
             key = view.keys.get(node_id)
-            if key and key not in table.revoked:
+            member = table.member(node_id)
+            if member is not None and member.key != key:
+                continue  # its id belongs to another key
+            if key and key not in table.revoked and node_id not in table.removed:
                 out.append(
                     ev.MemberJoined(node_id=node_id, name=view.names.get(node_id, ""), key=key)
                 )

@@ -205,7 +205,7 @@ class Hellos:
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         changes = self.ctx.members.hello(
             node_id=hello.node_id, name=hello.name, endpoint=endpoint, record=hello.record,
-            host=hello.host, now=self.ctx.clock(), key=key,
+            host=hello.host, now=self.ctx.clock(), key=key, held=hello.version,
             join_endpoint=f"tcp://{host}:{hello.join_port}" if hello.join_port else "",
         )  # fmt: skip
         self._met_at[endpoint] = (hello.node_id, key)

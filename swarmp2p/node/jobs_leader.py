@@ -103,7 +103,11 @@ class JobsLeader:
         return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
 
     async def _admit(self, joined: ev.MemberJoined) -> None:
-        await self._append([joined])
+        try:
+            await self._append([joined])
+        except Unavailable as exc:  # another change is committing, or no majority: next tick
+            log.debug("node %s not listed yet: %s", joined.node_id, exc)
+            return
         log.info("node %s is a member of the swarm now", joined.node_id)
 
     # --- placing ------------------------------------------------------------------------------
