@@ -86,6 +86,8 @@ class Hellos:
                 f"node {hello.node_id} speaks protocol {hello.versions}, this node "
                 f"{PROTOCOL_VERSION}; run the same swarmp2p version everywhere",
             )
+        if not isinstance(hello.record, dict) or hello.record.get("node_id") != hello.node_id:
+            raise RpcError("bad_field", f"node {hello.node_id}'s hello carries a record of another node id")  # fmt: skip
         if hello.node_id == self.ctx.node_id:
             raise RpcError(
                 "node_id_taken",
