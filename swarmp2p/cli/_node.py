@@ -209,7 +209,7 @@ def token(state_dir, rotate, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help='Print {"code", "expires_in_s", ...}.')
 def invite(state_dir, minutes, as_json) -> None:
     """Print a one-time pairing code that joins one more machine on this LAN: there, run
-    `swarm up --code WORDS`. Three wrong tries burn it."""
+    `swarm up --code WORDS`. Each machine gets three tries; twelve wrong tries in all burn it."""
     from swarmp2p.node import control
 
     got = _ask(control.invite, _state_dir(state_dir), minutes=minutes)

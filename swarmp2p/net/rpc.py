@@ -14,13 +14,16 @@ host cannot take the daemon's file descriptors).
 The handler gets each request with its authenticated sender: the z85 public key ZAP admitted
 for the connection it came on (the frame's ``User-Id`` property; "" on a socket without
 CURVE). A server decides per request what that key may do (``node/daemon.py``), so a key
-revoked after its handshake is refused from its next message on.
+revoked after its handshake is refused from its next message on. The connection's source
+address (the frame's ``Peer-Address``) is :data:`peer_address` while the handler runs: a
+pairing port counts code guesses per address with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -50,6 +53,9 @@ MAX_INFLIGHT_REQUESTS = 256
 Handler = Callable[[Message, str], Awaitable["Message | None"]]
 """``async handler(request, sender_key) -> reply`` (None: send no reply); ``sender_key`` is
 the z85 public key the request was authenticated with."""
+
+peer_address: contextvars.ContextVar[str] = contextvars.ContextVar("peer_address", default="")
+"""The source IP address of the request a handler is answering ("" when unknown)."""
 
 
 class RpcTimeout(Unavailable, TimeoutError):
@@ -190,6 +196,11 @@ class RpcServer:
                     ErrorReply(id=request.id, code="busy", detail="too many requests in flight"),
                 )
                 continue
+            try:
+                address = frames[1].get("Peer-Address") or ""
+            except zmq.ZMQError:
+                address = ""
+            peer_address.set(address)  # the task copies the context as it is now
             task = asyncio.create_task(self._handle(identity, sender, request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

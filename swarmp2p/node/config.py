@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any
 
 from swarmp2p.node.state import StateDir
 
@@ -194,27 +193,3 @@ def raise_open_file_limit() -> tuple[int, int]:
             return (soft, soft)
         return (soft, want)
     return (soft, soft)
-
-
-class RateLimitedLog:
-    """Log at most ``per_second`` lines a second; count and report what was dropped."""
-
-    def __init__(self, per_second: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
-        self._per_second, self._clock = per_second, clock
-        self._window, self._count, self._dropped = 0.0, 0, 0
-
-    def flush(self) -> None:
-        """Report what was dropped once its one-second window is over."""
-        now = self._clock()
-        if now - self._window >= 1.0:
-            if self._dropped:
-                _log.warning("... %d more bad requests in the last second", self._dropped)
-            self._window, self._count, self._dropped = now, 0, 0
-
-    def warning(self, fmt: str, *args: Any) -> None:
-        self.flush()
-        if self._count < self._per_second:
-            self._count += 1
-            _log.warning(fmt, *args)
-        else:
-            self._dropped += 1

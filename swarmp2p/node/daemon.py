@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
+from swarmp2p._ratelog import RateLimitedLog
 from swarmp2p.dashboard import start_dashboard
 from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.net.auth import KeyCheck, ServerKeys
@@ -48,7 +49,7 @@ from swarmp2p.node import authz, hardware, jobs_api, members_api, speed_probe, v
 from swarmp2p.node import events as ev
 from swarmp2p.node import join as jn
 from swarmp2p.node.api import ApiServer
-from swarmp2p.node.config import NodeConfig, RateLimitedLog, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.heartbeats import Heartbeats
 from swarmp2p.node.hellos import Hellos
