@@ -69,6 +69,11 @@ class JobsLeader:
         """Jobs to re-balance at their next snapshot: what called for it and the new cuts."""
         self._weighed: dict[str, tuple[int, int]] = {}
         """Job -> (attempt, step): its split was weighed against the run up to that step."""
+        self._planning = asyncio.Lock()
+        """One plan is made at a time: a plan is CPU work in a thread, and several at once
+        starve the event loop of the GIL (heartbeats slipped, the swarm re-elected)."""
+        self._placing: set[str] = set()
+        """Waiting jobs a placement task works on now."""
         self._blocked: dict[str, tuple[tuple, float]] = {}
         """Waiting job -> (its placement inputs, when) of its last blocked plan: planned again
         only when they change (``decide.plan_again``), so many waiting jobs cost the leader
@@ -103,8 +108,10 @@ class JobsLeader:
             if isinstance(action, ev.MemberJoined):
                 self._run(f"member:{action.node_id}", self._admit(action))
             elif isinstance(action, decide.Place):
-                if action.job_id in due:
-                    self._run(action.job_id, self._place(action.job_id))
+                # one waiting job per round: a burst of submissions is placed in turn
+                if action.job_id in due and not self._placing:
+                    self._placing.add(action.job_id)
+                    self._run(action.job_id, self._place_waiting(action.job_id))
             elif isinstance(action, decide.Recover):
                 self._run(action.job_id, self._recover(action.job_id, action.lost))
             elif isinstance(action, decide.Register):
@@ -124,6 +131,12 @@ class JobsLeader:
 
     # --- placing ------------------------------------------------------------------------------
 
+    async def _place_waiting(self, job_id: str) -> None:
+        try:
+            await self._place(job_id)
+        finally:
+            self._placing.discard(job_id)
+
     async def _place(self, job_id: str) -> None:
         entry = self.ctx.table.jobs[job_id]
         # never on memory another job's stages or a served model already take
@@ -131,7 +144,8 @@ class JobsLeader:
         cluster = decide.learned_cluster(jobs.cluster_records(records), entry)  # its runs' speeds
         alive = self.ctx.live_nodes()
         try:
-            result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
+            async with self._planning:
+                result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
             await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
             return
