@@ -154,6 +154,8 @@ def _daemon_args(config: NodeConfig) -> list[str]:
         args.append("--open")
     args += ["--heartbeat", repr(config.heartbeat_s)]
     args += ["--failure-timeout", repr(config.failure_timeout_s)]
+    args += ["--max-waiting-jobs", str(config.max_waiting_jobs)]
+    args += ["--max-waiting-per-node", str(config.max_waiting_per_submitter)]
     return args
 
 

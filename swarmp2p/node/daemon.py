@@ -446,7 +446,7 @@ class Daemon:
         if isinstance(msg, jn.ADMISSION_MESSAGES):
             return await self.admission.handle(msg, sender)
         if isinstance(msg, (Submit, StageReport, JobCancel, JobMetricsFetch, ShardCopy)):
-            return await self.jobs.handle(msg)
+            return await self.jobs.handle(msg, sender)
         if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull, InputRead)):
             return await self.stages.handle(msg)
         if isinstance(msg, SERVE_MESSAGES):
