@@ -654,6 +654,9 @@ class Replication:
         return ""
 
     async def _persist_follower(self, commit: int) -> None:
+        """A follower saves what its leader sent; it reasons with the latest configuration
+        there (Raft's followers do), so its status and its next election count those voters."""
+        self.committed, self._after = self.table, {}
         if self.table.version > self._saved or self.table.version < self._saved:
             body = jobtable.encode(self.table)
             await asyncio.to_thread(jobtable.save, self.table_file, self.table, body)

@@ -1,6 +1,8 @@
 """A malicious member: the project's own client code, joined with the swarm's token like any
 node (its own key pair, listed by the leader), sending what a well-behaved node never would
-(fields that local validation refuses, another node's name)."""
+(fields that local validation refuses, another node's name). Its id, ``zmallory``, sorts
+after the victims' so that, live for a moment after its hello, it never becomes the lowest
+live member (the leader in everyone's view) that then never leads."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from swarmp2p.wire.messages import ErrorReply, Message, decode, encode
 _KEYS: dict[tuple[str, str], NodeKey] = {}
 
 
-def join(endpoint: str, token: str, node_id: str = "mallory", key: NodeKey | None = None) -> NodeJoined:  # fmt: skip
+def join(endpoint: str, token: str, node_id: str = "zmallory", key: NodeKey | None = None) -> NodeJoined:  # fmt: skip
     """``node.join`` on the join port beside the control port ``endpoint``, then what a real
     newcomer does to be listed: join the leader too and say hello on the leader's control
     port with its own key (the leader lists a node only on that proof; its record has no
@@ -78,7 +80,7 @@ def _meet_leader(ctx, secret, endpoint: str, reply: NodeJoined, msg: NodeJoin, k
         _say(ctx, where, _server_key(ctx, secret, where, reply, msg), key, hello)
 
 
-def credentials(endpoint: str, token: str, node_id: str = "mallory") -> ClientKeys:
+def credentials(endpoint: str, token: str, node_id: str = "zmallory") -> ClientKeys:
     """A member's client keys towards the node at ``endpoint`` (joining it first)."""
     joined = join(endpoint, token, node_id)
     key = _KEYS[(token, node_id)]
@@ -109,7 +111,7 @@ class Member:
 
 @contextlib.contextmanager
 def member(
-    endpoint: str, token: str, node_id: str = "mallory", keys: ClientKeys | None = None
+    endpoint: str, token: str, node_id: str = "zmallory", keys: ClientKeys | None = None
 ) -> Iterator[Member]:
     """A member's connection to ``endpoint`` (``keys``: speak with these instead)."""
     keys = keys or credentials(endpoint, token, node_id)

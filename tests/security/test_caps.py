@@ -38,7 +38,7 @@ def _unplaceable() -> Submit:
                          "num_attention_heads": 128, "num_key_value_heads": 8})  # fmt: skip
     job = parse_job({"name": "huge", "model": {"pretrained": "/nowhere/huge"},
                      "data": {"source": "random"}})  # fmt: skip
-    return Submit(job=job, submitted_by="mallory",
+    return Submit(job=job, submitted_by="zmallory",
                   inputs=JobInputs(shape=shape, model=ModelSource(kind="embedded")))  # fmt: skip
 
 
@@ -128,7 +128,7 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
     mine = {
         j["job_id"]
         for j in after["jobs"]
-        if j["record"].get("submitted_by", "").endswith("@mallory")
+        if j["record"].get("submitted_by", "").endswith("@zmallory")
     }
     assert mine == set(accepted)  # a refused submission left nothing in the table
     assert all(j["state"] == "pending" for j in after["jobs"] if j["job_id"] in mine)
@@ -179,15 +179,16 @@ def test_a_1gb_file_for_a_job_that_does_not_exist_is_refused_unread(victim):
     assert asked == [] and not (victim.state.root / "jobs" / "ghost").exists()
 
 
-def test_a_1gb_file_for_a_real_job_is_refused_unless_the_table_lists_it(victim):
-    """The member's own job is in the table, but it lists no snapshot of it: refused before
-    the victim asks for a byte; and a name that is no snapshot at all, the same."""
+def test_a_1gb_file_for_a_real_job_is_refused_unless_the_table_lists_it(pair):
+    """The member's own job is in the table (committed by the two real nodes), but it lists
+    no snapshot of it: refused before the victim asks for a byte; and a name that is no
+    snapshot at all, the same."""
+    victim, _ = pair
     keys = credentials(victim.endpoint, victim.token)
     job_id = "mallory-job-1"
     with member(victim.endpoint, victim.token, keys=keys) as m:
         m.send(_unplaceable(), job_id=job_id)
-        with pytest.raises(RpcError, match="no_quorum"):  # mallory, a member, never acks
-            m.reply(15.0)
+        assert m.reply(15.0) is not None
     wait_until(lambda: any(j["job_id"] == job_id for j in victim.status()["jobs"]), 10, "the job")
     for file, code in ((SNAP, "not_listed"), ("model.safetensors", "bad_field")):
         asked: list = []
@@ -203,7 +204,7 @@ def test_a_burst_of_near_cap_messages_does_not_make_the_leader_look_dead(pair):
     before = a.status()
     pad = "x" * 1000
     n = (MAX_MESSAGE_BYTES - 8192) // 1024
-    report = StageReport(node_id="mallory", job_id="ghost", attempt=1, stage=0,
+    report = StageReport(node_id="zmallory", job_id="ghost", attempt=1, stage=0,
                          events=[{"event": "step", "pad": pad}] * n)  # fmt: skip
     assert MAX_MESSAGE_BYTES * 0.99 < len(encode(report)) <= MAX_MESSAGE_BYTES
     watch = _Watch(a, b)
