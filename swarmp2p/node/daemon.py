@@ -450,7 +450,7 @@ class Daemon:
         if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull, InputRead)):
             return await self.stages.handle(msg)
         if isinstance(msg, SERVE_MESSAGES):
-            return await self.serving.handle(msg)
+            return await self.serving.handle(msg, sender)
         raise RpcError("unexpected", f"node daemon does not take {type(msg).TYPE} requests")
 
     async def _on_leave(self, msg: Leave) -> Leave:
