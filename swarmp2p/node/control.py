@@ -380,7 +380,13 @@ def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
     if not q or not q.get("members"):
         return []
     line = f"members {len(q['members'])} ({', '.join(q['members'])}), majority {q['majority']}"
-    return [line] + ([f"quorum  NO: {q['reason']}"] if not q.get("ok") else [])
+    if q.get("down"):
+        line += f" of {len(q.get('voters') or [])} voting ({', '.join(q['down'])} down)"
+    out = [line] + ([f"quorum  NO: {q['reason']}"] if not q.get("ok") else [])
+    for d in q.get("dropped") or []:  # this node's writes no majority held, rolled back
+        first, last = d["versions"]
+        out.append(f"dropped versions {first}-{last} ({', '.join(d['events'])}): {d['why']}")
+    return out
 
 
 def format_status(s: dict[str, Any]) -> str:

@@ -180,3 +180,17 @@ def test_status_table():
         "served  tiny at http://127.0.0.1:8080/v1 (serving): a [0-1], b [2-3]",
         "served  tuned (restoring): -; the leader a is not reachable; retry",
     ]
+
+
+def test_status_names_down_members_and_the_writes_this_node_rolled_back():
+    from swarmp2p.node.control import _quorum_lines
+
+    q = {"members": ["a", "b", "c"], "voters": ["a", "b"], "down": ["c"], "majority": 2,
+         "ok": False, "reason": "this node sees 1 of 2 voting member(s) (a)",
+         "dropped": [{"versions": [7, 8], "events": ["member_removed", "job_submitted"],
+                      "why": "no majority", "term": 3, "at": 0.0}]}  # fmt: skip
+    assert _quorum_lines(q) == [
+        "members 3 (a, b, c), majority 2 of 2 voting (c down)",
+        "quorum  NO: this node sees 1 of 2 voting member(s) (a)",
+        "dropped versions 7-8 (member_removed, job_submitted): no majority",
+    ]
