@@ -58,6 +58,10 @@ class Net:
         """Nodes that answer nobody and reach nobody (crashed, hung, or stopped)."""
         self.observers: list[Callable[[], None]] = []
         """Called before every message is delivered (invariant checks in mid-operation)."""
+        self.latency = 0.0
+        """Seconds each request takes to arrive (0: at once). On the virtual-time loop, a
+        latency is what lets time pass while requests follow one another without end."""
+        self.sent = 0
 
     def reach(self, a: str, b: str) -> bool:
         return frozenset((a, b)) not in self.cut and a not in self.down and b not in self.down
@@ -101,6 +105,11 @@ class FakeContext(NodeContext):
         server = self.net.nodes[target]
         if self.key.public in server.rep.table.revoked:  # its ZAP no longer admits this key
             raise RpcTimeout(f"{target} refuses this node's key")
+        if self.net.latency:
+            await asyncio.sleep(self.net.latency)
+            if not self.net.reach(self.node_id, target):
+                raise RpcTimeout(f"{target} unreachable")
+        self.net.sent += 1
         for observe in self.net.observers:
             observe()
         reply = await server.handle(decode(encode(msg)), self.node_id)
