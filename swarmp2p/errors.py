@@ -50,6 +50,7 @@ CODES: dict[str, str] = {
     "bad_model": "user",
     "bad_data": "user",
     "data_too_large": "user",
+    "not_listed": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",
@@ -61,6 +62,7 @@ CODES: dict[str, str] = {
     "stopping": "unavailable",
     "no_daemon": "unavailable",
     "slow_down": "unavailable",
+    "job_cap": "unavailable",
     # failed
     "blocked": "failed",
     "plan_mismatch": "failed",

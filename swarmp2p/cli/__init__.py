@@ -57,6 +57,49 @@ def _state_dir(value: str | None):
     return Path(value) if value else default_state_dir()
 
 
+API_KEY_ENV = "SWARM_API_KEY"
+"""Where `swarm serve`, `generate` and `chat` read an API key from the environment (the same
+name as ``swarmp2p.serve.api.API_KEY_ENV``, not imported: that module loads aiohttp)."""
+
+
+def _api_key_options(what: str):
+    """``--api-key -`` (stdin) and ``--api-key-file FILE``; with ``$SWARM_API_KEY`` the ways
+    :func:`_read_api_key` takes an API key. Never the key in argv, where `ps` shows it."""
+
+    def add(fn):
+        fn = click.option(
+            "--api-key-file",
+            default=None,
+            type=click.Path(dir_okay=False),
+            help=f"{what}: read from this file (mode 0600).",
+        )(fn)
+        return click.option(
+            "--api-key",
+            default=None,
+            metavar="-",
+            help=f"{what}: read from stdin ('-'). The key also comes from ${API_KEY_ENV} or "
+            "--api-key-file; never in the command line, where `ps` shows it.",
+        )(fn)
+
+    return add
+
+
+def _read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The API key given by :func:`_api_key_options` or ``$SWARM_API_KEY`` (None: none); a
+    key typed in argv, given twice or in a file others may read exits 2 naming the fix."""
+    import os
+
+    from swarmp2p.net.security import read_secret
+
+    try:
+        return read_secret(
+            "the API key", option=api_key, file=api_key_file, env=os.environ, flag="--api-key",
+            file_flag="--api-key-file", env_name=API_KEY_ENV,
+        )  # fmt: skip
+    except (ValueError, PermissionError) as exc:
+        raise CliExit(str(exc), _exit.INVALID) from None
+
+
 def _fail(exc: Exception) -> None:
     """Print ``exc`` as the command's error and exit with its code: a SwarmError's kind decides
     (``swarmp2p.errors.EXIT_CODES``: the request 2, unavailable (no daemon, no leader, no

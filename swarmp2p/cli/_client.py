@@ -8,7 +8,9 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _api_key_options,
     _echo_json,
+    _read_api_key,
     _state_dir,
     main,
 )
@@ -19,13 +21,7 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 def _api_options(fn):
-    fn = click.option(
-        "--api-key",
-        envvar="SWARM_API_KEY",
-        show_envvar=True,
-        default=None,
-        help="The API key the server was started with.",
-    )(fn)
+    fn = _api_key_options("The API key the server was started with")(fn)
     fn = click.option(
         "--url",
         envvar="SWARM_API_URL",
@@ -38,11 +34,13 @@ def _api_options(fn):
 
 
 def _endpoint(
-    model: str, url: str | None, api_key: str | None, state_dir
+    model: str, url: str | None, api_key: str | None, api_key_file: str | None, state_dir
 ) -> tuple[str, str | None]:
     """The API's base URL and key: ``--url`` as given, else the local daemon's answer for
-    MODEL (``--api-key`` wins over the key it served with), else DEFAULT_URL when no daemon
-    runs. A daemon that does not serve MODEL is an error naming what it serves."""
+    MODEL (a key given with --api-key -, --api-key-file or $SWARM_API_KEY wins over the key it
+    served with), else DEFAULT_URL when no daemon runs. A daemon that does not serve MODEL is
+    an error naming what it serves."""
+    api_key = _read_api_key(api_key, api_key_file)
     if url:
         return url, api_key
     from swarmp2p.node import job_commands
@@ -95,12 +93,13 @@ def generate_command(
     as_json: bool,
     url: str | None,
     api_key,
+    api_key_file,
     state_dir,
 ) -> None:
     """Complete PROMPT with MODEL through the swarm's API (`swarm serve` answers it)."""
     from swarmp2p.serve.client import ApiClientError, complete_text, stream_text
 
-    url, api_key = _endpoint(model, url, api_key, state_dir)
+    url, api_key = _endpoint(model, url, api_key, api_key_file, state_dir)
     if stream and as_json:
         raise click.UsageError("--json prints one object at the end: leave --stream out")
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
@@ -130,12 +129,13 @@ def chat_command(
     temperature: float,
     url: str | None,
     api_key,
+    api_key_file,
     state_dir,
 ) -> None:
     """Chat with MODEL through the swarm's API (empty line or end of input quits)."""
     from swarmp2p.serve.client import ApiClientError, stream_text
 
-    url, api_key = _endpoint(model, url, api_key, state_dir)
+    url, api_key = _endpoint(model, url, api_key, api_key_file, state_dir)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:

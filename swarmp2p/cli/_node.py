@@ -76,6 +76,27 @@ def _seconds_option(flag: str, envvar: str, default: float, what: str):
     3.0,
     "Seconds of silence after which a peer is dead.",
 )
+@click.option(
+    "--max-waiting-jobs",
+    type=click.IntRange(min=1),
+    metavar="N",
+    default=64,
+    envvar="SWARM_MAX_WAITING_JOBS",
+    show_envvar=True,
+    show_default=True,
+    help="While this node leads: unfinished jobs (pending, placed, running) the swarm holds; "
+    "a submission past it is refused, nothing written.",
+)
+@click.option(
+    "--max-waiting-per-node",
+    type=click.IntRange(min=1),
+    metavar="N",
+    default=16,
+    envvar="SWARM_MAX_WAITING_PER_NODE",
+    show_envvar=True,
+    show_default=True,
+    help="While this node leads: unfinished jobs one node's submissions may hold.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once it is up.")
 def up(
     token,
@@ -93,6 +114,8 @@ def up(
     no_mdns,
     heartbeat,
     failure_timeout,
+    max_waiting_jobs,
+    max_waiting_per_node,
     as_json,
 ) -> None:
     """Start this node's daemon: join with a pairing code (--code), a token, or the state dir's
@@ -122,6 +145,8 @@ def up(
             heartbeat_s=heartbeat,
             failure_timeout_s=failure_timeout,
             open_swarm=open_swarm,
+            max_waiting_jobs=max_waiting_jobs,
+            max_waiting_per_submitter=max_waiting_per_node,
         )
         result = control.up(config, token, foreground=foreground, code=code, new=new)
     except (SwarmError, ValueError, PermissionError, ApiError, OSError) as exc:
@@ -209,7 +234,7 @@ def token(state_dir, rotate, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help='Print {"code", "expires_in_s", ...}.')
 def invite(state_dir, minutes, as_json) -> None:
     """Print a one-time pairing code that joins one more machine on this LAN: there, run
-    `swarm up --code WORDS`. Three wrong tries burn it."""
+    `swarm up --code WORDS`. Each machine gets three tries; twelve wrong tries in all burn it."""
     from swarmp2p.node import control
 
     got = _ask(control.invite, _state_dir(state_dir), minutes=minutes)

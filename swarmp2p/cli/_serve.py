@@ -9,7 +9,9 @@ import click
 
 from swarmp2p.cli import (
     _STATE_DIR_OPTION,
+    _api_key_options,
     _fail,
+    _read_api_key,
     _state_dir,
     main,
 )
@@ -60,16 +62,12 @@ from swarmp2p.cli import (
 )
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
-@click.option(
-    "--api-key",
-    envvar="SWARM_API_KEY",
-    show_envvar=True,
-    default=None,
-    help="Require this key from API clients (Authorization: Bearer).",
-)
+@_api_key_options("Require an API key from API clients (Authorization: Bearer)")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_STATE_DIR_OPTION
-def serve_command(model, stop_model, state_dir, as_json, quantization, **options) -> None:
+def serve_command(
+    model, stop_model, state_dir, as_json, quantization, api_key, api_key_file, **options
+) -> None:
     """Serve MODEL (a model from `swarm models`, a folder, a cached Hub id, or "embedded")
     across the swarm.
 
@@ -98,6 +96,7 @@ def serve_command(model, stop_model, state_dir, as_json, quantization, **options
                 quantization = json.loads(quantization)
             except ValueError as exc:
                 raise click.BadParameter(f"not JSON: {exc}", param_hint="--quantization") from None
+        options["api_key"] = _read_api_key(api_key, api_key_file)
         # the daemon runs in another folder: it reads a relative MODEL folder from this one
         request = parse_serve_request(
             {"model": model, "quantization": quantization, "cwd": os.getcwd(), **options}

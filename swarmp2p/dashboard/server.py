@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from swarmp2p._ratelog import HttpLog
 from swarmp2p.dashboard.page import PAGE
 from swarmp2p.dashboard.view import dashboard_view
 
@@ -136,7 +137,8 @@ class DashboardServer:
         app = web.Application(middlewares=[self._guard])
         app.router.add_get("/", self._page)
         app.router.add_get("/api/state", self._state)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # a malformed request is one line, rate-limited (not aiohttp's traceback each)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=HttpLog(log, "dashboard"))  # fmt: skip
         await runner.setup()
         site = web.TCPSite(runner, HOST, self._want_port, reuse_address=False)
         try:

@@ -11,16 +11,28 @@ the connection, and the sender's request times out. A :class:`~swarmp2p.net.guar
 caps the server's live connections per source address (a flood of idle connections from one
 host cannot take the daemon's file descriptors).
 
+Small requests (heartbeats, votes, hellos: under ``LARGE_BYTES``) are decoded and handled as
+they arrive. A large one waits in its sender's own queue: one sender's large requests are
+decoded one at a time, off the event loop, within a byte budget per second
+(:class:`ByteBudget`), and past ``MAX_QUEUED_LARGE`` waiting ones more are refused with code
+"busy" unread. A burst of near-cap messages from one member so costs the loop a bounded share
+and never delays another node's heartbeat behind it (issue 24: 40 messages of 4 MB made a
+node look dead for 3 s).
+
 The handler gets each request with its authenticated sender: the z85 public key ZAP admitted
 for the connection it came on (the frame's ``User-Id`` property; "" on a socket without
 CURVE). A server decides per request what that key may do (``node/daemon.py``), so a key
-revoked after its handshake is refused from its next message on.
+revoked after its handshake is refused from its next message on. The connection's source
+address (the frame's ``Peer-Address``) is :data:`peer_address` while the handler runs: a
+pairing port counts code guesses per address with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -40,16 +52,65 @@ from swarmp2p.net.auth import (
     make_server_socket,
 )
 from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
-from swarmp2p.wire.messages import ErrorReply, Message, WireError, decode, encode
+from swarmp2p.wire.messages import MAX_MESSAGE_BYTES, ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT_REQUESTS = 256
 """Requests an RpcServer handles at once; more are answered with code "busy"."""
+LARGE_BYTES = 64 * 1024
+"""A request of this many bytes or more is large: it waits its turn in its sender's queue."""
+LARGE_BYTES_PER_S = 8 * 1024 * 1024
+"""Bytes of large requests per second one sender gets read (a burst up to two at the cap)."""
+MAX_QUEUED_LARGE = 8
+"""Large requests one sender may have waiting; more are refused with code "busy" unread."""
+
+
+class ByteBudget:
+    """A token bucket of bytes: ``rate`` per second, holding at most ``burst``."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._tokens, self._at = burst, clock()
+
+    def wait_s(self, n: int) -> float:
+        """Seconds until ``n`` bytes (at most ``burst``) are in the bucket; 0: take them now
+        (they are taken)."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        need = min(float(n), self.burst)
+        if self._tokens >= need:
+            self._tokens -= need
+            return 0.0
+        return (need - self._tokens) / self.rate
+
+
+def peek_id(payload: bytes) -> int:
+    """A request's ``id`` read from the first entries of its msgpack map without unpacking
+    the rest (0 when it is not there): a refusal of an unread request still pairs."""
+    import msgpack
+
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
+        unpacker.feed(payload)
+        for _ in range(min(unpacker.read_map_header(), 4)):
+            key = unpacker.unpack()
+            if key == "id":
+                value = unpacker.unpack()
+                return value if type(value) is int and 0 <= value < 2**63 else 0
+            unpacker.skip()
+    except Exception:
+        return 0
+    return 0
+
 
 Handler = Callable[[Message, str], Awaitable["Message | None"]]
 """``async handler(request, sender_key) -> reply`` (None: send no reply); ``sender_key`` is
 the z85 public key the request was authenticated with."""
+
+peer_address: contextvars.ContextVar[str] = contextvars.ContextVar("peer_address", default="")
+"""The source IP address of the request a handler is answering ("" when unknown)."""
 
 
 class RpcTimeout(Unavailable, TimeoutError):
@@ -115,6 +176,10 @@ class RpcServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._large: dict[str, collections.deque[tuple[bytes, bytes]]] = {}
+        """Sender -> its large requests waiting (identity, payload)."""
+        self._budgets: dict[str, ByteBudget] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
         self.port = 0
         self.endpoint = ""
 
@@ -143,8 +208,10 @@ class RpcServer:
 
     async def close(self) -> None:
         """Stop serving, cancel running handlers, close the socket."""
-        await cancel_all(self._loop_task, *self._tasks)
+        await cancel_all(self._loop_task, *self._tasks, *self._readers.values())
         self._tasks.clear()
+        self._readers.clear()
+        self._large.clear()
         self._loop_task = None
         if self.guard is not None:
             await self.guard.close()
@@ -178,21 +245,74 @@ class RpcServer:
             except zmq.ZMQError:  # no ZAP on this socket (secure=False)
                 sender = ""
             try:
+                address = frames[1].get("Peer-Address") or ""
+            except zmq.ZMQError:
+                address = ""
+            if len(payload) >= LARGE_BYTES:
+                await self._queue_large(identity, sender, payload, address)
+                continue
+            try:
                 request = decode(payload)
             except WireError as e:
                 await self._reply(
                     identity, ErrorReply(id=e.msg_id or 0, code=e.code, detail=e.detail)
                 )
                 continue
-            if len(self._tasks) >= MAX_INFLIGHT_REQUESTS:
-                await self._reply(
-                    identity,
-                    ErrorReply(id=request.id, code="busy", detail="too many requests in flight"),
-                )
+            await self._start(identity, sender, request, address)
+
+    async def _start(self, identity: bytes, sender: str, request: Message, address: str) -> None:
+        if len(self._tasks) >= MAX_INFLIGHT_REQUESTS:
+            await self._reply(
+                identity,
+                ErrorReply(id=request.id, code="busy", detail="too many requests in flight"),
+            )
+            return
+        peer_address.set(address)  # the task copies the context as it is now
+        task = asyncio.create_task(self._handle(identity, sender, request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _queue_large(
+        self, identity: bytes, sender: str, payload: bytes, address: str
+    ) -> None:
+        """A large request waits in its sender's queue (a socket without CURVE: its
+        connection's); a full queue refuses it unread."""
+        who = sender or identity.hex()
+        queue = self._large.setdefault(who, collections.deque())
+        if len(queue) >= MAX_QUEUED_LARGE:
+            detail = (
+                f"{MAX_QUEUED_LARGE} large requests from this node already wait (each "
+                f"{LARGE_BYTES} bytes or more, read at {LARGE_BYTES_PER_S} bytes/s per node); "
+                "send fewer at once"
+            )
+            await self._reply(identity, ErrorReply(id=peek_id(payload), code="busy", detail=detail))
+            return
+        queue.append((identity, payload, address))
+        if who not in self._readers:
+            task = asyncio.create_task(self._read_large(who, sender), name=f"rpc-large:{self.port}")
+            self._readers[who] = task
+            task.add_done_callback(lambda t: self._readers.pop(who, None) if self._readers.get(who) is t else None)  # fmt: skip
+
+    async def _read_large(self, who: str, sender: str) -> None:
+        """One sender's large requests, one at a time within its byte budget, each decoded in
+        a thread (the loop keeps answering small requests meanwhile)."""
+        budget = self._budgets.setdefault(who, ByteBudget(LARGE_BYTES_PER_S, 2 * MAX_MESSAGE_BYTES))
+        queue = self._large.get(who)
+        while queue:
+            identity, payload, address = queue[0]
+            while (wait := budget.wait_s(len(payload))) > 0:
+                await asyncio.sleep(wait)
+            queue.popleft()
+            try:
+                request = await asyncio.to_thread(decode, payload)
+            except WireError as e:
+                await self._reply(identity, ErrorReply(id=e.msg_id or 0, code=e.code, detail=e.detail))  # fmt: skip
                 continue
-            task = asyncio.create_task(self._handle(identity, sender, request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            await self._start(identity, sender, request, address)
+        self._large.pop(who, None)  # with no await since the queue emptied: a request that
+        self._readers.pop(who, None)  # comes next starts a new reader
+        if len(self._budgets) > 4096:  # senders without CURVE each have their own
+            self._budgets.clear()
 
     async def _handle(self, identity: bytes, sender: str, request: Message) -> None:
         try:

@@ -24,7 +24,10 @@ import hmac
 import os
 import secrets
 import stat
+import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TextIO
 
 import zmq
 import zmq.utils.z85
@@ -179,6 +182,64 @@ def check_private(path: Path, what: str, if_read: str) -> None:
             f"{what} {path} has mode {mode:04o}, readable by other users; run "
             f"`chmod 600 {path}` (and {if_read} if others read it)"
         )
+
+
+def read_secret(
+    what: str,
+    *,
+    option: str | None,
+    file: str | None,
+    env: Mapping[str, str],
+    flag: str,
+    file_flag: str,
+    env_name: str,
+    stdin: TextIO | None = None,
+) -> str | None:
+    """A secret handed to a command (the swarm token, an API key): ``flag -`` (stdin, a
+    prompt on a terminal), ``file_flag FILE`` (mode 0600) or ``$env_name``; None when none was
+    given. ValueError naming what is wrong for the secret itself in argv (every local user
+    reads argv with ``ps``), for two ways at once, for nothing on stdin or a missing file;
+    PermissionError for a file others may read. ``what`` names it in errors ("the swarm
+    token")."""
+    given = [
+        name
+        for name, value in ((flag, option), (file_flag, file), (env_name, env.get(env_name)))
+        if value is not None
+    ]
+    if option is not None and option != "-":
+        raise ValueError(
+            f"{flag} takes only '-' (read {what} from stdin): {what} in the command line is "
+            f"readable by every local user with `ps`. Pass it as {env_name}=... in the "
+            f"environment, with {file_flag} FILE (mode 0600), or give {flag} - and paste it"
+        )
+    if len(given) > 1:
+        raise ValueError(f"{what} is given twice ({' and '.join(given)}); give it one way")
+    if option == "-":
+        stdin = sys.stdin if stdin is None else stdin
+        if stdin.isatty():
+            import getpass
+
+            text = getpass.getpass(f"{what.removeprefix('the ')}: ")
+        else:
+            text = stdin.readline()
+        if not text.strip():
+            raise ValueError(f"{flag} -: nothing on stdin; pipe or paste {what}")
+        return text.strip()
+    if file is not None:
+        path = Path(file)
+        try:
+            if stat.S_ISREG(path.stat().st_mode):
+                check_private(path, file_flag, f"consider {what} seen")
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            raise ValueError(f"{file_flag} {path}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"{file_flag} {path} is a folder, not a file holding {what}") from None  # fmt: skip
+        if not text.strip():
+            raise ValueError(f"{file_flag} {path} is empty: it should hold {what}")
+        return text.strip()
+    value = env.get(env_name)
+    return None if value is None else value.strip()
 
 
 class NodeKey:

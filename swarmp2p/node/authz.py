@@ -6,6 +6,11 @@ the keyring binds that key to one node id, the *sender*. A request that names a 
 a heartbeat, a leave, a vote request, a table write, a stage report...) must name its sender:
 no node speaks, leaves, leads or writes as another (issue 15). Requests that act on the
 swarm's state come only from members; commands to a stage's node come only from the leader.
+
+A served model's stages take commands from its issuing node (the node that ran ``swarm
+serve``) or the leader only (issue 24): :func:`serve_refusal` is checked by the stage's node
+against the issuer it recorded for that serve id, :func:`serve_exit_refusal` by the issuing
+node against its ring's plan.
 """
 
 from __future__ import annotations
@@ -82,6 +87,51 @@ def refusal(msg: Message, sender: Sender, table: JobTable, view_leader: str) -> 
     return ""
 
 
+SERVE_STAGE_COMMANDS = (m.ServeStageStart, m.ServeStageConnect, m.ServeStageStop)
+"""Commands to a served model's stage: from its issuing node, or the leader."""
+
+
+def serve_refusal(
+    msg: Message,
+    sender: str,
+    issuer: str | None,
+    leaders: set[str],
+    claimants: frozenset[str] = frozenset(),
+) -> str:
+    """Why ``sender`` may not send ``msg`` (one of SERVE_STAGE_COMMANDS) to a stage's node
+    that runs stages of ``msg.serve_id`` for ``issuer`` (None: nothing of it runs there); ""
+    when it may. ``leaders``: the nodes this node counts as leading (its view, its table);
+    ``claimants``: the nodes whose last heartbeat says they issue ``msg.serve_id``.
+
+    Only the issuing node of a serve id, or the leader, stops or connects its stages. A
+    start names its issuer (``refusal`` checks that it is the sender): it must be the issuer
+    of the stages of that serve id already running there, or, before any runs, one of the
+    nodes that claim it (when any does), the leader's start included."""
+    if not isinstance(msg, SERVE_STAGE_COMMANDS):
+        return ""
+    kind, serve_id = type(msg).TYPE, msg.serve_id
+    if isinstance(msg, m.ServeStageStart):
+        owners = {issuer} if issuer is not None else set(claimants)
+        if owners and msg.issuer not in owners:
+            return f"{kind} for serve {serve_id}: it is issued by node {', '.join(sorted(owners))}, not by node {msg.issuer}"  # fmt: skip
+        return ""
+    if issuer is None or sender == issuer or sender in leaders:
+        return ""
+    lead = ", ".join(sorted(x for x in leaders if x)) or "none"
+    return f"{kind} for serve {serve_id}: only its issuing node {issuer} or the leader ({lead}) may send it; node {sender} is neither"  # fmt: skip
+
+
+def serve_exit_refusal(msg: m.ServeStageExit, stage_nodes: list[str] | None) -> str:
+    """Why the issuing node does not take ``msg`` (its ``node_id`` is the sender, ``refusal``
+    checks that) for its live ring, whose stages run on ``stage_nodes`` (None: ``msg`` is not
+    about the live ring, it is ignored): only a stage's own node reports its worker's exit."""
+    if stage_nodes is None:
+        return ""
+    if not 0 <= msg.stage < len(stage_nodes) or stage_nodes[msg.stage] != msg.node_id:
+        return f"{msg.TYPE}: stage {msg.stage} of serve {msg.serve_id} does not run on node {msg.node_id}"  # fmt: skip
+    return ""
+
+
 def _not_member(who: str) -> str:
     return f"node {who} is not a member of this swarm (yet)"
 
@@ -93,4 +143,4 @@ def refusal_code(sender: Sender, why: str) -> str:
     return "joining" if why == _not_member(sender.node_id) else "forbidden"
 
 
-__all__ = ["CLAIMS", "Sender", "refusal", "refusal_code"]
+__all__ = ["CLAIMS", "Sender", "refusal", "refusal_code", "serve_exit_refusal", "serve_refusal"]

@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any
 
 from swarmp2p.node.state import StateDir
 
@@ -23,6 +22,12 @@ FAILURE_TIMEOUT_S = 3.0
 FORGET_AFTER_S = 60.0
 """How long a dead (not cleanly stopped) peer stays listed with ``alive: false``."""
 SUBMIT_TIMEOUT_S = 10.0
+MAX_WAITING_JOBS = 64
+"""Jobs not finished yet (pending, placed, running, resuming) the leader holds in all; a
+submission past it is refused before anything is written (``--max-waiting-jobs``)."""
+MAX_WAITING_PER_SUBMITTER = 16
+"""Jobs not finished yet that one node's submissions may hold (``--max-waiting-per-node``):
+one member cannot fill the swarm's share alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +50,10 @@ class NodeConfig:
     forget_after_s: float = FORGET_AFTER_S
     open_swarm: bool = False
     """`swarm up --open`: any machine on the LAN joins without a code (a trusted home LAN only)."""
+    max_waiting_jobs: int = MAX_WAITING_JOBS
+    """The leader's cap on unfinished jobs in the table (``--max-waiting-jobs``)."""
+    max_waiting_per_submitter: int = MAX_WAITING_PER_SUBMITTER
+    """The leader's cap on one node's unfinished submissions (``--max-waiting-per-node``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -56,6 +65,11 @@ class NodeConfig:
             )
         for peer in self.peers:
             parse_peer(peer)
+        if self.max_waiting_jobs < 1 or self.max_waiting_per_submitter < 1:
+            raise ValueError(
+                f"--max-waiting-jobs {self.max_waiting_jobs} and --max-waiting-per-node "
+                f"{self.max_waiting_per_submitter} must be at least 1"
+            )
 
 
 def parse_peer(text: str) -> str:
@@ -194,27 +208,3 @@ def raise_open_file_limit() -> tuple[int, int]:
             return (soft, soft)
         return (soft, want)
     return (soft, soft)
-
-
-class RateLimitedLog:
-    """Log at most ``per_second`` lines a second; count and report what was dropped."""
-
-    def __init__(self, per_second: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
-        self._per_second, self._clock = per_second, clock
-        self._window, self._count, self._dropped = 0.0, 0, 0
-
-    def flush(self) -> None:
-        """Report what was dropped once its one-second window is over."""
-        now = self._clock()
-        if now - self._window >= 1.0:
-            if self._dropped:
-                _log.warning("... %d more bad requests in the last second", self._dropped)
-            self._window, self._count, self._dropped = now, 0, 0
-
-    def warning(self, fmt: str, *args: Any) -> None:
-        self.flush()
-        if self._count < self._per_second:
-            self._count += 1
-            _log.warning(fmt, *args)
-        else:
-            self._dropped += 1

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.errors import Unavailable
 from swarmp2p.net.auth import ClientKeys
 from swarmp2p.net.rpc import RpcClient
+from swarmp2p.node.election import eligible_leader
 from swarmp2p.node.election import leader as lowest_live
 from swarmp2p.node.membership import Keyring, Membership
 
@@ -93,8 +94,14 @@ class NodeContext:
 
     @property
     def leader(self) -> str:
-        """The lowest live node id in this node's view."""
-        return lowest_live(self.members.live_view())
+        """The lowest live node id in this node's view that may lead (``election``): a member
+        of this node's table, or, where it lists none, a node that holds a table."""
+        view = self.members.live_view()
+        if self._replication is None:
+            return lowest_live(view)
+        table = self._replication.table
+        held = {**self.members.held_view(), self.node_id: table.version}
+        return eligible_leader(view, table.member_ids, held)
 
     @property
     def leading(self) -> bool:

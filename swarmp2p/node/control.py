@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from swarmp2p.net.security import SwarmSecret
+from swarmp2p.net.security import SwarmSecret, read_secret
 from swarmp2p.node import api
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir, pid_alive
@@ -92,52 +91,10 @@ def read_token(
     """The swarm token handed to `swarm up`: ``--token -`` (stdin), ``--token-file FILE`` or
     ``$SWARM_TOKEN``; None when none was given. ValueError for a token in argv (every local
     user reads argv with ``ps``), for two ways at once, or an unreadable or shared file."""
-    given = [
-        name
-        for name, value in (
-            ("--token", option),
-            ("--token-file", token_file),
-            (TOKEN_ENV, env.get(TOKEN_ENV)),
-        )
-        if value is not None
-    ]
-    if option is not None and option != "-":
-        raise ValueError(
-            "--token takes only '-' (read the token from stdin): a token in the command line is "
-            f"readable by every local user with `ps`. Pass it as {TOKEN_ENV}=... in the "
-            "environment, with --token-file FILE (mode 0600), or run `swarm up --token -` and "
-            "paste it"
-        )
-    if len(given) > 1:
-        raise ValueError(f"the swarm token is given twice ({' and '.join(given)}); give it one way")
-    if option == "-":
-        stdin = sys.stdin if stdin is None else stdin
-        if stdin.isatty():
-            import getpass
-
-            text = getpass.getpass("swarm token: ")
-        else:
-            text = stdin.readline()
-        if not text.strip():
-            raise ValueError("--token -: nothing on stdin; pipe or paste the swarm token")
-        return text.strip()
-    if token_file is not None:
-        path = Path(token_file)
-        try:
-            info = path.stat()
-            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) & 0o077:
-                raise PermissionError(
-                    f"--token-file {path} has mode {stat.S_IMODE(info.st_mode):04o}, readable "
-                    f"by other users; run `chmod 600 {path}` (and consider the token seen)"
-                )
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            raise ValueError(f"--token-file {path}: no such file") from None
-        except IsADirectoryError:
-            raise ValueError(f"--token-file {path} is a folder, not a token file") from None
-        return text.strip()
-    value = env.get(TOKEN_ENV)
-    return None if value is None else value.strip()
+    return read_secret(
+        "the swarm token", option=option, file=token_file, env=env, flag="--token",
+        file_flag="--token-file", env_name=TOKEN_ENV, stdin=stdin,
+    )  # fmt: skip
 
 
 def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]:
@@ -197,6 +154,8 @@ def _daemon_args(config: NodeConfig) -> list[str]:
         args.append("--open")
     args += ["--heartbeat", repr(config.heartbeat_s)]
     args += ["--failure-timeout", repr(config.failure_timeout_s)]
+    args += ["--max-waiting-jobs", str(config.max_waiting_jobs)]
+    args += ["--max-waiting-per-node", str(config.max_waiting_per_submitter)]
     return args
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
+from swarmp2p._ratelog import RateLimitedLog
 from swarmp2p.dashboard import start_dashboard
 from swarmp2p.errors import SwarmError, Unavailable
 from swarmp2p.net.auth import KeyCheck, ServerKeys
@@ -48,7 +49,7 @@ from swarmp2p.node import authz, hardware, jobs_api, members_api, speed_probe, v
 from swarmp2p.node import events as ev
 from swarmp2p.node import join as jn
 from swarmp2p.node.api import ApiServer
-from swarmp2p.node.config import NodeConfig, RateLimitedLog, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.heartbeats import Heartbeats
 from swarmp2p.node.hellos import Hellos
@@ -283,8 +284,8 @@ class Daemon:
         ctx = self.ctx
         if ctx.zmq is None or ctx.node_id not in self.rep.table.member_ids:
             return
-        if len(self.rep.table.members) <= 1:
-            return
+        if len(self.rep.table.voters - {ctx.node_id}) < 1:
+            return  # the last voter keeps the swarm's history: it stays listed as up
         try:
             if ctx.leading:
                 await asyncio.wait_for(
@@ -334,6 +335,8 @@ class Daemon:
         self._bad.flush()
         self.admission.check_secret()
         await self.pairing.tick()
+        self.rep.note_view()
+        self.rep.check_quorum()
         if ctx.leader == ctx.node_id and not self.rep.ready:
             self.rep.start_takeover()
         self.jobs.tick()
@@ -444,11 +447,11 @@ class Daemon:
         if isinstance(msg, jn.ADMISSION_MESSAGES):
             return await self.admission.handle(msg, sender)
         if isinstance(msg, (Submit, StageReport, JobCancel, JobMetricsFetch, ShardCopy)):
-            return await self.jobs.handle(msg)
+            return await self.jobs.handle(msg, sender)
         if isinstance(msg, (StageStart, StageStop, ShardRead, FilePull, InputRead)):
             return await self.stages.handle(msg)
         if isinstance(msg, SERVE_MESSAGES):
-            return await self.serving.handle(msg)
+            return await self.serving.handle(msg, sender)
         raise RpcError("unexpected", f"node daemon does not take {type(msg).TYPE} requests")
 
     async def _on_leave(self, msg: Leave) -> Leave:

@@ -68,10 +68,13 @@ Action = ev.MemberJoined | Place | Recover | Register
 def leader_actions(table: JobTable, view: LeaderView) -> list[Action]:
     """The leader's next steps, in a stable order."""
     out: list[Action] = []
-    if table.members:  # a founded swarm admits the live nodes that are not members yet
-        for node_id in sorted(view.alive - table.member_ids):
+    if table.members:  # a founded swarm lists the live nodes that are not voters (new or down)
+        for node_id in sorted(view.alive - table.voters):
             key = view.keys.get(node_id)
-            if key and key not in table.revoked:
+            member = table.member(node_id)
+            if member is not None and member.key != key:
+                continue  # its id belongs to another key
+            if key and key not in table.revoked and node_id not in table.removed:
                 out.append(
                     ev.MemberJoined(node_id=node_id, name=view.names.get(node_id, ""), key=key)
                 )
@@ -467,6 +470,68 @@ def stale_workers(
     return out
 
 
+# --- caps on waiting jobs ------------------------------------------------------------------
+
+
+def submitted_by(who: str, node_id: str) -> str:
+    """What the table records as a submission's author: the name its client gave (an ``@``
+    in it dropped) and the node it came from, ``cli@node``; the node is authenticated."""
+    return f"{(who or 'cli').replace('@', '')[:128]}@{node_id}"
+
+
+def submitter_of(recorded: str) -> str:
+    """The node a table entry's ``submitted_by`` names ("" for one recorded without it)."""
+    return recorded.rpartition("@")[2] if "@" in recorded else ""
+
+
+def waiting_refusal(table: JobTable, node_id: str, *, per_swarm: int, per_node: int) -> str:
+    """Why the leader refuses one more job from node ``node_id`` ("" when it takes it): the
+    unfinished jobs (not completed, failed or cancelled) of the swarm, or of that node's
+    submissions, already reach their cap."""
+    waiting = [e for e in table.jobs.values() if e.state not in FINAL_STATES]
+    if len(waiting) >= per_swarm:
+        return (
+            f"the swarm already holds {len(waiting)} unfinished jobs, its cap of {per_swarm} "
+            "(the leader's `swarm up --max-waiting-jobs`); cancel some (`swarm jobs cancel "
+            "JOB`) or wait for them to finish"
+        )
+    mine = sum(1 for e in waiting if submitter_of(e.submitted_by) == node_id)
+    if mine >= per_node:
+        return (
+            f"node {node_id} already has {mine} unfinished jobs in the swarm, the cap of "
+            f"{per_node} per node (the leader's `swarm up --max-waiting-per-node`); cancel "
+            "some (`swarm jobs cancel JOB`) or wait for them to finish"
+        )
+    return ""
+
+
+PLAN_AGAIN_S = 30.0
+"""A waiting job whose planning inputs did not change is planned again at most this often."""
+
+
+def placement_inputs(
+    entry: JobEntry, alive: Iterable[str], records: Sequence[Mapping[str, Any]]
+) -> tuple:
+    """What a waiting job's placement depends on, coarsely: its own version, the live nodes,
+    and each live device's free memory in GiB and free disk in GiB (a byte's change in free
+    memory does not make a blocked job worth planning again)."""
+    devices = tuple(
+        (
+            r.get("node_id"), int(r.get("disk_free") or 0) >> 30,
+            tuple((d.get("kind"), d.get("index"), int(d.get("memory_free") or 0) >> 30)
+                  for d in r.get("devices", [])),
+        )
+        for r in sorted(records, key=lambda r: str(r.get("node_id")))
+    )  # fmt: skip
+    return (entry.version, entry.attempt, tuple(sorted(alive)), devices)
+
+
+def plan_again(last: tuple[tuple, float] | None, inputs: tuple, now: float) -> bool:
+    """Whether to plan a waiting job again: never planned, or its inputs changed since the
+    last (blocked) try ``last`` = (inputs, when), or PLAN_AGAIN_S passed."""
+    return last is None or last[0] != inputs or now - last[1] >= PLAN_AGAIN_S
+
+
 _NEW_ID = re.compile(r"[^A-Za-z0-9_-]+")
 
 
@@ -477,6 +542,7 @@ def new_job_id(version: int, token: str) -> str:
 
 __all__ = [
     "MAX_REBALANCES",
+    "PLAN_AGAIN_S",
     "PROGRESS_EVERY_S",
     "REBALANCE_OFF",
     "REBALANCE_STEPS",
@@ -493,6 +559,8 @@ __all__ = [
     "learned_cluster",
     "new_job_id",
     "placement",
+    "placement_inputs",
+    "plan_again",
     "plan_cuts",
     "plan_tries",
     "rebalance_due",
@@ -501,5 +569,8 @@ __all__ = [
     "registration",
     "snapshot_layout",
     "stale_workers",
+    "submitted_by",
+    "submitter_of",
+    "waiting_refusal",
     "with_learned_speeds",
 ]

@@ -101,6 +101,10 @@ class AdmissionChanged(Event):
     key: PublicKey
 
 
+MEMBERSHIP_EVENTS = (MemberJoined, MemberLeft, MemberRemoved)
+"""Events that change who counts towards a majority: one at a time may be uncommitted."""
+
+
 # --- a training job's life -------------------------------------------------------------------
 
 
@@ -311,6 +315,7 @@ def entry_from_data(data: Any) -> Entry:
 __all__ = [
     "EVENTS",
     "ID_PATTERN",
+    "MEMBERSHIP_EVENTS",
     "NODE_PATTERN",
     "AdmissionChanged",
     "Entry",

@@ -53,7 +53,7 @@ class Heartbeats:
 
     def answer(self, beat: Heartbeat, now: float) -> Heartbeat:
         """A peer's heartbeat (it must have sent a hello first): this node's in reply."""
-        if not self.ctx.members.seen(beat.node_id, now):
+        if not self.ctx.members.seen(beat.node_id, now, beat.version):
             raise RpcError("unknown_peer", f"node {beat.node_id} must send node.hello first")
         self.serving.stages.issuer_claims(beat.node_id, beat.serving, now)
         self._report(beat)
@@ -126,7 +126,7 @@ class Heartbeats:
             return
         if not isinstance(reply, Heartbeat) or reply.node_id != node_id:
             return
-        self.ctx.members.seen(node_id, self.ctx.clock())
+        self.ctx.members.seen(node_id, self.ctx.clock(), reply.version)
         self.serving.stages.issuer_claims(node_id, reply.serving, self.ctx.clock())
         self._report(reply)
         if reply.wall_time:

@@ -86,6 +86,8 @@ class Hellos:
                 f"node {hello.node_id} speaks protocol {hello.versions}, this node "
                 f"{PROTOCOL_VERSION}; run the same swarmp2p version everywhere",
             )
+        if not isinstance(hello.record, dict) or hello.record.get("node_id") != hello.node_id:
+            raise RpcError("bad_field", f"node {hello.node_id}'s hello carries a record of another node id")  # fmt: skip
         if hello.node_id == self.ctx.node_id:
             raise RpcError(
                 "node_id_taken",
@@ -205,7 +207,7 @@ class Hellos:
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         changes = self.ctx.members.hello(
             node_id=hello.node_id, name=hello.name, endpoint=endpoint, record=hello.record,
-            host=hello.host, now=self.ctx.clock(), key=key,
+            host=hello.host, now=self.ctx.clock(), key=key, held=hello.version,
             join_endpoint=f"tcp://{host}:{hello.join_port}" if hello.join_port else "",
         )  # fmt: skip
         self._met_at[endpoint] = (hello.node_id, key)

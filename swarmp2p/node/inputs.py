@@ -389,7 +389,7 @@ class Inputs:
                     try:
                         await model_files.pull_file(
                             read, name, dest / name, listing[name][1], CHUNK_BYTES,
-                            progress=progress.add,
+                            progress=progress.add, size=listing[name][0],
                         )  # fmt: skip
                         break
                     except (SwarmError, OSError, ValueError, asyncio.TimeoutError) as exc:

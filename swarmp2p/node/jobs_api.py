@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node import jobs, registry, views
+from swarmp2p.node import jobs, model_files, registry, views
 from swarmp2p.node.messages import ShardChunk, ShardRead, Submit
 from swarmp2p.node.stages import CHUNK_BYTES
 from swarmp2p.paths import UnsafeName, confine
@@ -162,8 +162,11 @@ async def _gather_stage(
     except UnsafeName as exc:
         raise Failed(f"model {model['id']}: {exc}", code="bad_field") from None
     for rel, target in targets.items():
-        data = await read_whole(ctx, node, model["job_id"], f"{folder}/{rel}")
         want = files.get(rel)
+        # a file the registry lists no sha256 for (the manifest) is small; any must fit the disk
+        room = await asyncio.to_thread(model_files.disk_room, dest)
+        limit = room if want is not None else min(room, model_files.MAX_UNLISTED_BYTES)
+        data = await read_whole(ctx, node, model["job_id"], f"{folder}/{rel}", limit=limit)
         if want is not None and hashlib.sha256(data).hexdigest() != want:
             raise Failed(
                 f"model {model['id']} stage {stage['stage']}: {rel} from node {node} does not "
@@ -173,8 +176,12 @@ async def _gather_stage(
         await asyncio.to_thread(write_atomic, target, data)
 
 
-async def read_whole(ctx: NodeContext, node: str, job_id: str, file: str, tail: int = 0) -> bytes:
-    """A file of a job's folder on ``node`` (this one or a peer), over CURVE RPC in chunks."""
+async def read_whole(
+    ctx: NodeContext, node: str, job_id: str, file: str, tail: int = 0, limit: int | None = None
+) -> bytes:
+    """A file of a job's folder on ``node`` (this one or a peer), over CURVE RPC in chunks;
+    Failed, before a second chunk is asked for, when it has more than ``limit`` bytes (a
+    ``tail`` reads only that many) or changes size while it is read."""
     offset, parts, total = 0, [], None
     while total is None or offset < total:
         msg = ShardRead(job_id=job_id, file=file, offset=offset, size=CHUNK_BYTES)
@@ -184,9 +191,13 @@ async def read_whole(ctx: NodeContext, node: str, job_id: str, file: str, tail: 
             raise Failed(f"cannot read {file} of job {job_id} from node {node}: {exc}", code="no_file") from None  # fmt: skip
         if not isinstance(reply, ShardChunk):
             raise Failed(f"node {node} answered {type(reply).TYPE} to a file read", code="internal")
+        if total is None and limit is not None and min(reply.total, tail or reply.total) > limit:
+            raise Failed(f"{file} of job {job_id} on node {node} has {reply.total} bytes, over the {limit} this node takes (the free disk, or a small file's cap); refused", code="no_file")  # fmt: skip
         if total is None and tail and reply.total > tail:
             total, offset, parts = reply.total, reply.total - tail, []
             continue
+        if total is not None and reply.total != total and not tail:  # a log may grow
+            raise Failed(f"{file} of job {job_id} on node {node} changed size while read; try again", code="no_file")  # fmt: skip
         total = reply.total
         parts.append(reply.data)
         offset += len(reply.data)

@@ -69,6 +69,15 @@ class JobsLeader:
         """Jobs to re-balance at their next snapshot: what called for it and the new cuts."""
         self._weighed: dict[str, tuple[int, int]] = {}
         """Job -> (attempt, step): its split was weighed against the run up to that step."""
+        self._planning = asyncio.Lock()
+        """One plan is made at a time: a plan is CPU work in a thread, and several at once
+        starve the event loop of the GIL (heartbeats slipped, the swarm re-elected)."""
+        self._placing: set[str] = set()
+        """Waiting jobs a placement task works on now."""
+        self._blocked: dict[str, tuple[tuple, float]] = {}
+        """Waiting job -> (its placement inputs, when) of its last blocked plan: planned again
+        only when they change (``decide.plan_again``), so many waiting jobs cost the leader
+        little each round."""
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -84,11 +93,25 @@ class JobsLeader:
             busy=frozenset(self._busy),
             keys={n: k for n in self.ctx.live_nodes() if (k := self.ctx.keyring.key_of(n))},
         )
-        for action in decide.leader_actions(self.ctx.table, view):
+        actions = decide.leader_actions(self.ctx.table, view)
+        places = [a.job_id for a in actions if isinstance(a, decide.Place)]
+        self._blocked = {j: b for j, b in self._blocked.items() if j in places}
+        due = set(places)
+        if self._blocked:
+            records = decide.available_memory(self.ctx.live_records(), self.ctx.table)
+            now = self.ctx.clock()
+            due = {
+                j for j in places
+                if decide.plan_again(self._blocked.get(j), decide.placement_inputs(self.ctx.table.jobs[j], view.alive, records), now)
+            }  # fmt: skip
+        for action in actions:
             if isinstance(action, ev.MemberJoined):
                 self._run(f"member:{action.node_id}", self._admit(action))
             elif isinstance(action, decide.Place):
-                self._run(action.job_id, self._place(action.job_id))
+                # one waiting job per round: a burst of submissions is placed in turn
+                if action.job_id in due and not self._placing:
+                    self._placing.add(action.job_id)
+                    self._run(action.job_id, self._place_waiting(action.job_id))
             elif isinstance(action, decide.Recover):
                 self._run(action.job_id, self._recover(action.job_id, action.lost))
             elif isinstance(action, decide.Register):
@@ -103,10 +126,20 @@ class JobsLeader:
         return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
 
     async def _admit(self, joined: ev.MemberJoined) -> None:
-        await self._append([joined])
+        try:
+            await self._append([joined])
+        except Unavailable as exc:  # another change is committing, or no majority: next tick
+            log.debug("node %s not listed yet: %s", joined.node_id, exc)
+            return
         log.info("node %s is a member of the swarm now", joined.node_id)
 
     # --- placing ------------------------------------------------------------------------------
+
+    async def _place_waiting(self, job_id: str) -> None:
+        try:
+            await self._place(job_id)
+        finally:
+            self._placing.discard(job_id)
 
     async def _place(self, job_id: str) -> None:
         entry = self.ctx.table.jobs[job_id]
@@ -115,7 +148,8 @@ class JobsLeader:
         cluster = decide.learned_cluster(jobs.cluster_records(records), entry)  # its runs' speeds
         alive = self.ctx.live_nodes()
         try:
-            result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
+            async with self._planning:
+                result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
             await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
             return
@@ -123,13 +157,19 @@ class JobsLeader:
             self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
             alive=alive, me=self.ctx.node_id, now=self.wall(), tried=tried,
         )  # fmt: skip
+        if isinstance(result, Blocked):
+            if events:
+                await self._append(events)
+                log.info("job %s waits: %s", job_id, self.ctx.table.jobs[job_id].reason)
+            waiting = self.ctx.table.jobs.get(job_id)
+            if waiting is not None and waiting.state == "pending":  # as the table holds it now
+                inputs = decide.placement_inputs(waiting, alive, records)
+                self._blocked[job_id] = (inputs, self.ctx.clock())
+            return
         if not events:
             return
         await self._append(events)
         placed = self.ctx.table.jobs[job_id]
-        if isinstance(events[0], ev.JobPending):
-            log.info("job %s waits: %s", job_id, placed.reason)
-            return
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
@@ -233,14 +273,26 @@ class JobsLeader:
 
     # --- requests -----------------------------------------------------------------------------
 
-    async def submit(self, msg: Submit) -> Submitted:
-        """Leader: add the job; answered once a majority of the members hold it."""
+    async def submit(self, msg: Submit, sender: str | None = None) -> Submitted:
+        """Leader: add the job from node ``sender`` (None: this one); answered once a majority
+        of the members hold it. Past a cap on unfinished jobs (``decide.waiting_refusal``) it
+        is refused before anything is written: the check and the append happen with no await
+        between them, so concurrent submissions cannot pass the cap together."""
         self.rep.require_ready()
+        sender = sender or self.ctx.node_id
         job_id = msg.job_id or decide.new_job_id(self.ctx.table.version + 1, secrets.token_hex(3))
         check_job_id(job_id)
         if job_id in self.ctx.table.jobs:
             raise UserError(f"job {job_id!r} is already in the table", code="exists")
-        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=msg.submitted_by or "cli", at=self.wall(), inputs=msg.inputs)  # fmt: skip
+        config = self.ctx.config
+        why = decide.waiting_refusal(
+            self.ctx.table, sender, per_swarm=config.max_waiting_jobs,
+            per_node=config.max_waiting_per_submitter,
+        )  # fmt: skip
+        if why:
+            raise Unavailable(f"job not submitted: {why}", code="job_cap")
+        by = decide.submitted_by(msg.submitted_by, sender)
+        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=by, at=self.wall(), inputs=msg.inputs)  # fmt: skip
         version = await self.rep.append([event], wait=True)
         log.info("job %s submitted at version %d", job_id, version)
         return Submitted(job_id=job_id, term=self.ctx.table.term, version=version, replicas=self.rep.holders(version))  # fmt: skip
@@ -419,12 +471,12 @@ class JobsLeader:
             return reply.metrics
         return {}
 
-    async def handle(self, msg: Any) -> Any:
-        """The job requests the leader answers."""
+    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+        """The job requests the leader answers (``sender``: the node it came from)."""
         if isinstance(msg, Submit):
             if not self.ctx.leading:
                 raise Unavailable(self._not_leading(), code="not_leader")
-            return await self.submit(msg)
+            return await self.submit(msg, sender)
         if isinstance(msg, StageReport):
             if not self.ctx.leading:  # the sender keeps the events and retries
                 raise Unavailable(self._not_leading(), code="not_leader")

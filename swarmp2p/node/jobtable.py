@@ -49,6 +49,9 @@ class Member:
     name: str = field(default="", max_len=256)
     key: ev.PublicKey
     """Its z85 CURVE public key: the only key its messages are accepted with."""
+    down: bool = False
+    """It stopped cleanly (``MemberLeft``): it keeps its id and key (nobody else can take the
+    id) but counts towards no majority until it is listed again (``MemberJoined``, same key)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +155,9 @@ class JobTable:
     a member whose secret differs fetches the current one from the leader."""
     revoked: tuple[str, ...] = field(default=(), max_len=MAX_REVOKED)
     """Public keys of removed nodes: never admitted again."""
+    removed: tuple[str, ...] = field(default=(), max_len=MAX_REVOKED)
+    """Node ids removed since the secret last changed: the old token cannot bring them back
+    under a new key (``swarm token --rotate`` frees them)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -160,14 +166,20 @@ class JobTable:
 
     @property
     def member_ids(self) -> frozenset[str]:
+        """Every listed member, down ones included (their ids stay theirs)."""
         return frozenset(m.node_id for m in self.members)
+
+    @property
+    def voters(self) -> frozenset[str]:
+        """The members that count towards a majority (listed and not down)."""
+        return frozenset(m.node_id for m in self.members if not m.down)
 
     def member(self, node_id: str) -> Member | None:
         return next((m for m in self.members if m.node_id == node_id), None)
 
     def majority(self) -> int:
-        """How many members make a majority (1 for a table with no members yet)."""
-        return len(self.members) // 2 + 1
+        """How many voters make a majority (1 for a table with no members yet)."""
+        return len(self.voters) // 2 + 1
 
     def to_dict(self) -> dict[str, Any]:
         return to_data(self)
@@ -214,10 +226,22 @@ def apply_leader_elected(t: JobTable, e: ev.LeaderElected, entry: ev.Entry) -> J
 
 
 def apply_member_joined(t: JobTable, e: ev.MemberJoined, entry: ev.Entry) -> JobTable:
-    if e.node_id in t.member_ids:
-        raise ValueError(f"node {e.node_id} is a member already")
+    """A node is listed (or a member that stopped cleanly counts again, with its own key)."""
+    member = t.member(e.node_id)
     if e.key in t.revoked:
         raise ValueError(f"the key of node {e.node_id} was revoked (`swarm remove`)")
+    if member is not None:
+        if member.key != e.key:
+            raise ValueError(f"node id {e.node_id} belongs to a member with another key")
+        if not member.down:
+            raise ValueError(f"node {e.node_id} is a member already")
+        back = replace(member, down=False, name=e.name or member.name)
+        return replace(t, members=tuple(back if m is member else m for m in t.members))
+    if e.node_id in t.removed:
+        raise ValueError(
+            f"node id {e.node_id} was removed (`swarm remove`); it is free again only after "
+            "`swarm token --rotate`"
+        )
     holder = next((m.node_id for m in t.members if m.key == e.key), None)
     if holder is not None:
         raise ValueError(f"node {e.node_id}'s key is member {holder}'s")
@@ -227,25 +251,35 @@ def apply_member_joined(t: JobTable, e: ev.MemberJoined, entry: ev.Entry) -> Job
 
 
 def apply_member_left(t: JobTable, e: ev.MemberLeft, entry: ev.Entry) -> JobTable:
-    if e.node_id not in t.member_ids:
+    """A member stopped cleanly: still listed with its key, marked down."""
+    member = t.member(e.node_id)
+    if member is None:
         raise ValueError(f"node {e.node_id} is not a member")
-    return replace(t, members=tuple(m for m in t.members if m.node_id != e.node_id))
+    if member.down:
+        raise ValueError(f"node {e.node_id} is down already")
+    down = replace(member, down=True)
+    return replace(t, members=tuple(down if m is member else m for m in t.members))
 
 
 def apply_member_removed(t: JobTable, e: ev.MemberRemoved, entry: ev.Entry) -> JobTable:
-    """A member (or a node that only joined) is removed and its key revoked."""
+    """A member (or a node that only joined) is removed and its key revoked; its id stays
+    refused until the secret is rotated."""
     member = t.member(e.node_id)
     if member is not None and member.key != e.key:
         raise ValueError(f"node {e.node_id}'s key is not {e.key}")
     if member is None and e.key in t.revoked:
         raise ValueError(f"node {e.node_id} is removed already")
     revoked = (*[k for k in t.revoked if k != e.key], e.key)[-MAX_REVOKED:]
+    removed = (*[n for n in t.removed if n != e.node_id], e.node_id)[-MAX_REVOKED:]
     members = tuple(m for m in t.members if m.node_id != e.node_id)
-    return replace(t, members=members, revoked=revoked)
+    return replace(t, members=members, revoked=revoked, removed=removed)
 
 
 def apply_admission_changed(t: JobTable, e: ev.AdmissionChanged, entry: ev.Entry) -> JobTable:
-    return replace(t, swarm_id=e.swarm_id, admission=e.key)
+    """A new secret admits from now on; the ids removed under the old one are free again
+    (their keys stay revoked)."""
+    removed = t.removed if e.key == t.admission else ()
+    return replace(t, swarm_id=e.swarm_id, admission=e.key, removed=removed)
 
 
 def apply_job_submitted(t: JobTable, e: ev.JobSubmitted, entry: ev.Entry) -> dict[str, JobEntry]:

@@ -12,8 +12,10 @@ takes one request, ``node.join``.
 proves both sides hold the secret, so each binds the other's id to its key (pending in the
 :class:`~swarmp2p.node.membership.Keyring` until the table lists it) and from then on they
 talk on their control ports with their own keys. The joined node answers with the members and
-live peers it knows (ids, keys, endpoints), and asks the leader to list the newcomer
-(``node.admit`` -> ``MemberJoined`` with its key). Why a separate port rather than letting
+live peers it knows (ids, keys, endpoints). The leader lists the newcomer (``MemberJoined``
+with its key) only on its own proof: the newcomer joined through the leader's join port too
+and speaks on the leader's control port with that key (a member cannot vouch for another id;
+``node.admit`` from a member is only a nudge, checked the same way). Why a separate port rather than letting
 unknown keys onto the control port: the control port then never runs a handshake for a key
 nobody vouched for, so a node without the secret (or a removed one) reaches no handler at
 all, and a peer found by address alone (``--peer HOST:PORT``) needs no key but the secret's.
@@ -58,9 +60,6 @@ with ``--port 0`` both are random and the join port travels in mDNS adverts and 
 JOIN_TIMEOUT_S = 1.0
 """Added to the hello timeout for a join's reply: one round trip and a CURVE handshake (the
 leader lists the newcomer in the background)."""
-ADMIT_TIMEOUT_S = 5.0
-"""How long a joined node tries to have the leader list the newcomer (in the background: the
-join is answered at once, the newcomer being bound on that node already)."""
 ROTATE_TIMEOUT_S = 10.0
 
 
@@ -253,10 +252,9 @@ class Admission:
             raise UserError(str(exc), code="refused") from None
         admitted, reason = ctx.keyring.is_member(msg.node_id), ""
         if not admitted and ctx.table.members:
-            # bound here already, so its hello needs no wait: the leader lists it meanwhile
-            reason = "asked the leader to list it"
-            if not ctx.running(f"admit:{msg.node_id}"):
-                ctx.spawn(self._admit_quietly(msg), f"admit:{msg.node_id}")
+            # bound here already, so its hello needs no wait; the leader lists it once the
+            # node has met the leader itself (decide.leader_actions)
+            reason = "the leader lists it once it has met it"
         elif not ctx.table.members:
             reason = "no swarm is founded yet: the first leader lists the nodes it meets"
         log.info(
@@ -269,29 +267,26 @@ class Admission:
             leader=ctx.leader, admitted=admitted, reason=reason,
         )  # fmt: skip
 
-    async def _admit_quietly(self, msg: NodeJoin) -> None:
-        try:
-            await self.admit(msg.node_id, msg.name, msg.key, ADMIT_TIMEOUT_S)
-        except (SwarmError, OSError, asyncio.TimeoutError) as exc:
-            # the leader lists it anyway once it is live there (decide.leader_actions)
-            log.info("node %s not listed yet: %s", msg.node_id, exc)
-
-    async def admit(self, node_id: str, name: str, key: str, timeout: float) -> None:
-        """Have the leader list ``node_id`` with ``key`` (this node, or asked)."""
-        if self.ctx.leading:
-            await asyncio.wait_for(self._append_joined(node_id, name, key), timeout)
-        else:
-            await self.ctx.to_leader(MemberAdmit(node_id=node_id, name=name, key=key), timeout)
-
     async def _append_joined(self, node_id: str, name: str, key: str) -> int:
+        """Leader: list ``node_id`` with ``key``, on this leader's own proof only: the node
+        passed a join handshake (it holds the secret) and speaks on this leader's control
+        port with ``key`` (it holds the private half). A member cannot vouch for another id."""
         table = self.ctx.table
         member = table.member(node_id)
-        if member is not None and member.key == key:
+        if member is not None and member.key == key and not member.down:
             return table.version
         try:
             self.ctx.keyring.check(node_id, key)
         except Refused as exc:
             raise UserError(str(exc), code="refused") from None
+        peer = self.ctx.members.peers.get(node_id)
+        if peer is None or not peer.alive or peer.key != key or self.ctx.keyring.key_of(node_id) != key:  # fmt: skip
+            raise UserError(
+                f"node {node_id} has not shown the leader {self.ctx.node_id} that it holds key "
+                f"{fingerprint(key)}: a node is listed once it joined through the leader's join "
+                "port and said hello on its control port; nothing was listed",
+                code="joining",
+            )
         version = await self.rep.append([ev.MemberJoined(node_id=node_id, name=name, key=key)], wait=True)  # fmt: skip
         if self.ctx.table.member(node_id) is None:
             raise UserError(f"node {node_id} could not be listed", code="refused")

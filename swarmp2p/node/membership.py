@@ -36,6 +36,8 @@ class Peer:
     """Its z85 public key: its control port's server key."""
     join_endpoint: str = ""
     """``tcp://host:port`` of its join port (from its hello; "" when unknown)."""
+    held: int = 0
+    """The table version it last said it holds (0: it never held the swarm's table)."""
     alive: bool = True
     last_seen: float = 0.0
     """``now`` of the last hello, heartbeat or reply from it."""
@@ -78,6 +80,7 @@ class Membership:
         host: dict[str, Any] | None = None,
         key: str = "",
         join_endpoint: str = "",
+        held: int = 0,
     ) -> list[Change]:
         """A hello from (or a hello reply of) ``node_id``: it is alive at ``endpoint``."""
         if node_id == self.self_id:
@@ -91,16 +94,24 @@ class Membership:
         peer.name, peer.endpoint, peer.record, peer.host = name, endpoint, record, host or {}
         peer.key = key or peer.key
         peer.join_endpoint = join_endpoint or peer.join_endpoint
+        peer.held = held
         peer.alive, peer.last_seen = True, now
         return [Change(kind="join", node_id=node_id)] if joined else []
 
-    def seen(self, node_id: str, now: float) -> bool:
-        """A heartbeat or reply from a live known peer; False if it must say hello first."""
+    def seen(self, node_id: str, now: float, held: int | None = None) -> bool:
+        """A heartbeat or reply from a live known peer (``held``: the table version it says
+        it holds); False if it must say hello first."""
         peer = self.peers.get(node_id)
         if peer is None or not peer.alive:
             return False
         peer.last_seen = max(peer.last_seen, now)
+        if held is not None:
+            peer.held = held
         return True
+
+    def held_view(self) -> dict[str, int]:
+        """Live peer id -> the table version it last said it holds."""
+        return {p.node_id: p.held for p in self.peers.values() if p.alive}
 
     def dead(self, node_id: str, now: float, reason: str) -> list[Change]:
         """Mark ``node_id`` dead now (a clean leave, or an mDNS removal confirmed by a failed
@@ -211,6 +222,11 @@ class Keyring:
             raise Refused(f"node {node_id} presents the key of {holder}")
         if key == self.self_key:
             raise Refused(f"node {node_id} presents this node's key")
+        if member is None and node_id in table.removed:
+            raise Refused(
+                f"node id {node_id} was removed (`swarm remove`); it is free again only after "
+                "`swarm token --rotate`"
+            )
 
     def admit(self, node_id: str, key: str, now: float) -> None:
         """Bind ``node_id`` to ``key`` for now (it proved the secret); Refused saying why not."""

@@ -120,6 +120,51 @@ def listing_digest(listing: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+MAX_UNLISTED_BYTES = 16 * 2**20
+"""The most a file the table lists no size or sha256 for (a shard's ``manifest.json``) may be."""
+
+
+def disk_headroom(total: int) -> int:
+    """Bytes a pull leaves free on a filesystem of ``total`` bytes: 5%, at most 1 GiB."""
+    return min(2**30, total // 20)
+
+
+def disk_room(path: Path) -> int:
+    """Bytes a pull may still write on ``path``'s filesystem (its nearest existing folder),
+    its headroom kept."""
+    import shutil
+
+    here = Path(path).absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    usage = shutil.disk_usage(here)
+    return max(0, usage.free - disk_headroom(usage.total))
+
+
+def check_size(
+    file: str, total: int, *, size: int | None, limit: int | None, room: int, have: int = 0
+) -> None:
+    """Refuse a pull of ``file`` (``total`` bytes at its source) before a byte is written:
+    ValueError unless it has the listed ``size`` (when one is listed), is at most ``limit``
+    (when given) and its ``total - have`` missing bytes fit the disk's ``room``."""
+    if total < 0:
+        raise ValueError(f"{file}: the source reports a size of {total} bytes")
+    if size is not None and total != size:
+        raise ValueError(
+            f"{file}: the source offers {total} bytes, but the table lists {size}; refused"
+        )
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"{file}: the source offers {total} bytes, over the {limit} bytes such a file may "
+            "have; refused"
+        )
+    if total - have > room:
+        raise ValueError(
+            f"{file}: {total - have} bytes do not fit the {room} bytes free on this disk "
+            "(its headroom kept); free some space"
+        )
+
+
 async def pull_file(
     read: Reader,
     file: str,
@@ -128,11 +173,16 @@ async def pull_file(
     chunk: int,
     *,
     progress: Callable[[int], None] | None = None,
+    size: int | None = None,
+    limit: int | None = None,
 ) -> None:
-    """Copy ``file`` to ``dest`` through ``read``, checking its sha256; atomic. With a known
-    sha256 an interrupted copy resumes from its ``.part`` file (the next call continues where
-    the last one stopped); ``progress(n)`` hears of every n bytes that arrive."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    """Copy ``file`` to ``dest`` through ``read``, checking its sha256; atomic. The first
+    chunk's total is checked (``check_size``: the listed ``size``, a ``limit``, the free disk)
+    before a folder or a byte is written here. With a known sha256 an interrupted copy resumes
+    from its ``.part`` file (the next call continues where the last one stopped);
+    ``progress(n)`` hears of every n bytes that arrive."""
+    if sha256 is None and size is None and limit is None:
+        limit = MAX_UNLISTED_BYTES
     tmp = dest.with_name(f".{dest.name}.part")
     digest = hashlib.sha256()
     offset = 0
@@ -141,15 +191,26 @@ async def pull_file(
             while block := part.read(8 * 2**20):
                 digest.update(block)
                 offset += len(block)
-        if progress is not None:
-            progress(offset)
+    first, expected = await read(file, offset, chunk)
+    check_size(file, expected, size=size, limit=limit, room=disk_room(dest.parent), have=offset)
+    if offset and progress is not None:
+        progress(offset)
+    dest.parent.mkdir(parents=True, exist_ok=True)
     keep = False
+    pending: tuple[bytes, int] | None = (first, expected)
     try:
         with open(tmp, "ab" if offset else "wb") as out:
             while True:
-                data, total = await read(file, offset, chunk)
+                if pending is not None:
+                    (data, total), pending = pending, None
+                else:
+                    data, total = await read(file, offset, chunk)
+                if total != expected:
+                    raise ValueError(f"{file}: the source changed size from {expected} to {total} bytes; fetch again")  # fmt: skip
                 if offset > total:
                     raise ValueError(f"{file}: the source shrank to {total} bytes; fetch again")
+                if offset + len(data) > total:
+                    raise ValueError(f"{file}: the source sent more than its {total} bytes")
                 out.write(data)
                 digest.update(data)
                 offset += len(data)
@@ -186,7 +247,7 @@ async def pull_files(
         want = files[name]
         if want is not None and target.is_file() and sha256_file(target) == want:
             continue
-        await pull_file(read, name, target, want, chunk)
+        await pull_file(read, name, target, want, chunk)  # unlisted: MAX_UNLISTED_BYTES
 
 
 async def pull_non_block_tensors(read: Reader, file: str, dest: Path, chunk: int) -> list[str]:
@@ -243,6 +304,7 @@ async def pull_non_block_tensors(read: Reader, file: str, dest: Path, chunk: int
 
     from swarmp2p._atomic import write_atomic
 
+    check_size(str(dest), at + 8 + len(blob), size=None, limit=None, room=disk_room(dest.parent))
     dest.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(dest, write)
     return wanted

@@ -15,14 +15,26 @@ SPAKE2 (RFC 9382; the ``spake2`` package) with the whole code as the password:
 
 A listener sees two SPAKE2 messages, two MACs and a sealed box: none lets it test a guess of
 the code offline, and replaying them gets nothing (the inviter's SPAKE2 half is fresh every
-time, and a used invite is gone). Each invite allows :data:`MAX_TRIES` starts, at most one per
-:data:`TRY_INTERVAL_S`; then it is burnt. ``--open`` (a trusted home LAN only) runs the same
+time, and a used invite is gone).
+
+Online guessing is bounded per source address and in all. The nameplate is public (it is in
+the advert), so a guesser faces the 3 words: 313**3 = 3.07e7 codes. Each source address gets
+:data:`MAX_TRIES` starts on an invite, at most one per :data:`TRY_INTERVAL_S`; the invite
+allows :data:`MAX_GUESSES` starts in all, then it is burnt. So a bystander on the LAN who
+throws junk at an advertised nameplate uses up only its own address's tries: the real joiner,
+on another machine, still pairs (issue 24: three junk tries used to burn the invite for
+everyone). Burning it now takes junk from :data:`MAX_GUESSES` / :data:`MAX_TRIES` = 4
+addresses, and the whole budget wins with odds 12 / 3.07e7, about 1 in 2.6 million invites.
+(Binding an invite to "the joiner's session" cannot tell the joiner from a bystander: only
+knowing the code does, and each test of a code is a guess; some addresses cost a LAN
+attacker more than fresh CURVE keys, which are free.) ``--open`` (a trusted home LAN only) runs the same
 exchange with a well-known password: no code, no limit on uses, and no protection against an
 active impostor on the LAN.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -30,13 +42,15 @@ import logging
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import TYPE_CHECKING, Annotated, Any
 
 from swarmp2p.errors import Failed, Unavailable, UserError
 from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
-from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, peer_address
 from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node.join import JOIN_PORT_OFFSET
 from swarmp2p.node.words import WORDS
@@ -52,15 +66,25 @@ log = logging.getLogger("swarmp2p.node.pairing")
 INVITE_TTL_S = 600.0
 """An invite is valid for 10 minutes: long enough to walk to the other machine."""
 MAX_TRIES = 3
-"""Exchanges one invite allows; a wrong code uses one, and the third wrong one burns it."""
+"""Exchanges one source address may start on one invite (a joiner's typos); past them that
+address is refused, and the invite stays open for others."""
+MAX_GUESSES = 12
+"""Exchanges one invite allows from all addresses together; then it is burnt. 12 guesses at
+3 words of 313 (the nameplate is public) win once in ~2.6e6 invites."""
 TRY_INTERVAL_S = 1.0
-"""At most one exchange per invite per second (an online guesser gets 3 guesses in all)."""
+"""At most one exchange per invite per source address per second."""
 SESSION_TTL_S = 30.0
 """A started exchange that is not finished within this is dropped."""
-MAX_SESSIONS = 8
+MAX_SESSIONS = 64
+"""Exchanges in progress at once (a bound on memory: each source holds at most
+:data:`MAX_SOURCE_SESSIONS`, so a flood from a few addresses does not shut out the joiner)."""
+MAX_SOURCE_SESSIONS = 4
 CODE_WORDS = 3
-"""3 words of 313 and a nameplate of 90: 2.7e9 codes; with 3 tries an online guesser wins
-once in ~1e9 invites (offline guessing is what SPAKE2 rules out)."""
+"""3 words of 313 and a nameplate of 90; the nameplate is advertised, so the words are the
+secret: 3.07e7 codes (offline guessing is what SPAKE2 rules out)."""
+SLOW_DOWN_RETRIES = 3
+"""How many times the joiner retries a start refused for the rate (someone else's try on the
+same invite from its address, e.g. a second `swarm up` started at once)."""
 OPEN = "open"
 """The nameplate of an open swarm's standing invite (`swarm up --open`)."""
 BROWSE_S = 5.0
@@ -179,9 +203,20 @@ class Invite:
     code: str
     """The canonical code: the SPAKE2 password."""
     expires: float
-    tries_left: int = MAX_TRIES
     open: bool = False
-    last_try: float = -1e18
+    used: Counter[str] = _field(default_factory=Counter)
+    """Starts per source address (not kept for an open invite: it has no limit)."""
+    last_try: dict[str, float] = _field(default_factory=dict)
+    """When each source address last started an exchange (entries older than
+    :data:`TRY_INTERVAL_S` are dropped)."""
+
+    @property
+    def guesses_left(self) -> int:
+        return MAX_GUESSES - sum(self.used.values())
+
+    def tries_left(self, source: str) -> int:
+        """Starts left to ``source``: its own and the invite's, whichever is fewer."""
+        return max(0, min(MAX_TRIES - self.used[source], self.guesses_left))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,6 +225,7 @@ class _Session:
     key: bytes
     transcript: bytes
     started: float
+    source: str = ""
 
 
 class Invites:
@@ -224,30 +260,35 @@ class Invites:
         gone = [
             p
             for p, inv in self.by_plate.items()
-            if now > inv.expires or (inv.tries_left <= 0 and not inv.open and p not in busy)
+            if now > inv.expires or (inv.guesses_left <= 0 and not inv.open and p not in busy)
         ]
         for plate in gone:
             del self.by_plate[plate]
         return gone
 
-    def start(self, msg: PairStart) -> PairReply:
-        """Count a try and answer the joiner's SPAKE2 message."""
+    def start(self, msg: PairStart, source: str = "") -> PairReply:
+        """Count a try of ``source`` (the connection's address) and answer the joiner's
+        SPAKE2 message."""
         from spake2 import SPAKE2_B
 
         self.prune()
         now = self.clock()
         invite = self.by_plate.get(msg.nameplate)
         if invite is None:
-            raise UserError(f"no open invite {msg.nameplate!r} here (expired, used or burnt after {MAX_TRIES} wrong tries); run `swarm invite` again", code="no_invite")  # fmt: skip
-        if not invite.open and invite.tries_left <= 0:
-            raise UserError(f"invite {msg.nameplate} is burnt: {MAX_TRIES} tries used; run `swarm invite` again", code="no_invite")  # fmt: skip
-        if now - invite.last_try < TRY_INTERVAL_S:
-            raise Unavailable(f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s; retry in a moment", code="slow_down")  # fmt: skip
-        if len(self._sessions) >= MAX_SESSIONS or len(msg.session) < 16:
+            raise UserError(f"no open invite {msg.nameplate!r} here (expired, used or burnt after {MAX_GUESSES} wrong tries); run `swarm invite` again", code="no_invite")  # fmt: skip
+        if not invite.open and invite.guesses_left <= 0:
+            raise UserError(f"invite {msg.nameplate} is burnt: {MAX_GUESSES} tries used; run `swarm invite` again", code="no_invite")  # fmt: skip
+        if not invite.open and invite.used[source] >= MAX_TRIES:
+            raise UserError(f"invite {msg.nameplate}: this machine ({source or 'unknown address'}) used its {MAX_TRIES} tries; check the code, then run `swarm invite` again for a new one", code="no_invite")  # fmt: skip
+        invite.last_try = {a: t for a, t in invite.last_try.items() if now - t < TRY_INTERVAL_S}  # fmt: skip
+        if source in invite.last_try:
+            raise Unavailable(f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s from one machine; retry in a moment", code="slow_down")  # fmt: skip
+        mine_now = sum(1 for x in self._sessions.values() if x.source == source)
+        if len(self._sessions) >= MAX_SESSIONS or mine_now >= MAX_SOURCE_SESSIONS or len(msg.session) < 16:  # fmt: skip
             raise Unavailable("too many pairings at once; retry in a moment", code="slow_down")
-        invite.last_try = now
+        invite.last_try[source] = now
         if not invite.open:
-            invite.tries_left -= 1
+            invite.used[source] += 1
         inviter = SPAKE2_B(invite.code.encode(), **_IDS)
         mine = inviter.start()
         try:
@@ -255,10 +296,11 @@ class Invites:
         except Exception as exc:  # a malformed SPAKE2 element
             raise UserError(f"pair.start: not a SPAKE2 message ({type(exc).__name__})", code="bad_field") from None  # fmt: skip
         transcript = msg.session + msg.spake + mine
-        self._sessions[msg.session] = _Session(invite=invite, key=key, transcript=transcript, started=now)  # fmt: skip
-        if not invite.open and invite.tries_left == 0:
-            log.warning("invite %s: last of %d tries in use", invite.nameplate, MAX_TRIES)
-        return PairReply(spake=mine, confirm=_mac(key, b"inviter", transcript), tries_left=max(invite.tries_left, 0))  # fmt: skip
+        self._sessions[msg.session] = _Session(invite=invite, key=key, transcript=transcript, started=now, source=source)  # fmt: skip
+        left = MAX_TRIES if invite.open else invite.tries_left(source)
+        if not invite.open and invite.guesses_left == 0:
+            log.warning("invite %s: last of %d tries in use (from %d addresses)", invite.nameplate, MAX_GUESSES, len(invite.used))  # fmt: skip
+        return PairReply(spake=mine, confirm=_mac(key, b"inviter", transcript), tries_left=left)  # fmt: skip
 
     def finish(self, msg: PairFinish) -> tuple[Invite, bytes]:
         """The invite and the shared key, once the joiner proved it holds the same code."""
@@ -339,7 +381,7 @@ class PairingPort:
     async def _handle(self, msg: Message, sender: str) -> Message:
         if isinstance(msg, PairStart):
             try:
-                return self.invites.start(msg)
+                return self.invites.start(msg, peer_address.get())
             except UserError as exc:
                 log.warning("pairing refused: %s", exc.message)
                 raise
@@ -386,7 +428,15 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
         joiner = SPAKE2_A(code.encode(), **_IDS)
         session = secrets.token_bytes(16)
         mine = joiner.start()
-        reply = await client.request(PairStart(nameplate=nameplate, session=session, spake=mine), EXCHANGE_TIMEOUT_S)  # fmt: skip
+        start = PairStart(nameplate=nameplate, session=session, spake=mine)
+        for attempt in range(SLOW_DOWN_RETRIES + 1):
+            try:
+                reply = await client.request(start, EXCHANGE_TIMEOUT_S)
+                break
+            except RpcError as exc:  # nothing depends on the key yet: asking again is safe
+                if exc.code != "slow_down" or attempt == SLOW_DOWN_RETRIES:
+                    raise
+                await asyncio.sleep(TRY_INTERVAL_S)
         if not isinstance(reply, PairReply):
             raise Failed(f"{endpoint} answered {type(reply).TYPE}, not pair.reply", code="bad_reply")  # fmt: skip
         try:
@@ -396,7 +446,9 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
         transcript = session + mine + reply.spake
         if not hmac.compare_digest(reply.confirm, _mac(key, b"inviter", transcript)):
             left = (
-                f"{reply.tries_left} tries left" if reply.tries_left else "the invite is burnt now"
+                f"{reply.tries_left} tries left"
+                if reply.tries_left
+                else "no tries left from this machine"
             )
             raise UserError(
                 f"the pairing code does not match invite {nameplate} ({left}); check the "
@@ -467,6 +519,7 @@ async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
 
 __all__ = [
     "INVITE_TTL_S",
+    "MAX_GUESSES",
     "MAX_TRIES",
     "OPEN",
     "Invite",

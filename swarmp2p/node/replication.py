@@ -10,17 +10,27 @@
   here, then shipped to every live peer as a delta (``node.table_events``: the entries after
   the follower's version, checked against the version and term it holds) or, when a follower
   holds another history or is too far behind, as the whole table (``node.table``).
-- **Commit.** A version commits once a majority of the members the table lists hold it
-  durably (acks carry what a follower saved). A submission returns only when committed.
-- **Minority.** A node whose view holds fewer than a majority of the members cannot lead; it
-  keeps its stages running, accepts no writes, and says why (``why_not_ready``).
+- **Commit.** A version commits once a majority of the voters of the *committed*
+  configuration hold it durably (acks carry what a follower saved): a membership change that
+  is not committed yet never counts towards the majority that would commit it, and only one
+  membership change may be uncommitted at a time (Raft's single-server changes: any majority
+  of the old configuration meets any majority of the new). A submission returns only when
+  committed.
+- **Minority.** A node whose view holds fewer than a majority of the voters cannot lead; it
+  keeps its stages running, accepts no writes, and says why (``why_not_ready``). A leader that
+  loses its majority steps down and rolls its table back to the newest committed version: the
+  entries it wrote since are dropped, logged, and listed in ``swarm status`` (``dropped``).
+- **Who may lead** (``election.eligible_leader``): a member of the table, never a node that
+  holds no table while another does; a node with an empty table never founds a swarm while
+  it sees a peer that holds one.
 - **Followers** take events only from the leader of the newest term they know, never from an
   older term, and only from a member their own view names as leader. The sender is the node
   the request's key is bound to (``authz``), never a name the message claims (issue 15).
 
 Brand-new swarm: when no table has members yet, the first leader founds it with itself and
 every live peer that voted with an empty table. Later nodes join by ``MemberJoined``; a node
-that stops cleanly leaves by ``MemberLeft`` (so the rest keep their majority).
+that stops cleanly is marked down by ``MemberLeft`` (so the rest keep their majority, and its
+id stays its own).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import collections
 import json
 import logging
 import secrets
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +70,8 @@ LOG_KEEP = 4096
 MAX_EVENTS_PER_PUSH = 256
 COMMIT_TIMEOUT_S = 10.0
 """How long a submission waits for a majority to hold it."""
+DROPPED_KEPT = 16
+"""Roll-backs of uncommitted entries remembered for ``swarm status``."""
 
 
 class Replication:
@@ -68,10 +81,19 @@ class Replication:
         self.ctx = ctx
         self.table_file, self.vote_file = table_file, vote_file
         self.table = jobtable.load(table_file)
-        self.voted_term, self.voted_for = self._load_vote()
+        self.voted_term, self.voted_for, self.met = self._load_vote()
+        """``met``: this node has seen a peer that holds the swarm's table (it joined a swarm,
+        it did not start one): it never founds a history of its own, even cut off."""
         self.ready = False
         self.commit = 0
         """The newest version known to be held by a majority."""
+        self.committed = self.table
+        """The table at ``commit`` (the leader's; a new leader starts from the table it
+        continues): its voters are the configuration a majority is counted over."""
+        self._after: dict[int, JobTable] = {}
+        """Leader: version -> the table after it, for the versions not committed yet."""
+        self.dropped: collections.deque[dict[str, Any]] = collections.deque(maxlen=DROPPED_KEPT)
+        """Uncommitted writes this node rolled back (``swarm status``)."""
         self._reason = "starting"
         self._log: collections.deque[ev.Entry] = collections.deque(maxlen=LOG_KEEP)
         self._match: dict[str, int] = {}
@@ -87,20 +109,30 @@ class Replication:
 
     # --- votes on disk ------------------------------------------------------------------------
 
-    def _load_vote(self) -> tuple[int, str]:
+    def _load_vote(self) -> tuple[int, str, bool]:
         try:
             data = json.loads(self.vote_file.read_text())
-            term, who = int(data["term"]), str(data["for"])
+            term, who, met = int(data["term"]), str(data["for"]), bool(data.get("met", False))
         except FileNotFoundError:
-            return 0, ""
+            return 0, "", False
         except (ValueError, KeyError, TypeError):
             log.warning("%s is unreadable; voting afresh", self.vote_file)
-            return 0, ""
-        return (term, who) if 0 <= term < MAX_VERSION else (0, "")
+            return 0, "", False
+        return (term, who, met) if 0 <= term < MAX_VERSION else (0, "", met)
 
     def _vote(self, term: int, candidate: str) -> None:
         self.voted_term, self.voted_for = term, candidate
-        write_atomic(self.vote_file, json.dumps({"term": term, "for": candidate}), mode=0o600)
+        self._save_vote()
+
+    def _save_vote(self) -> None:
+        data = {"term": self.voted_term, "for": self.voted_for, "met": self.met}
+        write_atomic(self.vote_file, json.dumps(data), mode=0o600)
+
+    def note_view(self) -> None:
+        """Each heartbeat round: remember (on disk) that a peer holds the swarm's table."""
+        if not self.met and any(v > 0 for v in self.ctx.members.held_view().values()):
+            self.met = True
+            self._save_vote()
 
     # --- status ---------------------------------------------------------------------------
 
@@ -109,11 +141,21 @@ class Replication:
         """(term, version) this node holds durably: what its heartbeats report."""
         return (self.table.term, self._saved)
 
+    def config(self) -> frozenset[str]:
+        """The voters a majority is counted over: the committed table's (the table's own
+        while a founding is not committed yet)."""
+        return self.committed.voters or self.table.voters or frozenset({self.ctx.node_id})
+
     def holders(self, version: int) -> int:
-        """How many members hold ``version`` durably, this leader included."""
+        """How many voters hold ``version`` durably, this leader included."""
         held = {**self._match, self.ctx.node_id: self._saved}
-        members = self.table.member_ids or {self.ctx.node_id}
-        return sum(1 for m in members if held.get(m, 0) >= version)
+        return sum(1 for m in self.config() if held.get(m, 0) >= version)
+
+    def sees_majority(self) -> bool:
+        """Whether this node's view holds a majority of the configuration's voters."""
+        config = self.config()
+        live = self.ctx.live_nodes()
+        return len(config & live) >= len(config) // 2 + 1
 
     def why_not_ready(self) -> str:
         return "" if self.ready else self._reason
@@ -121,26 +163,32 @@ class Replication:
     def quorum(self) -> dict[str, Any]:
         """What `swarm status` says about the majority, from this node's view."""
         members = sorted(self.table.member_ids)
+        voters = sorted(self.config()) if self.table.members else []
         live = self.ctx.live_nodes()
-        reachable = [m for m in members if m in live]
-        need = self.table.majority()
-        ok = not members or len(reachable) >= need
+        reachable = [m for m in voters if m in live]
+        need = len(voters) // 2 + 1
+        ok = not voters or len(reachable) >= need
         reason = ""
         if not ok:
             reason = (
-                f"this node sees {len(reachable)} of {len(members)} member(s) "
+                f"this node sees {len(reachable)} of {len(voters)} voting member(s) "
                 f"({', '.join(reachable) or 'none'}); the swarm accepts new jobs only on a side "
                 f"that sees {need}; stages already running keep running"
             )
+        elif self.table.members and self.ctx.node_id not in self.table.member_ids:
+            reason = "this node is not a member yet: the leader lists it once it has met it"
         elif self.ctx.leader == self.ctx.node_id and not self.ready:
             reason = self._reason
         return {
             "members": members,
+            "voters": voters,
+            "down": sorted(m.node_id for m in self.table.members if m.down),
             "reachable": reachable,
             "majority": need,
             "ok": ok,
             "commit": self.commit,
             "reason": reason,
+            "dropped": list(self.dropped),
         }
 
     # --- leading ---------------------------------------------------------------------------
@@ -152,6 +200,53 @@ class Replication:
         self.ready = False
         self._reason = f"{self.ctx.leader} leads in this node's view"
         self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
+
+    def step_down(self, why: str) -> None:
+        """This leader lost its majority (or a membership change did not commit): stop
+        writing and roll the table back to the newest committed version."""
+        if self.ready:
+            log.warning("stepping down (term %d): %s", self.table.term, why)
+        self.ready = False
+        self._reason = why
+        self._fail_waiters(Unavailable(f"the leader stepped down: {why}", code="no_quorum"))
+        self._roll_back(why)
+
+    def check_quorum(self) -> None:
+        """Each heartbeat round, on the leader: step down when the view lost the majority."""
+        if self.ready and not self.sees_majority():
+            live = sorted(self.config() & self.ctx.live_nodes())
+            self.step_down(
+                f"this node sees {len(live)} of {len(self.config())} voting member(s) "
+                f"({', '.join(live)}): no majority"
+            )
+
+    def _roll_back(self, why: str) -> None:
+        """Drop the entries after the committed table (this node wrote them as leader and no
+        majority holds them): persisted, logged, remembered for ``swarm status``."""
+        base = self.committed
+        if base.epoch != self.table.epoch or base.key >= self.table.key:
+            self._after = {}
+            return
+        gone = [e for e in self._log if e.version > base.version]
+        record = {
+            "term": self.table.term,
+            "versions": [base.version + 1, self.table.version],
+            "events": [e.event.NAME for e in gone][:64],
+            "why": why[:500],
+            "at": time.time(),
+        }
+        self.dropped.append(record)
+        log.warning(
+            "dropped %d uncommitted table entr%s (versions %d-%d: %s): %s",
+            self.table.version - base.version, "y" if self.table.version - base.version == 1 else "ies",
+            base.version + 1, self.table.version, ", ".join(record["events"]) or "?", why,
+        )  # fmt: skip
+        self.table = base
+        self._log = collections.deque((e for e in self._log if e.version <= base.version), maxlen=LOG_KEEP)  # fmt: skip
+        self._after = {}
+        self._match = {n: min(v, base.version) for n, v in self._match.items()}
+        jobtable.save(self.table_file, base)
+        self._saved = base.version
 
     def start_takeover(self) -> None:
         if self._takeover is None or self._takeover.done():
@@ -167,8 +262,32 @@ class Replication:
         async with self._write_lock:
             await self._elect()
 
-    async def _elect(self) -> None:
+    async def _elect(self, again: bool = True) -> None:
+        """Ask the live peers for their votes in a new term (``again``: once more, above the
+        newest term a refusal named, as a node that sat out a partition is behind)."""
         me = self.ctx.node_id
+        if self.table.members and not self.sees_majority():  # no term spent on a lost cause
+            live = sorted(self.config() & self.ctx.live_nodes())
+            self._reason = (
+                f"no quorum: this node sees {len(live)} of {len(self.config())} voting "
+                f"member(s) ({', '.join(live) or 'none'})"
+            )
+            return
+        if not self.table.version:
+            self.note_view()
+            holders = sorted(n for n, v in self.ctx.members.held_view().items() if v > 0)
+            if self.met and not holders:
+                self._reason = (
+                    "this node joined a swarm that holds a table and holds none itself: it "
+                    "waits for that swarm's members (it never founds a history of its own)"
+                )
+                return
+            if holders:
+                self._reason = (
+                    f"this node holds no table and {', '.join(holders)} hold(s) the swarm's: it "
+                    "waits to be listed by the swarm's leader"
+                )
+                return
         term = max(self.table.term, self.voted_term) + 1
         self._vote(term, me)
         peers = [p for p in self.ctx.members.alive_peers()]
@@ -179,22 +298,33 @@ class Replication:
         )
         votes: dict[str, LeadVote] = {}
         refusals = []
+        newer = False
+        founded = sorted(
+            p.node_id for p, r in zip(peers, replies)
+            if isinstance(r, LeadVote) and r.node_id == p.node_id and (r.members or r.version)
+        )  # fmt: skip
         for peer, reply in zip(peers, replies):
             if isinstance(reply, LeadVote) and reply.node_id == peer.node_id:
                 if reply.granted:
                     votes[peer.node_id] = reply
                 else:
                     refusals.append(f"{peer.node_id}: {reply.reason}")
-                    if reply.term >= term:  # a newer term is about: start above it next time
-                        self.voted_term = max(self.voted_term, reply.term)
+                    if reply.term >= term:  # a newer term is about: start above it
+                        self.voted_term, newer = max(self.voted_term, reply.term), True
         if self.ctx.leader != me:
             return
         base = await self._newest_of(votes)
         if base is None:
             return
         founding = not base.members
+        if founding and founded:  # granted or not: never a new history beside a held one
+            self._reason = (
+                f"this node holds no table and {', '.join(founded)} hold(s) the swarm's: it "
+                "waits to be listed by the swarm's leader"
+            )
+            return
         members = (
-            {me, *(n for n, v in votes.items() if v.members == 0)} if founding else base.member_ids
+            {me, *(n for n, v in votes.items() if v.members == 0)} if founding else base.voters
         )
         granted = {me, *votes} & members
         need = len(members) // 2 + 1
@@ -205,8 +335,11 @@ class Replication:
                 + (f"; refused by {'; '.join(refusals)}" if refusals else "")
             )
             log.info("cannot lead yet: %s", self._reason)
+            if newer and again and self.ctx.leader == me:
+                await self._elect(again=False)
             return
         self.table, self._log = base, collections.deque(maxlen=LOG_KEEP)
+        self.committed, self._after = base, {}
         epoch = base.epoch or secrets.token_hex(8)
         events: list[ev.Event] = [ev.LeaderElected(leader=me, epoch=epoch)]
         if founding:
@@ -276,6 +409,7 @@ class Replication:
                 log.debug("dropped %s: %s", event.NAME, exc)
                 continue
             self._log.append(entry)
+            self._after[entry.version] = self.table
         return self.table.version
 
     async def append(self, events: list[ev.Event], *, wait: bool = False) -> int:
@@ -283,17 +417,41 @@ class Replication:
         ``wait``: return only once a majority holds them (Unavailable if not in time)."""
         if not self.ready:
             raise Unavailable(f"node {self.ctx.node_id} cannot write the table: {self._reason or 'not the leader'}", code="not_ready")  # fmt: skip
+        changes = [e for e in events if isinstance(e, ev.MEMBERSHIP_EVENTS)]
+        if changes:
+            busy = self.membership_in_flight()
+            if busy or len(changes) > 1:
+                what = busy or "more than one in one write"
+                raise Unavailable(f"a membership change is still committing ({what}); retry once it has", code="membership_busy")  # fmt: skip
+        if not self.sees_majority():
+            self.check_quorum()
+            raise Unavailable(f"node {self.ctx.node_id} cannot write the table: {self._reason}", code="no_quorum")  # fmt: skip
         version = self._apply_local(events, self.table.term)
         await self._persist()
         self._push_all()
         if wait and not await self._wait_commit(version, self.commit_timeout):
-            members = ", ".join(sorted(self.table.member_ids))
+            members = ", ".join(sorted(self.config()))
+            if changes and self.commit < version:  # a failed membership change leaves nothing
+                self.step_down(f"membership change {changes[0].NAME} of {changes[0].node_id} did not commit in {self.commit_timeout:g} s")  # fmt: skip
+                raise Unavailable(
+                    f"{changes[0].NAME} of node {changes[0].node_id} did not reach a majority of "
+                    f"the voters ({members}) in time; nothing changed (the leader stepped down "
+                    "and rolled it back); check `swarm status`",
+                    code="no_quorum",
+                )
             raise Unavailable(
                 f"version {version} is saved on the leader but not yet on a majority of the "
                 f"members ({members}); check `swarm status`",
                 code="no_quorum",
             )
         return version
+
+    def membership_in_flight(self) -> str:
+        """The uncommitted membership change this leader wrote ("" when none is)."""
+        for entry in self._log:
+            if entry.version > self.commit and isinstance(entry.event, ev.MEMBERSHIP_EVENTS):
+                return f"{entry.event.NAME} of {entry.event.node_id}, version {entry.version}"
+        return ""
 
     async def _persist(self) -> None:
         table = self.table
@@ -309,17 +467,29 @@ class Replication:
             return
         held = dict(self._match)
         held[self.ctx.node_id] = self._saved
-        members = self.table.member_ids or {self.ctx.node_id}
-        versions = sorted((held.get(m, 0) for m in members), reverse=True)
-        commit = (
-            versions[self.table.majority() - 1] if len(versions) >= self.table.majority() else 0
-        )
+        config = self.config()
+        need = len(config) // 2 + 1
+        versions = sorted((held.get(m, 0) for m in config), reverse=True)
+        commit = min(versions[need - 1] if len(versions) >= need else 0, self.table.version)
         if commit > self.commit:
             self.commit = commit
+            self._commit_to(commit)
         for version, future in list(self._waiters):
             if version <= self.commit and not future.done():
                 future.set_result(True)
         self._waiters = [(v, f) for v, f in self._waiters if not f.done()]
+
+    def _commit_to(self, version: int) -> None:
+        """``version`` is committed: its table's voters are the configuration from now on
+        (a configuration that changed may commit at once what waited on the old one)."""
+        table = self.table if version >= self.table.version else self._after.get(version)
+        self._after = {v: t for v, t in self._after.items() if v > version}
+        if table is None or table.epoch != self.table.epoch or table.version <= self.committed.version:  # fmt: skip
+            return
+        changed = table.voters != self.committed.voters
+        self.committed = table
+        if changed:
+            self._advance_commit()
 
     async def _wait_commit(self, version: int, timeout: float) -> bool:
         if version <= self.commit:
@@ -347,6 +517,14 @@ class Replication:
         """Bring ``node_id`` up to date (``have``: the (term, version) it reported)."""
         if node_id in self._pushing or self.table.leader != self.ctx.node_id:
             return
+        if have is not None and have[0] > self.table.term:  # a newer term leads: this one is over
+            if self.ready:
+                log.warning("node %s holds term %d, newer than ours (%d); leading again", node_id, have[0], self.table.term)  # fmt: skip
+                self.ready = False
+                self._reason = f"node {node_id} holds a newer term ({have[0]})"
+                self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
+                self.start_takeover()
+            return
         if have is not None:
             self._match[node_id] = max(self._match.get(node_id, 0), have[1] if self._same(*have) else 0)  # fmt: skip
             self._advance_commit()
@@ -370,6 +548,9 @@ class Replication:
         return self._log[version - self._log[0].version]
 
     async def _push(self, node_id: str, have: tuple[int, int] | None) -> None:
+        again = False
+        """Send more at once: the follower took this and is still behind, or asked for the
+        whole table (a refusal waits for the next heartbeat: no busy loop)."""
         try:
             endpoint = self.ctx.endpoint_of(node_id)
             base = self._match.get(node_id)
@@ -387,18 +568,20 @@ class Replication:
             if isinstance(reply, TableAck):
                 if reply.ok:
                     self._match[node_id] = max(self._match.get(node_id, 0), reply.version)
+                    again = True
                 elif reply.term > self.table.term:
                     log.warning("node %s is at term %d, newer than ours; leading again", node_id, reply.term)  # fmt: skip
                     self.ready = False
                     self.start_takeover()
                 else:
+                    again = node_id in self._match and reply.reason == "need the whole table"
                     self._match.pop(node_id, None)  # it needs the whole table next time
         except (RpcError, RpcTimeout, Unavailable, OSError) as exc:
             log.debug("table push to %s failed: %s", node_id, exc)
         finally:
             self._pushing.discard(node_id)
         self._advance_commit()
-        if self._match.get(node_id, -1) < self.table.version and self.ready and self.ctx.is_alive(node_id):  # fmt: skip
+        if again and self._match.get(node_id, -1) < self.table.version and self.ready and self.ctx.is_alive(node_id):  # fmt: skip
             self.push(node_id)
 
     def _delta(self, base: int) -> TableEvents | None:
@@ -463,6 +646,7 @@ class Replication:
                 return self._ack(False, f"bad delta: {exc}")
             self.table = table
             await self._persist_follower(msg.commit)
+            self._writer_holds(sender)
         return self._ack(True, "")
 
     async def on_table(self, msg: TablePush, sender: str) -> TableAck:
@@ -483,6 +667,7 @@ class Replication:
                 return self._ack(False, "older than this node's table")
             self.table = table
             await self._persist_follower(msg.commit)
+            self._writer_holds(sender)
         return self._ack(True, "")
 
     def _refuse_writer(self, sender: str, term: int) -> str:
@@ -498,13 +683,22 @@ class Replication:
             return f"{self.table.leader} leads term {term}, not {sender}"
         if self.table.members and sender not in self.table.member_ids:
             return f"{sender} is not a member"
-        if self.ctx.leader != sender:
+        if self.ctx.leader != sender and self.table.version:  # an empty table has nothing to lose
             return f"this node's view says {self.ctx.leader} leads, not {sender}"
         if self.ready:
             self.lost_lead()
         return ""
 
+    def _writer_holds(self, sender: str) -> None:
+        """The leader that wrote to this node holds the table (whatever its last hello said)."""
+        peer = self.ctx.members.peers.get(sender)
+        if peer is not None:
+            peer.held = max(peer.held, self.table.version)
+
     async def _persist_follower(self, commit: int) -> None:
+        """A follower saves what its leader sent; it reasons with the latest configuration
+        there (Raft's followers do), so its status and its next election count those voters."""
+        self.committed, self._after = self.table, {}
         if self.table.version > self._saved or self.table.version < self._saved:
             body = jobtable.encode(self.table)
             await asyncio.to_thread(jobtable.save, self.table_file, self.table, body)

@@ -120,7 +120,27 @@ class ServeStages:
         for serve_id in [s for s in self._issuers if s not in running]:
             del self._issuers[serve_id]
 
-    async def handle(self, msg: Any) -> Any:
+    def issuer_of(self, serve_id: str) -> str | None:
+        """The issuing node of the stages of ``serve_id`` on this node (None: none runs)."""
+        found = self._issuers.get(serve_id)
+        return found[0] if found is not None else None
+
+    def _authorize(self, msg: Any, sender: str) -> None:
+        """Only a serve id's issuing node, or the leader, commands its stages here (its
+        issuer is the one this node recorded when it started the first of them)."""
+        from swarmp2p.node import authz
+
+        leaders = {self.ctx.leader, self.ctx.table.leader}
+        claimants = frozenset(n for n, (ids, _) in self._claims.items() if msg.serve_id in ids)
+        why = authz.serve_refusal(msg, sender, self.issuer_of(msg.serve_id), leaders, claimants)
+        if why:
+            raise UserError(why, code="forbidden")
+
+    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+        """Answer ``msg`` from node ``sender`` (None: this node)."""
+        sender = sender or self.ctx.node_id
+        if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop)):
+            self._authorize(msg, sender)
         if isinstance(msg, ServeStageStart):
             return await self.start(msg)
         if isinstance(msg, ServeShardHold):
@@ -137,19 +157,31 @@ class ServeStages:
                 state="serving",
             )  # fmt: skip
         if isinstance(msg, ServeStageStop):
-            keys = [
-                k
-                for k in self.workers
-                if k[0] == msg.serve_id
-                and k[1] == msg.attempt
-                and (msg.stage < 0 or k[2] == msg.stage)
-            ]
-            await asyncio.gather(*(self.workers.pop(key).stop() for key in keys))
-            return ServeStage(
-                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
-                state="stopped",
-            )  # fmt: skip
+            return await self._stop(msg, sender)
         raise UserError(f"a serve stage does not take {type(msg).TYPE}", code="bad_request")
+
+    async def _stop(self, msg: ServeStageStop, sender: str) -> ServeStage:
+        """Stop the workers ``msg`` names; one the issuer did not ask to stop (the leader
+        did) is reported to the issuer as it would be had it died, so its ring fails over
+        instead of waiting for tokens that never come."""
+        issuer = self.issuer_of(msg.serve_id)
+        keys = [
+            k
+            for k in self.workers
+            if k[0] == msg.serve_id and k[1] == msg.attempt and (msg.stage < 0 or k[2] == msg.stage)
+        ]
+        await asyncio.gather(*(self.workers.pop(key).stop() for key in keys))
+        if issuer is not None and sender != issuer:
+            for key in keys:
+                log.warning("serve worker %s stage %d stopped by node %s", key[0], key[2], sender)
+                exited = ServeStageExit(serve_id=key[0], attempt=key[1], stage=key[2],
+                                        node_id=self.ctx.node_id,
+                                        message=f"stopped by node {sender}")  # fmt: skip
+                self.ctx.spawn(self._report_exit(issuer, exited), f"serve-exit:{key}")
+        return ServeStage(
+            serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+            state="stopped",
+        )  # fmt: skip
 
     async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
         try:
@@ -363,7 +395,9 @@ class ServeStages:
             link_keys=link_keys,
         )
         env = worker_env(self.ctx, plan, device, visible)
-        self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
+        issuer, _ = self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
+        if issuer != msg.issuer:  # another issuer's start of the same id got here meanwhile
+            raise UserError(f"serve.stage_start for serve {msg.serve_id}: it is issued by node {issuer}, not by node {msg.issuer}", code="forbidden")  # fmt: skip
         log_dir = self.ctx.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)
         worker: WorkerProcess | None = None

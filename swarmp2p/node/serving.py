@@ -314,47 +314,56 @@ class Serving:
         alive = set(self.ctx.live_nodes())
         self.stages.reap(alive, set(self.issued()), self.ctx.clock())
         for served in self.served.values():
-            if served.state == "failed" and served.client is not None:
-                _fail_open(served.client, served.reason)  # requests sent since fail at once
-                continue
-            if served.state not in ("serving", "degraded") or served.client is None:
-                continue
-            if served.rebuilding is not None and not served.rebuilding.done():
-                continue
-            placed = {s.node_id for s in served.plan.stages} if served.plan else set()
-            lost = sorted(placed - alive)
-            if served.crashed and not lost and served.state == "serving":
-                served.crash_rebuilds += 1
-                if served.crash_rebuilds > MAX_CRASH_REBUILDS:
-                    reason = (
-                        f"stage worker(s) died {served.crash_rebuilds} times; last: "
-                        + "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items()))
-                    )
-                    served.state, served.reason = "failed", reason
-                    log.warning("serving %s: %s; giving up", served.name, reason)
-                    _fail_open(served.client, reason)
-                    continue
-            if lost or served.crashed or served.state == "degraded":
-                served.rebuilding = self.ctx.spawn(
-                    self._failover(served, lost), f"serve-failover:{served.name}"
+            self._check(served, alive)
+
+    def _check(self, served: Served, alive: set[str]) -> None:
+        """Fail the open requests of a failed model; rebuild a ring that lost a stage node or
+        a stage's worker (unless a rebuild runs)."""
+        if served.state == "failed" and served.client is not None:
+            _fail_open(served.client, served.reason)  # requests sent since fail at once
+            return
+        if served.state not in ("serving", "degraded") or served.client is None:
+            return
+        if served.rebuilding is not None and not served.rebuilding.done():
+            return
+        placed = {s.node_id for s in served.plan.stages} if served.plan else set()
+        lost = sorted(placed - alive)
+        if served.crashed and not lost and served.state == "serving":
+            served.crash_rebuilds += 1
+            if served.crash_rebuilds > MAX_CRASH_REBUILDS:
+                reason = f"stage worker(s) died {served.crash_rebuilds} times; last: " + "; ".join(
+                    f"stage {i}: {m}" for i, m in sorted(served.crashed.items())
                 )
+                served.state, served.reason = "failed", reason
+                log.warning("serving %s: %s; giving up", served.name, reason)
+                _fail_open(served.client, reason)
+                return
+        if lost or served.crashed or served.state == "degraded":
+            served.rebuilding = self.ctx.spawn(
+                self._failover(served, lost), f"serve-failover:{served.name}"
+            )
 
     def _rebuild_grace_s(self) -> float:
         return 2 * self.ctx.config.failure_timeout_s
 
     async def _failover(self, served: Served, lost: list[str]) -> None:
+        died = "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items()))
         if lost:
-            log.warning("serving %s: lost stage node(s) %s; re-placing", served.name, lost)
-        elif served.crashed:
-            log.warning("serving %s: stage worker(s) died (%s); re-placing", served.name,
-                        "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items())))  # fmt: skip
+            what = f"a stage node was lost ({', '.join(lost)})"
+        elif died:
+            what = f"stage worker(s) ended ({died})"
+        else:
+            what = "a stage node was lost (earlier)"
+        if lost or died:
+            log.warning("serving %s: %s; re-placing", served.name, what)
+            if served.state == "serving":  # `swarm status` says why while the ring is rebuilt
+                served.reason = f"{what}; re-placing"
         old_attempt = served.live_attempt
         old_nodes = {s.node_id for s in served.plan.stages} if served.plan else set()
         try:
             _, ends = await self._build(served)
         except (SwarmError, RuntimeError, OSError) as exc:
-            reason = f"a stage node was lost ({', '.join(lost) or 'earlier'}) and the model "
-            reason += f"cannot be re-placed on the live nodes: {exc}"
+            reason = f"{what} and the model cannot be re-placed on the live nodes: {exc}"
             if served.state != "degraded" or served.reason != reason:
                 log.warning("serving %s: %s", served.name, reason)
             now = time.monotonic()
@@ -383,22 +392,37 @@ class Serving:
 
     # --- every node: dispatch ---------------------------------------------------------------
 
-    async def handle(self, msg: Any) -> Any:
+    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+        """Answer ``msg`` from node ``sender`` (None: this node)."""
         if isinstance(msg, ServePlace):
             return serve_ring.place(self.ctx, msg)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
         if isinstance(msg, ServeStageExit):
-            served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
-            if served is not None and served.live_attempt == msg.attempt:
-                served.crashed[msg.stage] = f"node {msg.node_id}: {msg.message}"
-            return ServeStage(
-                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
-                state="exited",
-            )  # fmt: skip
+            return self._stage_exited(msg)
         if isinstance(msg, ServeStages.HANDLES):
-            return await self.stages.handle(msg)
+            return await self.stages.handle(msg, sender)
         raise UserError(f"serving does not take {type(msg).TYPE}", code="bad_request")
+
+    def _stage_exited(self, msg: ServeStageExit) -> ServeStage:
+        """A stage's node says the worker of a stage of the live ring ended (it died, or the
+        leader stopped it): the ring is rebuilt now, not at the next round, so a request in
+        flight waits for the rebuild rather than for tokens that never come."""
+        from swarmp2p.node import authz
+
+        served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
+        live = served is not None and served.live_attempt == msg.attempt and served.plan
+        nodes = [s.node_id for s in served.plan.stages] if live else None
+        why = authz.serve_exit_refusal(msg, nodes)
+        if why:
+            raise UserError(why, code="forbidden")
+        if live:
+            served.crashed[msg.stage] = f"node {msg.node_id}: {msg.message}"
+            self._check(served, set(self.ctx.live_nodes()))
+        return ServeStage(
+            serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+            state="exited",
+        )  # fmt: skip
 
     async def _read_file(self, msg: ServeFileRead) -> ShardChunk:
         """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""

@@ -108,9 +108,12 @@ class StageHost:
             raise Failed(f"node {self.ctx.node_id} has no {msg.file} for job {msg.job_id}", code="no_file") from None  # fmt: skip
         return ShardChunk(data=data, total=total)
 
-    async def pull_file(self, job_id: str, file: str, source: str, dest: Path | None = None) -> Path:  # fmt: skip
-        """Copy a file of a job's folder from the node at ``source``, atomically (to the same
-        name here, or to ``dest``)."""
+    async def pull_file(
+        self, job_id: str, file: str, source: str, limit: int, dest: Path | None = None
+    ) -> Path:
+        """Copy a file (a snapshot, at most ``limit`` bytes) of a job's folder from the node at
+        ``source``, atomically (to the same name here, or to ``dest``); its size is checked
+        against ``limit`` and the free disk before a byte is written."""
         from swarmp2p.node import model_files
 
         dest = dest or job_file(self.ctx.state.root, job_id, file)
@@ -119,8 +122,30 @@ class StageHost:
             source,
             lambda f, offset, size: ShardRead(job_id=job_id, file=f, offset=offset, size=size),
         )
-        await model_files.pull_file(read, file, dest, None, CHUNK_BYTES)
+        await model_files.pull_file(read, file, dest, None, CHUNK_BYTES, limit=limit)
         return dest
+
+    async def pull_listed(self, msg: FilePull) -> JobAck:
+        """``job.file_pull``: copy a snapshot the table lists for the job (``listed_snapshot``),
+        refused before any byte or folder is written here. A copy asked for right after the
+        leader listed the snapshot may arrive before the table change: it waits for it a
+        moment (``LISTED_WAIT_S``)."""
+        job_file(self.ctx.state.root, msg.job_id, msg.file)  # a name that escapes: bad_field
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LISTED_WAIT_S
+        while True:
+            try:
+                limit = listed_snapshot(self.ctx.table, msg.job_id, msg.file)
+                break
+            except UserError as exc:
+                if exc.code != "not_listed" or loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
+        try:
+            await self.pull_file(msg.job_id, msg.file, msg.source, limit)
+        except ValueError as exc:
+            raise Failed(f"node {self.ctx.node_id} refused {msg.file} of job {msg.job_id}: {exc}", code="no_file") from None  # fmt: skip
+        return JobAck(job_id=msg.job_id)
 
     # --- starting a stage ---------------------------------------------------------------------
 
@@ -146,9 +171,9 @@ class StageHost:
         snap_dir = snapshot_dir(folder, [st.layers for st in plan.stages])
         if msg.resume_step and msg.resplit:
             tied = bool(inputs is not None and inputs.shape.tie_embeddings)
-            await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied)
+            await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied, snapshot_limit(plan))  # fmt: skip
         elif msg.resume_step:
-            await self._ensure_snapshot(msg, snap_dir)
+            await self._ensure_snapshot(msg, snap_dir, snapshot_limit(plan))
         device, visible = jobs.device_for(stage.devices, self.ctx.me.record)
         tokens = None
         if msg.stage == 0 and needs_tokens(msg.job):
@@ -250,8 +275,9 @@ class StageHost:
         return model, data
 
     async def _resplit_snapshot(
-        self, msg: StageStart, snap_dir: Path, layers: tuple[int, int], n_layers: int, tied: bool
-    ) -> None:
+        self, msg: StageStart, snap_dir: Path, layers: tuple[int, int], n_layers: int, tied: bool,
+        limit: int,
+    ) -> None:  # fmt: skip
         """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
         the old stages holding its blocks, the embeddings or the head), each fetched from a
         holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
@@ -276,7 +302,7 @@ class StageHost:
             dest = old_dir / f"stage-{i}" / name  # where its holders keep it too
             if not dest.is_file():
                 file = str(dest.relative_to(folder))
-                await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest)  # fmt: skip
+                await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest, limit)  # fmt: skip
             sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
         out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
         if out.parent.is_dir():  # a later step of an earlier attempt on these cuts: not ours
@@ -292,19 +318,21 @@ class StageHost:
         log.info("job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",
                  msg.job_id, msg.stage, msg.resume_step, len(sources))  # fmt: skip
 
-    async def _pull_from(self, msg: StageStart, file: str, nodes: list[str], dest: Path) -> None:
+    async def _pull_from(
+        self, msg: StageStart, file: str, nodes: list[str], dest: Path, limit: int
+    ) -> None:
         for node_id in nodes:
             if not self.ctx.is_alive(node_id):
                 continue
             with contextlib.suppress(SwarmError, OSError, ValueError):
-                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id), dest)
+                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id), limit, dest)
                 return
         raise Failed(
             f"no copy of {file} of job {msg.job_id} is reachable (held by {nodes})",
             code="no_snapshot",
         )
 
-    async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path) -> None:
+    async def _ensure_snapshot(self, msg: StageStart, snap_dir: Path, limit: int) -> None:
         """Keep only snapshots up to ``resume_step`` here; pull the one needed if missing."""
         stage_dir = snap_dir / f"stage-{msg.stage}"
         name = None
@@ -323,7 +351,7 @@ class StageHost:
             if node_id == self.ctx.node_id or not self.ctx.is_alive(node_id):
                 continue
             with contextlib.suppress(SwarmError, OSError, ValueError):
-                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id))
+                await self.pull_file(msg.job_id, file, self.ctx.endpoint_of(node_id), limit)
                 return
         raise Failed(
             f"no copy of stage {msg.stage}'s snapshot at step {msg.resume_step} is reachable "
@@ -419,8 +447,7 @@ class StageHost:
         if isinstance(msg, ShardRead):
             return await asyncio.to_thread(self.read, msg)
         if isinstance(msg, FilePull):
-            await self.pull_file(msg.job_id, msg.file, msg.source)
-            return JobAck(job_id=msg.job_id)
+            return await self.pull_listed(msg)
         if isinstance(msg, InputRead):
             data, total = await asyncio.to_thread(
                 self.inputs.read, msg.kind, msg.key, msg.file, msg.offset, msg.size
@@ -442,6 +469,44 @@ def snapshot_dir(job_folder: Path, layers: list) -> Path:
 
 _SNAP = re.compile(r"step-(\d{8})\.pt")
 """The runtime's snapshot file names (``runtime.torch.snapshot.snapshot_path``)."""
+_SNAP_FILE = re.compile(r"snapshots/cuts-(?:none|\d+(?:-\d+)*)/stage-(\d{1,4})/step-(\d{8})\.pt")
+"""A snapshot's path in its job's folder (``snapshot_dir``/stage-N/step-XXXXXXXX.pt)."""
+LISTED_WAIT_S = 3.0
+"""How long a ``job.file_pull`` waits for the table to list the snapshot it names."""
+SNAPSHOT_SLACK = 64 * 2**20
+"""Bytes a snapshot may have beyond its stages' planned weights and trainable state
+(compressor halves, the loss scaler, the pickle's own framing)."""
+
+
+def snapshot_limit(plan: Plan) -> int:
+    """The most bytes a snapshot of a job planned as ``plan`` may have: the weights and the
+    trainable state (parameters, gradients, optimizer) of all its stages, which bound any one
+    stage's (a re-split attempt's old stages too), and ``SNAPSHOT_SLACK``."""
+    return SNAPSHOT_SLACK + sum(s.memory.weights + s.memory.trainable_state for s in plan.stages)
+
+
+def listed_snapshot(table: Any, job_id: str, file: str) -> int:
+    """Whether a peer may have this node pull ``file`` of job ``job_id`` (``job.file_pull``):
+    the table must hold the job, ``file`` must name a snapshot and the table list that stage's
+    snapshot at that step; the most bytes it may have (``snapshot_limit``). UserError naming
+    what is wrong otherwise (code ``not_listed`` for a snapshot not listed yet)."""
+    entry = table.jobs.get(job_id)
+    if entry is None:
+        raise UserError(f"no job {job_id!r} in the table: this node pulls no file for it", code="no_job")  # fmt: skip
+    m = _SNAP_FILE.fullmatch(file)
+    if m is None:
+        raise UserError(
+            f"{file!r} is not a snapshot of job {job_id} (snapshots/cuts-*/stage-N/"
+            "step-XXXXXXXX.pt): a peer has this node pull snapshots only",
+            code="bad_field",
+        )
+    stage, step = int(m.group(1)), int(m.group(2))
+    if entry.plan is None or str(step) not in entry.snapshots.get(str(stage), {}):
+        raise UserError(
+            f"the table lists no snapshot of stage {stage} at step {step} for job {job_id}",
+            code="not_listed",
+        )
+    return snapshot_limit(entry.plan)
 
 
 def _snapshot_step(name: str) -> int | None:
@@ -453,4 +518,12 @@ def _snapshot_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
-__all__ = ["CHUNK_BYTES", "REPORT_EVERY_S", "StageHost", "job_dir", "job_file"]
+__all__ = [
+    "CHUNK_BYTES",
+    "REPORT_EVERY_S",
+    "StageHost",
+    "job_dir",
+    "job_file",
+    "listed_snapshot",
+    "snapshot_limit",
+]

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 import threading
 import time
 import urllib.parse
@@ -27,10 +28,13 @@ from typing import Any
 
 from aiohttp import web
 
+from swarmp2p._ratelog import HttpLog
 from swarmp2p.serve.generation import Choice, ClientGone, Generation
 from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.request import ApiError, ServedModel, model_not_found, parse_body
 from swarmp2p.serve.session import GenerationError
+
+log = logging.getLogger("swarmp2p.serve.api")
 
 API_KEY_ENV = "SWARM_API_KEY"
 MAX_BODY_BYTES = 8 * 2**20
@@ -54,7 +58,8 @@ def check_bind(host: str, api_key: str | None) -> None:
     if not loopback and not api_key:
         raise ValueError(
             f"refusing to serve the API on {host} without an API key: anyone who can reach it "
-            f"could use the swarm; pass --api-key or set {API_KEY_ENV} (or bind 127.0.0.1)"
+            f"could use the swarm; pass --api-key-file FILE or --api-key - (stdin), or set "
+            f"{API_KEY_ENV} (or bind 127.0.0.1)"
         )
 
 
@@ -365,6 +370,7 @@ class ApiServer:
         runner = web.AppRunner(
             self.app,
             access_log=None,
+            logger=HttpLog(log, "API"),  # a malformed request is one line, rate-limited
             handle_signals=False,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             handler_cancellation=True,

@@ -1,9 +1,12 @@
 """Joining with a pairing code over mDNS on 127.0.0.1 (issue 14 Build 3): `swarm up` on a
 machine with no swarm lists the LAN's swarms; `swarm invite` + `swarm up --code` joins with no
-token typed; three wrong codes burn the invite; `--open` joins an open swarm with no code."""
+token typed; a bystander's junk tries (from another address) use up only its own tries and the
+real joiner still pairs; junk from four addresses burns the invite; `--open` joins an open
+swarm with no code."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,6 +14,10 @@ import time
 
 import pytest
 from swarm_harness import ROOT, NodeProc, dump, free_port, swarm, swarm_env, wait_until
+
+from swarmp2p.errors import SwarmError
+from swarmp2p.net.discovery import browse
+from swarmp2p.node import pairing
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +40,28 @@ def _listed(node, other: str) -> bool:
     return any(p["node_id"] == other and p["alive"] for p in node.status()["peers"])
 
 
-def test_a_code_joins_a_new_machine_and_wrong_codes_burn_the_invite(tmp_path):
+def _junk(code: str, plate: str, source: str, tries: int) -> list[str]:
+    """A bystander at ``source`` (another loopback address) runs the real exchange against the
+    advertised invite ``plate`` with a wrong code, ``tries`` times; the errors it got."""
+
+    async def run() -> list[str]:
+        seen = await browse(5.0, until=lambda s: bool(pairing._offers(s, plate)))
+        offers = pairing._offers(seen, plate)
+        assert offers, f"invite {plate} is not advertised"
+        endpoint, key, _ = offers[0]
+        bound = endpoint.replace("tcp://", f"tcp://{source}:0;", 1)  # source address, any port
+        words = "lion-lion-lion" if not code.endswith("lion-lion-lion") else "otter-otter-otter"
+        errors = []
+        for _ in range(tries):
+            with pytest.raises(SwarmError) as got:
+                await pairing.exchange(bound, key, f"{plate}-{words}", plate)
+            errors.append(str(got.value))
+        return errors
+
+    return asyncio.run(run())
+
+
+def test_a_code_joins_a_new_machine_and_junk_tries_do_not_block_it(tmp_path):
     a = NodeProc(tmp_path / "a", ["--node-id", "a", "--port", str(free_port()), "--interface",
                                   "127.0.0.1", "--new"], env={"SWARM_DASHBOARD_PORT": "off"})  # fmt: skip
     a.start()
@@ -60,21 +88,35 @@ def test_a_code_joins_a_new_machine_and_wrong_codes_burn_the_invite(tmp_path):
         wait_until(lambda: "b" in a.status()["quorum"]["members"], 10, "b to be a member")
         assert took < 15, took
 
-        # a used code is gone; a new invite with 3 wrong codes is burnt for the right one too
+        # a used code is gone
         again = _up(tmp_path / "c", "c", "--code", code)
         assert again.returncode != 0 and "no member on this LAN offers invite" in again.stderr
+
+        # a bystander reads the nameplate from the advert and throws junk at it: it runs out
+        # of its own tries, and the real joiner (another address) still pairs with the code
         code = json.loads(swarm(a, "invite", "--json").stdout)["code"]
         plate, words = code.split("-", 1)
-        wrong = f"{plate}-" + (
-            "lion-lion-lion" if words != "lion-lion-lion" else "otter-otter-otter"
-        )
-        for left in ("2 tries left", "1 tries left", "the invite is burnt"):
-            bad = _up(tmp_path / "c", "c", "--code", wrong)
-            assert bad.returncode == 2 and left in bad.stderr, bad.stderr
-            assert not (tmp_path / "c" / "secret").exists()
-            time.sleep(1.0)  # one try per second
-        late = _up(tmp_path / "c", "c", "--code", code)
-        assert late.returncode != 0 and "c" not in a.status()["quorum"]["members"], late.stderr
+        errors = _junk(code, plate, "127.0.0.2", pairing.MAX_TRIES + 1)
+        for error, left in zip(errors, ("2 tries left", "1 tries left", "no tries left")):
+            assert "does not match" in error and left in error, errors
+        assert "127.0.0.2) used its 3 tries" in errors[-1], errors
+        wrong = f"{plate}-" + ("lion-lion-lion" if words != "lion-lion-lion" else "otter-otter-otter")  # fmt: skip
+        typo = _up(tmp_path / "c", "c", "--code", wrong)  # the joiner's own typo: its own tries
+        assert typo.returncode == 2 and "2 tries left" in typo.stderr, typo.stderr
+        assert not (tmp_path / "c" / "secret").exists()
+        out = _up(tmp_path / "c", "c", "--code", code)
+        joined.append(tmp_path / "c")
+        assert out.returncode == 0 and "paired with node a" in out.stdout, out.stderr + dump([a])
+        wait_until(lambda: "c" in a.status()["quorum"]["members"], 20, "c to be a member")
+
+        # junk from MAX_GUESSES / MAX_TRIES addresses burns an invite: the right code fails
+        code = json.loads(swarm(a, "invite", "--json").stdout)["code"]
+        plate = code.split("-", 1)[0]
+        for i in range(pairing.MAX_GUESSES // pairing.MAX_TRIES):
+            _junk(code, plate, f"127.0.0.{3 + i}", pairing.MAX_TRIES)
+        late = _up(tmp_path / "d", "d", "--code", code)
+        assert late.returncode != 0 and not (tmp_path / "d" / "secret").exists(), late.stderr
+        assert "d" not in a.status()["quorum"]["members"]
     finally:
         for state in joined:
             _down(state)

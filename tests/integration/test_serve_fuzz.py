@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,78 @@ def test_ten_thousand_odd_requests_crash_nothing_and_leak_no_slot(tiny_served):
     sessions = [model.client.submit([5, 6, 7], max_tokens=3) for _ in range(SESSIONS)]
     assert all(len(s.result(30)) == 3 for s in sessions)
     print(f"fuzz: {REQUESTS} requests in {took:.1f} s; statuses {dict(sorted(statuses.items()))}")
+
+
+MALFORMED = [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: zz\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",  # a TLS hello
+    b"GET /\x00 HTTP/1.1\r\n\r\n",
+]
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(data)
+        return conn.recv(64)
+
+
+def test_a_served_process_keeps_its_key_out_of_argv_and_logs_junk_in_one_line(tmp_path):
+    """`python -m swarmp2p.serve --api-key -` (issue 24): the key is read from stdin, so no
+    process's /proc/PID/cmdline holds it; requests without it are refused; 1,000 malformed
+    HTTP requests leave one short line each at most (rate-limited), no traceback, and the
+    server still answers a good request."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from swarmp2p.serve.client import ApiClientError, complete_text
+
+    key = "k3y-" + os.urandom(8).hex()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "SWARM_API_KEY"}
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmp2p.serve", "embedded", "--port", str(port),
+             "--max-context", "64", "--threads", "1", "--api-key", "-"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
+        )  # fmt: skip
+    try:
+        proc.stdin.write(key + "\n")
+        proc.stdin.close()
+        line = proc.stdout.readline()  # "serving ... on URL/v1" once it answers
+        assert line.startswith("serving"), (line, log.read_text())
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = (Path("/proc") / pid / "cmdline").read_bytes()
+            except OSError:
+                continue
+            assert key.encode() not in argv, f"the API key is in the command line of {pid}"
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": "embedded", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        for wrong in (None, "wrong"):
+            with pytest.raises(ApiClientError, match="401"):
+                complete_text(url, "/v1/completions", body, api_key=wrong)
+        before = log.stat().st_size
+        for i in range(1000):
+            assert _raw(port, MALFORMED[i % len(MALFORMED)]).startswith(b"HTTP/1.")
+        text, usage = complete_text(url, "/v1/completions", body, api_key=key)
+        assert isinstance(text, str)
+        assert usage["completion_tokens"] >= 1
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    written = log.read_text(errors="replace")[before:]
+    assert "Traceback" not in written, written[:2000]
+    assert "malformed HTTP request from 127.0.0.1" in written, written[:2000]
+    assert len(written.encode()) < 20_000, (len(written), written[:2000])

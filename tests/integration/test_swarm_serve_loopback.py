@@ -320,9 +320,12 @@ def test_a_quantized_serve_equals_the_same_quantization_in_one_process(loopback_
 def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm, tiny):
     a, b = _swarm(loopback_swarm, "ab")
     port = free_port()
+    key_file = b.state.root / "api.key"  # never in argv
+    key_file.write_text("k3y\n")
+    key_file.chmod(0o600)
     # issued on b from a relative path: the daemon reads it from the CLI's folder
     done = swarm(b, "serve", tiny.name, "--name", "tiny", "--stages", "2", "--port", str(port),
-                 "--max-context", "256", "--api-key", "k3y", "--json", cwd=tiny.parent)  # fmt: skip
+                 "--max-context", "256", "--api-key-file", str(key_file), "--json", cwd=tiny.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
     saved = b.state.root / "serve" / "served.json"

@@ -122,12 +122,12 @@ def test_the_old_shared_keys_reach_no_handler(trio):
 
 def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
     endpoint = trio.endpoint("a")
-    keys = credentials(endpoint, trio.token, "mallory")  # a real member, joined with the token
-    wait_until(lambda: "mallory" in trio.nodes["b"].status()["quorum"]["members"], 15, "mallory listed")  # fmt: skip
+    keys = credentials(endpoint, trio.token, "zmallory")  # a real member, joined with the token
+    wait_until(lambda: "zmallory" in trio.nodes["b"].status()["quorum"]["members"], 15, "mallory listed")  # fmt: skip
     s = trio.nodes["a"].status()
     term, version = s["term"], s["table_version"]
     before = _written(trio)
-    forged_table = JobTable(epoch="forged", term=term + 5, version=1, leader="mallory").to_dict()
+    forged_table = JobTable(epoch="forged", term=term + 5, version=1, leader="zmallory").to_dict()
     drop_b = ev.entry_to_data(ev.Entry(version=version + 1, term=term, event=ev.MemberLeft(node_id="b")))  # fmt: skip
     hello = NodeHello(
         node_id="b", name="b", versions=[PROTOCOL_VERSION], software=__version__,
@@ -147,15 +147,15 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
     ]
     for msg in as_others:
         for target in ("a", "b"):
-            assert _refused(trio.endpoint(target), credentials(trio.endpoint(target), trio.token, "mallory"), msg) == "forbidden", msg  # fmt: skip
+            assert _refused(trio.endpoint(target), credentials(trio.endpoint(target), trio.token, "zmallory"), msg) == "forbidden", msg  # fmt: skip
     # as itself: not the leader of anyone's view, so no write and no vote
-    mine = TableEvents(leader="mallory", term=term + 5, epoch="", prev_version=version, prev_term=term, entries=[drop_b])  # fmt: skip
+    mine = TableEvents(leader="zmallory", term=term + 5, epoch="", prev_version=version, prev_term=term, entries=[drop_b])  # fmt: skip
     with member(endpoint, "", keys=keys) as m:
         m.send(mine)
         ack = m.reply(10.0)
-        m.send(TablePush(node_id="mallory", term=term + 5, table=forged_table))
+        m.send(TablePush(node_id="zmallory", term=term + 5, table=forged_table))
         ack2 = m.reply(10.0)
-        m.send(LeadRequest(candidate="mallory", term=term + 5))
+        m.send(LeadRequest(candidate="zmallory", term=term + 5))
         vote = m.reply(10.0)
     assert isinstance(ack, TableAck) and not ack.ok and "view says a leads" in ack.reason
     assert isinstance(ack2, TableAck) and not ack2.ok

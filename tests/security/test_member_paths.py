@@ -83,7 +83,7 @@ def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
                          "intermediate_size": 64, "num_hidden_layers": 1,
                          "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
     msg = ServeStageStart(serve_id="s1", attempt=1, stage=0, inputs=ServeInputs(shape=shape),
-                          plan="{}", model="/nonexistent-model", issuer="mallory")  # fmt: skip
+                          plan="{}", model="/nonexistent-model", issuer="zmallory")  # fmt: skip
     with pytest.raises(RpcError) as info:
         member_request(victim.endpoint, victim.token, msg, serve_id="../../escaped")
     assert info.value.code == "bad_field" and "serve_id" in info.value.detail, info.value

@@ -1,7 +1,7 @@
 """Joining with pairing codes across network-namespace hosts (issue 14 Build 3, issue 15):
-three hosts join with codes and no token typed; three wrong codes burn an invite; an
-eavesdropper on the inviter's bridge port sees neither the token nor the code, and replaying
-every byte stream it saw joins nothing."""
+three hosts join with codes and no token typed; three wrong codes lock a host out of an
+invite; an eavesdropper on the inviter's bridge port sees neither the token nor the code, and
+replaying every byte stream it saw joins nothing."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
         assert all(n.state.secret_file.read_text().strip() == token for n in joined)
         print(f"\ncode joins on the bridge: {', '.join(f'{t:.2f} s' for t in took)}")
 
-        # three wrong codes burn an invite: the right one fails after them
+        # three wrong codes lock that host out of the invite: the right one fails after them
         code = json.loads(swarm(h1, "invite", "--json").stdout)["code"]
         plate = code.split("-")[0]
         wrong = f"{plate}-lion-lion-lion" if not code.endswith("lion-lion-lion") else f"{plate}-otter-otter-otter"  # fmt: skip

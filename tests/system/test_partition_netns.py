@@ -49,9 +49,9 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
         lab.cut(2)  # c alone
         wait_until(lambda: not c.status()["quorum"]["ok"], 15, "c to see it is a minority")
         status = c.status()
-        assert "sees 1 of 3 member(s)" in status["quorum"]["reason"]
+        assert "sees 1 of 3 voting member(s)" in status["quorum"]["reason"]
         text = swarm(c, "status").stdout
-        assert "quorum  NO: this node sees 1 of 3 member(s)" in text
+        assert "quorum  NO: this node sees 1 of 3 voting member(s)" in text
         refused = _submit(c, _job_on(c))
         assert refused.returncode == 4, (refused.returncode, refused.stderr)  # unavailable
         assert "accepts new jobs only on a side that sees 2" in refused.stderr

@@ -160,3 +160,40 @@ def test_status_names_version_skew_and_the_runtime_fix():
         "runtime   coordinators only (no torch runtime): a"
     ]
     assert json.dumps(health_lines({**status, "peers": [{**me, "capabilities": ["x"]}]})) == "[]"
+
+
+@pytest.mark.parametrize("command", [["serve", "embedded"], ["generate", "m", "hi"], ["chat", "m"]])
+def test_an_api_key_in_the_command_line_is_refused_and_not_echoed(command, tmp_path):
+    """`--api-key KEY` would put the key in argv, where `ps` shows it (issue 24): refused
+    before anything runs, naming the ways that work, without echoing the key."""
+    runner = click.testing.CliRunner()
+    env = {"SWARM_API_KEY": None, "SWARM_STATE_DIR": str(tmp_path)}
+    got = runner.invoke(main, [*command, "--api-key", "s3cret-k3y"], env=env)
+    assert got.exit_code == _exit.INVALID, got.output
+    assert "readable by every local user with `ps`" in got.output
+    assert "SWARM_API_KEY" in got.output and "--api-key-file" in got.output
+    assert "s3cret-k3y" not in got.output
+
+
+def test_the_api_key_is_read_from_stdin_a_private_file_or_the_environment(tmp_path, monkeypatch):
+    from swarmp2p.cli import _read_api_key
+
+    file = tmp_path / "key"
+    file.write_text("k3y\n")
+    file.chmod(0o600)
+    monkeypatch.delenv("SWARM_API_KEY", raising=False)
+    assert _read_api_key(None, str(file)) == "k3y"
+    assert _read_api_key(None, None) is None
+    monkeypatch.setenv("SWARM_API_KEY", " k3y\n")
+    assert _read_api_key(None, None) == "k3y"
+    monkeypatch.delenv("SWARM_API_KEY")
+    file.chmod(0o644)
+    with pytest.raises(click.ClickException, match="chmod 600") as got:
+        _read_api_key(None, str(file))
+    assert got.value.exit_code == _exit.INVALID
+    runner = click.testing.CliRunner()
+    # stdin: the key goes to the server, so an unreachable one is the error, not the key
+    out = runner.invoke(main, ["generate", "m", "hi", "--url", "http://127.0.0.1:9", "--api-key", "-"], input="k3y\n")  # fmt: skip
+    assert out.exit_code != 0 and "cannot reach the swarm API" in out.output, out.output
+    out = runner.invoke(main, ["generate", "m", "hi", "--api-key", "-", "--api-key-file", str(file)], input="k3y\n", env={"SWARM_API_KEY": None})  # fmt: skip
+    assert out.exit_code == _exit.INVALID and "given twice" in out.output, out.output

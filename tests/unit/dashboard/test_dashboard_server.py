@@ -131,3 +131,25 @@ def test_the_key_file_is_private_and_kept(tmp_path):
     path.chmod(0o644)  # others could read it: a new one
     assert dashboard_key(path) != key and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert dashboard_key(None) != dashboard_key(None)
+
+
+def test_malformed_requests_log_one_short_line_each_at_most(caplog):
+    """Junk to the dashboard's port (issue 24): a 400 each, no aiohttp traceback in the log,
+    at most a few lines a second, and the page still answers after it."""
+    junk = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: zz\r\n\r\n"
+
+    def fetch(port):
+        answers = []
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(junk)
+                answers.append(conn.recv(16))
+        return answers, _get(port, "/api/state")[0]
+
+    with caplog.at_level("DEBUG"):
+        (answers, after), _, _ = asyncio.run(_serve_and(fetch))
+    assert all(a.startswith(b"HTTP/1.0 400") for a in answers) and after == 200
+    lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert lines and all(r.exc_info is None for r in caplog.records), caplog.text[:2000]
+    assert "Traceback" not in caplog.text
+    assert len(lines) < 200 / 2  # rate-limited: 5 a second, the rest counted

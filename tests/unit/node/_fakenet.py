@@ -35,6 +35,7 @@ from swarmp2p.node import jobtable
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.jobtable import JobTable
+from swarmp2p.node.membership import Refused
 from swarmp2p.node.messages import (
     LeadRequest,
     TableEvents,
@@ -141,12 +142,19 @@ class FakeNode:
             if key in revoked:
                 self.ctx.members.forget(other)
             elif self.net.reach(me, other):
-                self.ctx.keyring.admit(other, key, 0.0)
-                self.ctx.members.hello(node_id=other, name=f"host-{other}", endpoint=f"fake://{other}", record={}, now=0.0)  # fmt: skip
+                try:
+                    self.ctx.keyring.admit(other, key, 0.0)
+                except Refused:  # its id was removed: it speaks to nobody here
+                    self.ctx.members.forget(other)
+                    continue
+                held = self.net.nodes[other].rep.table.version  # as its hellos say
+                self.ctx.members.hello(node_id=other, name=f"host-{other}", endpoint=f"fake://{other}", record={}, now=0.0, held=held)  # fmt: skip
             else:
                 self.ctx.members.dead(other, 0.0, "cut")
         if self.ctx.leader != me:
             self.rep.lost_lead()
+        self.rep.note_view()  # as the daemon's heartbeat round does
+        self.rep.check_quorum()
 
     async def restart(self) -> None:
         """Crash and start again from what this node saved (same key, same state folder)."""

@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
+from swarmp2p._ratelog import RateLimitedLog
 from swarmp2p.node import api, control
-from swarmp2p.node.config import NodeConfig, RateLimitedLog, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.messages import (
     Heartbeat,
     LeadRequest,

@@ -108,9 +108,17 @@ def test_members_join_and_leave():
     assert t.majority() == 2 and t.member_ids == {"a", "b", "c"}
     assert t.member("c").key == key("c")
     t = log(ev.MemberLeft(node_id="a", reason="stopped"))
-    assert t.member_ids == {"b", "c"} and not t.revoked
-    t = log(ev.MemberJoined(node_id="a", key=key("a")))  # left cleanly: may come back
-    assert "a" in t.member_ids
+    # stopped cleanly: still listed with its key (nobody else takes the id), no longer a voter
+    assert t.member_ids == {"a", "b", "c"} and t.voters == {"b", "c"} and not t.revoked
+    assert t.member("a").down and t.majority() == 2
+    with pytest.raises(ValueError, match="another key"):
+        log(ev.MemberJoined(node_id="a", key=key("x")))  # a squatter under its id
+    with pytest.raises(ValueError, match="down already"):
+        log(ev.MemberLeft(node_id="a"))
+    t = log(ev.MemberJoined(node_id="a", key=key("a")))  # its own key: it counts again
+    assert t.voters == {"a", "b", "c"} and not t.member("a").down
+    with pytest.raises(ValueError, match="a member already"):
+        log(ev.MemberJoined(node_id="a", key=key("a")))
 
 
 def test_a_removed_member_is_revoked_and_its_key_never_listed_again():
@@ -123,6 +131,12 @@ def test_a_removed_member_is_revoked_and_its_key_never_listed_again():
         log(ev.MemberJoined(node_id="d", key=key("c")))  # under another id neither
     with pytest.raises(ValueError, match="removed already"):
         log(ev.MemberRemoved(node_id="c", key=key("c")))
+    with pytest.raises(ValueError, match="free again only after"):
+        log(ev.MemberJoined(node_id="c", key=key("c2")))  # its id, under a new key: not yet
+    t = log(ev.AdmissionChanged(swarm_id="0123456789abcdef", key=key("new-secret")))
+    assert t.removed == () and t.revoked == (key("c"),)  # rotated: the id is free, the key not
+    t = log(ev.MemberJoined(node_id="c", key=key("c2")))
+    assert t.member("c").key == key("c2")
     with pytest.raises(ValueError, match="is not"):
         log(ev.MemberRemoved(node_id="b", key=key("a")))  # b's key is b's
     with pytest.raises(ValueError, match="member a's"):

@@ -1,4 +1,5 @@
-"""Pairing codes: parsing, the SPAKE2 exchange with an invite book, tries and burning, replay."""
+"""Pairing codes: parsing, the SPAKE2 exchange with an invite book, tries per source address
+and burning, replay."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ class Clock:
         return self.now
 
 
-def _joiner(code: str, nameplate: str, book: Invites):
+def _joiner(code: str, nameplate: str, book: Invites, source: str = "10.0.0.2"):
     """The joiner's half up to its check of the inviter's MAC: (ok, session, key, mine, reply)."""
     joiner = SPAKE2_A(code.encode(), **pairing._IDS)
     mine, session = joiner.start(), secrets.token_bytes(16)
-    reply = book.start(PairStart(nameplate=nameplate, session=session, spake=mine))
+    reply = book.start(PairStart(nameplate=nameplate, session=session, spake=mine), source)
     key = joiner.finish(reply.spake)
     ok = reply.confirm == pairing._mac(key, b"inviter", session + mine + reply.spake)
     return ok, session, key, mine, reply
@@ -75,27 +76,69 @@ def test_the_right_code_pairs_once_and_the_invite_is_gone():
         _joiner(invite.code, invite.nameplate, book)
 
 
-def test_three_wrong_codes_burn_the_invite_and_tries_are_rate_limited():
+def _wrong(invite) -> str:
+    plate = invite.nameplate
+    wrong = f"{plate}-otter-otter-otter"
+    return wrong if invite.code != wrong else f"{plate}-lion-lion-lion"
+
+
+def test_three_wrong_codes_from_one_address_lock_it_out_but_not_the_joiner():
+    """A bystander throws junk at an advertised nameplate: its own address runs out of tries,
+    rate-limited, and the real joiner on another address still pairs (issue 24)."""
     clock = Clock()
     book = Invites(clock)
     invite = book.create()
-    plate = invite.nameplate
-    wrong = f"{plate}-otter-otter-otter" if invite.code != f"{plate}-otter-otter-otter" else f"{plate}-lion-lion-lion"  # fmt: skip
+    plate, wrong = invite.nameplate, _wrong(invite)
     lefts = []
-    for i in range(3):
-        ok, session, key, mine, reply = _joiner(wrong, plate, book)
+    for i in range(pairing.MAX_TRIES):
+        ok, session, key, mine, reply = _joiner(wrong, plate, book, "10.0.0.66")
         assert not ok  # the joiner sees the wrong code from the inviter's MAC
         lefts.append(reply.tries_left)
         if i == 0:
             with pytest.raises(SwarmError, match="one try per"):
-                _joiner(invite.code, plate, book)  # at once again: slowed down, no try used
+                _joiner(wrong, plate, book, "10.0.0.66")  # at once again: slowed, no try used
         with pytest.raises(UserError, match="does not match"):
             _finish(book, session, key, mine, reply)  # and a finish anyway is refused
         clock.now += pairing.TRY_INTERVAL_S
     assert lefts == [2, 1, 0]
+    with pytest.raises(UserError, match=r"10\.0\.0\.66\) used its 3 tries"):
+        _joiner(invite.code, plate, book, "10.0.0.66")  # the bystander has no try left
+    assert plate in book.by_plate
+    ok, *rest = _joiner(invite.code, plate, book, "10.0.0.2")  # the joiner, same second
+    assert ok and _finish(book, *rest)[0] is invite
+
+
+def test_an_invite_burns_after_its_guesses_from_all_addresses():
+    clock = Clock()
+    book = Invites(clock)
+    invite = book.create()
+    plate, wrong = invite.nameplate, _wrong(invite)
+    sources = [f"10.0.1.{i}" for i in range(pairing.MAX_GUESSES // pairing.MAX_TRIES)]
+    for _ in range(pairing.MAX_TRIES):
+        for source in sources:
+            ok, session, key, mine, reply = _joiner(wrong, plate, book, source)
+            assert not ok
+            with pytest.raises(UserError, match="does not match"):
+                _finish(book, session, key, mine, reply)
+        clock.now += pairing.TRY_INTERVAL_S
+    assert invite.guesses_left == 0 and reply.tries_left == 0
     with pytest.raises(UserError, match=r"no open invite|burnt"):
-        _joiner(invite.code, plate, book)  # the right code now: too late
+        _joiner(invite.code, plate, book, "10.0.0.2")  # the right code now: too late
     assert plate not in book.by_plate
+    # the whole budget is small against the words (the nameplate is public)
+    assert pairing.MAX_GUESSES / len(pairing.WORDS) ** pairing.CODE_WORDS < 1e-6
+
+
+def test_one_address_holds_few_exchanges_at_once():
+    clock = Clock()
+    book = Invites(clock)
+    invites = [book.create() for _ in range(pairing.MAX_SOURCE_SESSIONS + 1)]
+    for invite in invites[:-1]:  # started, never finished: held for SESSION_TTL_S
+        _joiner(_wrong(invite), invite.nameplate, book, "10.0.0.66")
+    with pytest.raises(SwarmError, match="too many pairings"):
+        _joiner(invites[-1].code, invites[-1].nameplate, book, "10.0.0.66")
+    ok, *_ = _joiner(invites[-1].code, invites[-1].nameplate, book, "10.0.0.2")
+    assert ok
 
 
 def test_a_replayed_exchange_gets_nothing():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fakenet import SECRET, lead, settle, submit, swarm
+from _fakenet import SECRET, FakeNode, lead, settle, submit, swarm
 
 from swarmp2p.errors import Unavailable
 from swarmp2p.node import events as ev
@@ -48,13 +48,29 @@ def test_the_first_leader_founds_the_swarm_with_every_live_node(tmp_path):
 def test_a_write_commits_on_a_majority_and_not_on_a_minority(tmp_path):
     async def main():
         nodes = await _founding(tmp_path)
-        net = nodes["a"].net
+        a, b = nodes["a"], nodes["b"]
+        net = a.net
         net.partition({"a", "b"}, {"c"})
-        await submit(nodes["a"], "j1")  # a and b: 2 of 3
-        net.partition({"a"}, {"b", "c"})
+        await submit(a, "j1")  # a and b: 2 of 3
+        committed = a.rep.table.version
+        # cut before a's view knows: the write is saved on a, and held by no majority
+        net.cut = {frozenset(("a", "b")), frozenset(("a", "c"))}
         with pytest.raises(Unavailable, match="not yet on a majority"):
-            await asyncio.wait_for(submit(nodes["a"], "j2"), 15)
-        assert "j2" in nodes["a"].rep.table.jobs and "j2" not in nodes["b"].rep.table.jobs
+            await asyncio.wait_for(submit(a, "j2"), 15)
+        assert "j2" in a.rep.table.jobs and "j2" not in b.rep.table.jobs
+        # a's view catches up: a leader without its majority steps down and rolls back
+        net.partition({"a"}, {"b", "c"})
+        a.rep.check_quorum()
+        assert not a.rep.ready and "no majority" in a.rep.why_not_ready()
+        assert "j2" not in a.rep.table.jobs and a.rep.table.version == committed
+        assert jobtable.load(a.ctx.state.table_file).version == committed  # on disk too
+        (dropped,) = a.rep.quorum()["dropped"]
+        assert dropped["events"] == ["job_submitted"] and dropped["versions"] == [committed + 1] * 2  # fmt: skip
+        # and a leader that knows it sees no majority refuses at once, writing nothing
+        a.rep.ready = True
+        with pytest.raises(Unavailable, match="1 of 3 voting member"):
+            await submit(a, "j3")
+        assert "j3" not in a.rep.table.jobs and not a.rep.ready
 
     asyncio.run(main())
 
@@ -75,15 +91,15 @@ def test_a_partition_elects_the_majority_side_and_heals_to_one_table(tmp_path):
         await submit(b, "j2")
         a.rep.ready = False  # a's own next election: it sees only itself
         await lead(a)
-        assert not a.rep.ready and "no quorum: 1 of 3" in a.rep.why_not_ready()
+        assert not a.rep.ready and "no quorum: this node sees 1 of 3" in a.rep.why_not_ready()
         quorum = a.rep.quorum()
-        assert not quorum["ok"] and "sees 1 of 3 member(s)" in quorum["reason"]
+        assert not quorum["ok"] and "sees 1 of 3 voting member(s)" in quorum["reason"]
         assert c.rep.quorum()["ok"]
         net.heal()
         b.rep.lost_lead()  # a is the lowest live node again
         await lead(a)
         await settle(nodes.values())
-        assert a.rep.ready and a.rep.table.term > b.rep.table.term - 1
+        assert a.rep.ready and a.rep.table.term > b.rep.table.term - 1, a.rep.why_not_ready()
         for n in nodes.values():
             assert set(n.rep.table.jobs) == {"j1", "j2"}
             assert n.rep.table.key == a.rep.table.key
@@ -155,5 +171,96 @@ def test_a_follower_far_behind_or_of_another_history_gets_the_whole_table(tmp_pa
         a.rep.push("c", stranger.key)
         await settle(nodes.values())
         assert a.rep.stats["snapshots"] == snapshots + 1 and c.rep.table == a.rep.table
+
+    asyncio.run(main())
+
+
+def _remove(node: FakeNode, who: str):
+    key = node.ctx.keyring.key_of(who)
+    return node.rep.append([ev.MemberRemoved(node_id=who, key=key, reason="test")], wait=True)
+
+
+def test_a_cut_off_leader_cannot_remove_its_way_to_a_majority(tmp_path):
+    """The audit's split brain: a, cut off before its view knows, removes b, then c. The first
+    removal does not commit: a steps down and rolls it back; the second is refused; healed,
+    one history (the majority's), with the job b committed meanwhile, and nobody revoked."""
+
+    async def main():
+        nodes = await _founding(tmp_path)
+        a, b = nodes["a"], nodes["b"]
+        await submit(a, "j1")
+        before = a.rep.table
+        net = a.net
+        net.cut = {frozenset(("a", "b")), frozenset(("a", "c"))}  # a's view still sees them
+        with pytest.raises(Unavailable, match=r"did not reach a majority.*nothing changed"):
+            await _remove(a, "b")
+        assert not a.rep.ready and a.rep.table == before and not a.rep.table.revoked
+        assert a.rep.quorum()["dropped"][-1]["events"] == ["member_removed"]
+        with pytest.raises(Unavailable, match="cannot write"):
+            await _remove(a, "c")
+        net.partition({"a"}, {"b", "c"})
+        await lead(a)  # alone: no term spent, no write
+        assert not a.rep.ready and a.rep.table.member_ids == {"a", "b", "c"}
+        await lead(b)
+        await submit(b, "j2")
+        net.heal()
+        b.rep.lost_lead()
+        await lead(a)
+        await settle(nodes.values())
+        assert a.rep.ready
+        for n in nodes.values():
+            assert n.rep.table.key == a.rep.table.key and set(n.rep.table.jobs) == {"j1", "j2"}
+            assert n.rep.table.voters == {"a", "b", "c"} and not n.rep.table.revoked
+
+    asyncio.run(main())
+
+
+def test_one_membership_change_at_a_time_and_counted_over_the_committed_voters(tmp_path):
+    async def main():
+        nodes = await _founding(tmp_path)
+        a, c = nodes["a"], nodes["c"]
+        first = asyncio.ensure_future(a.rep.append([ev.MemberLeft(node_id="c", reason="stopped")], wait=True))  # fmt: skip
+        await asyncio.sleep(0)
+        with pytest.raises(Unavailable, match="membership change is still committing"):
+            await _remove(a, "b")
+        await first
+        assert a.rep.config() == {"a", "b"} and a.rep.table.member("c").down
+        # c is down: a and b alone commit, and c's id and key stay listed
+        a.net.partition({"a", "b"}, {"c"})
+        await submit(a, "j1")
+        assert a.rep.table.member("c").key == c.ctx.key.public
+        with pytest.raises(Unavailable, match="more than one"):
+            await a.rep.append([ev.MemberLeft(node_id="b"), ev.MemberJoined(node_id="c", key=c.ctx.key.public)])  # fmt: skip
+
+    asyncio.run(main())
+
+
+def test_a_newcomer_with_an_empty_table_never_leads_a_swarm_that_has_one(tmp_path):
+    """The audit's data loss: the members are down but a, a newcomer whose id sorts lower
+    joins a's side. It never leads and never founds: a holds the swarm's table."""
+
+    async def main():
+        nodes = await _founding(tmp_path)
+        a = nodes["a"]
+        await submit(a, "j1")
+        net = a.net
+        newcomer = net.nodes["0new"] = FakeNode(net, "0new", tmp_path)
+        net.partition({"a", "0new"}, {"b", "c"})  # b and c are down
+        assert newcomer.ctx.leader == "a" and a.ctx.leader == "a"
+        await lead(newcomer)
+        assert not newcomer.rep.ready and "a leads" in newcomer.rep.why_not_ready()
+        await newcomer.rep._elect()  # even asked to, it founds nothing beside a's table
+        assert not newcomer.rep.ready and newcomer.rep.table.version == 0
+        assert "waits to be listed" in newcomer.rep.why_not_ready()
+        await lead(a)
+        assert not a.rep.ready and set(a.rep.table.jobs) == {"j1"}  # a minority: it waits
+        net.heal()
+        await lead(a)
+        assert a.rep.ready
+        version = await a.rep.append([ev.MemberJoined(node_id="0new", key=newcomer.ctx.key.public)], wait=True)  # fmt: skip
+        await settle(net.nodes.values())
+        assert newcomer.rep.table.version >= version and set(newcomer.rep.table.jobs) == {"j1"}
+        net.heal()  # the next heartbeats: 0new says it holds the table now
+        assert all(n.ctx.leader == "0new" for n in net.nodes.values())  # a member: lowest
 
     asyncio.run(main())

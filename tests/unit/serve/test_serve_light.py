@@ -36,7 +36,7 @@ def test_loopback_needs_no_key(host):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.4", "::"])
 def test_other_hosts_need_a_key(host):
-    with pytest.raises(ValueError, match="--api-key or set SWARM_API_KEY"):
+    with pytest.raises(ValueError, match=r"--api-key - \(stdin\), or set SWARM_API_KEY"):
         check_bind(host, None)
     check_bind(host, "k")
 

@@ -1,0 +1,233 @@
+"""A joined member that lies, against real daemons (issue 24, item 5): 500 submissions meet
+the cap on unfinished jobs with a clear refusal while leadership stays put and `swarm status`
+answers; a 1 GB file offered for a job that does not exist, or for a snapshot the table does
+not list, is refused before a byte or a folder is written; a burst of near-cap messages does
+not make the leader look dead."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from security_harness import credentials, member
+from swarm_harness import NodeProc, agreed_on, free_port, wait_until
+
+from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
+from swarmp2p.net.auth import KeyCheck
+from swarmp2p.net.security import SwarmSecret
+from swarmp2p.node.config import MAX_WAITING_PER_SUBMITTER
+from swarmp2p.node.messages import FilePull, ShardChunk, ShardRead, StageReport, Submit
+from swarmp2p.plan import parse_job
+from swarmp2p.plan.inputs import JobInputs, ModelSource
+from swarmp2p.plan.model_shape import from_config
+from swarmp2p.wire.messages import MAX_MESSAGE_BYTES, encode
+
+pytestmark = pytest.mark.slow
+
+SNAP = "snapshots/cuts-none/stage-0/step-00000001.pt"
+GB = 1 << 30
+
+
+def _unplaceable() -> Submit:
+    """A job no node can hold: a 200-layer model of hidden size 16384 (its shape given, so
+    the leader plans it, finds it blocked and lets it wait)."""
+    shape = from_config({"model_type": "llama", "vocab_size": 128000, "hidden_size": 16384,
+                         "intermediate_size": 53248, "num_hidden_layers": 200,
+                         "num_attention_heads": 128, "num_key_value_heads": 8})  # fmt: skip
+    job = parse_job({"name": "huge", "model": {"pretrained": "/nowhere/huge"},
+                     "data": {"source": "random"}})  # fmt: skip
+    return Submit(job=job, submitted_by="zmallory",
+                  inputs=JobInputs(shape=shape, model=ModelSource(kind="embedded")))  # fmt: skip
+
+
+class _Watch(threading.Thread):
+    """Polls the leader's `swarm status` (its latency) and the follower's view of the leader
+    (leader, term, how long since it heard from it) until stopped."""
+
+    def __init__(self, leader: NodeProc, follower: NodeProc) -> None:
+        super().__init__(daemon=True)
+        self.leader, self.follower = leader, follower
+        self.status_s: list[float] = []
+        self.views: set[tuple[str, int]] = set()
+        self.silence_s = 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            start = time.monotonic()
+            self.leader.status(timeout=5.0)
+            self.status_s.append(time.monotonic() - start)
+            s = self.follower.status(timeout=5.0)
+            self.views.add((s["leader"], s["term"]))
+            for row in s["peers"]:
+                if row["node_id"] == self.leader.state.root.name:
+                    self.silence_s = max(self.silence_s, float(row.get("last_seen_s") or 0))
+            self.stop.wait(0.1)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Daemons a (leading) and b, agreed; their token."""
+    token = SwarmSecret.generate().token
+    ports = {"a": free_port(), "b": free_port()}
+    nodes = []
+    for n in "ab":
+        args = ["--node-id", n, "--name", n, "--port", str(ports[n]), "--interface", "127.0.0.1"]
+        args += ["--no-mdns", "--peer", f"127.0.0.1:{ports['b' if n == 'a' else 'a']}"]
+        nodes.append(NodeProc(tmp_path / n, args, env={"SWARM_TOKEN": token, "SWARM_DASHBOARD_PORT": "off"}))  # fmt: skip
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_up()
+        wait_until(lambda: agreed_on(nodes, "a", 2), 30, "a and b to agree")
+        wait_until(lambda: nodes[0].status()["leader_ready"], 30, "a to lead")
+        for node, n in zip(nodes, "ab"):
+            node.token, node.endpoint = token, f"tcp://127.0.0.1:{ports[n]}"
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.mark.alone  # it times `swarm status` and heartbeats under load
+def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
+    a, b = pair
+    keys = credentials(a.endpoint, a.token)  # returns once the leader lists mallory
+    before = a.status()
+    watch = _Watch(a, b)
+    watch.start()
+    accepted, refused, other = [], [], []
+    try:
+        with member(a.endpoint, a.token, keys=keys) as m:
+            for _ in range(5):  # 100 at a time: under the server's 256 requests in flight
+                for _ in range(100):
+                    m.send(_unplaceable())
+                for _ in range(100):
+                    try:
+                        reply = m.reply(30.0)
+                    except RpcError as exc:
+                        (refused if exc.code == "job_cap" else other).append(exc)
+                        continue
+                    assert reply is not None, "no reply within 30 s"
+                    accepted.append(reply.job_id)
+        time.sleep(3 * 0.5)  # a few heartbeat rounds of the leader planning what waits
+    finally:
+        watch.stop.set()
+        watch.join(10)
+    after = a.status()
+    print(f"500 submissions: {len(accepted)} accepted, {len(refused)} refused; status max "
+          f"{max(watch.status_s) * 1000:.0f} ms over {len(watch.status_s)}; b heard nothing "
+          f"from a for at most {watch.silence_s:.2f} s; views {watch.views}")  # fmt: skip
+    assert other == [], other[:3]
+    assert len(accepted) == MAX_WAITING_PER_SUBMITTER and len(refused) == 500 - len(accepted)
+    assert "the cap of 16 per node" in refused[0].detail
+    assert "--max-waiting-per-node" in refused[0].detail
+    mine = {
+        j["job_id"]
+        for j in after["jobs"]
+        if j["record"].get("submitted_by", "").endswith("@zmallory")
+    }
+    assert mine == set(accepted)  # a refused submission left nothing in the table
+    assert all(j["state"] == "pending" for j in after["jobs"] if j["job_id"] in mine)
+    assert watch.views == {("a", before["term"])} and after["term"] == before["term"]
+    assert max(watch.status_s) < 0.5, sorted(watch.status_s)[-5:]
+
+
+def _evil_server(keys, total: int, asked: list):
+    mine = NodeKey(keys.public, keys.secret)
+    served = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil")  # fmt: skip
+
+    async def evil(msg, peer):
+        if isinstance(msg, ShardRead):
+            asked.append(msg)
+            return ShardChunk(data=b"x" * min(msg.size, 1 << 20), total=total)
+        return None
+
+    return served, evil
+
+
+def _pull(victim, keys, msg: FilePull, asked: list) -> RpcError | None:
+    served, evil = _evil_server(keys, GB, asked)
+
+    async def attack() -> RpcError | None:
+        ctx = AsyncSecureContext()
+        server = RpcServer(ctx, served, "127.0.0.1", 0, evil)
+        await server.start()
+        client = RpcClient(ctx, keys, victim.endpoint)
+        try:
+            await client.request(FilePull(job_id=msg.job_id, file=msg.file, source=server.endpoint), 15)  # fmt: skip
+            return None
+        except RpcError as exc:
+            return exc
+        finally:
+            await client.close()
+            await server.close()
+            ctx.destroy(0)
+
+    return asyncio.run(attack())
+
+
+def test_a_1gb_file_for_a_job_that_does_not_exist_is_refused_unread(victim):
+    keys = credentials(victim.endpoint, victim.token)
+    asked: list = []
+    err = _pull(victim, keys, FilePull(job_id="ghost", file=SNAP, source=""), asked)
+    assert err is not None and err.code == "no_job", err
+    assert "no job 'ghost' in the table" in err.detail
+    assert asked == [] and not (victim.state.root / "jobs" / "ghost").exists()
+
+
+def test_a_1gb_file_for_a_real_job_is_refused_unless_the_table_lists_it(pair):
+    """The member's own job is in the table (committed by the two real nodes), but it lists
+    no snapshot of it: refused before the victim asks for a byte; and a name that is no
+    snapshot at all, the same."""
+    victim, _ = pair
+    keys = credentials(victim.endpoint, victim.token)
+    job_id = "mallory-job-1"
+    with member(victim.endpoint, victim.token, keys=keys) as m:
+        m.send(_unplaceable(), job_id=job_id)
+        assert m.reply(15.0) is not None
+    wait_until(lambda: any(j["job_id"] == job_id for j in victim.status()["jobs"]), 10, "the job")
+    for file, code in ((SNAP, "not_listed"), ("model.safetensors", "bad_field")):
+        asked: list = []
+        err = _pull(victim, keys, FilePull(job_id=job_id, file=file, source=""), asked)
+        assert err is not None and err.code == code, err
+        assert asked == [] and not (victim.state.root / "jobs" / job_id).exists()
+
+
+@pytest.mark.alone  # it times heartbeats under a burst
+def test_a_burst_of_near_cap_messages_does_not_make_the_leader_look_dead(pair):
+    a, b = pair
+    keys = credentials(a.endpoint, a.token)  # returns once the leader lists mallory
+    before = a.status()
+    pad = "x" * 1000
+    n = (MAX_MESSAGE_BYTES - 8192) // 1024
+    report = StageReport(node_id="zmallory", job_id="ghost", attempt=1, stage=0,
+                         events=[{"event": "step", "pad": pad}] * n)  # fmt: skip
+    assert MAX_MESSAGE_BYTES * 0.99 < len(encode(report)) <= MAX_MESSAGE_BYTES
+    watch = _Watch(a, b)
+    watch.start()
+    replies = 0
+    try:
+        with member(a.endpoint, a.token, keys=keys) as m:
+            for _ in range(40):
+                m.send(report)
+            deadline = time.monotonic() + 60
+            while replies < 40 and time.monotonic() < deadline:
+                try:
+                    if m.reply(1.0) is not None:
+                        replies += 1
+                except RpcError:
+                    replies += 1
+        time.sleep(1.0)
+    finally:
+        watch.stop.set()
+        watch.join(10)
+    print(f"40 x {len(encode(report))} bytes: status max {max(watch.status_s) * 1000:.0f} ms, "
+          f"b heard nothing from a for at most {watch.silence_s:.2f} s; views {watch.views}")  # fmt: skip
+    assert replies == 40  # each answered, or refused as busy
+    assert watch.views == {("a", before["term"])}
+    assert watch.silence_s < 1.5, watch.silence_s  # heartbeats every 0.5 s; dead at 3 s
+    assert sum(p["alive"] for p in b.status()["peers"]) >= 2
