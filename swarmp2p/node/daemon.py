@@ -335,6 +335,7 @@ class Daemon:
         self._bad.flush()
         self.admission.check_secret()
         await self.pairing.tick()
+        self.rep.note_view()
         self.rep.check_quorum()
         if ctx.leader == ctx.node_id and not self.rep.ready:
             self.rep.start_takeover()

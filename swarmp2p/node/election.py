@@ -3,7 +3,8 @@ its own view.
 
 Who may lead (Raft's election restriction, in this swarm's terms): a node that has never held
 the swarm's table never outranks one that has. When this node's table lists members, only
-they may lead; when it lists none (a brand-new swarm, or a newcomer not listed yet), the live
+they may lead, and of them first the ones that hold a table (a newcomer listed moments ago
+leads once the table reached it); when it lists none (a brand-new swarm, or a newcomer not listed yet), the live
 nodes that say they hold a table come first; only where nobody holds one does every live node
 count (the founding of a new swarm)."""
 
@@ -33,7 +34,10 @@ def eligible_leader(
     """The lowest live node id that may lead (see the module): ``members``, the ids this
     node's table lists; ``held``, node id -> the table version it holds (0: none)."""
     live = {n for n, alive in view.items() if alive}
-    for candidates in (live & set(members), {n for n in live if held.get(n, 0) > 0}):
+    listed = live & set(members)
+    holding = {n for n in live if held.get(n, 0) > 0}
+    # a listed member that holds no table yet (listed moments ago) waits for it first
+    for candidates in (listed & holding, listed, holding):
         if candidates:
             return min(candidates)
     return leader(view)

@@ -81,7 +81,9 @@ class Replication:
         self.ctx = ctx
         self.table_file, self.vote_file = table_file, vote_file
         self.table = jobtable.load(table_file)
-        self.voted_term, self.voted_for = self._load_vote()
+        self.voted_term, self.voted_for, self.met = self._load_vote()
+        """``met``: this node has seen a peer that holds the swarm's table (it joined a swarm,
+        it did not start one): it never founds a history of its own, even cut off."""
         self.ready = False
         self.commit = 0
         """The newest version known to be held by a majority."""
@@ -107,20 +109,30 @@ class Replication:
 
     # --- votes on disk ------------------------------------------------------------------------
 
-    def _load_vote(self) -> tuple[int, str]:
+    def _load_vote(self) -> tuple[int, str, bool]:
         try:
             data = json.loads(self.vote_file.read_text())
-            term, who = int(data["term"]), str(data["for"])
+            term, who, met = int(data["term"]), str(data["for"]), bool(data.get("met", False))
         except FileNotFoundError:
-            return 0, ""
+            return 0, "", False
         except (ValueError, KeyError, TypeError):
             log.warning("%s is unreadable; voting afresh", self.vote_file)
-            return 0, ""
-        return (term, who) if 0 <= term < MAX_VERSION else (0, "")
+            return 0, "", False
+        return (term, who, met) if 0 <= term < MAX_VERSION else (0, "", met)
 
     def _vote(self, term: int, candidate: str) -> None:
         self.voted_term, self.voted_for = term, candidate
-        write_atomic(self.vote_file, json.dumps({"term": term, "for": candidate}), mode=0o600)
+        self._save_vote()
+
+    def _save_vote(self) -> None:
+        data = {"term": self.voted_term, "for": self.voted_for, "met": self.met}
+        write_atomic(self.vote_file, json.dumps(data), mode=0o600)
+
+    def note_view(self) -> None:
+        """Each heartbeat round: remember (on disk) that a peer holds the swarm's table."""
+        if not self.met and any(v > 0 for v in self.ctx.members.held_view().values()):
+            self.met = True
+            self._save_vote()
 
     # --- status ---------------------------------------------------------------------------
 
@@ -262,7 +274,14 @@ class Replication:
             )
             return
         if not self.table.version:
+            self.note_view()
             holders = sorted(n for n, v in self.ctx.members.held_view().items() if v > 0)
+            if self.met and not holders:
+                self._reason = (
+                    "this node joined a swarm that holds a table and holds none itself: it "
+                    "waits for that swarm's members (it never founds a history of its own)"
+                )
+                return
             if holders:
                 self._reason = (
                     f"this node holds no table and {', '.join(holders)} hold(s) the swarm's: it "
@@ -280,6 +299,10 @@ class Replication:
         votes: dict[str, LeadVote] = {}
         refusals = []
         newer = False
+        founded = sorted(
+            p.node_id for p, r in zip(peers, replies)
+            if isinstance(r, LeadVote) and r.node_id == p.node_id and (r.members or r.version)
+        )  # fmt: skip
         for peer, reply in zip(peers, replies):
             if isinstance(reply, LeadVote) and reply.node_id == peer.node_id:
                 if reply.granted:
@@ -294,8 +317,11 @@ class Replication:
         if base is None:
             return
         founding = not base.members
-        if founding and any(v.version > 0 for v in votes.values()):
-            self._reason = "a voter holds a table of another history than the newest; retrying"
+        if founding and founded:  # granted or not: never a new history beside a held one
+            self._reason = (
+                f"this node holds no table and {', '.join(founded)} hold(s) the swarm's: it "
+                "waits to be listed by the swarm's leader"
+            )
             return
         members = (
             {me, *(n for n, v in votes.items() if v.members == 0)} if founding else base.voters
@@ -491,6 +517,14 @@ class Replication:
         """Bring ``node_id`` up to date (``have``: the (term, version) it reported)."""
         if node_id in self._pushing or self.table.leader != self.ctx.node_id:
             return
+        if have is not None and have[0] > self.table.term:  # a newer term leads: this one is over
+            if self.ready:
+                log.warning("node %s holds term %d, newer than ours (%d); leading again", node_id, have[0], self.table.term)  # fmt: skip
+                self.ready = False
+                self._reason = f"node {node_id} holds a newer term ({have[0]})"
+                self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
+                self.start_takeover()
+            return
         if have is not None:
             self._match[node_id] = max(self._match.get(node_id, 0), have[1] if self._same(*have) else 0)  # fmt: skip
             self._advance_commit()
@@ -612,6 +646,7 @@ class Replication:
                 return self._ack(False, f"bad delta: {exc}")
             self.table = table
             await self._persist_follower(msg.commit)
+            self._writer_holds(sender)
         return self._ack(True, "")
 
     async def on_table(self, msg: TablePush, sender: str) -> TableAck:
@@ -632,6 +667,7 @@ class Replication:
                 return self._ack(False, "older than this node's table")
             self.table = table
             await self._persist_follower(msg.commit)
+            self._writer_holds(sender)
         return self._ack(True, "")
 
     def _refuse_writer(self, sender: str, term: int) -> str:
@@ -647,11 +683,17 @@ class Replication:
             return f"{self.table.leader} leads term {term}, not {sender}"
         if self.table.members and sender not in self.table.member_ids:
             return f"{sender} is not a member"
-        if self.ctx.leader != sender:
+        if self.ctx.leader != sender and self.table.version:  # an empty table has nothing to lose
             return f"this node's view says {self.ctx.leader} leads, not {sender}"
         if self.ready:
             self.lost_lead()
         return ""
+
+    def _writer_holds(self, sender: str) -> None:
+        """The leader that wrote to this node holds the table (whatever its last hello said)."""
+        peer = self.ctx.members.peers.get(sender)
+        if peer is not None:
+            peer.held = max(peer.held, self.table.version)
 
     async def _persist_follower(self, commit: int) -> None:
         """A follower saves what its leader sent; it reasons with the latest configuration

@@ -37,3 +37,18 @@ def test_bad_node_ids_are_refused(bad):
 @pytest.mark.parametrize("good", ["a", "n0123", "node-1.lab_2", "9"])
 def test_good_node_ids(good):
     assert check_node_id(good) == good
+
+
+def test_who_may_lead_a_member_that_holds_the_table_then_any_holder_then_anyone():
+    from swarmp2p.node.election import eligible_leader
+
+    view = {"0": True, "a": True, "b": True, "z": True, "c": False}
+    # the table lists a, b, c: the newcomer 0 (no table) and the stranger z never outrank them
+    assert eligible_leader(view, {"a", "b", "c"}, {"a": 5, "b": 5, "0": 0, "z": 0}) == "a"
+    # a listed member that holds no table yet waits for it; then it leads as the lowest
+    assert eligible_leader(view, {"0", "a", "b"}, {"a": 5, "b": 5, "0": 0}) == "a"
+    assert eligible_leader(view, {"0", "a", "b"}, {"a": 5, "b": 5, "0": 6}) == "0"
+    # an empty table (this node lists nobody): the nodes that hold one first
+    assert eligible_leader(view, set(), {"b": 3}) == "b"
+    # nobody holds a table: a brand-new swarm, the lowest live node founds it
+    assert eligible_leader(view, set(), {}) == "0"

@@ -1,6 +1,6 @@
 """Quorum, votes and deltas between in-process nodes: real Replication objects over a fake
 network (every message encoded and decoded as on the wire), no sockets. Partitions are the
-network's: a node's view and its reach are cut together."""
+network's: a node's view and its reach are cut together (the harness: ``_fakenet.py``)."""
 
 from __future__ import annotations
 
@@ -11,137 +11,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import job
+from _fakenet import SECRET, FakeNode, lead, settle, submit, swarm
 
 from swarmp2p.errors import Unavailable
-from swarmp2p.net.rpc import RpcTimeout
-from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
-from swarmp2p.node.config import NodeConfig
-from swarmp2p.node.context import Identity, NodeContext
-from swarmp2p.node.messages import (
-    LeadRequest,
-    TableEvents,
-    TableFetch,
-    TablePush,
-)
-from swarmp2p.node.replication import Replication
-from swarmp2p.node.state import StateDir
-from swarmp2p.wire.messages import decode, encode
-
-SECRET = SwarmSecret.generate()
-
-
-class Net:
-    """Which node reaches which; messages cross as bytes, as on a socket."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, FakeNode] = {}
-        self.cut: set[frozenset[str]] = set()
-
-    def reach(self, a: str, b: str) -> bool:
-        return frozenset((a, b)) not in self.cut
-
-    def partition(self, *sides: set[str]) -> None:
-        self.cut = {frozenset((x, y)) for s in sides for t in sides if s is not t for x in s for y in t}  # fmt: skip
-        for node in self.nodes.values():
-            node.see()
-
-    def heal(self) -> None:
-        self.partition()
-
-
-class FakeContext(NodeContext):
-    def __init__(self, net: Net, node_id: str, tmp: Path) -> None:
-        state = StateDir(root=tmp / node_id).ensure()
-        super().__init__(
-            me=Identity(
-                node_id=node_id,
-                name=f"host-{node_id}",
-                addresses=("127.0.0.1",),
-                record={},
-                host={},
-            ),
-            state=state,
-            secret=SECRET,
-            key=NodeKey.generate(),
-            config=NodeConfig(state_dir=state.root, heartbeat_s=0.05, failure_timeout_s=0.2),
-        )
-        self.net = net
-        self.started_at = -1e9  # long past its start-up grace
-
-    async def call_endpoint(self, endpoint, msg, timeout, key=None):
-        target = endpoint.removeprefix("fake://")
-        if not self.net.reach(self.node_id, target) or target not in self.net.nodes:
-            raise RpcTimeout(f"{target} unreachable")
-        reply = await self.net.nodes[target].handle(decode(encode(msg)), self.node_id)
-        return decode(encode(reply))
-
-
-class FakeNode:
-    def __init__(self, net: Net, node_id: str, tmp: Path) -> None:
-        self.ctx = FakeContext(net, node_id, tmp)
-        self.rep = Replication(
-            self.ctx, self.ctx.state.table_file, self.ctx.state.root / "vote.json"
-        )
-        self.rep.commit_timeout = 0.5
-        self.ctx.attach(local=self.handle, replication=self.rep)
-        self.net = net
-
-    def see(self) -> None:
-        """This node's view: every node it reaches is alive."""
-        for other in self.net.nodes:
-            if other == self.ctx.node_id:
-                continue
-            if self.net.reach(self.ctx.node_id, other):
-                self.ctx.keyring.admit(other, self.net.nodes[other].ctx.key.public, 0.0)
-                held = self.net.nodes[other].rep.table.version
-                self.ctx.members.hello(node_id=other, name=f"host-{other}", endpoint=f"fake://{other}", record={}, now=0.0, held=held)  # fmt: skip
-            else:
-                self.ctx.members.dead(other, 0.0, "cut")
-        if self.ctx.leader != self.ctx.node_id:
-            self.rep.lost_lead()
-        self.rep.check_quorum()  # as the daemon's heartbeat round does
-
-    async def handle(self, msg, sender=None):
-        sender = sender or self.ctx.node_id
-        if isinstance(msg, LeadRequest):
-            return self.rep.on_vote_request(msg)
-        if isinstance(msg, TableFetch):
-            return self.rep.on_fetch(msg)
-        if isinstance(msg, TableEvents):
-            return await self.rep.on_events(msg, sender)
-        if isinstance(msg, TablePush):
-            return await self.rep.on_table(msg, sender)
-        raise AssertionError(msg)
-
-
-def swarm(tmp_path, *ids) -> dict[str, FakeNode]:
-    net = Net()
-    for node_id in ids:
-        net.nodes[node_id] = FakeNode(net, node_id, tmp_path)
-    for node in net.nodes.values():
-        node.see()
-    return net.nodes
-
-
-async def lead(node: FakeNode) -> None:
-    node.rep.start_takeover()
-    await node.rep._takeover
-
-
-async def settle(nodes) -> None:
-    """Let the pushes in flight land."""
-    for _ in range(50):
-        await asyncio.sleep(0.01)
-        if not any(n.rep._pushing for n in nodes):
-            return
-
-
-def submit(node: FakeNode, job_id: str):
-    event = ev.JobSubmitted(job_id=job_id, job=job(), submitted_by="cli", at=1.0)
-    return node.rep.append([event], wait=True)
+from swarmp2p.node.messages import LeadRequest, TableEvents, TablePush
 
 
 async def _founding(tmp_path):
@@ -385,6 +260,7 @@ def test_a_newcomer_with_an_empty_table_never_leads_a_swarm_that_has_one(tmp_pat
         version = await a.rep.append([ev.MemberJoined(node_id="0new", key=newcomer.ctx.key.public)], wait=True)  # fmt: skip
         await settle(net.nodes.values())
         assert newcomer.rep.table.version >= version and set(newcomer.rep.table.jobs) == {"j1"}
-        assert all(n.ctx.leader == "0new" for n in net.nodes.values())  # a member now: lowest
+        net.heal()  # the next heartbeats: 0new says it holds the table now
+        assert all(n.ctx.leader == "0new" for n in net.nodes.values())  # a member: lowest
 
     asyncio.run(main())
