@@ -101,6 +101,8 @@ class NodeContext:
             return lowest_live(view)
         table = self._replication.table
         held = {**self.members.held_view(), self.node_id: table.version}
+        if table.leader:  # the leader that wrote this node's table holds it, whatever it said
+            held[table.leader] = max(held.get(table.leader, 0), table.version)
         return eligible_leader(view, table.member_ids, held)
 
     @property

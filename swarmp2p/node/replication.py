@@ -645,8 +645,8 @@ class Replication:
                 log.warning("refused a delta from %s: %s", msg.leader, exc)
                 return self._ack(False, f"bad delta: {exc}")
             self.table = table
-            await self._persist_follower(msg.commit)
             self._writer_holds(sender)
+            await self._persist_follower(msg.commit)
         return self._ack(True, "")
 
     async def on_table(self, msg: TablePush, sender: str) -> TableAck:
@@ -666,8 +666,8 @@ class Replication:
             elif table.epoch == self.table.epoch and table.key < self.table.key:
                 return self._ack(False, "older than this node's table")
             self.table = table
-            await self._persist_follower(msg.commit)
             self._writer_holds(sender)
+            await self._persist_follower(msg.commit)
         return self._ack(True, "")
 
     def _refuse_writer(self, sender: str, term: int) -> str:
