@@ -27,6 +27,15 @@ def _seconds_option(flag: str, envvar: str, default: float, what: str):
     )  # fmt: skip
 
 
+def _count_option(flag: str, envvar: str, default: int, what: str):
+    """A cap of at least 1 (the daemon's own default: ``node.config``), also read from
+    ``envvar``."""
+    return click.option(
+        flag, type=click.IntRange(min=1), metavar="N", default=default, envvar=envvar,
+        show_envvar=True, show_default=True, help=what,
+    )  # fmt: skip
+
+
 @main.command()
 @click.option(
     "--token",
@@ -76,26 +85,18 @@ def _seconds_option(flag: str, envvar: str, default: float, what: str):
     3.0,
     "Seconds of silence after which a peer is dead.",
 )
-@click.option(
+@_count_option(
     "--max-waiting-jobs",
-    type=click.IntRange(min=1),
-    metavar="N",
-    default=64,
-    envvar="SWARM_MAX_WAITING_JOBS",
-    show_envvar=True,
-    show_default=True,
-    help="While this node leads: unfinished jobs (pending, placed, running) the swarm holds; "
+    "SWARM_MAX_WAITING_JOBS",
+    64,
+    "While this node leads: unfinished jobs (pending, placed, running) the swarm holds; "
     "a submission past it is refused, nothing written.",
 )
-@click.option(
+@_count_option(
     "--max-waiting-per-node",
-    type=click.IntRange(min=1),
-    metavar="N",
-    default=16,
-    envvar="SWARM_MAX_WAITING_PER_NODE",
-    show_envvar=True,
-    show_default=True,
-    help="While this node leads: unfinished jobs one node's submissions may hold.",
+    "SWARM_MAX_WAITING_PER_NODE",
+    16,
+    "While this node leads: unfinished jobs one node's submissions may hold.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once it is up.")
 def up(
