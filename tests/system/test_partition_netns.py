@@ -1,5 +1,6 @@
 """Quorum on real hosts: cut the bridge between {a, b} and {c}. The minority host accepts no
-submission and says why; the majority side keeps working; healed, one table, nothing lost."""
+submission and says why; the majority side keeps working; healed, one table, nothing lost.
+Then a second partition, the leader alone: the same, and one table again once healed."""
 
 from __future__ import annotations
 
@@ -71,5 +72,24 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
             "the same table version everywhere",
         )
         assert all(n.status()["quorum"]["ok"] for n in nodes)
+
+        # a second partition, the other way: the leader alone this time
+        lab.cut(0)
+        wait_until(lambda: agreed_on([b, c], "b", 2), 20, "b and c to agree without a")
+        wait_until(lambda: not a.status()["quorum"]["ok"], 15, "a to see it is a minority")
+        alone = _submit(a, _job_on(a))
+        assert alone.returncode == 4, (alone.returncode, alone.stderr)
+        third = _submit(c, _job_on(c))
+        assert third.returncode == 0, third.stderr
+        j3 = json.loads(third.stdout)["job_id"]
+        lab.heal(0)
+        every = sorted([j1, j2, j3])
+        wait_until(
+            lambda: agreed_on(nodes, "a", 3) and all(_jobs(n) == every for n in nodes)
+            and len({(n.status()["term"], n.status()["table_version"]) for n in nodes}) == 1,
+            30, "one table after the second healing",
+        )  # fmt: skip
+        assert all(n.status()["quorum"]["ok"] for n in nodes)
+        assert not any(p.get("revoked") for p in a.status()["peers"])
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump(nodes)}") from None

@@ -1,8 +1,9 @@
 """Issue 24's two data-loss attacks on real hosts (network namespaces, each with its own disk):
 
-- a newcomer whose id sorts lowest joins the one member that came back after the whole swarm
-  went down: it never leads an empty history, the table survives on every host, and once the
-  old members are back there is one leader and one table;
+- three hosts train and register a model and all go down; a newcomer whose id sorts lowest
+  joins the one member that came back: it never leads an empty history, the job and the model
+  survive on every host, and once the old members are back (in either order) there is one
+  leader and one table;
 - a leader cut off from the others tries to remove them one by one and to write alone: every
   removal and the write are refused, nothing is revoked, and the healed swarm holds one table,
   the majority's.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 
+import _tiny
 import pytest
 from hosts import CONTROL_PORT, HOME
 from swarm_harness import agreed_on, dump, swarm, wait_until
@@ -20,6 +22,9 @@ from swarm_harness import agreed_on, dump, swarm, wait_until
 from swarmp2p.net.security import SwarmSecret
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+ENV = {"OMP_NUM_THREADS": "1"}
+"""Every host shares this machine's cores: one torch thread per stage worker."""
 
 
 def _job_on(node, name: str) -> str:
@@ -49,28 +54,57 @@ def _side_files(node) -> list[str]:
     return sorted(p.name for p in table.parent.glob(f"{table.name}.*"))
 
 
-def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama with a word-level tokenizer, made here; the test puts it on one host."""
+    return _tiny.tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab=128, layers=3)
+
+
+def _trained(node, tiny_llama) -> str:
+    """Train a 3-stage LoRA job on the tiny Llama (its folder only on ``node``'s host), to the
+    end: the table holds a completed job and the model it registered. The job's id."""
+    node.host.put(tiny_llama, f"{HOME}/models/tiny")
+    job = {"name": "tiny", "model": {"pretrained": f"{HOME}/models/tiny",
+                                     "lora": {"enabled": True, "r": 4, "alpha": 8}},
+           "split": {"stages": 3, "mode": "equal"}, "data": {"source": "random"},
+           "train": {"steps": 2, "batch_size": 2, "seq_len": 8, "micro_batches": 2,
+                     "eval_batches": 1, "checkpoint_every": 0}}  # fmt: skip
+    out = swarm(node, "train", node.host.write(f"{HOME}/tiny.json", json.dumps(job)), "--json", timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    view = json.loads(out.stdout)
+    assert view["state"] == "COMPLETED", view
+    return view["id"]
+
+
+def _models(node) -> list[tuple[str, str]]:
+    out = swarm(node, "models", "--json", timeout=30)
+    assert out.returncode == 0, out.stderr
+    return [(m["id"], m["job_id"]) for m in json.loads(out.stdout)]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("back", [("nd", "nc"), ("nc", "nd")], ids=["last-down-first", "first-down-first"])  # fmt: skip
+def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_llama, back):
     lab = netns_lab_of
     hosts = lab.build(4)
     token = SwarmSecret.generate().token
-    a, b, c = (h.swarm_up(n, token) for h, n in zip(hosts, ("nb", "nc", "nd")))
+    a, b, c = (h.swarm_up(n, token, env=ENV) for h, n in zip(hosts, ("nb", "nc", "nd")))
     old = [a, b, c]
     try:
         for node in old:
             node.start()
         wait_until(lambda: agreed_on(old, "nb", 3), 30, "agreement on nb")
         wait_until(lambda: all(len(n.status()["quorum"]["voters"]) == 3 for n in old), 20, "3 voters")  # fmt: skip
-        done = _submit(c, "kept")
-        assert done.returncode == 0, done.stderr
-        job = json.loads(done.stdout)["job_id"]
-        wait_until(lambda: all(_jobs(n) == [job] for n in old), 20, "the job everywhere")
+        job = _trained(c, tiny_llama)  # three hosts train and register a model
+        model = [("tiny", job)]
+        wait_until(lambda: all(_models(n) == model for n in old), 30, "the model everywhere")
 
         for node in old:  # the whole swarm goes down, cleanly
             assert node.stop() == 0
         a.start()  # one member comes back alone
         wait_until(lambda: a.status()["leader"] == "nb", 30, "a up again")
         # a fresh machine joins it with the token; its new id sorts below every member's
-        d = hosts[3].swarm_up("na", token, "--peer", f"{hosts[0].address}:{CONTROL_PORT}")
+        d = hosts[3].swarm_up("na", token, "--peer", f"{hosts[0].address}:{CONTROL_PORT}", env=ENV)  # fmt: skip
         d.start()
         wait_until(lambda: sum(p["alive"] for p in a.status()["peers"]) == 2, 30, "a meets d")
         deadline = time.monotonic() + 6  # several heartbeats and a takeover grace
@@ -81,15 +115,19 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of):
             assert _jobs(a) == [job] and _side_files(a) == []
             time.sleep(0.3)
         assert "na" not in a.status()["quorum"]["members"]  # a minority lists nobody
+        assert _models(a) == model
 
-        c.start()  # the old members come back, the last one down first
-        b.start()
+        by_id = {"nc": b, "nd": c}
+        for node_id in back:  # the old members come back, in the order given
+            by_id[node_id].start()
         nodes = [a, b, c, d]
         wait_until(lambda: agreed_on(nodes, "na", 4), 60, "agreement on na, now a member")
         wait_until(lambda: all(_jobs(n) == [job] for n in nodes), 30, "the job on every host")
         wait_until(lambda: _one_table(nodes), 30, "one table, one leader")
         assert all(n.status()["quorum"]["ok"] for n in nodes)
         assert all(_side_files(n) == [] for n in nodes)
+        assert all(_models(n) == model for n in nodes)  # the trained model survives everywhere
+        assert all(j["state"] == "completed" for j in d.status()["jobs"]), d.status()["jobs"]
         # the members that were down count again, listed one change at a time
         everyone = ["na", "nb", "nc", "nd"]
         wait_until(lambda: all(sorted(n.status()["quorum"]["voters"]) == everyone for n in nodes), 30, "4 voters")  # fmt: skip
