@@ -79,7 +79,7 @@ class Generation:
             sampling = req.sampling
             if req.n > 1 and sampling.seed is not None:
                 sampling = replace(sampling, seed=(sampling.seed + index) % 2**63)
-            text = TextStream(req.model.codec, req.stop)
+            text = TextStream(req.model.codec, req.stop, prompt=req.prompt)
             try:
                 session = req.model.client.submit(
                     req.prompt,

@@ -223,6 +223,11 @@ class TextStream:
     each new piece of text to ``pieces`` (and hands it to ``on_text``) and returns True once a
     stop string appeared (text before it kept).
 
+    The text is what the generated ids add to the prompt's: ``decode(prompt + generated)``
+    less ``decode(prompt)``. The decoder starts from the prompt's last ids (``prompt``), so a
+    SentencePiece-style first token ("▁world" after "Hello") keeps its space: decoded on its
+    own, as the start of a text, the Metaspace decoder drops it ("Helloworld").
+
     O(1) per token: the tokenizers library's streaming decoder turns one id into its new text
     (it keeps the few ids a character or a word boundary needs), and stop strings are looked
     for only in the held-back tail plus that new text — a stop string that ends in the new text
@@ -234,6 +239,8 @@ class TextStream:
         codec: TextCodec,
         stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        *,
+        prompt: Sequence[int] = (),
     ) -> None:
         from tokenizers.decoders import DecodeStream
 
@@ -244,6 +251,8 @@ class TextStream:
         """New text not yet taken (``take``); safe to read from another thread."""
         self.stopped = False
         self._decoder = DecodeStream(skip_special_tokens=True)
+        for token in _prompt_context(codec, prompt):
+            self._step(token)  # the prompt's own text is not handed out
         self._held = ""
         self._out: list[str] = []
 
@@ -256,10 +265,7 @@ class TextStream:
         """Take the newest of ``tokens``; True when a stop string ends the text."""
         if self.stopped:
             return True
-        try:
-            new = self._decoder.step(self.codec.tokenizer, tokens[-1])
-        except Exception:  # an id the tokenizer cannot decode (beyond its vocabulary) adds nothing
-            new = None
+        new = self._step(tokens[-1])
         if not new:  # a character split across tokens: wait for the rest
             return False
         buf = self._held + new
@@ -288,12 +294,40 @@ class TextStream:
             out.append(self.pieces.popleft())
         return "".join(out)
 
+    def _step(self, token: int) -> str | None:
+        try:
+            return self._decoder.step(self.codec.tokenizer, token)
+        except Exception:  # an id the tokenizer cannot decode (beyond its vocabulary) adds nothing
+            return None
+
     def _emit(self, piece: str) -> None:
         if piece:
             self._out.append(piece)
             self.pieces.append(piece)
             if self.on_text is not None:
                 self.on_text(piece)
+
+
+PROMPT_CONTEXT = (4, 24)
+"""The fewest and the most prompt ids a TextStream's decoder starts from."""
+
+
+def _prompt_context(codec: TextCodec, prompt: Sequence[int]) -> list[int]:
+    """The shortest tail of ``prompt`` (``PROMPT_CONTEXT`` ids at least, at most) that decodes
+    to whole characters: one that began or ended inside a character split across tokens would
+    make the first generated ids' text wrong. The tail only gives the decoder its context (is
+    the next token's "▁" a space, does a byte finish a character); a few ids are enough, and
+    the cost per request stays the same for long prompts."""
+    fewest, most = PROMPT_CONTEXT
+    prompt = list(prompt)
+    for n in range(min(fewest, len(prompt)), min(most, len(prompt)) + 1):
+        try:
+            whole = "\ufffd" not in codec.decode(prompt[-n:])
+        except Exception:  # an id the tokenizer cannot decode: try a longer tail
+            whole = False
+        if whole:
+            return prompt[-n:]
+    return prompt[-most:]
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -1,6 +1,12 @@
-"""Text: a real byte-level BPE tokenizer trained in the test, the chat template, stop strings."""
+"""Text: a real byte-level BPE tokenizer trained in the test, the chat template, stop strings;
+SentencePiece-style tokenizers built here, streamed against the whole text."""
 
 from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from contextlib import contextmanager
 
 import pytest
 from conftest import CORPUS
@@ -169,3 +175,180 @@ def test_a_template_that_raises_names_the_reason(folder, tmp_path):
     codec = TextCodec.from_folder(tmp_path / "m")
     with pytest.raises(ValueError, match="the chat template refused the messages: users first"):
         codec.render_chat([{"role": "system", "content": "x"}])
+
+
+# --- streamed text against the prompt's: SentencePiece-style and byte-level tokenizers ------
+
+
+def _spm_codec(style: str) -> TextCodec:
+    """A SentencePiece-style tokenizer built here ("▁" marks a space; what the vocabulary
+    lacks falls back to byte tokens): "metaspace" with a Metaspace pre-tokenizer and decoder
+    (as Mistral's and newer conversions have), "llama" as Llama 2's tokenizer.json (the
+    normalizer prepends and replaces "▁"; the decoder replaces it, fuses the bytes and strips
+    the first space)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    pieces += ["▁", "▁Hello", "▁world", "ly", ",", "▁wor", "ld", "▁café"]
+    model = models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=True)
+    tok = Tokenizer(model)
+    if style == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    else:
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return TextCodec(tok, chat_template=None, eos_ids=frozenset({2}), special={})
+
+
+SPM_GENERATED = ["▁world", "ly", ",", "▁wor", "ld", "▁", "<0xE2>", "<0x9C>", "<0x93>", "▁café"]
+"""A word, one continuing it without "▁", a comma, a word in two pieces, a "✓" in three bytes."""
+
+
+def _streamed(codec, prompt, generated):
+    pieces: list[str] = []
+    stream = TextStream(codec, on_text=pieces.append, prompt=prompt)
+    for i in range(len(generated)):
+        assert not stream.push(generated[: i + 1])
+    return pieces, stream.finish()
+
+
+def _added_text(codec, prompt, generated):
+    """What the generated ids add to the prompt's text, decoding both whole."""
+    before = codec.decode(prompt)
+    whole = codec.decode([*prompt, *generated])
+    assert whole.startswith(before)
+    return whole[len(before) :]
+
+
+@pytest.mark.parametrize("style", ["metaspace", "llama"])
+@pytest.mark.parametrize("prompt", ["Hello", "Hello world,", "Hello world, " * 10 + "Hello"])
+def test_sentencepiece_stream_keeps_the_first_space(style, prompt):
+    """After "Hello", "▁world" streams as " world": the decoder starts from the prompt's ids.
+    Decoded alone (``decode(generated)``) the first "▁" is the start of a text and dropped,
+    which made the stream (and the whole answer) "Helloworld"."""
+    codec = _spm_codec(style)
+    ids = [1, *codec.encode(prompt)]  # <s> first, as a chat template or a Llama prompt has it
+    assert codec.tokenizer.encode(prompt).tokens[0] == "▁Hello"
+    generated = [codec.tokenizer.token_to_id(p) for p in SPM_GENERATED]
+    pieces, text = _streamed(codec, ids, generated)
+    assert "".join(pieces) == text == _added_text(codec, ids, generated)
+    assert text == " worldly, world ✓ café"
+    assert text == " " + codec.decode(generated)  # the space decoding alone drops
+    assert pieces[0] == " world"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("prompt", ["the capital of", "the capital of 日本", "one two " * 20])
+def test_byte_level_stream_equals_decoding_the_generated_ids(folder, prompt):
+    """Byte-level (GPT-2, SmolLM): the space is a byte of its token, so the stream, the
+    generated ids decoded alone and their text after the prompt's are the same; characters
+    split across tokens come whole (in the prompt's tail too)."""
+    codec = TextCodec.from_folder(folder)
+    prompt = codec.encode(prompt)
+    generated = codec.encode(" France is déjà vu ✓ 日本 ☕")
+    assert any("\ufffd" in codec.token_text(t) for t in generated)  # some character is split
+    pieces, text = _streamed(codec, prompt, generated)
+    want = " France is déjà vu ✓ 日本 ☕"
+    assert "".join(pieces) == text == _added_text(codec, prompt, generated) == want
+    assert codec.decode(generated) == want
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@contextmanager
+def _scripted_ring(generated, max_context=64):
+    """A RingClient whose "ring" is a thread answering every prefill and decode step with the
+    next of ``generated`` (each session from the start): no model, the tokens chosen."""
+    from swarmp2p.net import InProcLink, LinkTimeout
+    from swarmp2p.serve import Decode, Prefill, RingClient, Tokens, decode_message
+
+    to_stage0, stage0_in = InProcLink.pair()
+    from_last, manager_in = InProcLink.pair()
+    done = threading.Event()
+
+    def answer():
+        sent: dict[int, int] = {}
+        while not done.is_set():
+            try:
+                msg = decode_message(stage0_in.recv(0.05)[0])
+            except LinkTimeout:
+                continue
+            if isinstance(msg, Prefill):
+                group, step, rows = -1, 0, [(msg.sid, msg.pos + len(msg.tokens))]
+            elif isinstance(msg, Decode):
+                group, step = msg.group, msg.step
+                rows = [(sid, pos + 1) for sid, pos in zip(msg.sids, msg.positions, strict=True)]
+            else:
+                continue
+            tokens = []
+            for sid, _ in rows:
+                sent[sid] = sent.get(sid, 0) + 1
+                tokens.append(generated[sent[sid] - 1])
+            tokens = tuple(tokens)
+            sids, positions = zip(*rows, strict=True)
+            reply = Tokens(group=group, step=step, sids=sids, positions=positions, tokens=tokens)
+            from_last.send([reply.encode()])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with RingClient(to_stage0, manager_in, max_context=max_context) as client:
+            yield client
+    finally:
+        done.set()
+        thread.join(5)
+
+
+def _post(url: str, body: dict) -> bytes:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
+def _sse_texts(raw: bytes) -> list[str]:
+    """The text of each completion chunk of a streamed answer."""
+    out = []
+    for line in raw.decode("utf-8").splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[len("data: ") :])["choices"]:
+            out.append(choice["text"])
+    return [t for t in out if t]
+
+
+@pytest.mark.parametrize("style", ["metaspace", "llama", "byte-level"])
+def test_the_api_streams_the_text_it_answers_whole(style, folder):
+    """/v1/completions over a scripted ring, streamed and not: the chunks joined are the
+    whole answer's text, what the generated ids add to the prompt's ("Hello" + " world...")."""
+    from swarmp2p.serve import ApiServer, ServedModel, build_app
+
+    if style == "byte-level":
+        codec = TextCodec.from_folder(folder)
+        generated = codec.encode(" France is déjà vu ✓ 日本 ☕")
+        prompt, want = "the capital of", " France is déjà vu ✓ 日本 ☕"
+    else:
+        codec = _spm_codec(style)
+        generated = [codec.tokenizer.token_to_id(p) for p in SPM_GENERATED]
+        prompt, want = "Hello", " worldly, world ✓ café"
+    body = {"model": "m", "prompt": prompt, "max_tokens": len(generated), "temperature": 0}
+    with _scripted_ring(generated) as client:
+        model = ServedModel(name="m", client=client, codec=codec, max_context=64)
+        with ApiServer(build_app([model])) as server:
+            url = server.url + "/v1/completions"
+            whole = json.loads(_post(url, body))
+            chunks = _sse_texts(_post(url, {**body, "stream": True}))
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["choices"][0]["text"] == "".join(chunks) == want
+    assert len(chunks) > 1 and all("\ufffd" not in c for c in chunks)
