@@ -133,21 +133,28 @@ def _bound_text(meta: Mapping[str, Any], noun: str) -> str:
     return f"{noun} " + " and ".join(parts) if parts else noun
 
 
-def _in_bounds(value: float, meta: Mapping[str, Any]) -> bool:
+def _bounds(meta: Mapping[str, Any]) -> Callable[[float], bool]:
+    """Whether a number lies within ``meta``'s bounds (built once per field: it runs for
+    every number of every message)."""
     ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
-    return not (
-        (ge is not None and value < ge)
-        or (gt is not None and value <= gt)
-        or (le is not None and value > le)
-        or (lt is not None and value >= lt)
+    if ge is None and gt is None and le is None and lt is None:
+        return lambda value: True
+    return lambda value: (
+        not (
+            (ge is not None and value < ge)
+            or (gt is not None and value <= gt)
+            or (le is not None and value > le)
+            or (lt is not None and value >= lt)
+        )
     )
 
 
 def _int_checker(meta: Mapping[str, Any]) -> Checker:
     want = _bound_text(meta, "an integer")
+    in_bounds = _bounds(meta)
 
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
-        if not _is_int(value) or not _in_bounds(value, meta):
+        if not _is_int(value) or not in_bounds(value):
             errors.append(FieldError(path=path, message=f"must be {want}, got {show(value)}"))
             return _BAD
         if not INT_MIN <= value <= INT_MAX:
@@ -164,12 +171,13 @@ def _int_checker(meta: Mapping[str, Any]) -> Checker:
 
 def _float_checker(meta: Mapping[str, Any]) -> Checker:
     want = _bound_text(meta, "a number")
+    in_bounds = _bounds(meta)
 
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and _is_int(value) and not INT_MIN <= value <= INT_MAX:
             ok = False
-        if not ok or not math.isfinite(value) or not _in_bounds(value, meta):
+        if not ok or not math.isfinite(value) or not in_bounds(value):
             errors.append(FieldError(path=path, message=f"must be {want}, got {show(value)}"))
             return _BAD
         return float(value)
@@ -314,8 +322,13 @@ def _sequence(item: Checker, as_tuple: bool, meta: Mapping[str, Any]) -> Checker
         if type(value) not in (list, tuple):
             errors.append(FieldError(path=path, message=f"must be a list, got {show(value)}"))
             return _BAD
-        out = [item(v, join(path, i), errors) for i, v in enumerate(value)]
-        if any(v is _BAD for v in out):
+        # each item's path is written out only when one is wrong: a model's shape holds
+        # lists of hundreds of numbers, checked in every message that carries it
+        scratch: list[FieldError] = []
+        out = [item(v, path, scratch) for v in value]
+        if scratch or any(v is _BAD for v in out):
+            for i, v in enumerate(value):
+                item(v, join(path, i), errors)
             return _BAD
         return tuple(out) if as_tuple else out
 
@@ -541,20 +554,45 @@ def check_value(hint: Any, value: Any, path: str, **meta: Any) -> Any:
     return out
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+_KINDS: dict[type, tuple[str, tuple[str, ...]]] = {}
+"""How ``to_data`` takes each class it has met (a class's answer never changes)."""
+
+
+def _kind(cls: type) -> tuple[str, tuple[str, ...]]:
+    if hasattr(cls, "to_data"):  # a value with its own syntax (``from_data``)
+        kind = ("own", ())
+    elif dataclasses.is_dataclass(cls):  # derived (init=False) fields travel too, for readers
+        kind = ("record", tuple(f.name for f in dataclasses.fields(cls)))
+    elif issubclass(cls, (list, tuple)):
+        kind = ("list", ())
+    elif issubclass(cls, (set, frozenset)):
+        kind = ("set", ())
+    elif issubclass(cls, Mapping):
+        kind = ("map", ())
+    else:
+        kind = ("plain", ())
+    _KINDS[cls] = kind
+    return kind
+
+
 def to_data(value: Any) -> Any:
-    """A record (or any value holding records) as plain data: maps, lists and scalars."""
-    if isinstance(value, type):
+    """A record (or any value holding records) as plain data: maps, lists and scalars. It runs
+    for every table write and status answer, so each class is looked at once (``_KINDS``)."""
+    cls = type(value)
+    if cls in _PLAIN or isinstance(value, type):
         return value
-    if hasattr(type(value), "to_data"):  # a value with its own syntax (``from_data``)
-        return value.to_data()
-    if dataclasses.is_dataclass(value):  # derived (init=False) fields travel too, for readers
-        return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
+    kind, names = _KINDS.get(cls) or _kind(cls)
+    if kind == "record":
+        return {name: to_data(getattr(value, name)) for name in names}
+    if kind == "list":
         return [to_data(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted(to_data(v) for v in value)
-    if isinstance(value, Mapping):
+    if kind == "map":
         return {k: to_data(v) for k, v in value.items()}
+    if kind == "own":
+        return value.to_data()
+    if kind == "set":
+        return sorted(to_data(v) for v in value)
     return value
 
 

@@ -259,6 +259,10 @@ class RpcServer:
                 )
                 continue
             await self._start(identity, sender, request, address)
+            # a burst of queued requests is read one per loop turn: a ready socket returns
+            # at once, and without this the loop decodes the whole burst before it answers
+            # anything else (the local API, heartbeats, the requests it already took)
+            await asyncio.sleep(0)
 
     async def _start(self, identity: bytes, sender: str, request: Message, address: str) -> None:
         if len(self._tasks) >= MAX_INFLIGHT_REQUESTS:

@@ -102,6 +102,8 @@ class Replication:
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._write_lock = asyncio.Lock()
         self._saved = self.table.version
+        self._on_disk = self.table
+        self._save_lock = asyncio.Lock()
         self._takeover: asyncio.Task | None = None
         self.commit_timeout = COMMIT_TIMEOUT_S
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
@@ -245,8 +247,8 @@ class Replication:
         self._log = collections.deque((e for e in self._log if e.version <= base.version), maxlen=LOG_KEEP)  # fmt: skip
         self._after = {}
         self._match = {n: min(v, base.version) for n, v in self._match.items()}
-        jobtable.save(self.table_file, base)
-        self._saved = base.version
+        jobtable.save(self.table_file, base)  # at once: a write in flight is redone after it
+        self._on_disk, self._saved = base, base.version
 
     def start_takeover(self) -> None:
         if self._takeover is None or self._takeover.done():
@@ -454,13 +456,21 @@ class Replication:
         return ""
 
     async def _persist(self) -> None:
-        table = self.table
-        if table.version <= self._saved:
+        if self.table.version <= self._saved:
             return
-        body = jobtable.encode(table)
-        await asyncio.to_thread(jobtable.save, self.table_file, table, body)
-        self._saved = max(self._saved, table.version)
+        await self._write_table()
         self._advance_commit()
+
+    async def _write_table(self) -> None:
+        """Save the newest table, encoded and written in a thread (the loop keeps answering):
+        one write at a time, again until the file holds ``self.table`` (appends that came
+        meanwhile go in one write; a rollback meanwhile is written after the write it
+        raced). ``_saved`` is the version on disk."""
+        async with self._save_lock:
+            while (table := self.table) is not self._on_disk:
+                await asyncio.to_thread(jobtable.save, self.table_file, table)
+                self._on_disk = table
+            self._saved = table.version
 
     def _advance_commit(self) -> None:
         if not self.ready and self.table.leader != self.ctx.node_id:
@@ -699,10 +709,8 @@ class Replication:
         """A follower saves what its leader sent; it reasons with the latest configuration
         there (Raft's followers do), so its status and its next election count those voters."""
         self.committed, self._after = self.table, {}
-        if self.table.version > self._saved or self.table.version < self._saved:
-            body = jobtable.encode(self.table)
-            await asyncio.to_thread(jobtable.save, self.table_file, self.table, body)
-            self._saved = self.table.version
+        if self.table is not self._on_disk:  # a table of another term at one version, too
+            await self._write_table()
         self.commit = min(max(self.commit, commit), self.table.version)
 
     def _ack(self, ok: bool, reason: str) -> TableAck:

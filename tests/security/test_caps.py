@@ -7,8 +7,10 @@ not make the leader look dead."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from security_harness import credentials, member
@@ -67,6 +69,13 @@ class _Watch(threading.Thread):
             self.stop.wait(0.1)
 
 
+def _cpu_s(node: NodeProc) -> float:
+    """CPU seconds the daemon's process has used (user and system)."""
+    stat = Path(f"/proc/{node.proc.pid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.fixture
 def pair(tmp_path):
     """Daemons a (leading) and b, agreed; their token."""
@@ -97,8 +106,10 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
     a, b = pair
     keys = credentials(a.endpoint, a.token)  # returns once the leader lists mallory
     before = a.status()
+    cpu = _cpu_s(a)
     watch = _Watch(a, b)
     watch.start()
+    started = time.monotonic()
     accepted, refused, other = [], [], []
     try:
         with member(a.endpoint, a.token, keys=keys) as m:
@@ -117,8 +128,10 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
     finally:
         watch.stop.set()
         watch.join(10)
+    busy = (_cpu_s(a) - cpu) / (time.monotonic() - started)
     after = a.status()
-    print(f"500 submissions: {len(accepted)} accepted, {len(refused)} refused; status max "
+    print(f"500 submissions: {len(accepted)} accepted, {len(refused)} refused; leader CPU "
+          f"{busy:.0%}; status max "
           f"{max(watch.status_s) * 1000:.0f} ms over {len(watch.status_s)}; b heard nothing "
           f"from a for at most {watch.silence_s:.2f} s; views {watch.views}")  # fmt: skip
     assert other == [], other[:3]
@@ -133,9 +146,9 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
     assert mine == set(accepted)  # a refused submission left nothing in the table
     assert all(j["state"] == "pending" for j in after["jobs"] if j["job_id"] in mine)
     assert watch.views == {("a", before["term"])} and after["term"] == before["term"]
-    # issue 24 asks for 0.5 s; measured 0.40-1.2 s beside other load (main: 10 s, timed out).
-    # The bar here is what holds today, so a regression fails; the 0.5 s target stays open.
-    assert max(watch.status_s) < 2.0, sorted(watch.status_s)[-5:]
+    # measured 62-90 ms (before reading a burst one request per loop turn and the faster
+    # schema: 0.7-1.3 s; before the caps: 10 s, timed out)
+    assert max(watch.status_s) < 0.5, sorted(watch.status_s)[-5:]
 
 
 def _evil_server(keys, total: int, asked: list):
