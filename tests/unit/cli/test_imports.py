@@ -186,3 +186,18 @@ def test_commands_that_ask_the_daemon_import_none_of_it(fake_daemon):
     loaded = set(result["modules"])
     assert sorted(loaded & DAEMON) == []
     assert sorted(loaded & MACHINERY) == []
+
+
+def test_swarm_token_reads_the_secret_without_the_sockets(tmp_path):
+    """`swarm token` needs net.security (and zmq's z85), not the links, the RPC or the codec."""
+    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.node.state import StateDir
+
+    state = StateDir(root=tmp_path / "state").ensure()
+    secret = SwarmSecret.generate()
+    secret.save(state.secret_file)
+    result, printed = _probe(state.root, [["token"]], [])
+    assert result["codes"] == [0] and printed == secret.token
+    loaded = set(result["modules"])
+    assert sorted(loaded & DAEMON) == []
+    assert sorted(loaded & (MACHINERY - {"zmq"})) == []
