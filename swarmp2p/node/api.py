@@ -8,7 +8,6 @@ line; each reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -17,9 +16,13 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import SwarmError, UserError
+
+if TYPE_CHECKING:  # the daemon's side (ApiServer) imports asyncio itself: the CLI's request()
+    # is one blocking socket, and importing asyncio costs `swarm status` 50-70 ms
+    import asyncio
 
 MAX_LINE_BYTES = 1 << 20
 API_OPS = (
@@ -78,6 +81,8 @@ class ApiServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
+        import asyncio
+
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,6 +100,8 @@ class ApiServer:
         os.chmod(self.path, 0o600)
 
     async def close(self) -> None:
+        import asyncio
+
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -104,6 +111,8 @@ class ApiServer:
             self.path.unlink()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import asyncio
+
         try:
             reply = await self._answer(await reader.readline())
             writer.write(json.dumps(reply).encode() + b"\n")

@@ -11,12 +11,15 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from swarmp2p.net.security import SwarmSecret, read_secret
 from swarmp2p.node import api
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir, pid_alive
+
+if TYPE_CHECKING:  # net.security loads all of swarmp2p.net (zmq, the wire codec, numpy):
+    # `swarm status`, `peers`, `down` need none of it; what reads or writes a secret imports it
+    from swarmp2p.net.security import SwarmSecret
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -91,6 +94,8 @@ def read_token(
     """The swarm token handed to `swarm up`: ``--token -`` (stdin), ``--token-file FILE`` or
     ``$SWARM_TOKEN``; None when none was given. ValueError for a token in argv (every local
     user reads argv with ``ps``), for two ways at once, or an unreadable or shared file."""
+    from swarmp2p.net.security import read_secret
+
     return read_secret(
         "the swarm token", option=option, file=token_file, env=env, flag="--token",
         file_flag="--token-file", env_name=TOKEN_ENV, stdin=stdin,
@@ -99,6 +104,8 @@ def read_token(
 
 def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]:
     """The swarm secret to run with (saved 0600 in ``state``) and whether it was just created."""
+    from swarmp2p.net.security import SwarmSecret
+
     if token:
         secret = SwarmSecret.from_token(token)
         if state.has_secret():
@@ -121,6 +128,8 @@ def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]
 
 def token(state_dir: Path) -> SwarmSecret:
     """This node's swarm secret (its ``token`` joins another machine, on stdin)."""
+    from swarmp2p.net.security import SwarmSecret
+
     state = StateDir(root=state_dir)
     if not state.has_secret():
         raise ValueError(f"no swarm in {state_dir}: run `swarm up` first")
@@ -178,6 +187,7 @@ def up(
     from dataclasses import replace
 
     from swarmp2p.errors import UserError
+    from swarmp2p.net.security import SwarmSecret
 
     _preflight(config)
     state = StateDir(root=config.state_dir).ensure()
@@ -413,7 +423,16 @@ def format_status(s: dict[str, Any]) -> str:
         n = m.get("sessions")
         load = f", {n['active']}/{n['max']} sessions, {n['queued']} queued" if n else ""
         lines.append(f"served  {m['model']}{where} ({m['state']}{load}): {stages or '-'}{why}")
-    from swarmp2p.node.inputs import fetch_line
-
     lines += [f"fetch   {fetch_line(f)}" for f in s.get("fetching") or []]
     return "\n".join(lines)
+
+
+def fetch_line(f: dict[str, Any]) -> str:
+    """``b: tiny stage 1 from a: 2/3 files, 1.2/3.4 MB`` (a status line: one of the fetches
+    ``node.inputs`` reports)."""
+    done, total = f.get("bytes") or (0, 0)
+    files = f.get("files") or (0, 0)
+    return (
+        f"{f.get('node')}: {f.get('what')} from {f.get('from')}: {files[0]}/{files[1]} files, "
+        f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"
+    )

@@ -204,16 +204,6 @@ class Fetch:
         }
 
 
-def fetch_line(f: dict[str, Any]) -> str:
-    """``b: tiny stage 1 from a: 2/3 files, 1.2/3.4 MB`` (a status line)."""
-    done, total = f.get("bytes") or (0, 0)
-    files = f.get("files") or (0, 0)
-    return (
-        f"{f.get('node')}: {f.get('what')} from {f.get('from')}: {files[0]}/{files[1]} files, "
-        f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"
-    )
-
-
 # --- this node's inputs -----------------------------------------------------------------------
 
 
@@ -573,7 +563,6 @@ __all__ = [
     "MAX_DATA_BYTES",
     "Fetch",
     "Inputs",
-    "fetch_line",
     "resolve",
     "resolve_data",
     "resolve_model",

@@ -1,0 +1,203 @@
+"""The CLI's commands that talk to a running daemon (`swarm status`, `peers`, `jobs`, ...) load
+the local API client and the printing helpers, none of the daemon: a fresh `swarm status`
+starts, asks and prints in a fraction of a second (it took 1.2-1.6 s while ``swarmp2p.node``
+imported the whole daemon)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socketserver
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+CLIENT = {
+    "swarmp2p.node",
+    "swarmp2p.node.api",
+    "swarmp2p.node.config",
+    "swarmp2p.node.control",
+    "swarmp2p.node.election",
+    "swarmp2p.node.job_commands",
+    "swarmp2p.node.state",
+}
+"""What of ``swarmp2p.node`` the CLI's client side may load."""
+DAEMON = {
+    "swarmp2p.node.authz",
+    "swarmp2p.node.context",
+    "swarmp2p.node.corpus",
+    "swarmp2p.node.daemon",
+    "swarmp2p.node.decide",
+    "swarmp2p.node.events",
+    "swarmp2p.node.hardware",
+    "swarmp2p.node.heartbeats",
+    "swarmp2p.node.hellos",
+    "swarmp2p.node.hub",
+    "swarmp2p.node.inputs",
+    "swarmp2p.node.jobs",
+    "swarmp2p.node.jobs_api",
+    "swarmp2p.node.jobs_leader",
+    "swarmp2p.node.jobtable",
+    "swarmp2p.node.join",
+    "swarmp2p.node.members_api",
+    "swarmp2p.node.membership",
+    "swarmp2p.node.messages",
+    "swarmp2p.node.metrics",
+    "swarmp2p.node.model_files",
+    "swarmp2p.node.pairing",
+    "swarmp2p.node.registry",
+    "swarmp2p.node.replication",
+    "swarmp2p.node.serve_model",
+    "swarmp2p.node.serve_ring",
+    "swarmp2p.node.serve_stages",
+    "swarmp2p.node.serve_standby",
+    "swarmp2p.node.serving",
+    "swarmp2p.node.speed_probe",
+    "swarmp2p.node.stages",
+    "swarmp2p.node.views",
+    "swarmp2p.node.words",
+    "swarmp2p.node.workers",
+}
+"""The daemon's side of ``swarmp2p.node`` (`swarm up --code` imports pairing when it runs)."""
+MACHINERY = {
+    # the swarm's sockets, RPC and wire codec (zmq, numpy), the dashboard's server, torch
+    "swarmp2p.net.auth",
+    "swarmp2p.net.links",
+    "swarmp2p.net.rpc",
+    "swarmp2p.wire.codec",
+    "swarmp2p.dashboard.server",
+    "aiohttp",
+    "zmq",
+    "numpy",
+    "torch",
+    "transformers",
+}
+
+SERVED = {"model": "tiny", "url": "", "state": "ready", "reason": "", "sessions": None,
+          "stages": [{"node": "a", "layers": [0, 4]}]}  # fmt: skip
+FETCH = {"node": "a", "what": "tiny stage 0", "from": "b", "files": [1, 2], "bytes": [5e5, 2e6]}
+ME = {"node_id": "a", "name": "host-a", "address": "127.0.0.1:7737", "alive": True,
+      "is_leader": True, "last_seen_s": 0.0, "key": "df8a-d1d4-282c-3007", "member": True,
+      "devices": [{"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 2**34,
+                   "memory_free": 2**33}],
+      "version": "0", "capabilities": []}  # fmt: skip
+STATUS = {"node_id": "a", "name": "host-a", "key": ME["key"], "swarm_id": "9fd0f912ee982658",
+          "version": "0", "leader": "a", "leader_ready": True, "term": 1, "table_version": 3,
+          "quorum": {"members": ["a"], "voters": ["a"], "down": [], "reachable": ["a"],
+                     "majority": 1, "ok": True, "commit": 3, "reason": "", "dropped": []},
+          "port": 7737, "peers": [ME], "jobs": [], "dashboard": None, "dashboard_note": "off",
+          "served": [SERVED], "fetching": [FETCH]}  # fmt: skip
+REPLIES = {"status": STATUS, "jobs": [], "models": []}
+COMMANDS = [["status"], ["status", "--json"], ["peers"], ["dashboard", "--json"], ["jobs"],
+            ["models"]]  # fmt: skip
+
+_PROBE = r"""
+import json, sys
+state_dir, commands, modules = json.loads(sys.argv[1])
+import importlib
+for name in modules:
+    importlib.import_module(name)
+codes = []
+if commands:
+    from swarmp2p.cli import main
+for args in commands:
+    try:
+        main([*args, "--state-dir", state_dir])
+    except SystemExit as exc:
+        codes.append(exc.code)
+print(json.dumps({"codes": codes, "modules": sorted(sys.modules)}))
+"""
+
+
+def _probe(state_dir: Path, commands: list[list[str]], modules: list[str]) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps([str(state_dir), commands, modules])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    *printed, last = out.stdout.strip().splitlines()
+    return json.loads(last), "\n".join(printed)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        op = json.loads(self.rfile.readline())["op"]
+        self.wfile.write(json.dumps({"ok": True, "result": REPLIES[op]}).encode() + b"\n")
+
+
+@pytest.fixture
+def fake_daemon(tmp_path):
+    """A state dir whose API socket answers ``status``, ``jobs`` and ``models`` as a daemon
+    would (a plain socket server: the daemon itself is what the CLI must not import)."""
+    from swarmp2p.node.state import StateDir
+
+    state = StateDir(root=tmp_path / "state").ensure()
+    server = socketserver.ThreadingUnixStreamServer(str(state.api_socket), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state.root
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_node_module_is_client_or_daemon():
+    """A new module of ``swarmp2p.node`` is named in CLIENT or DAEMON, so this test sees it."""
+    names = {f"swarmp2p.node.{p.stem}" for p in (ROOT / "swarmp2p" / "node").glob("*.py")}
+    names = {"swarmp2p.node" if n.endswith(".__init__") else n for n in names}
+    assert names == CLIENT | DAEMON, sorted(names ^ (CLIENT | DAEMON))
+    assert not CLIENT & DAEMON
+
+
+def test_the_cli_and_the_api_client_import_no_daemon(tmp_path):
+    result, _ = _probe(
+        tmp_path,
+        [],
+        [
+            "swarmp2p.cli",
+            "swarmp2p.node.api",
+            "swarmp2p.node.control",
+            "swarmp2p.node.job_commands",
+        ],
+    )
+    loaded = set(result["modules"])
+    assert sorted(loaded & DAEMON) == []
+    assert sorted(loaded & MACHINERY) == []
+
+
+def test_commands_that_ask_the_daemon_import_none_of_it(fake_daemon):
+    result, printed = _probe(fake_daemon, COMMANDS, [])
+    assert result["codes"] == [0] * len(COMMANDS), printed
+    # what they printed came from the fake daemon (the status table, its served and fetch lines)
+    assert "leader  a" in printed and "host-a" in printed
+    assert "served  tiny (ready): a [0-3]" in printed
+    assert "fetch   a: tiny stage 0 from b: 1/2 files, 0.5/2.0 MB" in printed
+    loaded = set(result["modules"])
+    assert sorted(loaded & DAEMON) == []
+    assert sorted(loaded & MACHINERY) == []
+
+
+def test_swarm_token_reads_the_secret_without_the_sockets(tmp_path):
+    """`swarm token` needs net.security (and zmq's z85), not the links, the RPC or the codec."""
+    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.node.state import StateDir
+
+    state = StateDir(root=tmp_path / "state").ensure()
+    secret = SwarmSecret.generate()
+    secret.save(state.secret_file)
+    result, printed = _probe(state.root, [["token"]], [])
+    assert result["codes"] == [0] and printed == secret.token
+    loaded = set(result["modules"])
+    assert sorted(loaded & DAEMON) == []
+    assert sorted(loaded & (MACHINERY - {"zmq"})) == []
