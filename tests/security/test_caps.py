@@ -1,12 +1,14 @@
 """A joined member that lies, against real daemons (issue 24, item 5): 500 submissions meet
 the cap on unfinished jobs with a clear refusal while leadership stays put and `swarm status`
-answers; a 1 GB file offered for a job that does not exist, or for a snapshot the table does
-not list, is refused before a byte or a folder is written; a burst of near-cap messages does
+answers; a 1 GB file offered for a job that does not exist, for a snapshot the table does
+not list, or under the name of a real job's listed snapshot, is refused before a byte or a
+folder is written; a burst of near-cap messages does
 not make the leader look dead."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from security_harness import credentials, member
-from swarm_harness import NodeProc, agreed_on, free_port, wait_until
+from swarm_harness import NodeProc, agreed_on, free_port, swarm, tiny_llama, wait_until
 
 from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
 from swarmp2p.net.auth import KeyCheck
@@ -210,6 +212,49 @@ def test_a_1gb_file_for_a_real_job_is_refused_unless_the_table_lists_it(pair):
         err = _pull(victim, keys, FilePull(job_id=job_id, file=file, source=""), asked)
         assert err is not None and err.code == code, err
         assert asked == [] and not (victim.state.root / "jobs" / job_id).exists()
+
+
+@pytest.mark.torch
+def test_a_1gb_file_offered_for_a_real_jobs_listed_snapshot_is_refused_unwritten(pair, tmp_path):
+    """A job trains on the two real nodes and the table lists its snapshots. Then a's host
+    turns against b: stage 0's snapshot on a's disk becomes a 1 GB file (sparse), and a
+    member asks b to pull it from a. That is far past what a snapshot of this plan can be:
+    b reads the first chunk's header, refuses naming the size, and writes nothing (its own
+    copy of the snapshot is untouched, no partial file)."""
+    a, b = pair
+    model = tiny_llama(tmp_path / "tiny", vocab=128)
+    job = {"name": "snap", "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
+           "split": {"stages": 2}, "data": {"source": "random"},
+           "train": {"steps": 2, "batch_size": 2, "seq_len": 8, "micro_batches": 1,
+                     "eval_batches": 1, "checkpoint_every": 1}}  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    done = swarm(a, "train", str(tmp_path / "job.json"), "--json", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = json.loads(done.stdout)["id"]
+    record = next(j for j in b.status()["jobs"] if j["job_id"] == job_id)["record"]
+    stages = record["plan"]["stages"]
+    assert [s["node_id"] for s in stages] == ["a", "b"], stages
+    step = max(int(k) for k in record["snapshots"]["0"])
+    cuts = "-".join(str(s["layers"][0]) for s in stages[1:])
+    file = f"snapshots/cuts-{cuts}/stage-0/step-{step:08d}.pt"
+    real = a.state.root / "jobs" / job_id / file
+    with open(real, "r+b") as out:  # the lie: a 1 GB file under the listed name
+        out.truncate(GB)
+    target = b.state.root / "jobs" / job_id / file  # b keeps a copy of a's (its holder's)
+    before = target.read_bytes() if target.exists() else None
+
+    keys = credentials(b.endpoint, b.token)
+    with member(b.endpoint, b.token, keys=keys) as m:
+        m.send(FilePull(job_id=job_id, file=file, source=a.endpoint))
+        with pytest.raises(RpcError) as refused:
+            m.reply(30.0)
+    err = refused.value
+    print(f"refused: {err.detail}")
+    assert err.code == "no_file", err
+    assert f"the source offers {GB} bytes, over the" in err.detail, err.detail
+    after = target.read_bytes() if target.exists() else None
+    assert after == before  # b's own copy (if any) untouched
+    assert not list(target.parent.glob(f".{target.name}*"))  # and no partial file beside it
 
 
 @pytest.mark.alone  # it times heartbeats under a burst
