@@ -63,6 +63,7 @@ CODES: dict[str, str] = {
     "no_daemon": "unavailable",
     "slow_down": "unavailable",
     "job_cap": "unavailable",
+    "job_rate": "unavailable",
     # failed
     "blocked": "failed",
     "plan_mismatch": "failed",

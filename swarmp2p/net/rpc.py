@@ -67,7 +67,8 @@ MAX_QUEUED_LARGE = 8
 
 
 class ByteBudget:
-    """A token bucket of bytes: ``rate`` per second, holding at most ``burst``."""
+    """A token bucket of bytes (or of anything counted: the leader's submissions per node):
+    ``rate`` per second, holding at most ``burst``."""
 
     def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.rate, self.burst, self._clock = rate, burst, clock

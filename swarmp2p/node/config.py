@@ -28,6 +28,11 @@ submission past it is refused before anything is written (``--max-waiting-jobs``
 MAX_WAITING_PER_SUBMITTER = 16
 """Jobs not finished yet that one node's submissions may hold (``--max-waiting-per-node``):
 one member cannot fill the swarm's share alone."""
+SUBMIT_BURST = 32
+SUBMIT_EVERY_S = 2.0
+"""Past a burst of ``SUBMIT_BURST`` submissions the leader takes one job per node every
+``SUBMIT_EVERY_S`` s: jobs that fail at once are not waiting, so the waiting caps do not
+bound them, and each is planned and kept in the table (at most 1,800 an hour per node)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

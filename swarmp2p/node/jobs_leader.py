@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
-from swarmp2p.net.rpc import RpcError
+from swarmp2p.net.rpc import ByteBudget, RpcError
 from swarmp2p.node import decide, jobs
 from swarmp2p.node import events as ev
+from swarmp2p.node.config import SUBMIT_BURST, SUBMIT_EVERY_S
 from swarmp2p.node.jobtable import FINAL_STATES
 from swarmp2p.node.messages import (
     FilePull,
@@ -78,6 +79,17 @@ class JobsLeader:
         """Waiting job -> (its placement inputs, when) of its last blocked plan: planned again
         only when they change (``decide.plan_again``), so many waiting jobs cost the leader
         little each round."""
+        self._submit_budgets: dict[str, ByteBudget] = {}
+        """Node -> its submissions' bucket (``SUBMIT_BURST``, one per ``SUBMIT_EVERY_S``)."""
+
+    def _submits(self, node_id: str) -> ByteBudget:
+        if len(self._submit_budgets) > 4096:  # ids of nodes long gone
+            self._submit_budgets.clear()
+        budget = self._submit_budgets.get(node_id)
+        if budget is None:
+            budget = ByteBudget(1 / SUBMIT_EVERY_S, SUBMIT_BURST, self.ctx.clock)
+            self._submit_budgets[node_id] = budget
+        return budget
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -291,6 +303,14 @@ class JobsLeader:
         )  # fmt: skip
         if why:
             raise Unavailable(f"job not submitted: {why}", code="job_cap")
+        wait = self._submits(sender).wait_s(1)  # counted once past the caps, taken at once
+        if wait > 0:
+            raise Unavailable(
+                f"job not submitted: node {sender} submitted {SUBMIT_BURST} jobs in quick "
+                f"succession; past that the leader takes one every {SUBMIT_EVERY_S:g} s from "
+                f"a node: retry in {wait:.1f} s",
+                code="job_rate",
+            )
         by = decide.submitted_by(msg.submitted_by, sender)
         event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=by, at=self.wall(), inputs=msg.inputs)  # fmt: skip
         version = await self.rep.append([event], wait=True)

@@ -21,7 +21,7 @@ from swarm_harness import NodeProc, agreed_on, free_port, swarm, tiny_llama, wai
 from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
 from swarmp2p.net.auth import KeyCheck
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node.config import MAX_WAITING_PER_SUBMITTER
+from swarmp2p.node.config import MAX_WAITING_PER_SUBMITTER, SUBMIT_BURST, SUBMIT_EVERY_S
 from swarmp2p.node.messages import FilePull, ShardChunk, ShardRead, StageReport, Submit
 from swarmp2p.plan import parse_job
 from swarmp2p.plan.inputs import JobInputs, ModelSource
@@ -151,6 +151,49 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
     # measured 62-90 ms (before reading a burst one request per loop turn and the faster
     # schema: 0.7-1.3 s; before the caps: 10 s, timed out)
     assert max(watch.status_s) < 0.5, sorted(watch.status_s)[-5:]
+
+
+def _failing() -> Submit:
+    """A job that fails as soon as the leader plans it: a model no node can read, and no
+    shape given."""
+    job = parse_job({"name": "fails", "model": {"pretrained": "/nowhere/at-all"},
+                     "data": {"source": "random"}})  # fmt: skip
+    return Submit(job=job, submitted_by="zmallory")
+
+
+def test_jobs_that_fail_at_once_meet_the_submission_rate(pair):
+    """Failed jobs are not waiting, so the waiting caps do not bound them: past a burst of
+    SUBMIT_BURST the leader takes one job from a node every SUBMIT_EVERY_S, with a refusal
+    that says when to retry; the table keeps nothing of a refused one."""
+    a, _ = pair
+    keys = credentials(a.endpoint, a.token)
+    taken, refused = [], None
+    with member(a.endpoint, a.token, keys=keys) as m:
+        start = time.monotonic()
+        for i in range(4 * SUBMIT_BURST):
+            m.send(_failing(), job_id=f"fails-{i}")
+            try:
+                reply = m.reply(15.0)
+            except RpcError as exc:
+                refused = exc
+                break
+            job_id = reply.job_id
+            taken.append(job_id)
+            wait_until(lambda j=job_id: _state(a, j) == "failed", 15, f"{job_id} to fail")
+        took = time.monotonic() - start
+        assert refused is not None, f"{len(taken)} taken in {took:.1f} s, none refused"
+        # the burst, and the ones the bucket gained back while this loop ran
+        assert SUBMIT_BURST <= len(taken) <= SUBMIT_BURST + took / SUBMIT_EVERY_S + 1, (len(taken), took)  # fmt: skip
+        assert refused.code == "job_rate", refused
+        assert f"past that the leader takes one every {SUBMIT_EVERY_S:g} s" in refused.detail
+        assert f"fails-{len(taken)}" not in {j["job_id"] for j in a.status()["jobs"]}
+        time.sleep(SUBMIT_EVERY_S)  # the refusal's "retry in": one more is taken then
+        m.send(_failing(), job_id="fails-later")
+        assert m.reply(15.0).job_id == "fails-later"
+
+
+def _state(node: NodeProc, job_id: str) -> str:
+    return next((j["state"] for j in node.status()["jobs"] if j["job_id"] == job_id), "")
 
 
 def _evil_server(keys, total: int, asked: list):
