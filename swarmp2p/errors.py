@@ -51,6 +51,7 @@ CODES: dict[str, str] = {
     "bad_data": "user",
     "data_too_large": "user",
     "not_listed": "user",
+    "not_applied": "user",
     # unavailable (retry later)
     "no_leader": "unavailable",
     "not_leader": "unavailable",
@@ -107,6 +108,13 @@ class UserError(SwarmError, ValueError):
     """The request is wrong; the message names the field and what to do."""
 
     default_code = "bad_request"
+
+
+class NotApplied(UserError):
+    """A table event that does not follow from the table as it is now (the job or member it
+    names moved on meanwhile): the leader writes nothing of the batch it was in."""
+
+    default_code = "not_applied"
 
 
 class Unavailable(SwarmError):

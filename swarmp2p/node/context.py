@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from swarmp2p.errors import Unavailable
+from swarmp2p.errors import NotApplied, Unavailable
 from swarmp2p.net.auth import ClientKeys
 from swarmp2p.net.rpc import RpcClient
 from swarmp2p.node.election import eligible_leader
@@ -222,8 +222,12 @@ class NodeContext:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        if isinstance(exc, NotApplied):  # what the task acted on moved on meanwhile
+            log.info("task %s stopped: %s", task.get_name(), exc)
+        else:
+            log.error("task %s failed", task.get_name(), exc_info=exc)
 
     async def cancel_tasks(self) -> None:
         tasks = list(self._tasks)

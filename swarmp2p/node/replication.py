@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.errors import Unavailable, UserError
+from swarmp2p.errors import NotApplied, Unavailable, UserError
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
@@ -402,17 +402,21 @@ class Replication:
     # --- writing ---------------------------------------------------------------------------
 
     def _apply_local(self, events: list[ev.Event], term: int) -> int:
-        """Apply events as new entries of ``term``; the ones that do not follow are dropped."""
+        """Apply events as new entries of ``term``, all or none: NotApplied naming the first
+        that does not follow from the table (nothing of the batch is written then)."""
+        table, entries, after = self.table, [], {}
         for event in events:
-            entry = ev.Entry(version=self.table.version + 1, term=term, event=event)
+            entry = ev.Entry(version=table.version + 1, term=term, event=event)
             try:
-                self.table = jobtable.apply(self.table, entry)
+                table = jobtable.apply(table, entry)
             except ValueError as exc:
-                log.debug("dropped %s: %s", event.NAME, exc)
-                continue
-            self._log.append(entry)
-            self._after[entry.version] = self.table
-        return self.table.version
+                raise NotApplied(f"{event.NAME} does not follow from table version {table.version}: {exc}") from None  # fmt: skip
+            entries.append(entry)
+            after[entry.version] = table
+        self.table = table
+        self._log.extend(entries)
+        self._after.update(after)
+        return table.version
 
     async def append(self, events: list[ev.Event], *, wait: bool = False) -> int:
         """Leader: apply, persist and replicate ``events``; the table version after them.

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _fakenet import SECRET, FakeNode, lead, settle, submit, swarm
 
-from swarmp2p.errors import Unavailable
+from swarmp2p.errors import NotApplied, Unavailable
 from swarmp2p.node import events as ev
 from swarmp2p.node import jobtable
 from swarmp2p.node.messages import LeadRequest, TableEvents, TablePush
@@ -262,5 +262,29 @@ def test_a_newcomer_with_an_empty_table_never_leads_a_swarm_that_has_one(tmp_pat
         assert newcomer.rep.table.version >= version and set(newcomer.rep.table.jobs) == {"j1"}
         net.heal()  # the next heartbeats: 0new says it holds the table now
         assert all(n.ctx.leader == "0new" for n in net.nodes.values())  # a member: lowest
+
+    asyncio.run(main())
+
+
+def test_an_event_that_does_not_follow_refuses_its_whole_batch_and_writes_nothing(tmp_path):
+    """The leader names the event that does not apply (a cancel of a job that is not in the
+    table) and writes none of the batch it came in, not even the events before it."""
+
+    async def main():
+        nodes = await _founding(tmp_path)
+        a = nodes["a"].rep
+        await submit(nodes["a"], "j1")
+        await settle(nodes.values())
+        before, on_disk = a.table, jobtable.load(nodes["a"].ctx.state.table_file)
+        cancel = ev.JobCancelled(job_id="j1", reason="by the user", at=2.0)
+        ghost = ev.JobCancelled(job_id="nobody", reason="by the user", at=2.0)
+        with pytest.raises(NotApplied, match="job_cancelled does not follow from table version") as err:  # fmt: skip
+            await a.append([cancel, ghost], wait=True)
+        assert err.value.code == "not_applied" and "nobody" in str(err.value)
+        assert a.table is before and a.table.jobs["j1"].state == "pending"
+        assert jobtable.load(nodes["a"].ctx.state.table_file) == on_disk
+        await settle(nodes.values())
+        assert all(n.rep.table.version == before.version for n in nodes.values())
+        assert await a.append([cancel], wait=True) == before.version + 1  # alone, it applies
 
     asyncio.run(main())
