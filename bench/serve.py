@@ -132,7 +132,7 @@ def _tiny_served_folder(folder: str) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     source = Path(resolve_model_ref("embedded"))
     config = LlamaConfig(
@@ -249,7 +249,7 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
     from swarmp2p.runtime.torch.packed import pack_linears
     from swarmp2p.serve.text import TextCodec
 
@@ -316,7 +316,7 @@ def single(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
     from swarmp2p.serve.local import LocalRing, even_bounds
     from swarmp2p.serve.text import TextCodec
 

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmp2p.node import api
-from swarmp2p.node.workers import preexec
-from swarmp2p.runtime.models import (
+from swarmp2p.models import (
     EmbeddedModelMissing,
     embedded_gguf,
     embedded_ready,
 )
+from swarmp2p.node import api
+from swarmp2p.workers import preexec
 
 NODE_IDS = ("demo-1", "demo-2", "demo-3")
 """The demo's node ids; the lowest (demo-1) leads."""

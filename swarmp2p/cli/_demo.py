@@ -77,7 +77,7 @@ def demo_command(steps: int, keep: bool, prompt: str | None, as_json: bool) -> N
         )
     started = time.monotonic()
     step = "converting the embedded model"
-    from swarmp2p.runtime.models import embedded_ready, ensure_embedded
+    from swarmp2p.models import embedded_ready, ensure_embedded
 
     if not embedded_ready():
         say("converting the embedded model to safetensors (once; cached in ~/.cache/swarmp2p)")

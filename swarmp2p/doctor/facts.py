@@ -144,10 +144,10 @@ def gather(
     probe: Callable[[], WorkerProbe] = probe_worker,
 ) -> Facts:
     """Collect the facts on this machine (and from its daemon, when one runs)."""
+    from swarmp2p.models import EmbeddedModelMissing, embedded_gguf, embedded_ready
     from swarmp2p.node import api, hardware
     from swarmp2p.node.state import StateDir
     from swarmp2p.plan.model_shape import cache_dir
-    from swarmp2p.runtime.models import EmbeddedModelMissing, embedded_gguf, embedded_ready
 
     env = os.environ if env is None else env
     fake = env.get(hardware.FAKE_DEVICES_ENV)

@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from swarmp2p.data import load_rows, tokenize_rows
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     model, source, text_field, out = argv
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(model))

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmp2p.node import events as ev
-from swarmp2p.node.jobs import blocked_note, exit_message, resume_step, snapshot_holders
+from swarmp2p.node.jobs import blocked_note, resume_step, snapshot_holders
 from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.registry import model_entry, unique_model_id
 from swarmp2p.plan import Blocked, Plan
 from swarmp2p.plan.speed import learned_speeds
+from swarmp2p.workers import exit_message
 
 PROGRESS_EVERY_S = 5.0
 """The leader writes a job's progress (step, loss) to the replicated table at most this often

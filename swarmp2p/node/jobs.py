@@ -17,8 +17,6 @@ from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.worker_spec import LINK_TIMEOUT_S
 
-STDERR_TAIL_LINES = 40
-
 OVERRIDES: dict[str, tuple[str, ...]] = {
     "pretrained": ("model", "pretrained"),
     "steps": ("train", "steps"),
@@ -197,25 +195,9 @@ def resume_step(entry: JobEntry, alive: Iterable[str] | None = None, copies: int
     return max((int(s) for s in common or ()), default=0)
 
 
-def exit_message(code: int | None) -> str:
-    """What a worker's exit code says (a negative code is the signal it died of)."""
-    import signal
-
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}"
-    return f"exited with code {code}"
-
-
 __all__ = [
     "LINK_TIMEOUT_S",
     "OVERRIDES",
-    "STDERR_TAIL_LINES",
     "PlanMismatch",
     "apply_overrides",
     "blocked_note",
@@ -224,7 +206,6 @@ __all__ = [
     "compute_plan",
     "cpu_threads",
     "device_for",
-    "exit_message",
     "resume_step",
     "snapshot_holders",
     "stages_on_machine",

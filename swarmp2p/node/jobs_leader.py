@@ -39,8 +39,8 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.metrics import MetricsStore
 from swarmp2p.node.replication import check_job_id
-from swarmp2p.node.workers import READY_TIMEOUT_S
 from swarmp2p.plan import Blocked
+from swarmp2p.workers import READY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext

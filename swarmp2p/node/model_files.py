@@ -70,7 +70,7 @@ def folder_listing(folder: str | os.PathLike) -> dict[str, list[Any]]:
 
 
 def _marker(folder: Path) -> dict[str, Any]:
-    from swarmp2p.runtime.models import read_marker
+    from swarmp2p.models import read_marker
 
     marker = read_marker(folder)
     return marker["files"] if marker else {}

@@ -70,7 +70,7 @@ def trained_settings(
 def resolve_model(model: str, trained: dict[str, Any] | None = None) -> str:
     """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
     on this node: its shape and tokenizer are read here."""
-    from swarmp2p.runtime.models import EmbeddedModelMissing, ensure_embedded, resolve_model_ref
+    from swarmp2p.models import EmbeddedModelMissing, ensure_embedded, resolve_model_ref
 
     what = f"the base model {model!r} of {trained['id']}" if trained else f"model {model!r}"
     if model == EMBEDDED:

@@ -1,6 +1,6 @@
 """Every node's side of ``swarm serve``: check the serve plan, make the stage's files local (the
 model's files or a trained stage's shard, fetched from a node that has them when this node
-holds no intact copy), start a serve worker (``node.workers.WorkerProcess``), connect it to
+holds no intact copy), start a serve worker (``workers.WorkerProcess``), connect it to
 the next stage, stop it. Never imports torch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node.jobs import PlanMismatch, device_for, exit_message
+from swarmp2p.node.jobs import PlanMismatch, device_for
 from swarmp2p.node.messages import (
     JobAck,
     ServeFileRead,
@@ -26,10 +26,10 @@ from swarmp2p.node.messages import (
     ShardRead,
 )
 from swarmp2p.node.stages import CHUNK_BYTES, worker_env
-from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeStagePlan
 from swarmp2p.serve.spec import serve_spec
+from swarmp2p.workers import WorkerProcess, exit_message
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -217,7 +217,7 @@ class ServeStages:
         node's own copy when it matches the issuer's listing (at the same path, or its
         embedded model), else fetched (``node.inputs``: the issuer first, then any node that
         holds them, into ``<state>/models/<digest>``); a Hub model's from the Hub."""
-        from swarmp2p.runtime.models import embedded_dir
+        from swarmp2p.models import embedded_dir
 
         start, end = planned.layers
         layers = (start, end, planned.index == 0, planned.index == n_stages - 1)

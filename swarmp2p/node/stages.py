@@ -31,10 +31,10 @@ from swarmp2p.node.messages import (
     StageStart,
     StageStop,
 )
-from swarmp2p.node.workers import WorkerProcess
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
+from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext

@@ -3,7 +3,7 @@
 The daemon places stages on many nodes; this is the one-machine case (tests, benchmarks,
 ``swarm serve`` on a single node without a swarm): the ring is planned by ``plan_serve`` over
 one local device per stage, built by :func:`~swarmp2p.serve.ring.build_ring` (as the daemon
-builds its rings) from ``node.workers.WorkerProcess`` workers (the daemon's wrapper) run on a
+builds its rings) from ``workers.WorkerProcess`` workers (the daemon's wrapper) run on a
 private event-loop thread, and driven by a :class:`~swarmp2p.serve.RingClient`. The API stays
 synchronous.
 """
@@ -124,7 +124,7 @@ class LocalRing:
         self.bounds = plan.bounds
         self.max_context = plan.max_context
         self.workers: list[Any] = []
-        """``node.workers.WorkerProcess`` per stage, first to last."""
+        """``workers.WorkerProcess`` per stage, first to last."""
         self.client: RingClient | None = None
         self.load_s: list[float] = []
         self._links: list[ZmqLink] = []
@@ -179,7 +179,7 @@ class LocalRing:
         env: dict[str, str],
         ready_timeout: float,
     ) -> Any:
-        from swarmp2p.node.workers import WorkerProcess
+        from swarmp2p.workers import WorkerProcess
 
         self.workers = [
             WorkerProcess(
@@ -234,7 +234,7 @@ class LocalRing:
 
     def wait_exit(self, stage: int, timeout: float = 30.0) -> str:
         """How stage ``stage``'s worker ended ("killed by SIGKILL"), once it has."""
-        from swarmp2p.node.jobs import exit_message
+        from swarmp2p.workers import exit_message
 
         proc = self.workers[stage].proc
         return exit_message(self._run(asyncio.wait_for(proc.wait(), timeout), timeout + 5))
@@ -281,7 +281,7 @@ def serve_local(
 ) -> None:
     """Serve ``model`` on this machine alone: ``stages`` worker processes behind the HTTP API,
     until ``stop`` is set (or Ctrl-C). The swarm daemon does the same across nodes."""
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
     from swarmp2p.serve.api import ApiServer, build_app, check_bind
     from swarmp2p.serve.request import ServedModel
     from swarmp2p.serve.text import TextCodec

@@ -24,7 +24,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served():
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     folder = resolve_model_ref("embedded")
     with LocalRing("embedded", bounds=[(0, 15), (15, 30)], threads=1, max_context=CONTEXT) as ring:

@@ -32,7 +32,7 @@ def tiny_served(tmp_path_factory):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     folder = tmp_path_factory.mktemp("tiny-served")
     config = LlamaConfig(

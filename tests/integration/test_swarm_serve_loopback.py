@@ -38,7 +38,7 @@ PROMPT = "The capital of France is"
 
 def tiny_llama_with_tokenizer(folder, *, tied: bool = False):
     """A 4-block random Llama with the embedded model's tokenizer (its vocabulary size)."""
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     embedded = resolve_model_ref("embedded")
     tiny_llama(folder, vocab=49152, max_positions=512, tied=tied, shard_size="2MB",

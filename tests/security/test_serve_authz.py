@@ -92,7 +92,7 @@ class Ring:
 
 @pytest.fixture(scope="module")
 def ring(tmp_path_factory):
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     tmp = tmp_path_factory.mktemp("serve-authz")
     tiny = tmp / "tiny"

@@ -23,7 +23,7 @@ LIGHT_MODULES = [
     "swarmp2p.demo",
     "swarmp2p.doctor",
     "swarmp2p.runtime",
-    "swarmp2p.runtime.models",
+    "swarmp2p.models",
     "swarmp2p.runtime._process",
     "swarmp2p.runtime.stage_links",
     "swarmp2p.runtime.worker",

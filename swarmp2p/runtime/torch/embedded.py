@@ -4,7 +4,7 @@
 file lock (`fcntl.flock`), converts into a temporary folder next to the target, writes the
 completion marker last and moves the folder into place with one `os.replace`; the others wait
 on the lock and then find the marker. Once converted, a call only reads the marker and stats
-the files it lists (see `swarmp2p.runtime.models.read_marker`).
+the files it lists (see `swarmp2p.models.read_marker`).
 
     python -m swarmp2p.runtime.torch.embedded      # convert now; prints one JSON line
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from swarmp2p.runtime.models import (
+from swarmp2p.models import (
     CONVERSION_VERSION,
     EMBEDDED_GGUF,
     MARKER_NAME,

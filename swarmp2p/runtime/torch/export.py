@@ -276,7 +276,7 @@ def portable_base(ref: str) -> tuple[str, dict[str, Any]]:
     "embedded" becomes its Hub id, with the GGUF it was converted from in ``provenance``; a
     folder of the local Hugging Face cache (``.../models--ORG--NAME/snapshots/REV``) becomes
     ``ORG/NAME`` at that revision; a Hub id or a folder of the user's stays as given."""
-    from swarmp2p.runtime.models import (
+    from swarmp2p.models import (
         EMBEDDED,
         EMBEDDED_GGUF,
         EMBEDDED_HUB_ID,
@@ -339,7 +339,7 @@ def write_export(
     import logging
     import warnings
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     out = Path(out)
     lora = model["manifest"]["lora"]

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from swarmp2p.runtime.models import resolve_model_ref
+from swarmp2p.models import resolve_model_ref
 from swarmp2p.runtime.torch.introspect import Topology, introspect
 from swarmp2p.runtime.torch.stage import Stage
 

@@ -8,6 +8,7 @@ import pytest
 
 from swarmp2p.node import jobs, registry
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
+from swarmp2p.workers import exit_message
 
 GIB = 1 << 30
 
@@ -215,8 +216,8 @@ def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
 
 
 def test_exit_messages_name_the_signal():
-    assert jobs.exit_message(-9) == "killed by SIGKILL"
-    assert jobs.exit_message(1) == "exited with code 1"
+    assert exit_message(-9) == "killed by SIGKILL"
+    assert exit_message(1) == "exited with code 1"
 
 
 def test_job_view_has_the_issue_shape():

@@ -19,7 +19,7 @@ def test_the_embedded_corpus_becomes_one_int32_stream_with_eos_between_documents
     assert ids.ndim == 1 and ids.dtype == np.int32 and len(ids) > 10_000
     from transformers import AutoTokenizer
 
-    from swarmp2p.runtime.models import resolve_model_ref
+    from swarmp2p.models import resolve_model_ref
 
     eos = AutoTokenizer.from_pretrained(resolve_model_ref("embedded")).eos_token_id
     assert ids[-1] == eos and (ids == eos).sum() > 50  # one per pydoc topic

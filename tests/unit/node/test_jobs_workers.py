@@ -9,8 +9,7 @@ import signal
 import pytest
 
 from swarmp2p.net import SwarmSecret
-from swarmp2p.node.jobs import exit_message
-from swarmp2p.node.workers import WorkerProcess
+from swarmp2p.workers import WorkerProcess, exit_message
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmp2p.runtime import models
-from swarmp2p.runtime.models import (
+from swarmp2p import models
+from swarmp2p.models import (
     CONVERSION_VERSION,
     EMBEDDED,
     EMBEDDED_INSTALL,
@@ -135,7 +135,7 @@ def test_the_marker_decides_readiness(monkeypatch, tmp_path, overrides, ready):
 def test_resolving_a_converted_model_imports_no_torch(tmp_path):
     _fake_conversion(tmp_path / "swarmp2p" / "models" / "smollm2-135m-instruct")
     code = (
-        "import sys; from swarmp2p.runtime.models import resolve_model_ref;"
+        "import sys; from swarmp2p.models import resolve_model_ref;"
         "print(resolve_model_ref('embedded')); print('torch' in sys.modules)"
     )
     env = os.environ | {"XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}

@@ -1,12 +1,12 @@
-"""`runtime.models.ensure_embedded`: the first-use conversion light callers share (the daemon's
+"""`models.ensure_embedded`: the first-use conversion light callers share (the daemon's
 `swarm serve embedded`, `swarm demo`) runs in a subprocess and names what went wrong."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarmp2p.runtime import models
-from swarmp2p.runtime.models import EmbeddedModelMissing, embedded_dir, ensure_embedded
+from swarmp2p import models
+from swarmp2p.models import EmbeddedModelMissing, embedded_dir, ensure_embedded
 
 
 def test_a_converted_model_is_returned_without_starting_anything(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmp2p.runtime.models import EMBEDDED_HUB_ID, resolve_model_ref  # noqa: E402
+from swarmp2p.models import EMBEDDED_HUB_ID, resolve_model_ref  # noqa: E402
 from swarmp2p.runtime.torch.export import (  # noqa: E402
     EXPORT_MANIFEST,
     export_stage,

@@ -184,12 +184,12 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path, m
 
 
 def test_embedded_resolves_through_ensure_embedded(checkpoints, monkeypatch, tmp_path):
-    from swarmp2p.runtime.torch.runtime import TorchRuntime
+    from swarmp2p import models
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # not converted yet in this cache
     calls = []
-    fake = staticmethod(lambda: calls.append(1) or checkpoints("llama"))
-    monkeypatch.setattr(TorchRuntime, "ensure_embedded", fake)  # the runtime's entry point
+    fake = lambda: calls.append(1) or checkpoints("llama")  # noqa: E731
+    monkeypatch.setattr(models, "ensure_embedded", fake)  # the first-use conversion's entry
     stage = load_stage_shard("embedded", 0, 2, True, False, torch.float32)
     assert calls == [1]
     assert stage.block_indices == (0, 1)

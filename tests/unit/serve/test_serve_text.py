@@ -144,7 +144,7 @@ def test_chat_templates_render_byte_identical_to_apply_chat_template(folder, tem
     from transformers import AutoTokenizer
 
     if template == "embedded":
-        from swarmp2p.runtime.models import resolve_model_ref
+        from swarmp2p.models import resolve_model_ref
 
         source = resolve_model_ref("embedded")
         messages = [m for m in MESSAGES if m["role"] in ("system", "user")][:2]

@@ -22,9 +22,24 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from swarmp2p.node.jobs import STDERR_TAIL_LINES, exit_message
+STDERR_TAIL_LINES = 40
+"""The last lines of a worker's stderr kept for its error message."""
 
-log = logging.getLogger("swarmp2p.node.workers")
+
+def exit_message(code: int | None) -> str:
+    """What a worker's exit code says (a negative code is the signal it died of)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"
+
+
+log = logging.getLogger("swarmp2p.workers")
 
 WORKER_MODULE = "swarmp2p.runtime.worker"
 READY_TIMEOUT_S = 60.0

@@ -181,19 +181,14 @@ def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_
 def resolve_model_ref(ref: str) -> str:
     """What to hand `from_pretrained`: the embedded folder, a local folder's absolute path, or a Hub id.
 
-    "embedded" converts the embedded model first if needed (importing torch only then). A ref
+    "embedded" converts the embedded model first if needed (``ensure_embedded``). A ref
     that names an existing folder becomes its absolute path; one that looks like a path but does
     not exist is an error; anything else must look like a Hub id (`org/name` or `name`).
     """
     if not isinstance(ref, str) or not ref.strip():
         raise ValueError(f"model reference must be a non-empty string, got {ref!r}")
-    if ref == EMBEDDED:
-        if embedded_ready():
-            return str(embedded_dir())
-        embedded_gguf()  # a missing package is reported before torch is imported
-        from swarmp2p.runtime.registry import get_runtime
-
-        return str(get_runtime("torch").ensure_embedded())
+    if ref == EMBEDDED:  # converted on first use in a subprocess, as light callers do
+        return str(ensure_embedded())
     path = Path(ref).expanduser()
     if path.is_dir():
         return str(path.resolve())
