@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from swarmp2p.plan.job import FINETUNE_MODES
 from swarmp2p.plan.split import StagePosition
 from swarmp2p.runtime.torch.compression import Compressor
+from swarmp2p.runtime.torch.hf_compat import set_block_checkpointing
 
 
 @dataclass(kw_only=True, eq=False)
@@ -199,5 +200,4 @@ def set_recompute(stage: nn.Module, enabled: bool) -> None:
                 f"block {i} ({type(block).__name__}) does not support recompute; "
                 "set train.recompute to false"
             )
-        block.gradient_checkpointing = enabled
-        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        set_block_checkpointing(block, enabled, functools.partial(checkpoint, use_reentrant=False))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from swarmp2p.models import resolve_model_ref
+from swarmp2p.runtime.torch import hf_compat
 from swarmp2p.runtime.torch.introspect import Topology, introspect
 from swarmp2p.runtime.torch.stage import Stage
 
@@ -261,7 +262,7 @@ def _dtype_for(model, dtype: torch.dtype):
     """transformers' per-key dtype rule: ``_keep_in_fp32_modules`` stay float32, else ``dtype``."""
     from transformers.core_model_loading import build_glob_alternation
 
-    plan = model._get_dtype_plan(dtype)  # the same plan from_pretrained builds
+    plan = hf_compat.dtype_plan(model, dtype)  # the same plan from_pretrained builds
     if not plan:
         return lambda key, meta_dtype: meta_dtype
     alternation, by_group, _ = build_glob_alternation(list(plan))

@@ -9,6 +9,7 @@ from torch import nn
 
 from swarmp2p.plan.quantization import QuantSpec
 from swarmp2p.plan.quantization import normalize as normalize_quantization
+from swarmp2p.runtime.torch.hf_compat import is_fused_experts, set_eager_experts
 from swarmp2p.runtime.torch.introspect import Topology
 
 INSTALL_HINT = "pip install bitsandbytes (or run ./install.sh)"
@@ -120,11 +121,6 @@ class ExpertStack(nn.Module):
         return F.int8_vectorwise_dequant(param.data, param.SCB).to(self.dtype)
 
 
-def _is_experts(module: nn.Module) -> bool:
-    # transformers marks fused expert modules with its experts-implementation wrapper
-    return hasattr(module, "_is_expert_parallel") and hasattr(module, "is_transposed")
-
-
 class StageQuantizer:
     """Turns an empty model's linear layers into bitsandbytes ones, then quantizes each owned
     weight as it is read, by transformers' own quantize ops (GPT-2 Conv1D turned around first)."""
@@ -146,13 +142,13 @@ class StageQuantizer:
         self._experts = {
             name
             for name, module in model.named_modules()
-            if _is_experts(module)
+            if is_fused_experts(module)
             and not module.is_transposed
             and should_convert_module(name, self.skip or None)
         }
         if self._experts:
             # the eager experts forward reads one expert at a time: what ExpertStack serves
-            topology.config._experts_implementation = "eager"
+            set_eager_experts(topology.config)
 
     def owns(self, key: str) -> bool:
         """Whether the weight ``key`` is quantized as it loads."""

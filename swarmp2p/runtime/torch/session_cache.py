@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmp2p.runtime.torch.hf_compat import attn_implementation
 from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION
 
 GROW_TOKENS = 64
@@ -53,7 +54,7 @@ class SessionBatch:
         self._rows: torch.Tensor | None = None
         self._cols: torch.Tensor | None = None
         self.position_ids: torch.Tensor | None = None
-        self._impl = getattr(config, "_attn_implementation", None) or "sdpa"
+        self._impl = attn_implementation(config)
         self._window = getattr(config, "sliding_window", None)
 
     @property

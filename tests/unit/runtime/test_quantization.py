@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from swarmp2p.runtime.torch.hf_compat import set_eager_experts
 from swarmp2p.runtime.torch.loader import load_stage_shard
 from swarmp2p.runtime.torch.quantization import (
     QuantSpec,
@@ -165,7 +166,7 @@ def test_moe_experts_are_quantized_expert_by_expert(family, checkpoints):
             quantization_config=bnb_config(spec, ["lm_head"]),
             device_map="cpu",
         )
-        reference.config._experts_implementation = "eager"
+        set_eager_experts(reference.config)
         full_bytes = 0
         with torch.no_grad():
             for layer in reference.model.layers:

@@ -10,6 +10,7 @@ from tiny_models import FAMILIES, load_whole
 from transformers import DynamicCache
 
 from swarmp2p.runtime.torch import build_stage, introspect
+from swarmp2p.runtime.torch.hf_compat import attn_implementation
 
 pytestmark = pytest.mark.torch
 
@@ -119,7 +120,7 @@ def test_eager_attention_is_handed_its_causal_mask(family, checkpoints):
         load_stage_shard(folder, 0, 1, True, False, attn_implementation="eager"),
         load_stage_shard(folder, 1, 4, False, True, attn_implementation="eager"),
     ]
-    assert stages[0].config._attn_implementation == "eager"
+    assert attn_implementation(stages[0].config) == "eager"
     with torch.no_grad():
         got = _chain(stages, ids)
         expected = sdpa(ids).logits
