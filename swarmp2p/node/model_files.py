@@ -114,12 +114,6 @@ def _hex64(value: Any) -> bool:
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
-def listing_digest(listing: Mapping[str, Any]) -> str:
-    """A short name for a listing: its pulled copy's folder name."""
-    blob = json.dumps(sorted((k, v[0], v[1]) for k, v in listing.items())).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 MAX_UNLISTED_BYTES = 16 * 2**20
 """The most a file the table lists no size or sha256 for (a shard's ``manifest.json``) may be."""
 

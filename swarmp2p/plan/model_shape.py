@@ -109,39 +109,6 @@ class ModelShape:
         }
 
 
-def shape_to_wire(shape: ModelShape) -> dict[str, Any]:
-    """Every field of ``shape`` as plain JSON/msgpack values (``shape_from_wire`` inverts it):
-    the leader places serving stages from it without reading the model itself."""
-
-    def plain(value: Any) -> Any:
-        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-    return {f: plain(getattr(shape, f)) for f in ModelShape.__dataclass_fields__}
-
-
-def shape_from_wire(data: Any) -> ModelShape:
-    """The ModelShape a ``shape_to_wire`` dict describes; ValueError naming a bad field."""
-    if not isinstance(data, dict):
-        raise ValueError(f"model shape: must be a map, got {type(data).__name__}")
-    known = set(ModelShape.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"model shape: unknown field(s) {', '.join(unknown)}")
-
-    def tuples(value: Any) -> Any:
-        return tuple(tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-    try:
-        shape = ModelShape(**{k: tuples(v) for k, v in data.items()})
-    except TypeError as exc:
-        raise ValueError(f"model shape: {exc}") from None
-    if type(shape.n_layers) is not int or shape.n_layers < 1:
-        raise ValueError(f"model shape: n_layers {shape.n_layers!r} is not a positive integer")
-    if len(shape.layer_params) != shape.n_layers or len(shape.layer_bytes) != shape.n_layers:
-        raise ValueError("model shape: layer_params/layer_bytes must list every layer")
-    return shape
-
-
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -486,11 +453,3 @@ def load(ref: str) -> ModelShape:
         f'model.pretrained: {ref!r} is neither "embedded", an existing folder, nor a Hub id '
         f'such as "HuggingFaceTB/SmolLM2-135M"'
     )
-
-
-def params_text(n: int) -> str:
-    """134515008 -> "134.5M"."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)

@@ -148,15 +148,6 @@ def parse_quantization(spec: Any, path: str = "quantization") -> QuantSpec | Non
     )
 
 
-def quantization_errors(spec: Any, path: str = "quantization") -> list[str]:
-    """Every problem with `spec`, each prefixed with its field path; [] when valid."""
-    try:
-        parse_quantization(spec, path)
-    except SchemaError as exc:
-        return [str(e) for e in exc.errors]
-    return []
-
-
 def normalize(spec: Any, path: str = "quantization") -> QuantSpec | None:
     """The normalised spec, None for no quantization; ValueError naming every bad key/value."""
     try:

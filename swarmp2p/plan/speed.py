@@ -89,11 +89,6 @@ class PlannedTiming:
     unmeasured: tuple[str, ...] = ()
     """The devices without a speed for the dtype, as "node device"."""
 
-    def stage_cost(self, i: int) -> float:
-        """Stage i's predicted time, or its FLOPs when not measured (a relative cost)."""
-        s = self.stages[i]
-        return s.step_s if s.step_s is not None else s.flops
-
 
 def pipeline_step_s(stage_s: Sequence[float], micro_batches: int) -> float:
     """A synchronous pipeline's step: the slowest stage paces the micro-batches, the rest fill

@@ -131,15 +131,6 @@ def _parse_spec(spec: Any, path: str) -> Compression:
     )
 
 
-def compression_errors(spec: Any, path: str) -> list[str]:
-    """Every problem with one compression spec, with its field path; [] when valid."""
-    try:
-        _parse_spec(spec, path)
-    except SchemaError as exc:
-        return [str(e) for e in exc.errors]
-    return []
-
-
 def parse_compression(spec: Any, path: str = "split.compression") -> Compression:
     """One normalised Compression; ValueError naming the field on bad input."""
     if isinstance(spec, Compression):
@@ -203,10 +194,6 @@ class SplitSpec:
         if not 0 <= boundary < len(self.boundaries):
             raise ValueError(f"boundary must be in [0, {len(self.boundaries)}), got {boundary}")
         return self.compression[boundary] if self.compression else NO_COMPRESSION
-
-    @property
-    def has_learned(self) -> bool:
-        return any(c.is_learned for c in self.compression)
 
     def stage(self, i: int) -> StageSpec:
         start, end = self.layer_range(i)

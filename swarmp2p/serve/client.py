@@ -4,23 +4,17 @@
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-DEFAULT_URL = "http://127.0.0.1:8080"
 URL_ENV = "SWARM_API_URL"
 TIMEOUT_S = 600.0
 
 
 class ApiClientError(RuntimeError):
     """The API answered with an error (its message), or could not be reached."""
-
-
-def default_url() -> str:
-    return os.environ.get(URL_ENV, DEFAULT_URL)
 
 
 def _request(url: str, path: str, body: dict[str, Any], api_key: str | None):

@@ -112,10 +112,6 @@ class Compressor(nn.Module):
         """The half the stage after the boundary runs on the payload."""
         raise NotImplementedError
 
-    def payload_width(self, hidden: int) -> int:
-        """Last-dimension width of the payload for a hidden state of width ``hidden``."""
-        return hidden
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.receiver()(self.sender()(x))
 
@@ -234,9 +230,6 @@ class LearnedBottleneck(Compressor):
 
     def receiver(self) -> nn.Module:
         return self.up
-
-    def payload_width(self, hidden: int) -> int:
-        return self.k
 
     def extra_repr(self) -> str:
         return (

@@ -183,13 +183,3 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> str:
             f"LoRA target_modules {list(targets)} matched nothing in the decoder blocks: {exc}"
         ) from None
     return lora_fingerprint(settings, targets)
-
-
-def adapter_state(module: nn.Module, prefix: str = "") -> dict[str, object]:
-    """The LoRA adapter tensors of ``module`` (names as ``named_parameters`` gives them, with
-    ``prefix``), detached."""
-    return {
-        prefix + name: p.detach()
-        for name, p in module.named_parameters()
-        if "lora_A" in name or "lora_B" in name
-    }
