@@ -83,9 +83,11 @@ def set_block_checkpointing(block: nn.Module, enabled: bool, checkpoint: Callabl
     ``PreTrainedModel.gradient_checkpointing_enable`` (``activation_checkpointing_enable`` in
     5.24) sets the same two attributes, but on every layer of a whole model. Setting a private
     name that transformers stopped reading would raise nothing and checkpoint nothing, so a
-    probe layer checks, once a process, that the function is still the one called (checked on
-    5.8.0, where ``__call__`` calls it, and 5.24.0, where ``forward`` does)."""
-    _checkpointing_contract()
+    probe layer checks, once a process, that the function is still the one called before
+    checkpointing is turned on (turning it off, as every run without recompute does, needs no
+    check). Checked on 5.8.0, where ``__call__`` calls it, and 5.24.0, where ``forward`` does."""
+    if enabled:
+        _checkpointing_contract()
     block.gradient_checkpointing = enabled
     block._gradient_checkpointing_func = checkpoint
 
@@ -158,8 +160,12 @@ def is_fused_experts(module: nn.Module) -> bool:
 
     Why: the stage quantizer stores those weights expert by expert, and there is no public
     registry of experts classes. The marks are undocumented; a probe class checks, once a
-    process, that the decorator still sets them (checked on 5.8.0 and 5.24.0; 5.24.0 also sets
-    the private ``_is_expert_parallel``, which 5.8.0 does not, so it is not read)."""
+    process, that the decorator still sets them, before the first module with a 3-D parameter
+    of its own is asked about (no other can be fused experts, so a dense model needs no check).
+    Checked on 5.8.0 and 5.24.0; 5.24.0 also sets the private ``_is_expert_parallel``, which
+    5.8.0 does not, so it is not read."""
+    if not any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        return False
     _experts_contract("is_fused_experts")
     return all(hasattr(module, mark) for mark in _EXPERTS_MARKS)
 

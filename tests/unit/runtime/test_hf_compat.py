@@ -157,6 +157,9 @@ def test_block_checkpointing_moved_is_loud(monkeypatch):
         with pytest.raises(TransformersHookMoved, match="_gradient_checkpointing_func") as error:
             hf_compat.set_block_checkpointing(nn.Linear(1, 1), True, lambda f, *a: f(*a))
         _assert_names(error, "set_block_checkpointing")
+        hf_compat.set_block_checkpointing(
+            nn.Linear(1, 1), False, lambda f, *a: f(*a)
+        )  # off: no check
     finally:
         hf_compat._checkpointing_contract.cache_clear()
 
@@ -219,8 +222,10 @@ def test_fused_experts_marks_moved_is_loud(monkeypatch):
     )
     hf_compat._experts_contract.cache_clear()
     try:
+        assert not hf_compat.is_fused_experts(nn.Linear(1, 1))  # 2-D: no check
+        experts = _mixtral().model.layers[0].mlp.experts
         with pytest.raises(TransformersHookMoved, match="is_transposed") as error:
-            hf_compat.is_fused_experts(nn.Linear(1, 1))
+            hf_compat.is_fused_experts(experts)
         _assert_names(error, "is_fused_experts")
     finally:
         hf_compat._experts_contract.cache_clear()
