@@ -93,8 +93,8 @@ def handshakes(n: int) -> dict[str, float]:
 def spake2_exchange(n: int) -> float:
     from spake2 import SPAKE2_A
 
-    from swarmp2p.node import pairing
-    from swarmp2p.node.pairing import Invites, PairFinish, PairStart
+    from swarmp2p.node.cluster import pairing
+    from swarmp2p.node.cluster.pairing import Invites, PairFinish, PairStart
 
     clock = [0.0]
     book = Invites(lambda: clock[0])
@@ -122,7 +122,7 @@ def joins(reps: int) -> dict[str, float]:
     from swarm_harness import NodeProc, free_port, swarm, swarm_env, wait_until
 
     from swarmp2p.net import SwarmSecret
-    from swarmp2p.node.join import NodeJoin, join_endpoint
+    from swarmp2p.node.cluster.join import NodeJoin, join_endpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-join-"))
     token = SwarmSecret.generate().token

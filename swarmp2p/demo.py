@@ -401,7 +401,7 @@ def train(
     """Submit the demo's job through the leader and wait for it (``follow(state_dir, job_id)``
     when given, e.g. the CLI's progress bar); the final job view. DemoError unless the job
     completed with a registered model."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
     from swarmp2p.plan import JobError, parse_job
 
     try:
@@ -433,7 +433,7 @@ def serve_on_swarm(
     """Serve ``model`` (a registry model in place from its trained shards, or a folder)
     across the swarm's nodes with the OpenAI-compatible API on the first node; the daemon's
     view: ``url``, ``stages``."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     if port == 0:
         port = free_ports(1)[0]

@@ -43,7 +43,7 @@ def _endpoint(
     api_key = _read_api_key(api_key, api_key_file)
     if url:
         return url, api_key
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
     from swarmp2p.node.api import ApiError, NoDaemon
 
     try:

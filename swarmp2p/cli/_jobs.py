@@ -78,9 +78,9 @@ def train(job_file, plan_only, detach, as_json, state_dir, stages, **flags) -> N
     Exit 0 completed, 1 failed or cancelled, 2 invalid job, 3 blocked (--plan), 4 no daemon,
     5 no live node can run a stage (nothing is submitted; --detach submits anyway and the job
     waits PENDING). A job that waits PENDING prints its reason whenever it changes."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
+    from swarmp2p.client.control import status as node_status
     from swarmp2p.node.api import ApiError
-    from swarmp2p.node.control import status as node_status
     from swarmp2p.plan import JobError
 
     if stages is not None:
@@ -178,7 +178,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
     from swarmp2p.node.api import ApiError, NoDaemon
     from swarmp2p.node.views import eta_s
 
@@ -292,7 +292,7 @@ def jobs(ctx, as_json, state_dir) -> None:
     ctx.obj["state_dir"] = state_dir
     if ctx.invoked_subcommand is not None:
         return
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     rows = _ask(job_commands.jobs, _state_dir(state_dir))
     click.echo(
@@ -328,7 +328,7 @@ def _job_command(name: str, json_help: str, *options):
 @_job_command("show", "Print one JSON object.")
 def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     """One job: plan, state history, metrics, evaluation, reason, error."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     view = _ask(job_commands.job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
@@ -372,7 +372,7 @@ def when(epoch: float) -> str:
 @_job_command("cancel", 'Print {"job_id", "state"}.')
 def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     """Stop a job's workers and mark it CANCELLED."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     out = _ask(job_commands.cancel_job, _jobs_state_dir(ctx, state_dir), job_id)
     if as_json:
@@ -388,7 +388,7 @@ def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
 )
 def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage)
     if as_json:
@@ -402,7 +402,7 @@ def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
 @_STATE_DIR_OPTION
 def models(as_json, state_dir) -> None:
     """Models trained on the swarm (the registry)."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     rows = _ask(job_commands.models, _state_dir(state_dir))
     if as_json:
@@ -437,7 +437,7 @@ def export_command(model_id, out, file_mode, as_json, state_dir) -> None:
     with lora.export "adapters") with PEFT's PeftModel.from_pretrained on the base its
     adapter_config.json names (a Hub id; the embedded model's is
     HuggingFaceTB/SmolLM2-135M-Instruct, see swarm-model.json). Needs the torch runtime here."""
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
     from swarmp2p.node.api import ApiError
 
     try:

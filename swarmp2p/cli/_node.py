@@ -125,8 +125,8 @@ def up(
     A new swarm prints the command that joins another machine, with a one-time pairing code.
     Scripts pass the token in SWARM_TOKEN, --token-file or on stdin (--token -), never in the
     command line, where `ps` shows it."""
+    from swarmp2p.client import control
     from swarmp2p.errors import SwarmError
-    from swarmp2p.node import control
     from swarmp2p.node.api import ApiError
     from swarmp2p.node.config import NodeConfig
 
@@ -176,7 +176,7 @@ def up(
 @click.option("--json", "as_json", is_flag=True, help='Print {"pid", "stopped"}.')
 def down(state_dir, as_json) -> None:
     """Stop this node's daemon cleanly (it says goodbye to its peers)."""
-    from swarmp2p.node import control
+    from swarmp2p.client import control
     from swarmp2p.node.api import ApiError
 
     try:
@@ -202,7 +202,7 @@ def token(state_dir, rotate, as_json) -> None:
     """Print this swarm's token, which joins another machine from a script: there,
     `swarm up --token -` reads it on stdin (e.g. swarm token | ssh HOST swarm up --token -).
     People join with `swarm invite` instead."""
-    from swarmp2p.node import control
+    from swarmp2p.client import control
     from swarmp2p.node.api import ApiError
 
     try:
@@ -236,7 +236,7 @@ def token(state_dir, rotate, as_json) -> None:
 def invite(state_dir, minutes, as_json) -> None:
     """Print a one-time pairing code that joins one more machine on this LAN: there, run
     `swarm up --code WORDS`. Each machine gets three tries; twelve wrong tries in all burn it."""
-    from swarmp2p.node import control
+    from swarmp2p.client import control
 
     got = _ask(control.invite, _state_dir(state_dir), minutes=minutes)
     if as_json:
@@ -252,7 +252,7 @@ def invite(state_dir, minutes, as_json) -> None:
 def remove(node_id, state_dir, as_json) -> None:
     """Remove NODE_ID from the swarm and revoke its key on every member (a lost or
     compromised machine). Then `swarm token --rotate`, so the token it holds admits nobody."""
-    from swarmp2p.node import control
+    from swarmp2p.client import control
 
     got = _ask(control.remove, _state_dir(state_dir), node_id)
     if as_json:
@@ -271,7 +271,7 @@ def status(state_dir, as_json) -> None:
     """This node, its swarm, the leader, peers and jobs."""
     import json
 
-    from swarmp2p.node import control
+    from swarmp2p.client import control
 
     s = _ask(control.status, _state_dir(state_dir))
     if as_json:
@@ -332,7 +332,7 @@ def peers(state_dir, as_json) -> None:
     """The nodes this node sees (itself included)."""
     import json
 
-    from swarmp2p.node import control
+    from swarmp2p.client import control
 
     s = _ask(control.status, _state_dir(state_dir))
     click.echo(json.dumps(s["peers"], indent=2) if as_json else control.format_peers(s["peers"]))

@@ -77,7 +77,7 @@ def serve_command(
     until `swarm serve --stop NAME`. A trained model serves in place: each stage loads its
     trained shard on the node that holds it. "embedded" is converted on first use.
     """
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
     from swarmp2p.node.api import ApiError
     from swarmp2p.plan.serve import parse_serve_request
 

@@ -70,7 +70,7 @@ def dashboard(state_dir, as_json) -> None:
     off: no dashboard). From another machine: ssh -L 7738:127.0.0.1:7738 HOST.
     """
 
-    from swarmp2p.node import control
+    from swarmp2p.client import control
 
     s = _ask(control.status, _state_dir(state_dir))
     url, note = s.get("dashboard"), s.get("dashboard_note", "")

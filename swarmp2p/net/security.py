@@ -7,7 +7,7 @@ keyed BLAKE2b (RFC 7693) and a distinct label per use:
 - ``swarm_id``, 16 hex characters, safe to advertise over mDNS (it reveals nothing of the
   secret, and swarms on one LAN tell each other apart by it);
 - the *admission* Curve25519 key pair: the join port's server key and its only client key, so
-  only a holder of the secret completes a join handshake (see :mod:`swarmp2p.node.join`).
+  only a holder of the secret completes a join handshake (see :mod:`swarmp2p.node.cluster.join`).
 
 Each node also has its own key pair (:class:`NodeKey`, ``node.key`` in its state dir, 0600):
 its control port's server key and its client key towards every member. The job table lists

@@ -30,7 +30,7 @@ API_OPS = (
     "peers",
     "submit",
     "down",
-    # membership (node/join.py, node/pairing.py)
+    # membership (node/cluster/join.py, node/cluster/pairing.py)
     "remove",
     "rotate",
     "invite",
@@ -42,7 +42,7 @@ API_OPS = (
     "logs",
     "models",
     "export",
-    # swarm serve (node/serving.py)
+    # swarm serve (node/serving/service.py)
     "serve",
     "serve_stop",
     "served",

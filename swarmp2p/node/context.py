@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.errors import NotApplied, Unavailable
 from swarmp2p.net.auth import ClientKeys
 from swarmp2p.net.rpc import RpcClient
-from swarmp2p.node.election import eligible_leader
-from swarmp2p.node.election import leader as lowest_live
-from swarmp2p.node.membership import Keyring, Membership
+from swarmp2p.node.cluster.election import eligible_leader
+from swarmp2p.node.cluster.election import leader as lowest_live
+from swarmp2p.node.cluster.membership import Keyring, Membership
 
 if TYPE_CHECKING:
     from swarmp2p.net.security import NodeKey, SwarmSecret
     from swarmp2p.node.config import NodeConfig
-    from swarmp2p.node.jobtable import JobTable
     from swarmp2p.node.state import StateDir
+    from swarmp2p.node.table.jobtable import JobTable
     from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")

@@ -45,17 +45,17 @@ from swarmp2p.net.discovery import (
 )
 from swarmp2p.net.rpc import RpcError, RpcServer
 from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
-from swarmp2p.node import authz, hardware, jobs_api, members_api, speed_probe, views
-from swarmp2p.node import events as ev
-from swarmp2p.node import join as jn
+from swarmp2p.node import hardware, speed_probe, views
 from swarmp2p.node.api import ApiServer
+from swarmp2p.node.cluster import api as members_api
+from swarmp2p.node.cluster import authz
+from swarmp2p.node.cluster import join as jn
+from swarmp2p.node.cluster.heartbeats import Heartbeats
+from swarmp2p.node.cluster.hellos import Hellos
+from swarmp2p.node.cluster.membership import Change
+from swarmp2p.node.cluster.pairing import PairingPort
 from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.context import Identity, NodeContext
-from swarmp2p.node.heartbeats import Heartbeats
-from swarmp2p.node.hellos import Hellos
-from swarmp2p.node.jobs_leader import JobsLeader
-from swarmp2p.node.jobtable import ACTIVE_STATES
-from swarmp2p.node.membership import Change
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
     FilePull,
@@ -76,11 +76,14 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
-from swarmp2p.node.pairing import PairingPort
-from swarmp2p.node.replication import Replication
-from swarmp2p.node.serving import Serving
-from swarmp2p.node.stages import StageHost
+from swarmp2p.node.serving.service import Serving
 from swarmp2p.node.state import StateDir
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.jobtable import ACTIVE_STATES
+from swarmp2p.node.table.replication import Replication
+from swarmp2p.node.training import api as jobs_api
+from swarmp2p.node.training.leader import JobsLeader
+from swarmp2p.node.training.stages import StageHost
 from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")

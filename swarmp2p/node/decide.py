@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarmp2p.node import events as ev
-from swarmp2p.node.jobs import blocked_note, resume_step, snapshot_holders
-from swarmp2p.node.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
-from swarmp2p.node.registry import model_entry, unique_model_id
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
+from swarmp2p.node.table.registry import model_entry, unique_model_id
+from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_holders
 from swarmp2p.plan import Blocked, Plan
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.workers import exit_message

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from swarmp2p.node.election import check_node_id
-from swarmp2p.node.events import Attempt, JobId, NodeId, StageIndex
-from swarmp2p.node.jobtable import MAX_VERSION
+from swarmp2p.node.cluster.election import check_node_id
+from swarmp2p.node.table.events import Attempt, JobId, NodeId, StageIndex
+from swarmp2p.node.table.jobtable import MAX_VERSION
 from swarmp2p.plan import Job
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.serve import ServeInputs

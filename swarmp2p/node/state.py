@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import overload
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.node.election import check_node_id
+from swarmp2p.node.cluster.election import check_node_id
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from swarmp2p.node.jobtable import JobEntry, JobTable
+from swarmp2p.node.table.jobtable import JobEntry, JobTable
 from swarmp2p.schema import to_data
 
 

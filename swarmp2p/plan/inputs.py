@@ -1,7 +1,7 @@
 """What a job reads that lives where it was submitted: the model's shape, where the model's
 files come from, and the data file. Pure, standard library only.
 
-The submitting node resolves these once (``swarmp2p.node.inputs``) and the job's table record
+The submitting node resolves these once (``swarmp2p.node.training.inputs``) and the job's table record
 carries them, so the leader plans and every stage's node checks the plan without the model,
 and each stage's node fetches only the files its layers need (``stage_files``).
 """

@@ -23,7 +23,7 @@ FAILURE_TIMEOUT_S = 1.5
 
 def free_port() -> int:
     """A free TCP port whose port + 2 is free too: a daemon's join port is its control port
-    + 2 (``swarmp2p.node.join.JOIN_PORT_OFFSET``)."""
+    + 2 (``swarmp2p.node.cluster.join.JOIN_PORT_OFFSET``)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -177,7 +177,7 @@ class NodeProc:
         return api.request(self.state.api_socket, "status", timeout=timeout)
 
     def submit(self, record: dict, job_id: str = "") -> dict[str, Any]:
-        from swarmp2p.node.job_commands import submit_job
+        from swarmp2p.client.jobs import submit_job
 
         return submit_job(self.state.root, record, job_id)
 

@@ -94,7 +94,7 @@ def _bad_message(rng: random.Random, msg_id: int) -> bytes:
 def _join(ctx, endpoint: str):
     """Join as node ``zz-bad`` with the token and a key of its own: its client keys."""
     from swarmp2p.net import ClientKeys, NodeKey, request_sync
-    from swarmp2p.node.join import NodeJoin, join_endpoint
+    from swarmp2p.node.cluster.join import NodeJoin, join_endpoint
 
     key = NodeKey.generate()
     msg = NodeJoin(node_id="zz-bad", key=key.public, versions=[PROTOCOL_VERSION], control_port=9,

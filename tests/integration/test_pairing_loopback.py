@@ -17,7 +17,7 @@ from swarm_harness import ROOT, NodeProc, dump, free_port, swarm, swarm_env, wai
 
 from swarmp2p.errors import SwarmError
 from swarmp2p.net.discovery import browse
-from swarmp2p.node import pairing
+from swarmp2p.node.cluster import pairing
 
 pytestmark = pytest.mark.slow
 

@@ -212,13 +212,13 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
 
     from swarmp2p.net.auth import AsyncSecureContext
     from swarmp2p.net.rpc import RpcClient, RpcError
-    from swarmp2p.node.jobs import cluster_records, compute_plan
     from swarmp2p.node.messages import StageStart
+    from swarmp2p.node.training.jobs import cluster_records, compute_plan
     from swarmp2p.plan import parse_job
 
     model = _tiny_llama(tmp_path / "tiny-llama")
     a, b = _two_nodes(loopback_swarm)
-    from swarmp2p.node import job_commands
+    from swarmp2p.client import jobs as job_commands
 
     job = parse_job(_job(model))
     cluster = job_commands.live_plan(a.state.root, job)["cluster"]

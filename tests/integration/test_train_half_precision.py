@@ -3,7 +3,7 @@ float16 tracks float32 on the embedded corpus, an overflow skips the step on eve
 fails the job naming its stage, the specs a daemon builds (``plan.worker_spec.worker_spec``) for
 bfloat16 and float16 devices train, and a one-stage job trains, evaluates, resumes and exports.
 
-The corpus is the embedded one, tokenized by ``python -m swarmp2p.node.corpus`` as a daemon
+The corpus is the embedded one, tokenized by ``python -m swarmp2p.node.training.corpus`` as a daemon
 does, then folded to a 256-token vocabulary (the 255 most frequent tokens, the rest one id: 68 %
 of the stream keeps its own id) so a tiny model learns it in a few steps on the CPU.
 """
@@ -39,7 +39,15 @@ def corpus(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("corpus")
     raw = folder / "embedded.npy"
     out = subprocess.run(
-        [sys.executable, "-m", "swarmp2p.node.corpus", "embedded", "embedded", "text", str(raw)],
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p.node.training.corpus",
+            "embedded",
+            "embedded",
+            "text",
+            str(raw),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -328,7 +336,7 @@ def test_the_specs_a_daemon_builds_train_in_half_precision(
 ):
     """Issue 13/17: through ``swarm train`` on such devices stage 1 failed at step 0 with
     ``expected m1 and m2 to have the same dtype`` (the held-out pass sent it float32)."""
-    from swarmp2p.node import jobs
+    from swarmp2p.node.training import jobs
     from swarmp2p.plan import parse_job
     from swarmp2p.plan.worker_spec import worker_spec
 

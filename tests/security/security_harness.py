@@ -17,7 +17,7 @@ import zmq
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.net import ClientKeys, NodeKey, RpcError, SecureContext, SwarmSecret, request_sync
 from swarmp2p.net.auth import make_client_socket
-from swarmp2p.node.join import NodeJoin, NodeJoined, join_endpoint
+from swarmp2p.node.cluster.join import NodeJoin, NodeJoined, join_endpoint
 from swarmp2p.node.messages import NodeHello
 from swarmp2p.wire.messages import ErrorReply, Message, decode, encode
 

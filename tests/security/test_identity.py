@@ -15,8 +15,6 @@ from swarm_harness import HEARTBEAT_S, NodeProc, agreed_on, dump, free_port, swa
 
 from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p.net import ClientKeys, NodeKey, RpcError, RpcTimeout, SwarmSecret, request_sync
-from swarmp2p.node import events as ev
-from swarmp2p.node.jobtable import JobTable
 from swarmp2p.node.messages import (
     Heartbeat,
     LeadRequest,
@@ -28,6 +26,8 @@ from swarmp2p.node.messages import (
     TableEvents,
     TablePush,
 )
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.jobtable import JobTable
 
 pytestmark = pytest.mark.slow
 
@@ -254,7 +254,7 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
 
 
 def _probe_join():
-    from swarmp2p.node.join import NodeJoin
+    from swarmp2p.node.cluster.join import NodeJoin
 
     return NodeJoin(
         node_id="probe2", key=NodeKey.generate().public, versions=[PROTOCOL_VERSION],

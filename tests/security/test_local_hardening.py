@@ -19,7 +19,7 @@ from swarm_harness import ROOT, swarm_env
 from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p._atomic import write_atomic
 from swarmp2p.net import RpcError
-from swarmp2p.node.election import check_node_id
+from swarmp2p.node.cluster.election import check_node_id
 from swarmp2p.node.messages import NodeHello
 
 

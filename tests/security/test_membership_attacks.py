@@ -10,8 +10,8 @@ from swarm_harness import agreed_on, dump, wait_until
 from test_identity import _up
 
 from swarmp2p.net import NodeKey, RpcError
-from swarmp2p.node import jobtable
-from swarmp2p.node.join import MemberAdmit
+from swarmp2p.node.cluster.join import MemberAdmit
+from swarmp2p.node.table import jobtable
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from swarm_harness import ROOT, NodeProc, free_port, swarm_env, wait_until
 
+from swarmp2p.client.control import read_token
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node import api
-from swarmp2p.node.control import read_token
 from swarmp2p.node.state import StateDir
 
 

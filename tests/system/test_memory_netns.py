@@ -35,7 +35,7 @@ def _gpus(size: int) -> str:
 
 def _prices(folder) -> tuple[int, int]:
     """(the job's largest stage, the served model's one stage) in bytes, as planned."""
-    from swarmp2p.node.jobs import compute_plan
+    from swarmp2p.node.training.jobs import compute_plan
     from swarmp2p.plan.hardware import Node
     from swarmp2p.plan.serve import plan_serve
 

@@ -17,7 +17,7 @@ from hosts import HOME, STATE
 from swarm_harness import agreed_on, dump, swarm, wait_until, worker_pids
 
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node.jobs import resume_step
+from swarmp2p.node.training.jobs import resume_step
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
 
@@ -90,7 +90,7 @@ def _raw(node, job_id):
 
 def _entry(node, job_id):
     """The job's table entry as a record (``JobEntry``) from the daemon's status."""
-    from swarmp2p.node.jobtable import JobEntry
+    from swarmp2p.node.table.jobtable import JobEntry
     from swarmp2p.schema import parse
 
     raw = _raw(node, job_id)

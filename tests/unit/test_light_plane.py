@@ -13,6 +13,7 @@ LIGHT_PACKAGES = [
     "swarmp2p.wire",
     "swarmp2p.net",
     "swarmp2p.node",
+    "swarmp2p.client",
     "swarmp2p.data",
     "swarmp2p.dashboard",
     "swarmp2p.serve",

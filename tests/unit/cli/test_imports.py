@@ -18,49 +18,54 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 CLIENT = {
+    "swarmp2p.client",
     "swarmp2p.node",
+    "swarmp2p.node.cluster",
     "swarmp2p.node.api",
     "swarmp2p.node.config",
-    "swarmp2p.node.control",
-    "swarmp2p.node.election",
-    "swarmp2p.node.job_commands",
+    "swarmp2p.client.control",
+    "swarmp2p.node.cluster.election",
+    "swarmp2p.client.jobs",
     "swarmp2p.node.state",
 }
-"""What of ``swarmp2p.node`` the CLI's client side may load."""
+"""What of ``swarmp2p.node`` and ``swarmp2p.client`` the CLI's client side may load."""
 DAEMON = {
-    "swarmp2p.node.authz",
+    "swarmp2p.node.serving",
+    "swarmp2p.node.table",
+    "swarmp2p.node.training",
+    "swarmp2p.node.cluster.authz",
     "swarmp2p.node.context",
-    "swarmp2p.node.corpus",
+    "swarmp2p.node.training.corpus",
     "swarmp2p.node.daemon",
     "swarmp2p.node.decide",
-    "swarmp2p.node.events",
+    "swarmp2p.node.table.events",
     "swarmp2p.node.hardware",
-    "swarmp2p.node.heartbeats",
-    "swarmp2p.node.hellos",
+    "swarmp2p.node.cluster.heartbeats",
+    "swarmp2p.node.cluster.hellos",
     "swarmp2p.node.hub",
-    "swarmp2p.node.inputs",
-    "swarmp2p.node.jobs",
-    "swarmp2p.node.jobs_api",
-    "swarmp2p.node.jobs_leader",
-    "swarmp2p.node.jobtable",
-    "swarmp2p.node.join",
-    "swarmp2p.node.members_api",
-    "swarmp2p.node.membership",
+    "swarmp2p.node.training.inputs",
+    "swarmp2p.node.training.jobs",
+    "swarmp2p.node.training.api",
+    "swarmp2p.node.training.leader",
+    "swarmp2p.node.table.jobtable",
+    "swarmp2p.node.cluster.join",
+    "swarmp2p.node.cluster.api",
+    "swarmp2p.node.cluster.membership",
     "swarmp2p.node.messages",
-    "swarmp2p.node.metrics",
-    "swarmp2p.node.model_files",
-    "swarmp2p.node.pairing",
-    "swarmp2p.node.registry",
-    "swarmp2p.node.replication",
-    "swarmp2p.node.serve_model",
-    "swarmp2p.node.serve_ring",
-    "swarmp2p.node.serve_stages",
-    "swarmp2p.node.serve_standby",
-    "swarmp2p.node.serving",
+    "swarmp2p.node.training.metrics",
+    "swarmp2p.node.serving.model_files",
+    "swarmp2p.node.cluster.pairing",
+    "swarmp2p.node.table.registry",
+    "swarmp2p.node.table.replication",
+    "swarmp2p.node.serving.model",
+    "swarmp2p.node.serving.ring",
+    "swarmp2p.node.serving.stages",
+    "swarmp2p.node.serving.standby",
+    "swarmp2p.node.serving.service",
     "swarmp2p.node.speed_probe",
-    "swarmp2p.node.stages",
+    "swarmp2p.node.training.stages",
     "swarmp2p.node.views",
-    "swarmp2p.node.words",
+    "swarmp2p.node.cluster.words",
 }
 """The daemon's side of ``swarmp2p.node`` (`swarm up --code` imports pairing when it runs)."""
 DAEMON_BESIDE = {"swarmp2p.workers"}
@@ -154,9 +159,11 @@ def fake_daemon(tmp_path):
 
 
 def test_every_node_module_is_client_or_daemon():
-    """A new module of ``swarmp2p.node`` is named in CLIENT or DAEMON, so this test sees it."""
-    names = {f"swarmp2p.node.{p.stem}" for p in (ROOT / "swarmp2p" / "node").glob("*.py")}
-    names = {"swarmp2p.node" if n.endswith(".__init__") else n for n in names}
+    """A new module of ``swarmp2p.node`` or ``swarmp2p.client`` is named in CLIENT or DAEMON,
+    so this test sees it."""
+    files = [p for d in ("node", "client") for p in (ROOT / "swarmp2p" / d).rglob("*.py")]
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in files}
+    names = {n.removesuffix(".__init__") for n in names}
     assert names == CLIENT | DAEMON, sorted(names ^ (CLIENT | DAEMON))
     assert not CLIENT & DAEMON
 
@@ -168,8 +175,8 @@ def test_the_cli_and_the_api_client_import_no_daemon(tmp_path):
         [
             "swarmp2p.cli",
             "swarmp2p.node.api",
-            "swarmp2p.node.control",
-            "swarmp2p.node.job_commands",
+            "swarmp2p.client.control",
+            "swarmp2p.client.jobs",
         ],
     )
     loaded = set(result["modules"])

@@ -30,20 +30,20 @@ from _tables import job
 
 from swarmp2p.net.rpc import RpcTimeout
 from swarmp2p.net.security import NodeKey, SwarmSecret
-from swarmp2p.node import events as ev
-from swarmp2p.node import jobtable
+from swarmp2p.node.cluster.membership import Refused
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.context import Identity, NodeContext
-from swarmp2p.node.jobtable import JobTable
-from swarmp2p.node.membership import Refused
 from swarmp2p.node.messages import (
     LeadRequest,
     TableEvents,
     TableFetch,
     TablePush,
 )
-from swarmp2p.node.replication import Replication
 from swarmp2p.node.state import StateDir
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table import jobtable
+from swarmp2p.node.table.jobtable import JobTable
+from swarmp2p.node.table.replication import Replication
 from swarmp2p.wire.messages import decode, encode
 
 SECRET = SwarmSecret.generate()

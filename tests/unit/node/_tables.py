@@ -7,9 +7,9 @@ import hashlib
 import zmq
 import zmq.utils.z85
 
-from swarmp2p.node import events as ev
-from swarmp2p.node import jobtable
-from swarmp2p.node.jobtable import JobTable
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table import jobtable
+from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.plan import from_config, parse_job
 from swarmp2p.plan.worker_spec import local_cluster
 from swarmp2p.schema import to_data
@@ -48,7 +48,7 @@ def cluster(*node_ids: str) -> list[dict]:
 
 
 def plan(node_ids=("a", "b"), the_job=None):
-    from swarmp2p.node.jobs import compute_plan
+    from swarmp2p.node.training.jobs import compute_plan
 
     return compute_plan(the_job or job(), cluster(*node_ids), shape=SHAPE)
 

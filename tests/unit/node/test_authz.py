@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import founded, job, running
 
-from swarmp2p.node import join as jn
 from swarmp2p.node import messages as m
-from swarmp2p.node.authz import Sender, refusal, serve_exit_refusal, serve_refusal
+from swarmp2p.node.cluster import join as jn
+from swarmp2p.node.cluster.authz import Sender, refusal, serve_exit_refusal, serve_refusal
 
 TABLE = running(nodes=("a", "b")).table  # a leads; j1 attempt 1 runs stage 0 on a, 1 on b
 MEMBER_B = Sender(node_id="b", member=True)

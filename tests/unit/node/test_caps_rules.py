@@ -14,9 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import founded, job, running
 
 from swarmp2p.errors import UserError
-from swarmp2p.node import decide, model_files
-from swarmp2p.node import events as ev
-from swarmp2p.node.stages import SNAPSHOT_SLACK, listed_snapshot, snapshot_limit
+from swarmp2p.node import decide
+from swarmp2p.node.serving import model_files
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.training.stages import SNAPSHOT_SLACK, listed_snapshot, snapshot_limit
 
 
 def _submitted(log, job_id, by):

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from swarmp2p._ratelog import RateLimitedLog
-from swarmp2p.node import api, control
+from swarmp2p.client import control
+from swarmp2p.node import api
 from swarmp2p.node.config import NodeConfig, parse_peer
 from swarmp2p.node.messages import (
     Heartbeat,
@@ -183,7 +184,7 @@ def test_status_table():
 
 
 def test_status_names_down_members_and_the_writes_this_node_rolled_back():
-    from swarmp2p.node.control import _quorum_lines
+    from swarmp2p.client.control import _quorum_lines
 
     q = {"members": ["a", "b", "c"], "voters": ["a", "b"], "down": ["c"], "majority": 2,
          "ok": False, "reason": "this node sees 1 of 2 voting member(s) (a)",

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import cluster, founded, job, key, plan, running
 
 from swarmp2p.node import decide
-from swarmp2p.node import events as ev
+from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Blocked
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmp2p.node.election import check_node_id, leader
+from swarmp2p.node.cluster.election import check_node_id, leader
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_good_node_ids(good):
 
 
 def test_who_may_lead_a_member_that_holds_the_table_then_any_holder_then_anyone():
-    from swarmp2p.node.election import eligible_leader
+    from swarmp2p.node.cluster.election import eligible_leader
 
     view = {"0": True, "a": True, "b": True, "z": True, "c": False}
     # the table lists a, b, c: the newcomer 0 (no table) and the stranger z never outrank them

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from swarmp2p.node import jobs, registry
+from swarmp2p.node.table import registry
+from swarmp2p.node.training import jobs
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
 from swarmp2p.workers import exit_message
 
@@ -137,7 +138,7 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
 
 
 def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
-    from swarmp2p.node.metrics import MetricsStore
+    from swarmp2p.node.training.metrics import MetricsStore
 
     store = MetricsStore()
     step = {"event": "step", "step": 0, "loss": 4.5, "tokens_per_s": 100.0, "step_s": 0.5,
@@ -160,7 +161,7 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
 
 
 def test_metrics_keep_compute_per_stage_and_the_steady_pace():
-    from swarmp2p.node.metrics import COMPUTE_STEPS, MetricsStore
+    from swarmp2p.node.training.metrics import COMPUTE_STEPS, MetricsStore
 
     store = MetricsStore()
 
@@ -195,7 +196,7 @@ def test_resume_step_is_the_newest_every_stage_has_on_a_live_node():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _tables import running
 
-    from swarmp2p.node import events as ev
+    from swarmp2p.node.table import events as ev
 
     log = running(nodes=("a", "b"))
     entry = log.table.jobs["j1"]
@@ -227,7 +228,7 @@ def test_job_view_has_the_issue_shape():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _tables import founded, job
 
-    from swarmp2p.node import events as ev
+    from swarmp2p.node.table import events as ev
     from swarmp2p.node.views import job_view
 
     log = founded("a")
@@ -249,7 +250,7 @@ def test_model_ids_are_unique_and_the_registry_lists_completed_models():
     from _tables import running
 
     from swarmp2p.node import decide
-    from swarmp2p.node import events as ev
+    from swarmp2p.node.table import events as ev
 
     assert registry.unique_model_id("my job", []) == "my-job"
     assert registry.unique_model_id("t", ["t", "t-2"]) == "t-3"
@@ -277,7 +278,7 @@ def test_model_ids_are_unique_and_the_registry_lists_completed_models():
 )
 def test_peers_read_only_files_inside_a_job_folder(file, tmp_path):
     from swarmp2p.errors import UserError
-    from swarmp2p.node.stages import job_file
+    from swarmp2p.node.training.stages import job_file
 
     with pytest.raises(UserError, match="is refused"):
         job_file(tmp_path, "j1", file)
@@ -287,7 +288,7 @@ def test_peers_read_only_files_inside_a_job_folder(file, tmp_path):
     "file", ["stage-0.log", "export/stage-1/manifest.json", "snapshots/stage-2/step-00000010.pt"]
 )
 def test_job_folder_files_are_readable(file, tmp_path):
-    from swarmp2p.node.stages import job_file
+    from swarmp2p.node.training.stages import job_file
 
     assert job_file(tmp_path, "j1", file) == tmp_path / "jobs" / "j1" / file
 
@@ -295,7 +296,7 @@ def test_job_folder_files_are_readable(file, tmp_path):
 @pytest.mark.parametrize("job_id", ["..", ".", "a/b", "j1\n", "", "x" * 200])
 def test_a_job_id_is_one_safe_path_component(job_id, tmp_path):
     from swarmp2p.errors import UserError
-    from swarmp2p.node.stages import job_dir
+    from swarmp2p.node.training.stages import job_dir
 
     with pytest.raises(UserError, match="job id"):
         job_dir(tmp_path, job_id)
@@ -321,7 +322,7 @@ def test_job_view_shows_each_stage_predicted_beside_measured():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _tables import cluster, founded, job
 
-    from swarmp2p.node import events as ev
+    from swarmp2p.node.table import events as ev
     from swarmp2p.node.views import job_view
 
     records = cluster("a", "b")

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from swarmp2p.node.corpus import prepare_tokens
+from swarmp2p.node.training.corpus import prepare_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 

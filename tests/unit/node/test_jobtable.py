@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import Log, cluster, founded, job, key, plan, running
 
-from swarmp2p.node import events as ev
-from swarmp2p.node.jobtable import JobTable, apply, load, save
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.jobtable import JobTable, apply, load, save
 from swarmp2p.schema import SchemaError
 
 

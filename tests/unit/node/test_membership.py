@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmp2p.node.election import leader
-from swarmp2p.node.membership import Change, Membership
+from swarmp2p.node.cluster.election import leader
+from swarmp2p.node.cluster.membership import Change, Membership
 
 
 def _join(m: Membership, node_id: str, now: float) -> list[Change]:
@@ -77,7 +77,7 @@ def _ring(table_box: list, now: list | None = None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _tables import key
 
-    from swarmp2p.node.membership import Keyring
+    from swarmp2p.node.cluster.membership import Keyring
 
     now = now or [0.0]
     return Keyring("a", key("a"), lambda: table_box[0], lambda: now[0]), key
@@ -86,8 +86,8 @@ def _ring(table_box: list, now: list | None = None):
 def test_the_keyring_binds_members_by_the_table_and_joiners_until_listed():
     from _tables import founded
 
-    from swarmp2p.node import events as ev
-    from swarmp2p.node.membership import Refused
+    from swarmp2p.node.cluster.membership import Refused
+    from swarmp2p.node.table import events as ev
 
     log = founded("a", "b")
     box = [log.table]
@@ -109,8 +109,8 @@ def test_the_keyring_binds_members_by_the_table_and_joiners_until_listed():
 def test_a_removed_key_is_refused_at_once_and_a_left_member_stays_bound():
     from _tables import founded
 
-    from swarmp2p.node import events as ev
-    from swarmp2p.node.membership import Refused
+    from swarmp2p.node.cluster.membership import Refused
+    from swarmp2p.node.table import events as ev
 
     log = founded("a", "b", "c")
     box = [log.table]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from swarmp2p.node import model_files
+from swarmp2p.node.serving import model_files
 
 
 def _model(folder, seed=0):

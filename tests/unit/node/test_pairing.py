@@ -9,8 +9,8 @@ import pytest
 from spake2 import SPAKE2_A
 
 from swarmp2p.errors import SwarmError, UserError
-from swarmp2p.node import pairing
-from swarmp2p.node.pairing import Invites, PairFinish, PairStart, parse_code
+from swarmp2p.node.cluster import pairing
+from swarmp2p.node.cluster.pairing import Invites, PairFinish, PairStart, parse_code
 
 
 class Clock:

@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _fakenet import SECRET, FakeNode, lead, settle, submit, swarm
 
 from swarmp2p.errors import NotApplied, Unavailable
-from swarmp2p.node import events as ev
-from swarmp2p.node import jobtable
 from swarmp2p.node.messages import LeadRequest, TableEvents, TablePush
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table import jobtable
 
 
 async def _founding(tmp_path):

@@ -71,7 +71,7 @@ from _fakenet import (
 )
 
 from swarmp2p.errors import SwarmError
-from swarmp2p.node import events as ev
+from swarmp2p.node.table import events as ev
 
 FOUNDERS = ("a", "b", "c", "d", "e")
 NEWCOMERS = ("0", "1", "m", "n")

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from swarmp2p.node.jobs import PlanMismatch, cluster_records
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
     ServeFileRead,
@@ -21,7 +20,8 @@ from swarmp2p.node.messages import (
     ServeStageStop,
     ShardCopy,
 )
-from swarmp2p.node.serve_stages import check_serve_plan
+from swarmp2p.node.serving.stages import check_serve_plan
+from swarmp2p.node.training.jobs import PlanMismatch, cluster_records
 from swarmp2p.plan import from_config
 from swarmp2p.plan.serve import ServeInputs, ServePlan
 from swarmp2p.wire.messages import WireError, decode, encode

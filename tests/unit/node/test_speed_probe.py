@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from swarmp2p.node import hardware, jobs, speed_probe
+from swarmp2p.node import hardware, speed_probe
+from swarmp2p.node.training import jobs
 from swarmp2p.plan import Node, Plan, parse_job
 from swarmp2p.plan.worker_spec import local_plan
 

@@ -6,8 +6,8 @@ import stat
 
 import pytest
 
+from swarmp2p.client.control import join_command, swarm_secret
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node.control import join_command, swarm_secret
 from swarmp2p.node.state import StateDir
 
 

@@ -15,10 +15,10 @@ from swarmp2p.node.messages import ServeShardHold
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.serve_ring import Served
-    from swarmp2p.node.stages import StageHost
+    from swarmp2p.node.serving.ring import Served
+    from swarmp2p.node.training.stages import StageHost
 
-log = logging.getLogger("swarmp2p.node.serving")
+log = logging.getLogger("swarmp2p.node.serving.service")
 
 COPY_TIMEOUT_S = 3600.0
 """How long one file of a standby copy may take (chunks time out on their own)."""

@@ -47,9 +47,6 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import NotApplied, Unavailable, UserError
 from swarmp2p.net.rpc import RpcError, RpcTimeout
-from swarmp2p.node import events as ev
-from swarmp2p.node import jobtable
-from swarmp2p.node.jobtable import MAX_VERSION, JobTable
 from swarmp2p.node.messages import (
     LeadRequest,
     LeadVote,
@@ -58,12 +55,15 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table import jobtable
+from swarmp2p.node.table.jobtable import MAX_VERSION, JobTable
 from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
 
-log = logging.getLogger("swarmp2p.node.replication")
+log = logging.getLogger("swarmp2p.node.table.replication")
 
 LOG_KEEP = 4096
 """Entries the leader keeps to send followers deltas; one further behind gets the table."""

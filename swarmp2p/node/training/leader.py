@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.net.rpc import ByteBudget, RpcError
-from swarmp2p.node import decide, jobs
-from swarmp2p.node import events as ev
+from swarmp2p.node import decide
 from swarmp2p.node.config import SUBMIT_BURST, SUBMIT_EVERY_S
-from swarmp2p.node.jobtable import FINAL_STATES
 from swarmp2p.node.messages import (
     FilePull,
     JobAck,
@@ -37,16 +35,19 @@ from swarmp2p.node.messages import (
     Submit,
     Submitted,
 )
-from swarmp2p.node.metrics import MetricsStore
-from swarmp2p.node.replication import check_job_id
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.jobtable import FINAL_STATES
+from swarmp2p.node.table.replication import check_job_id
+from swarmp2p.node.training import jobs
+from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked
 from swarmp2p.workers import READY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.replication import Replication
+    from swarmp2p.node.table.replication import Replication
 
-log = logging.getLogger("swarmp2p.node.jobs")
+log = logging.getLogger("swarmp2p.node.training.jobs")
 
 STOP_TIMEOUT_S = 5.0
 COPY_TIMEOUT_S = 60.0

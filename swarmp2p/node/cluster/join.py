@@ -10,7 +10,7 @@ takes one request, ``node.join``.
 **First contact (the bootstrap).** Before its first hello to a peer, a node sends it
 ``node.join`` on that peer's join port: its node id and public key. The handshake itself
 proves both sides hold the secret, so each binds the other's id to its key (pending in the
-:class:`~swarmp2p.node.membership.Keyring` until the table lists it) and from then on they
+:class:`~swarmp2p.node.cluster.membership.Keyring` until the table lists it) and from then on they
 talk on their control ports with their own keys. The joined node answers with the members and
 live peers it knows (ids, keys, endpoints). The leader lists the newcomer (``MemberJoined``
 with its key) only on its own proof: the newcomer joined through the leader's join port too
@@ -40,18 +40,18 @@ from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p.errors import SwarmError, UserError
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer
 from swarmp2p.net.security import SwarmSecret, fingerprint
-from swarmp2p.node import events as ev
-from swarmp2p.node.election import check_node_id
-from swarmp2p.node.events import NodeId, PublicKey
-from swarmp2p.node.membership import Refused
+from swarmp2p.node.cluster.election import check_node_id
+from swarmp2p.node.cluster.membership import Refused
+from swarmp2p.node.table import events as ev
+from swarmp2p.node.table.events import NodeId, PublicKey
 from swarmp2p.schema import field
 from swarmp2p.wire.messages import Message, message
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.replication import Replication
+    from swarmp2p.node.table.replication import Replication
 
-log = logging.getLogger("swarmp2p.node.join")
+log = logging.getLogger("swarmp2p.node.cluster.join")
 
 JOIN_PORT_OFFSET = 2
 """The join port is the control port + 2 (7739 beside the default 7737; 7738 is the

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.node import events as ev
+from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Job, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
-log = logging.getLogger("swarmp2p.node.jobtable")
+log = logging.getLogger("swarmp2p.node.table.jobtable")
 
 TABLE_FORMAT = 3
 """3: members carry their public keys (issue 15); older tables are set aside on load."""
@@ -416,7 +416,7 @@ def apply_model_registered(
 
 
 def apply_shard_copied(t: JobTable, e: ev.ShardCopied, entry: ev.Entry) -> dict[str, JobEntry]:
-    from swarmp2p.node.registry import add_copy
+    from swarmp2p.node.table.registry import add_copy
 
     job = _job(t, e.job_id)
     if job.model is None:

@@ -52,8 +52,8 @@ from swarmp2p.errors import Failed, Unavailable, UserError
 from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
 from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, peer_address
 from swarmp2p.net.security import NodeKey, SwarmSecret
-from swarmp2p.node.join import JOIN_PORT_OFFSET
-from swarmp2p.node.words import WORDS
+from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
+from swarmp2p.node.cluster.words import WORDS
 from swarmp2p.schema import Bounds, field
 from swarmp2p.wire.messages import Message, message
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from swarmp2p.net.discovery import Seen
     from swarmp2p.node.context import NodeContext
 
-log = logging.getLogger("swarmp2p.node.pairing")
+log = logging.getLogger("swarmp2p.node.cluster.pairing")
 
 INVITE_TTL_S = 600.0
 """An invite is valid for 10 minutes: long enough to walk to the other machine."""

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Unavailable, UserError
 from swarmp2p.net.security import fingerprint
-from swarmp2p.node import join as jn
+from swarmp2p.node.cluster import join as jn
 
 if TYPE_CHECKING:
+    from swarmp2p.node.cluster.pairing import PairingPort
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.pairing import PairingPort
 
 
 def handlers(ctx: NodeContext, admission: jn.Admission, pairing: PairingPort) -> dict[str, Any]:

@@ -5,15 +5,15 @@ Roles (each in its own module):
 
 - The issuing node (the one whose CLI ran ``swarm serve``) parses the ServeRequest, asks the
   leader for a plan (``serve.plan``), starts one serve worker per stage on the stages' nodes
-  and connects them (``node/serve_ring.py``), drives the ring with a
+  and connects them (``node/serving/ring.py``), drives the ring with a
   :class:`~swarmp2p.serve.RingClient` and answers the OpenAI-compatible API on
   ``--host``/``--port``.
 - The leader plans the ring with ``plan.serve.plan_serve`` over the live nodes' records: the
   dtype rules, memory priced with the KV cache, the split training uses, a trained model's
   stages where their shards are.
 - Every stage's node recomputes the plan from the same inputs and refuses a mismatch, makes
-  the stage's files local and runs its worker (``node/serve_stages.py``).
-- Once a trained model serves, every shard gets a standby copy (``node/serve_standby.py``).
+  the stage's files local and runs its worker (``node/serving/stages.py``).
+- Once a trained model serves, every shard gets a standby copy (``node/serving/standby.py``).
 
 Failover: each heartbeat round the issuing node checks that every stage's node is alive. When
 one is lost it re-plans on the live nodes, stops the survivors' old workers, starts a new ring
@@ -36,23 +36,23 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p._atomic import write_atomic
 from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node import serve_ring
 from swarmp2p.node.messages import ServeFileRead, ServePlace, ServeStage, ServeStageExit, ShardChunk
-from swarmp2p.node.registry import holders
-from swarmp2p.node.serve_model import resolve_model, trained_entry, trained_settings
-from swarmp2p.node.serve_ring import Served
-from swarmp2p.node.serve_stages import ServeStages
-from swarmp2p.node.serve_standby import Standby
+from swarmp2p.node.serving import ring as serve_ring
+from swarmp2p.node.serving.model import resolve_model, trained_entry, trained_settings
+from swarmp2p.node.serving.ring import Served
+from swarmp2p.node.serving.stages import ServeStages
+from swarmp2p.node.serving.standby import Standby
+from swarmp2p.node.table.registry import holders
 from swarmp2p.plan.model_shape import EMBEDDED
 from swarmp2p.plan.serve import parse_serve_request
 from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.jobs_leader import JobsLeader
-    from swarmp2p.node.stages import StageHost
+    from swarmp2p.node.training.leader import JobsLeader
+    from swarmp2p.node.training.stages import StageHost
 
-log = logging.getLogger("swarmp2p.node.serving")
+log = logging.getLogger("swarmp2p.node.serving.service")
 
 MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
@@ -254,7 +254,7 @@ class Serving:
         codec_folder = served.local.codec if served.local is not None else served.folder
         codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
         if served.files is None and os.path.isdir(served.folder):
-            from swarmp2p.node.model_files import folder_listing
+            from swarmp2p.node.serving.model_files import folder_listing
 
             try:
                 served.files = await asyncio.to_thread(folder_listing, served.folder)
@@ -408,7 +408,7 @@ class Serving:
         """A stage's node says the worker of a stage of the live ring ended (it died, or the
         leader stopped it): the ring is rebuilt now, not at the next round, so a request in
         flight waits for the rebuild rather than for tokens that never come."""
-        from swarmp2p.node import authz
+        from swarmp2p.node.cluster import authz
 
         served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
         live = served is not None and served.live_attempt == msg.attempt and served.plan
@@ -426,7 +426,7 @@ class Serving:
 
     async def _read_file(self, msg: ServeFileRead) -> ShardChunk:
         """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""
-        from swarmp2p.node.stages import CHUNK_BYTES
+        from swarmp2p.node.training.stages import CHUNK_BYTES
 
         served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
         if served is None or not served.files or msg.file not in served.files:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from swarmp2p.errors import UserError
 
 if TYPE_CHECKING:
-    from swarmp2p.node.jobtable import JobEntry
+    from swarmp2p.node.table.jobtable import JobEntry
 
 
 def unique_model_id(name: str, taken: Iterable[str]) -> str:

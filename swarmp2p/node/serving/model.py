@@ -11,7 +11,7 @@ from swarmp2p.plan.model_shape import EMBEDDED
 from swarmp2p.plan.quantization import QuantSpec
 
 if TYPE_CHECKING:
-    from swarmp2p.node.jobtable import JobTable
+    from swarmp2p.node.table.jobtable import JobTable
 
 # --- the model a MODEL argument names ---------------------------------------------------------
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def trained_entry(table: JobTable, model: str) -> dict[str, Any] | None:
     """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
     None when MODEL names no trained model."""
-    from swarmp2p.node.registry import models as registry_models
+    from swarmp2p.node.table.registry import models as registry_models
 
     entry = next((m for m in registry_models(table.jobs) if m.get("id") == model), None)
     if entry is None or entry["job_id"] not in table.jobs:

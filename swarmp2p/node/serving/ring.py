@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError, from_code
 from swarmp2p.net.rpc import RpcTimeout
-from swarmp2p.node.jobs import blocked_note, cluster_records
 from swarmp2p.node.messages import (
     ServePlace,
     ServePlaced,
@@ -22,7 +21,8 @@ from swarmp2p.node.messages import (
     ServeStageStart,
     ServeStageStop,
 )
-from swarmp2p.node.serve_stages import CONNECT_TIMEOUT_S
+from swarmp2p.node.serving.stages import CONNECT_TIMEOUT_S
+from swarmp2p.node.training.jobs import blocked_note, cluster_records
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
 from swarmp2p.schema import SchemaError
 from swarmp2p.serve.ring import RingEnds, build_ring
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from swarmp2p.plan.model_shape import ModelShape
     from swarmp2p.plan.quantization import QuantSpec
 
-log = logging.getLogger("swarmp2p.node.serving")
+log = logging.getLogger("swarmp2p.node.serving.service")
 
 START_TIMEOUT_S = 3500.0
 """How long the issuing node waits for a stage to start: fetching the model's files or a

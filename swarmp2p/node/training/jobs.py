@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from swarmp2p.errors import Failed
-from swarmp2p.node.jobtable import JobEntry
+from swarmp2p.node.table.jobtable import JobEntry
 from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape

@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node import jobs
-from swarmp2p.node.corpus import prepare_tokens
 from swarmp2p.node.decide import stale_workers
-from swarmp2p.node.inputs import Inputs
 from swarmp2p.node.messages import (
     FilePull,
     InputRead,
@@ -31,6 +28,9 @@ from swarmp2p.node.messages import (
     StageStart,
     StageStop,
 )
+from swarmp2p.node.training import jobs
+from swarmp2p.node.training.corpus import prepare_tokens
+from swarmp2p.node.training.inputs import Inputs
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
     from swarmp2p.plan import Plan, ServePlan
 
-log = logging.getLogger("swarmp2p.node.stages")
+log = logging.getLogger("swarmp2p.node.training.stages")
 
 REPORT_EVERY_S = 0.2
 """How often a node sends its workers' new events to the leader (one batch per worker)."""
@@ -114,7 +114,7 @@ class StageHost:
         """Copy a file (a snapshot, at most ``limit`` bytes) of a job's folder from the node at
         ``source``, atomically (to the same name here, or to ``dest``); its size is checked
         against ``limit`` and the free disk before a byte is written."""
-        from swarmp2p.node import model_files
+        from swarmp2p.node.serving import model_files
 
         dest = dest or job_file(self.ctx.state.root, job_id, file)
         read = model_files.rpc_reader(
@@ -281,7 +281,7 @@ class StageHost:
         """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
         the old stages holding its blocks, the embeddings or the head), each fetched from a
         holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
-        from swarmp2p.node.corpus import run_module
+        from swarmp2p.node.training.corpus import run_module
 
         start, end = layers
         n = len(json.loads(msg.plan)["stages"])

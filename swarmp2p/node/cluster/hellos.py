@@ -15,12 +15,12 @@ from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p.errors import Unavailable
 from swarmp2p.net.discovery import Advert, best_address, local_networks
 from swarmp2p.net.rpc import RpcError, RpcTimeout
-from swarmp2p.node import join as jn
+from swarmp2p.node.cluster import join as jn
+from swarmp2p.node.cluster.membership import Change, Refused
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.context import NodeContext
-from swarmp2p.node.membership import Change, Refused
 from swarmp2p.node.messages import NodeHello
-from swarmp2p.node.replication import Replication
+from swarmp2p.node.table.replication import Replication
 
 log = logging.getLogger("swarmp2p.node")
 

@@ -49,7 +49,7 @@ def load_train_job(path: str, overrides: dict[str, Any]):
     problem with its field path."""
     import json
 
-    from swarmp2p.node.jobs import apply_overrides
+    from swarmp2p.node.training.jobs import apply_overrides
     from swarmp2p.plan import FieldError, JobError, parse_job
 
     try:

@@ -14,13 +14,13 @@ from typing import Any
 from swarmp2p.errors import Unavailable
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node import hardware
+from swarmp2p.node.cluster.hellos import Hellos, rpc_timeout
+from swarmp2p.node.cluster.membership import Change
 from swarmp2p.node.context import NodeContext
-from swarmp2p.node.hellos import Hellos, rpc_timeout
-from swarmp2p.node.membership import Change
 from swarmp2p.node.messages import Heartbeat
-from swarmp2p.node.replication import Replication
-from swarmp2p.node.serving import Serving
-from swarmp2p.node.stages import StageHost
+from swarmp2p.node.serving.service import Serving
+from swarmp2p.node.table.replication import Replication
+from swarmp2p.node.training.stages import StageHost
 
 log = logging.getLogger("swarmp2p.node")
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node.jobs import PlanMismatch, device_for
 from swarmp2p.node.messages import (
     JobAck,
     ServeFileRead,
@@ -25,7 +24,8 @@ from swarmp2p.node.messages import (
     ShardCopy,
     ShardRead,
 )
-from swarmp2p.node.stages import CHUNK_BYTES, worker_env
+from swarmp2p.node.training.jobs import PlanMismatch, device_for
+from swarmp2p.node.training.stages import CHUNK_BYTES, worker_env
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeStagePlan
 from swarmp2p.serve.spec import serve_spec
@@ -33,9 +33,9 @@ from swarmp2p.workers import WorkerProcess, exit_message
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.stages import StageHost
+    from swarmp2p.node.training.stages import StageHost
 
-log = logging.getLogger("swarmp2p.node.serve_stages")
+log = logging.getLogger("swarmp2p.node.serving.stages")
 
 SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 LOAD_TIMEOUT_S = 120.0
@@ -128,7 +128,7 @@ class ServeStages:
     def _authorize(self, msg: Any, sender: str) -> None:
         """Only a serve id's issuing node, or the leader, commands its stages here (its
         issuer is the one this node recorded when it started the first of them)."""
-        from swarmp2p.node import authz
+        from swarmp2p.node.cluster import authz
 
         leaders = {self.ctx.leader, self.ctx.table.leader}
         claimants = frozenset(n for n, (ids, _) in self._claims.items() if msg.serve_id in ids)
@@ -206,7 +206,7 @@ class ServeStages:
 
     def _reader(self, node_id: str, read_msg: Any) -> Any:
         """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
-        from swarmp2p.node.model_files import rpc_reader
+        from swarmp2p.node.serving.model_files import rpc_reader
 
         return rpc_reader(self.ctx.call_endpoint, self.ctx.endpoint_of(node_id), read_msg)
 
@@ -245,7 +245,7 @@ class ServeStages:
         """(shard folder, tied-head file or None) of trained stage ``stage`` on this node: the
         copy in its job folder when intact, else fetched from a holder first (and then listed
         in the registry: this node tells the leader it holds a copy)."""
-        from swarmp2p.node import model_files
+        from swarmp2p.node.serving import model_files
 
         job_id = str(ask.get("job_id", ""))
         job_dir = self.stage_host.job_dir(job_id)

@@ -1,7 +1,7 @@
 """A job's text corpus as the token file its first stage reads, made on that stage's node.
 
 The daemon never imports a tokenizer: ``prepare_tokens`` runs ``python -m
-swarmp2p.node.corpus`` (which imports transformers) in a subprocess and waits for it. The file
+swarmp2p.node.training.corpus`` (which imports transformers) in a subprocess and waits for it. The file
 is one 1-D int32 ``.npy`` stream (each document's tokens, then EOS), written atomically; the
 worker cuts it into windows and holds out the last one in twenty for evaluation.
 """
@@ -44,7 +44,7 @@ async def prepare_tokens(model: str, source: str, text_field: str, out: Path) ->
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "swarmp2p.node.corpus",
+        "swarmp2p.node.training.corpus",
         model,
         source,
         text_field,
@@ -67,7 +67,7 @@ async def prepare_tokens(model: str, source: str, text_field: str, out: Path) ->
 
 
 def main(argv: list[str]) -> int:
-    """``python -m swarmp2p.node.corpus MODEL SOURCE TEXT_FIELD OUT.npy``."""
+    """``python -m swarmp2p.node.training.corpus MODEL SOURCE TEXT_FIELD OUT.npy``."""
     import numpy as np
     from transformers import AutoTokenizer
 

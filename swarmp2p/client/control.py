@@ -273,7 +273,7 @@ def _pair(code: str | None):
     import asyncio
 
     from swarmp2p.errors import UserError
-    from swarmp2p.node.pairing import pair
+    from swarmp2p.node.cluster.pairing import pair
 
     try:
         return asyncio.run(pair(code))
@@ -302,8 +302,8 @@ def rotate(state_dir: Path) -> SwarmSecret:
 def _preflight(config: NodeConfig) -> None:
     """Refuse bad input before anything is written: the interface, fake devices, node id."""
     from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.cluster.election import check_node_id
     from swarmp2p.node.config import log_destinations
-    from swarmp2p.node.election import check_node_id
     from swarmp2p.node.hardware import FAKE_DEVICES_ENV, parse_fake_devices
 
     log_destinations(True)  # a bad SWARM_LOG

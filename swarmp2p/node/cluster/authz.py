@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swarmp2p.node import join as jn
 from swarmp2p.node import messages as m
-from swarmp2p.node.jobtable import JobTable
+from swarmp2p.node.cluster import join as jn
+from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.wire.messages import Message
 
 CLAIMS: Mapping[type, str] = {

@@ -12,15 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node import jobs, model_files, registry, views
+from swarmp2p.node import views
 from swarmp2p.node.messages import ShardChunk, ShardRead, Submit
-from swarmp2p.node.stages import CHUNK_BYTES
+from swarmp2p.node.serving import model_files
+from swarmp2p.node.table import registry
+from swarmp2p.node.training import jobs
+from swarmp2p.node.training.stages import CHUNK_BYTES
 from swarmp2p.paths import UnsafeName, confine
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.jobs_leader import JobsLeader
-    from swarmp2p.node.stages import StageHost
+    from swarmp2p.node.training.leader import JobsLeader
+    from swarmp2p.node.training.stages import StageHost
 
 LOG_BYTES = 256 * 1024
 """`swarm jobs logs` shows at most the last this many bytes of a stage's log."""
@@ -59,7 +62,7 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
         from swarmp2p.node.decide import available_memory
-        from swarmp2p.node.inputs import resolve_model
+        from swarmp2p.node.training.inputs import resolve_model
 
         records = available_memory(ctx.live_records(), ctx.table)
         cluster = jobs.cluster_records(records)

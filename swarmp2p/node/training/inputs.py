@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node import model_files
+from swarmp2p.node.serving import model_files
 from swarmp2p.paths import UnsafeName, confine
 from swarmp2p.plan import Job, model_shape
 from swarmp2p.plan.inputs import (
@@ -43,7 +43,7 @@ from swarmp2p.plan.model_shape import EMBEDDED, ModelShape
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
 
-log = logging.getLogger("swarmp2p.node.inputs")
+log = logging.getLogger("swarmp2p.node.training.inputs")
 
 CHUNK_BYTES = 1 << 20
 MAX_DATA_BYTES = 4 * 2**30

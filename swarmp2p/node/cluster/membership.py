@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from swarmp2p.node.jobtable import JobTable
+    from swarmp2p.node.table.jobtable import JobTable
 
 
 @dataclass(kw_only=True, slots=True)
