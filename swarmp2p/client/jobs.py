@@ -139,7 +139,7 @@ def export_model(
     out = Path(out).resolve()
     shards = out / ".shards"
     got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
-    from swarmp2p.runtime.torch.export import write_export
+    from swarmp2p.runtime.torch.train.export import write_export
 
     done = write_export(
         got["model"], got["shards"], out, file_mode=file_mode, base_dir=got.get("base_dir")

@@ -11,7 +11,7 @@ checks before anything is downloaded. Sources:
 - trainable state (the reference's "Which parameters train" table), per trainable parameter
   on top of its weight: AdamW's two fp32 moments 8 B and an fp32 gradient 4 B; a float16 or
   bfloat16 job steps an fp32 master copy (4 B more; the 16-bit gradient is dropped as its fp32
-  copy is made; `runtime/torch/precision.py`), so 12 B in float32 and 16 B in half precision.
+  copy is made; `runtime/torch/train/precision.py`), so 12 B in float32 and 16 B in half precision.
   `full` trains every parameter; `lora` trains adapters only (r x (in + out) per adapted
   projection), whose own weight (compute dtype) is priced here too: 16 B (float32) or 18 B
   (half); `compressor_only` trains the learned bottleneck halves on the stage; `none` trains

@@ -57,7 +57,7 @@ _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
 BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
 """What a serving boundary applies to the hidden state it sends. A learned bottleneck is not
 named here: a stage served from a trained shard runs its compressor halves, per the shard's
-manifest (``swarmp2p.runtime.torch.trained``)."""
+manifest (``swarmp2p.runtime.torch.serve.trained``)."""
 BoundaryCompression = Literal[
     "none", "fp16", "fixed_int2", "fixed_int3", "fixed_int4", "fixed_int5", "fixed_int6",
     "fixed_int7", "fixed_int8",

@@ -11,7 +11,7 @@ and prints one JSON line ``{"speeds": {key: {dtype: FLOP/s}}, "torch": version, 
 ``torch_device: "cpu"``. The workload is a residual MLP block (Linear h -> 4h, GELU, Linear 4h -> h),
 forward and backward, counted as 6 FLOPs per parameter and token like the planner
 (``swarmp2p.plan.speed``); on a CPU in float32 its layers run oneDNN's products, as a training
-stage's do (``runtime/torch/packed.py``). Each measurement runs ``seconds`` of wall time after
+stage's do (``runtime/torch/model/packed.py``). Each measurement runs ``seconds`` of wall time after
 a warm-up, so
 a CPU quota (a cgroup's ``cpu.cfs_quota_us`` over its 100 ms period) shows in the result.
 
@@ -54,7 +54,7 @@ def measure(
     a CPU measurement may use (``rate``)."""
     import torch
 
-    from swarmp2p.runtime.torch.packed import use_onednn
+    from swarmp2p.runtime.torch.model.packed import use_onednn
 
     device = torch.device(torch_device)
     hidden, tokens = _SIZES.get(device.type, _SIZES["cpu"])

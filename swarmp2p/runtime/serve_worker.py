@@ -78,7 +78,7 @@ def _report_stats(server, stage: int, stop: threading.Event) -> None:
 def _load_trained(spec):
     """The stage from its base and shard; the manifest's boundary compression is the one
     served, and a spec that names another one is refused."""
-    from swarmp2p.runtime.torch.trained import load_trained_stage
+    from swarmp2p.runtime.torch.serve.trained import load_trained_stage
 
     trained = load_trained_stage(
         spec.model,
@@ -111,8 +111,8 @@ def run() -> int:
 
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink, stop_zero_copy_collector
     from swarmp2p.runtime.torch import load_spec_stage
-    from swarmp2p.runtime.torch.packed import pack_linears
-    from swarmp2p.runtime.torch.serve import StageServer
+    from swarmp2p.runtime.torch.model.packed import pack_linears
+    from swarmp2p.runtime.torch.serve.server import StageServer
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -131,7 +131,7 @@ def run() -> int:
         }
         send_compression = "none" if trained.sender is not None else trained.send_compression
     stage.eval()
-    packed = pack_linears(stage)  # its float32 CPU layers (see runtime/torch/packed.py)
+    packed = pack_linears(stage)  # its float32 CPU layers (see runtime/torch/model/packed.py)
     if spec.link_keys:  # the node's own keys: only the ring's neighbouring nodes connect
         from swarmp2p.net.links import link_credentials
 

@@ -81,7 +81,7 @@ def main(
 
         links = open_stage_links(spec, emit)  # ready before torch loads (see stage_links)
         try:
-            from swarmp2p.runtime.torch.stage_runner import run_stage
+            from swarmp2p.runtime.torch.train.stage_runner import run_stage
         except BaseException:
             links.close()
             raise

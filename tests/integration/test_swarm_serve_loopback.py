@@ -293,7 +293,7 @@ def test_a_quantized_serve_equals_the_same_quantization_in_one_process(loopback_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.quantization import bnb_config, normalize_spec
+    from swarmp2p.runtime.torch.model.quantization import bnb_config, normalize_spec
 
     a, b = _swarm(loopback_swarm, "ab")
     quant = {"bits": 8}  # NF4's CPU kernel needs wider layers than this tiny model's 32

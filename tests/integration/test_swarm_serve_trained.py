@@ -56,8 +56,8 @@ def _bottleneck_model(base, shards, spec):
     half from stage 0's compressor file and the receiver half from stage 1's."""
     import torch
 
-    from swarmp2p.runtime.torch.compression import compressor_from_spec
-    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.compression import compressor_from_spec
+    from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     model = reconstruct_from_shards(base, shards, merge_adapters=False).eval()
     hidden = model.config.hidden_size
@@ -172,7 +172,7 @@ def test_a_trained_lora_bottleneck_model_serves_in_place_and_survives_a_stage_ho
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
     trained = reconstruct_from_shards(base, shards, merge_adapters=False).eval()

@@ -114,7 +114,7 @@ def test_train_on_two_nodes_completes_registers_and_exports(loopback_swarm, tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     exported = AutoModelForCausalLM.from_pretrained(out_dir).eval()
     shards = [a.state.root / "jobs" / view["id"] / "export" / "stage-0",

@@ -197,9 +197,9 @@ def _reference(specs: list[dict]) -> list[float]:
 
     from swarmp2p.net import InProcLink
     from swarmp2p.plan import stage_schedule
-    from swarmp2p.runtime.torch.boundary import Channel
-    from swarmp2p.runtime.torch.stage_runner import _load_tokens, build_from_spec, train_batch
-    from swarmp2p.runtime.torch.train import TrainSettings, train_stage
+    from swarmp2p.runtime.torch.train.boundary import Channel
+    from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, build_from_spec, train_batch
+    from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage
     from swarmp2p.runtime.worker import parse_worker_spec
 
     n = len(specs)
@@ -369,9 +369,9 @@ def test_the_specs_a_daemon_builds_train_in_half_precision(
 
 
 def test_a_one_stage_job_trains_evaluates_resumes_and_exports(model, corpus, token, tmp_path):
-    from swarmp2p.runtime.torch.evaluation import score_logits
-    from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
-    from swarmp2p.runtime.torch.stage_runner import _load_tokens, eval_batches
+    from swarmp2p.runtime.torch.train.evaluation import score_logits
+    from swarmp2p.runtime.torch.train.export import read_manifest, reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, eval_batches
     from swarmp2p.runtime.worker import parse_worker_spec
 
     train = {"steps": 4, "lr": 3e-3, "eval_batches": 2, "checkpoint_every": 2}

@@ -195,7 +195,7 @@ def reference(folder, steps, batch_size, seq_len, seed, lr):
     """Single process: the loss of each step and the parameters after the last."""
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.loss import chunked_loss
+    from swarmp2p.runtime.torch.train.loss import chunked_loss
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -350,9 +350,9 @@ def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_pat
     built = [w.of("built")[0] for w in workers]
     assert built[0]["lora_fingerprint"] == built[1]["lora_fingerprint"] is not None
 
-    from swarmp2p.runtime.torch.evaluation import score_logits
-    from swarmp2p.runtime.torch.export import read_manifest, reconstruct_from_shards
-    from swarmp2p.runtime.torch.stage_runner import eval_batches
+    from swarmp2p.runtime.torch.train.evaluation import score_logits
+    from swarmp2p.runtime.torch.train.export import read_manifest, reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.stage_runner import eval_batches
     from swarmp2p.runtime.worker import parse_worker_spec
 
     dirs = [tmp_path / "stage-0", tmp_path / "stage-1"]

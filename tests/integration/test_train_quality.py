@@ -34,9 +34,9 @@ def test_half_width_learned_bottleneck_keeps_top1_untrained():
 
     from swarmp2p.data.sources import load_splits
     from swarmp2p.runtime.torch import build_stage
-    from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection
-    from swarmp2p.runtime.torch.compression import compressor_from_spec
-    from swarmp2p.runtime.torch.embedded import ensure_embedded
+    from swarmp2p.runtime.torch.model.embedded import ensure_embedded
+    from swarmp2p.runtime.torch.train.calibration import CovarianceAccumulator, principal_projection
+    from swarmp2p.runtime.torch.train.compression import compressor_from_spec
 
     folder = ensure_embedded()
     tokenizer = AutoTokenizer.from_pretrained(folder)

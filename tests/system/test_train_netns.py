@@ -164,7 +164,7 @@ def test_inputs_on_a_follower_only_train_export_on_another_serve_on_a_third(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.export import reconstruct_from_shards
+    from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     exported = AutoModelForCausalLM.from_pretrained(c.host.outside(f"{HOME}/export")).eval()
     shards = [n.host.outside(f"{STATE}/jobs/{view['id']}/export/stage-{i}")

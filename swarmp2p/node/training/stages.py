@@ -280,7 +280,7 @@ class StageHost:
     ) -> None:  # fmt: skip
         """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
         the old stages holding its blocks, the embeddings or the head), each fetched from a
-        holder, by ``python -m swarmp2p.runtime.torch.reslice``."""
+        holder, by ``python -m swarmp2p.runtime.torch.train.reslice``."""
         from swarmp2p.node.training.corpus import run_module
 
         start, end = layers
@@ -312,7 +312,9 @@ class StageHost:
                     p.unlink()
         args = [str(out), str(msg.stage), str(start), str(end), str(int(first)), str(int(last))]
         try:
-            await run_module("swarmp2p.runtime.torch.reslice", [*args, str(int(tied)), *sources])
+            await run_module(
+                "swarmp2p.runtime.torch.train.reslice", [*args, str(int(tied)), *sources]
+            )
         except ValueError as exc:
             raise Failed(f"node {self.ctx.node_id}: re-slicing the step-{msg.resume_step} snapshots for stage {msg.stage}: {exc}", code="no_snapshot") from None  # fmt: skip
         log.info("job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",

@@ -1,14 +1,14 @@
 """The torch stage runtime: imported only by worker processes."""
 
-from swarmp2p.runtime.torch.half_storage import apply_half_storage
-from swarmp2p.runtime.torch.introspect import (
+from swarmp2p.runtime.torch.model.half_storage import apply_half_storage
+from swarmp2p.runtime.torch.model.introspect import (
     LINEAR_ATTENTION,
     Topology,
     decoder_config,
     introspect,
     layer_types,
 )
-from swarmp2p.runtime.torch.loader import (
+from swarmp2p.runtime.torch.model.loader import (
     NotLoadableByName,
     check_free_disk,
     load_spec_stage,
@@ -16,9 +16,9 @@ from swarmp2p.runtime.torch.loader import (
     resolve_dtype,
     stage_keys,
 )
-from swarmp2p.runtime.torch.quantization import QuantSpec, normalize_spec
+from swarmp2p.runtime.torch.model.quantization import QuantSpec, normalize_spec
+from swarmp2p.runtime.torch.model.stage import Stage, StageCache, build_stage
 from swarmp2p.runtime.torch.runtime import TorchRuntime
-from swarmp2p.runtime.torch.stage import Stage, StageCache, build_stage
 
 __all__ = [
     "LINEAR_ATTENTION",

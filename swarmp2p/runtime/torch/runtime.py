@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from swarmp2p.runtime.torch.embedded import ensure_embedded
-from swarmp2p.runtime.torch.half_storage import apply_half_storage
-from swarmp2p.runtime.torch.introspect import introspect
-from swarmp2p.runtime.torch.loader import load_stage_shard
-from swarmp2p.runtime.torch.quantization import normalize_spec
-from swarmp2p.runtime.torch.stage import build_stage
+from swarmp2p.runtime.torch.model.embedded import ensure_embedded
+from swarmp2p.runtime.torch.model.half_storage import apply_half_storage
+from swarmp2p.runtime.torch.model.introspect import introspect
+from swarmp2p.runtime.torch.model.loader import load_stage_shard
+from swarmp2p.runtime.torch.model.quantization import normalize_spec
+from swarmp2p.runtime.torch.model.stage import build_stage
 
 
 class TorchRuntime:

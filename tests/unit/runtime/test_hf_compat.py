@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarmp2p.runtime.torch import hf_compat
-from swarmp2p.runtime.torch.hf_compat import TransformersHookMoved
+from swarmp2p.runtime.torch.model import hf_compat
+from swarmp2p.runtime.torch.model.hf_compat import TransformersHookMoved
 
 pytestmark = pytest.mark.torch
 
@@ -80,7 +80,7 @@ def _assert_names(error: pytest.ExceptionInfo, hook: str) -> None:
 def test_dtype_plan_is_the_plan_from_pretrained_casts_by(tmp_path):
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    from swarmp2p.runtime.torch.loader import _dtype_for
+    from swarmp2p.runtime.torch.model.loader import _dtype_for
 
     assert callable(getattr(PreTrainedModel, "_get_dtype_plan", None))
     model = _glm4_moe()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, load_whole
 
-from swarmp2p.runtime.torch import loader
-from swarmp2p.runtime.torch.loader import check_free_disk, load_stage_shard, resolve_dtype
+from swarmp2p.runtime.torch.model import loader
+from swarmp2p.runtime.torch.model.loader import check_free_disk, load_stage_shard, resolve_dtype
 
 pytestmark = pytest.mark.torch
 
@@ -88,7 +88,7 @@ def test_slices_equal_the_whole_load_and_read_only_their_files(family, checkpoin
 
 def _whole_name(stage, name, whole):
     """A stage parameter's name in the whole model."""
-    from swarmp2p.runtime.torch import introspect
+    from swarmp2p.runtime.torch.model.introspect import introspect
 
     names = introspect(whole).names
     part, _, rest = name.partition(".")

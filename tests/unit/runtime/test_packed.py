@@ -12,7 +12,7 @@ from tiny_models import build_model
 from torch import nn
 
 from swarmp2p.runtime.torch import build_stage
-from swarmp2p.runtime.torch.packed import (
+from swarmp2p.runtime.torch.model.packed import (
     OneDnnLinear,
     PackedLinear,
     pack_linears,
@@ -130,7 +130,7 @@ def test_the_training_build_of_a_cpu_float32_stage_uses_onednn(tmp_path):
 
     from swarmp2p.plan import load_model_shape, parse_job
     from swarmp2p.plan.worker_spec import local_plan, worker_spec
-    from swarmp2p.runtime.torch.stage_runner import build_from_spec
+    from swarmp2p.runtime.torch.train.stage_runner import build_from_spec
 
     build_model("llama").save_pretrained(tmp_path)
     assert tf.AutoConfig.from_pretrained(tmp_path).model_type == "llama"

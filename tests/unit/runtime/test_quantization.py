@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from swarmp2p.runtime.torch.hf_compat import set_eager_experts
-from swarmp2p.runtime.torch.loader import load_stage_shard
-from swarmp2p.runtime.torch.quantization import (
+from swarmp2p.runtime.torch.model.hf_compat import set_eager_experts
+from swarmp2p.runtime.torch.model.loader import load_stage_shard
+from swarmp2p.runtime.torch.model.quantization import (
     QuantSpec,
     bnb_config,
     import_bitsandbytes,
@@ -152,7 +152,7 @@ def _roundtrip(weight, spec):
 def test_moe_experts_are_quantized_expert_by_expert(family, checkpoints):
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.quantization import ExpertStack
+    from swarmp2p.runtime.torch.model.quantization import ExpertStack
 
     folder = checkpoints(family, wide=True)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))

@@ -9,8 +9,9 @@ import torch
 from tiny_models import FAMILIES, load_whole
 from transformers import DynamicCache
 
-from swarmp2p.runtime.torch import build_stage, introspect
-from swarmp2p.runtime.torch.hf_compat import attn_implementation
+from swarmp2p.runtime.torch import build_stage
+from swarmp2p.runtime.torch.model.hf_compat import attn_implementation
+from swarmp2p.runtime.torch.model.introspect import introspect
 
 pytestmark = pytest.mark.torch
 

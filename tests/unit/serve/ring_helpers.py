@@ -10,10 +10,11 @@ from contextlib import contextmanager
 import torch
 
 from swarmp2p.net import InProcLink
-from swarmp2p.runtime.torch import build_stage, introspect
-from swarmp2p.runtime.torch.boundary import apply_boundary
-from swarmp2p.runtime.torch.packed import pack_linears
-from swarmp2p.runtime.torch.serve import StageServer
+from swarmp2p.runtime.torch import build_stage
+from swarmp2p.runtime.torch.model.introspect import introspect
+from swarmp2p.runtime.torch.model.packed import pack_linears
+from swarmp2p.runtime.torch.serve.server import StageServer
+from swarmp2p.runtime.torch.train.boundary import apply_boundary
 from swarmp2p.serve import RingClient
 
 

@@ -11,7 +11,7 @@ from swarmp2p.serve import SamplingParams
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-from swarmp2p.runtime.torch.sampling import (  # noqa: E402
+from swarmp2p.runtime.torch.serve.sampling import (  # noqa: E402
     filter_logits,
     new_generator,
     sample_token,
@@ -75,7 +75,7 @@ def test_min_p_keeps_tokens_at_least_that_share_of_the_top_one():
 
 
 def _sampler(**kw):
-    from swarmp2p.runtime.torch.sampling import SessionSampler
+    from swarmp2p.runtime.torch.serve.sampling import SessionSampler
 
     return SessionSampler(SamplingParams(temperature=0, **kw), vocab_size=5)
 
@@ -112,7 +112,7 @@ def test_logit_bias_and_logprobs():
 
 
 def test_a_replayed_session_counts_only_its_generated_tokens():
-    from swarmp2p.runtime.torch.sampling import SessionSampler
+    from swarmp2p.runtime.torch.serve.sampling import SessionSampler
 
     params = SamplingParams(temperature=0, frequency_penalty=2.0)
     replay = SessionSampler(params, vocab_size=5, prompt_len=2)

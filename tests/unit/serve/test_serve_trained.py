@@ -20,21 +20,22 @@ from train_models import build_model, run_threads, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch import decoder_config, introspect, load_stage_shard  # noqa: E402
-from swarmp2p.runtime.torch.boundary import (  # noqa: E402
+from swarmp2p.runtime.torch import decoder_config, load_stage_shard  # noqa: E402
+from swarmp2p.runtime.torch.model.introspect import introspect  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.runtime.torch.serve.trained import load_trained_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import (  # noqa: E402
     Channel,
     apply_boundary,
 )
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.export import (  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.export import (  # noqa: E402
     export_stage,
     read_manifest,
     reconstruct_from_shards,
 )
-from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
-from swarmp2p.runtime.torch.trained import load_trained_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
 from swarmp2p.serve import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -78,7 +79,7 @@ def _projections(base, bounds, compression):
     calibration starts a learned bottleneck from), for each learned boundary."""
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.calibration import CovarianceAccumulator, principal_projection
+    from swarmp2p.runtime.torch.train.calibration import CovarianceAccumulator, principal_projection
 
     model = AutoModelForCausalLM.from_pretrained(base).eval()
     with torch.no_grad():
@@ -358,7 +359,7 @@ def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process
     from transformers import AutoModelForCausalLM
 
     from swarmp2p.runtime.torch import normalize_spec
-    from swarmp2p.runtime.torch.quantization import bnb_config
+    from swarmp2p.runtime.torch.model.quantization import bnb_config
 
     base = _save_base(tmp_path / "base", wide=True)
     bounds = [(0, 2), (2, 4)]
@@ -489,7 +490,7 @@ def test_serve_worker_processes_serve_trained_shards(tied):
 def test_the_learned_halves_replace_the_named_boundary_and_a_spec_naming_another_is_refused(tied):
     from swarmp2p.net import InProcLink
     from swarmp2p.runtime.serve_worker import _load_trained
-    from swarmp2p.runtime.torch.serve import StageServer
+    from swarmp2p.runtime.torch.serve.server import StageServer
 
     folder, dirs, _, _, _ = tied
     spec = _first_spec(folder, dirs, compression="fixed_int8")

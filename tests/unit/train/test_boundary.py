@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmp2p.net import InProcLink  # noqa: E402
-from swarmp2p.runtime.torch.boundary import (  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import (  # noqa: E402
     ACT,
     GRAD,
     BoundaryError,
@@ -19,7 +19,7 @@ from swarmp2p.runtime.torch.boundary import (  # noqa: E402
     send_through,
     to_frame,
 )
-from swarmp2p.runtime.torch.compression import fake_quantize  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import fake_quantize  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -6,13 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmp2p.runtime.torch.calibration import (  # noqa: E402
+from swarmp2p.runtime.torch.train.calibration import (  # noqa: E402
     CovarianceAccumulator,
     principal_projection,
     projection_frames,
     projection_from_frames,
 )
-from swarmp2p.runtime.torch.compression import LearnedBottleneck  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import LearnedBottleneck  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

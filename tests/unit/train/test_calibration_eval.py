@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 from train_models import build_model, run_threads, stage_copies, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.calibration import calibrate_stage  # noqa: E402
-from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.evaluation import evaluate_stage, score_logits  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.calibration import calibrate_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.evaluation import evaluate_stage, score_logits  # noqa: E402
 
 pytestmark = pytest.mark.torch
 LEARNED = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmp2p.runtime.torch.compression import (  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import (  # noqa: E402
     FixedQuantization,
     HalfPrecision,
     LearnedBottleneck,

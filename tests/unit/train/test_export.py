@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 from test_pipeline import run_pipeline  # noqa: E402
 from train_models import build_model, token_batches  # noqa: E402
 
-from swarmp2p.runtime.torch.export import export_stage, read_manifest, reconstruct_from_shards  # noqa: E402
-from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.runtime.torch.train.export import export_stage, read_manifest, reconstruct_from_shards  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -135,8 +135,8 @@ def test_a_one_stage_tied_model_exports_its_head_once_and_loads_back(tmp_path):
     import transformers as tf
 
     from swarmp2p.runtime.torch import build_stage
-    from swarmp2p.runtime.torch.bundle import build_bundle
-    from swarmp2p.runtime.torch.trained import _load_weights
+    from swarmp2p.runtime.torch.serve.trained import _load_weights
+    from swarmp2p.runtime.torch.train.bundle import build_bundle
 
     config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

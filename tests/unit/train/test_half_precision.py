@@ -21,10 +21,10 @@ from train_models import build_model, stage_copies, token_batches  # noqa: E402
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import build_stage  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel, PipelineAborted  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import NoCompression  # noqa: E402
-from swarmp2p.runtime.torch.precision import (  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel, PipelineAborted  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import NoCompression  # noqa: E402
+from swarmp2p.runtime.torch.train.precision import (  # noqa: E402
     GROWTH_INTERVAL,
     INIT_LOSS_SCALE,
     MIN_LOSS_SCALE,
@@ -36,8 +36,8 @@ from swarmp2p.runtime.torch.precision import (  # noqa: E402
     fused_adamw,
     next_loss_scale,
 )
-from swarmp2p.runtime.torch.snapshot import load_snapshot, save_snapshot  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.snapshot import load_snapshot, save_snapshot  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -153,7 +153,7 @@ def test_float32_masters_step_in_the_fused_kernel_and_equal_the_unfused_adamw():
 @pytest.mark.slow  # float16 matmuls are emulated on the CPU: ~0.5 s per tiny LoRA step
 def test_float16_lora_stays_finite_with_master_copies_and_goes_nan_without():
     """The DESIGN pitfall: AdamW in float16 divides 0 by eps = 0 on a zero-initialised LoRA B."""
-    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora
+    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora
 
     def one_stage(model):
         stage = build_stage(model, 0, 4)
@@ -368,7 +368,7 @@ def test_a_float16_backbone_halves_the_stage_peak_and_keeps_the_loss(tmp_path):
 
     from swarmp2p.plan import load_model_shape, parse_job
     from swarmp2p.plan.worker_spec import local_plan, worker_spec
-    from swarmp2p.runtime.torch.stage_runner import build_from_spec, train_batch
+    from swarmp2p.runtime.torch.train.stage_runner import build_from_spec, train_batch
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(

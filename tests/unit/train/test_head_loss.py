@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 from train_models import VOCAB, build_model  # noqa: E402
 
-from swarmp2p.runtime.torch.loss import chunked_head_loss, chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.stage import build_stage  # noqa: E402
+from swarmp2p.runtime.torch.model.stage import build_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.loss import chunked_head_loss, chunked_loss  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -12,17 +12,17 @@ torch = pytest.importorskip("torch")
 from test_pipeline import _reference_lora, run_pipeline  # noqa: E402
 from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
-from swarmp2p.runtime.torch import introspect  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import NoCompression  # noqa: E402
-from swarmp2p.runtime.torch.lora import (  # noqa: E402
+from swarmp2p.runtime.torch.model.introspect import introspect  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import (  # noqa: E402
     LoraSettings,
     apply_lora,
     default_target_modules,
     lora_fingerprint,
     resolve_targets,
 )
-from swarmp2p.runtime.torch.train import TrainSettings  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import NoCompression  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

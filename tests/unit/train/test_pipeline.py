@@ -16,11 +16,11 @@ from train_models import (  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.loss import chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.loss import chunked_loss  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 TOL = 1e-5

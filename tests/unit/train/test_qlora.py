@@ -13,12 +13,12 @@ from train_models import build_model, run_threads  # noqa: E402
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
 from swarmp2p.runtime.torch import load_stage_shard  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import NoCompression  # noqa: E402
-from swarmp2p.runtime.torch.export import export_stage, read_manifest  # noqa: E402
-from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import NoCompression  # noqa: E402
+from swarmp2p.runtime.torch.train.export import export_stage, read_manifest  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 from test_snapshot import _train  # noqa: E402
 from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.reslice import Source, reslice  # noqa: E402
-from swarmp2p.runtime.torch.snapshot import load_snapshot, save_snapshot, snapshot_path  # noqa: E402
-from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.reslice import Source, reslice  # noqa: E402
+from swarmp2p.runtime.torch.train.snapshot import load_snapshot, save_snapshot, snapshot_path  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -81,7 +81,7 @@ def test_a_run_resliced_onto_other_cuts_goes_on_as_the_uninterrupted_one(tmp_pat
         if j == 0:  # the tool a stage's node runs, in its own process
             args = [str(out), "0", "0", "2", "1", "0", "0"]
             args += [f"{s.path}:{s.start}:{s.end}:{int(s.first)}:{int(s.last)}" for s in sources]
-            done = subprocess.run([sys.executable, "-m", "swarmp2p.runtime.torch.reslice", *args],
+            done = subprocess.run([sys.executable, "-m", "swarmp2p.runtime.torch.train.reslice", *args],
                                   capture_output=True, text=True)  # fmt: skip
             assert done.returncode == 0, done.stderr
         else:

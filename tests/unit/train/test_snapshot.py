@@ -11,15 +11,15 @@ from train_models import build_model, run_threads, stage_copies, token_batches  
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
-from swarmp2p.runtime.torch.boundary import Channel  # noqa: E402
-from swarmp2p.runtime.torch.bundle import build_bundle  # noqa: E402
-from swarmp2p.runtime.torch.compression import compressor_from_spec  # noqa: E402
-from swarmp2p.runtime.torch.snapshot import (  # noqa: E402
+from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
+from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
+from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
+from swarmp2p.runtime.torch.train.snapshot import (  # noqa: E402
     latest_snapshot,
     load_snapshot,
     save_snapshot,
 )
-from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 LEARNED = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}

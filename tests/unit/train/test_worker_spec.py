@@ -154,7 +154,7 @@ def test_a_stage_is_ready_before_it_imports_torch():
 def test_batches_are_a_function_of_the_step_and_held_out_is_separate(tmp_path):
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
-    from swarmp2p.runtime.torch.stage_runner import _load_tokens, eval_batches, train_batch
+    from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, eval_batches, train_batch
 
     job = parse_job({**JOB, "train": {"batch_size": 2, "seq_len": 4, "eval_batches": 3}})
     plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])

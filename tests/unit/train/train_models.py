@@ -55,7 +55,8 @@ def token_batches(n: int, batch: int, seq: int, seed: int = 0):
 def stage_copies(model, cuts: list[int]):
     """(stage, name_of) per stage: each stage built over its own deep copy of ``model``;
     ``name_of`` maps a parameter's id to its name in the whole model."""
-    from swarmp2p.runtime.torch import build_stage, introspect
+    from swarmp2p.runtime.torch import build_stage
+    from swarmp2p.runtime.torch.model.introspect import introspect
 
     bounds = [0, *cuts, introspect(model).num_blocks]
     out = []

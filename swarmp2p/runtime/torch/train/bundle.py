@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from swarmp2p.plan.job import FINETUNE_MODES
 from swarmp2p.plan.split import StagePosition
-from swarmp2p.runtime.torch.compression import Compressor
-from swarmp2p.runtime.torch.hf_compat import set_block_checkpointing
+from swarmp2p.runtime.torch.model.hf_compat import set_block_checkpointing
+from swarmp2p.runtime.torch.train.compression import Compressor
 
 
 @dataclass(kw_only=True, eq=False)

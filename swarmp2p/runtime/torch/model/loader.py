@@ -15,9 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 from swarmp2p.models import resolve_model_ref
-from swarmp2p.runtime.torch import hf_compat
-from swarmp2p.runtime.torch.introspect import Topology, introspect
-from swarmp2p.runtime.torch.stage import Stage
+from swarmp2p.runtime.torch.model import hf_compat
+from swarmp2p.runtime.torch.model.introspect import Topology, introspect
+from swarmp2p.runtime.torch.model.stage import Stage
 
 if TYPE_CHECKING:
     from swarmp2p.plan.worker_spec import WorkerSpec
@@ -307,7 +307,7 @@ def load_stage_shard(
     block is handed the causal mask of its own layer type whichever it is."""
     from transformers import AutoConfig
 
-    from swarmp2p.runtime.torch import quantization as _quant
+    from swarmp2p.runtime.torch.model import quantization as _quant
 
     dtype = resolve_dtype(dtype)
     device = torch.device(device)

@@ -226,7 +226,7 @@ def agree(
 
 def _check_step(header: dict[str, Any], step: int) -> None:
     if header.get("step") != step:
-        from swarmp2p.runtime.torch.boundary import StaleReply
+        from swarmp2p.runtime.torch.train.boundary import StaleReply
 
         raise StaleReply(
             f"{header.get('name')} of step {header.get('step')} while finishing step {step}; "

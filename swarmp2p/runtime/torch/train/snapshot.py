@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.runtime.torch.bundle import StageBundle
-from swarmp2p.runtime.torch.precision import LossScaler, StageOptimizer
+from swarmp2p.runtime.torch.train.bundle import StageBundle
+from swarmp2p.runtime.torch.train.precision import LossScaler, StageOptimizer
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -104,7 +104,7 @@ def load_snapshot(
             raise ValueError(f"snapshot {path} holds no optimizer state")
         state = payload["optimizer"]
         if "by_name" in state:  # re-sliced onto new cuts (``reslice``): back in this order
-            from swarmp2p.runtime.torch.reslice import positional
+            from swarmp2p.runtime.torch.train.reslice import positional
 
             state = positional(state, bundle)
         optimizer.load_state_dict(state)

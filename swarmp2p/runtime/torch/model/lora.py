@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from swarmp2p.runtime.torch.introspect import introspect
+from swarmp2p.runtime.torch.model.introspect import introspect
 
 ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
     # Qwen3-Next (hybrid): the attention group plus its linear-attention projections

@@ -8,7 +8,7 @@ snapshot, in the order ``_named_state`` lists the trainable parameters) travels 
 ``positional`` puts it back in the new stage's own order when its worker resumes. Learned
 bottlenecks are never re-sliced (their halves were trained on the old cuts).
 
-``python -m swarmp2p.runtime.torch.reslice OUT STAGE START END FIRST LAST TIED SRC...`` with
+``python -m swarmp2p.runtime.torch.train.reslice OUT STAGE START END FIRST LAST TIED SRC...`` with
 each SRC ``PATH:START:END:FIRST:LAST`` (FIRST/LAST/TIED 0 or 1) is how a stage's node runs it.
 """
 

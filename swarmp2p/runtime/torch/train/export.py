@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.runtime.torch.bundle import StageBundle
-from swarmp2p.runtime.torch.lora import LoraSettings, _target_regex
+from swarmp2p.runtime.torch.model.lora import LoraSettings, _target_regex
+from swarmp2p.runtime.torch.train.bundle import StageBundle
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -54,7 +54,7 @@ def _model_names(stage: nn.Module) -> dict[str, str]:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.introspect import introspect
+    from swarmp2p.runtime.torch.model.introspect import introspect
 
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(stage.config)
@@ -291,7 +291,7 @@ def portable_base(ref: str) -> tuple[str, dict[str, Any]]:
             f"({EMBEDDED_INSTALL.rsplit(' ', 1)[-1]}), Q4_1 dequantized to float32 safetensors",
             "note": "the swarm trained on those dequantized weights; on the Hub's original "
             "weights an adapter's text is close to, not exactly, the swarm's. Load the base from "
-            "the converted folder (`python -m swarmp2p.runtime.torch.embedded` prints it) for the "
+            "the converted folder (`python -m swarmp2p.runtime.torch.model.embedded` prints it) for the "
             "swarm's exact text",
         }
     parts = Path(ref).parts

@@ -75,10 +75,10 @@ def build_from_spec(spec: WorkerSpec):
     import torch
 
     from swarmp2p.runtime.torch import decoder_config, load_spec_stage
-    from swarmp2p.runtime.torch.bundle import build_bundle
-    from swarmp2p.runtime.torch.compression import compressor_from_spec
-    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora, resolve_targets
-    from swarmp2p.runtime.torch.packed import use_onednn
+    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.model.packed import use_onednn
+    from swarmp2p.runtime.torch.train.bundle import build_bundle
+    from swarmp2p.runtime.torch.train.compression import compressor_from_spec
 
     torch.manual_seed(spec.seed)  # every stage draws the same LoRA A matrices
     a, b = spec.layers
@@ -123,7 +123,7 @@ def build_from_spec(spec: WorkerSpec):
         dtype=dtype,
     )
     _store_frozen_weights(spec, bundle)
-    use_onednn(bundle.stage)  # its float32 CPU layers (see runtime/torch/packed.py)
+    use_onednn(bundle.stage)  # its float32 CPU layers (see runtime/torch/model/packed.py)
     lora_info = {"settings": settings, "targets": targets, "fingerprint": fingerprint}
     return bundle, config.vocab_size, lora_info
 
@@ -131,7 +131,7 @@ def build_from_spec(spec: WorkerSpec):
 def _store_frozen_weights(spec: WorkerSpec, bundle) -> int:
     """Apply ``weight_dtype`` to a frozen backbone (after ``build_bundle`` froze it); returns
     how many weights now live in 16 bits. A full fine-tune trains every weight: it keeps them."""
-    from swarmp2p.runtime.torch.half_storage import apply_half_storage
+    from swarmp2p.runtime.torch.model.half_storage import apply_half_storage
 
     if spec.weight_dtype is None or spec.finetune_mode == "full":
         return 0
@@ -152,7 +152,7 @@ def run_stage(spec: WorkerSpec, emit: Callable[..., None], links: StageLinks | N
 
 
 def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
-    from swarmp2p.runtime.torch.boundary import Channel, tell_neighbours
+    from swarmp2p.runtime.torch.train.boundary import Channel, tell_neighbours
 
     prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
     nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
@@ -168,11 +168,11 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
 
     from swarmp2p.plan.schedule import stage_schedule
     from swarmp2p.plan.split import parse_compression
-    from swarmp2p.runtime.torch.calibration import calibrate_stage
-    from swarmp2p.runtime.torch.evaluation import evaluate_stage
-    from swarmp2p.runtime.torch.precision import make_loss_scaler
-    from swarmp2p.runtime.torch.snapshot import latest_snapshot, load_snapshot, save_snapshot
-    from swarmp2p.runtime.torch.train import TrainSettings, make_optimizer, train_stage
+    from swarmp2p.runtime.torch.train.calibration import calibrate_stage
+    from swarmp2p.runtime.torch.train.evaluation import evaluate_stage
+    from swarmp2p.runtime.torch.train.precision import make_loss_scaler
+    from swarmp2p.runtime.torch.train.snapshot import latest_snapshot, load_snapshot, save_snapshot
+    from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage
 
     bundle, vocab, lora_info = build_from_spec(spec)
     fingerprint = lora_info["fingerprint"]
@@ -272,7 +272,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     if spec.export_dir is not None:
         from pathlib import Path
 
-        from swarmp2p.runtime.torch.export import export_stage
+        from swarmp2p.runtime.torch.train.export import export_stage
 
         manifest = export_stage(
             bundle,
@@ -305,7 +305,7 @@ def _fields(settings) -> dict:
 def _say_goodbye(prev, nxt, time) -> None:
     """Close the pipeline in order: a stage tells the next it has received everything, then
     waits (briefly) for the stage before to say the same, so no final message is cut off."""
-    from swarmp2p.runtime.torch.boundary import LinkTimeout
+    from swarmp2p.runtime.torch.train.boundary import LinkTimeout
 
     if nxt is not None:
         nxt.send_control("bye")

@@ -9,8 +9,8 @@ from torch import nn
 
 from swarmp2p.plan.quantization import QuantSpec
 from swarmp2p.plan.quantization import normalize as normalize_quantization
-from swarmp2p.runtime.torch.hf_compat import is_fused_experts, set_eager_experts
-from swarmp2p.runtime.torch.introspect import Topology
+from swarmp2p.runtime.torch.model.hf_compat import is_fused_experts, set_eager_experts
+from swarmp2p.runtime.torch.model.introspect import Topology
 
 INSTALL_HINT = "pip install bitsandbytes (or run ./install.sh)"
 

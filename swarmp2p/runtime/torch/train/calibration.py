@@ -110,7 +110,7 @@ def projection_from_frames(frames: list[torch.Tensor], hidden: int, k: int) -> P
 
 
 def _learned(comp) -> bool:
-    from swarmp2p.runtime.torch.compression import LearnedBottleneck
+    from swarmp2p.runtime.torch.train.compression import LearnedBottleneck
 
     return isinstance(comp, LearnedBottleneck)
 

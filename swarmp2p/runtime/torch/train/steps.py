@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
-from swarmp2p.runtime.torch.boundary import (
+from swarmp2p.runtime.torch.train.boundary import (
     ACT,
     GRAD,
     Channel,
@@ -40,9 +40,9 @@ from swarmp2p.runtime.torch.boundary import (
     send_through,
     tell_neighbours,
 )
-from swarmp2p.runtime.torch.bundle import StageBundle, dense_gradients, set_recompute
-from swarmp2p.runtime.torch.loss import chunked_head_loss
-from swarmp2p.runtime.torch.precision import (
+from swarmp2p.runtime.torch.train.bundle import StageBundle, dense_gradients, set_recompute
+from swarmp2p.runtime.torch.train.loss import chunked_head_loss
+from swarmp2p.runtime.torch.train.precision import (
     LossScaler,
     NonFiniteError,
     StageOptimizer,

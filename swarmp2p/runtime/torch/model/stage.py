@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION, Topology, introspect
-from swarmp2p.runtime.torch.session_cache import SessionBatch
+from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION, Topology, introspect
+from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
 
 
 class StageCache:

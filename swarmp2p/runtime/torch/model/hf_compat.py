@@ -43,7 +43,7 @@ class TransformersHookMoved(RuntimeError):
         super().__init__(
             f"transformers hook {hook}: {detail} in transformers {transformers.__version__} "
             f"(swarmp2p checked it on {', '.join(CHECKED_ON)}); "
-            "see swarmp2p/runtime/torch/hf_compat.py"
+            "see swarmp2p/runtime/torch/model/hf_compat.py"
         )
         self.hook = hook
 

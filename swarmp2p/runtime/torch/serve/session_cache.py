@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmp2p.runtime.torch.hf_compat import attn_implementation
-from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION
+from swarmp2p.runtime.torch.model.hf_compat import attn_implementation
+from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 
 GROW_TOKENS = 64
 """Smallest capacity step (tokens): a session's first prefill allocates at least this much."""

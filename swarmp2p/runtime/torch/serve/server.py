@@ -3,7 +3,7 @@
 It reads ring messages (``swarmp2p.serve.protocol``) from the link before it and runs its blocks
 on the sessions' caches: each decode message is ONE batched forward over its group's rows
 (continuous batching: sessions join and leave groups between steps, and the caches of a group
-live in one :class:`~swarmp2p.runtime.torch.session_cache.SessionBatch` written in place), and a
+live in one :class:`~swarmp2p.runtime.torch.serve.session_cache.SessionBatch` written in place), and a
 prompt is prefilled chunk by chunk, a chunk between two decode steps, so a long prompt does not
 stall the others. It sends the hidden state on, through the boundary's compression, to the link
 after it (a trained learned bottleneck: the receive half runs on what arrives, the send half on
@@ -24,12 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from swarmp2p.net import Link, LinkTimeout
-from swarmp2p.runtime.torch.boundary import BoundaryError, apply_boundary, from_frame, to_frame
-from swarmp2p.runtime.torch.introspect import LINEAR_ATTENTION
-from swarmp2p.runtime.torch.prefill import Chunk, PrefillQueue, pad_right
-from swarmp2p.runtime.torch.sampling import SessionSampler
-from swarmp2p.runtime.torch.session_cache import SessionBatch
-from swarmp2p.runtime.torch.stage import Stage
+from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
+from swarmp2p.runtime.torch.model.stage import Stage
+from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
+from swarmp2p.runtime.torch.serve.sampling import SessionSampler
+from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.runtime.torch.train.boundary import (
+    BoundaryError,
+    apply_boundary,
+    from_frame,
+    to_frame,
+)
 from swarmp2p.serve.protocol import (
     Decode,
     End,

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmp2p.runtime.torch.compression import LearnedBottleneck, compressor_from_spec
-from swarmp2p.runtime.torch.export import (
+from swarmp2p.runtime.torch.model.stage import Stage
+from swarmp2p.runtime.torch.train.compression import LearnedBottleneck, compressor_from_spec
+from swarmp2p.runtime.torch.train.export import (
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,
     WEIGHTS,
@@ -31,7 +32,6 @@ from swarmp2p.runtime.torch.export import (
     _rename,
     read_manifest,
 )
-from swarmp2p.runtime.torch.stage import Stage
 
 SERVED_COMPRESSIONS = ("none", "fp16", *(f"fixed_int{n}" for n in range(2, 9)), "learned")
 """What ``TrainedStage.send_compression`` may be."""
@@ -274,7 +274,7 @@ def _embed_name(stage: Stage) -> str:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.runtime.torch.introspect import introspect
+    from swarmp2p.runtime.torch.model.introspect import introspect
 
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(stage.config)
@@ -285,7 +285,7 @@ def _load_adapters(stage: Stage, shard: Path, lora: Mapping[str, Any]) -> None:
     """LoRA with the manifest's settings, then the shard's adapter tensors (unmerged)."""
     from safetensors.torch import load_file
 
-    from swarmp2p.runtime.torch.lora import LoraSettings, apply_lora
+    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora
 
     path = shard / ADAPTER_DIR / ADAPTER_WEIGHTS
     if not path.is_file():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
-from swarmp2p.runtime.torch.bundle import StageBundle
+from swarmp2p.runtime.torch.train.bundle import StageBundle
 
 EVAL_PASSES = ("base", "calibrated_boundary", "trained")
 

@@ -1,0 +1,1 @@
+"""A stage's model: its block range, loaded from only its tensors, introspected by structure, quantized, half-stored, LoRA-adapted, packed for the CPU; the embedded SmolLM2; transformers' private hooks."""
