@@ -72,13 +72,37 @@ class LoopbackSwarm:
     def __enter__(self) -> LoopbackSwarm:
         try:
             for n in self.names:
-                peers = [a for p in self.names if p != n for a in ("--peer", f"127.0.0.1:{self.ports[p]}")]  # fmt: skip
-                cmd = [*self.prefixes.get(n, ()), sys.executable, "-m", "swarmp2p", "up",
-                       "--foreground", "--state-dir", str(self.state(n)), "--node-id", n,
-                       "--port", str(self.ports[n]), "--interface", "127.0.0.1", "--no-mdns",
-                       *self.extra, *peers]  # fmt: skip
+                peers = [
+                    a
+                    for p in self.names
+                    if p != n
+                    for a in ("--peer", f"127.0.0.1:{self.ports[p]}")
+                ]
+                cmd = [
+                    *self.prefixes.get(n, ()),
+                    sys.executable,
+                    "-m",
+                    "swarmp2p",
+                    "up",
+                    "--foreground",
+                    "--state-dir",
+                    str(self.state(n)),
+                    "--node-id",
+                    n,
+                    "--port",
+                    str(self.ports[n]),
+                    "--interface",
+                    "127.0.0.1",
+                    "--no-mdns",
+                    *self.extra,
+                    *peers,
+                ]
                 with open(self.tmp / f"{n}.log", "wb") as log:
-                    self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT))  # fmt: skip
+                    self.procs.append(
+                        subprocess.Popen(
+                            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+                        )
+                    )
         except BaseException:
             self.close()
             raise
@@ -102,8 +126,12 @@ class LoopbackSwarm:
         """``swarm ARGS`` against node ``name``'s daemon."""
         return subprocess.run(
             [sys.executable, "-m", "swarmp2p", *args, "--state-dir", str(self.state(name))],
-            capture_output=True, text=True, env=self.env, timeout=timeout, cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            cwd=ROOT,
+        )
 
     def api(self, name: str, op: str, **fields: Any) -> Any:
         """One local-API request to node ``name``'s daemon (``swarmp2p.node.api``)."""

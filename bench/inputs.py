@@ -29,9 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _swarm import ROOT, LoopbackSwarm, wait
 
 CONFIG = {
-    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
 """A model without weights: it plans, and the job fails once the file has arrived."""
 
 
@@ -64,9 +69,13 @@ def run(args) -> dict:
     try:
         with LoopbackSwarm("ab", tmp, env=env) as sw:
             wait(lambda: sw.ready("a"), 60, "the swarm")
-            job = {"name": "ship", "model": {"pretrained": str(model)},
-                   "data": {"source": str(data)}, "split": {"stages": 2, "mode": "equal"},
-                   "train": {"steps": 1}}  # fmt: skip
+            job = {
+                "name": "ship",
+                "model": {"pretrained": str(model)},
+                "data": {"source": str(data)},
+                "split": {"stages": 2, "mode": "equal"},
+                "train": {"steps": 1},
+            }
             (tmp / "job.json").write_text(json.dumps(job))
             inbox = tmp / "a" / "inputs"
             start = time.monotonic()
@@ -102,8 +111,10 @@ def main() -> None:
     r = run(args)
     print("| file MB | ship s (submit to copy) | MB/s | local copy s | sha256 s | ship / copy |")
     print("|---|---|---|---|---|---|")
-    print(f"| {r['mb']} | {r['ship_s']} | {r['ship_mb_per_s']} | {r['local_copy_s']} | "
-          f"{r['sha256_s']} | {r['ratio_ship_to_copy']} |")  # fmt: skip
+    print(
+        f"| {r['mb']} | {r['ship_s']} | {r['ship_mb_per_s']} | {r['local_copy_s']} | "
+        f"{r['sha256_s']} | {r['ratio_ship_to_copy']} |"
+    )
     print(json.dumps(r))
 
 

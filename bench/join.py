@@ -56,7 +56,12 @@ def handshakes(n: int) -> dict[str, float]:
 
     async def main() -> dict[str, list[float]]:
         ctx = AsyncSecureContext()
-        keys = ServerKeys(public=server_key.public, secret=server_key.secret, admits=KeyCheck(members.__contains__), domain="bench")  # fmt: skip
+        keys = ServerKeys(
+            public=server_key.public,
+            secret=server_key.secret,
+            admits=KeyCheck(members.__contains__),
+            domain="bench",
+        )
         per_node = RpcServer(ctx, keys, "127.0.0.1", 0, handler)
         shared = RpcServer(ctx, secret, "127.0.0.1", 0, handler)
         await per_node.start()
@@ -128,7 +133,9 @@ def joins(reps: int) -> dict[str, float]:
     token = SwarmSecret.generate().token
     port = free_port()
     env = {"SWARM_TOKEN": token, "SWARM_DASHBOARD_PORT": "off"}
-    a = NodeProc(tmp / "a", ["--node-id", "a", "--port", str(port), "--interface", "127.0.0.1"], env=env).start()  # fmt: skip
+    a = NodeProc(
+        tmp / "a", ["--node-id", "a", "--port", str(port), "--interface", "127.0.0.1"], env=env
+    ).start()
     out: dict[str, list[float]] = {"token": [], "code": [], "node_join": []}
     try:
         a.wait_up()
@@ -141,17 +148,45 @@ def joins(reps: int) -> dict[str, float]:
 
         with zmq.Context() as ctx:
             for i in range(20):
-                msg = NodeJoin(node_id=f"probe{i}", key=NodeKey.generate().public, versions=[PROTOCOL_VERSION], control_port=9, join_port=11, addresses=["127.0.0.1"])  # fmt: skip
+                msg = NodeJoin(
+                    node_id=f"probe{i}",
+                    key=NodeKey.generate().public,
+                    versions=[PROTOCOL_VERSION],
+                    control_port=9,
+                    join_port=11,
+                    addresses=["127.0.0.1"],
+                )
                 t = time.perf_counter()
-                request_sync(ctx, SwarmSecret.from_token(token), join_endpoint(f"tcp://127.0.0.1:{port}"), msg, 5.0)  # fmt: skip
+                request_sync(
+                    ctx,
+                    SwarmSecret.from_token(token),
+                    join_endpoint(f"tcp://127.0.0.1:{port}"),
+                    msg,
+                    5.0,
+                )
                 out["node_join"].append(time.perf_counter() - t)
         for i in range(reps):
             for how in ("token", "code") if i % 2 == 0 else ("code", "token"):
                 name = f"{how[0]}{i}"
                 state = tmp / name
-                cmd = [sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state),
-                       "--node-id", name, "--port", str(free_port()), "--interface", "127.0.0.1",
-                       "--heartbeat", "0.2", "--failure-timeout", "1.5"]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "swarmp2p",
+                    "up",
+                    "--state-dir",
+                    str(state),
+                    "--node-id",
+                    name,
+                    "--port",
+                    str(free_port()),
+                    "--interface",
+                    "127.0.0.1",
+                    "--heartbeat",
+                    "0.2",
+                    "--failure-timeout",
+                    "1.5",
+                ]
                 extra = {"SWARM_DASHBOARD_PORT": "off"}
                 if how == "token":
                     extra["SWARM_TOKEN"] = token
@@ -159,13 +194,25 @@ def joins(reps: int) -> dict[str, float]:
                     code = json.loads(swarm(a, "invite", "--json").stdout)["code"]
                     cmd += ["--code", code]
                 t = time.monotonic()
-                done = subprocess.run(cmd, capture_output=True, text=True, env=swarm_env(extra), cwd=ROOT, timeout=120)  # fmt: skip
+                done = subprocess.run(
+                    cmd, capture_output=True, text=True, env=swarm_env(extra), cwd=ROOT, timeout=120
+                )
                 if done.returncode != 0:
                     raise RuntimeError(done.stderr)
                 b = NodeProc(state, [])
-                wait_until(lambda n=name, b=b: _listed(a, n) and _listed(b, "a"), 30, f"{name} listed", interval=0.02)  # fmt: skip
+                wait_until(
+                    lambda n=name, b=b: _listed(a, n) and _listed(b, "a"),
+                    30,
+                    f"{name} listed",
+                    interval=0.02,
+                )
                 out[how].append(time.monotonic() - t)
-                subprocess.run([sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(state)], capture_output=True, env=swarm_env(), timeout=60)  # fmt: skip
+                subprocess.run(
+                    [sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(state)],
+                    capture_output=True,
+                    env=swarm_env(),
+                    timeout=60,
+                )
                 time.sleep(1.0)  # an invite allows one try per second
     finally:
         a.stop()

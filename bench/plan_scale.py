@@ -18,21 +18,42 @@ import time
 from swarmp2p.plan import Device, Node, Plan, from_config, parse_job, plan_job
 
 GiB = 2**30
-CARDS = [("RTX A5000", "8.6", 24), ("RTX 3090", "8.6", 24), ("RTX A4000", "8.6", 16),
-         ("GTX 1660 SUPER", "7.5", 6), ("RTX 2080 Ti", "7.5", 11), ("RTX 4090", "8.9", 24)]  # fmt: skip
+CARDS = [
+    ("RTX A5000", "8.6", 24),
+    ("RTX 3090", "8.6", 24),
+    ("RTX A4000", "8.6", 16),
+    ("GTX 1660 SUPER", "7.5", 6),
+    ("RTX 2080 Ti", "7.5", 11),
+    ("RTX 4090", "8.9", 24),
+]
 
 DENSE = {  # Llama-2-70B's shape
-    "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
-    "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
-    "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
 MOE = {  # an 80-layer MoE: 3 dense layers, then 64 routed experts (top 8) plus 2 shared
-    "model_type": "deepseek_v2", "num_hidden_layers": 80, "hidden_size": 4096,
-    "intermediate_size": 11008, "moe_intermediate_size": 1408, "n_routed_experts": 64,
-    "num_experts_per_tok": 8, "n_shared_experts": 2, "first_k_dense_replace": 3,
-    "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 102400,
-    "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
-}  # fmt: skip
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 80,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 102400,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
 
 
 def cluster(n: int = 64) -> list[Node]:
@@ -40,20 +61,35 @@ def cluster(n: int = 64) -> list[Node]:
     for i in range(n):
         name, cc, gb = CARDS[i % len(CARDS)]
         free = int((gb - 0.4 - (i % 5) * 0.1) * GiB)
-        dev = Device(kind="cuda", index=0, name=name, memory_total=gb * GiB, memory_free=free,
-                     compute_capability=cc)  # fmt: skip
-        nodes.append(Node(node_id=f"node-{i:03d}", name=f"host{i}", ram=64 * GiB,
-                          disk_free=500 * GiB, devices=(dev,)))  # fmt: skip
+        dev = Device(
+            kind="cuda",
+            index=0,
+            name=name,
+            memory_total=gb * GiB,
+            memory_free=free,
+            compute_capability=cc,
+        )
+        nodes.append(
+            Node(
+                node_id=f"node-{i:03d}",
+                name=f"host{i}",
+                ram=64 * GiB,
+                disk_free=500 * GiB,
+                devices=(dev,),
+            )
+        )
     return nodes
 
 
 def job(mode: str):
-    return parse_job({
-        "name": f"bench-{mode}",
-        "model": {"pretrained": "bench", "lora": {"enabled": True, "r": 16}},
-        "split": {"stages": "auto", "mode": mode, "compression": "fixed_int8"},
-        "train": {"batch_size": 8, "seq_len": 1024, "micro_batches": 8},
-    })  # fmt: skip
+    return parse_job(
+        {
+            "name": f"bench-{mode}",
+            "model": {"pretrained": "bench", "lora": {"enabled": True, "r": 16}},
+            "split": {"stages": "auto", "mode": mode, "compression": "fixed_int8"},
+            "train": {"batch_size": 8, "seq_len": 1024, "micro_batches": 8},
+        }
+    )
 
 
 def measure(shape, nodes, mode: str, repeats: int) -> tuple[float, Plan]:

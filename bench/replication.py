@@ -34,9 +34,14 @@ def _tiny_llama(folder: Path) -> None:
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
 
@@ -52,11 +57,19 @@ def run(args) -> dict:
     with LoopbackSwarm("abc", tmp, env=env, failure_timeout=2.0) as sw:
         wait(lambda: sw.ready("a"), 60, "the swarm")
         job = {
-            "name": "repl", "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
-            "data": {"source": "random"}, "split": {"stages": 3, "mode": "equal"},
-            "train": {"steps": args.steps, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
-                      "checkpoint_every": max(args.steps // 3, 1), "eval_batches": 1},
-        }  # fmt: skip
+            "name": "repl",
+            "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
+            "data": {"source": "random"},
+            "split": {"stages": 3, "mode": "equal"},
+            "train": {
+                "steps": args.steps,
+                "batch_size": 4,
+                "seq_len": 16,
+                "micro_batches": 2,
+                "checkpoint_every": max(args.steps // 3, 1),
+                "eval_batches": 1,
+            },
+        }
         (tmp / "job.json").write_text(json.dumps(job))
         before = sw.status("a")["replication"]
         start = time.monotonic()
@@ -97,9 +110,11 @@ def main() -> None:
     result = run(args)
     print("| steps | job s | table bytes | bytes/s | deltas | whole tables | events |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {result['steps']} | {result['job_s']} | {result['table_bytes']} | "
-          f"{result['table_bytes_per_s']} | {result['deltas']} | {result['snapshots']} | "
-          f"{result['events']} |")  # fmt: skip
+    print(
+        f"| {result['steps']} | {result['job_s']} | {result['table_bytes']} | "
+        f"{result['table_bytes_per_s']} | {result['deltas']} | {result['snapshots']} | "
+        f"{result['events']} |"
+    )
     print(json.dumps(result))
 
 

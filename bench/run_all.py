@@ -119,15 +119,29 @@ def run_one(script: Path, args: list[str], timeout: float) -> BenchResult:
             env=env,
         )
     except subprocess.TimeoutExpired:
-        return BenchResult(name=script.name, args=tuple(args), seconds=timeout, returncode=-1,
-                           markdown="", result=None, error=f"timed out after {timeout:g} s")  # fmt: skip
+        return BenchResult(
+            name=script.name,
+            args=tuple(args),
+            seconds=timeout,
+            returncode=-1,
+            markdown="",
+            result=None,
+            error=f"timed out after {timeout:g} s",
+        )
     seconds = time.perf_counter() - start
     markdown, result, error = parse_output(out.stdout)
     if out.returncode != 0:
         tail = out.stderr.strip().splitlines()[-3:]
         error = f"exit code {out.returncode}: " + " / ".join(tail)
-    return BenchResult(name=script.name, args=tuple(args), seconds=seconds,
-                       returncode=out.returncode, markdown=markdown, result=result, error=error)  # fmt: skip
+    return BenchResult(
+        name=script.name,
+        args=tuple(args),
+        seconds=seconds,
+        returncode=out.returncode,
+        markdown=markdown,
+        result=result,
+        error=error,
+    )
 
 
 def _version(dist: str) -> str:
@@ -174,11 +188,16 @@ def render(results: list[BenchResult], info: dict[str, str], *, quick: bool) -> 
     """docs/benchmarks.md."""
     lines = ["# Benchmarks", ""]
     lines.append(
-        "Written by `python bench/run_all.py" + (" --quick" if quick else "") + "`. "
-        + ("QUICK MODE: tiny sizes that check the benchmarks run; the numbers mean nothing. "
-           if quick else "")
+        "Written by `python bench/run_all.py"
+        + (" --quick" if quick else "")
+        + "`. "
+        + (
+            "QUICK MODE: tiny sizes that check the benchmarks run; the numbers mean nothing. "
+            if quick
+            else ""
+        )
         + "These machines are noisy: compare ratios, not absolute times."
-    )  # fmt: skip
+    )
     lines += ["", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", "| benchmark | arguments | seconds | status |", "|---|---|---|---|"]
@@ -208,18 +227,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", action="append", metavar="NAME", help="run only this one (repeatable)"
     )
-    parser.add_argument("--output", type=Path, default=None,
-                        help=f"where to write the markdown (default {DEFAULT_OUTPUT.relative_to(ROOT)};"
-                             " none in --quick mode)")  # fmt: skip
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"where to write the markdown (default {DEFAULT_OUTPUT.relative_to(ROOT)};"
+        " none in --quick mode)",
+    )
     parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per benchmark")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="with --quick: run N benchmarks at once (their numbers mean nothing "
-                             "in quick mode; full runs go one at a time)")  # fmt: skip
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --quick: run N benchmarks at once (their numbers mean nothing "
+        "in quick mode; full runs go one at a time)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1 or (args.jobs > 1 and not args.quick):
-        parser.error(f"--jobs {args.jobs}: must be 1, or more only with --quick (benchmarks "
-                     "side by side would skew each other's numbers)")  # fmt: skip
+        parser.error(
+            f"--jobs {args.jobs}: must be 1, or more only with --quick (benchmarks "
+            "side by side would skew each other's numbers)"
+        )
     try:
         scripts = discover(args.bench_dir, args.only)
         plan = [(s, quick_args(s) if args.quick else []) for s in scripts]
@@ -249,9 +279,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.name} | {r.seconds:.1f} | {'ok' if r.ok else 'FAILED: ' + r.error} |")
     failed = [r.name for r in results if not r.ok]
     print()
-    print(json.dumps({"benchmarks": len(results), "failed": failed, "quick": args.quick,
-                      "output": str(output) if output else None,
-                      "seconds": round(sum(r.seconds for r in results), 1)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmarks": len(results),
+                "failed": failed,
+                "quick": args.quick,
+                "output": str(output) if output else None,
+                "seconds": round(sum(r.seconds for r in results), 1),
+            }
+        )
+    )
     return 1 if failed else 0
 
 

@@ -92,9 +92,14 @@ def _tiny_hop_ms(threads: int, tokens: int, repeats: int) -> dict[int, float]:
     from swarmp2p.serve.local import LocalRing
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     bounds = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
     times: dict[int, list[float]] = {n: [] for n in bounds}
@@ -136,10 +141,17 @@ def _tiny_served_folder(folder: str) -> str:
 
     source = Path(resolve_model_ref("embedded"))
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -160,14 +172,34 @@ class _Server:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}/v1"
         root = root or str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the server)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmp2p.serve", model, "--stages", str(stages),
-             "--port", str(port), "--threads", "1", "--max-sessions", str(max_sessions),
-             "--max-context", str(max_context)],
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env, cwd=root,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "swarmp2p.serve",
+                model,
+                "--stages",
+                str(stages),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--max-sessions",
+                str(max_sessions),
+                "--max-context",
+                str(max_context),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+            cwd=root,
+        )
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()
@@ -194,9 +226,13 @@ def _http_round(client, model: str, users: int, tokens: int) -> dict:
         started = time.perf_counter()
         stamps, used = [], 0
         stream = client.chat.completions.create(
-            model=model, messages=PROMPT, temperature=0, max_tokens=tokens, stream=True,
+            model=model,
+            messages=PROMPT,
+            temperature=0,
+            max_tokens=tokens,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter())
@@ -241,8 +277,15 @@ def _generate_batch(model, prompt_ids, batch: int, tokens: int, threads: int) ->
         return batch * tokens / (time.perf_counter() - start)
 
 
-def concurrency(model_ref: str, *, stages: tuple[int, ...], users: tuple[int, ...],
-                tokens: int, repeats: int, baseline_root: str | None = None) -> dict:  # fmt: skip
+def concurrency(
+    model_ref: str,
+    *,
+    stages: tuple[int, ...],
+    users: tuple[int, ...],
+    tokens: int,
+    repeats: int,
+    baseline_root: str | None = None,
+) -> dict:
     """The HTTP section: per stage count and concurrency, ring vs batched generate; with
     ``baseline_root``, the headline stage count is served by that checkout too (alternated)."""
     import openai
@@ -423,8 +466,14 @@ def http(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_served_folder(tmp) if args.quick else "embedded"
         stages = (1, 2) if args.quick else (1, 2, 3)
-        table = concurrency(model, stages=stages, users=users, tokens=tokens, repeats=repeats,
-                            baseline_root=args.baseline_root)  # fmt: skip
+        table = concurrency(
+            model,
+            stages=stages,
+            users=users,
+            tokens=tokens,
+            repeats=repeats,
+            baseline_root=args.baseline_root,
+        )
     name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
     print()
     print(
@@ -434,8 +483,10 @@ def http(args) -> dict:
         + ("; `before`: the same ring from the baseline checkout" if args.baseline_root else "")
     )
     print()
-    print("| stages | users | ring tok/s | generate(batch) tok/s | x generate | x generate 1 thread "
-          "| x generate packed | x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |")  # fmt: skip
+    print(
+        "| stages | users | ring tok/s | generate(batch) tok/s | x generate | x generate 1 thread "
+        "| x generate packed | x 1 user | TTFT p50/p99 ms | inter-token p50/p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (n, u), r in table.items():
         single_user = table[n, 1]["tok_s"]

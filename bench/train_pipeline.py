@@ -233,9 +233,16 @@ def run_swarm(
 
 
 def _pp_rank(
-    rank: int, folder: str, n_layers: int, args, port: int, threads: int, out, cut: int,
+    rank: int,
+    folder: str,
+    n_layers: int,
+    args,
+    port: int,
+    threads: int,
+    out,
+    cut: int,
     onednn: bool = False,
-) -> None:  # fmt: skip
+) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -275,9 +282,15 @@ def _pp_rank(
 
 
 def run_torch_pipelining(
-    folder: Path, n_layers: int, args, threads: int, *, cut: int | None = None, groups=(),
+    folder: Path,
+    n_layers: int,
+    args,
+    threads: int,
+    *,
+    cut: int | None = None,
+    groups=(),
     onednn: bool = False,
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Step seconds of torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks cut at
     ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given; with
     ``onednn``, its linear layers run oneDNN's products as a swarm's CPU stage does."""
@@ -335,10 +348,18 @@ def _daemon_job(folder: Path, args, mode: str | None, steps: int) -> dict:
         "model": {"pretrained": str(folder)},  # a full fine-tune
         "split": split,
         "data": {"source": "random"},
-        "train": {"steps": steps, "batch_size": args.batch, "seq_len": args.seq,
-                  "micro_batches": args.micro, "schedule": "1f1b", "lr": 1e-5,
-                  "eval_batches": 0, "recompute": False, "checkpoint_every": 0},
-    }  # fmt: skip
+        "train": {
+            "steps": steps,
+            "batch_size": args.batch,
+            "seq_len": args.seq,
+            "micro_batches": args.micro,
+            "schedule": "1f1b",
+            "lr": 1e-5,
+            "eval_batches": 0,
+            "recompute": False,
+            "checkpoint_every": 0,
+        },
+    }
 
 
 def _measured(sw, names) -> bool:
@@ -348,9 +369,14 @@ def _measured(sw, names) -> bool:
 
 
 def run_daemons(
-    folder: Path, args, *, modes: tuple, threads: int = 1, quotas: dict | None = None,
+    folder: Path,
+    args,
+    *,
+    modes: tuple,
+    threads: int = 1,
+    quotas: dict | None = None,
     steps: int | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """``swarm train`` of a 2-stage full fine-tune on two loopback daemons (``OMP_NUM_THREADS``
     ``threads``; each under a cgroup CPU quota when ``quotas`` maps node -> CPUs), once per
     split mode in ``modes`` (None: the default, by measured speed), the daemons kept between
@@ -362,8 +388,12 @@ def run_daemons(
 
     tmp = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-daemons-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
-    env.update(PYTHONPATH=str(ROOT), SWARM_TOKEN=SwarmSecret.generate().token,
-               OMP_NUM_THREADS=str(threads), SWARM_SPEED_PROBE="on")  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        SWARM_TOKEN=SwarmSecret.generate().token,
+        OMP_NUM_THREADS=str(threads),
+        SWARM_SPEED_PROBE="on",
+    )
     groups, prefixes = {}, {}
     if quotas:
         from cpu_quota import CpuQuota, prefix
@@ -435,7 +465,11 @@ def daemons_case(folder: Path, n_layers: int, args) -> dict:
     workers = run_swarm(folder, n_layers, args, 1, steps=args.daemon_steps, wall=True)
     cut = got["default"]["layers"][0][1]
     pp = {"equal": run_torch_pipelining(folder, n_layers, args, 1, cut=n_layers // 2)}
-    pp["default"] = pp["equal"] if cut == n_layers // 2 else run_torch_pipelining(folder, n_layers, args, 1, cut=cut)  # fmt: skip
+    pp["default"] = (
+        pp["equal"]
+        if cut == n_layers // 2
+        else run_torch_pipelining(folder, n_layers, args, 1, cut=cut)
+    )
     pp["default_onednn"] = run_torch_pipelining(folder, n_layers, args, 1, cut=cut, onednn=True)
     tokens = args.batch * args.seq
     pp_tok_s = {k: tokens / statistics.median(v) for k, v in pp.items()}
@@ -519,13 +553,22 @@ def precision_case(folder: Path, n_layers: int, args, threads: int, quick: bool)
         for dtype in ("float32", "float16"):
             events: list[dict] = []
             times[dtype] += run_swarm(
-                folder, n_layers, args, threads, dtype=dtype, steps=args.precision_steps, data=data,
-                lr=lr, losses=events,
-            )  # fmt: skip
+                folder,
+                n_layers,
+                args,
+                threads,
+                dtype=dtype,
+                steps=args.precision_steps,
+                data=data,
+                lr=lr,
+                losses=events,
+            )
             final[dtype].append(events[-1]["loss"])
             skipped += sum(bool(e.get("skipped")) for e in events) if dtype == "float16" else 0
-            print(f"precision {dtype}: loss {events[0]['loss']:.3f} -> {events[-1]['loss']:.3f}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"precision {dtype}: loss {events[0]['loss']:.3f} -> {events[-1]['loss']:.3f}",
+                file=sys.stderr,
+            )
     tokens_per_step = args.batch * args.seq
     tok_s = {k: tokens_per_step / statistics.median(v) for k, v in times.items()}
     loss = {k: statistics.median(v) for k, v in final.items()}
@@ -659,9 +702,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, small sizes (< 3 min)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--sections", default=None,
-                        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all; with "
-                             "--quick all but daemons and hetero)")  # fmt: skip
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all; with "
+        "--quick all but daemons and hetero)",
+    )
     args = parser.parse_args(argv)
     default = [x for x in SECTIONS if not (args.quick and x in ("daemons", "hetero"))]
     sections = [x for x in args.sections.split(",") if x] if args.sections else default
@@ -730,7 +776,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"full fine-tune, {got['shape']}, 1F1B, steady tokens/s (steps 3 on), beside "
             f"torch.distributed.pipelining Schedule1F1B with the same cut, one thread per rank\n"
         )
-        print("| split | layers | swarm train tokens/s | torch pipelining tokens/s | ratio |\n|---|---|---|---|---|")  # fmt: skip
+        print(
+            "| split | layers | swarm train tokens/s | torch pipelining tokens/s | ratio |\n|---|---|---|---|---|"
+        )
         for key in ("equal", "default"):
             mine, theirs = got["tok_s"][key], got["torch_pipelining_tok_s"][key]
             print(
@@ -746,7 +794,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"\nThe same 2 workers driven directly (no daemons), equal cut, wall time between step "
             f"ends: {got['workers_equal_tok_s']:.1f} tokens/s; through the daemons "
             f"{got['tok_s']['equal'] / got['workers_equal_tok_s']:.2f}x of that."
-        )  # fmt: skip
+        )
         result.update(
             daemons=got,
             swarm_over_torch_pipelining=got["tok_s"]["default"]
@@ -773,11 +821,18 @@ def main(argv: list[str] | None = None) -> dict:
                 f"b of {HETERO_CPUS['b']}; `swarm train`, a 2-stage full fine-tune, {got['shape']}\n"
             )
             print("| run | stages (node: layers) | tokens/s | vs equal |\n|---|---|---|---|")
-            for key, label in (("equal", "split.mode equal"), ("speed", "default split (measured speed)")):  # fmt: skip
-                where = ", ".join(f"{n}: {lay}" for n, lay in zip(got["nodes"][key], got["layers"][key]))  # fmt: skip
+            for key, label in (
+                ("equal", "split.mode equal"),
+                ("speed", "default split (measured speed)"),
+            ):
+                where = ", ".join(
+                    f"{n}: {lay}" for n, lay in zip(got["nodes"][key], got["layers"][key])
+                )
                 print(f"| {label} | {where} | {t[key]:.1f} | {t[key] / t['equal']:.2f}x |")
-            print(f"| torch.distributed.pipelining, the equal cut, same quotas | {', '.join(got['nodes']['equal'])} | "
-                  f"{t['torch_pipelining_equal']:.1f} | {t['torch_pipelining_equal'] / t['equal']:.2f}x |")  # fmt: skip
+            print(
+                f"| torch.distributed.pipelining, the equal cut, same quotas | {', '.join(got['nodes']['equal'])} | "
+                f"{t['torch_pipelining_equal']:.1f} | {t['torch_pipelining_equal'] / t['equal']:.2f}x |"
+            )
             result.update(
                 hetero=got,
                 hetero_speed_over_equal=t["speed"] / t["equal"],

@@ -93,7 +93,12 @@ class HttpLog:
         line without the traceback."""
         if self._log.isEnabledFor(logging.DEBUG):
             exc = exc_info if isinstance(exc_info, BaseException) else None
-            self._log.debug("%s: not an HTTP request from %s (%s)", self._what, args[0] if args else "?", type(exc).__name__)  # fmt: skip
+            self._log.debug(
+                "%s: not an HTTP request from %s (%s)",
+                self._what,
+                args[0] if args else "?",
+                type(exc).__name__,
+            )
 
 
 __all__ = ["LINES_PER_S", "HttpLog", "RateLimitedLog"]

@@ -200,7 +200,9 @@ def _sized(check: Checker, meta: Mapping[str, Any]) -> Checker:
         if short:
             what = "a non-empty" if min_len == 1 else f"at least {min_len} long:"
             noun = "string" if isinstance(out, str) else "list"
-            errors.append(FieldError(path=path, message=f"must be {what} {noun}, got {show(value)}"))  # fmt: skip
+            errors.append(
+                FieldError(path=path, message=f"must be {what} {noun}, got {show(value)}")
+            )
             return _BAD
         if max_len is not None and len(out) > max_len:
             errors.append(
@@ -284,7 +286,9 @@ def _literal(allowed: tuple) -> Checker:
 
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
         if not any(type(value) is type(a) and value == a for a in allowed):
-            errors.append(FieldError(path=path, message=f"must be one of {shown}, got {show(value)}"))  # fmt: skip
+            errors.append(
+                FieldError(path=path, message=f"must be one of {shown}, got {show(value)}")
+            )
             return _BAD
         return value
 
@@ -598,8 +602,10 @@ def to_data(value: Any) -> Any:
 
 def replace_errors(exc: SchemaError, prefix: str) -> list[FieldError]:
     """``exc``'s errors with ``prefix`` joined in front of each path."""
-    return [FieldError(path=join(prefix, e.path) if e.path else prefix, message=e.message)
-            for e in exc.errors]  # fmt: skip
+    return [
+        FieldError(path=join(prefix, e.path) if e.path else prefix, message=e.message)
+        for e in exc.errors
+    ]
 
 
 __all__ = [

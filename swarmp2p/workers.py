@@ -154,7 +154,9 @@ class WorkerProcess:
         waiter.cancel()
         tail = f": {self.last_error or (self.stderr_tail[-1] if self.stderr_tail else '')}"
         if ended is not None and ended.done():
-            raise RuntimeError(f"stage {self.stage} worker {exit_message(self.returncode)} before {name!r}{tail}")  # fmt: skip
+            raise RuntimeError(
+                f"stage {self.stage} worker {exit_message(self.returncode)} before {name!r}{tail}"
+            )
         raise RuntimeError(f"stage {self.stage} worker sent no {name!r} within {timeout:g} s{tail}")
 
     def _event_future(self, name: str) -> asyncio.Future:

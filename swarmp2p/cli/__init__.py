@@ -93,9 +93,14 @@ def _read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
 
     try:
         return read_secret(
-            "the API key", option=api_key, file=api_key_file, env=os.environ, flag="--api-key",
-            file_flag="--api-key-file", env_name=API_KEY_ENV,
-        )  # fmt: skip
+            "the API key",
+            option=api_key,
+            file=api_key_file,
+            env=os.environ,
+            flag="--api-key",
+            file_flag="--api-key-file",
+            env_name=API_KEY_ENV,
+        )
     except (ValueError, PermissionError) as exc:
         raise CliExit(str(exc), _exit.INVALID) from None
 

@@ -142,12 +142,22 @@ def _print_live_plan(result: dict) -> None:
         return
     from rich.table import Table
 
-    t = Table(title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split")  # fmt: skip
+    t = Table(
+        title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split"
+    )
     from swarmp2p.cli._plan import _predicted, _timing_line
 
     timing = result.get("timing") or {}
     times = timing.get("stages") or []
-    for col in ("stage", "node", "devices", "layers", "download GB", "disk free GB", "predicted s/step"):  # fmt: skip
+    for col in (
+        "stage",
+        "node",
+        "devices",
+        "layers",
+        "download GB",
+        "disk free GB",
+        "predicted s/step",
+    ):
         t.add_column(col)
     for s in result["stages"]:
         i = s["index"]
@@ -353,7 +363,11 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
 
 def _times(stage: dict) -> str:
     """ ": compute 0.41 s/step predicted, 0.55 measured (+0.10 waiting)"", what is known."""
-    predicted, measured, wait = stage.get("predicted_s"), stage.get("measured_s"), stage.get("wait_s")  # fmt: skip
+    predicted, measured, wait = (
+        stage.get("predicted_s"),
+        stage.get("measured_s"),
+        stage.get("wait_s"),
+    )
     if predicted is None and measured is None:
         return ""
     parts = [f"{predicted:.3g} s/step predicted" if predicted is not None else "not predicted"]

@@ -22,18 +22,29 @@ from swarmp2p.cli import (
 def _seconds_option(flag: str, envvar: str, default: float, what: str):
     """A timing option in seconds, also read from ``envvar``."""
     return click.option(
-        flag, type=float, default=default, envvar=envvar, show_envvar=True, show_default=True,
+        flag,
+        type=float,
+        default=default,
+        envvar=envvar,
+        show_envvar=True,
+        show_default=True,
         help=what,
-    )  # fmt: skip
+    )
 
 
 def _count_option(flag: str, envvar: str, default: int, what: str):
     """A cap of at least 1 (the daemon's own default: ``node.config``), also read from
     ``envvar``."""
     return click.option(
-        flag, type=click.IntRange(min=1), metavar="N", default=default, envvar=envvar,
-        show_envvar=True, show_default=True, help=what,
-    )  # fmt: skip
+        flag,
+        type=click.IntRange(min=1),
+        metavar="N",
+        default=default,
+        envvar=envvar,
+        show_envvar=True,
+        show_default=True,
+        help=what,
+    )
 
 
 @main.command()
@@ -157,9 +168,14 @@ def up(
     s = result["status"]
     paired = result.get("paired")
     if as_json:
-        _echo_json({"status": s, "created": result["created"],
-                    "join": result["join"] if result["created"] else None,
-                    "paired_with": paired.inviter if paired else None})  # fmt: skip
+        _echo_json(
+            {
+                "status": s,
+                "created": result["created"],
+                "join": result["join"] if result["created"] else None,
+                "paired_with": paired.inviter if paired else None,
+            }
+        )
         return
     click.echo(
         f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}, "

@@ -91,8 +91,19 @@ def _print_plan(plan) -> None:
         f"{plan.split_mode} split"
     )
     stages = Table(title="stages (GB = 2**30 bytes)", title_justify="left")
-    for col in ("stage", "node", "device", "layers", "weights", "train state", "activations",
-                "peak", "free", "download", "predicted s/step"):  # fmt: skip
+    for col in (
+        "stage",
+        "node",
+        "device",
+        "layers",
+        "weights",
+        "train state",
+        "activations",
+        "peak",
+        "free",
+        "download",
+        "predicted s/step",
+    ):
         stages.add_column(col, justify="right" if col not in ("node", "device") else "left")
     timing = plan.to_dict().get("timing") or {}
     times = timing.get("stages") or []
@@ -147,7 +158,11 @@ def _predicted(stage: dict | None, bottleneck: bool) -> str:
 def _timing_line(timing: dict) -> str:
     """The predicted pipeline step, or why there is none."""
     if timing.get("step_s") is None:
-        return "predicted step: unknown (no measured speed on " + ", ".join(timing.get("unmeasured") or ["some device"]) + ")"  # fmt: skip
+        return (
+            "predicted step: unknown (no measured speed on "
+            + ", ".join(timing.get("unmeasured") or ["some device"])
+            + ")"
+        )
     return (
         f"predicted step {timing['step_s']:.3g} s (bubble included); the bottleneck is stage "
         f"{timing['bottleneck']}"

@@ -27,25 +27,49 @@ WIDTH = 100
 DOC = Path(__file__).resolve().parents[2] / "docs" / "commands.md"
 
 ENVIRONMENT = (
-    ("SWARM_DASHBOARD_PORT", "`swarm up`", "the dashboard's port on 127.0.0.1 (default 7738; "
-     "`0` any free port; `off` none)"),
-    ("SWARM_LOG", "`swarm up`", "where the daemon logs: `file` (daemon.log in the state dir), "
-     "`stderr` or `both` (default: both in the foreground, stderr alone under systemd)"),
-    ("SWARM_FAKE_DEVICES", "`swarm up`, `swarm doctor`", "tests and demos only: GPUs to "
-     "advertise instead of asking NVML, e.g. `A5000:24:8.6,1660S:6:7.5` (name:GiB:capability)"),
-    ("SWARM_SPEED_PROBE", "`swarm up`", "`off`: never measure this node's training speed (the "
-     "`speed` split then falls back to free memory); measured once per hardware and version, "
-     "cached in `$XDG_CACHE_HOME/swarmp2p/speed`"),
+    (
+        "SWARM_DASHBOARD_PORT",
+        "`swarm up`",
+        "the dashboard's port on 127.0.0.1 (default 7738; `0` any free port; `off` none)",
+    ),
+    (
+        "SWARM_LOG",
+        "`swarm up`",
+        "where the daemon logs: `file` (daemon.log in the state dir), "
+        "`stderr` or `both` (default: both in the foreground, stderr alone under systemd)",
+    ),
+    (
+        "SWARM_FAKE_DEVICES",
+        "`swarm up`, `swarm doctor`",
+        "tests and demos only: GPUs to "
+        "advertise instead of asking NVML, e.g. `A5000:24:8.6,1660S:6:7.5` (name:GiB:capability)",
+    ),
+    (
+        "SWARM_SPEED_PROBE",
+        "`swarm up`",
+        "`off`: never measure this node's training speed (the "
+        "`speed` split then falls back to free memory); measured once per hardware and version, "
+        "cached in `$XDG_CACHE_HOME/swarmp2p/speed`",
+    ),
     ("CUDA_VISIBLE_DEVICES", "`swarm up`", "the GPUs the daemon and its stage workers see"),
     ("XDG_STATE_HOME", "every command", "the default state dir is `$XDG_STATE_HOME/swarmp2p`"),
-    ("XDG_CACHE_HOME", "`swarm up`, `swarm demo`", "the embedded model's conversion lives in "
-     "`$XDG_CACHE_HOME/swarmp2p` (`~/.cache/swarmp2p`)"),
-    ("HF_HOME, HF_HUB_CACHE", "`swarm up`, `swarm plan`", "the Hugging Face cache that Hub ids "
-     "are read from (`hf download ORG/NAME` fills it)"),
+    (
+        "XDG_CACHE_HOME",
+        "`swarm up`, `swarm demo`",
+        "the embedded model's conversion lives in `$XDG_CACHE_HOME/swarmp2p` (`~/.cache/swarmp2p`)",
+    ),
+    (
+        "HF_HOME, HF_HUB_CACHE",
+        "`swarm up`, `swarm plan`",
+        "the Hugging Face cache that Hub ids are read from (`hf download ORG/NAME` fills it)",
+    ),
     ("NO_COLOR", "every command, install.sh", "no colour in the output (https://no-color.org)"),
-    ("SWARM_TORCH_VERSION, SWARM_TORCH_CPU_INDEX", "install.sh", "the torch release it pins "
-     "(default 2.13.0) and the index of its CPU builds"),
-)  # fmt: skip
+    (
+        "SWARM_TORCH_VERSION, SWARM_TORCH_CPU_INDEX",
+        "install.sh",
+        "the torch release it pins (default 2.13.0) and the index of its CPU builds",
+    ),
+)
 """Variables read outside the options (those of the options are listed from the commands)."""
 
 
@@ -105,8 +129,10 @@ def generated() -> str:
     out += [f"| `{var}` | {users} | {what} |" for var, users, what in ENVIRONMENT]
     out += ["", "## Commands", "", "| command | what it does | exit codes |", "|---|---|---|"]
     for path, cmd in commands():
-        out.append(f"| [`swarm {path}`](#swarm-{path.replace(' ', '-')}) | "
-                   f"{_first_line(cmd)} | {', '.join(map(str, _exit.COMMAND_CODES[path]))} |")  # fmt: skip
+        out.append(
+            f"| [`swarm {path}`](#swarm-{path.replace(' ', '-')}) | "
+            f"{_first_line(cmd)} | {', '.join(map(str, _exit.COMMAND_CODES[path]))} |"
+        )
     for path, _cmd in commands():
         out += ["", f"### swarm {path}", "", f"Exit codes: {_codes(path)}.", "", "```text"]
         out += [line.rstrip() for line in help_text(path).splitlines()]

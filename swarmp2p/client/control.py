@@ -44,7 +44,7 @@ def join_command() -> str:
 
 def code_command(code: str, minutes: float) -> str:
     """The join command with a pairing code (what `swarm up` and `swarm invite` print)."""
-    return f"swarm up --code {code}   (one machine, valid {minutes:g} minutes; `swarm invite` makes another)"  # fmt: skip
+    return f"swarm up --code {code}   (one machine, valid {minutes:g} minutes; `swarm invite` makes another)"
 
 
 def read_code(option: str, stdin: TextIO | None = None) -> str:
@@ -67,7 +67,9 @@ def lan_swarms(seconds: float = LAN_BROWSE_S) -> list[dict[str, Any]]:
     seen = asyncio.run(browse(seconds))
     swarms: dict[str, dict[str, Any]] = {}
     for s in seen:
-        entry = swarms.setdefault(s.advert.swarm_id, {"swarm_id": s.advert.swarm_id, "nodes": [], "open": False})  # fmt: skip
+        entry = swarms.setdefault(
+            s.advert.swarm_id, {"swarm_id": s.advert.swarm_id, "nodes": [], "open": False}
+        )
         entry["nodes"].append(s.advert.name or s.advert.node_id)
         entry["open"] = entry["open"] or "open" in s.advert.invite_ports()
     return sorted(swarms.values(), key=lambda e: e["swarm_id"])
@@ -77,7 +79,9 @@ def swarms_found_message(swarms: list[dict[str, Any]]) -> str:
     lines = ["this machine has no swarm yet; swarms on this LAN:"]
     for s in swarms:
         nodes = ", ".join(sorted(s["nodes"])[:6]) + (" ..." if len(s["nodes"]) > 6 else "")
-        lines.append(f"  {s['swarm_id']}  {len(s['nodes'])} node(s): {nodes}{'  (open)' if s['open'] else ''}")  # fmt: skip
+        lines.append(
+            f"  {s['swarm_id']}  {len(s['nodes'])} node(s): {nodes}{'  (open)' if s['open'] else ''}"
+        )
     lines.append(
         "join one: run `swarm invite` on one of its machines, then `swarm up --code WORDS` "
         "here (`swarm up --open` joins an open one); or `swarm up --new` starts another swarm"
@@ -97,9 +101,15 @@ def read_token(
     from swarmp2p.net.security import read_secret
 
     return read_secret(
-        "the swarm token", option=option, file=token_file, env=env, flag="--token",
-        file_flag="--token-file", env_name=TOKEN_ENV, stdin=stdin,
-    )  # fmt: skip
+        "the swarm token",
+        option=option,
+        file=token_file,
+        env=env,
+        flag="--token",
+        file_flag="--token-file",
+        env_name=TOKEN_ENV,
+        stdin=stdin,
+    )
 
 
 def swarm_secret(state: StateDir, token: str | None) -> tuple[SwarmSecret, bool]:
@@ -230,7 +240,11 @@ def up(
 
             logging.getLogger("swarmp2p.node").info("open files: limit %d -> %d", before, after)
         if created:
-            how = "run `swarm invite` here, then on it `swarm up --code WORDS`" if config.mdns else join_command()  # fmt: skip
+            how = (
+                "run `swarm invite` here, then on it `swarm up --code WORDS`"
+                if config.mdns
+                else join_command()
+            )
             print(
                 f"created swarm {secret.swarm_id}; join another machine: {how}",
                 file=sys.stderr,
@@ -416,8 +430,9 @@ def format_status(s: dict[str, Any]) -> str:
         format_peers(s["peers"]),
     ]
     for m in s.get("served") or []:
-        stages = ", ".join(f"{st['node']} [{st['layers'][0]}-{st['layers'][1] - 1}]"
-                           for st in m["stages"])  # fmt: skip
+        stages = ", ".join(
+            f"{st['node']} [{st['layers'][0]}-{st['layers'][1] - 1}]" for st in m["stages"]
+        )
         where = f" at {m['url']}/v1" if m.get("url") else ""
         why = f"; {m['reason']}" if m.get("reason") else ""
         n = m.get("sessions")

@@ -138,7 +138,9 @@ class DashboardServer:
         app.router.add_get("/", self._page)
         app.router.add_get("/api/state", self._state)
         # a malformed request is one line, rate-limited (not aiohttp's traceback each)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=HttpLog(log, "dashboard"))  # fmt: skip
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, logger=HttpLog(log, "dashboard")
+        )
         await runner.setup()
         site = web.TCPSite(runner, HOST, self._want_port, reuse_address=False)
         try:
@@ -174,9 +176,11 @@ class DashboardServer:
             response.set_cookie(self.cookie, self._key, path="/", httponly=True, samesite="Strict")
             return response
         return web.Response(
-            text=PAGE, content_type="text/html", charset="utf-8",
+            text=PAGE,
+            content_type="text/html",
+            charset="utf-8",
             headers={"Content-Security-Policy": _CSP},
-        )  # fmt: skip
+        )
 
     async def _state(self, request: web.Request) -> web.Response:
         if not self._has_key(request):

@@ -76,8 +76,9 @@ def _dispatcher_points(raw: Mapping[str, Any]) -> list[Any]:
     items: list[Any] = []
     for row in raw.get("losses") or []:
         if isinstance(row, (list, tuple)) and len(row) in (3, 4):
-            items.append({"step": row[1], "loss": row[2],
-                          "tokens_per_s": row[3] if len(row) == 4 else None})  # fmt: skip
+            items.append(
+                {"step": row[1], "loss": row[2], "tokens_per_s": row[3] if len(row) == 4 else None}
+            )
         else:
             items.append(row)  # counted as bad
     step = raw.get("step")
@@ -224,8 +225,9 @@ def served_views(status: Mapping[str, Any], jobs: list[dict[str, Any]]) -> list[
             )
     for job in jobs:
         if job["kind"] == "serve" and job["state"] == "running":
-            served.append({"model": job["name"], "url": "", "stages": job["stages"],
-                           "job_id": job["job_id"]})  # fmt: skip
+            served.append(
+                {"model": job["name"], "url": "", "stages": job["stages"], "job_id": job["job_id"]}
+            )
     return served
 
 

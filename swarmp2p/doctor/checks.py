@@ -146,9 +146,10 @@ def check_gpus(
     return Check(
         name=name,
         status=PASS,
-        detail=f"{len(gpus)} GPU(s): " + ", ".join(_gpu_line(d) for d in gpus)
+        detail=f"{len(gpus)} GPU(s): "
+        + ", ".join(_gpu_line(d) for d in gpus)
         + (f"; driver {driver}" if driver else ""),
-    )  # fmt: skip
+    )
 
 
 def _not_probed(name: str) -> Check:
@@ -490,8 +491,17 @@ def check_swarm_runtime(daemon: Mapping[str, Any] | None, *, fix: str) -> Check:
 
 def run_checks(facts: Facts) -> list[Check]:
     """Every check over ``facts``, in the order a person fixes things."""
-    devices = [*facts.gpus, {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 1,
-                             "memory_free": 1, "compute_capability": ""}]  # fmt: skip
+    devices = [
+        *facts.gpus,
+        {
+            "kind": "cpu",
+            "index": 0,
+            "name": "cpu",
+            "memory_total": 1,
+            "memory_free": 1,
+            "compute_capability": "",
+        },
+    ]
     gpus = 0 if facts.fake_devices else len(facts.gpus)
     return [
         check_gpus(

@@ -91,10 +91,14 @@ def _server_keys(creds: ServerCredentials) -> ServerKeys:
     if isinstance(creds, SwarmSecret):
         public, private = creds.curve_keypair()
         return ServerKeys(
-            public=public.decode("ascii"), secret=private.decode("ascii"),
-            admits=KeyCheck.only(public), domain=ZAP_DOMAIN_PREFIX + creds.swarm_id,
-        )  # fmt: skip
-    raise TypeError(f"server credentials must be a SwarmSecret or ServerKeys, got {type(creds).__name__}")  # fmt: skip
+            public=public.decode("ascii"),
+            secret=private.decode("ascii"),
+            admits=KeyCheck.only(public),
+            domain=ZAP_DOMAIN_PREFIX + creds.swarm_id,
+        )
+    raise TypeError(
+        f"server credentials must be a SwarmSecret or ServerKeys, got {type(creds).__name__}"
+    )
 
 
 def _client_keys(creds: ClientCredentials) -> ClientKeys:
@@ -103,7 +107,9 @@ def _client_keys(creds: ClientCredentials) -> ClientKeys:
     if isinstance(creds, SwarmSecret):
         public, private = (k.decode("ascii") for k in creds.curve_keypair())
         return ClientKeys(public=public, secret=private, server=public)
-    raise TypeError(f"client credentials must be a SwarmSecret or ClientKeys, got {type(creds).__name__}")  # fmt: skip
+    raise TypeError(
+        f"client credentials must be a SwarmSecret or ClientKeys, got {type(creds).__name__}"
+    )
 
 
 class _AuthMixin:

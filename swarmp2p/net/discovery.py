@@ -267,7 +267,11 @@ class Discovery:
             return
         if advert.node_id == self.advert.node_id:
             return
-        wanted = self._accept(advert) if self._accept is not None else advert.swarm_id == self.advert.swarm_id  # fmt: skip
+        wanted = (
+            self._accept(advert)
+            if self._accept is not None
+            else advert.swarm_id == self.advert.swarm_id
+        )
         if not wanted:
             return
         self._names[name] = advert.node_id

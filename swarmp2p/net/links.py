@@ -261,7 +261,12 @@ def link_credentials(keys: Mapping[str, str]) -> tuple[ServerKeys, ClientKeys | 
     for name, key in (("public", public), ("prev", prev), ("next", nxt)):
         if key:
             check_public_key(key, f"link key {name!r}")
-    server = ServerKeys(public=public, secret=secret, admits=KeyCheck.only(prev) if prev else KeyCheck(lambda k: False), domain=f"swarmp2p-link-{prev or 'nobody'}")  # fmt: skip
+    server = ServerKeys(
+        public=public,
+        secret=secret,
+        admits=KeyCheck.only(prev) if prev else KeyCheck(lambda k: False),
+        domain=f"swarmp2p-link-{prev or 'nobody'}",
+    )
     client = ClientKeys(public=public, secret=secret, server=nxt) if nxt else None
     return server, client
 

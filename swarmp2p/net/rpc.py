@@ -70,7 +70,9 @@ class ByteBudget:
     """A token bucket of bytes (or of anything counted: the leader's submissions per node):
     ``rate`` per second, holding at most ``burst``."""
 
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rate, self.burst, self._clock = rate, burst, clock
         self._tokens, self._at = burst, clock()
 
@@ -296,7 +298,9 @@ class RpcServer:
         if who not in self._readers:
             task = asyncio.create_task(self._read_large(who, sender), name=f"rpc-large:{self.port}")
             self._readers[who] = task
-            task.add_done_callback(lambda t: self._readers.pop(who, None) if self._readers.get(who) is t else None)  # fmt: skip
+            task.add_done_callback(
+                lambda t: self._readers.pop(who, None) if self._readers.get(who) is t else None
+            )
 
     async def _read_large(self, who: str, sender: str) -> None:
         """One sender's large requests, one at a time within its byte budget, each decoded in
@@ -311,7 +315,9 @@ class RpcServer:
             try:
                 request = await asyncio.to_thread(decode, payload)
             except WireError as e:
-                await self._reply(identity, ErrorReply(id=e.msg_id or 0, code=e.code, detail=e.detail))  # fmt: skip
+                await self._reply(
+                    identity, ErrorReply(id=e.msg_id or 0, code=e.code, detail=e.detail)
+                )
                 continue
             await self._start(identity, sender, request, address)
         self._large.pop(who, None)  # with no await since the queue emptied: a request that

@@ -169,7 +169,9 @@ def check_public_key(key: str, what: str = "key") -> str:
 
 def fingerprint(public_key: str) -> str:
     """A short, stable, human-comparable form of a public key: ``ab12-cd34-ef56-7890``."""
-    digest = hashlib.blake2b(public_key.encode("ascii"), digest_size=8, person=b"swarmp2p-fp").hexdigest()  # fmt: skip
+    digest = hashlib.blake2b(
+        public_key.encode("ascii"), digest_size=8, person=b"swarmp2p-fp"
+    ).hexdigest()
     return "-".join(digest[i : i + 4] for i in range(0, 16, 4))
 
 
@@ -234,7 +236,7 @@ def read_secret(
         except FileNotFoundError:
             raise ValueError(f"{file_flag} {path}: no such file") from None
         except IsADirectoryError:
-            raise ValueError(f"{file_flag} {path} is a folder, not a file holding {what}") from None  # fmt: skip
+            raise ValueError(f"{file_flag} {path} is a folder, not a file holding {what}") from None
         if not text.strip():
             raise ValueError(f"{file_flag} {path} is empty: it should hold {what}")
         return text.strip()

@@ -108,7 +108,11 @@ class NodeContext:
     @property
     def leading(self) -> bool:
         """This node is the leader in its view and holds the votes of a majority."""
-        return self.leader == self.node_id and self._replication is not None and self._replication.ready  # fmt: skip
+        return (
+            self.leader == self.node_id
+            and self._replication is not None
+            and self._replication.ready
+        )
 
     @property
     def table(self) -> JobTable:

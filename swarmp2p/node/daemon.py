@@ -114,9 +114,12 @@ class Daemon:
             raise ValueError("no IPv4 interface to use; pass --interface NAME_OR_IP")
         addresses = tuple(ip for _, ip in chosen)
         record, host = hardware.probe(
-            node_id=node_id, name=name, version=__version__, env=env,
+            node_id=node_id,
+            name=name,
+            version=__version__,
+            env=env,
             capabilities=runtime_capabilities(),
-        )  # fmt: skip
+        )
         record["link_speed"] = speed_probe.link_speed([iface for iface, _ in chosen])
         self.ctx = NodeContext(
             me=Identity(node_id=node_id, name=name, addresses=addresses, record=record, host=host),
@@ -146,9 +149,14 @@ class Daemon:
         self._discovery: Discovery | None = None
         self._env = os.environ if env is None else env
         self.heartbeats = Heartbeats(
-            ctx=self.ctx, rep=self.rep, stages=self.stages, serving=self.serving,
-            hellos=self.hellos, on_change=self._changed, env=self._env,
-        )  # fmt: skip
+            ctx=self.ctx,
+            rep=self.rep,
+            stages=self.stages,
+            serving=self.serving,
+            hellos=self.hellos,
+            on_change=self._changed,
+            env=self._env,
+        )
         self._dashboard, self._dashboard_note = None, ""
         self._view_leader = node_id
         self._removed = False
@@ -178,9 +186,11 @@ class Daemon:
         ctx = self.ctx
         ctx.zmq = AsyncSecureContext()
         keys = ServerKeys(
-            public=ctx.key.public, secret=ctx.key.secret,
-            admits=KeyCheck(ctx.keyring.admits), domain=f"swarmp2p-members-{ctx.node_id}",
-        )  # fmt: skip
+            public=ctx.key.public,
+            secret=ctx.key.secret,
+            admits=KeyCheck(ctx.keyring.admits),
+            domain=f"swarmp2p-members-{ctx.node_id}",
+        )
         self._server = RpcServer(ctx.zmq, keys, self.bind_host, ctx.config.port, self._handle)
         await self._server.start()
         ctx.port = self._server.port
@@ -207,10 +217,17 @@ class Daemon:
         ctx.state.write_pid()
         log.info(
             "node %s (%s, key %s) of swarm %s listening on %s port %d (join port %d); table "
-            "term %d version %d", ctx.node_id, ctx.me.name, ctx.key.fingerprint,
-            ctx.secret.swarm_id, ",".join(ctx.me.addresses), ctx.port, self._join.port,
-            self.rep.table.term, self.rep.table.version,
-        )  # fmt: skip
+            "term %d version %d",
+            ctx.node_id,
+            ctx.me.name,
+            ctx.key.fingerprint,
+            ctx.secret.swarm_id,
+            ",".join(ctx.me.addresses),
+            ctx.port,
+            self._join.port,
+            self.rep.table.term,
+            self.rep.table.version,
+        )
         if ctx.config.mdns:
             self._discovery = Discovery(
                 self._advert(),
@@ -292,9 +309,11 @@ class Daemon:
         try:
             if ctx.leading:
                 await asyncio.wait_for(
-                    self.rep.append([ev.MemberLeft(node_id=ctx.node_id, reason="stopped")], wait=True),
+                    self.rep.append(
+                        [ev.MemberLeft(node_id=ctx.node_id, reason="stopped")], wait=True
+                    ),
                     LEAVE_TIMEOUT_S,
-                )  # fmt: skip
+                )
             else:
                 await ctx.to_leader(Leave(node_id=ctx.node_id), LEAVE_TIMEOUT_S)
         except (SwarmError, OSError, asyncio.TimeoutError) as exc:
@@ -327,8 +346,12 @@ class Daemon:
             if not any(p.alive and p.endpoint == endpoint for p in peers):
                 self.hellos.say(endpoint)
         now = ctx.clock()
-        self._changed(ctx.members.expire(now, ctx.config.failure_timeout_s, ctx.config.forget_after_s))  # fmt: skip
-        ctx.keyring.prune({p.node_id for p in ctx.members.alive_peers()}, now, ctx.config.forget_after_s)  # fmt: skip
+        self._changed(
+            ctx.members.expire(now, ctx.config.failure_timeout_s, ctx.config.forget_after_s)
+        )
+        ctx.keyring.prune(
+            {p.node_id for p in ctx.members.alive_peers()}, now, ctx.config.forget_after_s
+        )
         keep = (
             {p.endpoint for p in ctx.members.peers.values()}
             | set(self._static)
@@ -362,13 +385,17 @@ class Daemon:
             log.error(
                 "this node (%s) was removed from swarm %s: its key is revoked; it can join "
                 "again only under a new identity (remove %s) with a new invite or token",
-                ctx.node_id, ctx.secret.swarm_id, ctx.state.node_key_file,
-            )  # fmt: skip
+                ctx.node_id,
+                ctx.secret.swarm_id,
+                ctx.state.node_key_file,
+            )
         for peer in list(ctx.members.peers.values()):
             if peer.key and peer.key in revoked:
                 ctx.members.forget(peer.node_id)
                 self.hellos.forget_node(peer.node_id)
-                self._changed([Change(kind="leave", node_id=peer.node_id, reason="removed: key revoked")])  # fmt: skip
+                self._changed(
+                    [Change(kind="leave", node_id=peer.node_id, reason="removed: key revoked")]
+                )
 
     async def _refresh_metrics(self) -> None:
         """A follower someone is watching (its dashboard, `swarm status`) keeps the running
@@ -463,7 +490,9 @@ class Daemon:
         ctx = self.ctx
         if ctx.leading and msg.node_id in self.rep.table.member_ids:
             with contextlib.suppress(SwarmError):
-                await self.rep.append([ev.MemberLeft(node_id=msg.node_id, reason="stopped")], wait=True)  # fmt: skip
+                await self.rep.append(
+                    [ev.MemberLeft(node_id=msg.node_id, reason="stopped")], wait=True
+                )
         if msg.node_id in ctx.members.peers:
             ctx.members.forget(msg.node_id)
             self._changed([Change(kind="leave", node_id=msg.node_id, reason="stopped")])
@@ -477,17 +506,27 @@ class Daemon:
         now = ctx.clock()
         self._status_at = now
         me = {
-            "node_id": ctx.node_id, "name": ctx.me.name, "address": f"{ctx.me.addresses[0]}:{ctx.port}",
-            "alive": True, "is_leader": ctx.leader == ctx.node_id, "last_seen_s": 0.0,
-            "key": ctx.key.fingerprint, "member": ctx.node_id in self.rep.table.member_ids,
-            "host": ctx.me.host, "devices": views.devices(ctx.me.record), "version": __version__,
+            "node_id": ctx.node_id,
+            "name": ctx.me.name,
+            "address": f"{ctx.me.addresses[0]}:{ctx.port}",
+            "alive": True,
+            "is_leader": ctx.leader == ctx.node_id,
+            "last_seen_s": 0.0,
+            "key": ctx.key.fingerprint,
+            "member": ctx.node_id in self.rep.table.member_ids,
+            "host": ctx.me.host,
+            "devices": views.devices(ctx.me.record),
+            "version": __version__,
             "capabilities": list(ctx.me.record.get("capabilities", [])),
-        }  # fmt: skip
+        }
         table = self.rep.table
         rows = views.peer_rows(
-            me=me, peers=list(ctx.members.peers.values()), leader=ctx.leader, now=now,
+            me=me,
+            peers=list(ctx.members.peers.values()),
+            leader=ctx.leader,
+            now=now,
             skews=self.heartbeats.skews,
-        )  # fmt: skip
+        )
         for row in rows[1:]:  # each member's key, as `swarm peers` shows it
             key = ctx.keyring.key_of(row["node_id"])
             row["key"] = fingerprint(key) if key else ""
@@ -552,8 +591,11 @@ class Daemon:
             speeds = await self._measure_speeds(fresh=True)
         except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
             raise SwarmError(f"the speed probe failed: {exc}", code="failed") from None
-        return {"node_id": self.ctx.node_id, "speeds": speeds,
-                "devices": views.devices(self.ctx.me.record)}  # fmt: skip
+        return {
+            "node_id": self.ctx.node_id,
+            "speeds": speeds,
+            "devices": views.devices(self.ctx.me.record),
+        }
 
     async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_soon(self.stop)

@@ -122,10 +122,13 @@ def snapshot_layout(entry: JobEntry, alive: Iterable[str]) -> tuple[int, tuple[d
     step = resume_step(entry, live) if entry.plan is not None else 0
     if step and entry.plan is not None:
         return step, tuple(
-            {"stage": i, "layers": list(s.layers),
-             "nodes": [h for h in snapshot_holders(entry, i, step) if h in live]}
+            {
+                "stage": i,
+                "layers": list(s.layers),
+                "nodes": [h for h in snapshot_holders(entry, i, step) if h in live],
+            }
             for i, s in enumerate(entry.plan.stages)
-        )  # fmt: skip
+        )
     if entry.resplit and entry.resume_step:
         layout = tuple({**r, "nodes": [n for n in r["nodes"] if n in live]} for r in entry.resplit)
         if all(r["nodes"] for r in layout):
@@ -178,11 +181,17 @@ def placement(
     fixed = tried.cuts is not None or tried.any_count
     return [
         ev.JobPlaced(
-            job_id=entry.job_id, attempt=entry.attempt + 1, plan=result,
-            cluster=tuple(dict(r) for r in cluster), resume_step=step, placed_by=me, at=now,
-            resplit=() if same or not step else layout, cuts=new if fixed else (),
+            job_id=entry.job_id,
+            attempt=entry.attempt + 1,
+            plan=result,
+            cluster=tuple(dict(r) for r in cluster),
+            resume_step=step,
+            placed_by=me,
+            at=now,
+            resplit=() if same or not step else layout,
+            cuts=new if fixed else (),
         )
-    ]  # fmt: skip
+    ]
 
 
 def available_memory(
@@ -210,7 +219,9 @@ def available_memory(
             key = device_key(d)
             taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
             total = int(d.get("memory_total") or 0)
-            devices.append({**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))})  # fmt: skip
+            devices.append(
+                {**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))}
+            )
         rec["devices"] = devices
         out.append(rec)
     return out
@@ -315,9 +326,14 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
         if speed is not None:
             speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
     return Rebalance(
-        job_id=entry.job_id, attempt=entry.attempt, step=last, stage=slowest,
-        ratio=round(ratio, 3), speeds=speeds, dtype=plan.dtype,
-    )  # fmt: skip
+        job_id=entry.job_id,
+        attempt=entry.attempt,
+        step=last,
+        stage=slowest,
+        ratio=round(ratio, 3),
+        speeds=speeds,
+        dtype=plan.dtype,
+    )
 
 
 def rebalance_step(entry: JobEntry, due: Rebalance, alive: Iterable[str]) -> int:
@@ -359,16 +375,22 @@ def learned_cluster(cluster: Sequence[Mapping[str, Any]], entry: JobEntry) -> li
     return with_learned_speeds(cluster, entry.learned, entry.learned_dtype)
 
 
-def rebalanced(entry: JobEntry, due: Rebalance, old: Sequence[int], new: Sequence[int], now: float) -> list[ev.Event]:  # fmt: skip
+def rebalanced(
+    entry: JobEntry, due: Rebalance, old: Sequence[int], new: Sequence[int], now: float
+) -> list[ev.Event]:
     """The event that re-balances ``entry`` onto cuts ``new`` (none when nothing changes)."""
     if tuple(old) == tuple(new) or entry.attempt != due.attempt or entry.state != "running":
         return []
     return [
         ev.JobRebalanced(
-            job_id=entry.job_id, attempt=due.attempt, reason=due.reason(old, new),
-            dtype=due.dtype, speeds=due.speeds, at=now,
+            job_id=entry.job_id,
+            attempt=due.attempt,
+            reason=due.reason(old, new),
+            dtype=due.dtype,
+            speeds=due.speeds,
+            at=now,
         )
-    ]  # fmt: skip
+    ]
 
 
 def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
@@ -405,20 +427,35 @@ def fold_report(
         if kind == "step" and last and isinstance(event.get("step"), int):
             newest_step = event
         elif kind == "snapshot" and isinstance(event.get("step"), int) and event["step"] >= 1:
-            out.append(ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event["step"], node_id=node_id))  # fmt: skip
+            out.append(
+                ev.SnapshotHeld(
+                    job_id=entry.job_id, stage=stage, step=event["step"], node_id=node_id
+                )
+            )
             progress_due = True
         elif kind == "eval" and last and isinstance(event.get("pass"), str):
             tokens = event.get("tokens")
-            out.append(ev.EvaluationReported(
-                job_id=entry.job_id, name=event["pass"][:64], loss=_number(event.get("loss")),
-                perplexity=_number(event.get("perplexity")), top1=_number(event.get("top1")),
-                tokens=tokens if isinstance(tokens, int) and tokens >= 0 else 0,
-            ))  # fmt: skip
+            out.append(
+                ev.EvaluationReported(
+                    job_id=entry.job_id,
+                    name=event["pass"][:64],
+                    loss=_number(event.get("loss")),
+                    perplexity=_number(event.get("perplexity")),
+                    top1=_number(event.get("top1")),
+                    tokens=tokens if isinstance(tokens, int) and tokens >= 0 else 0,
+                )
+            )
         elif kind == "exported" and isinstance(event.get("manifest_data"), dict):
-            out.append(ev.StageExported(
-                job_id=entry.job_id, attempt=attempt, stage=stage, node_id=node_id,
-                folder=f"export/stage-{stage}", manifest=event["manifest_data"],
-            ))  # fmt: skip
+            out.append(
+                ev.StageExported(
+                    job_id=entry.job_id,
+                    attempt=attempt,
+                    stage=stage,
+                    node_id=node_id,
+                    folder=f"export/stage-{stage}",
+                    manifest=event["manifest_data"],
+                )
+            )
         elif kind == "done":
             if newest_step is not None:
                 out.append(_progress(entry, attempt, newest_step, now))
@@ -428,11 +465,20 @@ def fold_report(
             code = event.get("code")
             how = exit_message(code if isinstance(code, int) else None)
             message = event.get("error")
-            tail = [str(line)[:2000] for line in (event.get("stderr_tail") or [])][-ev.MAX_TAIL_LINES :]  # fmt: skip
-            out.append(ev.JobFailed(
-                job_id=entry.job_id, attempt=attempt, stage=stage, node_id=node_id,
-                message=f"{message} ({how})" if message else how, stderr_tail=tuple(tail), at=now,
-            ))  # fmt: skip
+            tail = [str(line)[:2000] for line in (event.get("stderr_tail") or [])][
+                -ev.MAX_TAIL_LINES :
+            ]
+            out.append(
+                ev.JobFailed(
+                    job_id=entry.job_id,
+                    attempt=attempt,
+                    stage=stage,
+                    node_id=node_id,
+                    message=f"{message} ({how})" if message else how,
+                    stderr_tail=tuple(tail),
+                    at=now,
+                )
+            )
     if newest_step is not None:
         steps = entry.job.train.steps
         if progress_due or newest_step["step"] + 1 >= steps or entry.state != "running":
@@ -442,9 +488,12 @@ def fold_report(
 
 def _progress(entry: JobEntry, attempt: int, step: Mapping[str, Any], now: float) -> ev.Event:
     return ev.StepsReported(
-        job_id=entry.job_id, attempt=attempt, step=step["step"] + 1,
-        loss=_number(step.get("loss")), at=now,
-    )  # fmt: skip
+        job_id=entry.job_id,
+        attempt=attempt,
+        step=step["step"] + 1,
+        loss=_number(step.get("loss")),
+        at=now,
+    )
 
 
 def registration(table: JobTable, job_id: str) -> list[ev.Event]:
@@ -518,12 +567,15 @@ def placement_inputs(
     memory does not make a blocked job worth planning again)."""
     devices = tuple(
         (
-            r.get("node_id"), int(r.get("disk_free") or 0) >> 30,
-            tuple((d.get("kind"), d.get("index"), int(d.get("memory_free") or 0) >> 30)
-                  for d in r.get("devices", [])),
+            r.get("node_id"),
+            int(r.get("disk_free") or 0) >> 30,
+            tuple(
+                (d.get("kind"), d.get("index"), int(d.get("memory_free") or 0) >> 30)
+                for d in r.get("devices", [])
+            ),
         )
         for r in sorted(records, key=lambda r: str(r.get("node_id")))
-    )  # fmt: skip
+    )
     return (entry.version, entry.attempt, tuple(sorted(alive)), devices)
 
 

@@ -327,7 +327,9 @@ class LiveMemory:
                 self._handles = {
                     int(d["index"]): nvml.nvmlDeviceGetHandleByIndex(int(d["index"])) for d in real
                 }
-            return {i: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for i, h in self._handles.items()}  # fmt: skip
+            return {
+                i: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for i, h in self._handles.items()
+            }
         except Exception:  # NVML gone (driver reload): keep the last values
             self._handles = None
             return {}

@@ -74,8 +74,11 @@ def cpu_quota(root: Path = _CGROUP, proc_cgroup: str | None = None) -> float | N
     v1, v2 = _cgroup_paths(proc_cgroup)
     limits = []
     for mount, path, kind in (
-        (root / "cpu", v1, 1), (root / "cpu,cpuacct", v1, 1), (root, v2, 2), (root / "unified", v2, 2),
-    ):  # fmt: skip
+        (root / "cpu", v1, 1),
+        (root / "cpu,cpuacct", v1, 1),
+        (root, v2, 2),
+        (root / "unified", v2, 2),
+    ):
         if path is None or not mount.is_dir():
             continue
         folder = mount / path.lstrip("/")
@@ -162,7 +165,9 @@ def probe_request(
             continue  # described (a fake device with a speed): kept as given
         kind = d.get("kind")
         where = "cpu" if kind == "cpu" or d.get("fake") else f"{kind}:{d.get('index')}"
-        devices.append({"key": device_key(d), "torch_device": where, "dtypes": list(_device_dtypes(d))})  # fmt: skip
+        devices.append(
+            {"key": device_key(d), "torch_device": where, "dtypes": list(_device_dtypes(d))}
+        )
     cpus = probe_cpus(threads, len(os.sched_getaffinity(0)), quota)
     return {"devices": devices, "threads": threads, "seconds": PROBE_SECONDS, "cpus": cpus}
 
@@ -185,14 +190,22 @@ def _torch_version() -> str:
 def cache_key(request: Mapping[str, Any], record: Mapping[str, Any], quota: float | None) -> str:
     """The probe's cache key: the devices, the CPU and its share, the request, the versions."""
     devices = [
-        {k: d.get(k) for k in ("kind", "index", "name", "memory_total", "compute_capability", "fake")}
+        {
+            k: d.get(k)
+            for k in ("kind", "index", "name", "memory_total", "compute_capability", "fake")
+        }
         for d in record.get("devices", [])
-    ]  # fmt: skip
+    ]
     facts = {
-        "devices": devices, "cpu": _cpu_model(), "affinity": len(os.sched_getaffinity(0)),
-        "quota": quota, "request": request, "swarmp2p": __version__, "torch": _torch_version(),
+        "devices": devices,
+        "cpu": _cpu_model(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "quota": quota,
+        "request": request,
+        "swarmp2p": __version__,
+        "torch": _torch_version(),
         "python": sys.version.split()[0],
-    }  # fmt: skip
+    }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -228,9 +241,12 @@ def _run_probe(
     run_env["OMP_NUM_THREADS"] = str(request["threads"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "swarmp2p.runtime.probe"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=run_env,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + PROBE_TIMEOUT_S
     sent: str | None = json.dumps(request)
     while True:
@@ -295,11 +311,19 @@ def measure(
                 return cached
         answer = _run_probe(request, env, stop)
         speeds = {
-            str(k): {str(dt): float(v) for dt, v in per.items() if isinstance(v, (int, float)) and v > 0}
-            for k, per in answer["speeds"].items() if isinstance(per, dict)
-        }  # fmt: skip
-        payload = {"speeds": speeds, "errors": answer.get("errors") or {}, "at": time.time(),
-                   "request": request, "torch": answer.get("torch")}  # fmt: skip
+            str(k): {
+                str(dt): float(v) for dt, v in per.items() if isinstance(v, (int, float)) and v > 0
+            }
+            for k, per in answer["speeds"].items()
+            if isinstance(per, dict)
+        }
+        payload = {
+            "speeds": speeds,
+            "errors": answer.get("errors") or {},
+            "at": time.time(),
+            "request": request,
+            "torch": answer.get("torch"),
+        }
         write_atomic(path, json.dumps(payload, indent=1, sort_keys=True))
         return speeds
 

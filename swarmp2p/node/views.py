@@ -86,7 +86,9 @@ def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> d
 
 def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """`swarm jobs --json`: every job, oldest first."""
-    entries = sorted(table.jobs.values(), key=lambda e: (e.history[0].at if e.history else 0, e.job_id))  # fmt: skip
+    entries = sorted(
+        table.jobs.values(), key=lambda e: (e.history[0].at if e.history else 0, e.job_id)
+    )
     return [job_view(e, metrics.get(e.job_id)) for e in entries]
 
 

@@ -52,9 +52,19 @@ class Speeds(tuple):
         errors = []
         for dtype, flops in value.items():
             if dtype not in _SPEED_DTYPES:
-                errors.append(FieldError(path=f"{path}.{dtype}", message=f"is not a dtype; use {', '.join(_SPEED_DTYPES)}"))  # fmt: skip
+                errors.append(
+                    FieldError(
+                        path=f"{path}.{dtype}",
+                        message=f"is not a dtype; use {', '.join(_SPEED_DTYPES)}",
+                    )
+                )
             elif type(flops) not in (int, float) or not 0 < flops < 1e21:
-                errors.append(FieldError(path=f"{path}.{dtype}", message=f"must be FLOP/s, a number in (0, 1e21), got {show(flops)}"))  # fmt: skip
+                errors.append(
+                    FieldError(
+                        path=f"{path}.{dtype}",
+                        message=f"must be FLOP/s, a number in (0, 1e21), got {show(flops)}",
+                    )
+                )
         if errors:
             raise SchemaError(errors)
         return cls(sorted((k, float(v)) for k, v in value.items()))
@@ -140,7 +150,13 @@ class Node:
         for i, dev in enumerate(self.devices):
             key = (dev.kind, dev.index)
             if key in seen:
-                raise SchemaError([FieldError(path=f"devices[{i}]", message=f"duplicate {dev.kind} index {dev.index}")])  # fmt: skip
+                raise SchemaError(
+                    [
+                        FieldError(
+                            path=f"devices[{i}]", message=f"duplicate {dev.kind} index {dev.index}"
+                        )
+                    ]
+                )
             seen.add(key)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,7 +189,9 @@ def compute_capability(device: Device) -> tuple[int, int] | None:
 def parse_cluster(data: Any) -> tuple[Node, ...]:
     """Nodes from a decoded `cluster.json`; raises ClusterError naming every bad field."""
     if not isinstance(data, list):
-        raise ClusterError([FieldError(path="cluster", message=f"must be a JSON list of nodes, got {show(data)}")])  # fmt: skip
+        raise ClusterError(
+            [FieldError(path="cluster", message=f"must be a JSON list of nodes, got {show(data)}")]
+        )
     errors: list[FieldError] = []
     nodes = []
     for i, node in enumerate(data):
@@ -185,7 +203,7 @@ def parse_cluster(data: Any) -> tuple[Node, ...]:
         errors.append(FieldError(path="cluster", message="has no nodes; list at least one"))
     ids = [n.get("node_id") for n in data if isinstance(n, dict)]
     for dup in sorted({i for i in ids if isinstance(i, str) and ids.count(i) > 1}):
-        errors.append(FieldError(path="cluster", message=f"node_id {dup!r} appears more than once"))  # fmt: skip
+        errors.append(FieldError(path="cluster", message=f"node_id {dup!r} appears more than once"))
     if errors:
         raise ClusterError(errors)
     return tuple(nodes)
@@ -196,11 +214,15 @@ def load_cluster(path: str | Path) -> tuple[Node, ...]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ClusterError([FieldError(path=str(path), message=f"cannot read: {exc.strerror or exc}")]) from exc  # fmt: skip
+        raise ClusterError(
+            [FieldError(path=str(path), message=f"cannot read: {exc.strerror or exc}")]
+        ) from exc
     except json.JSONDecodeError as exc:
         raise ClusterError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
     except RecursionError:  # e.g. 200,000 nested brackets
-        raise ClusterError([FieldError(path=str(path), message="not readable JSON: nested too deeply")]) from None  # fmt: skip
+        raise ClusterError(
+            [FieldError(path=str(path), message="not readable JSON: nested too deeply")]
+        ) from None
     return parse_cluster(data)
 
 

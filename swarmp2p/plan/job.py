@@ -116,9 +116,17 @@ class SplitConfig:
     def __post_init__(self) -> None:
         n = len(self.compression)
         if n > 1 and isinstance(self.stages, int) and n != self.stages - 1:
-            raise SchemaError([FieldError(path="compression", message=(
-                f"has {n} specs but split.stages {self.stages} has {self.stages - 1} "
-                "boundaries; give one spec or one per boundary"))])  # fmt: skip
+            raise SchemaError(
+                [
+                    FieldError(
+                        path="compression",
+                        message=(
+                            f"has {n} specs but split.stages {self.stages} has {self.stages - 1} "
+                            "boundaries; give one spec or one per boundary"
+                        ),
+                    )
+                ]
+            )
 
     def compression_for(self, n_stages: int) -> tuple[Compression, ...]:
         """One Compression per boundary of an `n_stages` pipeline."""
@@ -168,9 +176,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.batch_size % self.micro_batches:
-            raise SchemaError([FieldError(path="micro_batches", message=(
-                f"must divide train.batch_size {self.batch_size} (each micro-batch gets an "
-                f"equal share), got {self.micro_batches}"))])  # fmt: skip
+            raise SchemaError(
+                [
+                    FieldError(
+                        path="micro_batches",
+                        message=(
+                            f"must divide train.batch_size {self.batch_size} (each micro-batch gets an "
+                            f"equal share), got {self.micro_batches}"
+                        ),
+                    )
+                ]
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,13 +204,23 @@ class Job:
         errors = []
         m = self.model
         if m.weight_dtype is not None and m.quantization is not None:
-            errors.append(FieldError(path="model.weight_dtype", message="cannot be combined "
-                "with model.quantization (quantized weights are already stored narrow); drop "
-                "one of them"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="model.weight_dtype",
+                    message="cannot be combined "
+                    "with model.quantization (quantized weights are already stored narrow); drop "
+                    "one of them",
+                )
+            )
         if m.quantization is not None and not (m.lora.enabled or m.freeze_backbone):
-            errors.append(FieldError(path="model.quantization", message="a quantized backbone "
-                "cannot be fully fine-tuned; enable model.lora (QLoRA) or set "
-                "model.freeze_backbone"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="model.quantization",
+                    message="a quantized backbone "
+                    "cannot be fully fine-tuned; enable model.lora (QLoRA) or set "
+                    "model.freeze_backbone",
+                )
+            )
         if errors:
             raise SchemaError(errors)
 

@@ -144,11 +144,20 @@ def lora_params_per_layer(shape: ModelShape, r: int, targets: tuple[str, ...] | 
     h, q, kv = shape.hidden, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     inter = shape.intermediate
     sizes = {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
-        "c_attn": (h, q + 2 * kv), "query_key_value": (h, q + 2 * kv), "qkv_proj": (h, q + 2 * kv),
-        "Wqkv": (h, q + 2 * kv), "c_fc": (h, inter), "c_proj": (inter, h),
-    }  # fmt: skip
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+        "c_attn": (h, q + 2 * kv),
+        "query_key_value": (h, q + 2 * kv),
+        "qkv_proj": (h, q + 2 * kv),
+        "Wqkv": (h, q + 2 * kv),
+        "c_fc": (h, inter),
+        "c_proj": (inter, h),
+    }
     total = 0
     for name in targets or _LORA_DEFAULT_TARGETS:
         fan_in, fan_out = sizes.get(name, (h, h))

@@ -119,26 +119,32 @@ def _weight_storage(job: Job, dtype: str) -> str:
 def _check_against_shape(job: Job, shape: ModelShape, n: int) -> None:
     errors = []
     if n > shape.n_layers:
-        errors.append(FieldError(
-            path="split.stages",
-            message=f"{n} stages for a model of {shape.n_layers} layers; use at most "
-                    f"{shape.n_layers}",
-        ))  # fmt: skip
+        errors.append(
+            FieldError(
+                path="split.stages",
+                message=f"{n} stages for a model of {shape.n_layers} layers; use at most "
+                f"{shape.n_layers}",
+            )
+        )
     comp = job.split.compression
     if len(comp) > 1 and len(comp) != n - 1:
-        errors.append(FieldError(
-            path="split.compression",
-            message=f"{len(comp)} specs for {n - 1} boundaries ({n} stages); give one spec or "
-                    f"one per boundary",
-        ))  # fmt: skip
+        errors.append(
+            FieldError(
+                path="split.compression",
+                message=f"{len(comp)} specs for {n - 1} boundaries ({n} stages); give one spec or "
+                f"one per boundary",
+            )
+        )
     for i, c in enumerate(comp):
         if c.is_learned and c.code_dim(shape.hidden) >= shape.hidden:
             path = "split.compression" + (f"[{i}]" if len(comp) > 1 else "") + ".learned_dim"
-            errors.append(FieldError(
-                path=path,
-                message=f"must be below the model's hidden size {shape.hidden}, got "
-                        f"{c.code_dim(shape.hidden)}",
-            ))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path=path,
+                    message=f"must be below the model's hidden size {shape.hidden}, got "
+                    f"{c.code_dim(shape.hidden)}",
+                )
+            )
     if errors:
         raise JobError(errors)
 
@@ -164,8 +170,10 @@ def plan_job(
         shape = _model_shape.load(job.model.pretrained)
     candidates = candidate_devices(cluster)
     if not candidates:
-        return Blocked(reason="placed 0 of 1 required workers; no node "
-                       "advertises a device; start swarm up on a machine with a GPU or CPU")  # fmt: skip
+        return Blocked(
+            reason="placed 0 of 1 required workers; no node "
+            "advertises a device; start swarm up on a machine with a GPU or CPU"
+        )
     per_boundary = len(job.split.compression) > 1  # a list of specs fixes the stage count
     auto = job.split.stages == "auto" and not per_boundary and cuts is None
     if cuts is not None:
@@ -173,8 +181,15 @@ def plan_job(
         if list(cuts) != sorted(set(cuts)) or (
             cuts and not 0 < cuts[0] <= cuts[-1] < shape.n_layers
         ):
-            raise JobError([FieldError(path="split", message=f"cuts {list(cuts)} must rise "
-                            f"strictly inside 1..{shape.n_layers - 1}")])  # fmt: skip
+            raise JobError(
+                [
+                    FieldError(
+                        path="split",
+                        message=f"cuts {list(cuts)} must rise "
+                        f"strictly inside 1..{shape.n_layers - 1}",
+                    )
+                ]
+            )
         required = len(cuts) + 1
     elif job.split.stages != "auto":
         required = int(job.split.stages)
@@ -358,8 +373,7 @@ def _plan_on(
             notes.append("recompute turned on: the job fits only with it")
         disk, bad, short = _disk_reason(placer, attempt.ranges)
         if disk:
-            return Blocked(reason=disk, dtype=dtype, required=n,
-                           placed=n - bad), False, short  # fmt: skip
+            return Blocked(reason=disk, dtype=dtype, required=n, placed=n - bad), False, short
         if micro != job.train.micro_batches:
             notes.append("micro_batches 1: not every node declares microbatch")
         plan = _build_plan(

@@ -246,8 +246,9 @@ class Placer:
                 cuts = SplitSpec.even(L, n).boundaries
             found = tuple(itertools.pairwise((0, *cuts, L)))
             prices = tuple(self.price(i, a, b) for i, (a, b) in enumerate(found))
-            return SplitAttempt(ranges=found if self.all_fit(found) else None, prices=prices,
-                                tried=found)  # fmt: skip
+            return SplitAttempt(
+                ranges=found if self.all_fit(found) else None, prices=prices, tried=found
+            )
         if mode == "cost":
             found = min_max_partition(L, n, cost, self.fits)
         else:

@@ -96,8 +96,13 @@ class _QuantInput:
         if m_type and self.quant_type is not None and self.quant_type != m_type:
             errors.append(f"method {self.method!r} contradicts quant_type {self.quant_type!r}")
         if self.skip_modules is not None and not all(self.skip_modules):
-            raise SchemaError([FieldError(path="skip_modules", message="must be a list of "
-                               "non-empty module names")])  # fmt: skip
+            raise SchemaError(
+                [
+                    FieldError(
+                        path="skip_modules", message="must be a list of non-empty module names"
+                    )
+                ]
+            )
         if errors:
             raise SchemaError([FieldError(path="", message=e) for e in errors])
 
@@ -108,8 +113,9 @@ def _bits_message(errors: list[FieldError], path: str) -> list[FieldError]:
     for e in errors:
         if e.path == f"{path}.bits":
             got = e.message.rsplit(", got ", 1)[-1]
-            e = FieldError(path=e.path, message="must be 8 or 4 (16, 32 or null: no "
-                           f"quantization), got {got}")  # fmt: skip
+            e = FieldError(
+                path=e.path, message=f"must be 8 or 4 (16, 32 or null: no quantization), got {got}"
+            )
         out.append(e)
     return out
 

@@ -41,7 +41,9 @@ class PlannedStage:
 
     def __post_init__(self) -> None:
         if not 0 <= self.layers[0] < self.layers[1]:
-            raise ValueError(f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}")  # fmt: skip
+            raise ValueError(
+                f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}"
+            )
 
     @property
     def layer_start(self) -> int:
@@ -116,12 +118,16 @@ class Plan:
 
     def __post_init__(self) -> None:
         if len(self.boundaries) != len(self.stages) - 1:
-            raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} boundaries, got {len(self.boundaries)}")  # fmt: skip
+            raise ValueError(
+                f"{len(self.stages)} stages need {len(self.stages) - 1} boundaries, got {len(self.boundaries)}"
+            )
         for i, stage in enumerate(self.stages):
             if stage.index != i:
                 raise ValueError(f"stages[{i}].index is {stage.index}")
             if i and stage.layer_start != self.stages[i - 1].layer_end:
-                raise ValueError(f"stages[{i}] starts at block {stage.layer_start}, not where stage {i - 1} ends")  # fmt: skip
+                raise ValueError(
+                    f"stages[{i}] starts at block {stage.layer_start}, not where stage {i - 1} ends"
+                )
         if self.stages[0].layer_start != 0:
             raise ValueError("stages[0] must start at block 0")
 

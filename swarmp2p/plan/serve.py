@@ -59,9 +59,16 @@ BOUNDARY_COMPRESSIONS = ("none", "fp16", *_FIXED)
 named here: a stage served from a trained shard runs its compressor halves, per the shard's
 manifest (``swarmp2p.runtime.torch.serve.trained``)."""
 BoundaryCompression = Literal[
-    "none", "fp16", "fixed_int2", "fixed_int3", "fixed_int4", "fixed_int5", "fixed_int6",
-    "fixed_int7", "fixed_int8",
-]  # fmt: skip
+    "none",
+    "fp16",
+    "fixed_int2",
+    "fixed_int3",
+    "fixed_int4",
+    "fixed_int5",
+    "fixed_int6",
+    "fixed_int7",
+    "fixed_int8",
+]
 Dtype = Literal["float32", "bfloat16", "float16"]
 SplitMode = Literal["equal", "weighted", "cost"]
 PlannedSplit = Literal["equal", "weighted", "cost", "fixed"]
@@ -125,7 +132,7 @@ class ServeRequest:
     @staticmethod
     def __schema_prepare__(data: dict[str, Any]) -> dict[str, Any]:
         # a flag left out arrives as null (or an empty API key from the environment): default
-        return {k: v for k, v in data.items() if v is not None and not (k == "api_key" and v == "")}  # fmt: skip
+        return {k: v for k, v in data.items() if v is not None and not (k == "api_key" and v == "")}
 
     @property
     def served_name(self) -> str:
@@ -169,7 +176,9 @@ class ServeStagePlan:
 
     def __post_init__(self) -> None:
         if not 0 <= self.layers[0] < self.layers[1]:
-            raise ValueError(f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}")  # fmt: skip
+            raise ValueError(
+                f"layers must be [start, end) with 0 <= start < end, got {list(self.layers)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,7 +208,9 @@ class ServePlan:
             if stage.index != i:
                 raise ValueError(f"stages[{i}].index is {stage.index}")
             if i and stage.layers[0] != self.stages[i - 1].layers[1]:
-                raise ValueError(f"stages[{i}] starts at block {stage.layers[0]}, not where stage {i - 1} ends")  # fmt: skip
+                raise ValueError(
+                    f"stages[{i}] starts at block {stage.layers[0]}, not where stage {i - 1} ends"
+                )
         if self.stages[0].layers[0] != 0:
             raise ValueError("stages[0] must start at block 0")
         if self.stages[-1].send_compression != "none" or self.stages[-1].send_codes:
@@ -226,7 +237,9 @@ class ServePlan:
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as exc:
-            raise SchemaError(f"a serve plan must be JSON: {exc}", title="invalid serve plan") from None  # fmt: skip
+            raise SchemaError(
+                f"a serve plan must be JSON: {exc}", title="invalid serve plan"
+            ) from None
         return parse(cls, data, title="invalid serve plan")
 
 
@@ -271,22 +284,33 @@ def _check_request(
             or bounds[-1][1] != L
             or any(x[1] != y[0] for x, y in itertools.pairwise(bounds))
         ):
-            raise _bad("bounds", f"{[list(b) for b in bounds]} are not contiguous block ranges from 0 to {L}")  # fmt: skip
+            raise _bad(
+                "bounds",
+                f"{[list(b) for b in bounds]} are not contiguous block ranges from 0 to {L}",
+            )
         if stages and stages != n:
-            raise _bad("stages", f"{stages}, but the model is split in {n} stages {[list(b) for b in bounds]}; leave stages at 0 or give {n}")  # fmt: skip
+            raise _bad(
+                "stages",
+                f"{stages}, but the model is split in {n} stages {[list(b) for b in bounds]}; leave stages at 0 or give {n}",
+            )
     elif stages:
         n = stages
         if n > L:
-            raise _bad("stages", f"{n} is not in [1, {L}] (the model's blocks)")  # fmt: skip
+            raise _bad("stages", f"{n} is not in [1, {L}] (the model's blocks)")
     if holders is not None and (n is None or len(holders) != n):
         raise _bad("holders", "one list of nodes per stage of bounds")
     if compression:
         n = len(compression) + 1 if n is None else n  # a spec per boundary fixes the stages
         if len(compression) != n - 1:
-            raise _bad("compression", f"{len(compression)} spec(s), but the ring has {n} stage(s); give one per boundary")  # fmt: skip
+            raise _bad(
+                "compression",
+                f"{len(compression)} spec(s), but the ring has {n} stage(s); give one per boundary",
+            )
         bad = [c for c in compression if c not in BOUNDARY_COMPRESSIONS]
         if bad:
-            raise _bad("compression", f"{bad[0]!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}")  # fmt: skip
+            raise _bad(
+                "compression", f"{bad[0]!r} is not one of {', '.join(BOUNDARY_COMPRESSIONS)}"
+            )
     if codes is not None and not isinstance(codes, bool) and (n is None or len(codes) != n - 1):
         raise _bad("codes", "one flag per boundary")
     return n
@@ -320,12 +344,16 @@ def plan_serve(
     quant = parse_quantization(quantization) if isinstance(quantization, dict) else quantization
     context = min(max_context or shape.max_positions, shape.max_positions)
     if not 1 <= max_sessions <= MAX_SESSIONS:
-        raise _bad("max_sessions", f"must be in [1, {MAX_SESSIONS}], got {max_sessions}")  # fmt: skip
+        raise _bad("max_sessions", f"must be in [1, {MAX_SESSIONS}], got {max_sessions}")
     candidates = candidate_devices(cluster_nodes)
     auto = n is None
     required = n if n is not None else min(len(candidates), shape.n_layers)
     if not candidates:
-        return Blocked(reason=f"placed 0 of {max(required, 1)} serving stage(s); no live node advertises a device; start swarm up on a machine with a GPU or CPU", dtype=dtype, required=max(required, 1))  # fmt: skip
+        return Blocked(
+            reason=f"placed 0 of {max(required, 1)} serving stage(s); no live node advertises a device; start swarm up on a machine with a GPU or CPU",
+            dtype=dtype,
+            required=max(required, 1),
+        )
     notes: list[str] = []
     if dtype is not None:
         choice = resolve_dtype(candidates, dtype)
@@ -342,7 +370,12 @@ def plan_serve(
                     required=required,
                     placed=min(len(ok), required),
                 )
-            notes.append("left out, cannot run " + dtype + ": " + ", ".join(f"{nd.name} {d.label}" for nd, d in choice.excluded))  # fmt: skip
+            notes.append(
+                "left out, cannot run "
+                + dtype
+                + ": "
+                + ", ".join(f"{nd.name} {d.label}" for nd, d in choice.excluded)
+            )
             candidates = ok
     ask = _Ask(shape, quant, max_sessions, context, compression, codes, split, bounds)
     if holders is not None:
@@ -360,7 +393,7 @@ def plan_serve(
         if isinstance(result, ServePlan):
             if len(devices) < len(selected):
                 left = [f"{nd.name} {d.label}" for nd, d in selected if (nd, d) not in devices]
-                result = _with_notes(result, "left out for lack of free memory: " + ", ".join(left))  # fmt: skip
+                result = _with_notes(result, "left out for lack of free memory: " + ", ".join(left))
             return result
         first = first or result
     assert first is not None
@@ -404,8 +437,10 @@ def _by_holders(
         need = pricer.price(a, b, first=i == 0, last=i == n - 1).peak
         mine = [p for h in holders[i] for p in candidates if p[0].node_id == h]
         mine.sort(key=lambda p: list(holders[i]).index(p[0].node_id))
-        others = sorted((p for p in candidates if p not in mine),
-                        key=lambda p: (-left[device_key(*p)], order[device_key(*p)]))  # fmt: skip
+        others = sorted(
+            (p for p in candidates if p not in mine),
+            key=lambda p: (-left[device_key(*p)], order[device_key(*p)]),
+        )
         fits = [p for p in (*mine, *others) if left[device_key(*p)] >= need]
         pick = fits[0] if fits else (mine or others)[0]
         left[device_key(*pick)] -= need

@@ -94,7 +94,9 @@ def pipeline_step_s(stage_s: Sequence[float], micro_batches: int) -> float:
     """A synchronous pipeline's step: the slowest stage paces the micro-batches, the rest fill
     and drain it: ``((M - 1) max + sum) / M``."""
     if not stage_s or micro_batches < 1:
-        raise ValueError(f"need stage times and micro_batches >= 1, got {list(stage_s)} and {micro_batches}")  # fmt: skip
+        raise ValueError(
+            f"need stage times and micro_batches >= 1, got {list(stage_s)} and {micro_batches}"
+        )
     return ((micro_batches - 1) * max(stage_s) + sum(stage_s)) / micro_batches
 
 

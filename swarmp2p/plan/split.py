@@ -116,8 +116,15 @@ def _parse_spec(spec: Any, path: str) -> Compression:
             return Compression(method="fixed", bits=_FIXED[spec])
         if spec in ("none", "fp16"):
             return Compression(method=spec)
-        raise SchemaError([FieldError(path=path, message='must be "none", "fp16", '
-                           f'"fixed_int2".."fixed_int8" or a learned_bottleneck object, got {show(spec)}')])  # fmt: skip
+        raise SchemaError(
+            [
+                FieldError(
+                    path=path,
+                    message='must be "none", "fp16", '
+                    f'"fixed_int2".."fixed_int8" or a learned_bottleneck object, got {show(spec)}',
+                )
+            ]
+        )
     if not isinstance(spec, dict):
         raise SchemaError(
             [FieldError(path=path, message=f"must be a string or an object, got {show(spec)}")]

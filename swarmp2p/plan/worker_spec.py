@@ -48,7 +48,7 @@ class StageData:
 
     def __post_init__(self) -> None:
         if self.source == "tokens" and self.path is None:
-            raise SchemaError([FieldError(path="path", message='required when source is "tokens"')])  # fmt: skip
+            raise SchemaError([FieldError(path="path", message='required when source is "tokens"')])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,17 +116,41 @@ class WorkerSpec(StageOfPlan):
         errors = []
         n = len(self.plan.stages)
         if self.stage >= n:
-            errors.append(FieldError(path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
+                )
+            )
         elif self.stage < n - 1 and self.next is None:
-            errors.append(FieldError(path="next", message="required on every stage but the last (the next stage's endpoint)"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="next",
+                    message="required on every stage but the last (the next stage's endpoint)",
+                )
+            )
         if self.plan.job != self.job.name:
-            errors.append(FieldError(path="plan.job", message=f"{self.plan.job!r} is not the job's name {self.job.name!r}"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="plan.job",
+                    message=f"{self.plan.job!r} is not the job's name {self.job.name!r}",
+                )
+            )
         if self.plan.finetune_mode != self.job.finetune_mode:
-            errors.append(FieldError(path="plan.finetune_mode", message=f"{self.plan.finetune_mode!r} is not the job's {self.job.finetune_mode!r}"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="plan.finetune_mode",
+                    message=f"{self.plan.finetune_mode!r} is not the job's {self.job.finetune_mode!r}",
+                )
+            )
         if self.resume and self.snapshot_dir is None:
             errors.append(FieldError(path="resume", message="needs snapshot_dir"))
         if self.loss_scale is not None and self.plan.dtype != "float16":
-            errors.append(FieldError(path="loss_scale", message=f"applies only to float16 jobs (this one is {self.plan.dtype})"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="loss_scale",
+                    message=f"applies only to float16 jobs (this one is {self.plan.dtype})",
+                )
+            )
         if errors:
             raise SchemaError(errors)
 

@@ -61,7 +61,9 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     up = torch.nn.Linear(hidden, 4 * hidden)
     down = torch.nn.Linear(4 * hidden, hidden)
-    block = torch.nn.Sequential(up, torch.nn.GELU(), down).to(device=device, dtype=getattr(torch, dtype))  # fmt: skip
+    block = torch.nn.Sequential(up, torch.nn.GELU(), down).to(
+        device=device, dtype=getattr(torch, dtype)
+    )
     use_onednn(block)  # on a CPU in float32, the products a training stage runs
     params = sum(p.numel() for p in block.parameters())
     x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=getattr(torch, dtype))

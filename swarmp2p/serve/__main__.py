@@ -30,9 +30,14 @@ def main() -> None:
     options = vars(parser.parse_args())  # each option's dest is serve_local's keyword
     try:
         options["api_key"] = read_secret(
-            "the API key", option=options["api_key"], file=options.pop("api_key_file"),
-            env=os.environ, flag="--api-key", file_flag="--api-key-file", env_name=API_KEY_ENV,
-        )  # fmt: skip
+            "the API key",
+            option=options["api_key"],
+            file=options.pop("api_key_file"),
+            env=os.environ,
+            flag="--api-key",
+            file_flag="--api-key-file",
+            env_name=API_KEY_ENV,
+        )
         serve_local(options.pop("model"), **options)
     except (ValueError, PermissionError) as e:
         parser.exit(2, f"error: {e}\n")

@@ -221,8 +221,12 @@ class _Api:
             await response.prepare(request)
             if req.chat:
                 for choice in generation.choices:
-                    role = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None, "logprobs": None}  # fmt: skip
+                    role = {
+                        "index": choice.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
                     await response.write(_sse({**head, "choices": [role], **extra}))
             done = 0
             while True:

@@ -147,7 +147,9 @@ class LocalRing:
         worker_env.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
         self._ctx = SecureContext()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="local-ring", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="local-ring", daemon=True
+        )
         self._thread.start()
         try:
             ends = self._run(

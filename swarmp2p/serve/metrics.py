@@ -93,17 +93,35 @@ class ServeMetrics:
         with self._lock:
             family("swarm_requests_total", "counter", "HTTP generation requests answered")
             for (model, endpoint, status), n in sorted(self.requests.items()):
-                out.append(f"swarm_requests_total{{{_labels(model=model, endpoint=endpoint, status=status)}}} {n}")  # fmt: skip
+                out.append(
+                    f"swarm_requests_total{{{_labels(model=model, endpoint=endpoint, status=status)}}} {n}"
+                )
             per_model = (
-                ("swarm_prompt_tokens_total", "counter", "prompt tokens of answered requests",
-                 self.prompt_tokens),
-                ("swarm_generation_tokens_total", "counter", "tokens generated",
-                 self.generation_tokens),
-                ("swarm_time_to_first_token_seconds", "histogram",
-                 "from a request's arrival to its first token", self.ttft),
-                ("swarm_inter_token_latency_seconds", "histogram",
-                 "between two consecutive tokens of one request", self.itl),
-            )  # fmt: skip
+                (
+                    "swarm_prompt_tokens_total",
+                    "counter",
+                    "prompt tokens of answered requests",
+                    self.prompt_tokens,
+                ),
+                (
+                    "swarm_generation_tokens_total",
+                    "counter",
+                    "tokens generated",
+                    self.generation_tokens,
+                ),
+                (
+                    "swarm_time_to_first_token_seconds",
+                    "histogram",
+                    "from a request's arrival to its first token",
+                    self.ttft,
+                ),
+                (
+                    "swarm_inter_token_latency_seconds",
+                    "histogram",
+                    "between two consecutive tokens of one request",
+                    self.itl,
+                ),
+            )
             for name, kind, help_, values in per_model:
                 family(name, kind, help_)
                 for model, value in sorted(values.items()):

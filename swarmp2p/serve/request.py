@@ -241,9 +241,10 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
             or not -100 <= value <= 100
         ):
             raise ApiError(
-                400, f"logit_bias[{key}]: {value!r} is not a number in [-100, 100]",
+                400,
+                f"logit_bias[{key}]: {value!r} is not a number in [-100, 100]",
                 param="logit_bias",
-            )  # fmt: skip
+            )
         out.append((token, float(value)))
     return tuple(out)
 

@@ -63,7 +63,11 @@ class ServeSpec(StageOfPlan):
         errors = []
         n = len(self.plan.stages)
         if self.stage >= n:
-            errors.append(FieldError(path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
+                )
+            )
         try:
             ipaddress.ip_address(self.host)
         except ValueError:
@@ -72,11 +76,22 @@ class ServeSpec(StageOfPlan):
             isinstance(self.link_keys.get(k), str) and self.link_keys.get(k)
             for k in ("public", "secret", "prev", "next")
         ):
-            errors.append(FieldError(path="link_keys", message="must map public, secret, prev and next to keys, or be null"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="link_keys",
+                    message="must map public, secret, prev and next to keys, or be null",
+                )
+            )
         if self.tied_head is not None and self.shard is None:
-            errors.append(FieldError(path="tied_head", message="only a stage served from a shard takes a tied head"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    path="tied_head", message="only a stage served from a shard takes a tied head"
+                )
+            )
         if self.tied_head is not None and self.stage != n - 1:
-            errors.append(FieldError(path="tied_head", message="only the last stage has an output head"))  # fmt: skip
+            errors.append(
+                FieldError(path="tied_head", message="only the last stage has an output head")
+            )
         if errors:
             raise SchemaError(errors)
 

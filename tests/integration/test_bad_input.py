@@ -97,8 +97,14 @@ def _join(ctx, endpoint: str):
     from swarmp2p.node.cluster.join import NodeJoin, join_endpoint
 
     key = NodeKey.generate()
-    msg = NodeJoin(node_id="zz-bad", key=key.public, versions=[PROTOCOL_VERSION], control_port=9,
-                   join_port=11, addresses=["127.0.0.9"])  # fmt: skip
+    msg = NodeJoin(
+        node_id="zz-bad",
+        key=key.public,
+        versions=[PROTOCOL_VERSION],
+        control_port=9,
+        join_port=11,
+        addresses=["127.0.0.9"],
+    )
     reply = request_sync(ctx, SECRET, join_endpoint(endpoint), msg, 10.0)
     return ClientKeys(public=key.public, secret=key.secret, server=reply.key)
 

@@ -102,9 +102,15 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
         "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
         "data": {"source": "random"},
         "split": {"stages": 3, "mode": "equal"},
-        "train": {"steps": 7, "batch_size": 2, "seq_len": 8, "micro_batches": 1,
-                  "eval_batches": 1, "checkpoint_every": 0},
-    }  # fmt: skip
+        "train": {
+            "steps": 7,
+            "batch_size": 2,
+            "seq_len": 8,
+            "micro_batches": 1,
+            "eval_batches": 1,
+            "checkpoint_every": 0,
+        },
+    }
     first = nodes[1].submit(job)  # a real job: the page reads the leader's metrics
     chart = "return (document.querySelector('svg.loss-chart[data-job-id=\"%s\"]') || {}).dataset"
     wait_until(

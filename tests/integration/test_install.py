@@ -170,22 +170,37 @@ def pipx_light(tmp_path_factory):
         venv = root / "pipx-venv"
         made, _ = _run([_base_python(), "-m", "venv", str(venv)], _env(home), root, 300)
         assert made.returncode == 0, made.stderr
-        got, _ = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "pipx"],
-                      _env(home), root, 600, step="pip install pipx")  # fmt: skip
+        got, _ = _run(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "pipx"],
+            _env(home),
+            root,
+            600,
+            step="pip install pipx",
+        )
         assert got.returncode == 0, got.stderr
         pipx = str(venv / "bin" / "pipx")
     (tools / "pipx").symlink_to(pipx)
     env = _env(home, extra_path=str(tools))
     src = _clone(root / "src")
-    light, _ = _run(["pipx", "install", "--python", _base_python(), str(src)], env, home,
-                    step="pipx install (light)")  # fmt: skip
+    light, _ = _run(
+        ["pipx", "install", "--python", _base_python(), str(src)],
+        env,
+        home,
+        step="pipx install (light)",
+    )
     assert light.returncode == 0, light.stdout + light.stderr
-    venv = Path(
-        subprocess.run(
-            ["pipx", "environment", "--value", "PIPX_LOCAL_VENVS"],
-            env=env, capture_output=True, text=True, check=True,
-        ).stdout.strip()
-    ) / "swarmp2p"  # fmt: skip
+    venv = (
+        Path(
+            subprocess.run(
+                ["pipx", "environment", "--value", "PIPX_LOCAL_VENVS"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
+        / "swarmp2p"
+    )
     return {"env": env, "home": home, "src": src, "venv": venv}
 
 
@@ -197,15 +212,21 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
     )
     assert no_torch.returncode != 0, "the light install has torch"
 
-    demo, took = _run(["swarm", "demo", "--steps", "2"], env, home, timeout=120,
-                      step="light swarm demo")  # fmt: skip
+    demo, took = _run(
+        ["swarm", "demo", "--steps", "2"], env, home, timeout=120, step="light swarm demo"
+    )
     assert demo.returncode == 5, demo.stdout + demo.stderr
     assert took < LIGHT_DEMO_LIMIT_S, took
     assert "lacks the torch runtime" in demo.stderr and "pipx (environment swarmp2p)" in demo.stderr
     assert f"cd {src} && ./install.sh" in demo.stderr, demo.stderr
 
-    doctor, _ = _run(["swarm", "doctor", "--json", "--state-dir", str(home / "state")], env, home,
-                     timeout=300, step="light swarm doctor")  # fmt: skip
+    doctor, _ = _run(
+        ["swarm", "doctor", "--json", "--state-dir", str(home / "state")],
+        env,
+        home,
+        timeout=300,
+        step="light swarm doctor",
+    )
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     assert f"cd {src} && ./install.sh" in doctor.stdout
     assert "pip install" not in doctor.stdout.replace("pipx runpip swarmp2p install", "")
@@ -216,8 +237,13 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
     # a light node runs as a coordinator; status and train say nothing can run a stage
     state = ["--state-dir", str(home / "coordinator")]
     node_env = {**env, "SWARM_DASHBOARD_PORT": "off"}
-    up, _ = _run(["swarm", "up", "--port", "0", "--no-mdns", "--interface", "127.0.0.1", *state],
-                 node_env, home, timeout=120, step="light swarm up")  # fmt: skip
+    up, _ = _run(
+        ["swarm", "up", "--port", "0", "--no-mdns", "--interface", "127.0.0.1", *state],
+        node_env,
+        home,
+        timeout=120,
+        step="light swarm up",
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         status, _ = _run(["swarm", "status", *state], env, home, timeout=60)
@@ -225,8 +251,9 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
         assert "no node can run a stage" in status.stdout, status.stdout
         assert f"cd {src} && ./install.sh" in status.stdout, status.stdout
         job = src / "examples" / "demo-job.json"
-        train, took = _run(["swarm", "train", str(job), *state], env, home, timeout=120,
-                           step="light swarm train")  # fmt: skip
+        train, took = _run(
+            ["swarm", "train", str(job), *state], env, home, timeout=120, step="light swarm train"
+        )
         assert train.returncode == 5 and took < LIGHT_DEMO_LIMIT_S, train.stdout + train.stderr
         assert f"cd {src} && ./install.sh" in train.stderr, train.stderr
         listed, _ = _run(["swarm", "jobs", "--json", *state], env, home, timeout=60)
@@ -240,8 +267,9 @@ def test_a_light_pipx_install_names_itself_and_its_fix_at_once(pipx_light):
 def pipx_runtime(pipx_light):
     """The light install after the fix it printed: install.sh through pipx's own commands."""
     env, src = pipx_light["env"], pipx_light["src"]
-    fixed, _ = _run(["bash", "-c", f"cd {src} && ./install.sh"], env, src,
-                    step="install.sh with pipx (runtime)")  # fmt: skip
+    fixed, _ = _run(
+        ["bash", "-c", f"cd {src} && ./install.sh"], env, src, step="install.sh with pipx (runtime)"
+    )
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "\033[" not in fixed.stderr, "colour codes in a log (NO_COLOR, not a terminal)"
     assert "pipx installs the CPU build of torch" in fixed.stderr, fixed.stderr
@@ -249,8 +277,13 @@ def pipx_runtime(pipx_light):
 
 
 def _torch_of(venv: Path, env) -> str:
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -259,8 +292,13 @@ def _torch_of(venv: Path, env) -> str:
 def test_pipx_runtime_install_runs_the_demo(pipx_runtime):
     env, home, venv = pipx_runtime["env"], pipx_runtime["home"], pipx_runtime["venv"]
     assert _torch_of(venv, env).endswith("+cpu")
-    demo, _ = _run(["swarm", "demo", "--steps", "2", "--json"], env, home, timeout=900,
-                   step="pipx swarm demo --steps 2")  # fmt: skip
+    demo, _ = _run(
+        ["swarm", "demo", "--steps", "2", "--json"],
+        env,
+        home,
+        timeout=900,
+        step="pipx swarm demo --steps 2",
+    )
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert '"generation"' in demo.stdout
 
@@ -272,8 +310,13 @@ def test_pipx_reinstall_keeps_torch_and_the_embedded_model_and_doctor_passes(pip
     again, _ = _run(["pipx", "reinstall", "swarmp2p"], env, home, step="pipx reinstall")
     assert again.returncode == 0, again.stdout + again.stderr
     assert _torch_of(venv, env) == before  # the pin rides in pipx's recorded --pip-args
-    doctor, _ = _run(["swarm", "doctor", "--state-dir", str(home / "state")], env, home,
-                     timeout=300, step="swarm doctor after reinstall")  # fmt: skip
+    doctor, _ = _run(
+        ["swarm", "doctor", "--state-dir", str(home / "state")],
+        env,
+        home,
+        timeout=300,
+        step="swarm doctor after reinstall",
+    )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert re.search(r"PASS\s+worker torch/CUDA\s+torch 2\.\S+\+cpu", doctor.stdout), doctor.stdout
     assert re.search(r"PASS\s+embedded model\s+converted", doctor.stdout), doctor.stdout

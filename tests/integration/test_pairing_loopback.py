@@ -24,16 +24,38 @@ pytestmark = pytest.mark.slow
 
 def _up(state, node_id: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     port = free_port()
-    cmd = [sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state), "--node-id", node_id,
-           "--port", str(port), "--interface", "127.0.0.1", "--heartbeat", "0.2",
-           "--failure-timeout", "1.5", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarmp2p",
+        "up",
+        "--state-dir",
+        str(state),
+        "--node-id",
+        node_id,
+        "--port",
+        str(port),
+        "--interface",
+        "127.0.0.1",
+        "--heartbeat",
+        "0.2",
+        "--failure-timeout",
+        "1.5",
+        *args,
+    ]
     env = swarm_env({"SWARM_DASHBOARD_PORT": "off"})
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, input=stdin, timeout=120)  # fmt: skip
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=ROOT, input=stdin, timeout=120
+    )
 
 
 def _down(state) -> None:
-    subprocess.run([sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(state)],
-                   capture_output=True, env=swarm_env(), timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "down", "--state-dir", str(state)],
+        capture_output=True,
+        env=swarm_env(),
+        timeout=60,
+    )
 
 
 def _listed(node, other: str) -> bool:
@@ -62,8 +84,11 @@ def _junk(code: str, plate: str, source: str, tries: int) -> list[str]:
 
 
 def test_a_code_joins_a_new_machine_and_junk_tries_do_not_block_it(tmp_path):
-    a = NodeProc(tmp_path / "a", ["--node-id", "a", "--port", str(free_port()), "--interface",
-                                  "127.0.0.1", "--new"], env={"SWARM_DASHBOARD_PORT": "off"})  # fmt: skip
+    a = NodeProc(
+        tmp_path / "a",
+        ["--node-id", "a", "--port", str(free_port()), "--interface", "127.0.0.1", "--new"],
+        env={"SWARM_DASHBOARD_PORT": "off"},
+    )
     a.start()
     joined = []
     try:
@@ -100,7 +125,9 @@ def test_a_code_joins_a_new_machine_and_junk_tries_do_not_block_it(tmp_path):
         for error, left in zip(errors, ("2 tries left", "1 tries left", "no tries left")):
             assert "does not match" in error and left in error, errors
         assert "127.0.0.2) used its 3 tries" in errors[-1], errors
-        wrong = f"{plate}-" + ("lion-lion-lion" if words != "lion-lion-lion" else "otter-otter-otter")  # fmt: skip
+        wrong = f"{plate}-" + (
+            "lion-lion-lion" if words != "lion-lion-lion" else "otter-otter-otter"
+        )
         typo = _up(tmp_path / "c", "c", "--code", wrong)  # the joiner's own typo: its own tries
         assert typo.returncode == 2 and "2 tries left" in typo.stderr, typo.stderr
         assert not (tmp_path / "c" / "secret").exists()

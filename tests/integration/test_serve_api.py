@@ -299,9 +299,14 @@ def test_models_retrieve_names_the_context(client):
 
 def test_n_choices_and_logprobs(client):
     reply = client.chat.completions.create(
-        model="embedded", messages=FRANCE, n=2, temperature=0, max_tokens=6,
-        logprobs=True, top_logprobs=3,
-    )  # fmt: skip
+        model="embedded",
+        messages=FRANCE,
+        n=2,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy twice
     assert reply.usage.completion_tokens == 12
@@ -316,9 +321,14 @@ def test_n_choices_and_logprobs(client):
         assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
 
     sampled = client.completions.create(
-        model="embedded", prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=8,
+        model="embedded",
+        prompt="Once upon a time",
+        n=3,
+        temperature=1.0,
+        seed=7,
+        max_tokens=8,
         logprobs=2,
-    )  # fmt: skip
+    )
     texts = [c.text for c in sampled.choices]
     assert len(set(texts)) > 1  # each choice its own draw
     for choice in sampled.choices:
@@ -363,8 +373,10 @@ def test_penalties_bias_and_min_p_change_the_output(client, served):
 
 
 def test_response_format_is_enforced_or_refused_never_ignored(client):
-    for fmt in ({"type": "json_object"},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):  # fmt: skip
+    for fmt in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(
                 model="embedded", messages=FRANCE, max_tokens=4, response_format=fmt
@@ -409,9 +421,10 @@ def test_foreign_hosts_and_origins_are_refused(served):
     assert status == 403 and "DNS-rebinding" in body
     body = json.dumps({"model": "embedded", "prompt": "hi", "max_tokens": 1}).encode()
     status, reply = _post(
-        server.url + "/v1/completions", body,
+        server.url + "/v1/completions",
+        body,
         {"Origin": "http://evil.example", "Content-Type": "text/plain"},
-    )  # fmt: skip
+    )
     assert status == 403 and "cross-site" in reply["error"]["message"]
     assert _get(server.url + "/v1/models", {"Host": f"localhost:{port}"})[0] == 200
     status, _ = _post(server.url + "/v1/completions", body, {"Origin": f"http://127.0.0.1:{port}"})
@@ -450,8 +463,9 @@ def test_a_client_that_leaves_a_plain_request_cancels_it(served):
 
     server, model, _ = served
     host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "embedded", "prompt": "Once upon a time", "temperature": 0,
-                       "max_tokens": 240}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "embedded", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 240}
+    ).encode()
     with socket.create_connection((host, int(port))) as s:
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"

@@ -36,41 +36,117 @@ def tiny_served(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-served")
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     source = resolve_model_ref("embedded")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(f"{source}/{name}", folder / name)
     with LocalRing(
-        str(folder), bounds=[(0, 1), (1, 2)], threads=1, max_context=CONTEXT,
-        max_sessions=SESSIONS, step_timeout=20,
-    ) as ring:  # fmt: skip
+        str(folder),
+        bounds=[(0, 1), (1, 2)],
+        threads=1,
+        max_context=CONTEXT,
+        max_sessions=SESSIONS,
+        step_timeout=20,
+    ) as ring:
         ring.client.queue_timeout = 10.0
         model = ServedModel(
-            name="tiny", client=ring.client, codec=TextCodec.from_folder(folder),
-            max_context=CONTEXT, vocab_size=49152,
-        )  # fmt: skip
+            name="tiny",
+            client=ring.client,
+            codec=TextCodec.from_folder(folder),
+            max_context=CONTEXT,
+            vocab_size=49152,
+        )
         with ApiServer(build_app([model])) as server:
             yield server, model
 
 
 WEIRD = [
-    None, True, False, 0, -1, 1, 2, 7, 2**31, 2**63, 2**64, -(2**64), 10**30, 1e23, -1e23, 0.5,
-    1e-300, 1e-6, 1e308, float("nan"), float("inf"), -0.0, "", "x", "tiny", "a" * 5000, "日本語 ☕",
-    "\x00\x01", [], [1], [[1]], [2**64], [-5], [49152], [0] * 30, {}, {"a": 1}, {"1": 100},
-    {"type": "json_object"}, {"type": "text"}, {"include_usage": True}, [{"role": "user"}],
-    [{"role": "user", "content": [{"type": "image_url"}]}], [[[[[]]]]],
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    7,
+    2**31,
+    2**63,
+    2**64,
+    -(2**64),
+    10**30,
+    1e23,
+    -1e23,
+    0.5,
+    1e-300,
+    1e-6,
+    1e308,
+    float("nan"),
+    float("inf"),
+    -0.0,
+    "",
+    "x",
+    "tiny",
+    "a" * 5000,
+    "日本語 ☕",
+    "\x00\x01",
+    [],
+    [1],
+    [[1]],
+    [2**64],
+    [-5],
+    [49152],
+    [0] * 30,
+    {},
+    {"a": 1},
+    {"1": 100},
+    {"type": "json_object"},
+    {"type": "text"},
+    {"include_usage": True},
+    [{"role": "user"}],
+    [{"role": "user", "content": [{"type": "image_url"}]}],
+    [[[[[]]]]],
+]
 FIELDS = [
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "min_p", "n", "seed", "stop", "stream", "stream_options", "logprobs",
-    "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "response_format", "echo", "best_of", "suffix", "tools", "tool_choice", "user",
-]  # fmt: skip
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "response_format",
+    "echo",
+    "best_of",
+    "suffix",
+    "tools",
+    "tool_choice",
+    "user",
+]
 
 
 def _valid(rng: random.Random) -> tuple[str, dict]:
@@ -104,8 +180,17 @@ def _request(rng: random.Random) -> tuple[str, str, bytes, dict]:
         return "POST", "/v1/completions", rng.randbytes(rng.randint(0, 64)), headers
     if roll < 0.08:  # a wrong method or path
         method = rng.choice(["GET", "PUT", "DELETE", "POST"])
-        path = rng.choice(["/v1/models/tiny", "/v1/completions", "/v1/x", "/health", "/metrics",
-                           "/v1/models/../../etc", "/v1/chat/completions"])  # fmt: skip
+        path = rng.choice(
+            [
+                "/v1/models/tiny",
+                "/v1/completions",
+                "/v1/x",
+                "/health",
+                "/metrics",
+                "/v1/models/../../etc",
+                "/v1/chat/completions",
+            ]
+        )
         return method, path, b"{}", headers
     path, body = _valid(rng)
     if roll < 0.5:  # mutated: a few fields get odd values
@@ -203,10 +288,26 @@ def test_a_served_process_keeps_its_key_out_of_argv_and_logs_junk_in_one_line(tm
     env = {k: v for k, v in os.environ.items() if k != "SWARM_API_KEY"}
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmp2p.serve", "embedded", "--port", str(port),
-             "--max-context", "64", "--threads", "1", "--api-key", "-"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "swarmp2p.serve",
+                "embedded",
+                "--port",
+                str(port),
+                "--max-context",
+                "64",
+                "--threads",
+                "1",
+                "--api-key",
+                "-",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            text=True,
+        )
     try:
         proc.stdin.write(key + "\n")
         proc.stdin.close()

@@ -141,9 +141,13 @@ def test_serve_local_answers_over_http_until_stopped():
         text, usage = complete_text(
             f"http://127.0.0.1:{port}",
             "/v1/completions",
-            {"model": "embedded", "prompt": "The capital of France is", "max_tokens": 4,
-             "temperature": 0},
-        )  # fmt: skip
+            {
+                "model": "embedded",
+                "prompt": "The capital of France is",
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+        )
         assert "Paris" in text
         assert usage["completion_tokens"] == 4
     finally:

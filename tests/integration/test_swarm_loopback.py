@@ -16,9 +16,14 @@ pytestmark = pytest.mark.slow
 
 TOKEN = SwarmSecret.generate().token
 CONFIG_ONLY = {
-    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
 
 
 def _waiting_job(folder) -> dict:

@@ -47,9 +47,17 @@ def _job(model):
         "model": {"pretrained": str(model)},  # a full fine-tune, the default speed split
         "split": {"stages": 2},
         "data": {"source": "random"},
-        "train": {"steps": STEPS, "batch_size": 4, "seq_len": 32, "micro_batches": 2, "lr": 1e-4,
-                  "eval_batches": 0, "checkpoint_every": 8, "recompute": False},
-    }  # fmt: skip
+        "train": {
+            "steps": STEPS,
+            "batch_size": 4,
+            "seq_len": 32,
+            "micro_batches": 2,
+            "lr": 1e-4,
+            "eval_batches": 0,
+            "checkpoint_every": 8,
+            "recompute": False,
+        },
+    }
 
 
 def _job_view(node, job_id):
@@ -62,9 +70,10 @@ def _measured(node) -> bool:
     return len(peers) == 2 and all(d.get("speed") for p in peers for d in p["devices"])
 
 
-def test_a_stage_slowed_mid_run_is_rebalanced_at_the_next_snapshot(loopback_swarm, tmp_path, quota):  # fmt: skip
-    model = swarm_harness.tiny_llama(tmp_path / "model", vocab=128, layers=8, hidden=128,
-                                     max_positions=64, shard_size="200KB")  # fmt: skip
+def test_a_stage_slowed_mid_run_is_rebalanced_at_the_next_snapshot(loopback_swarm, tmp_path, quota):
+    model = swarm_harness.tiny_llama(
+        tmp_path / "model", vocab=128, layers=8, hidden=128, max_positions=64, shard_size="200KB"
+    )
     a, b = loopback_swarm.start("ab", token=SwarmSecret.generate().token, env=ENV)
     try:
         wait_until(lambda: _measured(a), 120, "both nodes to measure their speed")
@@ -78,8 +87,9 @@ def test_a_stage_slowed_mid_run_is_rebalanced_at_the_next_snapshot(loopback_swar
     try:
         first = wait_until(
             lambda: (v := _job_view(a, job_id))["state"] == "RUNNING" and v["step"] >= 1 and v,
-            120, "the job to run",
-        )  # fmt: skip
+            120,
+            "the job to run",
+        )
         before = [s["layers"] for s in first["plan"]["stages"]]
         assert first["plan"]["stages"][1]["predicted_s"] > 0  # measured speeds: seconds
         slow = quota("b", 0.2)
@@ -87,8 +97,10 @@ def test_a_stage_slowed_mid_run_is_rebalanced_at_the_next_snapshot(loopback_swar
             slow.add(pid)
         done = wait_until(
             lambda: (v := _job_view(a, job_id))["state"] in ("COMPLETED", "FAILED") and v,
-            300, "the job to end", interval=0.5,
-        )  # fmt: skip
+            300,
+            "the job to end",
+            interval=0.5,
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump([a, b])}") from None
     assert done["state"] == "COMPLETED", json.dumps(done, indent=1)[:3000]

@@ -41,8 +41,15 @@ def tiny_llama_with_tokenizer(folder, *, tied: bool = False):
     from swarmp2p.models import resolve_model_ref
 
     embedded = resolve_model_ref("embedded")
-    tiny_llama(folder, vocab=49152, max_positions=512, tied=tied, shard_size="2MB",
-               eos_token_id=2, bos_token_id=1)  # fmt: skip
+    tiny_llama(
+        folder,
+        vocab=49152,
+        max_positions=512,
+        tied=tied,
+        shard_size="2MB",
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{embedded}/{name}", folder / name)
     return folder
@@ -107,8 +114,20 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     a, b, c = _swarm(loopback_swarm)
     port = free_port()
     # issued on b (a follower): the leader a places the stages, the API runs on b
-    done = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(port),
-                 "--max-context", "256", "--json")  # fmt: skip
+    done = swarm(
+        b,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "3",
+        "--port",
+        str(port),
+        "--max-context",
+        "256",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a, b, c])
     view = json.loads(done.stdout)
     assert view["url"] == f"http://127.0.0.1:{port}"
@@ -129,8 +148,9 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     assert out.returncode == 0, out.stderr + dump([a, b, c])
     assert out.stdout.rstrip("\n") == expected
     # without --url: b's daemon says where it serves tiny; a serves nothing
-    streamed = swarm(b, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0",
-                     "--stream")  # fmt: skip
+    streamed = swarm(
+        b, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0", "--stream"
+    )
     assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
     sessions = b.status()["served"][0]["sessions"]  # the last step went through all 3 stages
     assert sessions == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
@@ -153,8 +173,20 @@ def test_a_stage_host_sigkilled_mid_stream_is_replaced_and_the_text_is_unchanged
     # two nodes keep it short: b's stage is re-placed on a, next to a's own stage
     a, b = _swarm(loopback_swarm, "ab")
     port = free_port()
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port", str(port),
-                 "--max-context", "512", "--json")  # fmt: skip
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--port",
+        str(port),
+        "--max-context",
+        "512",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
     max_new = 400
@@ -203,12 +235,14 @@ def test_one_node_refuses_bad_requests_with_the_reason_and_serves_one_stage(
     cases = [
         (["serve", str(tmp_path / "missing")], "does not exist"),
         (["serve", str(tiny), "--host", "0.0.0.0"], "without an API key"),
-        (["serve", str(tiny), "--max-sessions", "1000000", "--max-context", "512"],
-         "placed 0 of 1 serving stage(s)"),  # a KV cache of 262 GB
+        (
+            ["serve", str(tiny), "--max-sessions", "1000000", "--max-context", "512"],
+            "placed 0 of 1 serving stage(s)",
+        ),  # a KV cache of 262 GB
         (["serve", str(tiny), "--stages", "9"], "stages: 9 is not in [1, 4]"),
         (["serve", str(tiny), "--max-sessions", "2000000"], "max_sessions: must be an integer"),
         (["serve"], "name a MODEL"),
-    ]  # fmt: skip
+    ]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -222,8 +256,20 @@ def test_one_node_refuses_bad_requests_with_the_reason_and_serves_one_stage(
     assert _workers(a) == 0
 
     # one stage on one node: the whole model in one worker
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "1", "--port",
-                 str(free_port()), "--max-context", "256", "--json")  # fmt: skip
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "1",
+        "--port",
+        str(free_port()),
+        "--max-context",
+        "256",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a])
     view = json.loads(done.stdout)
     assert [(s["node"], s["layers"]) for s in view["stages"]] == [("a", [0, 4])]
@@ -241,11 +287,27 @@ def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bou
     # once a node is gone
     env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55:8.6"}
     a, b = _swarm(loopback_swarm, "ab", env=env)
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
-                 str(free_port()), "--max-context", "512", "--max-sessions", "600", "--json")  # fmt: skip
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--port",
+        str(free_port()),
+        "--max-context",
+        "512",
+        "--max-sessions",
+        "600",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a, b])
     view = json.loads(done.stdout)
-    assert view["dtype"] == "bfloat16" and [s["devices"] for s in view["stages"]] == [["cuda:0"]] * 2  # fmt: skip
+    assert (
+        view["dtype"] == "bfloat16" and [s["devices"] for s in view["stages"]] == [["cuda:0"]] * 2
+    )
     url = view["url"]
 
     from swarmp2p.serve.client import ApiClientError, stream_text
@@ -268,8 +330,20 @@ def test_a_stage_worker_killed_on_a_live_node_is_restarted_and_the_text_is_uncha
     loopback_swarm, tiny
 ):
     (a,) = _swarm(loopback_swarm, "a")
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
-                 str(free_port()), "--max-context", "512", "--json")  # fmt: skip
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--port",
+        str(free_port()),
+        "--max-context",
+        "512",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a])
     url = json.loads(done.stdout)["url"]
     workers = sorted(_worker_pids(a))
@@ -297,9 +371,22 @@ def test_a_quantized_serve_equals_the_same_quantization_in_one_process(loopback_
 
     a, b = _swarm(loopback_swarm, "ab")
     quant = {"bits": 8}  # NF4's CPU kernel needs wider layers than this tiny model's 32
-    done = swarm(a, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
-                 str(free_port()), "--max-context", "256", "--quantization", json.dumps(quant),
-                 "--json")  # fmt: skip
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--port",
+        str(free_port()),
+        "--max-context",
+        "256",
+        "--quantization",
+        json.dumps(quant),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr + dump([a, b])
     reference = AutoModelForCausalLM.from_pretrained(
         tiny,
@@ -324,8 +411,23 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     key_file.write_text("k3y\n")
     key_file.chmod(0o600)
     # issued on b from a relative path: the daemon reads it from the CLI's folder
-    done = swarm(b, "serve", tiny.name, "--name", "tiny", "--stages", "2", "--port", str(port),
-                 "--max-context", "256", "--api-key-file", str(key_file), "--json", cwd=tiny.parent)  # fmt: skip
+    done = swarm(
+        b,
+        "serve",
+        tiny.name,
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--port",
+        str(port),
+        "--max-context",
+        "256",
+        "--api-key-file",
+        str(key_file),
+        "--json",
+        cwd=tiny.parent,
+    )
     assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
     saved = b.state.root / "serve" / "served.json"
@@ -339,10 +441,16 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     b.kill()
     b.start()
     b.wait_up()
-    wait_until(lambda: [s["state"] for s in b.status()["served"]] == ["serving"], 90,
-               "b serving tiny again")  # fmt: skip
-    wait_until(lambda: len(_worker_pids(a)) == 1 and not before & _worker_pids(a), 30,
-               "a's old worker reaped and one new worker")  # fmt: skip
+    wait_until(
+        lambda: [s["state"] for s in b.status()["served"]] == ["serving"],
+        90,
+        "b serving tiny again",
+    )
+    wait_until(
+        lambda: len(_worker_pids(a)) == 1 and not before & _worker_pids(a),
+        30,
+        "a's old worker reaped and one new worker",
+    )
     from swarmp2p.serve.client import complete_text
 
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
@@ -378,12 +486,35 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
     b = loopback_swarm.node("b", token=TOKEN, env=ENV).start()
     b.wait_up()
     wait_until(lambda: b.status()["leader_ready"], 30, "b to found the swarm")  # a member
-    shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
-                         "intermediate_size": 64, "num_hidden_layers": 4,
-                         "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
-    cluster = ({"node_id": "b", "name": "host-b", "ram": 2**34, "disk_free": 2**34,
-                "devices": [{"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 2**34,
-                             "memory_free": 2**34, "compute_capability": ""}]},)  # fmt: skip
+    shape = from_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    cluster = (
+        {
+            "node_id": "b",
+            "name": "host-b",
+            "ram": 2**34,
+            "disk_free": 2**34,
+            "devices": [
+                {
+                    "kind": "cpu",
+                    "index": 0,
+                    "name": "cpu",
+                    "memory_total": 2**34,
+                    "memory_free": 2**34,
+                    "compute_capability": "",
+                }
+            ],
+        },
+    )
     inputs = ServeInputs(shape=shape, cluster=cluster, stages=1, max_context=64)
     plan = inputs.plan()
     skewed = plan.to_json().replace('"dtype":"float32"', '"dtype":"bfloat16"')
@@ -398,8 +529,15 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
         ctx = AsyncSecureContext()
         client = RpcClient(ctx, as_b, f"tcp://127.0.0.1:{loopback_swarm.ports['b']}")
         try:
-            msg = ServeStageStart(serve_id="sx", attempt=1, stage=0, inputs=inputs,
-                                  plan=plan_json, model="/nonexistent", issuer="b")  # fmt: skip
+            msg = ServeStageStart(
+                serve_id="sx",
+                attempt=1,
+                stage=0,
+                inputs=inputs,
+                plan=plan_json,
+                model="/nonexistent",
+                issuer="b",
+            )
             return await client.request(msg, 30.0)
         finally:
             await client.close()

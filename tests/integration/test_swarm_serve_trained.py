@@ -131,7 +131,9 @@ def test_a_trained_lora_bottleneck_model_serves_in_place_and_survives_a_stage_ho
     errors: list[BaseException] = []
     first = threading.Event()
     body = {"model": "tuned", "prompt": PROMPT, "max_tokens": max_new, "temperature": 0}
-    reader = threading.Thread(target=_generate_stream, args=(served["url"], body, pieces, errors, first))  # fmt: skip
+    reader = threading.Thread(
+        target=_generate_stream, args=(served["url"], body, pieces, errors, first)
+    )
     reader.start()
     assert first.wait(120), "no first token"
     # a stage's host (not the leader a: leader failover is tested elsewhere); its shard lives
@@ -203,9 +205,26 @@ def test_a_tied_model_fully_fine_tuned_serves_with_stage_0s_embedding_as_exporte
     assert heads[0].stat().st_size < (_shard(a, view, 0) / "weights.safetensors").stat().st_size
 
     gen = subprocess.run(
-        [sys.executable, "-m", "swarmp2p", "generate", "full", PROMPT, "--max-tokens", "24",
-         "--temperature", "0", "--url", url, "--no-stream"],
-        capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p",
+            "generate",
+            "full",
+            PROMPT,
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--url",
+            url,
+            "--no-stream",
+        ],
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr + dump(nodes)
     assert gen.stdout.rstrip("\n") == expected

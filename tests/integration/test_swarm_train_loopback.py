@@ -48,8 +48,15 @@ def test_bad_job_exits_2_listing_every_error_and_submits_nothing(loopback_swarm,
     a = loopback_swarm.node("a", token=TOKEN).start()
     a.wait_up()
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"model": {"pretrained": "x", "lora": {"r": 0}},
-                               "train": {"steps": -3, "lr": "fast"}, "typo": 1}))  # fmt: skip
+    bad.write_text(
+        json.dumps(
+            {
+                "model": {"pretrained": "x", "lora": {"r": 0}},
+                "train": {"steps": -3, "lr": "fast"},
+                "typo": 1,
+            }
+        )
+    )
     out = swarm(a, "train", str(bad))
     assert out.returncode == 2, out.stderr
     for path in ("model.lora.r", "train.steps", "train.lr", "typo"):
@@ -117,8 +124,10 @@ def test_train_on_two_nodes_completes_registers_and_exports(loopback_swarm, tmp_
     from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     exported = AutoModelForCausalLM.from_pretrained(out_dir).eval()
-    shards = [a.state.root / "jobs" / view["id"] / "export" / "stage-0",
-              b.state.root / "jobs" / view["id"] / "export" / "stage-1"]  # fmt: skip
+    shards = [
+        a.state.root / "jobs" / view["id"] / "export" / "stage-0",
+        b.state.root / "jobs" / view["id"] / "export" / "stage-1",
+    ]
     rebuilt = reconstruct_from_shards(model, shards).eval()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -237,9 +246,18 @@ def test_a_peer_refuses_a_plan_it_does_not_compute_itself(loopback_swarm, tmp_pa
         ctx = AsyncSecureContext()
         client = RpcClient(ctx, as_a, f"tcp://127.0.0.1:{loopback_swarm.ports['b']}")
         try:
-            msg = StageStart(job_id="jx", attempt=1, stage=1, job=job, cluster=cluster,
-                             plan=plan_json, next="", resume_step=0, snapshot_nodes=[],
-                             leader="a")  # fmt: skip
+            msg = StageStart(
+                job_id="jx",
+                attempt=1,
+                stage=1,
+                job=job,
+                cluster=cluster,
+                plan=plan_json,
+                next="",
+                resume_step=0,
+                snapshot_nodes=[],
+                leader="a",
+            )
             return await client.request(msg, 30.0)
         finally:
             await client.close()

@@ -183,7 +183,10 @@ def specs_for(
     }
     parsed, plan = direct_plan(model, job, cuts=cuts)
     local = {"link_timeout_s": 60, **local}
-    return [direct_spec(parsed, plan, i, token=token, next_port=1 if i < n - 1 else None, **local) for i in range(n)]  # fmt: skip
+    return [
+        direct_spec(parsed, plan, i, token=token, next_port=1 if i < n - 1 else None, **local)
+        for i in range(n)
+    ]
 
 
 def losses(stage: Stage) -> list[float | None]:
@@ -241,7 +244,9 @@ def _reference(specs: list[dict]) -> list[float]:
 def test_float16_tracks_float32_on_the_embedded_corpus(model, corpus, token, tmp_path, n, mode, lr):
     lora = {"r": 8, "alpha": 16, "dropout": 0.0}
     train = {"steps": 30, "lr": lr}
-    half = specs_for(n, model, token, train=train, dtype="float16", mode=mode, data=corpus, lora=lora)  # fmt: skip
+    half = specs_for(
+        n, model, token, train=train, dtype="float16", mode=mode, data=corpus, lora=lora
+    )
     specs = specs_for(n, model, token, train=train, mode=mode, data=corpus, lora=lora)
     stages = finish(start(half, tmp_path))
     for stage in stages:
@@ -320,11 +325,24 @@ def test_an_injected_nan_fails_the_job_naming_the_stage(model, token, tmp_path, 
 def _node(node_id: str, device: str, capability: str) -> dict:
     from swarmp2p.plan import CAPABILITIES
 
-    gpu = {"kind": "cuda", "index": 0, "name": device, "memory_total": 6 * GIB,
-           "memory_free": 6 * GIB, "compute_capability": capability, "fake": True}  # fmt: skip
-    return {"node_id": node_id, "name": f"host-{node_id}", "ram": 16 * GIB,
-            "disk_free": 100 * GIB, "capabilities": sorted(CAPABILITIES), "version": "0",
-            "devices": [gpu]}  # fmt: skip
+    gpu = {
+        "kind": "cuda",
+        "index": 0,
+        "name": device,
+        "memory_total": 6 * GIB,
+        "memory_free": 6 * GIB,
+        "compute_capability": capability,
+        "fake": True,
+    }
+    return {
+        "node_id": node_id,
+        "name": f"host-{node_id}",
+        "ram": 16 * GIB,
+        "disk_free": 100 * GIB,
+        "capabilities": sorted(CAPABILITIES),
+        "version": "0",
+        "devices": [gpu],
+    }
 
 
 @pytest.mark.parametrize(
@@ -341,20 +359,39 @@ def test_the_specs_a_daemon_builds_train_in_half_precision(
     from swarmp2p.plan.worker_spec import worker_spec
 
     job = parse_job(
-        {"name": "half", "model": {"pretrained": str(model),
-                                   "lora": {"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0}},
-         "split": {"stages": 2}, "data": {"source": str(corpus)},
-         "train": {"steps": 20, "batch_size": 4, "seq_len": 32, "micro_batches": 2, "lr": 1e-2,
-                   "eval_batches": 2, "checkpoint_every": 0}},
-    )  # fmt: skip
+        {
+            "name": "half",
+            "model": {
+                "pretrained": str(model),
+                "lora": {"enabled": True, "r": 8, "alpha": 16, "dropout": 0.0},
+            },
+            "split": {"stages": 2},
+            "data": {"source": str(corpus)},
+            "train": {
+                "steps": 20,
+                "batch_size": 4,
+                "seq_len": 32,
+                "micro_batches": 2,
+                "lr": 1e-2,
+                "eval_batches": 2,
+                "checkpoint_every": 0,
+            },
+        },
+    )
     cluster = jobs.cluster_records([_node("a", device, capability), _node("b", device, capability)])
     plan = jobs.compute_plan(job, cluster)
     assert plan.dtype == dtype and plan.eval_batches == 2
     specs = [
-        worker_spec(job, plan, i, token=token, host="127.0.0.1",
-                    next_endpoint="tcp://127.0.0.1:1" if i == 0 else None).to_dict()
+        worker_spec(
+            job,
+            plan,
+            i,
+            token=token,
+            host="127.0.0.1",
+            next_endpoint="tcp://127.0.0.1:1" if i == 0 else None,
+        ).to_dict()
         for i in range(2)
-    ]  # fmt: skip
+    ]
     stages = finish(start(specs, tmp_path))
     for stage in stages:
         assert stage.proc.returncode == 0, stage.describe()
@@ -377,9 +414,14 @@ def test_a_one_stage_job_trains_evaluates_resumes_and_exports(model, corpus, tok
     train = {"steps": 4, "lr": 3e-3, "eval_batches": 2, "checkpoint_every": 2}
     snapshots = str(tmp_path / "snapshots")
     (spec,) = specs_for(
-        1, model, token, train=train, data=corpus, snapshot_dir=snapshots,
+        1,
+        model,
+        token,
+        train=train,
+        data=corpus,
+        snapshot_dir=snapshots,
         export_dir=str(tmp_path / "export"),
-    )  # fmt: skip
+    )
     assert spec["next"] is None and spec["plan"]["boundaries"] == []
     (whole,) = finish(start([spec], tmp_path))
     assert whole.proc.returncode == 0, whole.describe()
@@ -390,9 +432,14 @@ def test_a_one_stage_job_trains_evaluates_resumes_and_exports(model, corpus, tok
     # resume from step 2: the steps after it are the uninterrupted run's
     (tmp_path / "snapshots" / "stage-0" / "step-00000004.pt").unlink()
     (resumed_spec,) = specs_for(
-        1, model, token, train={**train, "eval_batches": 0}, data=corpus, snapshot_dir=snapshots,
+        1,
+        model,
+        token,
+        train={**train, "eval_batches": 0},
+        data=corpus,
+        snapshot_dir=snapshots,
         resume=True,
-    )  # fmt: skip
+    )
     (resumed,) = finish(start([resumed_spec], tmp_path))
     assert resumed.proc.returncode == 0, resumed.describe()
     assert resumed.of("resumed")[0]["step"] == 2

@@ -150,9 +150,16 @@ class Worker:
 
 BASE_JOB = {
     "name": "pipeline-test",
-    "train": {"steps": 2, "batch_size": 4, "seq_len": 9, "lr": 1e-3, "micro_batches": 1,
-              "eval_batches": 0, "seed": 3},
-}  # fmt: skip
+    "train": {
+        "steps": 2,
+        "batch_size": 4,
+        "seq_len": 9,
+        "lr": 1e-3,
+        "micro_batches": 1,
+        "eval_batches": 0,
+        "seed": 3,
+    },
+}
 
 
 def job_for(job: dict | None) -> dict:

@@ -24,7 +24,9 @@ from swarmp2p.wire.messages import ErrorReply, Message, decode, encode
 _KEYS: dict[tuple[str, str], NodeKey] = {}
 
 
-def join(endpoint: str, token: str, node_id: str = "zmallory", key: NodeKey | None = None) -> NodeJoined:  # fmt: skip
+def join(
+    endpoint: str, token: str, node_id: str = "zmallory", key: NodeKey | None = None
+) -> NodeJoined:
     """``node.join`` on the join port beside the control port ``endpoint``, then what a real
     newcomer does to be listed: join the leader too and say hello on the leader's control
     port with its own key (the leader lists a node only on that proof; its record has no
@@ -32,9 +34,14 @@ def join(endpoint: str, token: str, node_id: str = "zmallory", key: NodeKey | No
     call."""
     key = key or _KEYS.setdefault((token, node_id), NodeKey.generate())
     msg = NodeJoin(
-        node_id=node_id, name=node_id, key=key.public, versions=[PROTOCOL_VERSION],
-        control_port=9, join_port=11, addresses=["127.0.0.1"],
-    )  # fmt: skip
+        node_id=node_id,
+        name=node_id,
+        key=key.public,
+        versions=[PROTOCOL_VERSION],
+        control_port=9,
+        join_port=11,
+        addresses=["127.0.0.1"],
+    )
     secret = SwarmSecret.from_token(token)
     deadline = time.monotonic() + 20
     with zmq.Context() as ctx:
@@ -66,16 +73,27 @@ def _say(ctx, where: str, server: str, key: NodeKey, msg: Message) -> Message:
     return request_sync(ctx, keys, where, msg, 5.0)
 
 
-def _meet_leader(ctx, secret, endpoint: str, reply: NodeJoined, msg: NodeJoin, key: NodeKey) -> None:  # fmt: skip
+def _meet_leader(
+    ctx, secret, endpoint: str, reply: NodeJoined, msg: NodeJoin, key: NodeKey
+) -> None:
     """Join the leader and say hello on its control port (proof of the key's secret half)."""
     where = _leader_endpoint(endpoint, reply)
     if not reply.leader or not where:
         return
     hello = NodeHello(
-        node_id=msg.node_id, name=msg.name, versions=[PROTOCOL_VERSION], software="",
-        swarm_id=secret.swarm_id, control_port=9, addresses=["127.0.0.1"], record={"node_id": msg.node_id, "devices": []},
-        host={}, term=0, version=0, join_port=11,
-    )  # fmt: skip
+        node_id=msg.node_id,
+        name=msg.name,
+        versions=[PROTOCOL_VERSION],
+        software="",
+        swarm_id=secret.swarm_id,
+        control_port=9,
+        addresses=["127.0.0.1"],
+        record={"node_id": msg.node_id, "devices": []},
+        host={},
+        term=0,
+        version=0,
+        join_port=11,
+    )
     with contextlib.suppress(RpcError, TimeoutError):
         _say(ctx, where, _server_key(ctx, secret, where, reply, msg), key, hello)
 

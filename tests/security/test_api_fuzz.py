@@ -113,7 +113,15 @@ def _line(rng: random.Random) -> bytes:
     ops = [o for o in API_OPS if o not in SKIPPED_OPS]
     if roll < 0.4:
         op = rng.choice(ops) if rng.random() < 0.8 else rng.choice(SKIPPED_OPS) + "x"
-        body = {"op": op, **{rng.choice(["job", "model", "job_id", "dest", "stage", "minutes", "node_id", "x"]): _value(rng) for _ in range(rng.randrange(0, 4))}}  # fmt: skip
+        body = {
+            "op": op,
+            **{
+                rng.choice(
+                    ["job", "model", "job_id", "dest", "stage", "minutes", "node_id", "x"]
+                ): _value(rng)
+                for _ in range(rng.randrange(0, 4))
+            },
+        }
         return json.dumps(body, allow_nan=True).encode()
     body = _mutate(rng, rng.choice(TEMPLATES))
     if isinstance(body, dict) and body.get("op") in SKIPPED_OPS:

@@ -37,13 +37,25 @@ GB = 1 << 30
 def _unplaceable() -> Submit:
     """A job no node can hold: a 200-layer model of hidden size 16384 (its shape given, so
     the leader plans it, finds it blocked and lets it wait)."""
-    shape = from_config({"model_type": "llama", "vocab_size": 128000, "hidden_size": 16384,
-                         "intermediate_size": 53248, "num_hidden_layers": 200,
-                         "num_attention_heads": 128, "num_key_value_heads": 8})  # fmt: skip
-    job = parse_job({"name": "huge", "model": {"pretrained": "/nowhere/huge"},
-                     "data": {"source": "random"}})  # fmt: skip
-    return Submit(job=job, submitted_by="zmallory",
-                  inputs=JobInputs(shape=shape, model=ModelSource(kind="embedded")))  # fmt: skip
+    shape = from_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128000,
+            "hidden_size": 16384,
+            "intermediate_size": 53248,
+            "num_hidden_layers": 200,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 8,
+        }
+    )
+    job = parse_job(
+        {"name": "huge", "model": {"pretrained": "/nowhere/huge"}, "data": {"source": "random"}}
+    )
+    return Submit(
+        job=job,
+        submitted_by="zmallory",
+        inputs=JobInputs(shape=shape, model=ModelSource(kind="embedded")),
+    )
 
 
 class _Watch(threading.Thread):
@@ -87,7 +99,9 @@ def pair(tmp_path):
     for n in "ab":
         args = ["--node-id", n, "--name", n, "--port", str(ports[n]), "--interface", "127.0.0.1"]
         args += ["--no-mdns", "--peer", f"127.0.0.1:{ports['b' if n == 'a' else 'a']}"]
-        nodes.append(NodeProc(tmp_path / n, args, env={"SWARM_TOKEN": token, "SWARM_DASHBOARD_PORT": "off"}))  # fmt: skip
+        nodes.append(
+            NodeProc(tmp_path / n, args, env={"SWARM_TOKEN": token, "SWARM_DASHBOARD_PORT": "off"})
+        )
     try:
         for node in nodes:
             node.start()
@@ -132,10 +146,12 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
         watch.join(10)
     busy = (_cpu_s(a) - cpu) / (time.monotonic() - started)
     after = a.status()
-    print(f"500 submissions: {len(accepted)} accepted, {len(refused)} refused; leader CPU "
-          f"{busy:.0%}; status max "
-          f"{max(watch.status_s) * 1000:.0f} ms over {len(watch.status_s)}; b heard nothing "
-          f"from a for at most {watch.silence_s:.2f} s; views {watch.views}")  # fmt: skip
+    print(
+        f"500 submissions: {len(accepted)} accepted, {len(refused)} refused; leader CPU "
+        f"{busy:.0%}; status max "
+        f"{max(watch.status_s) * 1000:.0f} ms over {len(watch.status_s)}; b heard nothing "
+        f"from a for at most {watch.silence_s:.2f} s; views {watch.views}"
+    )
     assert other == [], other[:3]
     assert len(accepted) == MAX_WAITING_PER_SUBMITTER and len(refused) == 500 - len(accepted)
     assert "the cap of 16 per node" in refused[0].detail
@@ -156,8 +172,9 @@ def test_500_submissions_meet_the_cap_and_leadership_stays(pair):
 def _failing() -> Submit:
     """A job that fails as soon as the leader plans it: a model no node can read, and no
     shape given."""
-    job = parse_job({"name": "fails", "model": {"pretrained": "/nowhere/at-all"},
-                     "data": {"source": "random"}})  # fmt: skip
+    job = parse_job(
+        {"name": "fails", "model": {"pretrained": "/nowhere/at-all"}, "data": {"source": "random"}}
+    )
     return Submit(job=job, submitted_by="zmallory")
 
 
@@ -183,7 +200,10 @@ def test_jobs_that_fail_at_once_meet_the_submission_rate(pair):
         took = time.monotonic() - start
         assert refused is not None, f"{len(taken)} taken in {took:.1f} s, none refused"
         # the burst, and the ones the bucket gained back while this loop ran
-        assert SUBMIT_BURST <= len(taken) <= SUBMIT_BURST + took / SUBMIT_EVERY_S + 1, (len(taken), took)  # fmt: skip
+        assert SUBMIT_BURST <= len(taken) <= SUBMIT_BURST + took / SUBMIT_EVERY_S + 1, (
+            len(taken),
+            took,
+        )
         assert refused.code == "job_rate", refused
         assert f"past that the leader takes one every {SUBMIT_EVERY_S:g} s" in refused.detail
         assert f"fails-{len(taken)}" not in {j["job_id"] for j in a.status()["jobs"]}
@@ -198,7 +218,9 @@ def _state(node: NodeProc, job_id: str) -> str:
 
 def _evil_server(keys, total: int, asked: list):
     mine = NodeKey(keys.public, keys.secret)
-    served = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil")  # fmt: skip
+    served = ServerKeys(
+        public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil"
+    )
 
     async def evil(msg, peer):
         if isinstance(msg, ShardRead):
@@ -218,7 +240,9 @@ def _pull(victim, keys, msg: FilePull, asked: list) -> RpcError | None:
         await server.start()
         client = RpcClient(ctx, keys, victim.endpoint)
         try:
-            await client.request(FilePull(job_id=msg.job_id, file=msg.file, source=server.endpoint), 15)  # fmt: skip
+            await client.request(
+                FilePull(job_id=msg.job_id, file=msg.file, source=server.endpoint), 15
+            )
             return None
         except RpcError as exc:
             return exc
@@ -266,10 +290,20 @@ def test_a_1gb_file_offered_for_a_real_jobs_listed_snapshot_is_refused_unwritten
     copy of the snapshot is untouched, no partial file)."""
     a, b = pair
     model = tiny_llama(tmp_path / "tiny", vocab=128)
-    job = {"name": "snap", "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
-           "split": {"stages": 2}, "data": {"source": "random"},
-           "train": {"steps": 2, "batch_size": 2, "seq_len": 8, "micro_batches": 1,
-                     "eval_batches": 1, "checkpoint_every": 1}}  # fmt: skip
+    job = {
+        "name": "snap",
+        "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4}},
+        "split": {"stages": 2},
+        "data": {"source": "random"},
+        "train": {
+            "steps": 2,
+            "batch_size": 2,
+            "seq_len": 8,
+            "micro_batches": 1,
+            "eval_batches": 1,
+            "checkpoint_every": 1,
+        },
+    }
     (tmp_path / "job.json").write_text(json.dumps(job))
     done = swarm(a, "train", str(tmp_path / "job.json"), "--json", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -307,8 +341,13 @@ def test_a_burst_of_near_cap_messages_does_not_make_the_leader_look_dead(pair):
     before = a.status()
     pad = "x" * 1000
     n = (MAX_MESSAGE_BYTES - 8192) // 1024
-    report = StageReport(node_id="zmallory", job_id="ghost", attempt=1, stage=0,
-                         events=[{"event": "step", "pad": pad}] * n)  # fmt: skip
+    report = StageReport(
+        node_id="zmallory",
+        job_id="ghost",
+        attempt=1,
+        stage=0,
+        events=[{"event": "step", "pad": pad}] * n,
+    )
     assert MAX_MESSAGE_BYTES * 0.99 < len(encode(report)) <= MAX_MESSAGE_BYTES
     watch = _Watch(a, b)
     watch.start()
@@ -328,8 +367,10 @@ def test_a_burst_of_near_cap_messages_does_not_make_the_leader_look_dead(pair):
     finally:
         watch.stop.set()
         watch.join(10)
-    print(f"40 x {len(encode(report))} bytes: status max {max(watch.status_s) * 1000:.0f} ms, "
-          f"b heard nothing from a for at most {watch.silence_s:.2f} s; views {watch.views}")  # fmt: skip
+    print(
+        f"40 x {len(encode(report))} bytes: status max {max(watch.status_s) * 1000:.0f} ms, "
+        f"b heard nothing from a for at most {watch.silence_s:.2f} s; views {watch.views}"
+    )
     assert replies == 40  # each answered, or refused as busy
     assert watch.views == {("a", before["term"])}
     assert watch.silence_s < 1.5, watch.silence_s  # heartbeats every 0.5 s; dead at 3 s

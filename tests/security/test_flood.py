@@ -275,8 +275,11 @@ def test_a_flood_of_idle_connections_leaves_the_daemon_serving(tmp_path, enough_
         start = time.monotonic()
         cli = subprocess.run(
             [sys.executable, "-m", "swarmp2p", "status", "--state-dir", str(a.state.root)],
-            capture_output=True, text=True, env=swarm_env(), timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=swarm_env(),
+            timeout=60,
+        )
         cli_s = time.monotonic() - start
         # the kernel holds what the listen backlog cannot take (SYN-ACK retries): count only
         # that the daemon shut most connections down at once

@@ -42,9 +42,21 @@ class Trio:
 
     def start(self, node_id: str, token: str | None = None, fresh_key: bool = False) -> NodeProc:
         port = self.ports.setdefault(node_id, free_port())
-        peers = [a for n, p in self.ports.items() if n != node_id for a in ("--peer", f"127.0.0.1:{p}")]  # fmt: skip
-        args = ["--node-id", node_id, "--name", node_id, "--port", str(port),
-                "--interface", "127.0.0.1", "--no-mdns", *peers]  # fmt: skip
+        peers = [
+            a for n, p in self.ports.items() if n != node_id for a in ("--peer", f"127.0.0.1:{p}")
+        ]
+        args = [
+            "--node-id",
+            node_id,
+            "--name",
+            node_id,
+            "--port",
+            str(port),
+            "--interface",
+            "127.0.0.1",
+            "--no-mdns",
+            *peers,
+        ]
         env = {"SWARM_TOKEN": token or self.token, "SWARM_DASHBOARD_PORT": "off"}
         state = self.root / node_id
         if fresh_key:
@@ -71,7 +83,11 @@ def _up(tmp_path, ids="abc") -> Trio:
     try:
         wait_until(lambda: agreed_on(nodes, "a", len(ids)), 30, "agreement on leader a")
         wait_until(lambda: nodes[0].status()["leader_ready"], 30, "a ready")
-        wait_until(lambda: all(len(n.status()["quorum"]["members"]) == len(ids) for n in nodes), 30, "every member listed")  # fmt: skip
+        wait_until(
+            lambda: all(len(n.status()["quorum"]["members"]) == len(ids) for n in nodes),
+            30,
+            "every member listed",
+        )
     except AssertionError:
         trio.stop()
         raise AssertionError(dump(nodes)) from None
@@ -116,24 +132,42 @@ def test_the_old_shared_keys_reach_no_handler(trio):
     public, private = (k.decode() for k in secret.curve_keypair())
     for keys in (secret, ClientKeys(public=public, secret=private, server=a_key)):
         with zmq.Context() as ctx, pytest.raises(RpcTimeout):
-            request_sync(ctx, keys, trio.endpoint("a"), Heartbeat(node_id="b", term=1, version=1, leader="a"), 1.5)  # fmt: skip
+            request_sync(
+                ctx,
+                keys,
+                trio.endpoint("a"),
+                Heartbeat(node_id="b", term=1, version=1, leader="a"),
+                1.5,
+            )
     assert _written(trio) == before
 
 
 def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
     endpoint = trio.endpoint("a")
     keys = credentials(endpoint, trio.token, "zmallory")  # a real member, joined with the token
-    wait_until(lambda: "zmallory" in trio.nodes["b"].status()["quorum"]["members"], 15, "mallory listed")  # fmt: skip
+    wait_until(
+        lambda: "zmallory" in trio.nodes["b"].status()["quorum"]["members"], 15, "mallory listed"
+    )
     s = trio.nodes["a"].status()
     term, version = s["term"], s["table_version"]
     before = _written(trio)
     forged_table = JobTable(epoch="forged", term=term + 5, version=1, leader="zmallory").to_dict()
-    drop_b = ev.entry_to_data(ev.Entry(version=version + 1, term=term, event=ev.MemberLeft(node_id="b")))  # fmt: skip
+    drop_b = ev.entry_to_data(
+        ev.Entry(version=version + 1, term=term, event=ev.MemberLeft(node_id="b"))
+    )
     hello = NodeHello(
-        node_id="b", name="b", versions=[PROTOCOL_VERSION], software=__version__,
-        swarm_id=s["swarm_id"], control_port=9, addresses=["127.0.0.1"], record={}, host={},
-        term=term, version=version,
-    )  # fmt: skip
+        node_id="b",
+        name="b",
+        versions=[PROTOCOL_VERSION],
+        software=__version__,
+        swarm_id=s["swarm_id"],
+        control_port=9,
+        addresses=["127.0.0.1"],
+        record={},
+        host={},
+        term=term,
+        version=version,
+    )
     as_others = [
         hello,
         Heartbeat(node_id="b", term=term, version=version, leader="a"),
@@ -147,9 +181,23 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
     ]
     for msg in as_others:
         for target in ("a", "b"):
-            assert _refused(trio.endpoint(target), credentials(trio.endpoint(target), trio.token, "zmallory"), msg) == "forbidden", msg  # fmt: skip
+            assert (
+                _refused(
+                    trio.endpoint(target),
+                    credentials(trio.endpoint(target), trio.token, "zmallory"),
+                    msg,
+                )
+                == "forbidden"
+            ), msg
     # as itself: not the leader of anyone's view, so no write and no vote
-    mine = TableEvents(leader="zmallory", term=term + 5, epoch="", prev_version=version, prev_term=term, entries=[drop_b])  # fmt: skip
+    mine = TableEvents(
+        leader="zmallory",
+        term=term + 5,
+        epoch="",
+        prev_version=version,
+        prev_term=term,
+        entries=[drop_b],
+    )
     with member(endpoint, "", keys=keys) as m:
         m.send(mine)
         ack = m.reply(10.0)
@@ -168,7 +216,9 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
 
 
 def test_status_and_peers_show_each_members_key_fingerprint(trio):
-    prints = {n: NodeKey.load(node.state.node_key_file).fingerprint for n, node in trio.nodes.items()}  # fmt: skip
+    prints = {
+        n: NodeKey.load(node.state.node_key_file).fingerprint for n, node in trio.nodes.items()
+    }
     for node in trio.nodes.values():
         rows = {p["node_id"]: p for p in node.status()["peers"]}
         assert {n: rows[n]["key"] for n in prints} == prints
@@ -207,8 +257,18 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
         with zmq.Context() as ctx, pytest.raises(RpcTimeout):  # a new one: no handshake
             request_sync(ctx, c_keys, trio.endpoint("a"), beat, 1.0)
         for node in (a, b):
-            wait_until(lambda n=node: "c" not in n.status()["quorum"]["members"], HEARTBEAT_S * 5, "c off the members")  # fmt: skip
-            wait_until(lambda n=node: all(p["node_id"] != "c" or not p["alive"] for p in n.status()["peers"]), HEARTBEAT_S * 5, "c forgotten")  # fmt: skip
+            wait_until(
+                lambda n=node: "c" not in n.status()["quorum"]["members"],
+                HEARTBEAT_S * 5,
+                "c off the members",
+            )
+            wait_until(
+                lambda n=node: all(
+                    p["node_id"] != "c" or not p["alive"] for p in n.status()["peers"]
+                ),
+                HEARTBEAT_S * 5,
+                "c forgotten",
+            )
         wait_until(lambda: c.status()["removed"], 10, "c to know it was removed")
 
         # c comes back with its revoked key and the token it holds: refused
@@ -225,11 +285,21 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
         new = out.stdout.strip()
         assert new.startswith("swarm1-") and new != old
         for n in "ab":
-            wait_until(lambda n=n: trio.nodes[n].state.secret_file.read_text().strip() == new, 10, f"{n} holds the new secret")  # fmt: skip
+            wait_until(
+                lambda n=n: trio.nodes[n].state.secret_file.read_text().strip() == new,
+                10,
+                f"{n} holds the new secret",
+            )
         # d comes back with the old secret: it finds its peers by their keys and fetches it
         d = trio.start("d")
-        wait_until(lambda: d.state.secret_file.read_text().strip() == new, 20, "d to fetch the new secret")  # fmt: skip
-        wait_until(lambda: any(p["node_id"] == "d" and p["alive"] for p in a.status()["peers"]), 10, "d back")  # fmt: skip
+        wait_until(
+            lambda: d.state.secret_file.read_text().strip() == new, 20, "d to fetch the new secret"
+        )
+        wait_until(
+            lambda: any(p["node_id"] == "d" and p["alive"] for p in a.status()["peers"]),
+            10,
+            "d back",
+        )
         # the removed node under a new identity, and a stranger, both with the old token: out
         trio.nodes["c"].stop()
         trio.start("c", fresh_key=True)
@@ -240,12 +310,20 @@ def test_remove_revokes_within_a_heartbeat_and_rotate_shuts_the_old_token_out(tm
             assert all(p["node_id"] != name or not p["alive"] for p in a.status()["peers"]), name
             assert name not in a.status()["quorum"]["members"]
         with pytest.raises(RpcTimeout), zmq.Context() as ctx:
-            request_sync(ctx, SwarmSecret.from_token(old), f"tcp://127.0.0.1:{trio.ports['a'] + 2}", _probe_join(), 1.5)  # fmt: skip
+            request_sync(
+                ctx,
+                SwarmSecret.from_token(old),
+                f"tcp://127.0.0.1:{trio.ports['a'] + 2}",
+                _probe_join(),
+                1.5,
+            )
         # the new token joins
         e.stop()
         (e.state.root / "secret").unlink()
         f = trio.start("e", token=new)
-        wait_until(lambda: "e" in a.status()["quorum"]["members"], 20, "e to join with the new token")  # fmt: skip
+        wait_until(
+            lambda: "e" in a.status()["quorum"]["members"], 20, "e to join with the new token"
+        )
         assert f.status()["swarm_id"] == a.status()["swarm_id"]
     except AssertionError:
         raise AssertionError(dump(list(trio.nodes.values()))) from None
@@ -257,6 +335,10 @@ def _probe_join():
     from swarmp2p.node.cluster.join import NodeJoin
 
     return NodeJoin(
-        node_id="probe2", key=NodeKey.generate().public, versions=[PROTOCOL_VERSION],
-        control_port=9, join_port=11, addresses=["127.0.0.1"],
-    )  # fmt: skip
+        node_id="probe2",
+        key=NodeKey.generate().public,
+        versions=[PROTOCOL_VERSION],
+        control_port=9,
+        join_port=11,
+        addresses=["127.0.0.1"],
+    )

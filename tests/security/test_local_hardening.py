@@ -39,8 +39,12 @@ def test_the_dashboard_shows_the_swarm_only_to_its_user(victim):
     nothing; the URL `swarm dashboard` prints (to its user, over the 0600 socket) sets it."""
     out = subprocess.run(
         [sys.executable, "-m", "swarmp2p", "dashboard", "--state-dir", str(victim.state.root)],
-        capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     url = urllib.parse.urlsplit(out.stdout.strip())
     port, key = url.port, urllib.parse.parse_qs(url.query)["key"][0]
@@ -64,10 +68,18 @@ def test_the_dashboard_shows_the_swarm_only_to_its_user(victim):
 
 def _hello(node_id: str) -> NodeHello:
     return NodeHello(
-        node_id=node_id, name="zmallory", versions=[PROTOCOL_VERSION], software=__version__,
-        swarm_id="0" * 16, control_port=9, addresses=["127.0.0.1"], record={}, host={},
-        term=0, version=0,
-    )  # fmt: skip
+        node_id=node_id,
+        name="zmallory",
+        versions=[PROTOCOL_VERSION],
+        software=__version__,
+        swarm_id="0" * 16,
+        control_port=9,
+        addresses=["127.0.0.1"],
+        record={},
+        host={},
+        term=0,
+        version=0,
+    )
 
 
 @pytest.mark.parametrize("node_id", ["zz\n", "zz\nnode a0 joined", "a\x00", "A1", ".x", ""])
@@ -87,7 +99,7 @@ def test_a_member_cannot_join_with_a_newline_in_its_node_id(victim):
                 victim.endpoint, victim.token, _hello("zz"), node_id=bad, swarm_id=swarm_id
             )
         assert info.value.code == "bad_field" and "node id" in info.value.detail
-    assert [p["node_id"] for p in victim.status()["peers"] if p["node_id"] != "zmallory"] == ["v"]  # fmt: skip
+    assert [p["node_id"] for p in victim.status()["peers"] if p["node_id"] != "zmallory"] == ["v"]
     assert "zz" not in victim.state.log_file.read_text()[len(before) :]
 
 
@@ -111,8 +123,12 @@ def test_a_deeply_nested_job_json_exits_2_with_the_reason(tmp_path, command, bod
         args = [str(job), "--state-dir", str(tmp_path / "s")]
     out = subprocess.run(
         [sys.executable, "-m", "swarmp2p", command, *args],
-        capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=swarm_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "nested" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "s").exists()  # nothing was written

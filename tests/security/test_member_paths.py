@@ -41,7 +41,9 @@ def test_file_pull_writes_nothing_outside_the_job_folder(victim):
     node_id_before = victim.state.node_id_file.read_text()
     keys = credentials(victim.endpoint, victim.token)
     mine = NodeKey(keys.public, keys.secret)
-    served = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil")  # fmt: skip
+    served = ServerKeys(
+        public=mine.public, secret=mine.secret, admits=KeyCheck.anyone(), domain="evil"
+    )
 
     async def evil(msg, peer):
         if isinstance(msg, ShardRead):
@@ -79,11 +81,26 @@ def test_serve_stage_start_creates_nothing_outside_the_state_dir(victim):
 
     outside = victim.state.root.parent
     before = set(outside.iterdir())
-    shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
-                         "intermediate_size": 64, "num_hidden_layers": 1,
-                         "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
-    msg = ServeStageStart(serve_id="s1", attempt=1, stage=0, inputs=ServeInputs(shape=shape),
-                          plan="{}", model="/nonexistent-model", issuer="zmallory")  # fmt: skip
+    shape = from_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    msg = ServeStageStart(
+        serve_id="s1",
+        attempt=1,
+        stage=0,
+        inputs=ServeInputs(shape=shape),
+        plan="{}",
+        model="/nonexistent-model",
+        issuer="zmallory",
+    )
     with pytest.raises(RpcError) as info:
         member_request(victim.endpoint, victim.token, msg, serve_id="../../escaped")
     assert info.value.code == "bad_field" and "serve_id" in info.value.detail, info.value

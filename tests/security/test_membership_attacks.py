@@ -32,7 +32,9 @@ def test_a_member_cannot_list_ghosts_and_a_stopped_members_id_stays_its_own(tmp_
         # ghosts: ids with keys nobody runs, vouched for by a member, to the leader
         for i in range(3):
             with member(trio.endpoint("a"), trio.token, keys=keys) as m:
-                m.send(MemberAdmit(node_id=f"ghost{i}", name="ghost", key=NodeKey.generate().public))  # fmt: skip
+                m.send(
+                    MemberAdmit(node_id=f"ghost{i}", name="ghost", key=NodeKey.generate().public)
+                )
                 with pytest.raises(RpcError) as info:
                     m.reply(10.0)
             assert info.value.code == "joining", info.value
@@ -56,7 +58,11 @@ def test_a_member_cannot_list_ghosts_and_a_stopped_members_id_stays_its_own(tmp_
         # the real c comes back with its own key: it counts again
         c = trio.start("c")
         c.wait_up()
-        wait_until(lambda: "c" in a.status()["quorum"]["voters"] and not a.status()["quorum"]["down"], 30, "c back as a voter")  # fmt: skip
+        wait_until(
+            lambda: "c" in a.status()["quorum"]["voters"] and not a.status()["quorum"]["down"],
+            30,
+            "c back as a voter",
+        )
         wait_until(lambda: agreed_on([a, b, c], "a", 3), 30, "agreement")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump(list(trio.nodes.values()))}") from None

@@ -96,8 +96,9 @@ def ring(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("serve-authz")
     tiny = tmp / "tiny"
-    tiny_llama(tiny, vocab=49152, max_positions=512, shard_size="2MB", eos_token_id=2,
-               bos_token_id=1)  # fmt: skip
+    tiny_llama(
+        tiny, vocab=49152, max_positions=512, shard_size="2MB", eos_token_id=2, bos_token_id=1
+    )
     embedded = resolve_model_ref("embedded")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{embedded}/{name}", tiny / name)
@@ -116,8 +117,20 @@ def ring(tmp_path_factory):
             node.wait_up()
         wait_until(lambda: agreed_on(nodes, "a", 2), 30, "a leading a and b")
         wait_until(lambda: a.status()["leader_ready"], 30, "leader a ready")
-        done = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port",
-                     str(free_port()), "--max-context", "512", "--json")  # fmt: skip
+        done = swarm(
+            b,
+            "serve",
+            str(tiny),
+            "--name",
+            "tiny",
+            "--stages",
+            "2",
+            "--port",
+            str(free_port()),
+            "--max-context",
+            "512",
+            "--json",
+        )
         assert done.returncode == 0, done.stderr + dump(nodes)
         view = json.loads(done.stdout)
         assert sorted(s["node"] for s in view["stages"]) == ["a", "b"], view
@@ -161,22 +174,35 @@ def test_a_member_cannot_stop_reconnect_start_into_or_fake_the_exit_of_anothers_
     from swarmp2p.plan.serve import ServeInputs
 
     inputs = ServeInputs(shape=_shape(), stages=1, max_context=64)
-    start = ServeStageStart(serve_id=serve_id, attempt=attempt + 1, stage=0, inputs=inputs,
-                            plan="{}", model="/nonexistent", issuer="zmallory")  # fmt: skip
+    start = ServeStageStart(
+        serve_id=serve_id,
+        attempt=attempt + 1,
+        stage=0,
+        inputs=inputs,
+        plan="{}",
+        model="/nonexistent",
+        issuer="zmallory",
+    )
     refused = _refused(ring, "a", start)
     assert refused.code == "forbidden", refused
     assert f"serve {serve_id}: it is issued by node b, not by node zmallory" in refused.detail
 
     # the issuer hears of a dead stage only from the node that runs it
-    fake = ServeStageExit(serve_id=serve_id, attempt=attempt, stage=stage, node_id="zmallory",
-                          message="killed by SIGKILL")  # fmt: skip
+    fake = ServeStageExit(
+        serve_id=serve_id,
+        attempt=attempt,
+        stage=stage,
+        node_id="zmallory",
+        message="killed by SIGKILL",
+    )
     refused = _refused(ring, "b", fake)
     assert refused.code == "forbidden", refused
     assert f"stage {stage} of serve {serve_id} does not run on node zmallory" in refused.detail
     # a's own key may not report b's stage either (the claim is a's, the stage b's)
     b_stage = ring.live("b")[2]
-    as_a = ServeStageExit(serve_id=serve_id, attempt=attempt, stage=b_stage, node_id="a",
-                          message="killed")  # fmt: skip
+    as_a = ServeStageExit(
+        serve_id=serve_id, attempt=attempt, stage=b_stage, node_id="a", message="killed"
+    )
     refused = _refused(ring, "b", as_a, keys=ring.keys_of("a", "b"))
     assert refused.code == "forbidden" and "does not run on node a" in refused.detail
 
@@ -195,14 +221,21 @@ def test_the_leaders_stop_of_a_stage_mid_stream_is_failed_over_within_seconds(ri
     failovers = ring.served()["failovers"]
     serve_id, attempt, stage = ring.live("a")
     stop = ServeStageStop(serve_id=serve_id, attempt=attempt, stage=stage)
-    t = _stream_while(ring, lambda: member_request(ring.endpoint("a"), ring.token, stop,
-                                                   keys=ring.keys_of("a", "a")))  # fmt: skip
+    t = _stream_while(
+        ring,
+        lambda: member_request(ring.endpoint("a"), ring.token, stop, keys=ring.keys_of("a", "a")),
+    )
     assert isinstance(t.result, ServeStage) and t.result.state == "stopped", t.result
     known, noticed, why = _noticed(ring, failovers, "b failing over the stopped stage")
-    assert why in ("", f"stage worker(s) ended (stage {stage}: node a: stopped by node a); re-placing"), why  # fmt: skip
+    assert why in (
+        "",
+        f"stage worker(s) ended (stage {stage}: node a: stopped by node a); re-placing",
+    ), why
     t.reader.join(NOTICE_S)
-    print(f"leader stop -> issuer knows {known - t.at:.2f} s, failed over {noticed - t.at:.2f} s, "
-          f"stream done {t.done - t.at:.2f} s")  # fmt: skip
+    print(
+        f"leader stop -> issuer knows {known - t.at:.2f} s, failed over {noticed - t.at:.2f} s, "
+        f"stream done {t.done - t.at:.2f} s"
+    )
     assert known - t.at < KNOW_S
     assert not t.reader.is_alive(), "the stream still waits for the stopped stage"
     assert not t.errors, f"{t.errors!r}\n" + dump([ring.a, ring.b])
@@ -222,8 +255,10 @@ def test_a_killed_stage_worker_is_noticed_by_the_issuer_within_seconds(ring):
     known, noticed, why = _noticed(ring, failovers, "b failing over the killed stage")
     assert why == "" or ("node a: killed by SIGKILL" in why and "re-placing" in why), why
     t.reader.join(NOTICE_S)
-    print(f"worker kill -> issuer knows {known - t.at:.2f} s, failed over {noticed - t.at:.2f} s, "
-          f"stream done {t.done - t.at:.2f} s")  # fmt: skip
+    print(
+        f"worker kill -> issuer knows {known - t.at:.2f} s, failed over {noticed - t.at:.2f} s, "
+        f"stream done {t.done - t.at:.2f} s"
+    )
     assert known - t.at < KNOW_S
     assert not t.reader.is_alive(), "the stream still waits for the killed stage"
     assert not t.errors, f"{t.errors!r}\n" + dump([ring.a, ring.b])
@@ -296,6 +331,14 @@ def _stream_while(ring: Ring, action) -> _Streamed:
 def _shape():
     from swarmp2p.plan import from_config
 
-    return from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
-                        "intermediate_size": 64, "num_hidden_layers": 4,
-                        "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
+    return from_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )

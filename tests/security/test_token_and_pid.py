@@ -48,9 +48,16 @@ def _cmdlines_holding(secret: str) -> list[str]:
 
 def _solo_args(state: Path, node_id: str) -> list[str]:
     return [
-        "--state-dir", str(state), "--port", str(free_port()), "--interface", "127.0.0.1",
-        "--no-mdns", "--node-id", node_id,
-    ]  # fmt: skip
+        "--state-dir",
+        str(state),
+        "--port",
+        str(free_port()),
+        "--interface",
+        "127.0.0.1",
+        "--no-mdns",
+        "--node-id",
+        node_id,
+    ]
 
 
 def test_a_token_in_argv_is_refused_before_anything_is_written(tmp_path):

@@ -59,10 +59,17 @@ def hub_llama(folder: Path, *, layers: int = 6, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = tf.LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     model.save_pretrained(folder, max_shard_size="700KB")
     return tokenizer(folder)

@@ -45,9 +45,14 @@ HOME = "/home/swarm"
 STATE = f"{HOME}/.local/state/swarmp2p"
 """The daemon's state dir on each host: the default under its HOME."""
 CONFIG_ONLY = {
-    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
 """A model's config without weights: enough to plan a job that never runs (its shape)."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 HOST_ENV_DROP = ("SWARM_", "HF_", "XDG_", "TRANSFORMERS_", "TORCH_HOME", "TMPDIR", "HUGGINGFACE")

@@ -79,10 +79,15 @@ def handler(hub: Hub) -> type:
             if folder is None:
                 return self._missing("RepoNotFound")
             files = sorted(p for p in folder.iterdir() if p.is_file())
-            body = json.dumps({
-                "id": repo_id, "modelId": repo_id, "sha": hub.commit(folder), "private": False,
-                "siblings": [{"rfilename": p.name, "size": p.stat().st_size} for p in files],
-            }).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "sha": hub.commit(folder),
+                    "private": False,
+                    "siblings": [{"rfilename": p.name, "size": p.stat().st_size} for p in files],
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

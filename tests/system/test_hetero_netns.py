@@ -56,9 +56,17 @@ def _job(split: str | None) -> dict:
         "model": {"pretrained": MODEL},
         "split": {"stages": 2, **({"mode": split} if split else {})},
         "data": {"source": "random"},
-        "train": {"steps": 10, "batch_size": 8, "seq_len": 64, "micro_batches": 4, "lr": 1e-4,
-                  "eval_batches": 0, "checkpoint_every": 0, "recompute": False},
-    }  # fmt: skip
+        "train": {
+            "steps": 10,
+            "batch_size": 8,
+            "seq_len": 64,
+            "micro_batches": 4,
+            "lr": 1e-4,
+            "eval_batches": 0,
+            "checkpoint_every": 0,
+            "recompute": False,
+        },
+    }
 
 
 def _measured(node) -> bool:
@@ -88,8 +96,9 @@ def _held(view: dict, node_id: str) -> int:
 
 
 def test_the_speed_split_outruns_an_equal_split_on_mismatched_hosts(quotas, netns_lab, tmp_path):
-    model = swarm_harness.tiny_llama(tmp_path / "model", vocab=128, layers=LAYERS, hidden=256,
-                                     max_positions=64, shard_size="2MB")  # fmt: skip
+    model = swarm_harness.tiny_llama(
+        tmp_path / "model", vocab=128, layers=LAYERS, hidden=256, max_positions=64, shard_size="2MB"
+    )
     hosts = netns_lab(2)
     token = SwarmSecret.generate().token
     nodes = []
@@ -108,8 +117,10 @@ def test_the_speed_split_outruns_an_equal_split_on_mismatched_hosts(quotas, netn
         t1 = time.monotonic()
         speed = _run(a, None)
         t2 = time.monotonic()
-        print(f"\nup and measured {t0 - a.started_at:.1f} s, equal job {t1 - t0:.1f} s, "
-              f"default job {t2 - t1:.1f} s")  # fmt: skip
+        print(
+            f"\nup and measured {t0 - a.started_at:.1f} s, equal job {t1 - t0:.1f} s, "
+            f"default job {t2 - t1:.1f} s"
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump(nodes)}") from None
     for view in (equal, speed):
@@ -122,8 +133,12 @@ def test_the_speed_split_outruns_an_equal_split_on_mismatched_hosts(quotas, netn
     speeds = {p["node_id"]: p["devices"][-1]["speed"]["float32"] / 1e9 for p in peers}
     print(f"\ntokens/s {rates}, speedup {rates['speed'] / rates['equal']:.2f}x")
     print(f"layers {layers}; throttled_us {throttled}; probe GFLOP/s {speeds}")
-    print("predicted_s", [s["predicted_s"] for s in speed["plan"]["stages"]],
-          "measured_s", [s["measured_s"] for s in speed["plan"]["stages"]])  # fmt: skip
+    print(
+        "predicted_s",
+        [s["predicted_s"] for s in speed["plan"]["stages"]],
+        "measured_s",
+        [s["measured_s"] for s in speed["plan"]["stages"]],
+    )
     assert layers["equal"] == {"a": LAYERS // 2, "b": LAYERS // 2}
     assert layers["speed"]["b"] < layers["equal"]["b"]
     assert throttled["b"] > 0  # the slow host's quota did slow it

@@ -54,16 +54,26 @@ def _table(title, rows, total):
 def test_a_hub_job_and_a_hub_serve_fetch_only_each_stages_files(netns_lab, tmp_path):
     hosts = netns_lab(4)
     hub_host = hosts[3]
-    repos = {"tiny/llama": _tiny.hub_llama(tmp_path / "llama"),
-             "tiny/chat": _tiny.hub_llama(tmp_path / "chat", layers=3, seed=1)}  # fmt: skip
+    repos = {
+        "tiny/llama": _tiny.hub_llama(tmp_path / "llama"),
+        "tiny/chat": _tiny.hub_llama(tmp_path / "chat", layers=3, seed=1),
+    }
     for repo, folder in repos.items():
         hub_host.put(folder, f"{HOME}/hub/{repo}")
     here = Path(__file__).resolve().parent
     server = hub_host.popen(
-        [sys.executable, str(here / "hub_server.py"), f"{HOME}/hub", hub_host.address, str(PORT),
-         f"{HOME}/stats.json", str(RATE)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(here / "hub_server.py"),
+            f"{HOME}/hub",
+            hub_host.address,
+            str(PORT),
+            f"{HOME}/stats.json",
+            str(RATE),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().strip() == "ready"
         _run(hosts[:3], hub_host, repos)
@@ -73,8 +83,11 @@ def test_a_hub_job_and_a_hub_serve_fetch_only_each_stages_files(netns_lab, tmp_p
 
 
 def _run(hosts, hub_host, repos):
-    env = {"HF_ENDPOINT": f"http://{hub_host.address}:{PORT}", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        "HF_ENDPOINT": f"http://{hub_host.address}:{PORT}",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     token = SwarmSecret.generate().token
     nodes = [h.swarm_up(i, token, env=env) for h, i in zip(hosts, "abc")]
     for n in nodes:
@@ -87,10 +100,13 @@ def _run(hosts, hub_host, repos):
         raise AssertionError(dump(nodes)) from None
 
     # --- a 3-stage job on a Hub id, submitted on b ---------------------------------------------
-    job = {"name": "hubjob", "model": {"pretrained": "tiny/llama",
-                                       "lora": {"enabled": True, "r": 4, "dropout": 0.0}},
-           "split": {"stages": 3, "mode": "equal"}, "data": {"source": "random"},
-           "train": {"steps": 3, "batch_size": 2, "seq_len": 8, "eval_batches": 0}}  # fmt: skip
+    job = {
+        "name": "hubjob",
+        "model": {"pretrained": "tiny/llama", "lora": {"enabled": True, "r": 4, "dropout": 0.0}},
+        "split": {"stages": 3, "mode": "equal"},
+        "data": {"source": "random"},
+        "train": {"steps": 3, "batch_size": 2, "seq_len": 8, "eval_batches": 0},
+    }
     out = swarm(b, "train", b.host.write(f"{HOME}/job.json", json.dumps(job)), "--detach", "--json")
     assert out.returncode == 0, out.stderr + dump(nodes)
     job_id = json.loads(out.stdout)["job_id"]
@@ -128,12 +144,39 @@ def _run(hosts, hub_host, repos):
     _table("bytes fetched per host, 3-stage Hub job", rows, sum(weights.values()))
 
     # --- another Hub id served across the 3 hosts, issued on a -----------------------------------
-    served = swarm(a, "serve", "tiny/chat", "--name", "chat", "--stages", "3", "--port", "8080",
-                   "--max-context", "64", "--json", timeout=300)  # fmt: skip
+    served = swarm(
+        a,
+        "serve",
+        "tiny/chat",
+        "--name",
+        "chat",
+        "--stages",
+        "3",
+        "--port",
+        "8080",
+        "--max-context",
+        "64",
+        "--json",
+        timeout=300,
+    )
     assert served.returncode == 0, served.stderr + dump(nodes)
     view = json.loads(served.stdout)
-    said = a.host.run([sys.executable, "-m", "swarmp2p", "generate", "chat", "w1 w2 w3",
-                       "--max-tokens", "4", "--temperature", "0", "--url", view["url"]])  # fmt: skip
+    said = a.host.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p",
+            "generate",
+            "chat",
+            "w1 w2 w3",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--url",
+            view["url"],
+        ]
+    )
     assert said.returncode == 0 and said.stdout.strip(), said.stderr
     stats = _stats(hub_host)
     shape = model_shape.from_folder(repos["tiny/chat"])
@@ -144,6 +187,12 @@ def _run(hosts, hub_host, repos):
         want = set(model_shape.stage_files(shape, start, end, i == 0, i == n - 1))
         got = _got(stats, address[stage["node"]], "tiny/chat")
         assert {f for f in got if f.endswith(".safetensors")} == want, (stage, sorted(got))
-        rows.append((stage["node"], sum(got.values()), sum(_ranges(stats, address[stage["node"]], "tiny/chat").values())))  # fmt: skip
+        rows.append(
+            (
+                stage["node"],
+                sum(got.values()),
+                sum(_ranges(stats, address[stage["node"]], "tiny/chat").values()),
+            )
+        )
     chat_weights = sum(p.stat().st_size for p in repos["tiny/chat"].glob("*.safetensors"))
     _table("bytes fetched per host, 3-stage Hub serve", rows, chat_weights)

@@ -41,13 +41,26 @@ def _prices(folder) -> tuple[int, int]:
 
     shape = model_shape.from_folder(folder)
     big = json.loads(_gpus(2**40))
-    record = {"node_id": "a", "name": "a", "ram": 2**36, "disk_free": 2**40,
-              "devices": [{**d, "kind": "cuda", "index": i, "memory_free": d["memory_total"]}
-                          for i, d in enumerate(big)]}  # fmt: skip
+    record = {
+        "node_id": "a",
+        "name": "a",
+        "ram": 2**36,
+        "disk_free": 2**40,
+        "devices": [
+            {**d, "kind": "cuda", "index": i, "memory_free": d["memory_total"]}
+            for i, d in enumerate(big)
+        ],
+    }
     plan = compute_plan(parse_job(JOB), [record], shape=shape)
     job = max(s.memory.peak for s in plan.stages)
-    serve = plan_serve(shape, [Node.from_dict(record)], stages=1, max_sessions=SESSIONS,
-                       max_context=CONTEXT, dtype="float32")  # fmt: skip
+    serve = plan_serve(
+        shape,
+        [Node.from_dict(record)],
+        stages=1,
+        max_sessions=SESSIONS,
+        max_context=CONTEXT,
+        dtype="float32",
+    )
     return job, serve.stages[0].memory.peak
 
 
@@ -58,8 +71,11 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
     # each alone fits a GPU; the job's stage beside the served model's does not
     size = DEVICE_RESERVE["cuda"] + serve_peak + job_peak // 2
     (host,) = netns_lab(1)
-    a = host.swarm_up("a", SwarmSecret.generate().token, env={"SWARM_FAKE_DEVICES": _gpus(size),
-                                                             "OMP_NUM_THREADS": "1"})  # fmt: skip
+    a = host.swarm_up(
+        "a",
+        SwarmSecret.generate().token,
+        env={"SWARM_FAKE_DEVICES": _gpus(size), "OMP_NUM_THREADS": "1"},
+    )
     a.start()
     host.put(tiny, MODEL)
     try:
@@ -68,9 +84,24 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
         raise AssertionError(dump([a])) from None
 
     # float32 as priced above (the fake Ampere GPUs would otherwise serve bfloat16)
-    served = swarm(a, "serve", MODEL, "--name", "tiny", "--stages", "1", "--port", "8080",
-                   "--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT),
-                   "--dtype", "float32", "--json")  # fmt: skip
+    served = swarm(
+        a,
+        "serve",
+        MODEL,
+        "--name",
+        "tiny",
+        "--stages",
+        "1",
+        "--port",
+        "8080",
+        "--max-sessions",
+        str(SESSIONS),
+        "--max-context",
+        str(CONTEXT),
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert served.returncode == 0, served.stderr + dump([a])
     (stage,) = json.loads(served.stdout)["stages"]
     gpu = stage["devices"][0]
@@ -82,10 +113,15 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
     job_id = json.loads(out.stdout)["job_id"]
     try:
         view = wait_until(
-            lambda: (j := next(x for x in a.status()["jobs"] if x["job_id"] == job_id))["state"]
-            == "pending" and j["record"].get("reason") and j,
-            30, "the job to wait",
-        )  # fmt: skip
+            lambda: (
+                (j := next(x for x in a.status()["jobs"] if x["job_id"] == job_id))["state"]
+                == "pending"
+                and j["record"].get("reason")
+                and j
+            ),
+            30,
+            "the job to wait",
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump([a])}") from None
     reason = view["record"]["reason"]
@@ -95,10 +131,14 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
     stopped = swarm(a, "serve", "--stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr + dump([a])
     done = wait_until(
-        lambda: (j := next(x for x in a.status()["jobs"] if x["job_id"] == job_id))["state"]
-        in ("completed", "failed") and j,
-        180, "the job to run once the served model stopped",
-    )  # fmt: skip
+        lambda: (
+            (j := next(x for x in a.status()["jobs"] if x["job_id"] == job_id))["state"]
+            in ("completed", "failed")
+            and j
+        ),
+        180,
+        "the job to run once the served model stopped",
+    )
     told = {k: v for k, v in done["record"].items() if k not in ("job", "plan", "losses")}
     assert done["state"] == "completed", json.dumps(told, indent=1)[:6000] + dump([a])
     devices = [s["devices"][0] for s in done["record"]["plan"]["stages"]]

@@ -27,8 +27,21 @@ def test_swarm_up_then_train_the_example_on_one_host(netns_lab):
         # one step and one held-out batch per evaluation: what runs is the example's whole
         # path (convert, tokenize, evaluate, train, evaluate, export merged, register), not its
         # length
-        out = host.run([*swarm, "train", "examples/lora.json", "--steps", "1", "--eval-batches",
-                        "1", "--json"], cwd=ROOT, env=env, timeout=1200)  # fmt: skip
+        out = host.run(
+            [
+                *swarm,
+                "train",
+                "examples/lora.json",
+                "--steps",
+                "1",
+                "--eval-batches",
+                "1",
+                "--json",
+            ],
+            cwd=ROOT,
+            env=env,
+            timeout=1200,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         view = json.loads(out.stdout)
         print(

@@ -71,19 +71,50 @@ class Sniffer:
 
 def _daemon(lab, host, node_id: str, *args: str) -> NodeProc:
     """A daemon in ``host``'s namespace (no token: ``args`` say how it joins)."""
-    argv = ["--node-id", node_id, "--name", f"host-{node_id}", "--port", str(PORT),
-            "--interface", host.address, *args]  # fmt: skip
-    node = NodeProc(lab.tmp_path / node_id, argv, prefix=["ip", "netns", "exec", host.ns],
-                    env={"SWARM_DASHBOARD_PORT": "off"})  # fmt: skip
+    argv = [
+        "--node-id",
+        node_id,
+        "--name",
+        f"host-{node_id}",
+        "--port",
+        str(PORT),
+        "--interface",
+        host.address,
+        *args,
+    ]
+    node = NodeProc(
+        lab.tmp_path / node_id,
+        argv,
+        prefix=["ip", "netns", "exec", host.ns],
+        env={"SWARM_DASHBOARD_PORT": "off"},
+    )
     lab.nodes.append(node)
     return node
 
 
 def _up_once(host, state, code: str) -> subprocess.CompletedProcess:
     """`swarm up --code` on ``host`` that is expected to fail (and write nothing)."""
-    cmd = ["ip", "netns", "exec", host.ns, sys.executable, "-m", "swarmp2p", "up", "--code", code,
-           "--state-dir", str(state), "--port", "7747", "--interface", host.address]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=60)  # fmt: skip
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        host.ns,
+        sys.executable,
+        "-m",
+        "swarmp2p",
+        "up",
+        "--code",
+        code,
+        "--state-dir",
+        str(state),
+        "--port",
+        "7747",
+        "--interface",
+        host.address,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=swarm_env(), cwd=ROOT, timeout=60
+    )
 
 
 def _listed_everywhere(nodes, ids) -> bool:
@@ -114,8 +145,13 @@ def _replay(host, flows, clients) -> None:
     )
     todo = [[f[2], f[3], data.hex()] for f, data in flows.items() if f in clients]
     assert todo, "the eavesdropper saw no connection to replay"
-    subprocess.run(["ip", "netns", "exec", host.ns, sys.executable, "-c", script],
-                   input=json.dumps(todo), text=True, timeout=120, check=True)  # fmt: skip
+    subprocess.run(
+        ["ip", "netns", "exec", host.ns, sys.executable, "-c", script],
+        input=json.dumps(todo),
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joins(netns_lab_of):
@@ -132,10 +168,19 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
             codes.append(code)
             node = _daemon(lab, hosts[i], node_id, "--code", code).start()
             joined.append(node)
-            wait_until(lambda: _listed_everywhere(joined, [n.state.root.name for n in joined]), 20, f"{node_id} listed everywhere", interval=0.02)  # fmt: skip
+            wait_until(
+                lambda: _listed_everywhere(joined, [n.state.root.name for n in joined]),
+                20,
+                f"{node_id} listed everywhere",
+                interval=0.02,
+            )
             took.append(time.monotonic() - node.started_at)
         ids = ["h1", "h2", "h3"]
-        wait_until(lambda: all(sorted(n.status()["quorum"]["members"]) == ids for n in joined), 20, "three members")  # fmt: skip
+        wait_until(
+            lambda: all(sorted(n.status()["quorum"]["members"]) == ids for n in joined),
+            20,
+            "three members",
+        )
         token = h1.state.secret_file.read_text().strip()
         assert all(n.state.secret_file.read_text().strip() == token for n in joined)
         print(f"\ncode joins on the bridge: {', '.join(f'{t:.2f} s' for t in took)}")
@@ -143,7 +188,11 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
         # three wrong codes lock that host out of the invite: the right one fails after them
         code = json.loads(swarm(h1, "invite", "--json").stdout)["code"]
         plate = code.split("-")[0]
-        wrong = f"{plate}-lion-lion-lion" if not code.endswith("lion-lion-lion") else f"{plate}-otter-otter-otter"  # fmt: skip
+        wrong = (
+            f"{plate}-lion-lion-lion"
+            if not code.endswith("lion-lion-lion")
+            else f"{plate}-otter-otter-otter"
+        )
         spare = lab.tmp_path / "spare"
         for _ in range(3):
             out = _up_once(hosts[3], spare, wrong)
@@ -157,7 +206,11 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
         seen = b"".join(flows.values())
         assert seen, "the eavesdropper saw nothing"
         for secret in (token, *codes, code):
-            for form in (secret.encode(), secret.upper().encode(), secret.replace("-", " ").encode()):  # fmt: skip
+            for form in (
+                secret.encode(),
+                secret.upper().encode(),
+                secret.replace("-", " ").encode(),
+            ):
                 assert form not in seen, f"{secret[:12]}... crossed the bridge in the clear"
         before = {n.state.root.name: sorted(n.status()["quorum"]["members"]) for n in joined}
         log_before = len(h1.log())

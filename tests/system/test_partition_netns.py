@@ -19,8 +19,11 @@ def _job_on(node) -> str:
     """A job file on ``node``'s host for a model only that host has, which never runs (its
     float16 fits no CPU): it waits, so the tables hold it and no worker starts."""
     model = node.host.config_only_model()
-    job = {"name": "p", "model": {"pretrained": model, "dtype": "float16"},
-           "data": {"source": "random"}}  # fmt: skip
+    job = {
+        "name": "p",
+        "model": {"pretrained": model, "dtype": "float16"},
+        "data": {"source": "random"},
+    }
     return node.host.write(f"{HOME}/job.json", json.dumps(job))
 
 
@@ -42,7 +45,9 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
     a, b, c = nodes
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3), 20, "agreement on a")
-        wait_until(lambda: all(len(n.status()["quorum"]["members"]) == 3 for n in nodes), 20, "3 members")  # fmt: skip
+        wait_until(
+            lambda: all(len(n.status()["quorum"]["members"]) == 3 for n in nodes), 20, "3 members"
+        )
         first = _submit(c, _job_on(c))
         assert first.returncode == 0, first.stderr
         j1 = json.loads(first.stdout)["job_id"]
@@ -85,10 +90,14 @@ def test_a_cut_minority_refuses_submissions_and_the_healed_swarm_holds_one_table
         lab.heal(0)
         every = sorted([j1, j2, j3])
         wait_until(
-            lambda: agreed_on(nodes, "a", 3) and all(_jobs(n) == every for n in nodes)
-            and len({(n.status()["term"], n.status()["table_version"]) for n in nodes}) == 1,
-            30, "one table after the second healing",
-        )  # fmt: skip
+            lambda: (
+                agreed_on(nodes, "a", 3)
+                and all(_jobs(n) == every for n in nodes)
+                and len({(n.status()["term"], n.status()["table_version"]) for n in nodes}) == 1
+            ),
+            30,
+            "one table after the second healing",
+        )
         assert all(n.status()["quorum"]["ok"] for n in nodes)
         assert not any(p.get("revoked") for p in a.status()["peers"])
     except AssertionError as exc:

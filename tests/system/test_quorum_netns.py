@@ -30,8 +30,11 @@ ENV = {"OMP_NUM_THREADS": "1"}
 def _job_on(node, name: str) -> str:
     """A job on ``node``'s host that waits (its float16 fits no CPU): a table entry, no worker."""
     model = node.host.config_only_model()
-    job = {"name": name, "model": {"pretrained": model, "dtype": "float16"},
-           "data": {"source": "random"}}  # fmt: skip
+    job = {
+        "name": name,
+        "model": {"pretrained": model, "dtype": "float16"},
+        "data": {"source": "random"},
+    }
     return node.host.write(f"{HOME}/{name}.json", json.dumps(job))
 
 
@@ -64,12 +67,26 @@ def _trained(node, tiny_llama) -> str:
     """Train a 3-stage LoRA job on the tiny Llama (its folder only on ``node``'s host), to the
     end: the table holds a completed job and the model it registered. The job's id."""
     node.host.put(tiny_llama, f"{HOME}/models/tiny")
-    job = {"name": "tiny", "model": {"pretrained": f"{HOME}/models/tiny",
-                                     "lora": {"enabled": True, "r": 4, "alpha": 8}},
-           "split": {"stages": 3, "mode": "equal"}, "data": {"source": "random"},
-           "train": {"steps": 2, "batch_size": 2, "seq_len": 8, "micro_batches": 2,
-                     "eval_batches": 1, "checkpoint_every": 0}}  # fmt: skip
-    out = swarm(node, "train", node.host.write(f"{HOME}/tiny.json", json.dumps(job)), "--json", timeout=300)  # fmt: skip
+    job = {
+        "name": "tiny",
+        "model": {
+            "pretrained": f"{HOME}/models/tiny",
+            "lora": {"enabled": True, "r": 4, "alpha": 8},
+        },
+        "split": {"stages": 3, "mode": "equal"},
+        "data": {"source": "random"},
+        "train": {
+            "steps": 2,
+            "batch_size": 2,
+            "seq_len": 8,
+            "micro_batches": 2,
+            "eval_batches": 1,
+            "checkpoint_every": 0,
+        },
+    }
+    out = swarm(
+        node, "train", node.host.write(f"{HOME}/tiny.json", json.dumps(job)), "--json", timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     view = json.loads(out.stdout)
     assert view["state"] == "COMPLETED", view
@@ -83,7 +100,9 @@ def _models(node) -> list[tuple[str, str]]:
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("back", [("nd", "nc"), ("nc", "nd")], ids=["last-down-first", "first-down-first"])  # fmt: skip
+@pytest.mark.parametrize(
+    "back", [("nd", "nc"), ("nc", "nd")], ids=["last-down-first", "first-down-first"]
+)
 def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_llama, back):
     lab = netns_lab_of
     hosts = lab.build(4)
@@ -94,7 +113,9 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_l
         for node in old:
             node.start()
         wait_until(lambda: agreed_on(old, "nb", 3), 30, "agreement on nb")
-        wait_until(lambda: all(len(n.status()["quorum"]["voters"]) == 3 for n in old), 20, "3 voters")  # fmt: skip
+        wait_until(
+            lambda: all(len(n.status()["quorum"]["voters"]) == 3 for n in old), 20, "3 voters"
+        )
         job = _trained(c, tiny_llama)  # three hosts train and register a model
         model = [("tiny", job)]
         wait_until(lambda: all(_models(n) == model for n in old), 30, "the model everywhere")
@@ -104,7 +125,7 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_l
         a.start()  # one member comes back alone
         wait_until(lambda: a.status()["leader"] == "nb", 30, "a up again")
         # a fresh machine joins it with the token; its new id sorts below every member's
-        d = hosts[3].swarm_up("na", token, "--peer", f"{hosts[0].address}:{CONTROL_PORT}", env=ENV)  # fmt: skip
+        d = hosts[3].swarm_up("na", token, "--peer", f"{hosts[0].address}:{CONTROL_PORT}", env=ENV)
         d.start()
         wait_until(lambda: sum(p["alive"] for p in a.status()["peers"]) == 2, 30, "a meets d")
         deadline = time.monotonic() + 6  # several heartbeats and a takeover grace
@@ -130,7 +151,11 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_l
         assert all(j["state"] == "completed" for j in d.status()["jobs"]), d.status()["jobs"]
         # the members that were down count again, listed one change at a time
         everyone = ["na", "nb", "nc", "nd"]
-        wait_until(lambda: all(sorted(n.status()["quorum"]["voters"]) == everyone for n in nodes), 30, "4 voters")  # fmt: skip
+        wait_until(
+            lambda: all(sorted(n.status()["quorum"]["voters"]) == everyone for n in nodes),
+            30,
+            "4 voters",
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump([n for n in lab.nodes if n.running()])}") from None
 
@@ -145,7 +170,9 @@ def test_a_cut_off_leader_cannot_remove_the_others_or_write_alone(netns_lab_of):
         for node in nodes:
             node.start()
         wait_until(lambda: agreed_on(nodes, "na", 3), 30, "agreement on na")
-        wait_until(lambda: all(len(n.status()["quorum"]["voters"]) == 3 for n in nodes), 20, "3 voters")  # fmt: skip
+        wait_until(
+            lambda: all(len(n.status()["quorum"]["voters"]) == 3 for n in nodes), 20, "3 voters"
+        )
         first = _submit(a, "before")
         assert first.returncode == 0, first.stderr
         j1 = json.loads(first.stdout)["job_id"]
@@ -178,10 +205,14 @@ def test_a_cut_off_leader_cannot_remove_the_others_or_write_alone(netns_lab_of):
         lab.heal(0)
         healed = time.monotonic()
         wait_until(
-            lambda: agreed_on(nodes, "na", 3) and _one_table(nodes)
-            and all(_jobs(n) == sorted([j1, j2]) for n in nodes),
-            60, "one table after healing",
-        )  # fmt: skip
+            lambda: (
+                agreed_on(nodes, "na", 3)
+                and _one_table(nodes)
+                and all(_jobs(n) == sorted([j1, j2]) for n in nodes)
+            ),
+            60,
+            "one table after healing",
+        )
         took = time.monotonic() - healed
         print(f"converged {took:.2f} s after healing")
         for node in nodes:

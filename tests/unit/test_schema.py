@@ -62,9 +62,17 @@ def test_every_problem_is_reported_with_its_path():
         }
     )
     assert set(got) == {
-        "nmae", "name", "inner.n", "inner.tag", "items[1].n", "mode", "auto", "maybe", "table.a",
+        "nmae",
+        "name",
+        "inner.n",
+        "inner.tag",
+        "items[1].n",
+        "mode",
+        "auto",
+        "maybe",
+        "table.a",
         "pair",
-    }  # fmt: skip
+    }
     assert got["inner.n"] == "must be an integer >= 1 and <= 10, got 0"
     assert got["mode"] == 'must be one of "a", "b", got "c"'
     assert got["auto"] == 'must be one of "auto" or an integer >= 1, got 0'

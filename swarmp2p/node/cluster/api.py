@@ -21,7 +21,9 @@ def handlers(ctx: NodeContext, admission: jn.Admission, pairing: PairingPort) ->
         """`swarm remove NODE`: the leader takes it off the members and revokes its key."""
         node_id = req.get("node_id")
         if not isinstance(node_id, str) or not node_id:
-            raise UserError("remove 'node_id' must be a node id (see `swarm peers`)", code="bad_field")  # fmt: skip
+            raise UserError(
+                "remove 'node_id' must be a node id (see `swarm peers`)", code="bad_field"
+            )
         msg = jn.MemberRemove(node_id=node_id, reason=f"removed from node {ctx.node_id}")
         reply = await ctx.to_leader(msg, jn.ROTATE_TIMEOUT_S + 5)
         return {"node_id": node_id, "key": fingerprint(reply.key), "version": reply.version}
@@ -45,7 +47,11 @@ def handlers(ctx: NodeContext, admission: jn.Admission, pairing: PairingPort) ->
     async def invite(req: dict[str, Any]) -> dict[str, Any]:
         """`swarm invite`: a one-time pairing code for a new machine on this LAN."""
         minutes = req.get("minutes", 10)
-        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not 0 < minutes <= 24 * 60:  # fmt: skip
+        if (
+            isinstance(minutes, bool)
+            or not isinstance(minutes, (int, float))
+            or not 0 < minutes <= 24 * 60
+        ):
             raise UserError("invite 'minutes' must be a number in (0, 1440]", code="bad_field")
         if not ctx.config.mdns:
             raise UserError(

@@ -67,7 +67,9 @@ def refusal(msg: Message, sender: Sender, table: JobTable, view_leader: str) -> 
     who = sender.node_id
     claim = CLAIMS.get(type(msg))
     if claim is not None and getattr(msg, claim) != who:
-        return f"{type(msg).TYPE} claims {claim} {getattr(msg, claim)!r}, but it comes from node {who}"  # fmt: skip
+        return (
+            f"{type(msg).TYPE} claims {claim} {getattr(msg, claim)!r}, but it comes from node {who}"
+        )
     if isinstance(msg, ANY_ADMITTED):
         return ""
     if isinstance(msg, VOTES_AND_WRITES):
@@ -113,12 +115,12 @@ def serve_refusal(
     if isinstance(msg, m.ServeStageStart):
         owners = {issuer} if issuer is not None else set(claimants)
         if owners and msg.issuer not in owners:
-            return f"{kind} for serve {serve_id}: it is issued by node {', '.join(sorted(owners))}, not by node {msg.issuer}"  # fmt: skip
+            return f"{kind} for serve {serve_id}: it is issued by node {', '.join(sorted(owners))}, not by node {msg.issuer}"
         return ""
     if issuer is None or sender == issuer or sender in leaders:
         return ""
     lead = ", ".join(sorted(x for x in leaders if x)) or "none"
-    return f"{kind} for serve {serve_id}: only its issuing node {issuer} or the leader ({lead}) may send it; node {sender} is neither"  # fmt: skip
+    return f"{kind} for serve {serve_id}: only its issuing node {issuer} or the leader ({lead}) may send it; node {sender} is neither"
 
 
 def serve_exit_refusal(msg: m.ServeStageExit, stage_nodes: list[str] | None) -> str:
@@ -128,7 +130,7 @@ def serve_exit_refusal(msg: m.ServeStageExit, stage_nodes: list[str] | None) -> 
     if stage_nodes is None:
         return ""
     if not 0 <= msg.stage < len(stage_nodes) or stage_nodes[msg.stage] != msg.node_id:
-        return f"{msg.TYPE}: stage {msg.stage} of serve {msg.serve_id} does not run on node {msg.node_id}"  # fmt: skip
+        return f"{msg.TYPE}: stage {msg.stage} of serve {msg.serve_id} does not run on node {msg.node_id}"
     return ""
 
 

@@ -70,16 +70,23 @@ class Heartbeats:
             await self.ctx.call_endpoint(endpoint, self.message(), rpc_timeout(self.ctx.config))
             self.ctx.members.seen(node_id, self.ctx.clock())
         except (RpcTimeout, RpcError, Unavailable):
-            self.on_change(self.ctx.members.dead(node_id, self.ctx.clock(), "mDNS goodbye and no heartbeat"))  # fmt: skip
+            self.on_change(
+                self.ctx.members.dead(node_id, self.ctx.clock(), "mDNS goodbye and no heartbeat")
+            )
 
     def message(self) -> Heartbeat:
         """This node's heartbeat (its live memory read again)."""
         term, version = self.rep.held
         return Heartbeat(
-            node_id=self.ctx.node_id, term=term, version=version, leader=self.ctx.leader,
-            wall_time=time.time(), serving=self.serving.issued(), memory=self.memory(),
+            node_id=self.ctx.node_id,
+            term=term,
+            version=version,
+            leader=self.ctx.leader,
+            wall_time=time.time(),
+            serving=self.serving.issued(),
+            memory=self.memory(),
             fetching=self.stages.inputs.status(),
-        )  # fmt: skip
+        )
 
     def memory(self) -> dict[str, Any]:
         """This node's live memory: free per device, and what its own workers hold."""

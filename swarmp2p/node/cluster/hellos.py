@@ -70,11 +70,19 @@ class Hellos:
         ctx = self.ctx
         term, version = self.rep.held
         return NodeHello(
-            node_id=ctx.node_id, name=ctx.me.name, versions=[PROTOCOL_VERSION],
-            software=__version__, swarm_id=ctx.secret.swarm_id, control_port=ctx.port,
-            addresses=list(ctx.me.addresses), record=ctx.me.record, host=ctx.me.host,
-            term=term, version=version, join_port=self.ctx.join_port,
-        )  # fmt: skip
+            node_id=ctx.node_id,
+            name=ctx.me.name,
+            versions=[PROTOCOL_VERSION],
+            software=__version__,
+            swarm_id=ctx.secret.swarm_id,
+            control_port=ctx.port,
+            addresses=list(ctx.me.addresses),
+            record=ctx.me.record,
+            host=ctx.me.host,
+            term=term,
+            version=version,
+            join_port=self.ctx.join_port,
+        )
 
     def check(self, hello: NodeHello) -> None:
         """RpcError unless ``hello`` speaks this protocol and names another node id."""
@@ -87,7 +95,9 @@ class Hellos:
                 f"{PROTOCOL_VERSION}; run the same swarmp2p version everywhere",
             )
         if not isinstance(hello.record, dict) or hello.record.get("node_id") != hello.node_id:
-            raise RpcError("bad_field", f"node {hello.node_id}'s hello carries a record of another node id")  # fmt: skip
+            raise RpcError(
+                "bad_field", f"node {hello.node_id}'s hello carries a record of another node id"
+            )
         if hello.node_id == self.ctx.node_id:
             raise RpcError(
                 "node_id_taken",
@@ -117,7 +127,9 @@ class Hellos:
                         raise
                 self._met_at[endpoint] = known
             node_id, key = known
-            reply = await self.ctx.call_endpoint(endpoint, self.message(), rpc_timeout(self.ctx.config), key=key)  # fmt: skip
+            reply = await self.ctx.call_endpoint(
+                endpoint, self.message(), rpc_timeout(self.ctx.config), key=key
+            )
             if not isinstance(reply, NodeHello) or reply.node_id != node_id:
                 raise RpcError("bad_reply", f"{endpoint} did not answer as node {node_id}")
             self.check(reply)
@@ -127,7 +139,10 @@ class Hellos:
             self._met_at.pop(endpoint, None)  # join again next time (it may have a new key)
             if endpoint not in self._unanswered:  # once per endpoint until it answers
                 self._unanswered.add(endpoint)
-                log.info("no answer to hello from %s (nor from its join port): not running, or holding another swarm's secret", endpoint)  # fmt: skip
+                log.info(
+                    "no answer to hello from %s (nor from its join port): not running, or holding another swarm's secret",
+                    endpoint,
+                )
         except RpcError as exc:
             self._met_at.pop(endpoint, None)
             log.warning("hello to %s refused: %s", endpoint, exc)
@@ -144,7 +159,9 @@ class Hellos:
 
         ctx = self.ctx
         alive = {p.node_id for p in ctx.members.alive_peers()}
-        candidates = [m for m in ctx.table.members if m.node_id != ctx.node_id and m.node_id not in alive]  # fmt: skip
+        candidates = [
+            m for m in ctx.table.members if m.node_id != ctx.node_id and m.node_id not in alive
+        ]
         if not candidates:
             return None
 
@@ -194,10 +211,14 @@ class Hellos:
         if ctx.closing:
             raise Unavailable(f"node {ctx.node_id} is stopping", code="stopping")
         me = jn.NodeJoined(
-            node_id=ctx.node_id, name=ctx.me.name, key=ctx.key.public, control_port=ctx.port,
-            join_port=self.ctx.join_port, addresses=list(ctx.me.addresses),
+            node_id=ctx.node_id,
+            name=ctx.me.name,
+            key=ctx.key.public,
+            control_port=ctx.port,
+            join_port=self.ctx.join_port,
+            addresses=list(ctx.me.addresses),
             nodes=jn.known_nodes(ctx),
-        )  # fmt: skip
+        )
         reply = await self.admission.on_join(msg, me)
         self._met_at[self.endpoint_of(msg)] = (msg.node_id, msg.key)
         return reply
@@ -206,10 +227,16 @@ class Hellos:
         """A hello from or to the node at ``endpoint`` (speaking with ``key``): it is live."""
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         changes = self.ctx.members.hello(
-            node_id=hello.node_id, name=hello.name, endpoint=endpoint, record=hello.record,
-            host=hello.host, now=self.ctx.clock(), key=key, held=hello.version,
+            node_id=hello.node_id,
+            name=hello.name,
+            endpoint=endpoint,
+            record=hello.record,
+            host=hello.host,
+            now=self.ctx.clock(),
+            key=key,
+            held=hello.version,
             join_endpoint=f"tcp://{host}:{hello.join_port}" if hello.join_port else "",
-        )  # fmt: skip
+        )
         self._met_at[endpoint] = (hello.node_id, key)
         peer = self.ctx.members.peers.get(hello.node_id)
         if peer is not None:
@@ -222,7 +249,11 @@ class Hellos:
         if advert.swarm_id == self.ctx.secret.swarm_id:
             return True
         keyring = self.ctx.keyring
-        return bool(advert.key) and keyring.is_member(advert.node_id) and keyring.key_of(advert.node_id) == advert.key  # fmt: skip
+        return (
+            bool(advert.key)
+            and keyring.is_member(advert.node_id)
+            and keyring.key_of(advert.node_id) == advert.key
+        )
 
     def on_mdns_add(self, advert: Advert, addresses: list[str]) -> None:
         """An mDNS advert: meet the node unless it is live at that endpoint already."""
@@ -235,6 +266,10 @@ class Hellos:
         if peer is None or not peer.alive or peer.endpoint != endpoint:
             log.info("mDNS: found node %s (%s) at %s", advert.node_id, advert.name, endpoint)
             keyring = self.ctx.keyring
-            if advert.key and keyring.is_member(advert.node_id) and keyring.key_of(advert.node_id) == advert.key:  # fmt: skip
+            if (
+                advert.key
+                and keyring.is_member(advert.node_id)
+                and keyring.key_of(advert.node_id) == advert.key
+            ):
                 self._met_at.setdefault(endpoint, (advert.node_id, advert.key))  # no join needed
             self.say(endpoint, join)

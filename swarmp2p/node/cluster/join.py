@@ -248,7 +248,7 @@ class Admission:
                 )
             ctx.keyring.admit(msg.node_id, msg.key, ctx.clock())
         except Refused as exc:
-            log.warning("refused a join as %s (key %s): %s", msg.node_id, fingerprint(msg.key), exc)  # fmt: skip
+            log.warning("refused a join as %s (key %s): %s", msg.node_id, fingerprint(msg.key), exc)
             raise UserError(str(exc), code="refused") from None
         admitted, reason = ctx.keyring.is_member(msg.node_id), ""
         if not admitted and ctx.table.members:
@@ -258,14 +258,23 @@ class Admission:
         elif not ctx.table.members:
             reason = "no swarm is founded yet: the first leader lists the nodes it meets"
         log.info(
-            "node %s (key %s) joined through this node%s", msg.node_id, fingerprint(msg.key),
+            "node %s (key %s) joined through this node%s",
+            msg.node_id,
+            fingerprint(msg.key),
             "" if admitted else f" ({reason})",
-        )  # fmt: skip
+        )
         return NodeJoined(
-            node_id=me.node_id, name=me.name, key=me.key, control_port=me.control_port,
-            join_port=me.join_port, addresses=me.addresses, nodes=me.nodes,
-            leader=ctx.leader, admitted=admitted, reason=reason,
-        )  # fmt: skip
+            node_id=me.node_id,
+            name=me.name,
+            key=me.key,
+            control_port=me.control_port,
+            join_port=me.join_port,
+            addresses=me.addresses,
+            nodes=me.nodes,
+            leader=ctx.leader,
+            admitted=admitted,
+            reason=reason,
+        )
 
     async def _append_joined(self, node_id: str, name: str, key: str) -> int:
         """Leader: list ``node_id`` with ``key``, on this leader's own proof only: the node
@@ -280,14 +289,21 @@ class Admission:
         except Refused as exc:
             raise UserError(str(exc), code="refused") from None
         peer = self.ctx.members.peers.get(node_id)
-        if peer is None or not peer.alive or peer.key != key or self.ctx.keyring.key_of(node_id) != key:  # fmt: skip
+        if (
+            peer is None
+            or not peer.alive
+            or peer.key != key
+            or self.ctx.keyring.key_of(node_id) != key
+        ):
             raise UserError(
                 f"node {node_id} has not shown the leader {self.ctx.node_id} that it holds key "
                 f"{fingerprint(key)}: a node is listed once it joined through the leader's join "
                 "port and said hello on its control port; nothing was listed",
                 code="joining",
             )
-        version = await self.rep.append([ev.MemberJoined(node_id=node_id, name=name, key=key)], wait=True)  # fmt: skip
+        version = await self.rep.append(
+            [ev.MemberJoined(node_id=node_id, name=name, key=key)], wait=True
+        )
         if self.ctx.table.member(node_id) is None:
             raise UserError(f"node {node_id} could not be listed", code="refused")
         log.info("node %s (key %s) is a member of the swarm now", node_id, fingerprint(key))
@@ -323,8 +339,12 @@ class Admission:
         key = ctx.keyring.key_of(node_id)
         if key is None:
             known = ", ".join(sorted(ctx.table.member_ids)) or "none"
-            raise UserError(f"no node {node_id!r} is a member or joining (members: {known})", code="no_peer")  # fmt: skip
-        version = await self.rep.append([ev.MemberRemoved(node_id=node_id, key=key, reason=reason[:1000])], wait=True)  # fmt: skip
+            raise UserError(
+                f"no node {node_id!r} is a member or joining (members: {known})", code="no_peer"
+            )
+        version = await self.rep.append(
+            [ev.MemberRemoved(node_id=node_id, key=key, reason=reason[:1000])], wait=True
+        )
         ctx.keyring.drop(node_id)
         log.warning("node %s removed, key %s revoked: %s", node_id, fingerprint(key), reason)
         return MembershipChanged(node_id=node_id, key=key, version=version)
@@ -344,9 +364,11 @@ class Admission:
         event = ev.AdmissionChanged(swarm_id=new.swarm_id, key=new.admission_key)
         version = await self.rep.append([event], wait=True)
         log.warning(
-            "swarm secret rotated (%s): swarm id %s%s", reason, new.swarm_id,
+            "swarm secret rotated (%s): swarm id %s%s",
+            reason,
+            new.swarm_id,
             f"; {', '.join(missed)} will fetch it" if missed else "",
-        )  # fmt: skip
+        )
         return MembershipChanged(version=version, swarm_id=new.swarm_id)
 
     # --- every member: keeping the secret the table names ------------------------------------
@@ -391,7 +413,11 @@ class Admission:
 
     def _holders(self) -> list[str]:
         """Live members to ask for the current secret, the leader first."""
-        live = [m for m in sorted(self.ctx.table.member_ids) if m != self.ctx.node_id and self.ctx.is_alive(m)]  # fmt: skip
+        live = [
+            m
+            for m in sorted(self.ctx.table.member_ids)
+            if m != self.ctx.node_id and self.ctx.is_alive(m)
+        ]
         lead = self.ctx.table.leader
         return sorted(live, key=lambda m: m != lead)
 
@@ -407,18 +433,27 @@ def known_nodes(ctx: NodeContext) -> tuple[KnownNode, ...]:
         if key is None:
             continue
         out[peer.node_id] = KnownNode(
-            node_id=peer.node_id, name=peer.name, key=key, endpoint=peer.endpoint,
-            join_endpoint=peer.join_endpoint, member=peer.node_id in ctx.table.member_ids,
-        )  # fmt: skip
+            node_id=peer.node_id,
+            name=peer.name,
+            key=key,
+            endpoint=peer.endpoint,
+            join_endpoint=peer.join_endpoint,
+            member=peer.node_id in ctx.table.member_ids,
+        )
     return tuple(out[n] for n in sorted(out))
 
 
 def join_request(ctx: NodeContext, join_port: int) -> NodeJoin:
     return NodeJoin(
-        node_id=ctx.node_id, name=ctx.me.name, key=ctx.key.public, versions=[PROTOCOL_VERSION],
-        software=__version__, control_port=ctx.port, join_port=join_port,
+        node_id=ctx.node_id,
+        name=ctx.me.name,
+        key=ctx.key.public,
+        versions=[PROTOCOL_VERSION],
+        software=__version__,
+        control_port=ctx.port,
+        join_port=join_port,
         addresses=list(ctx.me.addresses),
-    )  # fmt: skip
+    )
 
 
 __all__ = [

@@ -171,11 +171,13 @@ class Keyring:
             revoked = set(table.revoked)
             members = {m.node_id: m.key for m in table.members}
             for node_id, key in self._members.items():
-                if node_id not in members and key not in revoked and node_id not in self._pending:  # fmt: skip
+                if node_id not in members and key not in revoked and node_id not in self._pending:
                     self._pending = {**self._pending, node_id: (key, self._clock())}
                     self._rev += 1
             self._members = members
-            index = {k: n for n, (k, _) in self._pending.items() if k not in revoked and n not in members}  # fmt: skip
+            index = {
+                k: n for n, (k, _) in self._pending.items() if k not in revoked and n not in members
+            }
             index.update({k: n for n, k in members.items()})
             index[self.self_key] = self.self_id
             self._index, self._cache = index, (id(table), table.version, table.term, self._rev)
@@ -208,7 +210,7 @@ class Keyring:
         """Refused (saying why) unless ``node_id`` may be bound to ``key``."""
         table = self._table()
         if key in table.revoked:
-            raise Refused(f"the key of node {node_id} was revoked (`swarm remove`); it cannot join")  # fmt: skip
+            raise Refused(f"the key of node {node_id} was revoked (`swarm remove`); it cannot join")
         if node_id == self.self_id:
             raise Refused(f"node id {node_id} is this node's; give one of them another --node-id")
         member = table.member(node_id)
@@ -218,7 +220,11 @@ class Keyring:
                 f"node.key joins under a new --node-id (or `swarm remove {node_id}` first)"
             )
         holder = self._keys().get(key)
-        if holder is not None and holder != node_id and (member is not None or self.is_member(holder)):  # fmt: skip
+        if (
+            holder is not None
+            and holder != node_id
+            and (member is not None or self.is_member(holder))
+        ):
             raise Refused(f"node {node_id} presents the key of {holder}")
         if key == self.self_key:
             raise Refused(f"node {node_id} presents this node's key")
@@ -249,7 +255,9 @@ class Keyring:
 
     def prune(self, keep: set[str], now: float, older_than: float) -> None:
         """Forget pending bindings not in ``keep`` (live nodes) made over ``older_than`` s ago."""
-        stale = [n for n, (_, at) in self._pending.items() if n not in keep and now - at > older_than]  # fmt: skip
+        stale = [
+            n for n, (_, at) in self._pending.items() if n not in keep and now - at > older_than
+        ]
         for node_id in stale:
             self.drop(node_id)
 

@@ -131,7 +131,7 @@ def _mac(key: bytes, who: bytes, transcript: bytes) -> bytes:
 
 
 def _box_key(key: bytes) -> bytes:
-    return hashlib.blake2b(b"token-box", key=key, digest_size=32, person=b"swarmp2p-pair").digest()  # fmt: skip
+    return hashlib.blake2b(b"token-box", key=key, digest_size=32, person=b"swarmp2p-pair").digest()
 
 
 def seal(key: bytes, plaintext: bytes) -> tuple[bytes, bytes]:
@@ -148,7 +148,9 @@ def unseal(key: bytes, nonce: bytes, box: bytes) -> bytes:
     try:
         return ChaCha20Poly1305(_box_key(key)).decrypt(nonce, box, b"swarmp2p-token")
     except InvalidTag:
-        raise Failed("the sealed token does not open with the pairing key", code="bad_code") from None  # fmt: skip
+        raise Failed(
+            "the sealed token does not open with the pairing key", code="bad_code"
+        ) from None
 
 
 # --- messages (on a pairing port) ------------------------------------------------------------
@@ -255,7 +257,9 @@ class Invites:
     def prune(self) -> list[str]:
         """Drop expired invites, stale sessions and burnt invites; the nameplates dropped."""
         now = self.clock()
-        self._sessions = {s: x for s, x in self._sessions.items() if now - x.started < SESSION_TTL_S}  # fmt: skip
+        self._sessions = {
+            s: x for s, x in self._sessions.items() if now - x.started < SESSION_TTL_S
+        }
         busy = {x.invite.nameplate for x in self._sessions.values()}
         gone = [
             p
@@ -275,16 +279,32 @@ class Invites:
         now = self.clock()
         invite = self.by_plate.get(msg.nameplate)
         if invite is None:
-            raise UserError(f"no open invite {msg.nameplate!r} here (expired, used or burnt after {MAX_GUESSES} wrong tries); run `swarm invite` again", code="no_invite")  # fmt: skip
+            raise UserError(
+                f"no open invite {msg.nameplate!r} here (expired, used or burnt after {MAX_GUESSES} wrong tries); run `swarm invite` again",
+                code="no_invite",
+            )
         if not invite.open and invite.guesses_left <= 0:
-            raise UserError(f"invite {msg.nameplate} is burnt: {MAX_GUESSES} tries used; run `swarm invite` again", code="no_invite")  # fmt: skip
+            raise UserError(
+                f"invite {msg.nameplate} is burnt: {MAX_GUESSES} tries used; run `swarm invite` again",
+                code="no_invite",
+            )
         if not invite.open and invite.used[source] >= MAX_TRIES:
-            raise UserError(f"invite {msg.nameplate}: this machine ({source or 'unknown address'}) used its {MAX_TRIES} tries; check the code, then run `swarm invite` again for a new one", code="no_invite")  # fmt: skip
-        invite.last_try = {a: t for a, t in invite.last_try.items() if now - t < TRY_INTERVAL_S}  # fmt: skip
+            raise UserError(
+                f"invite {msg.nameplate}: this machine ({source or 'unknown address'}) used its {MAX_TRIES} tries; check the code, then run `swarm invite` again for a new one",
+                code="no_invite",
+            )
+        invite.last_try = {a: t for a, t in invite.last_try.items() if now - t < TRY_INTERVAL_S}
         if source in invite.last_try:
-            raise Unavailable(f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s from one machine; retry in a moment", code="slow_down")  # fmt: skip
+            raise Unavailable(
+                f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s from one machine; retry in a moment",
+                code="slow_down",
+            )
         mine_now = sum(1 for x in self._sessions.values() if x.source == source)
-        if len(self._sessions) >= MAX_SESSIONS or mine_now >= MAX_SOURCE_SESSIONS or len(msg.session) < 16:  # fmt: skip
+        if (
+            len(self._sessions) >= MAX_SESSIONS
+            or mine_now >= MAX_SOURCE_SESSIONS
+            or len(msg.session) < 16
+        ):
             raise Unavailable("too many pairings at once; retry in a moment", code="slow_down")
         invite.last_try[source] = now
         if not invite.open:
@@ -294,13 +314,22 @@ class Invites:
         try:
             key = inviter.finish(msg.spake)
         except Exception as exc:  # a malformed SPAKE2 element
-            raise UserError(f"pair.start: not a SPAKE2 message ({type(exc).__name__})", code="bad_field") from None  # fmt: skip
+            raise UserError(
+                f"pair.start: not a SPAKE2 message ({type(exc).__name__})", code="bad_field"
+            ) from None
         transcript = msg.session + msg.spake + mine
-        self._sessions[msg.session] = _Session(invite=invite, key=key, transcript=transcript, started=now, source=source)  # fmt: skip
+        self._sessions[msg.session] = _Session(
+            invite=invite, key=key, transcript=transcript, started=now, source=source
+        )
         left = MAX_TRIES if invite.open else invite.tries_left(source)
         if not invite.open and invite.guesses_left == 0:
-            log.warning("invite %s: last of %d tries in use (from %d addresses)", invite.nameplate, MAX_GUESSES, len(invite.used))  # fmt: skip
-        return PairReply(spake=mine, confirm=_mac(key, b"inviter", transcript), tries_left=left)  # fmt: skip
+            log.warning(
+                "invite %s: last of %d tries in use (from %d addresses)",
+                invite.nameplate,
+                MAX_GUESSES,
+                len(invite.used),
+            )
+        return PairReply(spake=mine, confirm=_mac(key, b"inviter", transcript), tries_left=left)
 
     def finish(self, msg: PairFinish) -> tuple[Invite, bytes]:
         """The invite and the shared key, once the joiner proved it holds the same code."""
@@ -349,10 +378,14 @@ class PairingPort:
     async def _ensure(self) -> None:
         if self._server is None:
             keys = ServerKeys(
-                public=self.ctx.key.public, secret=self.ctx.key.secret,
-                admits=KeyCheck.anyone(), domain=f"swarmp2p-pairing-{self.ctx.node_id}",
-            )  # fmt: skip
-            self._server = RpcServer(self.ctx.zmq, keys, self.host, 0, self._handle, max_per_source=8)  # fmt: skip
+                public=self.ctx.key.public,
+                secret=self.ctx.key.secret,
+                admits=KeyCheck.anyone(),
+                domain=f"swarmp2p-pairing-{self.ctx.node_id}",
+            )
+            self._server = RpcServer(
+                self.ctx.zmq, keys, self.host, 0, self._handle, max_per_source=8
+            )
             await self._server.start()
             self.port = self._server.port
         await self._changed()
@@ -392,14 +425,22 @@ class PairingPort:
                 log.warning("pairing refused: %s", exc.message)
                 raise
             nonce, box = seal(key, self.ctx.secret.token.encode("ascii"))
-            log.info("a machine paired with invite %s: it holds the swarm secret now", invite.nameplate)  # fmt: skip
+            log.info(
+                "a machine paired with invite %s: it holds the swarm secret now", invite.nameplate
+            )
             # the heartbeat's tick() closes the port once no invite is left (not here: the
             # reply still has to leave through it)
             return PairWelcome(
-                nonce=nonce, box=box, swarm_id=self.ctx.secret.swarm_id, node_id=self.ctx.node_id,
-                control_port=self.ctx.port, join_port=self.ctx.join_port,
-            )  # fmt: skip
-        raise RpcError("unexpected", f"a pairing port takes pair.start/pair.finish, not {type(msg).TYPE}")  # fmt: skip
+                nonce=nonce,
+                box=box,
+                swarm_id=self.ctx.secret.swarm_id,
+                node_id=self.ctx.node_id,
+                control_port=self.ctx.port,
+                join_port=self.ctx.join_port,
+            )
+        raise RpcError(
+            "unexpected", f"a pairing port takes pair.start/pair.finish, not {type(msg).TYPE}"
+        )
 
 
 # --- the joiner's side -----------------------------------------------------------------------
@@ -423,7 +464,11 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
 
     ephemeral = NodeKey.generate()
     ctx = zmq.asyncio.Context()
-    client = RpcClient(ctx, ClientKeys(public=ephemeral.public, secret=ephemeral.secret, server=server_key), endpoint)  # fmt: skip
+    client = RpcClient(
+        ctx,
+        ClientKeys(public=ephemeral.public, secret=ephemeral.secret, server=server_key),
+        endpoint,
+    )
     try:
         joiner = SPAKE2_A(code.encode(), **_IDS)
         session = secrets.token_bytes(16)
@@ -438,11 +483,13 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
                     raise
                 await asyncio.sleep(TRY_INTERVAL_S)
         if not isinstance(reply, PairReply):
-            raise Failed(f"{endpoint} answered {type(reply).TYPE}, not pair.reply", code="bad_reply")  # fmt: skip
+            raise Failed(
+                f"{endpoint} answered {type(reply).TYPE}, not pair.reply", code="bad_reply"
+            )
         try:
             key = joiner.finish(reply.spake)
         except Exception:
-            raise Failed(f"{endpoint} sent a malformed SPAKE2 message", code="bad_reply") from None  # fmt: skip
+            raise Failed(f"{endpoint} sent a malformed SPAKE2 message", code="bad_reply") from None
         transcript = session + mine + reply.spake
         if not hmac.compare_digest(reply.confirm, _mac(key, b"inviter", transcript)):
             left = (
@@ -455,9 +502,14 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
                 "words against `swarm invite`'s output, or make a new invite",
                 code="bad_code",
             )
-        welcome = await client.request(PairFinish(session=session, confirm=_mac(key, b"joiner", transcript)), EXCHANGE_TIMEOUT_S)  # fmt: skip
+        welcome = await client.request(
+            PairFinish(session=session, confirm=_mac(key, b"joiner", transcript)),
+            EXCHANGE_TIMEOUT_S,
+        )
         if not isinstance(welcome, PairWelcome):
-            raise Failed(f"{endpoint} answered {type(welcome).TYPE}, not pair.welcome", code="bad_reply")  # fmt: skip
+            raise Failed(
+                f"{endpoint} answered {type(welcome).TYPE}, not pair.welcome", code="bad_reply"
+            )
         secret = SwarmSecret.from_token(unseal(key, welcome.nonce, welcome.box).decode("ascii"))
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         joinable = (
@@ -494,7 +546,10 @@ async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
     offers = _offers(seen, nameplate)
     if not offers:
         if code is None:
-            raise UserError("no open swarm on this LAN (`swarm up --open` on a member opens one)", code="no_invite")  # fmt: skip
+            raise UserError(
+                "no open swarm on this LAN (`swarm up --open` on a member opens one)",
+                code="no_invite",
+            )
         raise UserError(
             f"no member on this LAN offers invite {nameplate} (looked {browse_s:g} s): is it "
             "expired, or is this machine on another network? Run `swarm invite` again",
@@ -502,7 +557,10 @@ async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
         )
     swarms = sorted({o[2] for o in offers})
     if code is None and len(swarms) > 1:
-        raise UserError(f"several open swarms on this LAN ({', '.join(swarms)}); join one with a pairing code from `swarm invite`", code="bad_request")  # fmt: skip
+        raise UserError(
+            f"several open swarms on this LAN ({', '.join(swarms)}); join one with a pairing code from `swarm invite`",
+            code="bad_request",
+        )
     last: Exception | None = None
     for endpoint, key, _ in offers:  # an impostor's advert fails its exchange; try the next
         try:

@@ -200,7 +200,9 @@ async def pull_file(
                 else:
                     data, total = await read(file, offset, chunk)
                 if total != expected:
-                    raise ValueError(f"{file}: the source changed size from {expected} to {total} bytes; fetch again")  # fmt: skip
+                    raise ValueError(
+                        f"{file}: the source changed size from {expected} to {total} bytes; fetch again"
+                    )
                 if offset > total:
                     raise ValueError(f"{file}: the source shrank to {total} bytes; fetch again")
                 if offset + len(data) > total:

@@ -140,7 +140,9 @@ async def call_node(ctx: NodeContext, node_id: str, msg: Any, timeout: float) ->
     try:
         return await ctx.call(node_id, msg, timeout)
     except RpcTimeout:
-        raise Failed(f"node {node_id} did not answer {msg.TYPE} in {timeout:g} s", code="stage_failed") from None  # fmt: skip
+        raise Failed(
+            f"node {node_id} did not answer {msg.TYPE} in {timeout:g} s", code="stage_failed"
+        ) from None
     except SwarmError as exc:
         raise from_code(exc.code, f"node {node_id}: {exc.message}") from None
 
@@ -149,7 +151,10 @@ def key_of(ctx: NodeContext, node_id: str) -> str:
     """The public key of a stage's node; Failed when this node knows none for it."""
     key = ctx.keyring.key_of(node_id)
     if not key:
-        raise Failed(f"node {node_id} has no key node {ctx.node_id} knows (not a member?)", code="stage_failed")  # fmt: skip
+        raise Failed(
+            f"node {node_id} has no key node {ctx.node_id} knows (not a member?)",
+            code="stage_failed",
+        )
     return key
 
 
@@ -201,7 +206,9 @@ def place(ctx: NodeContext, msg: ServePlace) -> ServePlaced:
         raise UserError("; ".join(str(e) for e in exc.errors), code="bad_field") from None
     if not isinstance(result, ServePlan):
         raise Failed(blocked_note(result.reason, records), code="blocked")
-    return ServePlaced(serve_id=msg.serve_id, leader=ctx.node_id, inputs=inputs, plan=result.to_json())  # fmt: skip
+    return ServePlaced(
+        serve_id=msg.serve_id, leader=ctx.node_id, inputs=inputs, plan=result.to_json()
+    )
 
 
 async def plan_ring(ctx: NodeContext, served: Served) -> tuple[ServeInputs, ServePlan]:
@@ -213,7 +220,10 @@ async def plan_ring(ctx: NodeContext, served: Served) -> tuple[ServeInputs, Serv
         try:
             reply = await ctx.to_leader(ask, PLAN_TIMEOUT_S)
         except RpcTimeout:
-            raise Unavailable(f"the leader {ctx.leader} did not answer serve.plan in {PLAN_TIMEOUT_S:g} s", code="no_leader") from None  # fmt: skip
+            raise Unavailable(
+                f"the leader {ctx.leader} did not answer serve.plan in {PLAN_TIMEOUT_S:g} s",
+                code="no_leader",
+            ) from None
     if not isinstance(reply, ServePlaced):
         raise Failed(f"the leader answered {type(reply).TYPE}, not serve.placed")
     return reply.inputs, ServePlan.from_json(reply.plan)
@@ -224,7 +234,12 @@ def shard_ask(served: Served, alive: frozenset[str], i: int, n: int) -> dict[str
     stages = served.trained["manifest"]["stages"]
     holders = alive_holders(served, alive)
     tied = None
-    if i == n - 1 and n > 1 and served.shape.tie_embeddings and stages[0].get("weights_included", True):  # fmt: skip
+    if (
+        i == n - 1
+        and n > 1
+        and served.shape.tie_embeddings
+        and stages[0].get("weights_included", True)
+    ):
         # export stores a tied head once, as stage 0's embedding: the last stage serves
         # with that one, as the exported model does
         tied = {"file": f"{stages[0]['folder']}/weights.safetensors", "sources": holders[0]}
@@ -262,7 +277,12 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
     # node, and the first stage's node is the only one the issuer dials
     first_key, last_key = key_of(ctx, plan.stages[0].node_id), key_of(ctx, plan.stages[-1].node_id)
     mine = ctx.key
-    back_keys = ServerKeys(public=mine.public, secret=mine.secret, admits=KeyCheck.only(last_key), domain=f"swarmp2p-serve-{last_key}")  # fmt: skip
+    back_keys = ServerKeys(
+        public=mine.public,
+        secret=mine.secret,
+        admits=KeyCheck.only(last_key),
+        domain=f"swarmp2p-serve-{last_key}",
+    )
     first_keys = ClientKeys(public=mine.public, secret=mine.secret, server=first_key)
 
     async def start(i: int) -> str:
@@ -282,7 +302,9 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
         )
         reply = await call_node(ctx, node, msg, START_TIMEOUT_S)
         if not isinstance(reply, ServeStage) or not reply.endpoint:
-            raise Failed(f"node {node} answered serve.stage_start without an endpoint", code="stage_failed")  # fmt: skip
+            raise Failed(
+                f"node {node} answered serve.stage_start without an endpoint", code="stage_failed"
+            )
         if served.trained and node not in served.holders[i]:
             on_copy(i, node)  # it fetched a copy
         return reply.endpoint
@@ -303,8 +325,12 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
         stop=stop,
     )
     if served.plan is not None:
-        log.info("serving %s: ring rebuilt (attempt %d) on %s", served.name, attempt,
-                 ", ".join(s.node_id for s in plan.stages))  # fmt: skip
+        log.info(
+            "serving %s: ring rebuilt (attempt %d) on %s",
+            served.name,
+            attempt,
+            ", ".join(s.node_id for s in plan.stages),
+        )
     served.plan, served.endpoints, served.live_attempt = plan, ends.endpoints, attempt
     served.crashed = {}
     served.links.extend([ends.back, ends.first])

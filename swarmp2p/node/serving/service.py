@@ -134,16 +134,30 @@ class Serving:
     def status(self) -> list[dict[str, Any]]:
         views = {name: s.view() for name, s in self.served.items()}
         for name, (_, why, task) in self._restoring.items():
-            views.setdefault(name, {
-                "model": name, "trained": None, "url": "", "failovers": 0, "replayed": 0,
-                "state": "restoring" if task is not None else "failed", "reason": why,
-                "dtype": None, "max_context": None, "stages": [],
-            })  # fmt: skip
+            views.setdefault(
+                name,
+                {
+                    "model": name,
+                    "trained": None,
+                    "url": "",
+                    "failovers": 0,
+                    "replayed": 0,
+                    "state": "restoring" if task is not None else "failed",
+                    "reason": why,
+                    "dtype": None,
+                    "max_context": None,
+                    "stages": [],
+                },
+            )
         return [views[name] for name in sorted(views)]
 
     def api_handlers(self) -> dict[str, Any]:
-        return {"serve": self._api_serve, "serve_stop": self._api_stop, "served": self._api_list,
-                "serve_endpoint": self._api_endpoint}  # fmt: skip
+        return {
+            "serve": self._api_serve,
+            "serve_stop": self._api_stop,
+            "served": self._api_list,
+            "serve_endpoint": self._api_endpoint,
+        }
 
     async def _api_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         return self.status()
@@ -155,7 +169,9 @@ class Serving:
         served = self.served.get(name) if isinstance(name, str) else None
         if served is None or not served.url:
             known = ", ".join(sorted(n for n, s in self.served.items() if s.url)) or "none"
-            raise UserError(f"model {name!r} is not served from this node (served: {known})", code="not_served")  # fmt: skip
+            raise UserError(
+                f"model {name!r} is not served from this node (served: {known})", code="not_served"
+            )
         return {"model": served.name, "url": served.url, "api_key": served.request.api_key}
 
     async def _api_stop(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +182,9 @@ class Serving:
             pending[2].cancel()
         if served is None and pending is None:
             known = ", ".join(sorted({*self.served, *self._restoring})) or "none"
-            raise UserError(f"model {name!r} is not served from this node (served: {known})", code="not_served")  # fmt: skip
+            raise UserError(
+                f"model {name!r} is not served from this node (served: {known})", code="not_served"
+            )
         if served is not None:
             await self._teardown(served)
             self.served.pop(served.name, None)
@@ -199,7 +217,9 @@ class Serving:
                 self.served.pop(served.name, None)
             raise
         served.state = "serving"
-        log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(served.plan.stages))  # fmt: skip
+        log.info(
+            "serving %s at %s on %d stage(s)", served.name, served.url, len(served.plan.stages)
+        )
         self._restoring.pop(served.name, None)
         await asyncio.to_thread(self._save)
         self._spawn_standby(served)
@@ -271,7 +291,9 @@ class Serving:
             served.url = await served.api.start_async()  # on this daemon's loop
         except OSError as exc:
             served.api = None
-            raise UserError(f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field") from None  # fmt: skip
+            raise UserError(
+                f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field"
+            ) from None
 
     async def _build(self, served: Served) -> Any:
         return await serve_ring.build(
@@ -420,9 +442,12 @@ class Serving:
             served.crashed[msg.stage] = f"node {msg.node_id}: {msg.message}"
             self._check(served, set(self.ctx.live_nodes()))
         return ServeStage(
-            serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+            serve_id=msg.serve_id,
+            attempt=msg.attempt,
+            stage=msg.stage,
+            endpoint="",
             state="exited",
-        )  # fmt: skip
+        )
 
     async def _read_file(self, msg: ServeFileRead) -> ShardChunk:
         """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""
@@ -430,7 +455,10 @@ class Serving:
 
         served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
         if served is None or not served.files or msg.file not in served.files:
-            raise Failed(f"node {self.ctx.node_id} serves no file {msg.file!r} of {msg.serve_id}", code="no_file")  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id} serves no file {msg.file!r} of {msg.serve_id}",
+                code="no_file",
+            )
         if not 0 < msg.size <= CHUNK_BYTES or msg.offset < 0:
             raise UserError(f"size must be in 1..{CHUNK_BYTES}, offset >= 0", code="bad_field")
 
@@ -443,7 +471,9 @@ class Serving:
         try:
             return await asyncio.to_thread(read)
         except FileNotFoundError:  # a trained model's base: this node holds only its config
-            raise Failed(f"node {self.ctx.node_id} holds no {msg.file} of {msg.serve_id}", code="no_file") from None  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id} holds no {msg.file} of {msg.serve_id}", code="no_file"
+            ) from None
 
 
 def _fail_open(client: Any, reason: str) -> None:

@@ -54,7 +54,10 @@ def check_serve_plan(inputs: ServeInputs, plan_json: str, *, node_id: str) -> Se
         )
     text = mine.to_json()
     if text != plan_json:
-        at = next((i for i, (x, y) in enumerate(zip(text, plan_json)) if x != y), min(len(text), len(plan_json)))  # fmt: skip
+        at = next(
+            (i for i, (x, y) in enumerate(zip(text, plan_json)) if x != y),
+            min(len(text), len(plan_json)),
+        )
         raise PlanMismatch(
             f"node {node_id} computes a different serve plan from the same inputs (first "
             f"difference at byte {at}); run the same swarmp2p version on every node"
@@ -153,9 +156,12 @@ class ServeStages:
             except (RuntimeError, OSError) as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="stage_failed") from None
             return ServeStage(
-                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+                serve_id=msg.serve_id,
+                attempt=msg.attempt,
+                stage=msg.stage,
+                endpoint="",
                 state="serving",
-            )  # fmt: skip
+            )
         if isinstance(msg, ServeStageStop):
             return await self._stop(msg, sender)
         raise UserError(f"a serve stage does not take {type(msg).TYPE}", code="bad_request")
@@ -174,14 +180,21 @@ class ServeStages:
         if issuer is not None and sender != issuer:
             for key in keys:
                 log.warning("serve worker %s stage %d stopped by node %s", key[0], key[2], sender)
-                exited = ServeStageExit(serve_id=key[0], attempt=key[1], stage=key[2],
-                                        node_id=self.ctx.node_id,
-                                        message=f"stopped by node {sender}")  # fmt: skip
+                exited = ServeStageExit(
+                    serve_id=key[0],
+                    attempt=key[1],
+                    stage=key[2],
+                    node_id=self.ctx.node_id,
+                    message=f"stopped by node {sender}",
+                )
                 self.ctx.spawn(self._report_exit(issuer, exited), f"serve-exit:{key}")
         return ServeStage(
-            serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, endpoint="",
+            serve_id=msg.serve_id,
+            attempt=msg.attempt,
+            stage=msg.stage,
+            endpoint="",
             state="stopped",
-        )  # fmt: skip
+        )
 
     async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
         try:
@@ -309,7 +322,10 @@ class ServeStages:
                     ),
                 )
                 if not await asyncio.to_thread(intact):
-                    raise Failed(f"shard {rel} of job {job_id}: its manifest lists other files than the registry", code="no_file")  # fmt: skip
+                    raise Failed(
+                        f"shard {rel} of job {job_id}: its manifest lists other files than the registry",
+                        code="no_file",
+                    )
                 if announce:
                     self.ctx.spawn(self._announce(job_id, stage), f"shard-copy:{job_id}:{stage}")
         tied = ask.get("tied")
@@ -338,7 +354,12 @@ class ServeStages:
         try:
             await self.ctx.to_leader(note, 10.0)
         except SwarmError as exc:
-            log.info("the registry does not list this node's copy of stage %d of %s: %s", stage, job_id, exc)  # fmt: skip
+            log.info(
+                "the registry does not list this node's copy of stage %d of %s: %s",
+                stage,
+                job_id,
+                exc,
+            )
             return False
         return True
 
@@ -365,12 +386,18 @@ class ServeStages:
         except PlanMismatch:
             raise
         except ValueError as exc:
-            raise Failed(f"node {me} cannot check the serve plan: {exc}", code="plan_mismatch") from None  # fmt: skip
+            raise Failed(
+                f"node {me} cannot check the serve plan: {exc}", code="plan_mismatch"
+            ) from None
         if msg.stage >= len(plan.stages):
-            raise UserError(f"stage {msg.stage}: the plan has {len(plan.stages)} stage(s)", code="bad_field")  # fmt: skip
+            raise UserError(
+                f"stage {msg.stage}: the plan has {len(plan.stages)} stage(s)", code="bad_field"
+            )
         planned = plan.stages[msg.stage]
         if planned.node_id != me:
-            raise UserError(f"stage {msg.stage} is planned on {planned.node_id}, not {me}", code="bad_field")  # fmt: skip
+            raise UserError(
+                f"stage {msg.stage} is planned on {planned.node_id}, not {me}", code="bad_field"
+            )
         key = (msg.serve_id, msg.attempt, msg.stage)
         if key in self.workers:
             raise UserError(f"stage {msg.stage} of {msg.serve_id} already runs", code="exists")
@@ -397,7 +424,10 @@ class ServeStages:
         env = worker_env(self.ctx, plan, device, visible)
         issuer, _ = self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))
         if issuer != msg.issuer:  # another issuer's start of the same id got here meanwhile
-            raise UserError(f"serve.stage_start for serve {msg.serve_id}: it is issued by node {issuer}, not by node {msg.issuer}", code="forbidden")  # fmt: skip
+            raise UserError(
+                f"serve.stage_start for serve {msg.serve_id}: it is issued by node {issuer}, not by node {msg.issuer}",
+                code="forbidden",
+            )
         log_dir = self.ctx.state.root / "serve"
         log_dir.mkdir(parents=True, exist_ok=True)
         worker: WorkerProcess | None = None
@@ -407,8 +437,9 @@ class ServeStages:
             log.warning("serve worker %s stage %d %s", msg.serve_id, msg.stage, why)
             if self.workers.get(key) is worker:
                 self.workers.pop(key)
-            exited = ServeStageExit(serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage,
-                                    node_id=me, message=why)  # fmt: skip
+            exited = ServeStageExit(
+                serve_id=msg.serve_id, attempt=msg.attempt, stage=msg.stage, node_id=me, message=why
+            )
             self.ctx.spawn(self._report_exit(msg.issuer, exited), f"serve-exit:{key}")
 
         worker = WorkerProcess(
@@ -449,10 +480,17 @@ class ServeStages:
         link)."""
 
         def key(i: int) -> str:
-            node_id, what = (plan.stages[i].node_id, f"stage {i}'s node") if 0 <= i < len(plan.stages) else (issuer, "the issuing node")  # fmt: skip
+            node_id, what = (
+                (plan.stages[i].node_id, f"stage {i}'s node")
+                if 0 <= i < len(plan.stages)
+                else (issuer, "the issuing node")
+            )
             found = self.ctx.keyring.key_of(node_id)
             if not found:
-                raise Failed(f"{what} {node_id} has no key node {self.ctx.node_id} knows (not a member?)", code="plan_mismatch")  # fmt: skip
+                raise Failed(
+                    f"{what} {node_id} has no key node {self.ctx.node_id} knows (not a member?)",
+                    code="plan_mismatch",
+                )
             return found
 
         return {

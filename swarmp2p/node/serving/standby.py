@@ -50,15 +50,24 @@ class Standby:
             if not live or len(live) >= 2 or not others or not still_served():
                 continue
             target = others[i % len(others)]
-            ask = {"job_id": job_id, "folder": st["folder"], "files": dict(st["files"]),
-                   "sources": live, "tied": None}  # fmt: skip
+            ask = {
+                "job_id": job_id,
+                "folder": st["folder"],
+                "files": dict(st["files"]),
+                "sources": live,
+                "tied": None,
+            }
             try:
                 await self.ctx.call(target, ServeShardHold(stage=i, shard=ask), COPY_TIMEOUT_S)
             except (SwarmError, OSError, ValueError) as exc:
-                log.warning("serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc)  # fmt: skip
+                log.warning(
+                    "serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc
+                )
                 continue
             self.note_copy(served, i, target)
-            log.info("serving %s: stage %d's shard has a standby copy on %s", served.name, i, target)  # fmt: skip
+            log.info(
+                "serving %s: stage %d's shard has a standby copy on %s", served.name, i, target
+            )
 
 
 __all__ = ["COPY_TIMEOUT_S", "Standby"]

@@ -306,7 +306,9 @@ def entry_from_data(data: Any) -> Entry:
         raise SchemaError("a table entry is {version, term, event}")
     version, term = data["version"], data["term"]
     if type(version) is not int or type(term) is not int or version < 1 or term < 1:
-        raise SchemaError(f"table entry version/term must be integers >= 1, got {version!r}/{term!r}")  # fmt: skip
+        raise SchemaError(
+            f"table entry version/term must be integers >= 1, got {version!r}/{term!r}"
+        )
     if version > 2**62 or term > 2**62:
         raise SchemaError("table entry version/term is out of range")
     return Entry(version=version, term=term, event=event_from_data(data["event"]))

@@ -318,11 +318,22 @@ def apply_job_placed(t: JobTable, e: ev.JobPlaced, entry: ev.Entry) -> dict[str,
     snapshots = {} if e.resplit else job.snapshots
     return {
         e.job_id: _moved(
-            job, state, e.at, attempt=e.attempt, plan=e.plan, cluster=e.cluster,
-            placed_by=e.placed_by, resume_step=e.resume_step, reason=None, done_stages=(),
-            shards={}, resplit=e.resplit, snapshots=snapshots, cuts=e.cuts,
+            job,
+            state,
+            e.at,
+            attempt=e.attempt,
+            plan=e.plan,
+            cluster=e.cluster,
+            placed_by=e.placed_by,
+            resume_step=e.resume_step,
+            reason=None,
+            done_stages=(),
+            shards={},
+            resplit=e.resplit,
+            snapshots=snapshots,
+            cuts=e.cuts,
         )
-    }  # fmt: skip
+    }
 
 
 def apply_job_running(t: JobTable, e: ev.JobRunning, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -339,10 +350,15 @@ def apply_job_rebalanced(t: JobTable, e: ev.JobRebalanced, entry: ev.Entry) -> d
     change = StateChange(state="resuming", at=e.at, reason=e.reason)
     return {
         e.job_id: replace(
-            job, state="resuming", history=(*job.history, change), reason=e.reason,
-            learned=e.speeds, learned_dtype=e.dtype, rebalances=job.rebalances + 1,
+            job,
+            state="resuming",
+            history=(*job.history, change),
+            reason=e.reason,
+            learned=e.speeds,
+            learned_dtype=e.dtype,
+            rebalances=job.rebalances + 1,
         )
-    }  # fmt: skip
+    }
 
 
 def apply_steps_reported(t: JobTable, e: ev.StepsReported, entry: ev.Entry) -> dict[str, JobEntry]:
@@ -517,8 +533,11 @@ def load(path: Path) -> JobTable:
         path.rename(aside)
         log.warning(
             "job table %s is of an older swarmp2p (format %d, members without keys); kept as "
-            "%s, and this node joins its swarm again", path, old, aside,
-        )  # fmt: skip
+            "%s, and this node joins its swarm again",
+            path,
+            old,
+            aside,
+        )
         return JobTable()
     try:
         return JobTable.from_dict(data)

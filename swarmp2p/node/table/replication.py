@@ -240,11 +240,17 @@ class Replication:
         self.dropped.append(record)
         log.warning(
             "dropped %d uncommitted table entr%s (versions %d-%d: %s): %s",
-            self.table.version - base.version, "y" if self.table.version - base.version == 1 else "ies",
-            base.version + 1, self.table.version, ", ".join(record["events"]) or "?", why,
-        )  # fmt: skip
+            self.table.version - base.version,
+            "y" if self.table.version - base.version == 1 else "ies",
+            base.version + 1,
+            self.table.version,
+            ", ".join(record["events"]) or "?",
+            why,
+        )
         self.table = base
-        self._log = collections.deque((e for e in self._log if e.version <= base.version), maxlen=LOG_KEEP)  # fmt: skip
+        self._log = collections.deque(
+            (e for e in self._log if e.version <= base.version), maxlen=LOG_KEEP
+        )
         self._after = {}
         self._match = {n: min(v, base.version) for n, v in self._match.items()}
         jobtable.save(self.table_file, base)  # at once: a write in flight is redone after it
@@ -302,9 +308,10 @@ class Replication:
         refusals = []
         newer = False
         founded = sorted(
-            p.node_id for p, r in zip(peers, replies)
+            p.node_id
+            for p, r in zip(peers, replies)
             if isinstance(r, LeadVote) and r.node_id == p.node_id and (r.members or r.version)
-        )  # fmt: skip
+        )
         for peer, reply in zip(peers, replies):
             if isinstance(reply, LeadVote) and reply.node_id == peer.node_id:
                 if reply.granted:
@@ -358,8 +365,12 @@ class Replication:
         await self._persist()
         log.info(
             "leading swarm %s: term %d, table version %d, %d job(s), %d member(s)",
-            self.ctx.secret.swarm_id, term, version, len(self.table.jobs), len(self.table.members),
-        )  # fmt: skip
+            self.ctx.secret.swarm_id,
+            term,
+            version,
+            len(self.table.jobs),
+            len(self.table.members),
+        )
         self._push_all()
         self._reason = "waiting for a majority to hold the new term"
         if await self._wait_commit(version, self.commit_timeout):
@@ -383,7 +394,9 @@ class Replication:
         if holder == self.ctx.node_id or (best_epoch, (term, version)) == mine:
             return self.table
         try:
-            reply = await self.ctx.call(holder, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4)  # fmt: skip
+            reply = await self.ctx.call(
+                holder, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
+            )
             table = JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
         except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
             self._reason = f"could not fetch the newest table from {holder}: {exc}"
@@ -410,7 +423,9 @@ class Replication:
             try:
                 table = jobtable.apply(table, entry)
             except ValueError as exc:
-                raise NotApplied(f"{event.NAME} does not follow from table version {table.version}: {exc}") from None  # fmt: skip
+                raise NotApplied(
+                    f"{event.NAME} does not follow from table version {table.version}: {exc}"
+                ) from None
             entries.append(entry)
             after[entry.version] = table
         self.table = table
@@ -422,23 +437,33 @@ class Replication:
         """Leader: apply, persist and replicate ``events``; the table version after them.
         ``wait``: return only once a majority holds them (Unavailable if not in time)."""
         if not self.ready:
-            raise Unavailable(f"node {self.ctx.node_id} cannot write the table: {self._reason or 'not the leader'}", code="not_ready")  # fmt: skip
+            raise Unavailable(
+                f"node {self.ctx.node_id} cannot write the table: {self._reason or 'not the leader'}",
+                code="not_ready",
+            )
         changes = [e for e in events if isinstance(e, ev.MEMBERSHIP_EVENTS)]
         if changes:
             busy = self.membership_in_flight()
             if busy or len(changes) > 1:
                 what = busy or "more than one in one write"
-                raise Unavailable(f"a membership change is still committing ({what}); retry once it has", code="membership_busy")  # fmt: skip
+                raise Unavailable(
+                    f"a membership change is still committing ({what}); retry once it has",
+                    code="membership_busy",
+                )
         if not self.sees_majority():
             self.check_quorum()
-            raise Unavailable(f"node {self.ctx.node_id} cannot write the table: {self._reason}", code="no_quorum")  # fmt: skip
+            raise Unavailable(
+                f"node {self.ctx.node_id} cannot write the table: {self._reason}", code="no_quorum"
+            )
         version = self._apply_local(events, self.table.term)
         await self._persist()
         self._push_all()
         if wait and not await self._wait_commit(version, self.commit_timeout):
             members = ", ".join(sorted(self.config()))
             if changes and self.commit < version:  # a failed membership change leaves nothing
-                self.step_down(f"membership change {changes[0].NAME} of {changes[0].node_id} did not commit in {self.commit_timeout:g} s")  # fmt: skip
+                self.step_down(
+                    f"membership change {changes[0].NAME} of {changes[0].node_id} did not commit in {self.commit_timeout:g} s"
+                )
                 raise Unavailable(
                     f"{changes[0].NAME} of node {changes[0].node_id} did not reach a majority of "
                     f"the voters ({members}) in time; nothing changed (the leader stepped down "
@@ -498,7 +523,11 @@ class Replication:
         (a configuration that changed may commit at once what waited on the old one)."""
         table = self.table if version >= self.table.version else self._after.get(version)
         self._after = {v: t for v, t in self._after.items() if v > version}
-        if table is None or table.epoch != self.table.epoch or table.version <= self.committed.version:  # fmt: skip
+        if (
+            table is None
+            or table.epoch != self.table.epoch
+            or table.version <= self.committed.version
+        ):
             return
         changed = table.voters != self.committed.voters
         self.committed = table
@@ -533,14 +562,21 @@ class Replication:
             return
         if have is not None and have[0] > self.table.term:  # a newer term leads: this one is over
             if self.ready:
-                log.warning("node %s holds term %d, newer than ours (%d); leading again", node_id, have[0], self.table.term)  # fmt: skip
+                log.warning(
+                    "node %s holds term %d, newer than ours (%d); leading again",
+                    node_id,
+                    have[0],
+                    self.table.term,
+                )
                 self.ready = False
                 self._reason = f"node {node_id} holds a newer term ({have[0]})"
                 self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
                 self.start_takeover()
             return
         if have is not None:
-            self._match[node_id] = max(self._match.get(node_id, 0), have[1] if self._same(*have) else 0)  # fmt: skip
+            self._match[node_id] = max(
+                self._match.get(node_id, 0), have[1] if self._same(*have) else 0
+            )
             self._advance_commit()
         if self._match.get(node_id, -1) >= self.table.version:
             return
@@ -572,7 +608,12 @@ class Replication:
                 base = have[1]
             msg = self._delta(base) if base is not None else None
             if msg is None:
-                msg = TablePush(node_id=self.ctx.node_id, term=self.table.term, table=self.table.to_dict(), commit=self.commit)  # fmt: skip
+                msg = TablePush(
+                    node_id=self.ctx.node_id,
+                    term=self.table.term,
+                    table=self.table.to_dict(),
+                    commit=self.commit,
+                )
                 self.stats["snapshots"] += 1
             else:
                 self.stats["deltas"] += 1
@@ -584,7 +625,9 @@ class Replication:
                     self._match[node_id] = max(self._match.get(node_id, 0), reply.version)
                     again = True
                 elif reply.term > self.table.term:
-                    log.warning("node %s is at term %d, newer than ours; leading again", node_id, reply.term)  # fmt: skip
+                    log.warning(
+                        "node %s is at term %d, newer than ours; leading again", node_id, reply.term
+                    )
                     self.ready = False
                     self.start_takeover()
                 else:
@@ -595,7 +638,12 @@ class Replication:
         finally:
             self._pushing.discard(node_id)
         self._advance_commit()
-        if again and self._match.get(node_id, -1) < self.table.version and self.ready and self.ctx.is_alive(node_id):  # fmt: skip
+        if (
+            again
+            and self._match.get(node_id, -1) < self.table.version
+            and self.ready
+            and self.ctx.is_alive(node_id)
+        ):
             self.push(node_id)
 
     def _delta(self, base: int) -> TableEvents | None:
@@ -623,7 +671,9 @@ class Replication:
     def on_vote_request(self, msg: LeadRequest) -> LeadVote:
         newest = max(self.table.term, self.voted_term)
         reason = ""
-        if msg.term <= newest and not (msg.term == self.voted_term and self.voted_for == msg.candidate):  # fmt: skip
+        if msg.term <= newest and not (
+            msg.term == self.voted_term and self.voted_for == msg.candidate
+        ):
             reason = f"term {msg.term} is not newer than {newest}"
         elif self.ctx.leader != msg.candidate:
             reason = f"this node's view says {self.ctx.leader} should lead"
@@ -633,12 +683,22 @@ class Replication:
             if self.ready and self.ctx.node_id != msg.candidate:
                 self.lost_lead()
         return LeadVote(
-            node_id=self.ctx.node_id, granted=granted, reason=reason, term=self.table.term,
-            version=self.table.version, epoch=self.table.epoch, members=len(self.table.members),
-        )  # fmt: skip
+            node_id=self.ctx.node_id,
+            granted=granted,
+            reason=reason,
+            term=self.table.term,
+            version=self.table.version,
+            epoch=self.table.epoch,
+            members=len(self.table.members),
+        )
 
     def on_fetch(self, msg: TableFetch) -> TablePush:
-        return TablePush(node_id=self.ctx.node_id, term=self.table.term, table=self.table.to_dict(), commit=self.commit)  # fmt: skip
+        return TablePush(
+            node_id=self.ctx.node_id,
+            term=self.table.term,
+            table=self.table.to_dict(),
+            commit=self.commit,
+        )
 
     async def on_events(self, msg: TableEvents, sender: str) -> TableAck:
         """A delta from the leader ``sender``: applied when it follows what this node holds."""
@@ -719,18 +779,25 @@ class Replication:
 
     def _ack(self, ok: bool, reason: str) -> TableAck:
         return TableAck(
-            node_id=self.ctx.node_id, term=max(self.table.term, self.voted_term),
-            version=self._saved, ok=ok, reason=reason,
-        )  # fmt: skip
+            node_id=self.ctx.node_id,
+            term=max(self.table.term, self.voted_term),
+            version=self._saved,
+            ok=ok,
+            reason=reason,
+        )
 
     def _set_aside(self, table: JobTable, why: str) -> None:
-        aside = self.table_file.with_name(f"{self.table_file.name}.{table.epoch or 'old'}-{table.version}")  # fmt: skip
+        aside = self.table_file.with_name(
+            f"{self.table_file.name}.{table.epoch or 'old'}-{table.version}"
+        )
         jobtable.save(aside, table)
         log.warning("kept this node's table of %d job(s) as %s: %s", len(table.jobs), aside, why)
 
     def require_ready(self) -> None:
         if not self.ready:
-            raise Unavailable(f"node {self.ctx.node_id} is not leading: {self._reason}", code="not_ready")  # fmt: skip
+            raise Unavailable(
+                f"node {self.ctx.node_id} is not leading: {self._reason}", code="not_ready"
+            )
 
 
 def _size(msg: Any) -> int:
@@ -747,7 +814,10 @@ def check_job_id(job_id: str) -> str:
     import re
 
     if not re.fullmatch(ev.ID_PATTERN, job_id):
-        raise UserError(f"job id {job_id!r} must be 1-128 of [A-Za-z0-9_-], starting with a letter or digit", code="bad_field")  # fmt: skip
+        raise UserError(
+            f"job id {job_id!r} must be 1-128 of [A-Za-z0-9_-], starting with a letter or digit",
+            code="bad_field",
+        )
     return job_id
 
 

@@ -51,8 +51,21 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             raise UserError(str(exc), code="invalid_job") from None
         cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
         job, inputs = await stages.inputs.submit(job, cwd)  # its files travel from here
-        reply = await ctx.to_leader(Submit(job_id=job_id, job=job, submitted_by=str(req.get("submitted_by") or "cli"), inputs=inputs), 15.0)  # fmt: skip
-        return {"job_id": reply.job_id, "term": reply.term, "version": reply.version, "replicas": reply.replicas}  # fmt: skip
+        reply = await ctx.to_leader(
+            Submit(
+                job_id=job_id,
+                job=job,
+                submitted_by=str(req.get("submitted_by") or "cli"),
+                inputs=inputs,
+            ),
+            15.0,
+        )
+        return {
+            "job_id": reply.job_id,
+            "term": reply.term,
+            "version": reply.version,
+            "replicas": reply.replicas,
+        }
 
     async def live_plan(req: dict[str, Any]) -> dict[str, Any]:
         from swarmp2p.plan import JobError, parse_job
@@ -68,7 +81,9 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         cluster = jobs.cluster_records(records)
         cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
         try:  # the shape as a submission from here would resolve it
-            _, shape, _ = await asyncio.to_thread(resolve_model, job.model.pretrained, cwd=cwd, node_id=ctx.node_id)  # fmt: skip
+            _, shape, _ = await asyncio.to_thread(
+                resolve_model, job.model.pretrained, cwd=cwd, node_id=ctx.node_id
+            )
             result = await asyncio.to_thread(jobs.compute_plan, job, cluster, shape=shape)
         except ValueError as exc:
             raise UserError(str(exc), code="invalid_job") from None
@@ -94,14 +109,21 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
     async def logs(req: dict[str, Any]) -> dict[str, Any]:
         e = entry(req)
         if e.plan is None:
-            raise UserError(f"job {e.job_id} was never placed: it has no stage logs", code="no_file")  # fmt: skip
+            raise UserError(
+                f"job {e.job_id} was never placed: it has no stage logs", code="no_file"
+            )
         n = e.n_stages
         stage = req.get("stage", n - 1)
         if type(stage) is not int or not 0 <= stage < n:
             raise UserError(f"'stage' must be in 0..{n - 1}, got {stage!r}", code="bad_field")
         node = e.plan.stages[stage].node_id
         data = await read_whole(ctx, node, e.job_id, f"stage-{stage}.log", tail=LOG_BYTES)
-        return {"job_id": e.job_id, "stage": stage, "node": node, "text": data.decode(errors="replace")}  # fmt: skip
+        return {
+            "job_id": e.job_id,
+            "stage": stage,
+            "node": node,
+            "text": data.decode(errors="replace"),
+        }
 
     async def models(req: dict[str, Any]) -> list[dict[str, Any]]:
         return registry.models(ctx.table.jobs)
@@ -116,7 +138,9 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         for stage in model["manifest"]["stages"]:
             index = stage.get("stage")
             if type(index) is not int or index < 0:
-                raise Failed(f"model {model['id']}: a stage index {index!r} in the registry", code="internal")  # fmt: skip
+                raise Failed(
+                    f"model {model['id']}: a stage index {index!r} in the registry", code="internal"
+                )
             target = confine(out, f"stage-{index}", what="stage folder")
             if target.exists():
                 await asyncio.to_thread(shutil.rmtree, target)
@@ -159,9 +183,13 @@ async def _gather_stage(
     folder = stage.get("folder")
     files = stage.get("files")
     if not isinstance(folder, str) or not isinstance(files, dict):
-        raise Failed(f"model {model['id']} stage {stage.get('stage')}: bad registry entry", code="internal")  # fmt: skip
+        raise Failed(
+            f"model {model['id']} stage {stage.get('stage')}: bad registry entry", code="internal"
+        )
     try:
-        targets = {rel: confine(dest, rel, what="shard file") for rel in ["manifest.json", *sorted(files)]}  # fmt: skip
+        targets = {
+            rel: confine(dest, rel, what="shard file") for rel in ["manifest.json", *sorted(files)]
+        }
     except UnsafeName as exc:
         raise Failed(f"model {model['id']}: {exc}", code="bad_field") from None
     for rel, target in targets.items():
@@ -191,16 +219,24 @@ async def read_whole(
         try:
             reply = await ctx.call(node, msg, 30.0)
         except SwarmError as exc:
-            raise Failed(f"cannot read {file} of job {job_id} from node {node}: {exc}", code="no_file") from None  # fmt: skip
+            raise Failed(
+                f"cannot read {file} of job {job_id} from node {node}: {exc}", code="no_file"
+            ) from None
         if not isinstance(reply, ShardChunk):
             raise Failed(f"node {node} answered {type(reply).TYPE} to a file read", code="internal")
         if total is None and limit is not None and min(reply.total, tail or reply.total) > limit:
-            raise Failed(f"{file} of job {job_id} on node {node} has {reply.total} bytes, over the {limit} this node takes (the free disk, or a small file's cap); refused", code="no_file")  # fmt: skip
+            raise Failed(
+                f"{file} of job {job_id} on node {node} has {reply.total} bytes, over the {limit} this node takes (the free disk, or a small file's cap); refused",
+                code="no_file",
+            )
         if total is None and tail and reply.total > tail:
             total, offset, parts = reply.total, reply.total - tail, []
             continue
         if total is not None and reply.total != total and not tail:  # a log may grow
-            raise Failed(f"{file} of job {job_id} on node {node} changed size while read; try again", code="no_file")  # fmt: skip
+            raise Failed(
+                f"{file} of job {job_id} on node {node} changed size while read; try again",
+                code="no_file",
+            )
         total = reply.total
         parts.append(reply.data)
         offset += len(reply.data)

@@ -22,9 +22,13 @@ async def run_module(module: str, args: list[str], timeout: float = PREPARE_TIME
     """``python -m module args...`` in a subprocess (the daemon never imports torch);
     ValueError with its last stderr line when it fails."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, *args,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        module,
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         _, err = await asyncio.wait_for(proc.communicate(), timeout)
     except asyncio.TimeoutError:

@@ -148,7 +148,9 @@ def resolve(job: Job, *, cwd: str | None, node_id: str) -> tuple[Job, JobInputs]
     return job, JobInputs(shape=shape, model=model, data=data)
 
 
-def stage_names(folder: Path, listing: dict[str, Any], start: int, end: int, first: bool, last: bool) -> list[str]:  # fmt: skip
+def stage_names(
+    folder: Path, listing: dict[str, Any], start: int, end: int, first: bool, last: bool
+) -> list[str]:
     """The files of ``listing`` a stage of blocks ``[start, end)`` reads, from the config and
     index already in ``folder``: its blocks' weight files plus config and tokenizer."""
     from swarmp2p.plan.inputs import stage_files
@@ -157,9 +159,15 @@ def stage_names(folder: Path, listing: dict[str, Any], start: int, end: int, fir
     index_file = folder / "model.safetensors.index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else None
     shape = model_shape.from_config(config, index)
-    source = ModelSource(kind="hub", repo="x/x", revision="0" * 40, files={
-        k: InputFile(bytes=int(v[0]) if isinstance(v, (list, tuple)) else 0) for k, v in listing.items()
-    })  # fmt: skip
+    source = ModelSource(
+        kind="hub",
+        repo="x/x",
+        revision="0" * 40,
+        files={
+            k: InputFile(bytes=int(v[0]) if isinstance(v, (list, tuple)) else 0)
+            for k, v in listing.items()
+        },
+    )
     return stage_files(source, model_shape.stage_files(shape, start, end, first, last))
 
 
@@ -267,7 +275,7 @@ class Inputs:
             for path in candidates:
                 if path.is_file():
                     return path
-            raise Failed(f"node {self.ctx.node_id} holds no data file {key[:12]}", code="no_file")  # fmt: skip
+            raise Failed(f"node {self.ctx.node_id} holds no data file {key[:12]}", code="no_file")
         if not MODEL_FILE.fullmatch(file):
             raise UserError(f"{file!r} is not a model file name", code="bad_field")
         offered = self.offers()["models"].get(key)
@@ -348,7 +356,11 @@ class Inputs:
                 for n in names
                 if not await asyncio.to_thread(model_files.matches, cache, {n: listing[n]})
             ]
-            sources = readers or [(n, self._reader(n, "model", model.digest)) for n in self._sources(model.node) if self.ctx.is_alive(n)]  # fmt: skip
+            sources = readers or [
+                (n, self._reader(n, "model", model.digest))
+                for n in self._sources(model.node)
+                if self.ctx.is_alive(n)
+            ]
             total = sum(listing[n][0] for n in missing)
             await self._pull(what, missing, listing, cache, sources, total, model.label)
         return str(cache)
@@ -378,9 +390,14 @@ class Inputs:
                     progress.source = node
                     try:
                         await model_files.pull_file(
-                            read, name, dest / name, listing[name][1], CHUNK_BYTES,
-                            progress=progress.add, size=listing[name][0],
-                        )  # fmt: skip
+                            read,
+                            name,
+                            dest / name,
+                            listing[name][1],
+                            CHUNK_BYTES,
+                            progress=progress.add,
+                            size=listing[name][0],
+                        )
                         break
                     except (SwarmError, OSError, ValueError, asyncio.TimeoutError) as exc:
                         errors.append(f"{node}: {exc}")
@@ -406,7 +423,9 @@ class Inputs:
         def fetch_all() -> str:
             folder = ""
             for name in names:
-                folder = str(Path(hub.download(model.repo, model.revision, name, progress.add)).parent)  # fmt: skip
+                folder = str(
+                    Path(hub.download(model.repo, model.revision, name, progress.add)).parent
+                )
                 progress.files_done += 1
             return folder
 
@@ -430,9 +449,21 @@ class Inputs:
                 return own
             if await asyncio.to_thread(model_files.matches, dest.parent, listing):
                 return dest
-            sources = [(n, self._reader(n, "data", data.sha256)) for n in self._sources(data.node) if self.ctx.is_alive(n)]  # fmt: skip
+            sources = [
+                (n, self._reader(n, "data", data.sha256))
+                for n in self._sources(data.node)
+                if self.ctx.is_alive(n)
+            ]
             renamed = [(n, _ignore_name(r)) for n, r in sources]
-            await self._pull(what, [data.name], listing, dest.parent, renamed, data.bytes, f"data file {data.path} (on node {data.node})")  # fmt: skip
+            await self._pull(
+                what,
+                [data.name],
+                listing,
+                dest.parent,
+                renamed,
+                data.bytes,
+                f"data file {data.path} (on node {data.node})",
+            )
         return dest
 
     # --- serving (the issuing node) --------------------------------------------------------------
@@ -470,9 +501,15 @@ class Inputs:
         folder = await asyncio.to_thread(local, ref)
         try:
             shape = await asyncio.to_thread(model_shape.load, folder)
-            listing = await asyncio.to_thread(model_files.folder_listing, folder) if Path(folder).is_dir() else None  # fmt: skip
+            listing = (
+                await asyncio.to_thread(model_files.folder_listing, folder)
+                if Path(folder).is_dir()
+                else None
+            )
         except (OSError, ValueError) as exc:
-            raise UserError(f"model {ref!r}: cannot read its shape from {folder}: {exc}", code="bad_model") from None  # fmt: skip
+            raise UserError(
+                f"model {ref!r}: cannot read its shape from {folder}: {exc}", code="bad_model"
+            ) from None
         if listing is not None:
             files = {k: InputFile(bytes=v[0], sha256=v[1]) for k, v in listing.items()}
             digest = ModelSource(
@@ -527,9 +564,11 @@ class Inputs:
             return await self._hub_files(source, [n for n in names if n in listing], what)
         checked = model_files.check_listing(files)
         source = ModelSource(
-            kind="folder", node=issuer, path=model,
+            kind="folder",
+            node=issuer,
+            path=model,
             files={k: InputFile(bytes=v[0], sha256=v[1]) for k, v in checked.items()},
-        )  # fmt: skip
+        )
         for folder in also:
             if await asyncio.to_thread(model_files.matches, folder, checked):
                 return str(folder)

@@ -114,9 +114,14 @@ class JobsLeader:
             records = decide.available_memory(self.ctx.live_records(), self.ctx.table)
             now = self.ctx.clock()
             due = {
-                j for j in places
-                if decide.plan_again(self._blocked.get(j), decide.placement_inputs(self.ctx.table.jobs[j], view.alive, records), now)
-            }  # fmt: skip
+                j
+                for j in places
+                if decide.plan_again(
+                    self._blocked.get(j),
+                    decide.placement_inputs(self.ctx.table.jobs[j], view.alive, records),
+                    now,
+                )
+            }
         for action in actions:
             if isinstance(action, ev.MemberJoined):
                 self._run(f"member:{action.node_id}", self._admit(action))
@@ -136,7 +141,9 @@ class JobsLeader:
         task.add_done_callback(lambda t: self._busy.pop(key, None))
 
     async def _append(self, events: list[ev.Event], *, wait: bool = False) -> int:
-        return await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)  # fmt: skip
+        return (
+            await self.ctx.append(events) if not wait else await self.rep.append(events, wait=True)
+        )
 
     async def _admit(self, joined: ev.MemberJoined) -> None:
         try:
@@ -164,12 +171,29 @@ class JobsLeader:
             async with self._planning:
                 result, tried = await asyncio.to_thread(self._plan, entry, cluster, alive)
         except ValueError as exc:  # the model cannot be read here, or cannot take this job
-            await self._append([ev.JobFailed(job_id=job_id, attempt=entry.attempt, stage=-1, node_id=self.ctx.node_id, message=str(exc), at=self.wall())])  # fmt: skip
+            await self._append(
+                [
+                    ev.JobFailed(
+                        job_id=job_id,
+                        attempt=entry.attempt,
+                        stage=-1,
+                        node_id=self.ctx.node_id,
+                        message=str(exc),
+                        at=self.wall(),
+                    )
+                ]
+            )
             return
         events = decide.placement(
-            self.ctx.table.jobs[job_id], result, cluster=cluster, records=records,
-            alive=alive, me=self.ctx.node_id, now=self.wall(), tried=tried,
-        )  # fmt: skip
+            self.ctx.table.jobs[job_id],
+            result,
+            cluster=cluster,
+            records=records,
+            alive=alive,
+            me=self.ctx.node_id,
+            now=self.wall(),
+            tried=tried,
+        )
         if isinstance(result, Blocked):
             if events:
                 await self._append(events)
@@ -190,12 +214,23 @@ class JobsLeader:
         assert entry.plan is not None
         resume = entry.resume_step
         return StageStart(
-            job_id=entry.job_id, attempt=attempt, stage=i, job=entry.job,
-            cluster=list(entry.cluster), plan=entry.plan.to_json(), next=nxt, resume_step=resume,
-            snapshot_nodes=jobs.snapshot_holders(entry, i, resume) if resume and not entry.resplit else [],
-            leader=self.ctx.node_id, inputs=entry.inputs, prepare=prepare,
-            resplit=[dict(r) for r in entry.resplit] or None, cuts=list(entry.cuts) or None,
-        )  # fmt: skip
+            job_id=entry.job_id,
+            attempt=attempt,
+            stage=i,
+            job=entry.job,
+            cluster=list(entry.cluster),
+            plan=entry.plan.to_json(),
+            next=nxt,
+            resume_step=resume,
+            snapshot_nodes=jobs.snapshot_holders(entry, i, resume)
+            if resume and not entry.resplit
+            else [],
+            leader=self.ctx.node_id,
+            inputs=entry.inputs,
+            prepare=prepare,
+            resplit=[dict(r) for r in entry.resplit] or None,
+            cuts=list(entry.cuts) or None,
+        )
 
     async def _prepare(self, job_id: str, attempt: int) -> bool:
         """Every stage's node checks the plan and fetches its files, all at once; False (the
@@ -204,15 +239,28 @@ class JobsLeader:
         assert entry.plan is not None
         nodes = [s.node_id for s in entry.plan.stages]
         replies = await asyncio.gather(
-            *(self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
-              for i, n in enumerate(nodes)),
+            *(
+                self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
+                for i, n in enumerate(nodes)
+            ),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         for i, (node_id, reply) in enumerate(zip(nodes, replies)):
             if isinstance(reply, BaseException):
                 if self.ctx.table.jobs[job_id].attempt == attempt:
                     await self._stop_everywhere(job_id, -1)
-                    await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not prepare: {reply}", at=self.wall())])  # fmt: skip
+                    await self._append(
+                        [
+                            ev.JobFailed(
+                                job_id=job_id,
+                                attempt=attempt,
+                                stage=i,
+                                node_id=node_id,
+                                message=f"could not prepare: {reply}",
+                                at=self.wall(),
+                            )
+                        ]
+                    )
                 return False
         return True
 
@@ -257,7 +305,18 @@ class JobsLeader:
                 if self.ctx.table.jobs[job_id].attempt != attempt:
                     return
                 await self._stop_everywhere(job_id, -1)
-                await self._append([ev.JobFailed(job_id=job_id, attempt=attempt, stage=i, node_id=node_id, message=f"could not start: {exc}", at=self.wall())])  # fmt: skip
+                await self._append(
+                    [
+                        ev.JobFailed(
+                            job_id=job_id,
+                            attempt=attempt,
+                            stage=i,
+                            node_id=node_id,
+                            message=f"could not start: {exc}",
+                            at=self.wall(),
+                        )
+                    ]
+                )
                 return
             nxt = f"tcp://{reply.host}:{reply.port}"
         if self.ctx.table.jobs[job_id].state in ("placed", "resuming"):
@@ -299,9 +358,11 @@ class JobsLeader:
             raise UserError(f"job {job_id!r} is already in the table", code="exists")
         config = self.ctx.config
         why = decide.waiting_refusal(
-            self.ctx.table, sender, per_swarm=config.max_waiting_jobs,
+            self.ctx.table,
+            sender,
+            per_swarm=config.max_waiting_jobs,
             per_node=config.max_waiting_per_submitter,
-        )  # fmt: skip
+        )
         if why:
             raise Unavailable(f"job not submitted: {why}", code="job_cap")
         wait = self._submits(sender).wait_s(1)  # counted once past the caps, taken at once
@@ -313,10 +374,17 @@ class JobsLeader:
                 code="job_rate",
             )
         by = decide.submitted_by(msg.submitted_by, sender)
-        event = ev.JobSubmitted(job_id=job_id, job=msg.job, submitted_by=by, at=self.wall(), inputs=msg.inputs)  # fmt: skip
+        event = ev.JobSubmitted(
+            job_id=job_id, job=msg.job, submitted_by=by, at=self.wall(), inputs=msg.inputs
+        )
         version = await self.rep.append([event], wait=True)
         log.info("job %s submitted at version %d", job_id, version)
-        return Submitted(job_id=job_id, term=self.ctx.table.term, version=version, replicas=self.rep.holders(version))  # fmt: skip
+        return Submitted(
+            job_id=job_id,
+            term=self.ctx.table.term,
+            version=version,
+            replicas=self.rep.holders(version),
+        )
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """Leader (a follower forwards): stop the job's workers, mark it CANCELLED."""
@@ -327,11 +395,15 @@ class JobsLeader:
         if entry is None:
             raise UserError(f"no job {job_id!r} in the table; see `swarm jobs`", code="no_job")
         if entry.state in FINAL_STATES:
-            raise UserError(f"job {job_id} is already {entry.state.upper()}; nothing to cancel", code="final")  # fmt: skip
+            raise UserError(
+                f"job {job_id} is already {entry.state.upper()}; nothing to cancel", code="final"
+            )
         task = self._busy.pop(job_id, None)
         if task is not None:
             task.cancel()
-        await self._append([ev.JobCancelled(job_id=job_id, reason="cancelled by the user", at=self.wall())])  # fmt: skip
+        await self._append(
+            [ev.JobCancelled(job_id=job_id, reason="cancelled by the user", at=self.wall())]
+        )
         await self._stop_everywhere(job_id, -1)
         return {"job_id": job_id, "state": "CANCELLED"}
 
@@ -341,13 +413,24 @@ class JobsLeader:
             entry = self.ctx.table.jobs.get(msg.job_id)
             if entry is None or entry.attempt != msg.attempt or entry.state in FINAL_STATES:
                 return
-            self.metrics.fold(msg.job_id, attempt=msg.attempt, stage=msg.stage, n_stages=entry.n_stages, events=msg.events)  # fmt: skip
+            self.metrics.fold(
+                msg.job_id,
+                attempt=msg.attempt,
+                stage=msg.stage,
+                n_stages=entry.n_stages,
+                events=msg.events,
+            )
             now = self.wall()
             due = now - self._progress_at.get(msg.job_id, 0.0) >= decide.PROGRESS_EVERY_S
             events = decide.fold_report(
-                entry, attempt=msg.attempt, stage=msg.stage, node_id=msg.node_id,
-                events=[e for e in msg.events if isinstance(e, dict)], now=now, progress_due=due,
-            )  # fmt: skip
+                entry,
+                attempt=msg.attempt,
+                stage=msg.stage,
+                node_id=msg.node_id,
+                events=[e for e in msg.events if isinstance(e, dict)],
+                now=now,
+                progress_due=due,
+            )
             if not events:
                 return
             if any(isinstance(e, ev.StepsReported) for e in events):
@@ -355,7 +438,13 @@ class JobsLeader:
             await self._append(events)
         for event in events:
             if isinstance(event, ev.SnapshotHeld):
-                files = [e.get("file") for e in msg.events if isinstance(e, dict) and e.get("event") == "snapshot" and e.get("step") == event.step]  # fmt: skip
+                files = [
+                    e.get("file")
+                    for e in msg.events
+                    if isinstance(e, dict)
+                    and e.get("event") == "snapshot"
+                    and e.get("step") == event.step
+                ]
                 if files and isinstance(files[0], str):
                     self._copy_snapshot(msg.job_id, msg.stage, msg.node_id, event.step, files[0])
             elif isinstance(event, ev.JobFailed):
@@ -377,7 +466,9 @@ class JobsLeader:
             due, cuts = pending
             if due.attempt != entry.attempt or entry.state in FINAL_STATES:
                 del self._rebalance[job_id]
-            elif job_id not in self._busy and decide.rebalance_step(entry, due, self.ctx.live_nodes()):  # fmt: skip
+            elif job_id not in self._busy and decide.rebalance_step(
+                entry, due, self.ctx.live_nodes()
+            ):
                 del self._rebalance[job_id]
                 self._run(job_id, self._rebalance_now(job_id, due, cuts))
             return
@@ -400,7 +491,9 @@ class JobsLeader:
             return
         shape = entry.inputs.shape if entry.inputs is not None else None
         try:
-            result = await asyncio.to_thread(jobs.compute_plan, entry.job, self._measured_cluster(entry, due), shape=shape)  # fmt: skip
+            result = await asyncio.to_thread(
+                jobs.compute_plan, entry.job, self._measured_cluster(entry, due), shape=shape
+            )
         except ValueError as exc:
             log.warning("job %s: cannot weigh a re-balance: %s", job_id, exc)
             return
@@ -408,26 +501,46 @@ class JobsLeader:
             return
         old = decide.plan_cuts([s.layers for s in entry.plan.stages])
         new = decide.plan_cuts([s.layers for s in result.stages])
-        same_devices = [(s.node_id, s.devices) for s in result.stages] == [(s.node_id, s.devices) for s in entry.plan.stages]  # fmt: skip
+        same_devices = [(s.node_id, s.devices) for s in result.stages] == [
+            (s.node_id, s.devices) for s in entry.plan.stages
+        ]
         if new == old or not same_devices:
-            log.info("job %s: stage %d runs %.2fx its prediction, but the measured speeds give the same split", job_id, due.stage, due.ratio)  # fmt: skip
+            log.info(
+                "job %s: stage %d runs %.2fx its prediction, but the measured speeds give the same split",
+                job_id,
+                due.stage,
+                due.ratio,
+            )
             return
         self._rebalance[job_id] = (due, new)
-        log.info("job %s: stage %d runs %.2fx its prediction; cuts %s instead of %s at its next snapshot", job_id, due.stage, due.ratio, list(new), list(old))  # fmt: skip
+        log.info(
+            "job %s: stage %d runs %.2fx its prediction; cuts %s instead of %s at its next snapshot",
+            job_id,
+            due.stage,
+            due.ratio,
+            list(new),
+            list(old),
+        )
 
-    async def _rebalance_now(self, job_id: str, due: decide.Rebalance, cuts: tuple[int, ...]) -> None:  # fmt: skip
+    async def _rebalance_now(
+        self, job_id: str, due: decide.Rebalance, cuts: tuple[int, ...]
+    ) -> None:
         """Stop the attempt and place the job again on ``cuts`` from its newest snapshot."""
         entry = self.ctx.table.jobs[job_id]
         assert entry.plan is not None
         cluster = self._measured_cluster(entry, due)
         shape = entry.inputs.shape if entry.inputs is not None else None
         try:
-            result = await asyncio.to_thread(jobs.compute_plan, entry.job, cluster, shape=shape, cuts=cuts)  # fmt: skip
+            result = await asyncio.to_thread(
+                jobs.compute_plan, entry.job, cluster, shape=shape, cuts=cuts
+            )
         except ValueError as exc:
             log.warning("job %s: no re-balance: %s", job_id, exc)
             return
         if isinstance(result, Blocked):
-            log.info("job %s: no re-balance, the new split does not fit now: %s", job_id, result.reason)  # fmt: skip
+            log.info(
+                "job %s: no re-balance, the new split does not fit now: %s", job_id, result.reason
+            )
             return
         old = decide.plan_cuts([s.layers for s in entry.plan.stages])
         events = decide.rebalanced(entry, due, old, cuts, self.wall())
@@ -437,14 +550,24 @@ class JobsLeader:
         log.info("job %s %s", job_id, events[0].reason)
         await self._stop_everywhere(job_id, due.attempt)
         placed = decide.placement(
-            self.ctx.table.jobs[job_id], result, cluster=cluster, records=self.ctx.live_records(),
-            alive=self.ctx.live_nodes(), me=self.ctx.node_id, now=self.wall(),
+            self.ctx.table.jobs[job_id],
+            result,
+            cluster=cluster,
+            records=self.ctx.live_records(),
+            alive=self.ctx.live_nodes(),
+            me=self.ctx.node_id,
+            now=self.wall(),
             tried=decide.PlanTry(cuts=tuple(cuts)),
-        )  # fmt: skip
+        )
         await self._append(placed)
         entry = self.ctx.table.jobs[job_id]
         if placed and isinstance(placed[0], ev.JobPlaced):
-            log.info("job %s attempt %d re-balanced onto %s", job_id, entry.attempt, [list(s.layers) for s in entry.plan.stages])  # fmt: skip
+            log.info(
+                "job %s attempt %d re-balanced onto %s",
+                job_id,
+                entry.attempt,
+                [list(s.layers) for s in entry.plan.stages],
+            )
             await self._launch(job_id, entry.attempt)
 
     def _copy_snapshot(self, job_id: str, stage: int, holder: str, step: int, file: str) -> None:
@@ -457,7 +580,9 @@ class JobsLeader:
         async def pull() -> None:
             try:
                 source = self.ctx.endpoint_of(holder)
-                await self.ctx.call(target, FilePull(job_id=job_id, file=file, source=source), COPY_TIMEOUT_S)  # fmt: skip
+                await self.ctx.call(
+                    target, FilePull(job_id=job_id, file=file, source=source), COPY_TIMEOUT_S
+                )
             except (SwarmError, OSError) as exc:
                 log.warning("snapshot copy of job %s stage %d failed: %s", job_id, stage, exc)
                 return
@@ -466,7 +591,9 @@ class JobsLeader:
                 return
             if str(step) not in entry.snapshots.get(str(stage), {}):
                 return  # already forgotten: newer snapshots came since
-            await self._append([ev.SnapshotHeld(job_id=job_id, stage=stage, step=step, node_id=target)])  # fmt: skip
+            await self._append(
+                [ev.SnapshotHeld(job_id=job_id, stage=stage, step=step, node_id=target)]
+            )
 
         self.ctx.spawn(pull(), f"replicate:{job_id}:{stage}")
 
@@ -476,7 +603,9 @@ class JobsLeader:
         entry = self.ctx.table.jobs.get(msg.job_id)
         if entry is None or entry.model is None:
             raise UserError(f"job {msg.job_id} registered no model", code="no_model")
-        await self._append([ev.ShardCopied(job_id=msg.job_id, stage=msg.stage, node_id=msg.node_id)])  # fmt: skip
+        await self._append(
+            [ev.ShardCopied(job_id=msg.job_id, stage=msg.stage, node_id=msg.node_id)]
+        )
         return JobAck(job_id=msg.job_id)
 
     async def job_metrics(self, job_id: str) -> dict[str, Any]:
@@ -516,7 +645,7 @@ class JobsLeader:
 
     def _not_leading(self) -> str:
         why = self.rep.why_not_ready()
-        return f"node {self.ctx.node_id} is not leading ({self.ctx.leader} leads in its view{'; ' + why if why else ''})"  # fmt: skip
+        return f"node {self.ctx.node_id} is not leading ({self.ctx.leader} leads in its view{'; ' + why if why else ''})"
 
 
 __all__ = ["COPY_TIMEOUT_S", "STOP_TIMEOUT_S", "JobsLeader"]

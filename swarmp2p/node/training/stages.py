@@ -105,7 +105,9 @@ class StageHost:
                 f.seek(msg.offset)
                 data = f.read(msg.size)
         except (FileNotFoundError, IsADirectoryError):
-            raise Failed(f"node {self.ctx.node_id} has no {msg.file} for job {msg.job_id}", code="no_file") from None  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id} has no {msg.file} for job {msg.job_id}", code="no_file"
+            ) from None
         return ShardChunk(data=data, total=total)
 
     async def pull_file(
@@ -144,7 +146,10 @@ class StageHost:
         try:
             await self.pull_file(msg.job_id, msg.file, msg.source, limit)
         except ValueError as exc:
-            raise Failed(f"node {self.ctx.node_id} refused {msg.file} of job {msg.job_id}: {exc}", code="no_file") from None  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id} refused {msg.file} of job {msg.job_id}: {exc}",
+                code="no_file",
+            ) from None
         return JobAck(job_id=msg.job_id)
 
     # --- starting a stage ---------------------------------------------------------------------
@@ -154,13 +159,21 @@ class StageHost:
         inputs = msg.inputs
         try:
             plan = await asyncio.to_thread(
-                jobs.check_plan, msg.job, msg.cluster, msg.plan, node_id=self.ctx.node_id,
-                shape=inputs.shape if inputs is not None else None, cuts=msg.cuts,
-            )  # fmt: skip
+                jobs.check_plan,
+                msg.job,
+                msg.cluster,
+                msg.plan,
+                node_id=self.ctx.node_id,
+                shape=inputs.shape if inputs is not None else None,
+                cuts=msg.cuts,
+            )
         except jobs.PlanMismatch:
             raise
         except ValueError as exc:  # no shape in the record, and the model is not readable here
-            raise Failed(f"node {self.ctx.node_id} cannot read the model to check the plan: {exc}", code="input_missing") from None  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id} cannot read the model to check the plan: {exc}",
+                code="input_missing",
+            ) from None
         stage = plan.stages[msg.stage]
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
@@ -171,7 +184,9 @@ class StageHost:
         snap_dir = snapshot_dir(folder, [st.layers for st in plan.stages])
         if msg.resume_step and msg.resplit:
             tied = bool(inputs is not None and inputs.shape.tie_embeddings)
-            await self._resplit_snapshot(msg, snap_dir, stage.layers, plan.n_layers, tied, snapshot_limit(plan))  # fmt: skip
+            await self._resplit_snapshot(
+                msg, snap_dir, stage.layers, plan.n_layers, tied, snapshot_limit(plan)
+            )
         elif msg.resume_step:
             await self._ensure_snapshot(msg, snap_dir, snapshot_limit(plan))
         device, visible = jobs.device_for(stage.devices, self.ctx.me.record)
@@ -246,14 +261,19 @@ class StageHost:
             node_id = plan.stages[i].node_id
             found = self.ctx.keyring.key_of(node_id)
             if not found:
-                raise Failed(f"stage {i}'s node {node_id} has no key this node knows (not a member?)", code="plan_mismatch")  # fmt: skip
+                raise Failed(
+                    f"stage {i}'s node {node_id} has no key this node knows (not a member?)",
+                    code="plan_mismatch",
+                )
             return found
 
         last = len(plan.stages) - 1
         return {
-            "public": self.ctx.key.public, "secret": self.ctx.key.secret,
-            "prev": key(stage - 1) if stage > 0 else "", "next": key(stage + 1) if stage < last else "",
-        }  # fmt: skip
+            "public": self.ctx.key.public,
+            "secret": self.ctx.key.secret,
+            "prev": key(stage - 1) if stage > 0 else "",
+            "next": key(stage + 1) if stage < last else "",
+        }
 
     async def _local_inputs(
         self, msg: StageStart, planned_files: tuple[str, ...]
@@ -275,9 +295,14 @@ class StageHost:
         return model, data
 
     async def _resplit_snapshot(
-        self, msg: StageStart, snap_dir: Path, layers: tuple[int, int], n_layers: int, tied: bool,
+        self,
+        msg: StageStart,
+        snap_dir: Path,
+        layers: tuple[int, int],
+        n_layers: int,
+        tied: bool,
         limit: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """This stage's snapshot at ``resume_step`` cut from the old cuts' snapshots (those of
         the old stages holding its blocks, the embeddings or the head), each fetched from a
         holder, by ``python -m swarmp2p.runtime.torch.train.reslice``."""
@@ -302,7 +327,9 @@ class StageHost:
             dest = old_dir / f"stage-{i}" / name  # where its holders keep it too
             if not dest.is_file():
                 file = str(dest.relative_to(folder))
-                await self._pull_from(msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest, limit)  # fmt: skip
+                await self._pull_from(
+                    msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest, limit
+                )
             sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
         out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
         if out.parent.is_dir():  # a later step of an earlier attempt on these cuts: not ours
@@ -316,9 +343,17 @@ class StageHost:
                 "swarmp2p.runtime.torch.train.reslice", [*args, str(int(tied)), *sources]
             )
         except ValueError as exc:
-            raise Failed(f"node {self.ctx.node_id}: re-slicing the step-{msg.resume_step} snapshots for stage {msg.stage}: {exc}", code="no_snapshot") from None  # fmt: skip
-        log.info("job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",
-                 msg.job_id, msg.stage, msg.resume_step, len(sources))  # fmt: skip
+            raise Failed(
+                f"node {self.ctx.node_id}: re-slicing the step-{msg.resume_step} snapshots for stage {msg.stage}: {exc}",
+                code="no_snapshot",
+            ) from None
+        log.info(
+            "job %s stage %d: snapshot of step %d re-sliced from %d old stage(s)",
+            msg.job_id,
+            msg.stage,
+            msg.resume_step,
+            len(sources),
+        )
 
     async def _pull_from(
         self, msg: StageStart, file: str, nodes: list[str], dest: Path, limit: int
@@ -376,7 +411,10 @@ class StageHost:
     def _exited(self, key: tuple[str, int, int], code: int, tail: list[str]) -> None:
         worker = self.workers.get(key)
         error = worker.last_error if worker is not None else None
-        self._queue(key, {"event": "exit", "stage": key[2], "code": code, "stderr_tail": tail, "error": error})  # fmt: skip
+        self._queue(
+            key,
+            {"event": "exit", "stage": key[2], "code": code, "stderr_tail": tail, "error": error},
+        )
 
     def _ensure_sender(self) -> None:
         if not self.ctx.running("job-reports"):
@@ -389,9 +427,12 @@ class StageHost:
                 if events:
                     batch = events[:REPORT_BATCH]
                     report = StageReport(
-                        node_id=self.ctx.node_id, job_id=key[0], attempt=key[1], stage=key[2],
+                        node_id=self.ctx.node_id,
+                        job_id=key[0],
+                        attempt=key[1],
+                        stage=key[2],
                         events=batch,
-                    )  # fmt: skip
+                    )
                     try:
                         await self.ctx.to_leader(report, 10.0)
                     except (SwarmError, OSError) as exc:  # kept; sent again next round
@@ -494,7 +535,9 @@ def listed_snapshot(table: Any, job_id: str, file: str) -> int:
     what is wrong otherwise (code ``not_listed`` for a snapshot not listed yet)."""
     entry = table.jobs.get(job_id)
     if entry is None:
-        raise UserError(f"no job {job_id!r} in the table: this node pulls no file for it", code="no_job")  # fmt: skip
+        raise UserError(
+            f"no job {job_id!r} in the table: this node pulls no file for it", code="no_job"
+        )
     m = _SNAP_FILE.fullmatch(file)
     if m is None:
         raise UserError(

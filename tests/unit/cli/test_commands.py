@@ -79,10 +79,20 @@ def test_every_command_that_prints_state_or_a_result_takes_json():
 
 @pytest.mark.parametrize(
     "args",
-    [["status"], ["peers"], ["down"], ["jobs"], ["jobs", "show", "j1"], ["jobs", "cancel", "j1"],
-     ["jobs", "logs", "j1"], ["models"], ["dashboard"], ["serve", "embedded"],
-     ["train", str(ROOT / "examples" / "demo-job.json")]],
-)  # fmt: skip
+    [
+        ["status"],
+        ["peers"],
+        ["down"],
+        ["jobs"],
+        ["jobs", "show", "j1"],
+        ["jobs", "cancel", "j1"],
+        ["jobs", "logs", "j1"],
+        ["models"],
+        ["dashboard"],
+        ["serve", "embedded"],
+        ["train", str(ROOT / "examples" / "demo-job.json")],
+    ],
+)
 def test_no_daemon_exits_4_naming_the_state_dir(tmp_path, args):
     """4, not 1: a script tells "no daemon here" from "the job failed"."""
     result = click.testing.CliRunner().invoke(main, [*args, "--state-dir", str(tmp_path)])
@@ -193,7 +203,16 @@ def test_the_api_key_is_read_from_stdin_a_private_file_or_the_environment(tmp_pa
     assert got.value.exit_code == _exit.INVALID
     runner = click.testing.CliRunner()
     # stdin: the key goes to the server, so an unreachable one is the error, not the key
-    out = runner.invoke(main, ["generate", "m", "hi", "--url", "http://127.0.0.1:9", "--api-key", "-"], input="k3y\n")  # fmt: skip
+    out = runner.invoke(
+        main,
+        ["generate", "m", "hi", "--url", "http://127.0.0.1:9", "--api-key", "-"],
+        input="k3y\n",
+    )
     assert out.exit_code != 0 and "cannot reach the swarm API" in out.output, out.output
-    out = runner.invoke(main, ["generate", "m", "hi", "--api-key", "-", "--api-key-file", str(file)], input="k3y\n", env={"SWARM_API_KEY": None})  # fmt: skip
+    out = runner.invoke(
+        main,
+        ["generate", "m", "hi", "--api-key", "-", "--api-key-file", str(file)],
+        input="k3y\n",
+        env={"SWARM_API_KEY": None},
+    )
     assert out.exit_code == _exit.INVALID and "given twice" in out.output, out.output

@@ -84,23 +84,68 @@ MACHINERY = {
     "transformers",
 }
 
-SERVED = {"model": "tiny", "url": "", "state": "ready", "reason": "", "sessions": None,
-          "stages": [{"node": "a", "layers": [0, 4]}]}  # fmt: skip
+SERVED = {
+    "model": "tiny",
+    "url": "",
+    "state": "ready",
+    "reason": "",
+    "sessions": None,
+    "stages": [{"node": "a", "layers": [0, 4]}],
+}
 FETCH = {"node": "a", "what": "tiny stage 0", "from": "b", "files": [1, 2], "bytes": [5e5, 2e6]}
-ME = {"node_id": "a", "name": "host-a", "address": "127.0.0.1:7737", "alive": True,
-      "is_leader": True, "last_seen_s": 0.0, "key": "df8a-d1d4-282c-3007", "member": True,
-      "devices": [{"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 2**34,
-                   "memory_free": 2**33}],
-      "version": "0", "capabilities": []}  # fmt: skip
-STATUS = {"node_id": "a", "name": "host-a", "key": ME["key"], "swarm_id": "9fd0f912ee982658",
-          "version": "0", "leader": "a", "leader_ready": True, "term": 1, "table_version": 3,
-          "quorum": {"members": ["a"], "voters": ["a"], "down": [], "reachable": ["a"],
-                     "majority": 1, "ok": True, "commit": 3, "reason": "", "dropped": []},
-          "port": 7737, "peers": [ME], "jobs": [], "dashboard": None, "dashboard_note": "off",
-          "served": [SERVED], "fetching": [FETCH]}  # fmt: skip
+ME = {
+    "node_id": "a",
+    "name": "host-a",
+    "address": "127.0.0.1:7737",
+    "alive": True,
+    "is_leader": True,
+    "last_seen_s": 0.0,
+    "key": "df8a-d1d4-282c-3007",
+    "member": True,
+    "devices": [
+        {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 2**34, "memory_free": 2**33}
+    ],
+    "version": "0",
+    "capabilities": [],
+}
+STATUS = {
+    "node_id": "a",
+    "name": "host-a",
+    "key": ME["key"],
+    "swarm_id": "9fd0f912ee982658",
+    "version": "0",
+    "leader": "a",
+    "leader_ready": True,
+    "term": 1,
+    "table_version": 3,
+    "quorum": {
+        "members": ["a"],
+        "voters": ["a"],
+        "down": [],
+        "reachable": ["a"],
+        "majority": 1,
+        "ok": True,
+        "commit": 3,
+        "reason": "",
+        "dropped": [],
+    },
+    "port": 7737,
+    "peers": [ME],
+    "jobs": [],
+    "dashboard": None,
+    "dashboard_note": "off",
+    "served": [SERVED],
+    "fetching": [FETCH],
+}
 REPLIES = {"status": STATUS, "jobs": [], "models": []}
-COMMANDS = [["status"], ["status", "--json"], ["peers"], ["dashboard", "--json"], ["jobs"],
-            ["models"]]  # fmt: skip
+COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["peers"],
+    ["dashboard", "--json"],
+    ["jobs"],
+    ["models"],
+]
 
 _PROBE = r"""
 import json, sys

@@ -34,8 +34,9 @@ def write(tmp_path: Path, name: str, data) -> str:
 
 
 def test_the_readme_command_prints_a_plan(tmp_path):
-    out = swarm("plan", "examples/lora.json", "--cluster", "examples/cluster-mixed.json",
-                tmp_path=tmp_path)  # fmt: skip
+    out = swarm(
+        "plan", "examples/lora.json", "--cluster", "examples/cluster-mixed.json", tmp_path=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "planned smollm2-lora" in text
@@ -46,8 +47,14 @@ def test_the_readme_command_prints_a_plan(tmp_path):
 
 
 def test_json_of_a_plan(tmp_path):
-    out = swarm("plan", "examples/lora.json", "--cluster", "examples/cluster-mixed.json",
-                "--json", tmp_path=tmp_path)  # fmt: skip
+    out = swarm(
+        "plan",
+        "examples/lora.json",
+        "--cluster",
+        "examples/cluster-mixed.json",
+        "--json",
+        tmp_path=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["status"] == "planned" and data["dtype"] == "float16"
@@ -69,8 +76,9 @@ def test_json_of_a_plan(tmp_path):
     ],
 )
 def test_every_example_plans(tmp_path, job, cluster):
-    out = swarm("plan", f"examples/{job}", "--cluster", f"examples/{cluster}", "--json",
-                tmp_path=tmp_path)  # fmt: skip
+    out = swarm(
+        "plan", f"examples/{job}", "--cluster", f"examples/{cluster}", "--json", tmp_path=tmp_path
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["status"] == "planned"
 
@@ -84,8 +92,9 @@ def test_blocked_prints_the_reason_and_exits_3(tmp_path):
     assert out.returncode == 3
     assert "placed 1 of 2 required workers; 1 GPU(s) excluded by dtype bfloat16:" in out.stderr
     assert "turing GPU 0 (GTX 1660 SUPER, compute 7.5) cannot run bfloat16" in out.stderr
-    as_json = swarm("plan", job, "--cluster", "examples/cluster-mixed.json", "--json",
-                    tmp_path=tmp_path)  # fmt: skip
+    as_json = swarm(
+        "plan", job, "--cluster", "examples/cluster-mixed.json", "--json", tmp_path=tmp_path
+    )
     assert as_json.returncode == 3
     result = json.loads(as_json.stdout)
     assert result["status"] == "blocked" and result["stages"] == [] and result["errors"] == []
@@ -93,48 +102,77 @@ def test_blocked_prints_the_reason_and_exits_3(tmp_path):
 
 
 def test_invalid_job_lists_every_error_and_exits_2(tmp_path):
-    job = write(tmp_path, "bad.json", {
-        "model": {"pretrained": "embedded", "lora": {"enabeld": True}},
-        "train": {"steps": -3, "schedule": "zb"},
-    })  # fmt: skip
+    job = write(
+        tmp_path,
+        "bad.json",
+        {
+            "model": {"pretrained": "embedded", "lora": {"enabeld": True}},
+            "train": {"steps": -3, "schedule": "zb"},
+        },
+    )
     out = swarm("plan", job, "--cluster", "examples/cluster-mixed.json", tmp_path=tmp_path)
     assert out.returncode == 2
     assert "invalid: 3 error(s)" in out.stderr
     assert "train.steps: must be an integer >= 1, got -3" in out.stderr
     assert "model.lora.enabeld: unknown key" in out.stderr
     assert 'train.schedule: must be one of "gpipe", "1f1b"' in out.stderr
-    as_json = json.loads(swarm("plan", job, "--cluster", "examples/cluster-mixed.json",
-                               "--json", tmp_path=tmp_path).stdout)  # fmt: skip
+    as_json = json.loads(
+        swarm(
+            "plan", job, "--cluster", "examples/cluster-mixed.json", "--json", tmp_path=tmp_path
+        ).stdout
+    )
     assert as_json["status"] == "invalid" and as_json["stages"] == []
     paths = [e["path"] for e in as_json["errors"]]
     assert paths == ["model.lora.enabeld", "train.steps", "train.schedule"]
 
 
 def test_invalid_cluster_exits_2_naming_the_field(tmp_path):
-    cluster = write(tmp_path, "c.json", [{"node_id": "a", "name": "a", "ram": 1, "disk_free": 1,
-                                          "devices": [{"kind": "tpu", "index": 0, "name": "x",
-                                                       "memory_total": 1, "memory_free": 1}]}])  # fmt: skip
+    cluster = write(
+        tmp_path,
+        "c.json",
+        [
+            {
+                "node_id": "a",
+                "name": "a",
+                "ram": 1,
+                "disk_free": 1,
+                "devices": [
+                    {"kind": "tpu", "index": 0, "name": "x", "memory_total": 1, "memory_free": 1}
+                ],
+            }
+        ],
+    )
     out = swarm("plan", "examples/lora.json", "--cluster", cluster, "--json", tmp_path=tmp_path)
     assert out.returncode == 2
     errors = json.loads(out.stdout)["errors"]
-    assert errors == [{"path": "cluster[0].devices[0].kind",
-                       "message": 'must be one of "cuda", "cpu", "mps", got "tpu"'}]  # fmt: skip
+    assert errors == [
+        {
+            "path": "cluster[0].devices[0].kind",
+            "message": 'must be one of "cuda", "cpu", "mps", got "tpu"',
+        }
+    ]
 
 
 def test_missing_model_is_invalid(tmp_path):
     data = json.loads((EXAMPLES / "lora.json").read_text())
     data["model"]["pretrained"] = "nobody/nothing"
     job = write(tmp_path, "m.json", data)
-    out = swarm("plan", job, "--cluster", "examples/cluster-mixed.json", "--json",
-                tmp_path=tmp_path)  # fmt: skip
+    out = swarm(
+        "plan", job, "--cluster", "examples/cluster-mixed.json", "--json", tmp_path=tmp_path
+    )
     assert out.returncode == 2
     (error,) = json.loads(out.stdout)["errors"]
     assert error["path"] == "model.pretrained" and "local Hugging Face cache" in error["message"]
 
 
 def test_unreadable_job_file(tmp_path):
-    out = swarm("plan", str(tmp_path / "nope.json"), "--cluster", "examples/cluster-mixed.json",
-                tmp_path=tmp_path)  # fmt: skip
+    out = swarm(
+        "plan",
+        str(tmp_path / "nope.json"),
+        "--cluster",
+        "examples/cluster-mixed.json",
+        tmp_path=tmp_path,
+    )
     assert out.returncode == 2
     assert "cannot read" in out.stderr
 
@@ -148,8 +186,14 @@ def test_plans_are_byte_identical_across_processes(tmp_path, monkeypatch):
     outputs = set()
     for seed in ("1", "2"):
         monkeypatch.setenv("PYTHONHASHSEED", seed)
-        out = swarm("plan", "examples/qlora.json", "--cluster", "examples/cluster-cpu-trio.json",
-                    "--json", tmp_path=tmp_path)  # fmt: skip
+        out = swarm(
+            "plan",
+            "examples/qlora.json",
+            "--cluster",
+            "examples/cluster-cpu-trio.json",
+            "--json",
+            tmp_path=tmp_path,
+        )
         assert out.returncode == 0, out.stderr
         outputs.add(out.stdout)
     assert len(outputs) == 1

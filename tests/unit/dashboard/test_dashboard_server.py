@@ -66,8 +66,10 @@ def test_page_and_state():
 
 def test_foreign_host_header_is_refused():
     def fetch(port):
-        return [_get(port, "/api/state", host=h)[0] for h in
-                (f"evil.example:{port}", f"localhost:{port}", "127.0.0.1", "10.0.0.5")]  # fmt: skip
+        return [
+            _get(port, "/api/state", host=h)[0]
+            for h in (f"evil.example:{port}", f"localhost:{port}", "127.0.0.1", "10.0.0.5")
+        ]
 
     codes, calls, _ = asyncio.run(_serve_and(fetch))
     assert codes == [403, 200, 200, 403]

@@ -41,12 +41,16 @@ def test_metric_points_keep_the_newest():
 @pytest.mark.parametrize(
     ("device", "label", "used"),
     [
-        ({"kind": "cuda", "index": 1, "memory_total": 8 * GIB, "memory_free": 2 * GIB}, "cuda:1", 0.75),
+        (
+            {"kind": "cuda", "index": 1, "memory_total": 8 * GIB, "memory_free": 2 * GIB},
+            "cuda:1",
+            0.75,
+        ),
         ({"kind": "cpu", "index": 0, "memory_total": 0, "memory_free": 0}, "cpu:0", None),
         ({"kind": "cuda", "index": 0, "memory_total": GIB, "memory_free": 2 * GIB}, "cuda:0", 0.0),
         ({"kind": "mps", "memory_total": None}, "mps", None),
     ],
-)  # fmt: skip
+)
 def test_device_memory_fraction(device, label, used):
     view = device_view(device)
     assert view["label"] == label
@@ -54,11 +58,19 @@ def test_device_memory_fraction(device, label, used):
 
 
 def test_stage_views_skip_bad_stages_and_layers():
-    plan = {"stages": [
-        {"index": 0, "node_id": "a", "node": "host-a", "devices": ["cuda:0"], "layers": [0, 12]},
-        "junk",
-        {"index": 1, "node_id": "b", "layers": [12, "x"]},
-    ]}  # fmt: skip
+    plan = {
+        "stages": [
+            {
+                "index": 0,
+                "node_id": "a",
+                "node": "host-a",
+                "devices": ["cuda:0"],
+                "layers": [0, 12],
+            },
+            "junk",
+            {"index": 1, "node_id": "b", "layers": [12, "x"]},
+        ]
+    }
     assert stage_views(plan) == [
         {"index": 0, "node_id": "a", "node": "host-a", "devices": ["cuda:0"], "layers": [0, 12]},
         {"index": 1, "node_id": "b", "node": "b", "devices": [], "layers": None},
@@ -80,18 +92,48 @@ def test_evaluation_rows(raw, rows):
 
 def _status(jobs=(), served=()):
     return {
-        "node_id": "a", "name": "host-a", "swarm_id": "s" * 16, "version": "0.1.0",
-        "leader": "a", "leader_ready": True, "term": 2, "table_version": 5,
+        "node_id": "a",
+        "name": "host-a",
+        "swarm_id": "s" * 16,
+        "version": "0.1.0",
+        "leader": "a",
+        "leader_ready": True,
+        "term": 2,
+        "table_version": 5,
         "peers": [
-            {"node_id": "a", "name": "host-a", "address": "127.0.0.1:1", "alive": True,
-             "is_leader": True, "last_seen_s": 0.0, "devices": []},
-            {"node_id": "b", "name": "host-b", "address": "127.0.0.1:2", "alive": False,
-             "is_leader": False, "last_seen_s": 9.5, "clock_skew_s": 0.25, "devices": [
-                 {"kind": "cuda", "index": 0, "name": "A5000", "memory_total": 24 * GIB,
-                  "memory_free": 6 * GIB, "compute_capability": "8.6", "fake": True}]},
+            {
+                "node_id": "a",
+                "name": "host-a",
+                "address": "127.0.0.1:1",
+                "alive": True,
+                "is_leader": True,
+                "last_seen_s": 0.0,
+                "devices": [],
+            },
+            {
+                "node_id": "b",
+                "name": "host-b",
+                "address": "127.0.0.1:2",
+                "alive": False,
+                "is_leader": False,
+                "last_seen_s": 9.5,
+                "clock_skew_s": 0.25,
+                "devices": [
+                    {
+                        "kind": "cuda",
+                        "index": 0,
+                        "name": "A5000",
+                        "memory_total": 24 * GIB,
+                        "memory_free": 6 * GIB,
+                        "compute_capability": "8.6",
+                        "fake": True,
+                    }
+                ],
+            },
         ],
-        "jobs": list(jobs), "served": list(served),
-    }  # fmt: skip
+        "jobs": list(jobs),
+        "served": list(served),
+    }
 
 
 def test_dashboard_view_nodes_and_leader():
@@ -137,7 +179,7 @@ def test_dashboard_view_jobs_and_served():
     view = dashboard_view(
         _status([train, serve, done], served=[{"model": "m", "url": "http://127.0.0.1:8000/v1"}]),
         now=0.0,
-    )  # fmt: skip
+    )
     job = view["jobs"][0]
     assert (job["name"], job["state"], job["dtype"], job["kind"]) == (
         "lora",
@@ -171,9 +213,11 @@ def test_parse_dashboard_port_refuses(text):
 
 def test_dispatcher_metrics_map():
     raw = {
-        "step": 4, "loss": 2.5, "tokens_per_s": 90.0,
+        "step": 4,
+        "loss": 2.5,
+        "tokens_per_s": 90.0,
         "losses": [[1, 0, 3.0], [1, 1, 2.9], [1, 2, 2.8], [2, 2, 2.7], [2, 3, 2.5], ["x"]],
-    }  # fmt: skip
+    }
     points, bad = metric_points(raw)
     assert [(p["step"], p["loss"]) for p in points] == [(0, 3.0), (1, 2.9), (2, 2.7), (3, 2.5)]
     assert points[-1]["tokens_per_s"] == 90.0 and points[0]["tokens_per_s"] is None
@@ -186,13 +230,22 @@ def test_dispatcher_metrics_map():
 
 
 def test_dispatcher_job_record():
-    entry = {"job_id": "j9", "state": "failed", "record": {
-        "kind": "train", "job": {"name": "qlora", "train": {"steps": 50}}, "step": 12,
-        "attempt": 2, "reason": None,
-        "error": {"stage": 1, "node": "b", "message": "CUDA out of memory"},
-        "metrics": {"boundaries": {"1": {"act_mb_s": 3.0, "grad_mb_s": 2.0}, "0": {"act_mb_s": 1}}},
-        "evaluation": {"before": {"loss": 3.2, "perplexity": 24.5}, "after": {"loss": 2.1}},
-    }}  # fmt: skip
+    entry = {
+        "job_id": "j9",
+        "state": "failed",
+        "record": {
+            "kind": "train",
+            "job": {"name": "qlora", "train": {"steps": 50}},
+            "step": 12,
+            "attempt": 2,
+            "reason": None,
+            "error": {"stage": 1, "node": "b", "message": "CUDA out of memory"},
+            "metrics": {
+                "boundaries": {"1": {"act_mb_s": 3.0, "grad_mb_s": 2.0}, "0": {"act_mb_s": 1}}
+            },
+            "evaluation": {"before": {"loss": 3.2, "perplexity": 24.5}, "after": {"loss": 2.1}},
+        },
+    }
     job = dashboard_view({"jobs": [entry]}, now=0.0)["jobs"][0]
     assert (job["step"], job["steps"], job["attempt"], job["kind"]) == (12, 50, 2, "train")
     assert job["error"] == "stage 1 on b: CUDA out of memory" and job["reason"] == ""

@@ -241,8 +241,12 @@ def test_the_handler_gets_the_key_each_request_was_authenticated_with():
         return Echo(text=msg.text.upper())
 
     async def scenario(ctx):
-        keys = ServerKeys(public=server_key.public, secret=server_key.secret,
-                          admits=KeyCheck(allowed.__contains__), domain="t-members")  # fmt: skip
+        keys = ServerKeys(
+            public=server_key.public,
+            secret=server_key.secret,
+            admits=KeyCheck(allowed.__contains__),
+            domain="t-members",
+        )
         async with RpcServer(ctx, keys, "127.0.0.1", 0, handler) as srv:
             for who in (alice, bob):
                 creds = ClientKeys(public=who.public, secret=who.secret, server=server_key.public)

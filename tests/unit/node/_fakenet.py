@@ -68,7 +68,9 @@ class Net:
         return frozenset((a, b)) not in self.cut and a not in self.down and b not in self.down
 
     def partition(self, *sides: set[str]) -> None:
-        self.cut = {frozenset((x, y)) for s in sides for t in sides if s is not t for x in s for y in t}  # fmt: skip
+        self.cut = {
+            frozenset((x, y)) for s in sides for t in sides if s is not t for x in s for y in t
+        }
         self.refresh()
 
     def heal(self) -> None:
@@ -148,7 +150,14 @@ class FakeNode:
                     self.ctx.members.forget(other)
                     continue
                 held = self.net.nodes[other].rep.table.version  # as its hellos say
-                self.ctx.members.hello(node_id=other, name=f"host-{other}", endpoint=f"fake://{other}", record={}, now=0.0, held=held)  # fmt: skip
+                self.ctx.members.hello(
+                    node_id=other,
+                    name=f"host-{other}",
+                    endpoint=f"fake://{other}",
+                    record={},
+                    now=0.0,
+                    held=held,
+                )
             else:
                 self.ctx.members.dead(other, 0.0, "cut")
         if self.ctx.leader != me:

@@ -15,10 +15,16 @@ from swarmp2p.plan.worker_spec import local_cluster
 from swarmp2p.schema import to_data
 
 CONFIG = {
-    "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 192,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "tie_word_embeddings": False, "max_position_embeddings": 512,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 6,
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+}
 SHAPE = from_config(CONFIG)
 
 
@@ -29,10 +35,16 @@ def job(name: str = "t", **train):
             "model": {"pretrained": "/models/tiny", "lora": {"enabled": True, "r": 4}},
             "data": {"source": "random"},
             "split": {"stages": 2, "mode": "equal"},
-            "train": {"steps": 10, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
-                      "checkpoint_every": 2, **train},
+            "train": {
+                "steps": 10,
+                "batch_size": 4,
+                "seq_len": 16,
+                "micro_batches": 2,
+                "checkpoint_every": 2,
+                **train,
+            },
         }
-    )  # fmt: skip
+    )
 
 
 def cluster(*node_ids: str) -> list[dict]:
@@ -86,8 +98,14 @@ def running(job_id: str = "j1", nodes=("a", "b"), the_job=None) -> Log:
     the_job = the_job or job()
     log(
         ev.JobSubmitted(job_id=job_id, job=the_job, submitted_by="cli", at=1.0),
-        ev.JobPlaced(job_id=job_id, attempt=1, plan=plan(nodes, the_job),
-                     cluster=tuple(cluster(*nodes)), placed_by="a", at=2.0),
+        ev.JobPlaced(
+            job_id=job_id,
+            attempt=1,
+            plan=plan(nodes, the_job),
+            cluster=tuple(cluster(*nodes)),
+            placed_by="a",
+            at=2.0,
+        ),
         ev.JobRunning(job_id=job_id, attempt=1, at=3.0),
-    )  # fmt: skip
+    )
     return log

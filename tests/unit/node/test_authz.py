@@ -26,9 +26,17 @@ def _hb(node_id):
 
 def _start(leader):
     return m.StageStart(
-        job_id="j1", attempt=1, stage=0, job=job(), cluster=[], plan="{}", next="",
-        resume_step=0, snapshot_nodes=[], leader=leader,
-    )  # fmt: skip
+        job_id="j1",
+        attempt=1,
+        stage=0,
+        job=job(),
+        cluster=[],
+        plan="{}",
+        next="",
+        resume_step=0,
+        snapshot_nodes=[],
+        leader=leader,
+    )
 
 
 @pytest.mark.parametrize(
@@ -91,11 +99,26 @@ def _serve_start(issuer):
     from swarmp2p.plan import from_config
     from swarmp2p.plan.serve import ServeInputs
 
-    shape = from_config({"model_type": "llama", "vocab_size": 128, "hidden_size": 32,
-                         "intermediate_size": 64, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "num_key_value_heads": 2})  # fmt: skip
-    return m.ServeStageStart(serve_id="s1", attempt=2, stage=0, inputs=ServeInputs(shape=shape),
-                             plan="{}", model="/m", issuer=issuer)  # fmt: skip
+    shape = from_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    return m.ServeStageStart(
+        serve_id="s1",
+        attempt=2,
+        stage=0,
+        inputs=ServeInputs(shape=shape),
+        plan="{}",
+        model="/m",
+        issuer=issuer,
+    )
 
 
 STOP = m.ServeStageStop(serve_id="s1", attempt=1, stage=-1)

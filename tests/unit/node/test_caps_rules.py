@@ -56,9 +56,12 @@ def test_the_swarm_cap_counts_every_unfinished_job():
 
 def _records(free_gib: float, disk_gib: float = 100):
     return [
-        {"node_id": "a", "disk_free": int(disk_gib * 2**30),
-         "devices": [{"kind": "cpu", "index": 0, "memory_free": int(free_gib * 2**30)}]},
-    ]  # fmt: skip
+        {
+            "node_id": "a",
+            "disk_free": int(disk_gib * 2**30),
+            "devices": [{"kind": "cpu", "index": 0, "memory_free": int(free_gib * 2**30)}],
+        },
+    ]
 
 
 def test_a_blocked_job_is_planned_again_only_when_its_inputs_change_or_in_time():
@@ -122,7 +125,9 @@ def test_a_pull_of_the_wrong_size_writes_nothing(tmp_path, kw, message):
     asked: list = []
     sha = kw.pop("sha256")
     with pytest.raises(ValueError, match=message):
-        asyncio.run(model_files.pull_file(_offering(2**30, asked), "f.bin", dest, sha, 1 << 20, **kw))  # fmt: skip
+        asyncio.run(
+            model_files.pull_file(_offering(2**30, asked), "f.bin", dest, sha, 1 << 20, **kw)
+        )
     assert len(asked) == 1  # the first chunk only: its total is the offer
     assert not (tmp_path / "jobs").exists()
 
@@ -131,7 +136,11 @@ def test_a_pull_past_the_free_disk_writes_nothing(tmp_path):
     room = model_files.disk_room(tmp_path)
     dest = tmp_path / "new" / "f.bin"
     with pytest.raises(ValueError, match="do not fit"):
-        asyncio.run(model_files.pull_file(_offering(room + 1, []), "f.bin", dest, None, 1 << 20, limit=room * 2))  # fmt: skip
+        asyncio.run(
+            model_files.pull_file(
+                _offering(room + 1, []), "f.bin", dest, None, 1 << 20, limit=room * 2
+            )
+        )
     assert not dest.parent.exists()
 
 
@@ -149,7 +158,9 @@ def test_a_source_that_changes_size_midway_leaves_no_file(tmp_path):
 
 def test_a_pull_of_the_listed_size_arrives(tmp_path):
     dest = tmp_path / "d" / "f.bin"
-    asyncio.run(model_files.pull_file(_offering(3 << 20, []), "f.bin", dest, None, 1 << 20, size=3 << 20))  # fmt: skip
+    asyncio.run(
+        model_files.pull_file(_offering(3 << 20, []), "f.bin", dest, None, 1 << 20, size=3 << 20)
+    )
     assert dest.stat().st_size == 3 << 20
 
 

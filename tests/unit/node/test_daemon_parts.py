@@ -169,11 +169,21 @@ def test_status_table():
     row_b = next(line for line in text.splitlines() if line.startswith("b "))
     assert " NO " in row_b
     status["served"] = [
-        {"model": "tiny", "url": "http://127.0.0.1:8080", "state": "serving", "reason": "",
-         "stages": [{"node": "a", "layers": [0, 2]}, {"node": "b", "layers": [2, 4]}]},
-        {"model": "tuned", "url": "", "state": "restoring", "stages": [],
-         "reason": "the leader a is not reachable; retry"},
-    ]  # fmt: skip
+        {
+            "model": "tiny",
+            "url": "http://127.0.0.1:8080",
+            "state": "serving",
+            "reason": "",
+            "stages": [{"node": "a", "layers": [0, 2]}, {"node": "b", "layers": [2, 4]}],
+        },
+        {
+            "model": "tuned",
+            "url": "",
+            "state": "restoring",
+            "stages": [],
+            "reason": "the leader a is not reachable; retry",
+        },
+    ]
     served = [
         line for line in control.format_status(status).splitlines() if line.startswith("served")
     ]
@@ -186,10 +196,23 @@ def test_status_table():
 def test_status_names_down_members_and_the_writes_this_node_rolled_back():
     from swarmp2p.client.control import _quorum_lines
 
-    q = {"members": ["a", "b", "c"], "voters": ["a", "b"], "down": ["c"], "majority": 2,
-         "ok": False, "reason": "this node sees 1 of 2 voting member(s) (a)",
-         "dropped": [{"versions": [7, 8], "events": ["member_removed", "job_submitted"],
-                      "why": "no majority", "term": 3, "at": 0.0}]}  # fmt: skip
+    q = {
+        "members": ["a", "b", "c"],
+        "voters": ["a", "b"],
+        "down": ["c"],
+        "majority": 2,
+        "ok": False,
+        "reason": "this node sees 1 of 2 voting member(s) (a)",
+        "dropped": [
+            {
+                "versions": [7, 8],
+                "events": ["member_removed", "job_submitted"],
+                "why": "no majority",
+                "term": 3,
+                "at": 0.0,
+            }
+        ],
+    }
     assert _quorum_lines(q) == [
         "members 3 (a, b, c), majority 2 of 2 voting (c down)",
         "quorum  NO: this node sees 1 of 2 voting member(s) (a)",

@@ -17,9 +17,12 @@ from swarmp2p.plan import Blocked
 
 def view(*alive, me="a", busy=()):
     return decide.LeaderView(
-        node_id=me, alive=frozenset(alive), names={n: f"host-{n}" for n in alive},
-        busy=frozenset(busy), keys={n: key(n) for n in alive},
-    )  # fmt: skip
+        node_id=me,
+        alive=frozenset(alive),
+        names={n: f"host-{n}" for n in alive},
+        busy=frozenset(busy),
+        keys={n: key(n) for n in alive},
+    )
 
 
 def _kinds(actions):
@@ -66,8 +69,10 @@ def test_a_job_placed_by_a_dead_leader_is_wired_again():
 
 def test_a_completed_job_is_registered_once():
     log = running()
-    log(ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
-        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0))  # fmt: skip
+    log(
+        ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
+        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0),
+    )
     assert _kinds(decide.leader_actions(log.table, view("a", "b"))) == [("Register", "j1")]
     (event,) = decide.registration(log.table, "j1")
     assert event.model["id"] == "t" and event.model["manifest"]["split"] == [[0, 3], [3, 6]]
@@ -109,28 +114,38 @@ def _snapshots(log, step=4, holders=("a",)):
 def test_a_lost_job_is_planned_on_its_snapshots_cuts_first_then_re_split():
     log = running()
     assert decide.plan_tries(log.table.jobs["j1"], {"a", "b"}) == [
-        decide.PlanTry(), decide.PlanTry(any_count=True)]  # no snapshot: from the job  # fmt: skip
+        decide.PlanTry(),
+        decide.PlanTry(any_count=True),
+    ]  # no snapshot: from the job
     _snapshots(log)
     entry = log.table.jobs["j1"]
     step, layout = decide.snapshot_layout(entry, {"a", "c"})
     assert step == 4 and [r["layers"] for r in layout] == [[0, 3], [3, 6]]
     assert [r["nodes"] for r in layout] == [["a"], ["a"]]
     assert decide.plan_tries(entry, {"a", "c"}) == [
-        decide.PlanTry(cuts=(3,)), decide.PlanTry(), decide.PlanTry(any_count=True)]  # fmt: skip
+        decide.PlanTry(cuts=(3,)),
+        decide.PlanTry(),
+        decide.PlanTry(any_count=True),
+    ]
     assert decide.snapshot_layout(entry, {"b", "c"}) == (0, ())  # no live holder
 
 
 def test_a_resume_on_the_same_cuts_reads_its_snapshots_and_other_cuts_re_slice_them():
     log = running()
     _snapshots(log)
-    args = dict(cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0)  # fmt: skip
-    (placed,) = decide.placement(log.table.jobs["j1"], plan(("a", "c")), **args,
-                                 tried=decide.PlanTry(cuts=(3,)))  # fmt: skip
+    args = dict(
+        cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0
+    )
+    (placed,) = decide.placement(
+        log.table.jobs["j1"], plan(("a", "c")), **args, tried=decide.PlanTry(cuts=(3,))
+    )
     assert (placed.resume_step, placed.attempt, placed.resplit, placed.cuts) == (4, 2, (), (3,))
     (other,) = decide.placement(log.table.jobs["j1"], _with_cuts(plan(("a", "c"))), **args)
     assert other.resume_step == 4 and other.cuts == ()
-    assert other.resplit == ({"stage": 0, "layers": [0, 3], "nodes": ["a"]},
-                             {"stage": 1, "layers": [3, 6], "nodes": ["a"]})  # fmt: skip
+    assert other.resplit == (
+        {"stage": 0, "layers": [0, 3], "nodes": ["a"]},
+        {"stage": 1, "layers": [3, 6], "nodes": ["a"]},
+    )
     log(other)  # the re-split attempt forgets the old cuts' snapshots, keeps where they are
     entry = log.table.jobs["j1"]
     assert entry.snapshots == {} and entry.resplit == other.resplit
@@ -158,9 +173,14 @@ STEP = {"event": "step", "step": 3, "loss": 2.5, "step_s": 0.5}
 
 def _fold(log, stage, *events, attempt=1, due=False):
     return decide.fold_report(
-        log.table.jobs["j1"], attempt=attempt, stage=stage, node_id="ab"[stage],
-        events=list(events), now=10.0, progress_due=due,
-    )  # fmt: skip
+        log.table.jobs["j1"],
+        attempt=attempt,
+        stage=stage,
+        node_id="ab"[stage],
+        events=list(events),
+        now=10.0,
+        progress_due=due,
+    )
 
 
 def test_steps_make_a_progress_sample_only_when_due_or_at_the_end():
@@ -203,7 +223,9 @@ def test_lifecycle_events_of_a_report():
 
 def test_a_failed_exit_names_the_stage_node_message_and_tail():
     log = running()
-    (failed,) = _fold(log, 0, {"event": "exit", "code": -9, "stderr_tail": ["x"] * 100, "error": "boom"})  # fmt: skip
+    (failed,) = _fold(
+        log, 0, {"event": "exit", "code": -9, "stderr_tail": ["x"] * 100, "error": "boom"}
+    )
     assert failed.message == "boom (killed by SIGKILL)" and failed.node_id == "a"
     assert len(failed.stderr_tail) == ev.MAX_TAIL_LINES
     assert _fold(log, 0, {"event": "exit", "code": 0}) == []
@@ -238,11 +260,19 @@ def test_available_memory_leaves_out_other_jobs_stages_and_served_models():
 
 def _speed_job(**train):
     data = {
-        "name": "s", "model": {"pretrained": "/models/tiny"}, "data": {"source": "random"},
+        "name": "s",
+        "model": {"pretrained": "/models/tiny"},
+        "data": {"source": "random"},
         "split": {"stages": 2},
-        "train": {"steps": 100, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
-                  "checkpoint_every": 10, **train},
-    }  # fmt: skip
+        "train": {
+            "steps": 100,
+            "batch_size": 4,
+            "seq_len": 16,
+            "micro_batches": 2,
+            "checkpoint_every": 10,
+            **train,
+        },
+    }
     from swarmp2p.plan import parse_job
 
     return parse_job(data)
@@ -254,9 +284,11 @@ def _compute(entry, slow=(1.0, 1.0), steps=range(2, 22), attempt=1):
     unit = 0.5 / max(predicted)
     return {
         "attempt": attempt,
-        "steps": {str(k): {str(i): p * unit * f for i, (p, f) in enumerate(zip(predicted, slow))}
-                  for k in steps},
-    }  # fmt: skip
+        "steps": {
+            str(k): {str(i): p * unit * f for i, (p, f) in enumerate(zip(predicted, slow))}
+            for k in steps
+        },
+    }
 
 
 @pytest.mark.parametrize(

@@ -199,8 +199,13 @@ def test_a_fake_device_keeps_its_memory_and_a_report_lands_in_the_record():
     env = {hardware.FAKE_DEVICES_ENV: "A5000:24:8.6"}
     record, _ = hardware.probe(node_id="n1", name="n1", version="0", env=env)
     assert hardware.LiveMemory(record).read()["cuda:0"] == 24 * GIB
-    hardware.apply_memory(record, {"free": {"cuda:0": 30 * GIB, "cpu:0": -1},
-                                   "held": {"serve": {"cuda:0": GIB}, "other": {}}})  # fmt: skip
+    hardware.apply_memory(
+        record,
+        {
+            "free": {"cuda:0": 30 * GIB, "cpu:0": -1},
+            "held": {"serve": {"cuda:0": GIB}, "other": {}},
+        },
+    )
     gpu, cpu = record["devices"]
     assert gpu["memory_free"] == 24 * GIB  # never above the total
     assert cpu["memory_free"] > 0  # a bad value is ignored

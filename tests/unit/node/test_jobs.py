@@ -37,8 +37,14 @@ def _node(node_id, devices=None, caps=CAPABILITIES):
 
 
 def _gpu(index, cc="8.6", fake=False):
-    d = {"kind": "cuda", "index": index, "name": "A5000", "memory_total": 24 * GIB,
-         "memory_free": 24 * GIB, "compute_capability": cc}  # fmt: skip
+    d = {
+        "kind": "cuda",
+        "index": index,
+        "name": "A5000",
+        "memory_total": 24 * GIB,
+        "memory_free": 24 * GIB,
+        "compute_capability": cc,
+    }
     if fake:
         d["fake"] = True
     return d
@@ -49,9 +55,15 @@ JOB = {
     "model": {"pretrained": "embedded", "lora": {"enabled": True, "r": 4}},
     "split": {"stages": 2, "mode": "equal"},
     "data": {"source": "random"},
-    "train": {"steps": 5, "batch_size": 4, "seq_len": 16, "micro_batches": 2,
-              "checkpoint_every": 2, "eval_batches": 1},
-}  # fmt: skip
+    "train": {
+        "steps": 5,
+        "batch_size": 4,
+        "seq_len": 16,
+        "micro_batches": 2,
+        "checkpoint_every": 2,
+        "eval_batches": 1,
+    },
+}
 
 
 def _canonical(data=JOB):
@@ -141,8 +153,15 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     from swarmp2p.node.training.metrics import MetricsStore
 
     store = MetricsStore()
-    step = {"event": "step", "step": 0, "loss": 4.5, "tokens_per_s": 100.0, "step_s": 0.5,
-            "act_bytes": 1_000_000, "grad_bytes": 2_000_000}  # fmt: skip
+    step = {
+        "event": "step",
+        "step": 0,
+        "loss": 4.5,
+        "tokens_per_s": 100.0,
+        "step_s": 0.5,
+        "act_bytes": 1_000_000,
+        "grad_bytes": 2_000_000,
+    }
     store.fold("j", attempt=1, stage=0, n_stages=3, events=[step])
     first = store.get("j")
     assert "step" not in first
@@ -156,7 +175,9 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     last = store.get("j")
     assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5]]
     assert last["boundaries"]["1"]["grad_mb_s"] == 4.0
-    store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)])  # fmt: skip
+    store.fold(
+        "j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)]
+    )
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
 
 
@@ -166,8 +187,18 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
     store = MetricsStore()
 
     def step(s, stage, at, **extra):
-        event = {"event": "step", "step": s, "tokens": 512, "forward_s": 0.1, "backward_s": 0.2,
-                 "optimizer_s": 0.05, "wait_s": 0.3, "at": at, "step_s": 0.65, **extra}  # fmt: skip
+        event = {
+            "event": "step",
+            "step": s,
+            "tokens": 512,
+            "forward_s": 0.1,
+            "backward_s": 0.2,
+            "optimizer_s": 0.05,
+            "wait_s": 0.3,
+            "at": at,
+            "step_s": 0.65,
+            **extra,
+        }
         store.fold("j", attempt=1, stage=stage, n_stages=2, events=[event])
 
     for s in range(6):  # a slow first step, then one step every 0.5 s
@@ -184,8 +215,23 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
     for s in range(7, 7 + COMPUTE_STEPS):
         step(s, 1, 300.0 + s)
     assert len(store.get("j")["compute"]["steps"]) == COMPUTE_STEPS
-    store.fold("j", attempt=2, stage=1, n_stages=2, events=[{"event": "step", "step": 50,
-               "forward_s": 1.0, "backward_s": 1.0, "optimizer_s": 0.0, "at": 1.0, "tokens": 1}])  # fmt: skip
+    store.fold(
+        "j",
+        attempt=2,
+        stage=1,
+        n_stages=2,
+        events=[
+            {
+                "event": "step",
+                "step": 50,
+                "forward_s": 1.0,
+                "backward_s": 1.0,
+                "optimizer_s": 0.0,
+                "at": 1.0,
+                "tokens": 1,
+            }
+        ],
+    )
     assert store.get("j")["compute"] == {"attempt": 2, "steps": {"50": {"1": 2.0}}}
 
 
@@ -236,8 +282,19 @@ def test_job_view_has_the_issue_shape():
     log(ev.JobResuming(job_id="j1", reason="node b lost", at=2.0))
     view = job_view(log.table.jobs["j1"], {"loss": 2.0})
     assert view["state"] == "RESUMING" and view["steps"] == 10 and view["name"] == "t"
-    assert set(view) >= {"id", "name", "state", "step", "steps", "plan", "metrics",
-                         "evaluation", "reason", "error", "model"}  # fmt: skip
+    assert set(view) >= {
+        "id",
+        "name",
+        "state",
+        "step",
+        "steps",
+        "plan",
+        "metrics",
+        "evaluation",
+        "reason",
+        "error",
+        "model",
+    }
     assert view["plan"]["stages"] == [] and view["metrics"]["loss"] == 2.0
     assert [h["state"] for h in view["history"]] == ["pending", "resuming"]
 
@@ -257,11 +314,17 @@ def test_model_ids_are_unique_and_the_registry_lists_completed_models():
     log = running()
     log(
         ev.EvaluationReported(job_id="j1", name="trained", loss=1.0, tokens=8),
-        ev.StageExported(job_id="j1", attempt=1, stage=1, node_id="b", folder="export/stage-1",
-                         manifest={"files": {"model.safetensors": "0" * 64}}),
+        ev.StageExported(
+            job_id="j1",
+            attempt=1,
+            stage=1,
+            node_id="b",
+            folder="export/stage-1",
+            manifest={"files": {"model.safetensors": "0" * 64}},
+        ),
         ev.StageFinished(job_id="j1", attempt=1, stage=0, at=1.0),
         ev.StageFinished(job_id="j1", attempt=1, stage=1, at=1.0),
-    )  # fmt: skip
+    )
     log(*decide.registration(log.table, "j1"))
     entry = log.table.jobs["j1"].model
     assert entry["base"] == "/models/tiny" and entry["manifest"]["lora"]["r"] == 4
@@ -331,10 +394,14 @@ def test_job_view_shows_each_stage_predicted_beside_measured():
     log = founded("a", "b")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
     planned = jobs.compute_plan(job(), records, shape=_shape())
-    log(ev.JobPlaced(job_id="j1", attempt=1, plan=planned, cluster=tuple(records), placed_by="a",
-                     at=2.0))  # fmt: skip
-    metrics = {"stages": {"1": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_s": 0.05,
-                                "wait_s": 0.3}}}  # fmt: skip
+    log(
+        ev.JobPlaced(
+            job_id="j1", attempt=1, plan=planned, cluster=tuple(records), placed_by="a", at=2.0
+        )
+    )
+    metrics = {
+        "stages": {"1": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_s": 0.05, "wait_s": 0.3}}
+    }
     view = job_view(log.table.jobs["j1"], metrics)
     first, last = view["plan"]["stages"]
     assert first["predicted_s"] == planned.timing.stages[0].compute_s > 0

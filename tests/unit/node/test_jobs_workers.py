@@ -18,9 +18,16 @@ def _spec(**extra):
     from swarmp2p.plan import from_config, parse_job
     from swarmp2p.plan.worker_spec import local_plan, worker_spec
 
-    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
-              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "max_position_embeddings": 64}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }
     job = parse_job({"model": {"pretrained": "/nonexistent/model"}, "data": {"source": "random"}})
     plan = local_plan(job, from_config(config), cuts=[1])
     spec = worker_spec(job, plan, 1, token=SwarmSecret.generate().token).to_dict()
@@ -36,8 +43,9 @@ async def _run(spec, kill_after_ready=False):
         exits.append((code, tail))
         done.set()
 
-    w = WorkerProcess(job_id="j", attempt=1, stage=1, spec=spec, on_event=events.append,
-                      on_exit=on_exit)  # fmt: skip
+    w = WorkerProcess(
+        job_id="j", attempt=1, stage=1, spec=spec, on_event=events.append, on_exit=on_exit
+    )
     await w.start()
     try:
         if kill_after_ready:
@@ -76,9 +84,16 @@ def test_a_worker_that_reads_its_stdin_is_stopped_by_the_end_of_input():
     exits, events = [], []
 
     async def run():
-        w = WorkerProcess(job_id="s", attempt=1, stage=0, spec={"event": "ready", "endpoint": "x"},
-                          on_event=events.append, on_exit=lambda c, t: exits.append(c),
-                          module="json.tool", keep_stdin=True)  # fmt: skip
+        w = WorkerProcess(
+            job_id="s",
+            attempt=1,
+            stage=0,
+            spec={"event": "ready", "endpoint": "x"},
+            on_event=events.append,
+            on_exit=lambda c, t: exits.append(c),
+            module="json.tool",
+            keep_stdin=True,
+        )
         await w.start()
         await w.stop()
         return w.proc.returncode

@@ -62,8 +62,17 @@ def test_a_lost_node_resumes_on_a_new_attempt_from_a_snapshot():
     log = running()
     log(ev.JobResuming(job_id="j1", reason="node(s) b lost", at=5.0))
     assert log.table.jobs["j1"].state == "resuming"
-    t = log(ev.JobPlaced(job_id="j1", attempt=2, plan=plan(("a", "c")), cluster=tuple(cluster("a", "c")),
-                         resume_step=2, placed_by="a", at=6.0))  # fmt: skip
+    t = log(
+        ev.JobPlaced(
+            job_id="j1",
+            attempt=2,
+            plan=plan(("a", "c")),
+            cluster=tuple(cluster("a", "c")),
+            resume_step=2,
+            placed_by="a",
+            at=6.0,
+        )
+    )
     entry = t.jobs["j1"]
     assert (entry.state, entry.attempt, entry.resume_step, entry.reason) == ("resuming", 2, 2, None)
     assert entry.stage_nodes == ("a", "c")
@@ -75,14 +84,24 @@ def test_a_rebalanced_job_says_why_in_its_history_and_keeps_the_speeds_it_measur
     log = running()
     speeds = {"a": {"cpu:0": 1.5e10}, "b": {"cpu:0": 4.5e10}}
     why = "stage 0 ran 1.8x its predicted time for 20 steps: cuts [2] from [3]"
-    t = log(ev.JobRebalanced(job_id="j1", attempt=1, reason=why, dtype="float32", speeds=speeds,
-                             at=5.0))  # fmt: skip
+    t = log(
+        ev.JobRebalanced(job_id="j1", attempt=1, reason=why, dtype="float32", speeds=speeds, at=5.0)
+    )
     entry = t.jobs["j1"]
     assert (entry.state, entry.reason, entry.rebalances) == ("resuming", why, 1)
     assert entry.learned == speeds and entry.learned_dtype == "float32"
     assert (entry.history[-1].state, entry.history[-1].reason) == ("resuming", why)
-    t = log(ev.JobPlaced(job_id="j1", attempt=2, plan=plan(), cluster=tuple(cluster("a", "b")),
-                         resume_step=4, placed_by="a", at=6.0))  # fmt: skip
+    t = log(
+        ev.JobPlaced(
+            job_id="j1",
+            attempt=2,
+            plan=plan(),
+            cluster=tuple(cluster("a", "b")),
+            resume_step=4,
+            placed_by="a",
+            at=6.0,
+        )
+    )
     assert t.jobs["j1"].learned == speeds and t.jobs["j1"].rebalances == 1  # kept: later plans
     with pytest.raises(ValueError, match="only a running job is re-balanced"):
         log(ev.JobRebalanced(job_id="j1", attempt=2, reason="", dtype="float32", speeds={}, at=7.0))
@@ -96,8 +115,17 @@ def test_a_blocked_job_waits_with_its_reason_and_a_failure_is_kept():
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
     t = log(ev.JobPending(job_id="j1", reason="placed 0 of 2 required workers", at=2.0))
     assert t.jobs["j1"].state == "pending" and t.jobs["j1"].reason.startswith("placed 0")
-    t = log(ev.JobFailed(job_id="j1", attempt=0, stage=-1, node_id="a", message="no model",
-                         stderr_tail=("x",), at=3.0))  # fmt: skip
+    t = log(
+        ev.JobFailed(
+            job_id="j1",
+            attempt=0,
+            stage=-1,
+            node_id="a",
+            message="no model",
+            stderr_tail=("x",),
+            at=3.0,
+        )
+    )
     assert t.jobs["j1"].state == "failed" and t.jobs["j1"].error.message == "no model"
 
 
@@ -165,9 +193,15 @@ def test_snapshots_keep_the_newest_four_per_stage():
 
 def test_a_model_registers_once_under_a_free_id_and_lists_its_copies():
     log = running()
-    log(ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
-        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0))  # fmt: skip
-    model = {"id": "t", "job_id": "j1", "manifest": {"stages": [{"stage": 0, "node": "a"}, {"stage": 1, "node": "b"}]}}  # fmt: skip
+    log(
+        ev.StageFinished(job_id="j1", attempt=1, stage=0, at=5.0),
+        ev.StageFinished(job_id="j1", attempt=1, stage=1, at=5.0),
+    )
+    model = {
+        "id": "t",
+        "job_id": "j1",
+        "manifest": {"stages": [{"stage": 0, "node": "a"}, {"stage": 1, "node": "b"}]},
+    }
     t = log(ev.ModelRegistered(job_id="j1", model=model))
     t = log(ev.ShardCopied(job_id="j1", stage=1, node_id="c"))
     assert t.jobs["j1"].model["manifest"]["stages"][1]["copies"] == ["c"]
@@ -272,7 +306,9 @@ def test_an_older_format_is_kept_aside_not_lost(tmp_path, old):
 
     path = tmp_path / "jobs.json"
     members = [{"node_id": "a", "name": "a"}]
-    body = json.dumps({"format": old, "term": 3, "version": 9, "leader": "a", "jobs": {}, "members": members})  # fmt: skip
+    body = json.dumps(
+        {"format": old, "term": 3, "version": 9, "leader": "a", "jobs": {}, "members": members}
+    )
     path.write_text(
         json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "table": body})
     )

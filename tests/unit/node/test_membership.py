@@ -95,7 +95,11 @@ def test_the_keyring_binds_members_by_the_table_and_joiners_until_listed():
     assert ring.node_of(key("b")) == "b" and ring.key_of("b") == key("b")
     assert ring.node_of(key("c")) is None and not ring.admits(key("c"))
     ring.admit("c", key("c"), 0.0)  # c passed the join port: bound, not a member
-    assert ring.node_of(key("c")) == "c" and not ring.is_member("c") and ring.pending == {"c": key("c")}  # fmt: skip
+    assert (
+        ring.node_of(key("c")) == "c"
+        and not ring.is_member("c")
+        and ring.pending == {"c": key("c")}
+    )
     with pytest.raises(Refused, match="belongs to a member with another key"):
         ring.admit("b", key("x"), 0.0)  # nobody takes over a member's id
     with pytest.raises(Refused, match="presents the key of b"):

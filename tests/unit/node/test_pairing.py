@@ -150,10 +150,17 @@ def test_a_replayed_exchange_gets_nothing():
     ok, session, key, mine, reply = _joiner(invite.code, invite.nameplate, book)
     assert ok
     clock.now += 2
-    replay = book.start(PairStart(nameplate=invite.nameplate, session=secrets.token_bytes(16), spake=mine))  # fmt: skip
+    replay = book.start(
+        PairStart(nameplate=invite.nameplate, session=secrets.token_bytes(16), spake=mine)
+    )
     assert replay.spake != reply.spake and replay.confirm != reply.confirm
     with pytest.raises(UserError, match=r"no pairing in progress|does not match"):
-        book.finish(PairFinish(session=b"x" * 16, confirm=pairing._mac(key, b"joiner", session + mine + reply.spake)))  # fmt: skip
+        book.finish(
+            PairFinish(
+                session=b"x" * 16,
+                confirm=pairing._mac(key, b"joiner", session + mine + reply.spake),
+            )
+        )
 
 
 def test_an_invite_expires():

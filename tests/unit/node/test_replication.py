@@ -65,7 +65,7 @@ def test_a_write_commits_on_a_majority_and_not_on_a_minority(tmp_path):
         assert "j2" not in a.rep.table.jobs and a.rep.table.version == committed
         assert jobtable.load(a.ctx.state.table_file).version == committed  # on disk too
         (dropped,) = a.rep.quorum()["dropped"]
-        assert dropped["events"] == ["job_submitted"] and dropped["versions"] == [committed + 1] * 2  # fmt: skip
+        assert dropped["events"] == ["job_submitted"] and dropped["versions"] == [committed + 1] * 2
         # and a leader that knows it sees no majority refuses at once, writing nothing
         a.rep.ready = True
         with pytest.raises(Unavailable, match="1 of 3 voting member"):
@@ -133,7 +133,7 @@ def test_only_the_leader_of_the_newest_term_writes(tmp_path):
         newer = TablePush(node_id="c", term=term + 5, table=b.table.to_dict())
         ack = await b.on_table(newer, "c")
         assert not ack.ok and "view says a leads" in ack.reason
-        ack = await b.on_table(TablePush(node_id="a", term=term + 5, table=b.table.to_dict()), "zz")  # fmt: skip
+        ack = await b.on_table(TablePush(node_id="a", term=term + 5, table=b.table.to_dict()), "zz")
         assert not ack.ok and "zz is not a member" in ack.reason and b.table.version == version
 
     asyncio.run(main())
@@ -219,7 +219,9 @@ def test_one_membership_change_at_a_time_and_counted_over_the_committed_voters(t
     async def main():
         nodes = await _founding(tmp_path)
         a, c = nodes["a"], nodes["c"]
-        first = asyncio.ensure_future(a.rep.append([ev.MemberLeft(node_id="c", reason="stopped")], wait=True))  # fmt: skip
+        first = asyncio.ensure_future(
+            a.rep.append([ev.MemberLeft(node_id="c", reason="stopped")], wait=True)
+        )
         await asyncio.sleep(0)
         with pytest.raises(Unavailable, match="membership change is still committing"):
             await _remove(a, "b")
@@ -230,7 +232,9 @@ def test_one_membership_change_at_a_time_and_counted_over_the_committed_voters(t
         await submit(a, "j1")
         assert a.rep.table.member("c").key == c.ctx.key.public
         with pytest.raises(Unavailable, match="more than one"):
-            await a.rep.append([ev.MemberLeft(node_id="b"), ev.MemberJoined(node_id="c", key=c.ctx.key.public)])  # fmt: skip
+            await a.rep.append(
+                [ev.MemberLeft(node_id="b"), ev.MemberJoined(node_id="c", key=c.ctx.key.public)]
+            )
 
     asyncio.run(main())
 
@@ -257,7 +261,9 @@ def test_a_newcomer_with_an_empty_table_never_leads_a_swarm_that_has_one(tmp_pat
         net.heal()
         await lead(a)
         assert a.rep.ready
-        version = await a.rep.append([ev.MemberJoined(node_id="0new", key=newcomer.ctx.key.public)], wait=True)  # fmt: skip
+        version = await a.rep.append(
+            [ev.MemberJoined(node_id="0new", key=newcomer.ctx.key.public)], wait=True
+        )
         await settle(net.nodes.values())
         assert newcomer.rep.table.version >= version and set(newcomer.rep.table.jobs) == {"j1"}
         net.heal()  # the next heartbeats: 0new says it holds the table now
@@ -278,7 +284,9 @@ def test_an_event_that_does_not_follow_refuses_its_whole_batch_and_writes_nothin
         before, on_disk = a.table, jobtable.load(nodes["a"].ctx.state.table_file)
         cancel = ev.JobCancelled(job_id="j1", reason="by the user", at=2.0)
         ghost = ev.JobCancelled(job_id="nobody", reason="by the user", at=2.0)
-        with pytest.raises(NotApplied, match="job_cancelled does not follow from table version") as err:  # fmt: skip
+        with pytest.raises(
+            NotApplied, match="job_cancelled does not follow from table version"
+        ) as err:
             await a.append([cancel, ghost], wait=True)
         assert err.value.code == "not_applied" and "nobody" in str(err.value)
         assert a.table is before and a.table.jobs["j1"].state == "pending"

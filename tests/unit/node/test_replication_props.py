@@ -132,7 +132,11 @@ class SwarmMachine(RuleBasedStateMachine):
         return self.net.nodes.get(node_id) if node_id not in self.gone else None
 
     def up(self) -> list[FakeNode]:
-        return [n for i, n in sorted(self.net.nodes.items()) if i not in self.net.down and i not in self.gone]  # fmt: skip
+        return [
+            n
+            for i, n in sorted(self.net.nodes.items())
+            if i not in self.net.down and i not in self.gone
+        ]
 
     def ready(self, nodes=None) -> list[FakeNode]:
         nodes = self.up() if nodes is None else nodes
@@ -262,7 +266,12 @@ class SwarmMachine(RuleBasedStateMachine):
             out = []
             for peer in leader.ctx.members.alive_peers():
                 key = leader.ctx.keyring.key_of(peer.node_id)
-                if table.members and peer.node_id not in table.member_ids and key and key not in table.revoked:  # fmt: skip
+                if (
+                    table.members
+                    and peer.node_id not in table.member_ids
+                    and key
+                    and key not in table.revoked
+                ):
                     out.append(ev.MemberJoined(node_id=peer.node_id, name="", key=key))
             return out
 
@@ -402,7 +411,11 @@ class SwarmMachine(RuleBasedStateMachine):
         """The live members of ``leader``'s table that hold another table."""
         want = key_of(leader.rep.table)
         live = {n.node_id: n for n in self.up()}
-        return [m for m in leader.rep.table.member_ids if m in live and key_of(live[m].rep.table) != want]  # fmt: skip
+        return [
+            m
+            for m in leader.rep.table.member_ids
+            if m in live and key_of(live[m].rep.table) != want
+        ]
 
 
 class FixedMembersMachine(SwarmMachine):

@@ -44,14 +44,37 @@ SHAPE = from_config(
 
 def record(node_id: str, free: int = 8 * GIB, *, fake_gpu: str | None = None) -> dict:
     """A node record as a daemon advertises it (a fake GPU carries the ``fake`` mark)."""
-    devices = [{"kind": "cpu", "index": 0, "name": "cpu", "memory_total": free + GIB,
-                "memory_free": free + GIB, "compute_capability": ""}]  # fmt: skip
+    devices = [
+        {
+            "kind": "cpu",
+            "index": 0,
+            "name": "cpu",
+            "memory_total": free + GIB,
+            "memory_free": free + GIB,
+            "compute_capability": "",
+        }
+    ]
     if fake_gpu is not None:
-        devices.insert(0, {"kind": "cuda", "index": 0, "name": "fake", "memory_total": free,
-                           "memory_free": free, "compute_capability": fake_gpu, "fake": True})  # fmt: skip
-    return {"node_id": node_id, "name": f"host-{node_id}", "ram": 64 * GIB,
-            "disk_free": 100 * GIB, "capabilities": ["serve-codec", "wire-v2"],
-            "devices": devices}  # fmt: skip
+        devices.insert(
+            0,
+            {
+                "kind": "cuda",
+                "index": 0,
+                "name": "fake",
+                "memory_total": free,
+                "memory_free": free,
+                "compute_capability": fake_gpu,
+                "fake": True,
+            },
+        )
+    return {
+        "node_id": node_id,
+        "name": f"host-{node_id}",
+        "ram": 64 * GIB,
+        "disk_free": 100 * GIB,
+        "capabilities": ["serve-codec", "wire-v2"],
+        "devices": devices,
+    }
 
 
 def inputs(*records: dict, **kw) -> ServeInputs:
@@ -61,27 +84,54 @@ def inputs(*records: dict, **kw) -> ServeInputs:
 @pytest.mark.parametrize(
     "msg",
     [
-        ServePlace(serve_id="s1", inputs=ServeInputs(shape=SHAPE, max_sessions=4, max_context=256,
-                                                     quantization=None, dtype="float16")),
-        ServePlace(serve_id="s1", inputs=ServeInputs(shape=SHAPE, bounds=((0, 4), (4, 6)),
-                                                     holders=(("a",), ("b", "c")))),
+        ServePlace(
+            serve_id="s1",
+            inputs=ServeInputs(
+                shape=SHAPE, max_sessions=4, max_context=256, quantization=None, dtype="float16"
+            ),
+        ),
+        ServePlace(
+            serve_id="s1",
+            inputs=ServeInputs(shape=SHAPE, bounds=((0, 4), (4, 6)), holders=(("a",), ("b", "c"))),
+        ),
         ServePlaced(serve_id="s1", leader="a", inputs=inputs(record("a")), plan="{}"),
-        ServeStageStart(serve_id="s1", attempt=2, stage=1, inputs=inputs(record("a")), plan="{}",
-                        model="/m", issuer="b", embedded=True, revision="0" * 40,
-                        files={"config.json": [10, "0" * 64]},
-                        shard={"job_id": "j1", "folder": "export/stage-1", "files": {},
-                               "sources": ["a"], "tied": None}),
+        ServeStageStart(
+            serve_id="s1",
+            attempt=2,
+            stage=1,
+            inputs=inputs(record("a")),
+            plan="{}",
+            model="/m",
+            issuer="b",
+            embedded=True,
+            revision="0" * 40,
+            files={"config.json": [10, "0" * 64]},
+            shard={
+                "job_id": "j1",
+                "folder": "export/stage-1",
+                "files": {},
+                "sources": ["a"],
+                "tied": None,
+            },
+        ),
         ServeStageExit(serve_id="s1", attempt=2, stage=1, node_id="c", message="killed by SIGKILL"),
         ServeStageConnect(serve_id="s1", attempt=2, stage=1, next="tcp://10.0.0.2:4000"),
         ServeStageStop(serve_id="s1", attempt=2, stage=-1),
         ServeStage(serve_id="s1", attempt=2, stage=0, endpoint="tcp://x:1", state="ready"),
         ServeFileRead(serve_id="s1", file="model.safetensors", offset=0, size=1 << 20),
         ShardCopy(job_id="j1", stage=1, node_id="c"),
-        ServeShardHold(stage=1, shard={"job_id": "j1", "folder": "export/stage-1",
-                                       "files": {"weights.safetensors": "0" * 64},
-                                       "sources": ["a"], "tied": None}),
+        ServeShardHold(
+            stage=1,
+            shard={
+                "job_id": "j1",
+                "folder": "export/stage-1",
+                "files": {"weights.safetensors": "0" * 64},
+                "sources": ["a"],
+                "tied": None,
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_serve_messages_round_trip(msg):
     assert decode(encode(msg)) == msg
 
@@ -95,9 +145,14 @@ def test_a_serve_id_that_is_not_one_path_component_is_refused_on_the_wire():
 
 def test_the_daemon_routes_exactly_the_serve_requests():
     assert set(SERVE_MESSAGES) == {
-        ServePlace, ServeStageStart, ServeStageConnect, ServeStageStop, ServeStageExit,
-        ServeFileRead, ServeShardHold,
-    }  # fmt: skip
+        ServePlace,
+        ServeStageStart,
+        ServeStageConnect,
+        ServeStageStop,
+        ServeStageExit,
+        ServeFileRead,
+        ServeShardHold,
+    }
 
 
 def test_a_stage_node_accepts_the_plan_it_computes_itself_and_refuses_any_other():

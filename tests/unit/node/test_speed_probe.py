@@ -80,11 +80,17 @@ def _record(fake: str | None = None):
 
 
 def test_the_probe_measures_what_each_device_trains_a_fake_gpu_on_the_cpu():
-    fake = json.dumps([
-        {"name": "A5000", "memory_total": 2**34, "compute_capability": "8.6"},
-        {"name": "1660S", "memory_total": 2**32, "compute_capability": "7.5",
-         "speed": {"float16": 5e12, "float32": 4e12}},
-    ])  # fmt: skip
+    fake = json.dumps(
+        [
+            {"name": "A5000", "memory_total": 2**34, "compute_capability": "8.6"},
+            {
+                "name": "1660S",
+                "memory_total": 2**32,
+                "compute_capability": "7.5",
+                "speed": {"float16": 5e12, "float32": 4e12},
+            },
+        ]
+    )
     record, host = _record(fake)
     assert host["cpu_cores"] >= 1 and host["machine"] == speed_probe.machine_id()
     request = speed_probe.probe_request(record, threads=1)
@@ -116,9 +122,12 @@ def test_stages_on_one_machine_share_its_cores():
     from swarmp2p.plan import load_model_shape
 
     plan: Plan = local_plan(job, load_model_shape("embedded"), stages=3)
-    plan = Plan.from_dict({**plan.to_dict(), "stages": [
-        {**s.to_dict(), "node_id": n} for s, n in zip(plan.stages, ("a", "b", "c"))
-    ]})  # fmt: skip
+    plan = Plan.from_dict(
+        {
+            **plan.to_dict(),
+            "stages": [{**s.to_dict(), "node_id": n} for s, n in zip(plan.stages, ("a", "b", "c"))],
+        }
+    )
     same = {"a": "m1", "b": "m1", "c": "m2"}
     assert jobs.stages_on_machine(plan, "a", same) == 2
     assert jobs.stages_on_machine(plan, "c", same) == 1

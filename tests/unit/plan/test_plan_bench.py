@@ -15,8 +15,11 @@ def test_plan_scale_quick():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "plan_scale.py"), "--quick"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("plan_job over 64 nodes, 80 layers")

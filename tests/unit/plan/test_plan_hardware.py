@@ -28,10 +28,16 @@ NODE = {
     "ram": 64 * 2**30,
     "disk_free": 100 * 2**30,
     "devices": [
-        {"kind": "cuda", "index": 0, "name": "RTX A5000", "memory_total": 24 * 2**30,
-         "memory_free": 23 * 2**30, "compute_capability": "8.6"},
+        {
+            "kind": "cuda",
+            "index": 0,
+            "name": "RTX A5000",
+            "memory_total": 24 * 2**30,
+            "memory_free": 23 * 2**30,
+            "compute_capability": "8.6",
+        },
     ],
-}  # fmt: skip
+}
 
 
 def test_omitted_capabilities_and_version_mean_this_version():

@@ -62,9 +62,11 @@ LEARNED = {"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}
 def test_finetune_mode_precedence(lora, freeze, compression, mode):
     data = {
         "model": {"pretrained": "x/y", "freeze_backbone": freeze, "lora": {"enabled": lora}},
-        "split": {"stages": 3 if isinstance(compression, list) else "auto",
-                  "compression": compression},
-    }  # fmt: skip
+        "split": {
+            "stages": 3 if isinstance(compression, list) else "auto",
+            "compression": compression,
+        },
+    }
     assert parse_job(data).finetune_mode == mode
 
 
@@ -72,21 +74,46 @@ def test_every_error_is_reported_with_its_path():
     data = {
         "name": "",
         "modle": {},
-        "model": {"pretrained": "embedded", "dtype": "fp8", "lora": {"r": 0, "alpha": "x"},
-                  "quantization": {"bits": 3}},
+        "model": {
+            "pretrained": "embedded",
+            "dtype": "fp8",
+            "lora": {"r": 0, "alpha": "x"},
+            "quantization": {"bits": 3},
+        },
         "split": {"stages": 0, "mode": "fast", "compression": ["fixed_int9", "fp16"]},
         "data": {"source": "", "extra": 1},
-        "train": {"steps": -3, "lr": 0, "micro_batches": 64, "schedule": "zb",
-                  "recompute": "sometimes", "seed": 1.5, "checkpoint_every": True},
-    }  # fmt: skip
+        "train": {
+            "steps": -3,
+            "lr": 0,
+            "micro_batches": 64,
+            "schedule": "zb",
+            "recompute": "sometimes",
+            "seed": 1.5,
+            "checkpoint_every": True,
+        },
+    }
     errors = dict(errors_of(data))
     assert errors["train.steps"] == "must be an integer >= 1, got -3"
     expected_paths = {
-        "name", "modle", "model.dtype", "model.lora.r", "model.lora.alpha", "model.quantization.bits",
-        "split.stages", "split.mode", "split.compression[0]", "data.source", "data.extra",
-        "train.steps", "train.lr", "train.micro_batches", "train.schedule", "train.recompute",
-        "train.seed", "train.checkpoint_every",
-    }  # fmt: skip
+        "name",
+        "modle",
+        "model.dtype",
+        "model.lora.r",
+        "model.lora.alpha",
+        "model.quantization.bits",
+        "split.stages",
+        "split.mode",
+        "split.compression[0]",
+        "data.source",
+        "data.extra",
+        "train.steps",
+        "train.lr",
+        "train.micro_batches",
+        "train.schedule",
+        "train.recompute",
+        "train.seed",
+        "train.checkpoint_every",
+    }
     assert expected_paths <= set(errors), sorted(set(expected_paths) - set(errors))
     assert "unknown key" in errors["modle"]
 

@@ -69,10 +69,12 @@ def test_modes_order_and_none_trains_nothing():
 def test_recompute_and_efficient_attention_shrink_activations():
     base = Workload(batch_size=4, seq_len=1024)
     plain = price(Pricing(dtype="bfloat16"), base)
-    flash = price(Pricing(dtype="bfloat16"), Workload(batch_size=4, seq_len=1024,
-                                                      efficient_attention=True))  # fmt: skip
-    recompute = price(Pricing(dtype="bfloat16"), Workload(batch_size=4, seq_len=1024,
-                                                          recompute=True))  # fmt: skip
+    flash = price(
+        Pricing(dtype="bfloat16"), Workload(batch_size=4, seq_len=1024, efficient_attention=True)
+    )
+    recompute = price(
+        Pricing(dtype="bfloat16"), Workload(batch_size=4, seq_len=1024, recompute=True)
+    )
     assert flash.activations < plain.activations
     assert recompute.activations + recompute.transient < plain.activations
     tokens = 4 * 1024
@@ -95,8 +97,9 @@ def test_activations_scale_with_micro_batches_in_flight():
 def test_chunked_loss():
     w = Workload(batch_size=16, seq_len=2048)
     plain = price(Pricing(dtype="bfloat16"), w)
-    chunked = price(Pricing(dtype="bfloat16"), Workload(batch_size=16, seq_len=2048,
-                                                        chunked_loss=True))  # fmt: skip
+    chunked = price(
+        Pricing(dtype="bfloat16"), Workload(batch_size=16, seq_len=2048, chunked_loss=True)
+    )
     assert plain.loss == 2 * 16 * 2048 * 49152 * 4
     assert chunked.loss == 2 * loss_chunk_tokens(49152) * 49152 * 4
     assert price(Pricing(dtype="bfloat16"), w, last=False).loss == 0
@@ -126,12 +129,14 @@ def test_learned_compressor_halves_are_priced():
     from swarmp2p.plan import parse_compression
 
     c = parse_compression({"method": "learned_bottleneck", "learned_dim": 256})
-    pricer = StagePricer(SMOL, Pricing(dtype="float32", finetune_mode="compressor_only"),
-                         Workload())  # fmt: skip
+    pricer = StagePricer(
+        SMOL, Pricing(dtype="float32", finetune_mode="compressor_only"), Workload()
+    )
     sender = pricer.price(0, 15, first=True, last=False, send=c)
     halves = 576 * 256 + 256
     assert sender.trainable_state == halves * 12  # fp32 gradient + two moments
-    half = StagePricer(SMOL, Pricing(dtype="bfloat16", finetune_mode="compressor_only"),
-                       Workload()).price(0, 15, first=True, last=False, send=c)  # fmt: skip
+    half = StagePricer(
+        SMOL, Pricing(dtype="bfloat16", finetune_mode="compressor_only"), Workload()
+    ).price(0, 15, first=True, last=False, send=c)
     assert half.trainable_state == halves * 16  # + the fp32 master copy
     assert half.weights == sender.weights // 2  # the halves compute in the job's dtype too

@@ -74,8 +74,14 @@ def test_text_config_is_read_through():
 
 
 def test_gpt2_config():
-    cfg = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
-           "n_positions": 1024}  # fmt: skip
+    cfg = {
+        "model_type": "gpt2",
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    }
     shape = from_config(cfg)
     assert shape.tie_embeddings
     assert shape.total_params == 124_439_808  # GPT-2 small, as counted by transformers
@@ -83,10 +89,15 @@ def test_gpt2_config():
 
 def test_moe_layers_dense_first_then_experts():
     cfg = llama_config(
-        layers=6, hidden=64, model_type="deepseek_v3", n_routed_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=2,
+        layers=6,
+        hidden=64,
+        model_type="deepseek_v3",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=2,
         n_shared_experts=1,
-    )  # fmt: skip
+    )
     shape = from_config(cfg)
     assert shape.moe_layers == (False, False, True, True, True, True)
     dense, moe = shape.layer_params[0], shape.layer_params[2]
@@ -118,10 +129,14 @@ def test_sharded_folder_headers_and_index(tmp_path):
     h, inter, kv, vocab = 64, 192, 32, 256
     cfg = llama_config(layers=4, hidden=h, vocab=vocab)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
-                      llama_tensors(range(0, 2), h, inter, kv, vocab, True, False))  # fmt: skip
-    write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
-                      llama_tensors(range(2, 4), h, inter, kv, vocab, False, True))  # fmt: skip
+    write_safetensors(
+        tmp_path / "model-00001-of-00002.safetensors",
+        llama_tensors(range(0, 2), h, inter, kv, vocab, True, False),
+    )
+    write_safetensors(
+        tmp_path / "model-00002-of-00002.safetensors",
+        llama_tensors(range(2, 4), h, inter, kv, vocab, False, True),
+    )
     weight_map = {}
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         for tensor in read_safetensors_header(tmp_path / name):

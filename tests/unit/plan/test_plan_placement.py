@@ -51,9 +51,15 @@ def test_cost_split_prices_the_head():
 
 def test_cost_split_of_dense_layers_before_moe_layers():
     cfg = llama_config(
-        layers=16, hidden=256, vocab=512, intermediate_size=512, num_experts=16,
-        num_experts_per_tok=2, moe_intermediate_size=1024, mlp_only_layers=[0, 1, 2, 3, 4, 5, 6, 7],
-    )  # fmt: skip
+        layers=16,
+        hidden=256,
+        vocab=512,
+        intermediate_size=512,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1024,
+        mlp_only_layers=[0, 1, 2, 3, 4, 5, 6, 7],
+    )
     shape = from_config(cfg)
     assert shape.moe_layers == (False,) * 8 + (True,) * 8
     cluster = [node(f"n{i}", gpu(*A5000, 20)) for i in range(4)]
@@ -253,8 +259,9 @@ def test_stage_records_memory_and_schedule():
 def test_plan_gives_the_stage_specs():
     data = {"pretrained": "e"}
     cluster = [node(f"n{i}", gpu(*A5000, 20)) for i in range(3)]
-    plan = plan_job(job(model=data, split={"compression": ["fixed_int8", "fp16"]}), cluster,
-                    shape=SMOL)  # fmt: skip
+    plan = plan_job(
+        job(model=data, split={"compression": ["fixed_int8", "fp16"]}), cluster, shape=SMOL
+    )
     spec = plan.split_spec
     assert spec.n_stages == 3 and spec.n_layers == 30
     assert [spec.layer_range(i) for i in range(3)] == layers_of(plan)

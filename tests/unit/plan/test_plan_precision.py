@@ -70,7 +70,10 @@ def test_explicit_bfloat16_with_auto_stages_uses_the_cards_that_run_it_and_names
     result = plan_job(job(model={"pretrained": "embedded", "dtype": "bfloat16"}), cluster)
     assert isinstance(result, Plan) and result.dtype == "bfloat16"
     assert [s.node_id for s in result.stages] == ["a0", "a1", "a2"]
-    assert "left out (dtype bfloat16): turing GPU 0 (GTX 1660 SUPER, compute 7.5) cannot run bfloat16" in result.notes  # fmt: skip
+    assert (
+        "left out (dtype bfloat16): turing GPU 0 (GTX 1660 SUPER, compute 7.5) cannot run bfloat16"
+        in result.notes
+    )
     only = plan_job(job(model={"pretrained": "embedded", "dtype": "bfloat16"}), mixed_pair())
     assert isinstance(only, Plan) and [s.node_name for s in only.stages] == ["fellow-1"]
 

@@ -29,13 +29,18 @@ def scenarios(draw):
         nodes.append(node(f"node-{i:02d}", *devs, disk_gb=draw(st.floats(1, 200))))
     mode = draw(st.sampled_from(["equal", "weighted", "cost"]))
     lora = draw(st.booleans())
-    job = parse_job({
-        "model": {"pretrained": "x", "lora": {"enabled": lora}},
-        "split": {"mode": mode},
-        "train": {"batch_size": 4, "seq_len": draw(st.sampled_from([64, 512])),
-                  "micro_batches": draw(st.sampled_from([1, 2, 4])),
-                  "schedule": draw(st.sampled_from(["gpipe", "1f1b"]))},
-    })  # fmt: skip
+    job = parse_job(
+        {
+            "model": {"pretrained": "x", "lora": {"enabled": lora}},
+            "split": {"mode": mode},
+            "train": {
+                "batch_size": 4,
+                "seq_len": draw(st.sampled_from([64, 512])),
+                "micro_batches": draw(st.sampled_from([1, 2, 4])),
+                "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
+            },
+        }
+    )
     return job, nodes, shape
 
 

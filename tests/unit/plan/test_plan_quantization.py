@@ -81,8 +81,13 @@ def test_bad_specs_name_the_key(spec, fragment):
     skip=st.none() | st.lists(st.sampled_from(["lm_head", "router"]), max_size=2),
 )
 def test_normalize_is_idempotent(bits, quant_type, double_quant, compute_dtype, threshold, skip):
-    spec = {"bits": bits, "quant_type": quant_type, "double_quant": double_quant,
-            "compute_dtype": compute_dtype, "threshold": threshold}  # fmt: skip
+    spec = {
+        "bits": bits,
+        "quant_type": quant_type,
+        "double_quant": double_quant,
+        "compute_dtype": compute_dtype,
+        "threshold": threshold,
+    }
     if skip is not None:
         spec["skip_modules"] = skip
     once = normalize_quantization(spec)

@@ -101,7 +101,9 @@ def test_an_explicit_dtype_names_the_device_that_cannot_run_it():
     # one stage: the Turing card is left out, and the plan says so
     plan = serve(pair, dtype="bfloat16", stages=1)
     assert [(s.node_id, plan.dtype) for s in plan.stages] == [("a", "bfloat16")]
-    assert plan.notes == ("left out, cannot run bfloat16: turing-box GPU 0 (GTX 1660 SUPER, compute 7.5)",)  # fmt: skip
+    assert plan.notes == (
+        "left out, cannot run bfloat16: turing-box GPU 0 (GTX 1660 SUPER, compute 7.5)",
+    )
     # a CPU runs bfloat16 only when asked by name, never float16
     assert serve([cpu_gb("c", 8)], dtype="bfloat16").dtype == "bfloat16"
     assert "cannot run float16" in serve([cpu_gb("c", 8)], dtype="float16").reason
@@ -110,7 +112,9 @@ def test_an_explicit_dtype_names_the_device_that_cannot_run_it():
 def test_the_kv_cache_of_every_session_and_token_is_priced_in_the_dtype():
     one = serve([cpu_gb("a", 1)], max_sessions=1, max_context=100).stages[0].memory
     many = serve([cpu_gb("a", 1)], max_sessions=8, max_context=100).stages[0].memory
-    assert many.peak - one.peak == many.kv_cache - one.kv_cache == 7 * 100 * 6 * KV_PER_TOKEN_LAYER * 4  # fmt: skip
+    assert (
+        many.peak - one.peak == many.kv_cache - one.kv_cache == 7 * 100 * 6 * KV_PER_TOKEN_LAYER * 4
+    )
     half = serve([node("g", gpu(*A5000, 1))], max_sessions=8, max_context=100).stages[0].memory
     assert half.kv_cache * 2 == many.kv_cache and half.weights * 2 == many.weights
     assert many == price(0, 6, True, True, sessions=8, tokens=100)
@@ -130,11 +134,15 @@ def test_a_stage_that_does_not_fit_is_blocked_naming_stage_node_device_and_bytes
     blocked = serve(cluster, stages=2, split="equal", max_sessions=64, max_context=512)
     assert isinstance(blocked, Blocked) and (blocked.required, blocked.placed) == (2, 1)
     lines = blocked.reason.splitlines()
-    assert lines[0] == ("placed 1 of 2 serving stage(s); 1 device(s) lack the memory (equal "
-                        "split, float32, KV cache for 64 session(s) of 512 tokens):")  # fmt: skip
-    assert lines[1] == (f"small CPU 0 (x86-64 CPU): stage 0 (layers 0-2) needs "
-                        f"{need.peak / MIB:.1f} MiB (KV cache {need.kv_cache / MIB:.1f} MiB), "
-                        f"{usable_mib:.1f} MiB usable")  # fmt: skip
+    assert lines[0] == (
+        "placed 1 of 2 serving stage(s); 1 device(s) lack the memory (equal "
+        "split, float32, KV cache for 64 session(s) of 512 tokens):"
+    )
+    assert lines[1] == (
+        f"small CPU 0 (x86-64 CPU): stage 0 (layers 0-2) needs "
+        f"{need.peak / MIB:.1f} MiB (KV cache {need.kv_cache / MIB:.1f} MiB), "
+        f"{usable_mib:.1f} MiB usable"
+    )
     assert "lower --max-sessions or --max-context" in lines[2] and "add a node" in lines[2]
     # the weighted split moves blocks off the small device instead
     plan = serve(cluster, stages=2, split="weighted", max_sessions=64, max_context=512)
@@ -219,8 +227,10 @@ def test_the_plan_is_the_same_bytes_whatever_the_order_of_its_inputs():
     want = serve(cluster, max_sessions=3).to_json()
     rng = random.Random(7)
     for _ in range(5):
-        shuffled = [node(n.node_id, *rng.sample(n.devices, len(n.devices)), name=n.name)
-                    for n in rng.sample(cluster, len(cluster))]  # fmt: skip
+        shuffled = [
+            node(n.node_id, *rng.sample(n.devices, len(n.devices)), name=n.name)
+            for n in rng.sample(cluster, len(cluster))
+        ]
         assert serve(shuffled, max_sessions=3).to_json() == want
     assert ServePlan.from_json(want).to_json() == want
 
@@ -229,12 +239,15 @@ def test_boundaries_cross_as_codes_where_both_nodes_declare_the_serve_codec():
     old = cpu_gb("b", 8, caps={"wire-v2"})
     plan = serve([cpu_gb("a", 8), old, cpu_gb("c", 8)], compression=["fixed_int8", "fp16"])
     assert [(s.send_compression, s.send_codes) for s in plan.stages] == [
-        ("fixed_int8", False), ("fp16", False), ("none", False)
-    ]  # fmt: skip
+        ("fixed_int8", False),
+        ("fp16", False),
+        ("none", False),
+    ]
     plan = serve([cpu_gb("a", 8), cpu_gb("c", 8)], compression=["fixed_int4"])
     assert [(s.send_compression, s.send_codes) for s in plan.stages] == [
-        ("fixed_int4", True), ("none", False)
-    ]  # fmt: skip
+        ("fixed_int4", True),
+        ("none", False),
+    ]
     plan = serve([cpu_gb("a", 8), cpu_gb("c", 8)], compression=["fixed_int4"], codes=[False])
     assert not plan.stages[0].send_codes
 
@@ -262,26 +275,58 @@ def test_no_device_is_blocked():
 
 
 def test_the_serve_request_is_parsed_once_with_every_error_named():
-    req = parse_serve_request({"model": "m", "name": None, "dtype": None, "api_key": "",
-                               "quantization": {"bits": 4}, "stages": 2})  # fmt: skip
+    req = parse_serve_request(
+        {
+            "model": "m",
+            "name": None,
+            "dtype": None,
+            "api_key": "",
+            "quantization": {"bits": 4},
+            "stages": 2,
+        }
+    )
     assert (req.served_name, req.stages, req.port, req.api_key) == ("m", 2, 8080, None)
     assert req.quantization.bits == 4 and req.quantization.quant_type == "nf4"
     assert parse_serve_request(req.to_dict()) == req
     assert "api_key" not in req.to_dict()
     with pytest.raises(SchemaError) as info:
-        parse_serve_request({"model": "", "name": "a b", "stages": -1, "port": 70000,
-                             "dtype": "int8", "max_sessions": 0, "colour": 1,
-                             "quantization": {"bits": 3}})  # fmt: skip
+        parse_serve_request(
+            {
+                "model": "",
+                "name": "a b",
+                "stages": -1,
+                "port": 70000,
+                "dtype": "int8",
+                "max_sessions": 0,
+                "colour": 1,
+                "quantization": {"bits": 3},
+            }
+        )
     paths = {e.path for e in info.value.errors}
-    assert paths == {"model", "name", "stages", "port", "dtype", "max_sessions", "colour",
-                     "quantization.bits"}  # fmt: skip
+    assert paths == {
+        "model",
+        "name",
+        "stages",
+        "port",
+        "dtype",
+        "max_sessions",
+        "colour",
+        "quantization.bits",
+    }
     assert ServeRequest(model="m", max_context=2**24).max_context == 2**24
 
 
 def test_the_inputs_cross_the_wire_and_plan_the_same_bytes():
     cluster = (cpu_gb("a", 8).to_dict(), node("b", gpu(*A5000, 8)).to_dict())
-    inputs = ServeInputs(shape=SHAPE, cluster=cluster, stages=0, max_sessions=2,
-                         bounds=((0, 2), (2, 6)), holders=(("b",), ("a",)), codes=True)  # fmt: skip
+    inputs = ServeInputs(
+        shape=SHAPE,
+        cluster=cluster,
+        stages=0,
+        max_sessions=2,
+        bounds=((0, 2), (2, 6)),
+        holders=(("b",), ("a",)),
+        codes=True,
+    )
     back = parse(ServeInputs, to_data(inputs))
     assert back == inputs
     assert back.plan().to_json() == inputs.plan().to_json()

@@ -137,10 +137,18 @@ def test_an_adapters_export_of_the_embedded_model_loads_with_peft_by_hub_id(tmp_
     record = {"id": "tuned", "base": "embedded", "manifest": {"lora": {"export": "adapters"}}}
     out = tmp_path / "exported"
     written = subprocess.run(
-        [sys.executable, "-c", _WRITE, json.dumps(record), json.dumps([str(d) for d in dirs]),
-         str(out)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _WRITE,
+            json.dumps(record),
+            json.dumps([str(d) for d in dirs]),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert written.returncode == 0, written.stderr
     assert written.stderr == "", written.stderr  # no kernels hint, loading bar or FutureWarning
     done = json.loads(written.stdout)

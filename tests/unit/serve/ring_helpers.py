@@ -20,9 +20,18 @@ from swarmp2p.serve import RingClient
 
 @contextmanager
 def thread_stages(
-    model, cuts, *, compression=None, codes=None, max_context=64, max_sessions=16, servers=None,
-    hold=None, pack=False, **server_kw,
-):  # fmt: skip
+    model,
+    cuts,
+    *,
+    compression=None,
+    codes=None,
+    max_context=64,
+    max_sessions=16,
+    servers=None,
+    hold=None,
+    pack=False,
+    **server_kw,
+):
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
     ends ``(to_stage0, from_last)`` and the links between stages (``servers``, a list, gets the
     StageServers; ``server_kw`` go to each; with ``hold``, an event, they serve once it is
@@ -74,16 +83,29 @@ def thread_stages(
 
 @contextmanager
 def thread_ring(
-    model, cuts, *, compression=None, codes=None, max_context=64, prefill_chunk=64, pack=False,
+    model,
+    cuts,
+    *,
+    compression=None,
+    codes=None,
+    max_context=64,
+    prefill_chunk=64,
+    pack=False,
     **client_kw,
-):  # fmt: skip
+):
     """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread
     (``client.servers``: the StageServers)."""
     servers: list = []
     with thread_stages(
-        model, cuts, compression=compression, codes=codes, max_context=max_context,
-        servers=servers, prefill_chunk=prefill_chunk, pack=pack,
-    ) as (first, last, links):  # fmt: skip
+        model,
+        cuts,
+        compression=compression,
+        codes=codes,
+        max_context=max_context,
+        servers=servers,
+        prefill_chunk=prefill_chunk,
+        pack=pack,
+    ) as (first, last, links):
         client = RingClient(first, last, max_context=max_context, **client_kw)
         client.servers = servers
         client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, len(links) - 1)]

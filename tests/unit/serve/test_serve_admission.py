@@ -119,8 +119,13 @@ def test_a_failing_stop_rule_fails_its_session_only():
         bad = client.submit(PROMPT, max_tokens=4, stop=lambda tokens: 1 / 0)
         good = client.submit(PROMPT, max_tokens=1)
         for session in (bad, good):
-            from_last.send([Tokens(group=-1, step=0, sids=(session.sid,), positions=(3,),
-                                   tokens=(9,)).encode()])  # fmt: skip
+            from_last.send(
+                [
+                    Tokens(
+                        group=-1, step=0, sids=(session.sid,), positions=(3,), tokens=(9,)
+                    ).encode()
+                ]
+            )
         with pytest.raises(GenerationError, match="the stop rule failed: ZeroDivisionError"):
             bad.result(5)
         assert good.result(5) == [9]

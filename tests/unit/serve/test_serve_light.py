@@ -63,6 +63,6 @@ def test_the_hosts_a_server_answers_to():
     assert allowed_hosts("192.168.1.4") == {"127.0.0.1", "localhost", "::1", "192.168.1.4"}
     assert allowed_hosts("::1", ["box.lan"]) == {"127.0.0.1", "localhost", "::1", "box.lan"}
     assert allowed_hosts("0.0.0.0") is None and allowed_hosts("::") is None
-    assert [_host_name(h) for h in ("[::1]:8080", "LOCALHOST:80", "127.0.0.1", "evil.example:1")] == [
-        "::1", "localhost", "127.0.0.1", "evil.example"
-    ]  # fmt: skip
+    assert [
+        _host_name(h) for h in ("[::1]:8080", "LOCALHOST:80", "127.0.0.1", "evil.example:1")
+    ] == ["::1", "localhost", "127.0.0.1", "evil.example"]

@@ -20,10 +20,17 @@ from swarmp2p.serve import (
 from swarmp2p.wire import WireError
 
 FULL = SamplingParams(
-    temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3, presence_penalty=0.5,
-    frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias=((5, -100.0), (9, 2.5)),
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=3,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.2,
+    logit_bias=((5, -100.0), (9, 2.5)),
     logprobs=3,
-)  # fmt: skip
+)
 ROUND_TRIPS = [
     Prefill(sid=1, pos=0, tokens=(5, 6, 7), sampling=SamplingParams(seed=3)),
     Prefill(sid=2, pos=0, tokens=(1,), sampling=FULL, prompt_len=1, more=True),
@@ -65,14 +72,17 @@ REFUSALS = [
     (_packed(op="decode", **{**ROWS, "sids": [1, 2]}), "must be as many"),
     (_packed(op="decode", **{**ROWS, "sampling": {}}), "unexpected field"),
     (_packed(op="decode", group=0), "missing field"),
-    (_packed(op="prefill", sid=1, pos=0, tokens=[], sampling={"temperature": -1}), "temperature: -1"),
+    (
+        _packed(op="prefill", sid=1, pos=0, tokens=[], sampling={"temperature": -1}),
+        "temperature: -1",
+    ),
     (_packed(op="prefill", sid=1, pos=0, tokens=[], sampling={"warmth": 1}), "unknown field"),
     (_packed(op="prefill", sid=1, pos=3, tokens=[1], prompt_len=1), "first chunk"),
     (_packed(op="prefill", sid=1, pos=0, tokens=[1], more=1), "more: 1"),
     (_packed(op="tokens", **ROWS, logprobs=[[1, []]]), "logprobs"),
     (_packed(op="error", sids=[1], message=3), "message: must be a string"),
     (msgpack.packb([1, 2]), "is a map"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("data", "match"), REFUSALS)

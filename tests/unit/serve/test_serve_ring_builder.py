@@ -48,8 +48,9 @@ def run(n, *, fail_start=None, fail_connect=None, fail_dial=False):
         log.append(("stop",))
 
     async def main():
-        return await build_ring(n, bind_back=bind_back, start=start, connect=connect, dial=dial,
-                                stop=stop)  # fmt: skip
+        return await build_ring(
+            n, bind_back=bind_back, start=start, connect=connect, dial=dial, stop=stop
+        )
 
     try:
         return asyncio.run(main()), log, links
@@ -61,8 +62,10 @@ def test_every_stage_starts_then_each_connects_to_the_next_and_the_last_to_the_r
     ends, log, links = run(3)
     assert sorted(log[:3]) == [("start", 0), ("start", 1), ("start", 2)]
     assert sorted(log[3:]) == [
-        ("connect", 0, "tcp://stage1"), ("connect", 1, "tcp://stage2"), ("connect", 2, "tcp://back")
-    ]  # fmt: skip
+        ("connect", 0, "tcp://stage1"),
+        ("connect", 1, "tcp://stage2"),
+        ("connect", 2, "tcp://back"),
+    ]
     assert ends.endpoints == ("tcp://stage0", "tcp://stage1", "tcp://stage2")
     assert (ends.back.endpoint, ends.first.endpoint) == ("tcp://back", "tcp://stage0")
     assert not any(link.closed for link in links)

@@ -32,8 +32,9 @@ SHAPE = from_config(
 
 def plan(kind: str = "cpu", **kw):
     kw.setdefault("bounds", [[0, 1], [1, 4]])
-    return plan_serve(SHAPE, local_cluster(len(kw["bounds"]), kind=kind), max_sessions=3,
-                      max_context=100, **kw)  # fmt: skip
+    return plan_serve(
+        SHAPE, local_cluster(len(kw["bounds"]), kind=kind), max_sessions=3, max_context=100, **kw
+    )
 
 
 def test_the_spec_reads_the_stage_from_the_plan_and_round_trips():
@@ -45,7 +46,11 @@ def test_the_spec_reads_the_stage_from_the_plan_and_round_trips():
     assert (spec.dtype, spec.plan.max_sessions, spec.plan.max_context) == ("bfloat16", 3, 100)
     assert (spec.planned.send_compression, spec.planned.send_codes) == ("none", False)
     first = serve_spec(p, 0, model="/m", token="t")
-    assert (first.planned.send_compression, first.planned.send_codes, first.is_first) == ("fixed_int8", True, True)  # fmt: skip
+    assert (first.planned.send_compression, first.planned.send_codes, first.is_first) == (
+        "fixed_int8",
+        True,
+        True,
+    )
     assert first.quantization is None
     q = serve_spec(plan(quantization={"bits": 8}), 0, model="/m", token="t")
     assert q.quantization["bits"] == 8
@@ -89,8 +94,13 @@ def test_the_worker_refuses_a_bad_spec_before_it_imports_torch():
     data = serve_spec(plan(), 0, model="/m", token="t").to_dict()
     data["plan"]["dtype"] = "int8"
     probe = "from swarmp2p.runtime import serve_worker; serve_worker.main()"
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", probe], input=json.dumps(data) + "\n",
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", probe],
+        input=json.dumps(data) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     event = json.loads(out.stdout.splitlines()[-1])
     assert event["event"] == "error" and "plan.dtype" in event["message"]

@@ -292,8 +292,13 @@ def test_the_protocol_at_the_stages_sessions_positions_and_room(tiny_whole):
         d = _ask(first, last, Prefill(sid=5, tokens=(9,), sampling=greedy))
         assert (c.op, d.op) == ("tokens", "tokens")
         # one step of a group: a row the stages do not hold fails alone, the others go on
-        both = Decode(group=1, step=4, sids=(4, 99, 5), positions=(3, 0, 1),
-                      tokens=(c.tokens[0], 1, d.tokens[0]))  # fmt: skip
+        both = Decode(
+            group=1,
+            step=4,
+            sids=(4, 99, 5),
+            positions=(3, 0, 1),
+            tokens=(c.tokens[0], 1, d.tokens[0]),
+        )
         first.send([both.encode()])
         replies = [decode_message(last.recv(30)[0]) for _ in range(2)]
         error = next(r for r in replies if r.op == "error")
@@ -362,8 +367,17 @@ def test_prompts_waiting_together_prefill_as_one_forward_and_decode_as_if_alone(
         sids = (1, 2, 3, 4)
         for step in range(1, NEW):
             positions = tuple(len(p) + step - 1 for p in prompts)
-            first.send([Decode(group=0, step=step, sids=sids, positions=positions,
-                               tokens=tuple(got[sid][-1] for sid in sids)).encode()])  # fmt: skip
+            first.send(
+                [
+                    Decode(
+                        group=0,
+                        step=step,
+                        sids=sids,
+                        positions=positions,
+                        tokens=tuple(got[sid][-1] for sid in sids),
+                    ).encode()
+                ]
+            )
             reply = decode_message(last.recv(30)[0])
             assert (reply.op, reply.sids, reply.sizes) == ("tokens", sids, (4, 4)), reply
             for sid, token in zip(sids, reply.tokens):

@@ -481,9 +481,18 @@ def test_serve_worker_processes_serve_trained_shards(tied):
     folder, dirs, bounds, _, head = tied
     reference = reconstruct_from_shards(folder, dirs).eval()
     want = _reference_with_boundaries(reference, dirs, bounds, [LEARNED])
-    with LocalRing(str(folder), bounds=bounds, codes=[True], threads=1, max_context=64,
-                   shards=[str(d) for d in dirs], tied_head=str(head)) as ring:  # fmt: skip
-        got = ring.client.generate(PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[EOS], timeout=60)  # fmt: skip
+    with LocalRing(
+        str(folder),
+        bounds=bounds,
+        codes=[True],
+        threads=1,
+        max_context=64,
+        shards=[str(d) for d in dirs],
+        tied_head=str(head),
+    ) as ring:
+        got = ring.client.generate(
+            PROMPT, max_tokens=NEW, sampling=GREEDY, stop_ids=[EOS], timeout=60
+        )
     assert got == want
 
 

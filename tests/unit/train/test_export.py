@@ -138,9 +138,15 @@ def test_a_one_stage_tied_model_exports_its_head_once_and_loads_back(tmp_path):
     from swarmp2p.runtime.torch.serve.trained import _load_weights
     from swarmp2p.runtime.torch.train.bundle import build_bundle
 
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            tie_word_embeddings=True)  # fmt: skip
+    config = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(tmp_path / "base")

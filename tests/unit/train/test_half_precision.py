@@ -145,7 +145,13 @@ def test_float32_masters_step_in_the_fused_kernel_and_equal_the_unfused_adamw():
         plain.step()
     for p, q in zip(a, b):
         assert torch.allclose(p, q, atol=1e-6, rtol=0)
-    half = StageOptimizer([torch.nn.Parameter(torch.randn(3).half())], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # fmt: skip
+    half = StageOptimizer(
+        [torch.nn.Parameter(torch.randn(3).half())],
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+    )
     assert half.optimizer.param_groups[0]["fused"] is True  # its master is float32
     assert not fused_adamw([torch.zeros(2, dtype=torch.float64)])
 

@@ -44,7 +44,9 @@ def test_chunked_head_loss_equals_the_whole_logits_loss(family, chunk, backward_
     ("chunk", "backward_next", "chunks", "passes"),
     [(1000, True, 1, 1), (1000, False, 1, 2), (7, True, 5, 2), (7, False, 5, 2)],
 )
-def test_the_head_runs_again_in_backward_unless_one_chunk_is_backed_at_once(chunk, backward_next, chunks, passes):  # fmt: skip
+def test_the_head_runs_again_in_backward_unless_one_chunk_is_backed_at_once(
+    chunk, backward_next, chunks, passes
+):
     """One chunk whose backward comes next keeps its logits (the head runs once); several
     chunks, or a backward that waits (GPipe), recompute each chunk's head in backward."""
     torch.manual_seed(0)

@@ -78,9 +78,16 @@ def _reference_lora(model, batches, settings):
 
 
 def run_pipeline(
-    model, n, batches, settings, schedule, compression="none", mode="full", wire_v2=True,
+    model,
+    n,
+    batches,
+    settings,
+    schedule,
+    compression="none",
+    mode="full",
+    wire_v2=True,
     prepare=None,
-):  # fmt: skip
+):
     """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)]).
     ``prepare(bundles)`` runs before the threads start."""
     links = [InProcLink.pair() for _ in range(n - 1)]

@@ -28,8 +28,16 @@ def _bundles(model, cuts, mode="full"):
     for i, (stage, _) in enumerate(stage_copies(model, cuts)):
         recv = compressor_from_spec("none", 32, i - 1) if i > 0 else None
         send = compressor_from_spec("none", 32, i) if i < n - 1 else None
-        out.append(build_bundle(stage, index=i, n_stages=n, recv_compressor=recv,
-                                send_compressor=send, finetune_mode=mode))  # fmt: skip
+        out.append(
+            build_bundle(
+                stage,
+                index=i,
+                n_stages=n,
+                recv_compressor=recv,
+                send_compressor=send,
+                finetune_mode=mode,
+            )
+        )
     return out
 
 
@@ -81,8 +89,11 @@ def test_a_run_resliced_onto_other_cuts_goes_on_as_the_uninterrupted_one(tmp_pat
         if j == 0:  # the tool a stage's node runs, in its own process
             args = [str(out), "0", "0", "2", "1", "0", "0"]
             args += [f"{s.path}:{s.start}:{s.end}:{int(s.first)}:{int(s.last)}" for s in sources]
-            done = subprocess.run([sys.executable, "-m", "swarmp2p.runtime.torch.train.reslice", *args],
-                                  capture_output=True, text=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "swarmp2p.runtime.torch.train.reslice", *args],
+                capture_output=True,
+                text=True,
+            )
             assert done.returncode == 0, done.stderr
         else:
             out.parent.mkdir(parents=True)
@@ -106,5 +117,11 @@ def test_a_learned_boundary_is_never_resliced(tmp_path):
     a = build_bundle(s0, index=0, n_stages=2, send_compressor=compressor_from_spec(learned, 32, 0))
     path = save_snapshot(tmp_path, a, make_optimizer(a, TrainSettings(steps=1)), step=1)
     with pytest.raises(ValueError, match="learned boundary"):
-        reslice([Source(path=path, start=0, end=1, first=True, last=False)], stage=0, start=0,
-                end=2, first=True, last=True)  # fmt: skip
+        reslice(
+            [Source(path=path, start=0, end=1, first=True, last=False)],
+            stage=0,
+            start=0,
+            end=2,
+            first=True,
+            last=True,
+        )

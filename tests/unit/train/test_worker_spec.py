@@ -15,10 +15,16 @@ from swarmp2p.plan.worker_spec import local_plan, worker_spec
 from swarmp2p.runtime.worker import EXIT_BAD_SPEC, WorkerSpecError, main, parse_worker_spec
 
 CONFIG = {
-    "model_type": "llama", "num_hidden_layers": 6, "hidden_size": 64, "intermediate_size": 192,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "tie_word_embeddings": False, "max_position_embeddings": 512,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 6,
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+}
 JOB = {
     "name": "spec-test",
     "model": {"pretrained": "/m", "lora": {"enabled": True, "r": 4}},
@@ -88,7 +94,9 @@ def test_a_tampered_plan_is_named_by_its_path():
     data["plan"]["stages"][1]["layers"] = [3, 4]  # no longer where stage 0 ends
     with pytest.raises(WorkerSpecError) as info:
         parse_worker_spec(data)
-    assert any(e.path == "plan" and "stages[1] starts at block 3" in e.message for e in info.value.errors)  # fmt: skip
+    assert any(
+        e.path == "plan" and "stages[1] starts at block 3" in e.message for e in info.value.errors
+    )
 
 
 def test_half_precision_fields_parse():
@@ -138,9 +146,14 @@ def test_a_stage_is_ready_before_it_imports_torch():
 
     spec = _good(1)
     spec["token"] = SwarmSecret.generate().token
-    code = "import sys; sys.modules['torch'] = None; from swarmp2p.runtime.worker import main; sys.exit(main())"  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(spec), capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    code = "import sys; sys.modules['torch'] = None; from swarmp2p.runtime.worker import main; sys.exit(main())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert out.returncode == 1 and [e["event"] for e in events] == ["ready", "error"], out
     assert events[0]["stage"] == 1 and events[0]["port"] > 0

@@ -280,8 +280,9 @@ class StageServer:
         except SessionRefused as e:
             return self._error((msg.sid,), str(e))
         if not self.stage.is_first_stage:
-            self._chunks.append(Chunk(sid=msg.sid, pos=msg.pos, tokens=msg.tokens,
-                                       more=msg.more, payload=parts[1:]))  # fmt: skip
+            self._chunks.append(
+                Chunk(sid=msg.sid, pos=msg.pos, tokens=msg.tokens, more=msg.more, payload=parts[1:])
+            )
             return []
         tokens, pos = msg.tokens, msg.pos
         if not tokens:
@@ -385,8 +386,11 @@ class StageServer:
                 logits = result[head_of[row], -1] if row in head_of else None
                 out.extend(self._prefilled(chunk, session, counts[row], logits))
             else:
-                out.extend(self._prefilled(chunk, session, counts[row],
-                                           result[row : row + 1, : counts[row]]))  # fmt: skip
+                out.extend(
+                    self._prefilled(
+                        chunk, session, counts[row], result[row : row + 1, : counts[row]]
+                    )
+                )
         return out
 
     def _prefilled(self, chunk: Chunk, session: _Session, count: int, out) -> list[list]:
@@ -401,8 +405,14 @@ class StageServer:
             session.prefilling = False
             token, logprobs = session.sampler.pick(out)
             session.sampler.observe((token,))
-            reply = Tokens(group=-1, step=0, sids=(chunk.sid,), positions=(session.length,),
-                           tokens=(token,), logprobs=(logprobs,) if logprobs else ())  # fmt: skip
+            reply = Tokens(
+                group=-1,
+                step=0,
+                sids=(chunk.sid,),
+                positions=(session.length,),
+                tokens=(token,),
+                logprobs=(logprobs,) if logprobs else (),
+            )
             return [[reply.encode()]]
         session.prefilling = chunk.more
         # the ids go on only when the last stage needs them for a penalty (it counts the rest)
@@ -541,9 +551,12 @@ class StageServer:
         return tensor.to(device=self._device, dtype=self._dtype)
 
     def _forward(
-        self, x: torch.Tensor, batch: SessionBatch, counts: list[int] | None = None,
+        self,
+        x: torch.Tensor,
+        batch: SessionBatch,
+        counts: list[int] | None = None,
         heads: list[int] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The stage over ``x`` on ``batch``. Not last: what crosses the boundary after it. Last:
         the logits of each row's last position (generate's ``logits_to_keep=1``: a long prompt
         skips T-1 rows of the vocabulary-wide matmul), ``[rows, 1, V]``; for a prefill padded

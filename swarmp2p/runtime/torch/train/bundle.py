@@ -155,7 +155,11 @@ def build_bundle(
     if not params and finetune_mode in ("full", "lora"):
         raise ValueError(f"stage {index} has nothing to train in finetune mode {finetune_mode!r}")
     embed = getattr(stage, "embed", None)
-    if isinstance(embed, nn.Embedding) and embed.weight.requires_grad and embed.weight.dtype == torch.float32:  # fmt: skip
+    if (
+        isinstance(embed, nn.Embedding)
+        and embed.weight.requires_grad
+        and embed.weight.dtype == torch.float32
+    ):
         embed.sparse = True  # a micro-batch touches few of its rows (dense_gradients); the CPU
         # cannot add sparse float16 gradients, so 16-bit tables stay dense
     # deduplicate (a tied head and embedding are one parameter)

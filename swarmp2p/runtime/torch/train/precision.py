@@ -288,9 +288,13 @@ class StageOptimizer:
         self._half = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
         self._fused = fused_adamw(self.masters)
         self.optimizer = torch.optim.AdamW(
-            self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            self.masters,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
             **({"fused": True} if self._fused else {}),
-        )  # fmt: skip
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -57,7 +57,9 @@ def _by_name(optimizer: Any, names: list[str], path: Path) -> tuple[dict, dict] 
     return by_name, {k: v for k, v in groups[0].items() if k != "params"}
 
 
-def _renamed(name: str, src: Source, start: int, end: int, first: bool, last: bool, tied: bool) -> str | None:  # fmt: skip
+def _renamed(
+    name: str, src: Source, start: int, end: int, first: bool, last: bool, tied: bool
+) -> str | None:
     """The new stage's name of an old stage's parameter, or None when it does not hold it."""
     match = _BLOCK.match(name)
     if match:
@@ -148,11 +150,18 @@ def main(argv: list[str]) -> int:
     sources = []
     for spec in specs:
         path, s, e, f, la = spec.rsplit(":", 4)
-        sources.append(Source(path=Path(path), start=int(s), end=int(e), first=f == "1", last=la == "1"))  # fmt: skip
+        sources.append(
+            Source(path=Path(path), start=int(s), end=int(e), first=f == "1", last=la == "1")
+        )
     payload = reslice(
-        sources, stage=int(stage), start=int(start), end=int(end), first=first == "1",
-        last=last == "1", tied=tied == "1",
-    )  # fmt: skip
+        sources,
+        stage=int(stage),
+        start=int(start),
+        end=int(end),
+        first=first == "1",
+        last=last == "1",
+        tied=tied == "1",
+    )
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(out), lambda tmp: torch.save(payload, tmp))
     return 0

@@ -306,9 +306,12 @@ def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> 
     if bundle.is_last:
         hidden = bundle.stage(hidden_in, hidden_only=True)
         loss = chunked_head_loss(
-            bundle.stage.logits, hidden, labels, settings.loss_chunk_tokens,
+            bundle.stage.logits,
+            hidden,
+            labels,
+            settings.loss_chunk_tokens,
             backward_next=micro in state.backward_next,
-        )  # fmt: skip
+        )
         state.losses[micro] = loss / settings.micro_batches
         return
     out = bundle.stage(hidden_in)
