@@ -523,6 +523,150 @@ def http(args) -> dict:
     return summary
 
 
+USERS = 4
+"""The daemons section's second round: as many users at once as ``swarm serve`` admits by
+default (``--max-sessions``)."""
+
+
+def daemons(args) -> dict:
+    """One user's streamed chat through ``swarm serve`` on two loopback daemons (the user's own
+    path: the issuing daemon's API, its ring client, stage workers its daemons started, with the
+    threads the daemons give them) against ``model.generate`` with its default threads (every
+    core) and on a packed copy, alternated in one run."""
+    import openai
+    import torch
+    from _swarm import LoopbackSwarm, free_port
+    from _swarm import wait as wait_for
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.runtime.torch.model.packed import pack_linears
+    from swarmp2p.serve.text import TextCodec
+
+    tokens = args.tokens or (16 if args.quick else 128)
+    repeats = args.repeats or (2 if args.quick else 5)
+    threads = os.cpu_count() or 1  # what generate takes by default: every core
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _tiny_served_folder(str(Path(tmp) / "tiny")) if args.quick else "embedded"
+        folder = resolve_model_ref(ref)
+        prompt_ids = TextCodec.from_folder(folder).encode_chat(PROMPT)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        packed = copy.deepcopy(model)
+        pack_linears(packed)
+        root = str(Path(__file__).resolve().parents[1])
+        from swarmp2p.net.security import SwarmSecret
+
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SWARM_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        }
+        # the daemons choose their stages' threads as they do for a user
+        env.update(
+            PYTHONPATH=root, SWARM_TOKEN=SwarmSecret.generate().token, SWARM_DASHBOARD_PORT="off"
+        )
+        ring: list[float] = []
+        gen: list[float] = []
+        gen_packed: list[float] = []
+        many: list[float] = []
+        gen_many: list[float] = []
+        with LoopbackSwarm("ab", Path(tmp), env=env, heartbeat=0.5, failure_timeout=3.0) as sw:
+            try:
+                wait_for(lambda: sw.ready("a") and sw.ready("b"), 90, "the swarm")
+                port = free_port()
+                out = sw.cli(
+                    "b",
+                    "serve",
+                    folder,
+                    "--name",
+                    "bench",
+                    "--stages",
+                    "2",
+                    "--port",
+                    str(port),
+                    *args.serve_flags,
+                    "--json",
+                    timeout=600,
+                )
+                if out.returncode != 0:
+                    raise SystemExit(f"swarm serve failed: {out.stderr}\n{sw.log_tail()}")
+                view = json.loads(out.stdout)
+                client = openai.OpenAI(
+                    base_url=view["url"].rstrip("/") + "/v1",
+                    api_key="unused",
+                    max_retries=0,
+                    timeout=600,
+                )
+                _http_round(client, "bench", 1, 4)  # warm-up, not counted
+                _generate_batch(model, prompt_ids, 1, 4, threads)
+                _generate_batch(packed, prompt_ids, 1, 4, threads)
+                for _ in range(repeats):
+                    ring.append(_http_round(client, "bench", 1, tokens)["tok_s"])
+                    gen.append(_generate_batch(model, prompt_ids, 1, tokens, threads))
+                    gen_packed.append(_generate_batch(packed, prompt_ids, 1, tokens, threads))
+                    many.append(_http_round(client, "bench", USERS, tokens)["tok_s"])
+                    gen_many.append(_generate_batch(packed, prompt_ids, USERS, tokens, threads))
+                nodes = [s["node"] for s in view["stages"]]
+                stage_threads = _stage_threads(sw)
+            except BaseException:
+                print(sw.log_tail(), file=sys.stderr)
+                raise
+    r, g, gp, m, gm = (statistics.median(v) for v in (ring, gen, gen_packed, many, gen_many))
+    name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
+    print()
+    print(
+        f"{name}: one streamed chat (openai client, greedy, {tokens} tokens, prefill included) "
+        f"through `swarm serve --stages 2` on two loopback daemons (stages on {nodes}), "
+        f"with {stage_threads} thread(s) per stage, against `generate` in one process with "
+        f"{threads} thread(s) (every core, its default); median of {repeats}, alternated"
+    )
+    print()
+    print("| setup | tok/s | x generate | x generate packed |")
+    print("|---|---|---|---|")
+    print(f"| swarm serve, 2 daemons | {r:.1f} | {r / g:.2f} | {r / gp:.2f} |")
+    print(f"| generate | {g:.1f} | 1.00 | {g / gp:.2f} |")
+    print(f"| generate, packed copy | {gp:.1f} | {gp / g:.2f} | 1.00 |")
+    print()
+    print(
+        f"{USERS} users at once (the default --max-sessions), aggregate tok/s: swarm serve "
+        f"{m:.1f}, `generate({USERS})` on the packed copy {gm:.1f}: {m / gm:.2f}x"
+    )
+    return {
+        "daemons_tok_s": round(r, 2),
+        "daemons_generate_tok_s": round(g, 2),
+        "daemons_generate_packed_tok_s": round(gp, 2),
+        "daemons_ratio": round(r / g, 3),
+        "daemons_ratio_packed": round(r / gp, 3),
+        "daemons_tokens": tokens,
+        "daemons_users": USERS,
+        "daemons_users_tok_s": round(m, 2),
+        "daemons_users_generate_packed_tok_s": round(gm, 2),
+        "daemons_users_ratio_packed": round(m / gm, 3),
+        "daemons_stage_threads": stage_threads,
+        "daemons_generate_threads": threads,
+    }
+
+
+def _stage_threads(sw) -> list[int]:
+    """The intra-op threads of each serve stage worker the daemons started (its
+    ``OMP_NUM_THREADS``, read from /proc: what the daemon gave it)."""
+    found = []
+    daemons = {p.pid for p in sw.procs}
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if b"serve_worker" not in cmd or parent not in daemons:
+                continue
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"OMP_NUM_THREADS="):
+                found.append(int(item.split(b"=", 1)[1]))
+    return sorted(found)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (<3 min)")
@@ -531,7 +675,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     parser.add_argument("--conc-tokens", type=int, default=None, help="tokens per HTTP request")
     parser.add_argument("--conc-repeats", type=int, default=None)
-    parser.add_argument("--only", choices=("single", "http"), default=None)
+    parser.add_argument("--only", choices=("single", "http", "daemons"), default=None)
+    parser.add_argument(
+        "--serve-flags",
+        nargs="*",
+        default=[],
+        help="the daemons section: more `swarm serve` flags (default: none, a user's defaults)",
+    )
     parser.add_argument(
         "--baseline-root",
         default=None,
@@ -543,6 +693,8 @@ def main() -> None:
         summary.update(single(args))
     if args.only in (None, "http"):
         summary.update(http(args))
+    if args.only in (None, "daemons"):
+        summary.update(daemons(args))
     print(json.dumps(summary))
 
 
