@@ -34,9 +34,11 @@ from swarmp2p.plan.placer import (
     Placed,
     Placer,
     SplitAttempt,
+    bottleneck_needs,
     candidate_devices,
     device_attempts,
     gb,
+    lacking_capabilities,
     min_max_partition,
     select_devices,
     torch_device,
@@ -99,9 +101,7 @@ def _codec(c: Compression, hidden: int, dtype: str, wire_v2: bool) -> tuple[str,
 
 
 def _required_features(job: Job, n_stages: int, compression: tuple[Compression, ...]) -> dict:
-    needs: dict[str, str] = {}
-    if n_stages > 1 and any(c.is_learned for c in compression):
-        needs["calibrated-bottleneck"] = "the learned bottleneck is calibrated on both sides"
+    needs = bottleneck_needs(n_stages, compression)
     if job.model.weight_dtype is not None and job.finetune_mode != "full":
         needs["half-weights"] = "model.weight_dtype stores the frozen backbone narrow"
     return needs
@@ -309,12 +309,7 @@ def _plan_on(
     for node in {node.node_id: node for node, _ in devices}.values():
         features &= node.capabilities
     needs = _required_features(job, n, compression)
-    lacking = [
-        f"{node.name} lacks {cap} ({why}); update swarmp2p there"
-        for node in sorted({nd.node_id: nd for nd, _ in devices}.values(), key=lambda x: x.node_id)
-        for cap, why in sorted(needs.items())
-        if cap not in node.capabilities or cap not in own
-    ]
+    lacking = lacking_capabilities([nd for nd, _ in devices], needs, own)
     if lacking:
         return (
             Blocked(

@@ -41,6 +41,33 @@ _BISECT_STEPS = 48
 Placed = tuple[Node, Device]
 
 
+BOTTLENECK_CAPABILITY = "calibrated-bottleneck"
+"""What a node declares when it runs a learned bottleneck's calibrated halves (training
+calibrates them; serving loads them from the trained shards)."""
+
+
+def bottleneck_needs(n_stages: int, compression: Sequence[Compression]) -> dict[str, str]:
+    """The capability a ring of ``n_stages`` with these boundaries needs of every node that
+    holds one of its stages (training and serving alike), with why."""
+    if n_stages > 1 and any(c.is_learned for c in compression):
+        return {BOTTLENECK_CAPABILITY: "the learned bottleneck is calibrated on both sides"}
+    return {}
+
+
+def lacking_capabilities(
+    nodes: Sequence[Node], needs: dict[str, str], own: frozenset[str]
+) -> list[str]:
+    """One line per node and needed capability it (or the planning peer, ``own``) lacks:
+    ``"<node> lacks <cap> (<why>); update swarmp2p there"``, nodes in node-id order."""
+    unique = sorted({nd.node_id: nd for nd in nodes}.values(), key=lambda x: x.node_id)
+    return [
+        f"{nd.name} lacks {cap} ({why}); update swarmp2p there"
+        for nd in unique
+        for cap, why in sorted(needs.items())
+        if cap not in nd.capabilities or cap not in own
+    ]
+
+
 def gb(n: float) -> str:
     """Bytes as the "GB" (2**30 bytes) every message prints, one decimal."""
     return f"{n / GB:.1f}"
