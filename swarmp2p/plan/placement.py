@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from swarmp2p.plan import model_shape as _model_shape
+from swarmp2p.plan.attention import SWARM_SDPA_CAPABILITY, training_kernel
 from swarmp2p.plan.hardware import CAPABILITIES, Node
 from swarmp2p.plan.job import FieldError, Job, JobError
 from swarmp2p.plan.memory import Pricing, StagePricer, Workload
@@ -335,6 +336,17 @@ def _plan_on(
     )
     options = {True: (True,), False: (False,), "auto": (False, True)}[job.train.recompute]
     notes: list[str] = []
+    grouped = shape.n_kv_heads < shape.n_heads
+    kernels = [training_kernel(nd, dev, dtype, grouped, own) for nd, dev in devices]
+    # without long-context no card is priced as running an efficient kernel (as before)
+    scores = [not long_context or k == "math" for k in kernels]
+    math = [f"{nd.name} {dev.label}" for (nd, dev), k in zip(devices, kernels) if k == "math"]
+    if long_context and math:
+        notes.append(
+            "priced with seq x seq attention scores (SDPA's math kernel: no Flash Attention "
+            f"there, and no {SWARM_SDPA_CAPABILITY} to expand grouped-query heads): "
+            + ", ".join(math)
+        )
     blocked: Blocked | None = None
     for recompute in options:
         workload = Workload(
@@ -349,6 +361,7 @@ def _plan_on(
             shape,
             devices,
             StagePricer(shape, pricing, workload),
+            attention_scores=scores,
             mode=job.split.mode,
             compression=compression,
             in_flight=[in_flight(job.train.schedule, i, n, micro) for i in range(n)],

@@ -175,8 +175,12 @@ class Placer:
         tokens: int = 1,
         flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
         update_trained: bool = False,
+        attention_scores: Sequence[bool] | None = None,
     ) -> None:
+        """``attention_scores``: per device slot, whether its card holds the seq x seq
+        attention scores (None: the pricer's workload decides for every slot)."""
         self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
+        self.scores = list(attention_scores) if attention_scores is not None else None
         self.n = len(devices)
         self.compression = compression
         self.flight = list(in_flight) if in_flight is not None else [1] * self.n
@@ -202,6 +206,7 @@ class Placer:
             in_flight=self.flight[i],
             receive=self.compression[i - 1] if i > 0 and self.compression else None,
             send=self.compression[i] if i < self.n - 1 and self.compression else None,
+            scores=self.scores[i] if self.scores is not None else None,
         )
 
     def fits(self, i: int, start: int, end: int) -> bool:
