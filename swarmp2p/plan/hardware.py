@@ -31,6 +31,7 @@ CAPABILITIES: frozenset[str] = frozenset(
         "half-weights",
         "long-context",
         "serve-codec",
+        "swarm-sdpa",
     }
 )
 """Features this version implements; a plan enables one only when every assigned node has it."""

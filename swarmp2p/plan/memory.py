@@ -20,7 +20,8 @@ checks before anything is downloaded. Sources:
   "Reducing Activation Recomputation in Large Transformer Models", eq. 1 without tensor
   parallelism: s b h (34 + 5 a s / h) bytes at 16 bits; the 19 s b h of the MLP scales with
   the MLP's width against GPT's 4 h (MoE: the experts a token is routed to), the 5 a s^2 b
-  attention scores vanish with efficient attention (Flash / memory-efficient SDPA), and
+  attention scores vanish with efficient attention (Flash / memory-efficient SDPA; which one a
+  card runs is ``plan/attention.training_kernel``'s rule, priced per card), and
   float32 doubles it all. With recompute a layer keeps only its input (s b h values) and one
   block is recomputed at a time (the transient, paid once per device).
 - loss: the last stage's float32 logits and their gradient, 2 x tokens x vocab x 4 B, or the
@@ -173,22 +174,24 @@ class StagePricer:
         a = DTYPE_BYTES[pricing.dtype]
         h = shape.hidden
         t = workload.micro_tokens
-        full_act: list[float] = []
+        # by whether the stage's card holds the attention scores (no efficient kernel runs)
+        acts: dict[bool, list[float]] = {False: [], True: []}
         for active in shape.layer_active_params:
             ffn_scale = max(active - shape.attn_params, 0) / (8 * h * h)
             per_token = (15 * h + 19 * h * ffn_scale) * a / 2
-            if not workload.efficient_attention:
-                per_token += 5 * shape.n_heads * workload.seq_len * a / 2
-            full_act.append(per_token * t)
-        self._full_act = full_act
+            acts[False].append(per_token * t)
+            acts[True].append((per_token + 5 * shape.n_heads * workload.seq_len * a / 2) * t)
+        self._scores = not workload.efficient_attention
+        self._acts = acts
+        self._act_sums = {k: [0.0, *accumulate(v)] for k, v in acts.items()}
+        self._full_act = acts[self._scores]
         self._params = [0, *accumulate(shape.layer_params)]
-        self._act = [0.0, *accumulate(full_act)]
         self._ckpt = [0, *accumulate(shape.layer_bytes)]
         self._input_act = t * h * a
         self._lora_layer = lora_params_per_layer(shape, pricing.lora_r, pricing.lora_targets)
         self._kv_layer = 2 * shape.n_kv_heads * shape.head_dim * a
         self._max_layer = max(shape.layer_params)
-        self._max_act = max(full_act)
+        self._max_act = {k: max(v) for k, v in acts.items()}
 
     def held_outer_params(self, first: bool, last: bool) -> int:
         """Embedding and head parameters the stage holds (a tied head needs the embedding)."""
@@ -219,8 +222,12 @@ class StagePricer:
         in_flight: int = 1,
         receive: Compression | None = None,
         send: Compression | None = None,
+        scores: bool | None = None,
     ) -> StageMemory:
-        """The memory of the stage holding layers [start, end)."""
+        """The memory of the stage holding layers [start, end). ``scores``: whether its card
+        holds the seq x seq attention scores (None: unless the workload's efficient_attention;
+        ``plan/attention.training_kernel`` decides it per card)."""
+        scores = self._scores if scores is None else scores
         s, p, w = self.shape, self.pricing, self.workload
         layer_params = self._params[end] - self._params[start]
         outer = self.held_outer_params(first, last)
@@ -249,9 +256,10 @@ class StagePricer:
         if w.training and p.finetune_mode != "none":
             if w.recompute:
                 held = self._input_act * (end - start)
-                transient = self._max_act_in(start, end)
+                transient = self._max_act_in(start, end, scores)
             else:
-                held = self._act[end] - self._act[start]
+                sums = self._act_sums[scores]
+                held = sums[end] - sums[start]
             activations = held * in_flight
             if last:
                 tokens = w.micro_tokens
@@ -272,7 +280,7 @@ class StagePricer:
             transient=int(transient),
         )
 
-    def _max_act_in(self, start: int, end: int) -> float:
+    def _max_act_in(self, start: int, end: int, scores: bool) -> float:
         if end - start == len(self._full_act):
-            return self._max_act
-        return max(self._full_act[start:end])
+            return self._max_act[scores]
+        return max(self._acts[scores][start:end])

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from swarmp2p.plan import model_shape as _model_shape
+from swarmp2p.plan.attention import SWARM_SDPA_CAPABILITY, training_kernel
 from swarmp2p.plan.hardware import CAPABILITIES, Node
 from swarmp2p.plan.job import FieldError, Job, JobError
 from swarmp2p.plan.memory import Pricing, StagePricer, Workload
@@ -34,9 +35,11 @@ from swarmp2p.plan.placer import (
     Placed,
     Placer,
     SplitAttempt,
+    bottleneck_needs,
     candidate_devices,
     device_attempts,
     gb,
+    lacking_capabilities,
     min_max_partition,
     select_devices,
     torch_device,
@@ -99,9 +102,7 @@ def _codec(c: Compression, hidden: int, dtype: str, wire_v2: bool) -> tuple[str,
 
 
 def _required_features(job: Job, n_stages: int, compression: tuple[Compression, ...]) -> dict:
-    needs: dict[str, str] = {}
-    if n_stages > 1 and any(c.is_learned for c in compression):
-        needs["calibrated-bottleneck"] = "the learned bottleneck is calibrated on both sides"
+    needs = bottleneck_needs(n_stages, compression)
     if job.model.weight_dtype is not None and job.finetune_mode != "full":
         needs["half-weights"] = "model.weight_dtype stores the frozen backbone narrow"
     return needs
@@ -309,12 +310,7 @@ def _plan_on(
     for node in {node.node_id: node for node, _ in devices}.values():
         features &= node.capabilities
     needs = _required_features(job, n, compression)
-    lacking = [
-        f"{node.name} lacks {cap} ({why}); update swarmp2p there"
-        for node in sorted({nd.node_id: nd for nd, _ in devices}.values(), key=lambda x: x.node_id)
-        for cap, why in sorted(needs.items())
-        if cap not in node.capabilities or cap not in own
-    ]
+    lacking = lacking_capabilities([nd for nd, _ in devices], needs, own)
     if lacking:
         return (
             Blocked(
@@ -340,6 +336,17 @@ def _plan_on(
     )
     options = {True: (True,), False: (False,), "auto": (False, True)}[job.train.recompute]
     notes: list[str] = []
+    grouped = shape.n_kv_heads < shape.n_heads
+    kernels = [training_kernel(nd, dev, dtype, grouped, own) for nd, dev in devices]
+    # without long-context no card is priced as running an efficient kernel (as before)
+    scores = [not long_context or k == "math" for k in kernels]
+    math = [f"{nd.name} {dev.label}" for (nd, dev), k in zip(devices, kernels) if k == "math"]
+    if long_context and math:
+        notes.append(
+            "priced with seq x seq attention scores (SDPA's math kernel: no Flash Attention "
+            f"there, and no {SWARM_SDPA_CAPABILITY} to expand grouped-query heads): "
+            + ", ".join(math)
+        )
     blocked: Blocked | None = None
     for recompute in options:
         workload = Workload(
@@ -354,6 +361,7 @@ def _plan_on(
             shape,
             devices,
             StagePricer(shape, pricing, workload),
+            attention_scores=scores,
             mode=job.split.mode,
             compression=compression,
             in_flight=[in_flight(job.train.schedule, i, n, micro) for i in range(n)],

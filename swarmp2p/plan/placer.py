@@ -41,6 +41,33 @@ _BISECT_STEPS = 48
 Placed = tuple[Node, Device]
 
 
+BOTTLENECK_CAPABILITY = "calibrated-bottleneck"
+"""What a node declares when it runs a learned bottleneck's calibrated halves (training
+calibrates them; serving loads them from the trained shards)."""
+
+
+def bottleneck_needs(n_stages: int, compression: Sequence[Compression]) -> dict[str, str]:
+    """The capability a ring of ``n_stages`` with these boundaries needs of every node that
+    holds one of its stages (training and serving alike), with why."""
+    if n_stages > 1 and any(c.is_learned for c in compression):
+        return {BOTTLENECK_CAPABILITY: "the learned bottleneck is calibrated on both sides"}
+    return {}
+
+
+def lacking_capabilities(
+    nodes: Sequence[Node], needs: dict[str, str], own: frozenset[str]
+) -> list[str]:
+    """One line per node and needed capability it (or the planning peer, ``own``) lacks:
+    ``"<node> lacks <cap> (<why>); update swarmp2p there"``, nodes in node-id order."""
+    unique = sorted({nd.node_id: nd for nd in nodes}.values(), key=lambda x: x.node_id)
+    return [
+        f"{nd.name} lacks {cap} ({why}); update swarmp2p there"
+        for nd in unique
+        for cap, why in sorted(needs.items())
+        if cap not in nd.capabilities or cap not in own
+    ]
+
+
 def gb(n: float) -> str:
     """Bytes as the "GB" (2**30 bytes) every message prints, one decimal."""
     return f"{n / GB:.1f}"
@@ -148,8 +175,12 @@ class Placer:
         tokens: int = 1,
         flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
         update_trained: bool = False,
+        attention_scores: Sequence[bool] | None = None,
     ) -> None:
+        """``attention_scores``: per device slot, whether its card holds the seq x seq
+        attention scores (None: the pricer's workload decides for every slot)."""
         self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
+        self.scores = list(attention_scores) if attention_scores is not None else None
         self.n = len(devices)
         self.compression = compression
         self.flight = list(in_flight) if in_flight is not None else [1] * self.n
@@ -175,6 +206,7 @@ class Placer:
             in_flight=self.flight[i],
             receive=self.compression[i - 1] if i > 0 and self.compression else None,
             send=self.compression[i] if i < self.n - 1 and self.compression else None,
+            scores=self.scores[i] if self.scores is not None else None,
         )
 
     def fits(self, i: int, start: int, end: int) -> bool:

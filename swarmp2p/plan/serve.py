@@ -23,6 +23,10 @@ mismatch, as it does for training. The rules are training's (``placement``, ``pl
   decode step; serving balances FLOPs as if every device were equally fast.
 - a trained model keeps its ``bounds``; each stage goes to the first of its shard's
   ``holders`` with room left, else to the device with the most room (which fetches the shard).
+  Its boundaries (``trained_compression``, the manifest's) are priced as training prices them
+  (a learned bottleneck's halves in the dtype on the stages either side), and a ring with a
+  learned bottleneck goes only onto nodes declaring ``calibrated-bottleneck``: training's rule
+  (``placer.bottleneck_needs``); the others are left out, and Blocked names them when none is left.
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
-from swarmp2p.plan.hardware import Node
+from swarmp2p.plan.hardware import CAPABILITIES, Node
 from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placer import (
     SERVE_FLOPS_PER_PARAM_TOKEN,
     Placed,
     Placer,
+    bottleneck_needs,
     candidate_devices,
     device_attempts,
     device_key,
+    lacking_capabilities,
     select_devices,
     torch_device,
     usable_memory,
@@ -51,6 +57,7 @@ from swarmp2p.plan.placer import (
 from swarmp2p.plan.precision import resolve_dtype
 from swarmp2p.plan.quantization import QuantSpec, parse_quantization
 from swarmp2p.plan.result import Blocked
+from swarmp2p.plan.split import Compression
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
@@ -330,6 +337,8 @@ def plan_serve(
     compression: Sequence[str] = (),
     codes: bool | Sequence[bool] | None = None,
     split: SplitMode = SERVE_SPLIT,
+    trained_compression: Sequence[Compression] = (),
+    capabilities: frozenset[str] | None = None,
 ) -> ServePlan | Blocked:
     """Place a serving ring of ``shape`` on ``cluster_nodes``: a ServePlan, or Blocked naming
     every device that cannot take its stage (the node, the device and the bytes).
@@ -337,10 +346,21 @@ def plan_serve(
     ``max_context`` 0 is the model's limit (and no session holds more than it). ``bounds`` and
     ``holders`` (per stage, the nodes holding its trained shard, best first) place a trained
     model. ``compression``: one per boundary (default none); ``codes``: send them as codes
-    (default: where both nodes declare the serve codec). Raises SchemaError for a request no
-    cluster could meet (more stages than blocks, bounds that do not cover the model).
+    (default: where both nodes declare the serve codec). ``trained_compression``: a trained
+    model's boundaries, one per boundary of ``bounds`` (its manifest's ``compression``).
+    ``capabilities`` are the planning peer's own (default: this version's CAPABILITIES). Raises
+    SchemaError for a request no cluster could meet (more stages than blocks, bounds that do
+    not cover the model).
     """
     n = _check_request(shape, stages, bounds, holders, compression, codes)
+    trained = tuple(trained_compression)
+    if trained and (bounds is None or len(trained) != len(bounds) - 1):
+        raise _bad(
+            "trained_compression",
+            f"{len(trained)} boundary spec(s) need bounds of {len(trained) + 1} stages, got "
+            f"{'none' if bounds is None else len(bounds)}",
+        )
+    own = CAPABILITIES if capabilities is None else frozenset(capabilities)
     quant = parse_quantization(quantization) if isinstance(quantization, dict) else quantization
     context = min(max_context or shape.max_positions, shape.max_positions)
     if not 1 <= max_sessions <= MAX_SESSIONS:
@@ -377,7 +397,22 @@ def plan_serve(
                 + ", ".join(f"{nd.name} {d.label}" for nd, d in choice.excluded)
             )
             candidates = ok
-    ask = _Ask(shape, quant, max_sessions, context, compression, codes, split, bounds)
+    needs = bottleneck_needs(len(trained) + 1, trained)
+    if needs:
+        lacking = lacking_capabilities([nd for nd, _ in candidates], needs, own)
+        bad = {nd.node_id for nd, _ in candidates if any(c not in nd.capabilities for c in needs)}
+        ok = [p for p in candidates if p[0].node_id not in bad and all(c in own for c in needs)]
+        if not ok:
+            return Blocked(
+                reason=f"placed 0 of {required} serving stage(s); {len(lacking)} capability(ies) "
+                "missing:\n" + "\n".join(lacking),
+                dtype=dtype,
+                required=required,
+            )
+        if lacking:
+            notes.append("left out: " + "; ".join(lacking))
+        candidates = ok
+    ask = _Ask(shape, quant, max_sessions, context, compression, codes, split, bounds, trained)
     if holders is not None:
         dtype_now = resolve_dtype(candidates, dtype).dtype
         return _place(ask, _by_holders(ask, candidates, dtype_now, holders), dtype_now, notes)
@@ -410,6 +445,7 @@ class _Ask:
     codes: bool | Sequence[bool] | None
     split: str
     bounds: Sequence[Sequence[int]] | None
+    trained: tuple[Compression, ...] = ()
 
     def pricer(self, dtype: str) -> StagePricer:
         return StagePricer(
@@ -417,6 +453,12 @@ class _Ask:
             Pricing(dtype=dtype, finetune_mode="none", quantization=self.quant),
             Workload(training=False, serving_sessions=self.sessions, serving_tokens=self.context),
         )
+
+    def sides(self, i: int, n: int) -> tuple[Compression | None, Compression | None]:
+        """The trained boundaries stage i of n receives from and sends to (None: none)."""
+        if not self.trained:
+            return None, None
+        return (self.trained[i - 1] if i > 0 else None, self.trained[i] if i < n - 1 else None)
 
     @property
     def cuts(self) -> tuple[int, ...] | None:
@@ -434,7 +476,8 @@ def _by_holders(
     order = {device_key(nd, d): i for i, (nd, d) in enumerate(candidates)}
     out = []
     for i, (a, b) in enumerate(ask.bounds):
-        need = pricer.price(a, b, first=i == 0, last=i == n - 1).peak
+        receive, send = ask.sides(i, n)
+        need = pricer.price(a, b, first=i == 0, last=i == n - 1, receive=receive, send=send).peak
         mine = [p for h in holders[i] for p in candidates if p[0].node_id == h]
         mine.sort(key=lambda p: list(holders[i]).index(p[0].node_id))
         others = sorted(
@@ -454,6 +497,7 @@ def _place(ask: _Ask, devices: list[Placed], dtype: str, notes: list[str]) -> Se
         devices,
         ask.pricer(dtype),
         mode=ask.split,
+        compression=ask.trained,
         flops_per_param_token=SERVE_FLOPS_PER_PARAM_TOKEN,
     )
     attempt = placer.split(ask.cuts)
@@ -566,6 +610,8 @@ class ServeInputs:
     holders: tuple[tuple[str, ...], ...] | None = None
     compression: tuple[BoundaryCompression, ...] = ()
     codes: bool | None = None
+    trained_compression: tuple[Compression, ...] = ()
+    """A trained model's boundaries (its manifest's ``compression``), one per boundary."""
 
     def nodes(self) -> list[Node]:
         return [Node.from_dict(dict(r), f"cluster[{i}]") for i, r in enumerate(self.cluster)]
@@ -584,6 +630,7 @@ class ServeInputs:
             holders=self.holders,
             compression=self.compression,
             codes=self.codes,
+            trained_compression=self.trained_compression,
         )
 
 

@@ -24,6 +24,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.serving.stages import CONNECT_TIMEOUT_S
 from swarmp2p.node.training.jobs import blocked_note, cluster_records
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
+from swarmp2p.plan.split import Compression
 from swarmp2p.schema import SchemaError
 from swarmp2p.serve.ring import RingEnds, build_ring
 
@@ -187,6 +188,12 @@ def inputs_of(served: Served, alive: frozenset[str]) -> ServeInputs:
         max_context=req.max_context,
         bounds=tuple(tuple(b) for b in trained["manifest"]["split"]) if trained else None,
         holders=tuple(tuple(h) for h in alive_holders(served, alive)) if trained else None,
+        trained_compression=tuple(
+            Compression.from_data(c, f"compression[{i}]")
+            for i, c in enumerate(trained["manifest"].get("compression", []))
+        )
+        if trained
+        else (),
     )
 
 

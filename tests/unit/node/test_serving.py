@@ -20,10 +20,12 @@ from swarmp2p.node.messages import (
     ServeStageStop,
     ShardCopy,
 )
+from swarmp2p.node.serving.ring import Served, inputs_of
 from swarmp2p.node.serving.stages import check_serve_plan
 from swarmp2p.node.training.jobs import PlanMismatch, cluster_records
 from swarmp2p.plan import from_config
-from swarmp2p.plan.serve import ServeInputs, ServePlan
+from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
+from swarmp2p.plan.split import Compression
 from swarmp2p.wire.messages import WireError, decode, encode
 
 GIB = 2**30
@@ -92,7 +94,14 @@ def inputs(*records: dict, **kw) -> ServeInputs:
         ),
         ServePlace(
             serve_id="s1",
-            inputs=ServeInputs(shape=SHAPE, bounds=((0, 4), (4, 6)), holders=(("a",), ("b", "c"))),
+            inputs=ServeInputs(
+                shape=SHAPE,
+                bounds=((0, 4), (4, 6)),
+                holders=(("a",), ("b", "c")),
+                trained_compression=(
+                    Compression(method="learned_bottleneck", learned_dim=32, code_bits=8),
+                ),
+            ),
         ),
         ServePlaced(serve_id="s1", leader="a", inputs=inputs(record("a")), plan="{}"),
         ServeStageStart(
@@ -177,3 +186,29 @@ def test_fake_gpus_plan_like_real_ones(capability, dtype):
     serves bfloat16 and a fake Turing float16 (their workers compute on the CPU)."""
     plan = inputs(record("a", fake_gpu=capability)).plan()
     assert (plan.dtype, plan.stages[0].device) == (dtype, "cuda:0")
+
+
+def test_a_trained_models_inputs_carry_its_boundaries_and_its_ring_skips_old_nodes():
+    learned = {"method": "learned_bottleneck", "learned_dim": 32, "code_bits": 8}
+    stages = [{"node": "a", "layers": [0, 2]}, {"node": "b", "layers": [2, 6]}]
+    trained = {
+        "id": "m-1",
+        "manifest": {"split": [[0, 2], [2, 6]], "compression": [learned], "stages": stages},
+    }
+    served = Served(
+        request=ServeRequest(model="m-1"),
+        serve_id="s1",
+        folder="/m",
+        shape=SHAPE,
+        dtype="float32",
+        quantization=None,
+        trained=trained,
+        holders=[["a"], ["b"]],
+    )
+    ask = inputs_of(served, frozenset("abc"))
+    assert ask.trained_compression == (Compression.from_data(learned, "c"),)
+    old = record("b")  # its record declares no calibrated-bottleneck
+    new = [{**record(n), "capabilities": ["calibrated-bottleneck"]} for n in "ac"]
+    plan = dataclasses.replace(ask, cluster=tuple(cluster_records([new[0], old, new[1]]))).plan()
+    assert isinstance(plan, ServePlan)
+    assert [s.node_id for s in plan.stages] == ["a", "c"]

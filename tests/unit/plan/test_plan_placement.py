@@ -281,3 +281,31 @@ def test_a_list_of_compressions_fixes_the_stage_count_under_auto():
     assert isinstance(plan, Plan) and len(plan.stages) == 3
     assert [s.node_id for s in plan.stages] == ["n1", "n2", "n3"]  # the most free memory
     assert [b.codec for b in plan.boundaries] == ["int8", "fp16"]
+
+
+def test_attention_is_priced_by_the_kernel_each_card_runs():
+    # SmolLM2's 9 query heads share 3 key/value heads: below compute 8.0 only swarm_sdpa's
+    # expansion keeps SDPA off its math kernel (plan/attention.py)
+    from swarmp2p.plan.hardware import CAPABILITIES
+
+    assert SMOL.n_kv_heads < SMOL.n_heads
+    train = {"batch_size": 1, "seq_len": 4096, "micro_batches": 1, "recompute": False}
+    old = CAPABILITIES - {"swarm-sdpa"}
+
+    def stage(device, caps=CAPABILITIES, dtype="float16"):
+        long = job(train=train, model={"pretrained": "embedded", "dtype": dtype})
+        plan = plan_job(long, [node("a", device, caps=caps)], shape=SMOL)
+        return plan.stages[0].memory.activations, plan.notes
+
+    turing = gpu(GTX1660S[0], GTX1660S[1], 80)
+    efficient, notes = stage(turing)
+    assert not any("seq x seq" in n for n in notes)
+    math, notes = stage(turing, caps=old)
+    scores = 5 * SMOL.n_heads * 4096 * 4096 * SMOL.n_layers  # 5 a s^2 b bytes at 16 bits
+    assert math - efficient == scores
+    assert any("seq x seq attention scores" in n and "GTX 1660 SUPER" in n for n in notes)
+    # Flash runs the grouped call itself at 8.0 and up, with or without swarm_sdpa ...
+    assert stage(gpu(A5000[0], A5000[1], 80), caps=old)[0] == efficient
+    # ... but not in float32, where only the expansion keeps the scores away
+    fp32, _ = stage(gpu(A5000[0], A5000[1], 80), dtype="float32")
+    assert stage(gpu(A5000[0], A5000[1], 80), caps=old, dtype="float32")[0] - fp32 == 2 * scores

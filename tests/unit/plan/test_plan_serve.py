@@ -10,6 +10,7 @@ import pytest
 from _plan_factories import A5000, GTX1080, GTX1660S, cpu, gpu, node
 
 from swarmp2p.plan import Blocked, from_config
+from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.memory import Pricing, StagePricer, Workload
 from swarmp2p.plan.placer import DEVICE_RESERVE
 from swarmp2p.plan.serve import (
@@ -19,6 +20,7 @@ from swarmp2p.plan.serve import (
     parse_serve_request,
     plan_serve,
 )
+from swarmp2p.plan.split import Compression
 from swarmp2p.schema import SchemaError, parse, to_data
 
 MIB = 2**20
@@ -218,6 +220,50 @@ def test_a_trained_stage_leaves_a_holder_without_room_and_says_why_when_none_fit
     assert blocked.reason.startswith("placed 0 of 2 serving stage(s)")
 
 
+LEARNED = Compression(method="learned_bottleneck", learned_dim=32, code_bits=8)
+OLD_CAPS = frozenset(CAPABILITIES - {"calibrated-bottleneck"})
+
+
+def test_a_learned_bottleneck_model_goes_only_onto_nodes_declaring_calibrated_bottleneck():
+    # training's rule (placer.bottleneck_needs): every node of a ring with a learned boundary
+    trained = dict(bounds=[[0, 2], [2, 6]], holders=[["a"], ["b"]], dtype="float32")
+    cluster = [cpu_gb("a", 8), cpu_gb("b", 8, caps=OLD_CAPS, name="old"), cpu_gb("c", 8)]
+    plan = serve(cluster, trained_compression=(LEARNED,), **trained)
+    assert isinstance(plan, ServePlan)
+    assert [s.node_id for s in plan.stages] == ["a", "c"]  # old's shard is fetched by c
+    assert any("old lacks calibrated-bottleneck" in note for note in plan.notes)
+    blocked = serve(cluster[1:2], trained_compression=(LEARNED,), **trained)
+    assert isinstance(blocked, Blocked)
+    assert blocked.reason == (
+        "placed 0 of 2 serving stage(s); 1 capability(ies) missing:\n"
+        "old lacks calibrated-bottleneck (the learned bottleneck is calibrated on both sides); "
+        "update swarmp2p there"
+    )
+    # a fixed boundary needs nothing: the old node serves its own shard
+    fixed = Compression(method="fixed", bits=8)
+    plan = serve(cluster, trained_compression=(fixed,), **trained)
+    assert [s.node_id for s in plan.stages] == ["a", "b"]
+    # the planning peer without it cannot place such a ring at all
+    blocked = serve(cluster, trained_compression=(LEARNED,), capabilities=OLD_CAPS, **trained)
+    assert isinstance(blocked, Blocked) and "3 capability(ies) missing" in blocked.reason
+
+
+def test_a_learned_bottleneck_model_prices_its_halves_on_both_sides():
+    trained = dict(bounds=[[0, 2], [2, 6]], holders=[["a"], ["b"]], dtype="float32")
+    cluster = [cpu_gb("a", 8), cpu_gb("b", 8)]
+    plain = serve(cluster, **trained)
+    plan = serve(cluster, trained_compression=(LEARNED,), **trained)
+    sent = (64 * 32 + 32) * 4  # down: 64 x 32 and its bias, float32
+    got = (32 * 64 + 64) * 4  # up
+    assert plan.stages[0].memory.weights - plain.stages[0].memory.weights == sent
+    assert plan.stages[1].memory.weights - plain.stages[1].memory.weights == got
+
+
+def test_trained_compression_needs_bounds_of_as_many_boundaries():
+    with pytest.raises(SchemaError, match="trained_compression: 2 boundary spec"):
+        serve([cpu_gb("a", 8)], bounds=[[0, 2], [2, 6]], trained_compression=(LEARNED, LEARNED))
+
+
 def test_the_plan_is_the_same_bytes_whatever_the_order_of_its_inputs():
     cluster = [
         node("n2", gpu(*A5000, 8, index=1), gpu(*A5000, 8, index=0), name="two"),
@@ -326,6 +372,7 @@ def test_the_inputs_cross_the_wire_and_plan_the_same_bytes():
         bounds=((0, 2), (2, 6)),
         holders=(("b",), ("a",)),
         codes=True,
+        trained_compression=(LEARNED,),
     )
     back = parse(ServeInputs, to_data(inputs))
     assert back == inputs

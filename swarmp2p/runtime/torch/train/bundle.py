@@ -1,6 +1,7 @@
 """A training stage's bundle: its module on its device, its compressor halves, what it trains.
 
-``build_bundle`` places a stage and resolves its trainable parameters from the finetune mode;
+``build_bundle`` places a stage, switches it to the ``swarm_sdpa`` attention
+(``runtime/torch/model/attention.py``) and resolves its trainable parameters from the finetune mode;
 ``set_recompute`` turns activation checkpointing per block on or off. The training step
 (``train``) and snapshots, export and evaluation all take the ``StageBundle`` it returns.
 """
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swarmp2p.plan.job import FINETUNE_MODES
 from swarmp2p.plan.split import StagePosition
+from swarmp2p.runtime.torch.model.attention import use_swarm_sdpa
 from swarmp2p.runtime.torch.model.hf_compat import set_block_checkpointing
 from swarmp2p.runtime.torch.train.compression import Compressor
 
@@ -122,6 +124,8 @@ def build_bundle(
             )
         device = torch.device(block_devices[0])
     stage.to(device)
+    if getattr(stage, "config", None) is not None:
+        use_swarm_sdpa(stage)  # long sequences on cards without Flash Attention (attention.py)
     for comp in (recv_compressor, send_compressor):
         if comp is not None:
             comp.to(device)
