@@ -56,6 +56,58 @@ def test_quantized_stages_equal_transformers_quantized_load(family, checkpoints)
         assert not any(s.training for s in stages), "quantized stages come back in eval mode"
 
 
+def _untied_copy(folder, out):
+    """The tied checkpoint ``folder`` saved with its head as a weight of its own (equal to the
+    embedding): what a quantized tied head must behave like."""
+    from tiny_models import load_whole
+
+    model = load_whole(folder)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # untied, tied head
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"bits": 8, "skip_modules": []},
+        {"method": "nf4", "compute_dtype": "float32", "skip_modules": []},
+        {"bits": 4, "compute_dtype": "float32", "skip_modules": ["down_proj"]},
+    ],
+)
+def test_a_quantized_head_loads_on_the_last_stage(family, raw, checkpoints, tmp_path):
+    """skip_modules without the head: the last stage holds bitsandbytes' head, loaded, equal to
+    transformers' own quantized load (a tied head: to its load of the untied copy)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = checkpoints(family, wide=True)
+    spec = normalize_spec(raw)
+    tied = family == "qwen3"
+    reference = AutoModelForCausalLM.from_pretrained(
+        _untied_copy(folder, tmp_path / "untied") if tied else folder,
+        dtype=torch.float32,
+        quantization_config=bnb_config(spec, list(spec.skip_modules)),
+        device_map="cpu",
+    )
+    layer = "Linear8bitLt" if spec.bits == 8 else "Linear4bit"
+    assert type(reference.lm_head).__name__ == layer
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    first = load_stage_shard(folder, 0, 2, True, False, torch.float32, quantization=raw)
+    last = load_stage_shard(folder, 2, 4, False, True, torch.float32, quantization=raw)
+    whole = load_stage_shard(folder, 0, 4, True, True, torch.float32, quantization=raw)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert torch.equal(last(first(ids)), expected), (family, raw)
+        assert torch.equal(whole(ids), expected), (family, raw)
+    for stage in (last, whole):
+        assert type(stage.head).__name__ == layer
+    assert type(whole.embed.weight) is torch.nn.Parameter, "the embedding stays full precision"
+    assert whole.head.weight is not whole.embed.weight
+
+
 def test_int8_cast_warning_is_silenced(checkpoints, caplog):
     stage = load_stage_shard(
         checkpoints("llama", wide=True), 0, 1, True, False, torch.float32, quantization={"bits": 8}

@@ -131,3 +131,104 @@ def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n
     assert resolve_targets(model, LoraSettings()) == default_target_modules(
         list(introspect(build_model(family, layers=2)).blocks)
     )
+
+
+def _hybrid(family: str):
+    """A tiny hybrid causal LM: block 0 linear attention only, then full, linear, full."""
+    import transformers as tf
+
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=types,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_5":
+        config = tf.Qwen3_5TextConfig(**common)
+    else:
+        config = tf.Qwen3NextConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        )
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "group"),
+    [
+        (
+            "qwen3_5",
+            ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"),
+        ),
+        ("qwen3_next", ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj")),
+    ],
+)
+def test_hybrid_stages_resolve_one_target_set_and_their_shards_merge(family, group, tmp_path):
+    """Cut [1]: stage 0 holds one linear-attention block and no attention projection; it must
+    resolve the whole architecture's targets, as stage 1 does, so the shards merge."""
+    from swarmp2p.runtime.torch.model.loader import load_stage_shard
+    from swarmp2p.runtime.torch.train.export import export_stage, reconstruct_from_shards
+
+    base = tmp_path / "base"
+    _hybrid(family).save_pretrained(base)
+    settings = LoraSettings(r=4, alpha=8, dropout=0.0)
+    bundles, fingerprints, dirs = [], [], []
+    for index, (a, b) in enumerate([(0, 1), (1, 4)]):
+        torch.manual_seed(0)
+        stage = load_stage_shard(base, a, b, a == 0, b == 4)
+        assert set(stage.block_types) == (
+            {"linear_attention"} if index == 0 else {"linear_attention", "full_attention"}
+        )
+        assert resolve_targets(stage, settings) == group
+        fingerprints.append(apply_lora(stage, settings))
+        with torch.no_grad():  # a non-zero B: the merged shards must carry each stage's delta
+            for name, p in stage.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        bundle = build_bundle(
+            stage,
+            index=index,
+            n_stages=2,
+            finetune_mode="lora",
+            recv_compressor=NoCompression() if index else None,
+            send_compressor=None if index else NoCompression(),
+        )
+        adapted = {
+            n.split(".lora_")[0].rsplit(".", 1)[-1]
+            for n, _ in stage.named_parameters()
+            if ".lora_" in n
+        }
+        assert adapted & set(group), "each stage adapts its own blocks"
+        assert not adapted & {"gate_proj", "up_proj", "down_proj"}, "no MLP fallback"
+        folder = tmp_path / f"stage-{index}"
+        export_stage(
+            bundle,
+            folder,
+            layers=(a, b),
+            n_layers=4,
+            compression=["none"],
+            lora=settings,
+            lora_targets=resolve_targets(stage, settings),
+            lora_fingerprint=fingerprints[-1],
+        )
+        bundles.append(bundle)
+        dirs.append(folder)
+    assert fingerprints[0] == fingerprints[1] == lora_fingerprint(settings, group)
+    rebuilt = reconstruct_from_shards(base, dirs).eval()  # refused when fingerprints differ
+    ids = token_batches(1, 2, 8, seed=3)[0][:, :-1]
+    with torch.no_grad():
+        chained = bundles[1].stage(bundles[0].stage(ids))
+        torch.testing.assert_close(rebuilt(ids).logits, chained, atol=1e-5, rtol=0)
+        assert not torch.allclose(_hybrid(family)(ids).logits, chained, atol=1e-3)

@@ -14,6 +14,36 @@ LINEAR_ATTENTION = "linear_attention"
 """The layer type of a recurrent block (Gated DeltaNet): it takes no causal mask."""
 
 
+_PEFT_PARTS = frozenset(
+    {
+        "base_layer",
+        "lora_A",
+        "lora_B",
+        "lora_dropout",
+        "lora_embedding_A",
+        "lora_embedding_B",
+        "lora_magnitude_vector",
+    }
+)
+"""Submodule names PEFT's LoRA wrapper adds around a layer."""
+
+
+def leaf_weights(blocks) -> dict[str, int]:
+    """Leaf name -> weight dimensionality, for every leaf module with a weight in ``blocks``
+    (meta-device ones included; a PEFT-wrapped layer counts under its own name)."""
+    found: dict[str, int] = {}
+    for block in blocks:
+        for name, module in block.named_modules():
+            if not name or _PEFT_PARTS & set(name.split(".")):
+                continue  # inside an adapter wrapper: the wrapper stands for the layer
+            base = getattr(module, "base_layer", None)  # a PEFT-wrapped layer: its own name
+            weight = getattr(base if base is not None else module, "weight", None)
+            leaf = base is not None or not list(module.children())
+            if leaf and isinstance(weight, nn.Parameter):
+                found.setdefault(name.rsplit(".", 1)[-1], weight.dim())
+    return found
+
+
 def decoder_config(config):
     """The decoder's own config: ``text_config`` of a multimodal config, else the config itself."""
     return config.get_text_config(decoder=True)

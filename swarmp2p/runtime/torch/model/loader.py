@@ -315,7 +315,13 @@ def load_stage_shard(
     checkpoint = _Checkpoint(model_ref)
     config = AutoConfig.from_pretrained(checkpoint.folder)
     model = _empty_model(config, dtype, attn_implementation)
-    topology = introspect(model)
+    stored = introspect(model)  # where the checkpoint keeps each part; is the head tied
+    quantizer = _quant.prepare(model, stored, spec) if spec is not None else None
+    # bitsandbytes swaps every layer it quantizes for its own module, the head among them
+    # unless skip_modules names it: the stage is cut from the model after the swap, or it
+    # would hold the old meta-device head and leave it unloaded. A quantized tied head holds its
+    # own quantized copy of the embedding matrix (the embedding itself stays full precision).
+    topology = introspect(model) if quantizer is not None else stored
     stage = Stage(
         topology,
         layer_start=layer_start,
@@ -323,10 +329,9 @@ def load_stage_shard(
         is_first_stage=is_first_stage,
         is_last_stage=is_last_stage,
     )
-    quantizer = _quant.prepare(model, topology, spec) if spec is not None else None
 
     wanted = stage_keys(stage, topology)
-    plan, converter_of = _plan_reads(model, topology, checkpoint.weight_map, wanted)
+    plan, converter_of = _plan_reads(model, stored, checkpoint.weight_map, wanted)
     meta = model.state_dict(keep_vars=True)
     params = {k for k, v in meta.items() if isinstance(v, nn.Parameter)}
     missing = sorted(k for k in wanted & params if k not in plan)

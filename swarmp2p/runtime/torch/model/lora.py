@@ -5,6 +5,11 @@ injected in place (PEFT), each stage optimising only the adapters inside its blo
 the decoder blocks against the reference's family table ("Which parameters train"); an
 unrecognised architecture falls back to every module in the blocks with a 2-D weight (GPT-2's
 Conv1D is matched on the weight's shape, not on ``nn.Linear``).
+
+A stage resolves them from the blocks of the WHOLE model (``Stage.model_leaves``, read from the
+meta-device model it was cut from), never from its own: a hybrid model's stage of linear-attention
+blocks only would otherwise fall back to a different set than its neighbour, train under another
+``lora_fingerprint``, and have its shards refused at the merge.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from swarmp2p.runtime.torch.model.introspect import introspect
+from swarmp2p.runtime.torch.model.introspect import introspect, leaf_weights
 
 ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
     # Qwen3-Next (hybrid): the attention group plus its linear-attention projections
@@ -33,15 +38,6 @@ ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
 """Known attention-projection groups, most specific first (reference's family table)."""
 
 LORA_EXPORTS = ("merged", "adapters")
-_PEFT_PARTS = {
-    "base_layer",
-    "lora_A",
-    "lora_B",
-    "lora_dropout",
-    "lora_embedding_A",
-    "lora_embedding_B",
-    "lora_magnitude_vector",
-}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,25 +75,15 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def _leaf_weights(blocks: Sequence[nn.Module]) -> dict[str, int]:
-    """Leaf name -> weight dimensionality, for every leaf module with a weight in the blocks."""
-    found: dict[str, int] = {}
-    for block in blocks:
-        for name, module in block.named_modules():
-            if not name or _PEFT_PARTS & set(name.split(".")):
-                continue  # inside an adapter wrapper: the wrapper stands for the layer
-            base = getattr(module, "base_layer", None)  # a PEFT-wrapped layer: its own name
-            weight = getattr(base if base is not None else module, "weight", None)
-            leaf = base is not None or not list(module.children())
-            if leaf and isinstance(weight, nn.Parameter):
-                found.setdefault(name.rsplit(".", 1)[-1], weight.dim())
-    return found
-
-
 def default_target_modules(blocks: Sequence[nn.Module]) -> tuple[str, ...]:
     """The leaf names LoRA adapts in these blocks (all of them are read: a hybrid model's first
     block may be linear attention only)."""
-    leaves = _leaf_weights(blocks)
+    return targets_of_leaves(leaf_weights(blocks))
+
+
+def targets_of_leaves(leaves: dict[str, int]) -> tuple[str, ...]:
+    """The family table's group that ``leaves`` (leaf name -> weight dims) hold, else every
+    2-D weight's name."""
     for group in ATTENTION_GROUPS:
         if all(name in leaves for name in group):
             return group
@@ -116,10 +102,14 @@ def _blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
 
 
 def resolve_targets(model: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
-    """The settings' targets, or the model's (or stage's) defaults."""
+    """The settings' targets, or the defaults of the whole architecture: of every block of the
+    model, for a runtime Stage too (its ``model_leaves``), so all stages of a job agree."""
     if settings.target_modules is not None:
         return tuple(settings.target_modules)
-    return default_target_modules(_blocks(model)[1])
+    leaves = getattr(model, "model_leaves", None)  # a runtime Stage: the whole model's leaves
+    if leaves is None:
+        leaves = leaf_weights(introspect(model).blocks)
+    return targets_of_leaves(leaves)
 
 
 def lora_fingerprint(settings: LoraSettings, targets: Sequence[str]) -> str:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION, Topology, introspect
+from swarmp2p.runtime.torch.model.introspect import (
+    LINEAR_ATTENTION,
+    Topology,
+    introspect,
+    leaf_weights,
+)
 from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
 
 
@@ -75,6 +80,10 @@ class Stage(nn.Module):
         self.block_indices = tuple(range(layer_start, layer_end))
         self.block_types = topology.layer_types[layer_start:layer_end]
         self.blocks = nn.ModuleList(topology.blocks[i] for i in self.block_indices)
+        self.model_leaves = leaf_weights(topology.blocks)
+        """Leaf name -> weight dims over every block of the WHOLE model (the ones this stage
+        does not hold are on the meta device): LoRA resolves its default targets from these,
+        so every stage of one model resolves the same (``lora.resolve_targets``)."""
         self.embed = topology.embed if is_first_stage else None
         self.position_embed = topology.position_embed if is_first_stage else None
         self.embed_dropout = topology.embed_dropout if is_first_stage else None
