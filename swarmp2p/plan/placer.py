@@ -148,8 +148,11 @@ class Placer:
         tokens: int = 1,
         flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
         update_trained: bool = False,
+        wire_v2: bool = True,
     ) -> None:
         self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
+        self.wire_v2 = wire_v2
+        """Whether a quantized boundary crosses as its codes (every node declares wire-v2)."""
         self.n = len(devices)
         self.compression = compression
         self.flight = list(in_flight) if in_flight is not None else [1] * self.n

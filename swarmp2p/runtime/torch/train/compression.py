@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmp2p.codec_layout import compression_codec
+
 BOTTLENECK_SEED = 0x5A4D_B077
 """Base of the private seed a learned bottleneck draws its initial weights from (plus the
 boundary index), so the two stages of a boundary build the same one without talking."""
@@ -146,7 +148,7 @@ class NoCompression(_SenderRounds):
 class HalfPrecision(_SenderRounds):
     """The boundary rounds the hidden state to float16 (straight-through)."""
 
-    payload_codec = "fp16"
+    payload_codec = compression_codec("fp16")
 
     def __init__(self) -> None:
         super().__init__(_Round(16, per_token=False))
@@ -162,7 +164,7 @@ class FixedQuantization(_SenderRounds):
             )
         super().__init__(_Round(bits, per_token=False))
         self.bits = bits
-        self.payload_codec = f"int{bits}"
+        self.payload_codec = compression_codec("fixed", bits)
 
 
 class LearnedBottleneck(Compressor):
@@ -183,7 +185,7 @@ class LearnedBottleneck(Compressor):
             raise ValueError(f"boundary_index must be >= 0, got {boundary_index!r}")
         self.hidden, self.k, self.code_bits = hidden, k, code_bits
         self.boundary_index = boundary_index
-        self.payload_codec = "fp16" if code_bits == 16 else f"tokint{code_bits}"
+        self.payload_codec = compression_codec("learned_bottleneck", code_bits)
         self.down = nn.Linear(hidden, k)
         self.up = nn.Linear(k, hidden)
         self._round = _Round(code_bits, per_token=True)
