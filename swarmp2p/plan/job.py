@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swarmp2p.plan.quantization import QuantSpec
-from swarmp2p.plan.split import Compression
+from swarmp2p.plan.split import DEFAULT_CALIBRATION_TOKENS, Compression
 from swarmp2p.schema import FieldError, SchemaError, field, to_data
 from swarmp2p.schema import parse as parse_record
 
@@ -114,6 +114,24 @@ class SplitConfig:
     """One spec (applied to every boundary) or one per boundary."""
 
     def __post_init__(self) -> None:
+        learned = [
+            (i, c.calibration_tokens) for i, c in enumerate(self.compression) if c.is_learned
+        ]
+        for i, tokens in learned[1:]:
+            first, want = learned[0]
+            if tokens != want:
+                raise SchemaError(
+                    [
+                        FieldError(
+                            path=f"compression[{i}].calibration_tokens",
+                            message=(
+                                f"{tokens} differs from compression[{first}].calibration_tokens "
+                                f"{want}: stage 0 runs one calibration pass for every learned "
+                                "boundary; give them one value"
+                            ),
+                        )
+                    ]
+                )
         n = len(self.compression)
         if n > 1 and isinstance(self.stages, int) and n != self.stages - 1:
             raise SchemaError(
@@ -127,6 +145,13 @@ class SplitConfig:
                     )
                 ]
             )
+
+    @property
+    def calibration_tokens(self) -> int:
+        """Tokens stage 0 runs forward to calibrate the learned boundaries (one pass for all;
+        ``__post_init__`` refuses learned boundaries that disagree)."""
+        learned = [c.calibration_tokens for c in self.compression if c.is_learned]
+        return learned[0] if learned else DEFAULT_CALIBRATION_TOKENS
 
     def compression_for(self, n_stages: int) -> tuple[Compression, ...]:
         """One Compression per boundary of an `n_stages` pipeline."""

@@ -45,7 +45,7 @@ from swarmp2p.plan.placer import (
     torch_device,
     usable_memory,
 )
-from swarmp2p.plan.precision import DTYPE_BYTES, resolve_dtype
+from swarmp2p.plan.precision import resolve_dtype
 from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedSchedule, PlannedStage
 from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
 from swarmp2p.plan.split import Compression
@@ -85,20 +85,11 @@ def _memory_reason(
 
 
 def _codec(c: Compression, hidden: int, dtype: str, wire_v2: bool) -> tuple[str, int]:
-    if c.method == "none":
-        return "raw", hidden * DTYPE_BYTES[dtype]
-    if c.method == "fp16":
-        return "fp16", 2 * hidden
-    if c.method == "fixed":
-        if wire_v2:
-            return f"int{c.bits}", c.bytes_per_token(hidden, dtype)
-        return "raw", hidden * DTYPE_BYTES[dtype]
-    k = c.code_dim(hidden)
-    if c.code_bits == 16:
-        return "fp16", 2 * k
-    if wire_v2:
-        return f"tokint{c.code_bits}", c.bytes_per_token(hidden, dtype)
-    return "raw", k * DTYPE_BYTES[dtype]
+    """What the plan table says crosses a boundary: the codec the payload is sent with ("raw"
+    for plain values) and the bytes of a one-token frame of it (``Compression.bytes_per_token``,
+    the wire's own layout)."""
+    codec = c.sent_codec(dtype, wire_v2)
+    return ("raw" if codec == "none" else codec), c.bytes_per_token(hidden, dtype, wire_v2)
 
 
 def _required_features(job: Job, n_stages: int, compression: tuple[Compression, ...]) -> dict:
@@ -367,6 +358,7 @@ def _plan_on(
             in_flight=[in_flight(job.train.schedule, i, n, micro) for i in range(n)],
             tokens=job.train.batch_size * job.train.seq_len,
             update_trained=job.finetune_mode == "full",
+            wire_v2="wire-v2" in features,
         )
         attempt = placer.split(cuts)
         if attempt.ranges is None:

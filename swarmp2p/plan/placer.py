@@ -176,11 +176,14 @@ class Placer:
         flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
         update_trained: bool = False,
         attention_scores: Sequence[bool] | None = None,
+        wire_v2: bool = True,
     ) -> None:
         """``attention_scores``: per device slot, whether its card holds the seq x seq
         attention scores (None: the pricer's workload decides for every slot)."""
         self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
         self.scores = list(attention_scores) if attention_scores is not None else None
+        self.wire_v2 = wire_v2
+        """Whether a quantized boundary crosses as its codes (every node declares wire-v2)."""
         self.n = len(devices)
         self.compression = compression
         self.flight = list(in_flight) if in_flight is not None else [1] * self.n

@@ -113,7 +113,7 @@ class StageClock:
 
     ``placer`` is placement's placer: ``devices`` ((node, device) per stage), ``n``,
     ``compute_cost(i, start, end)``, ``shape``, ``pricer`` (its ``pricing.dtype`` and
-    ``workload``) and ``compression`` (one per boundary).
+    ``workload``), ``compression`` (one per boundary) and ``wire_v2``.
     """
 
     def __init__(self, placer: Any) -> None:
@@ -122,6 +122,9 @@ class StageClock:
         shape, workload = placer.shape, placer.pricer.workload
         self.dtype = placer.pricer.pricing.dtype
         self.tokens = workload.batch_size * workload.seq_len
+        self.micro_batches = workload.micro_batches
+        self.micro_tokens = workload.micro_tokens
+        self.wire_v2 = placer.wire_v2
         self.recompute = workload.recompute
         self._active = [0]
         for p in shape.layer_active_params:
@@ -140,29 +143,36 @@ class StageClock:
         self.sent = [self._sent_bytes(i, shape.hidden) for i in range(self.n)]
         self.link_s = [self._link_s(i) for i in range(self.n)]
 
+    def _forward_bytes(self, i: int) -> int:
+        """Boundary i's activation frames (one a micro-batch, laid out as the wire encodes them:
+        ``Compression.frame_bytes``) and the labels."""
+        c, hidden = self.placer.compression[i], self.placer.shape.hidden
+        frame = c.frame_bytes(self.micro_tokens, hidden, self.dtype, self.wire_v2)
+        return self.micro_batches * frame + self.tokens * LABEL_BYTES
+
+    def _backward_bytes(self, i: int) -> int:
+        """The gradient of what stage i received over boundary i - 1, at the compute dtype (a
+        learned bottleneck's is its code width wide)."""
+        width = self.placer.compression[i - 1].payload_width(self.placer.shape.hidden)
+        return self.tokens * width * DTYPE_BYTES[self.dtype]
+
     def _sent_bytes(self, i: int, hidden: int) -> int:
         out = 0
         if i < self.n - 1:  # activations (as the boundary's codec sends them) and labels
-            per_token = self.placer.compression[i].bytes_per_token(hidden, self.dtype)
-            out += self.tokens * (per_token + LABEL_BYTES)
+            out += self._forward_bytes(i)
         if i > 0:  # the gradient of what it received, at the compute dtype
-            out += self.tokens * hidden * DTYPE_BYTES[self.dtype]
+            out += self._backward_bytes(i)
         return out
 
     def _link_s(self, i: int) -> float:
         devices, total = self.placer.devices, 0.0
         nxt = (i + 1,) if i < self.n - 1 else ()
         prev = (i - 1,) if i > 0 else ()
-        hidden = self.placer.shape.hidden
         for j in (*nxt, *prev):
             speed = link_speed(devices[i][0], devices[j][0])
             if speed is None:
                 continue
-            if j > i:
-                per_token = self.placer.compression[i].bytes_per_token(hidden, self.dtype)
-                total += self.tokens * (per_token + LABEL_BYTES) / speed
-            else:
-                total += self.tokens * hidden * DTYPE_BYTES[self.dtype] / speed
+            total += (self._forward_bytes(i) if j > i else self._backward_bytes(i)) / speed
         return total
 
     def flops(self, i: int, start: int, end: int) -> float:

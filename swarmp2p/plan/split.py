@@ -2,22 +2,28 @@
 
 A pipeline of N stages has N-1 boundaries; boundary i sits between stage i and stage i+1.
 Compression specs: "none", "fp16", "fixed_int2".."fixed_int8", or
-`{"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}` (code_bits 2..8 or 16).
+`{"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}` (code_bits 2..8 or 16;
+optional "calibration_tokens", default 16384). The reference's spellings are aliases:
+"bottleneck_dim" is learned_dim; "quantized" + "quantization_bits" mean code_bits, and
+"quantized": false alone means float16 codes (code_bits 16). A contradiction is refused.
+
+A boundary's link price is the byte count of the frame the wire sends for it
+(``swarmp2p.codec_layout``): the codec the runtime asks for, the codec a payload of the compute
+dtype actually crosses with, and the codes packed into 2-, 4- or 8-bit slots.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.codec_layout import compression_codec, frame_nbytes, sent_codec
 from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show
 
 _FIXED = {f"fixed_int{n}": n for n in range(2, 9)}
-_SCALE_BYTES = 4
-"""One float32 scale travels with each token's codes (the per-token bound of the int codecs)."""
+DEFAULT_CALIBRATION_TOKENS = 16384
+"""Tokens stage 0 runs forward to calibrate the learned boundaries (reference, "Calibration")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +38,8 @@ class Compression:
     """learned_bottleneck: code width k; None means half the hidden size, a multiple of 64."""
     code_bits: int = 8
     """learned_bottleneck: bits per code value, 2..8, or 16 for float16 codes."""
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    """learned_bottleneck: tokens of training data stage 0 runs forward to calibrate it."""
 
     @classmethod
     def from_data(cls, value: Any, path: str) -> Compression:
@@ -47,11 +55,14 @@ class Compression:
         if self.method == "fixed":
             return f"fixed_int{self.bits}"
         if self.method == "learned_bottleneck":
-            return {
+            spec: dict[str, Any] = {
                 "method": "learned_bottleneck",
                 "learned_dim": self.learned_dim,
                 "code_bits": self.code_bits,
             }
+            if self.calibration_tokens != DEFAULT_CALIBRATION_TOKENS:
+                spec["calibration_tokens"] = self.calibration_tokens
+            return spec
         return self.method
 
     @property
@@ -72,23 +83,38 @@ class Compression:
             return self.learned_dim
         return max(64, (hidden // 2) // 64 * 64)
 
-    def bytes_per_token(self, hidden: int, dtype: str) -> int:
-        """Bytes one token's activation takes on the wire (the gradient crosses at `dtype`).
+    def wire_codec(self, wire_v2: bool = True) -> str:
+        """The codec the runtime asks for on this boundary (its compressor's ``payload_codec``):
+        wire v1 sends every payload as its plain floats ("none")."""
+        if not wire_v2:
+            return "none"
+        bits = self.code_bits if self.is_learned else self.bits
+        return compression_codec(self.method, bits)
 
-        none: hidden x the compute dtype; fp16: 2 x hidden; fixed_intN: ceil(hidden N / 8) + 4
-        (packed codes plus a float32 scale); learned: the same over the code width k, or 2 k for
-        16-bit codes.
+    def payload_width(self, hidden: int) -> int:
+        """Values per token that cross: the hidden width, or a learned bottleneck's code width."""
+        return self.code_dim(hidden) if self.is_learned else hidden
+
+    def sent_codec(self, dtype: str, wire_v2: bool = True) -> str:
+        """The codec the payload crosses with at compute dtype ``dtype`` (a quantizing codec
+        takes float32 payloads only; a bfloat16 or float16 payload goes raw)."""
+        return sent_codec(self.wire_codec(wire_v2), dtype)
+
+    def frame_bytes(self, tokens: int, hidden: int, dtype: str, wire_v2: bool = True) -> int:
+        """Payload bytes of the frame that carries ``tokens`` tokens' activations over this
+        boundary: ``swarmp2p.codec_layout.frame_nbytes``, the layout the wire encodes with."""
+        codec = self.sent_codec(dtype, wire_v2)
+        return frame_nbytes((tokens, self.payload_width(hidden)), dtype, codec)
+
+    def bytes_per_token(self, hidden: int, dtype: str, wire_v2: bool = True) -> int:
+        """Bytes of a one-token frame (the gradient crosses at ``dtype``).
+
+        none: hidden x the compute dtype; fp16: 2 x hidden; fixed_intN: the codes in 2-, 4- or
+        8-bit slots plus the float32 scale (one a frame: a frame of T tokens has one scale, not
+        T); learned: the same over the code width k with one scale a token, or 2 k for 16-bit
+        codes. A quantizing codec's payload that is not float32 crosses raw at ``dtype``.
         """
-        if self.method == "none":
-            return hidden * DTYPE_BYTES[dtype]
-        if self.method == "fp16":
-            return 2 * hidden
-        if self.method == "fixed":
-            return math.ceil(hidden * self.bits / 8) + _SCALE_BYTES
-        k = self.code_dim(hidden)
-        if self.code_bits == 16:
-            return 2 * k
-        return math.ceil(k * self.code_bits / 8) + _SCALE_BYTES
+        return self.frame_bytes(1, hidden, dtype, wire_v2)
 
     def params(self, hidden: int) -> int:
         """Trainable parameters of the whole compressor (0 unless learned): down and up maps."""
@@ -107,7 +133,58 @@ class _LearnedInput:
 
     method: Literal["learned_bottleneck"]
     learned_dim: int | None = field(default=None, ge=1)
-    code_bits: Literal[2, 3, 4, 5, 6, 7, 8, 16] = 8
+    code_bits: Literal[2, 3, 4, 5, 6, 7, 8, 16] | None = None
+    """None: 8, unless the reference's aliases say otherwise."""
+    calibration_tokens: int = field(default=DEFAULT_CALIBRATION_TOKENS, ge=1, le=2**31 - 1)
+    bottleneck_dim: int | None = field(default=None, ge=1)
+    """The reference's spelling of learned_dim."""
+    quantized: bool | None = None
+    """The reference's: false means float16 codes (code_bits 16)."""
+    quantization_bits: Literal[2, 3, 4, 5, 6, 7, 8] | None = None
+    """The reference's: with quantized (or alone), the same as code_bits."""
+
+
+def _learned_aliases(spec: _LearnedInput, path: str) -> tuple[int | None, int]:
+    """(learned_dim, code_bits) from the canonical keys and the reference's aliases; a
+    SchemaError naming both keys for a contradiction."""
+    errors: list[FieldError] = []
+
+    def clash(key: str, value: Any, other: str, other_value: Any, why: str = "") -> None:
+        errors.append(
+            FieldError(
+                path=f"{path}.{key}",
+                message=f"{show(value)} contradicts {other} {show(other_value)}{why}",
+            )
+        )
+
+    dim = spec.learned_dim
+    if spec.bottleneck_dim is not None:
+        if dim is not None and dim != spec.bottleneck_dim:
+            clash("bottleneck_dim", spec.bottleneck_dim, "learned_dim", dim, " (one width k)")
+        dim = spec.bottleneck_dim if dim is None else dim
+    bits = spec.code_bits
+    if spec.quantized is False:
+        if spec.quantization_bits is not None:
+            clash(
+                "quantized",
+                False,
+                "quantization_bits",
+                spec.quantization_bits,
+                ' ("quantized": false means float16 codes)',
+            )
+        elif bits is not None and bits != 16:
+            clash("quantized", False, "code_bits", bits, ' ("quantized": false means code_bits 16)')
+        else:
+            bits = 16
+    elif spec.quantization_bits is not None:
+        if bits is not None and bits != spec.quantization_bits:
+            clash("quantization_bits", spec.quantization_bits, "code_bits", bits)
+        bits = spec.quantization_bits
+    elif spec.quantized is True and bits == 16:
+        clash("quantized", True, "code_bits", 16, " (16 means float16 codes, not quantized)")
+    if errors:
+        raise SchemaError(errors)
+    return dim, 8 if bits is None else bits
 
 
 def _parse_spec(spec: Any, path: str) -> Compression:
@@ -133,8 +210,12 @@ def _parse_spec(spec: Any, path: str) -> Compression:
         learned = parse(_LearnedInput, spec)
     except SchemaError as exc:
         raise SchemaError(replace_errors(exc, path)) from None
+    dim, bits = _learned_aliases(learned, path)
     return Compression(
-        method="learned_bottleneck", learned_dim=learned.learned_dim, code_bits=learned.code_bits
+        method="learned_bottleneck",
+        learned_dim=dim,
+        code_bits=bits,
+        calibration_tokens=learned.calibration_tokens,
     )
 
 

@@ -26,8 +26,6 @@ from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
 
 LINK_TIMEOUT_S = 30.0
 """How long a stage waits on a silent neighbour before it fails (the leader stops it sooner)."""
-DEFAULT_CALIBRATION_TOKENS = 16384
-"""Tokens a learned bottleneck's PCA calibration reads (reference, "Calibration")."""
 
 
 class WorkerSpecError(SchemaError):
@@ -106,7 +104,9 @@ class WorkerSpec(StageOfPlan):
     keys (one machine, tests)."""
     weight_decay: float = field(default=0.0, ge=0)
     loss_chunk_tokens: int = field(default=DEFAULT_LOSS_CHUNK_TOKENS, ge=1)
-    calibration_tokens: int = field(default=DEFAULT_CALIBRATION_TOKENS, ge=1)
+    calibration_tokens: int | None = field(default=None, ge=1)
+    """Tokens stage 0 calibrates the learned boundaries with; None: the job's
+    (``split.compression``'s ``calibration_tokens``, default 16384)."""
     loss_scale: float | None = field(default=None, gt=0)
     """A float16 job's first loss scale (None: 2**16, torch.amp.GradScaler's default)."""
     inject_nan_step: int | None = field(default=None, ge=0)
@@ -207,7 +207,11 @@ class WorkerSpec(StageOfPlan):
             recompute=self.plan.recompute,
             loss_chunk_tokens=self.loss_chunk_tokens,
             eval_batches=self.plan.eval_batches,
-            calibration_tokens=self.calibration_tokens,
+            calibration_tokens=(
+                self.job.split.calibration_tokens
+                if self.calibration_tokens is None
+                else self.calibration_tokens
+            ),
             checkpoint_every=t.checkpoint_every if self.snapshot_dir else 0,
             loss_scale=self.loss_scale,
             inject_nan_step=self.inject_nan_step,
@@ -262,7 +266,9 @@ def worker_spec(
 ) -> WorkerSpec:
     """The worker spec of one planned stage (``tunables``: ``link_timeout_s``,
     ``weight_decay``, ``loss_chunk_tokens``, ``calibration_tokens``, ``port``, and the float16
-    test knobs ``loss_scale`` and ``inject_nan_step``)."""
+    test knobs ``loss_scale`` and ``inject_nan_step``). ``calibration_tokens`` defaults to the
+    job's (its learned boundaries' setting), so the spec the daemon sends carries it."""
+    tunables.setdefault("calibration_tokens", job.split.calibration_tokens)
     return WorkerSpec(
         job=job,
         plan=plan,

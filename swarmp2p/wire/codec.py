@@ -44,15 +44,16 @@ from swarmp2p.wire.frames import (
     CODECS,
     DTYPES,
     TensorFrame,
-    _per_byte,
-    _rows,
     codec_bits,
+    codes_per_byte,
     packed_nbytes,
     part_sizes,
+    rows_of,
 )
 from swarmp2p.wire.messages import WireError
 
-# the frame layout (codec names, bit widths, part sizes) lives in frames; re-exported here
+# the frame layout (codec names, bit widths, part sizes) lives in swarmp2p.codec_layout (via
+# frames); re-exported here
 __all__ = [
     "CODECS",
     "SCALE_SEARCH_ULPS",
@@ -80,7 +81,7 @@ def _as_rows(x: np.ndarray, per_token: bool) -> np.ndarray:
     if per_token:
         if x.ndim == 0:
             raise ValueError("a per-token codec needs a tensor with at least one dimension")
-        return x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(_rows(x.shape, 0), 0)
+        return x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(rows_of(x.shape), 0)
     return x.reshape(1, -1)
 
 
@@ -137,7 +138,7 @@ def fake_quantize(x: np.ndarray, bits: int, *, per_token: bool = False) -> np.nd
 
 def _pack(u: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned codes (uint8, flat) ``per_byte`` to a byte."""
-    per = _per_byte(bits)
+    per = codes_per_byte(bits)
     if per == 1:
         return u
     width = 8 // per
@@ -152,7 +153,7 @@ def _pack(u: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _unpack(packed: np.ndarray, numel: int, bits: int, qmax: int) -> np.ndarray:
-    per = _per_byte(bits)
+    per = codes_per_byte(bits)
     if per == 1:
         u = packed
     else:

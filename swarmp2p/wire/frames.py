@@ -21,7 +21,31 @@ from typing import Any
 
 import msgpack
 
+from swarmp2p.codec_layout import (
+    CODECS,
+    DTYPES,
+    codec_bits,
+    codes_per_byte,
+    packed_nbytes,
+    part_sizes,
+    rows_of,
+)
 from swarmp2p.wire.messages import PROTOCOL_VERSION, WireError, unpack_plain
+
+# the layout (codec names, bit widths, slots, part sizes) lives in swarmp2p.codec_layout, which
+# the planner prices boundaries with; re-exported here
+__all__ = [
+    "CODECS",
+    "DTYPES",
+    "TensorFrame",
+    "codec_bits",
+    "codes_per_byte",
+    "pack_parts",
+    "packed_nbytes",
+    "part_sizes",
+    "rows_of",
+    "unpack_parts",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -33,78 +57,6 @@ MAX_ELEMENTS = 2**33
 """Caps on a frame's shape, checked before the payload is looked at."""
 MAX_PARTS = 8
 MAX_U64 = 2**64 - 1
-
-DTYPES: dict[str, tuple[str, int]] = {
-    "float32": ("<f4", 4),
-    "float16": ("<f2", 2),
-    "bfloat16": ("<u2", 2),
-    "int64": ("<i8", 8),
-    "int32": ("<i4", 4),
-    "uint8": ("|u1", 1),
-    "int8": ("|i1", 1),
-    "bool": ("|b1", 1),
-}
-"""Wire dtype name -> (numpy dtype string, item size). bfloat16 is carried as uint16."""
-
-CODECS = (
-    "none",
-    "fp16",
-    *(f"int{n}" for n in range(2, 9)),
-    *(f"tokint{n}" for n in range(2, 9)),
-)
-"""Every codec name a TensorFrame may carry."""
-
-
-def codec_bits(codec: str) -> tuple[int, bool]:
-    """``("int4") -> (4, False)``, ``("tokint8") -> (8, True)``; ValueError for other names."""
-    for prefix, per_token in (("tokint", True), ("int", False)):
-        if codec.startswith(prefix) and codec[len(prefix) :].isdigit():
-            bits = int(codec[len(prefix) :])
-            if 2 <= bits <= 8 and codec == f"{prefix}{bits}":
-                return bits, per_token
-    raise ValueError(f"codec {codec!r} is not a quantizing codec; use one of {list(CODECS[2:])}")
-
-
-def _per_byte(bits: int) -> int:
-    return 4 if bits <= 2 else 2 if bits <= 4 else 1
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes of ``numel`` packed ``bits``-bit codes."""
-    per = _per_byte(bits)
-    return -(-numel // per)
-
-
-def _rows(shape: tuple[int, ...], numel: int) -> int:
-    if not shape:
-        raise ValueError("a per-token codec needs a tensor with at least one dimension")
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows
-
-
-def part_sizes(shape: tuple[int, ...], dtype: str, codec: str) -> list[int]:
-    """Payload part sizes for a frame; ValueError naming the bad dtype/codec pair."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if codec == "none":
-        return [numel * DTYPES[dtype][1]]
-    if codec not in CODECS:
-        raise ValueError(f"codec {codec!r} is not one of {list(CODECS)}")
-    if dtype != "float32":
-        raise ValueError(
-            f"codec {codec} decodes to float32; a frame with dtype {dtype} must use 'none'"
-        )
-    if codec == "fp16":
-        return [numel * 2]
-    bits, per_token = codec_bits(codec)
-    rows = _rows(shape, numel) if per_token else 1
-    return [rows * 4, packed_nbytes(numel, bits)]
-
 
 _HEADER_KEYS = frozenset({"v", "shape", "dtype", "codec", "step", "micro", "flags"})
 

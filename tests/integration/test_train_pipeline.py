@@ -379,7 +379,13 @@ def test_lora_workers_evaluate_export_and_reconstruct(checkpoint, token, tmp_pat
 
 def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
     folder = checkpoint("llama")
-    learned = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
+    # calibration_tokens is the boundary's setting in job.json (issue 26 item 5)
+    learned = {
+        "method": "learned_bottleneck",
+        "learned_dim": 16,
+        "code_bits": 8,
+        "calibration_tokens": 72,
+    }
     workers = run_workers(
         3,
         folder,
@@ -390,7 +396,6 @@ def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
             "split": {"compression": [learned, learned]},
             "train": {"steps": 4, "eval_batches": 1, "lr": 1e-2, "micro_batches": 2},
         },
-        calibration_tokens=72,
     )
     for w in workers:
         assert w.proc.returncode == 0, w.describe()

@@ -233,3 +233,92 @@ def test_every_bad_field_is_reported_once(bad):
         data[section][key] = BAD_VALUES[(section, key)]
     paths = [p for p, _ in errors_of(data)]
     assert sorted(paths) == sorted(f"{s}.{k}" for s, k in bad)
+
+
+def _learned_job(*specs):
+    compression = specs[0] if len(specs) == 1 else list(specs)
+    return {"model": {"pretrained": "embedded"}, "split": {"compression": compression}}
+
+
+def test_calibration_tokens_is_a_boundary_setting():
+    """Issue 26 item 5: ``calibration_tokens`` (default 16384) on a learned boundary."""
+    job = parse_job(_learned_job({**LEARNED, "calibration_tokens": 4096}))
+    assert job.split.compression[0].calibration_tokens == 4096
+    assert job.split.calibration_tokens == 4096
+    again = parse_job(json.loads(json.dumps(job.to_dict())))
+    assert again == job and again.split.compression[0].spec["calibration_tokens"] == 4096
+    default = parse_job(_learned_job(LEARNED))
+    assert default.split.calibration_tokens == 16384
+    assert "calibration_tokens" not in default.split.compression[0].spec  # canonical as before
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "many", True, None, 2**31])
+def test_bad_calibration_tokens_are_named(bad):
+    errors = errors_of(_learned_job({**LEARNED, "calibration_tokens": bad}))
+    assert [p for p, _ in errors] == ["split.compression.calibration_tokens"], errors
+    assert "must be an integer >= 1" in errors[0][1], errors  # a bad value, not an unknown key
+
+
+def test_learned_boundaries_must_agree_on_calibration_tokens():
+    a, b = {**LEARNED, "calibration_tokens": 1024}, {**LEARNED, "calibration_tokens": 2048}
+    errors = errors_of(_learned_job(a, "none", b))
+    assert len(errors) == 1 and errors[0][0] == "split.compression[2].calibration_tokens"
+    assert "compression[0].calibration_tokens 1024" in errors[0][1]
+    assert parse_job(_learned_job(a, "none", {**b, "calibration_tokens": 1024}))
+
+
+BOTTLENECK = {"method": "learned_bottleneck"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "learned_dim", "code_bits"),
+    [
+        ({"bottleneck_dim": 128}, 128, 8),
+        ({"bottleneck_dim": 128, "learned_dim": 128}, 128, 8),
+        ({"quantized": False}, None, 16),
+        ({"quantized": False, "code_bits": 16}, None, 16),
+        ({"quantized": True}, None, 8),
+        ({"quantized": True, "quantization_bits": 4}, None, 4),
+        ({"quantization_bits": 6}, None, 6),
+        ({"quantized": True, "quantization_bits": 5, "code_bits": 5}, None, 5),
+        ({"bottleneck_dim": 64, "quantized": False}, 64, 16),
+    ],
+)
+def test_the_reference_spellings_are_aliases(spec, learned_dim, code_bits):
+    """Issue 26 item 6: bottleneck_dim, quantized and quantization_bits mean what the reference
+    says; the job is stored with the canonical keys."""
+    job = parse_job(_learned_job({**BOTTLENECK, **spec}))
+    c = job.split.compression[0]
+    assert (c.learned_dim, c.code_bits) == (learned_dim, code_bits)
+    assert set(c.spec) == {"method", "learned_dim", "code_bits"}
+    assert parse_job(json.loads(json.dumps(job.to_dict()))) == job
+
+
+@pytest.mark.parametrize(
+    ("spec", "path", "other"),
+    [
+        ({"bottleneck_dim": 128, "learned_dim": 64}, "bottleneck_dim", "learned_dim"),
+        ({"quantized": False, "quantization_bits": 8}, "quantized", "quantization_bits"),
+        ({"quantized": False, "code_bits": 8}, "quantized", "code_bits"),
+        ({"quantization_bits": 4, "code_bits": 8}, "quantization_bits", "code_bits"),
+        ({"quantized": True, "code_bits": 16}, "quantized", "code_bits"),
+    ],
+)
+def test_contradicting_spellings_are_refused_naming_both(spec, path, other):
+    errors = errors_of(_learned_job({**BOTTLENECK, **spec}))
+    assert [p for p, _ in errors] == [f"split.compression.{path}"], errors
+    assert "contradicts " + other in errors[0][1], errors
+
+
+@pytest.mark.parametrize(
+    ("spec", "path"),
+    [
+        ({"quantization_bits": 16}, "split.compression.quantization_bits"),
+        ({"quantized": "no"}, "split.compression.quantized"),
+        ({"bottleneck_dim": 0}, "split.compression.bottleneck_dim"),
+    ],
+)
+def test_bad_alias_values_are_named(spec, path):
+    errors = errors_of(_learned_job({**BOTTLENECK, **spec}))
+    assert [p for p, _ in errors] == [path]
+    assert "unknown key" not in errors[0][1], errors  # a bad value of a known alias

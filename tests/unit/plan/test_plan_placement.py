@@ -153,12 +153,17 @@ def test_cpus_are_used_only_without_gpus():
 def test_features_need_every_assigned_node():
     caps = {"wire-v2", "long-context"}
     cluster = [node("a", gpu(*A5000, 20)), node("b", gpu(*A5000, 20), caps=caps)]
-    plan = plan_job(job(split={"compression": "fixed_int8"}), cluster, shape=SMOL)
+    float32 = {"pretrained": "embedded", "dtype": "float32"}
+    plan = plan_job(job(split={"compression": "fixed_int8"}, model=float32), cluster, shape=SMOL)
     assert plan.features == ("long-context", "wire-v2")
     assert plan.schedule.micro_batches == 1 and plan.eval_batches == 0
     assert "micro_batches 1: not every node declares microbatch" in plan.notes
     assert plan.boundaries[0].codec == "int8"
     assert plan.boundaries[0].bytes_per_token == 576 + 4
+    # a bfloat16 stage's payload crosses as its raw values (boundary.to_frame), priced so
+    bf16 = plan_job(job(split={"compression": "fixed_int8"}), cluster, shape=SMOL)
+    assert bf16.dtype == "bfloat16"
+    assert (bf16.boundaries[0].codec, bf16.boundaries[0].bytes_per_token) == ("raw", 576 * 2)
 
 
 def test_without_wire_v2_a_fixed_boundary_sends_floats():
@@ -277,7 +282,10 @@ def test_leaving_out_the_turing_card_restores_bfloat16():
 
 def test_a_list_of_compressions_fixes_the_stage_count_under_auto():
     cluster = [node(f"n{i}", gpu(*A5000, 20 + i)) for i in range(4)]
-    plan = plan_job(job(split={"compression": ["fixed_int8", "fp16"]}), cluster, shape=SMOL)
+    float32 = {"pretrained": "embedded", "dtype": "float32"}
+    plan = plan_job(
+        job(split={"compression": ["fixed_int8", "fp16"]}, model=float32), cluster, shape=SMOL
+    )
     assert isinstance(plan, Plan) and len(plan.stages) == 3
     assert [s.node_id for s in plan.stages] == ["n1", "n2", "n3"]  # the most free memory
     assert [b.codec for b in plan.boundaries] == ["int8", "fp16"]

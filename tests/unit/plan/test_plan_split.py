@@ -35,7 +35,9 @@ def test_layer_range_rejects(i, n, layers):
         ("fixed_int8", 576, "float32", 576 + 4),
         ("fixed_int4", 576, "float32", 288 + 4),
         ("fixed_int2", 576, "float32", 144 + 4),
-        ("fixed_int3", 577, "float32", 217 + 4),
+        ("fixed_int3", 577, "float32", 289 + 4),  # 3-bit codes in 4-bit slots, 2 a byte
+        ("fixed_int5", 576, "float32", 576 + 4),  # 5-bit codes in 8-bit slots
+        ("fixed_int8", 576, "bfloat16", 2 * 576),  # a bfloat16 payload crosses raw
         ({"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 8}, 576, "float32", 260),
         (
             {"method": "learned_bottleneck", "learned_dim": 256, "code_bits": 16},

@@ -199,3 +199,15 @@ def test_compressor_from_a_plan_compression(spec, kind, codec):
 
     comp = compressor_from_spec(parse_compression(spec), 128, 1)
     assert type(comp) is kind and comp.payload_codec == codec
+
+
+def test_the_runtime_reads_the_reference_spellings_and_calibration_tokens():
+    """Issue 26 items 5 and 6: a learned spec with the reference's aliases or a
+    calibration_tokens builds the bottleneck the canonical keys build."""
+    spec = {"method": "learned_bottleneck", "bottleneck_dim": 16, "quantized": False}
+    comp = compressor_from_spec(spec, 64, 0)
+    assert (comp.k, comp.code_bits, comp.payload_codec) == (16, 16, "fp16")
+    bits = {"method": "learned_bottleneck", "quantization_bits": 4, "calibration_tokens": 99}
+    assert compressor_from_spec(bits, 64, 0).code_bits == 4
+    with pytest.raises(ValueError, match="quantization_bits"):
+        compressor_from_spec({**bits, "quantized": False}, 64, 0)

@@ -196,3 +196,18 @@ def test_a_text_corpus_is_read_by_stage_0_from_its_token_file():
         stage_data(text, 0, None)
     assert stage_data(text, 0, "/t.npy").path == "/t.npy"
     assert stage_data(text, 1, None).source == "random"  # stages past the first read none
+
+
+def test_the_boundarys_calibration_tokens_reach_the_worker():
+    """``calibration_tokens`` on a learned boundary in job.json (issue 26 item 5) is in the spec
+    the daemon builds (``worker_spec``) and in what the worker's calibration reads."""
+    learned = {"method": "learned_bottleneck", "learned_dim": 16, "calibration_tokens": 1000}
+    job = parse_job({**JOB, "split": {"compression": ["none", learned]}})
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    data = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://127.0.0.1:5000").to_dict()
+    assert data["calibration_tokens"] == 1000
+    spec = parse_worker_spec(json.loads(json.dumps(data)))
+    assert spec.train.calibration_tokens == 1000
+    assert spec.compression[1]["calibration_tokens"] == 1000
+    default = parse_worker_spec(_good())
+    assert default.calibration_tokens == 16384 and default.train.calibration_tokens == 16384

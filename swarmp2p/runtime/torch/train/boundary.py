@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from swarmp2p.codec_layout import sent_codec
 from swarmp2p.serve.spec import fixed_bits
 from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
@@ -73,16 +74,16 @@ def to_frame(
     tensor: torch.Tensor, codec: str = "none", *, step: int = 0, micro: int = 0
 ) -> TensorFrame:
     """A tensor as a wire TensorFrame; a quantizing ``codec`` is used only if lossless (wire v2:
-    the peer decodes exactly ``tensor``), else the plain floats go."""
+    the peer decodes exactly ``tensor``), else the plain floats go. Only a float32 tensor takes
+    a codec (``swarmp2p.codec_layout.sent_codec``, the rule the planner prices with)."""
     t = tensor.detach().to("cpu").contiguous()
+    codec = sent_codec(codec, str(t.dtype).removeprefix("torch."))
     if t.dtype == torch.bfloat16:
         return encode_tensor(
             t.view(torch.int16).numpy().view(np.uint16), dtype="bfloat16", step=step, micro=micro
         )
     if t.dtype not in _WIRE_DTYPES:
         raise TypeError(f"cannot send a tensor of dtype {t.dtype}; the wire takes {sorted(DTYPES)}")
-    if codec != "none" and t.dtype != torch.float32:
-        codec = "none"
     return encode_tensor(t.numpy(), codec, exact=True, step=step, micro=micro)
 
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmp2p.plan.split import DEFAULT_CALIBRATION_TOKENS
+
 BASIS_FRAME_ROWS = 256
 """Rows of the basis per frame sent to the next stage (5 MB frames for a 5120-wide model)."""
-
-DEFAULT_CALIBRATION_TOKENS = 16384
-"""Tokens of training data run forward to calibrate (the reference's default)."""
 
 
 class CovarianceAccumulator:

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarmp2p.codec_layout import compression_codec
+from swarmp2p.plan.split import parse_compression
+
 BOTTLENECK_SEED = 0x5A4D_B077
 """Base of the private seed a learned bottleneck draws its initial weights from (plus the
 boundary index), so the two stages of a boundary build the same one without talking."""
@@ -29,6 +32,9 @@ RETIRED_BOTTLENECK_KEYS = ("down_norm", "up_norm")
 """State keys of the retired LayerNorm bottleneck (see the reference, "The learned bottleneck")."""
 
 _QUANT_BITS = range(2, 9)
+_LEARNED_EXTRA = ("bottleneck_dim", "quantized", "quantization_bits", "calibration_tokens")
+"""A learned spec's keys besides learned_dim and code_bits: the reference's aliases (resolved by
+``plan.split.parse_compression``) and the calibration's token count (not the module's)."""
 
 
 def quantize(x: torch.Tensor, bits: int, *, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +152,7 @@ class NoCompression(_SenderRounds):
 class HalfPrecision(_SenderRounds):
     """The boundary rounds the hidden state to float16 (straight-through)."""
 
-    payload_codec = "fp16"
+    payload_codec = compression_codec("fp16")
 
     def __init__(self) -> None:
         super().__init__(_Round(16, per_token=False))
@@ -162,7 +168,7 @@ class FixedQuantization(_SenderRounds):
             )
         super().__init__(_Round(bits, per_token=False))
         self.bits = bits
-        self.payload_codec = f"int{bits}"
+        self.payload_codec = compression_codec("fixed", bits)
 
 
 class LearnedBottleneck(Compressor):
@@ -183,7 +189,7 @@ class LearnedBottleneck(Compressor):
             raise ValueError(f"boundary_index must be >= 0, got {boundary_index!r}")
         self.hidden, self.k, self.code_bits = hidden, k, code_bits
         self.boundary_index = boundary_index
-        self.payload_codec = "fp16" if code_bits == 16 else f"tokint{code_bits}"
+        self.payload_codec = compression_codec("learned_bottleneck", code_bits)
         self.down = nn.Linear(hidden, k)
         self.up = nn.Linear(k, hidden)
         self._round = _Round(code_bits, per_token=True)
@@ -274,11 +280,17 @@ def compressor_from_spec(spec: Any, hidden: int, boundary_index: int) -> Compres
     if not isinstance(method, str):
         raise ValueError(f"compression method must be a string, got {method!r}")
     if method == "learned_bottleneck":
-        unknown = sorted(set(extra) - {"learned_dim", "code_bits"})
+        unknown = sorted(set(extra) - {"learned_dim", "code_bits", *_LEARNED_EXTRA})
         if unknown:
             raise ValueError(
-                f"unknown learned_bottleneck setting(s) {unknown}; use learned_dim, code_bits"
+                f"unknown learned_bottleneck setting(s) {unknown}; use learned_dim, code_bits "
+                "(or the reference's bottleneck_dim, quantized, quantization_bits), "
+                "calibration_tokens"
             )
+        if set(extra) & set(_LEARNED_EXTRA):  # the aliases mean what plan/split.py says
+            resolved = parse_compression({"method": method, **extra}, "compression")
+            extra = {"learned_dim": resolved.learned_dim, "code_bits": resolved.code_bits}
+            extra = {k: v for k, v in extra.items() if v is not None}
         k = extra.get("learned_dim", default_learned_dim(hidden))
         return LearnedBottleneck(
             hidden, k, extra.get("code_bits", 8), boundary_index=boundary_index
