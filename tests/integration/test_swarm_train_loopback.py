@@ -321,3 +321,33 @@ def test_a_one_stage_job_on_one_node_completes(loopback_swarm, tmp_path):
     assert view["state"] == "COMPLETED" and len(view["plan"]["stages"]) == 1
     assert view["plan"]["stages"][0]["layers"] == [0, 4]
     assert [m["id"] for m in json.loads(swarm(a, "models", "--json").stdout)] == ["tiny"]
+
+
+def test_a_none_job_tokenizes_nothing_runs_no_step_and_registers_its_model(
+    loopback_swarm, tmp_path
+):
+    """Reference ("Which parameters train"): a none job (a frozen backbone with a fixed
+    quantizer) reads no data and runs no step, and exports the model with its boundary. Its
+    corpus here is not JSON: stage 0 failed tokenizing it before."""
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("this is not JSON\n")
+    job = _job(model)
+    job["model"] = {"pretrained": str(model), "freeze_backbone": True}
+    job["split"] = {"stages": 2, "compression": ["fixed_int4"]}
+    job["data"] = {"source": str(corpus)}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    out, final = _train_json(b, tmp_path / "job.json")
+    assert out.returncode == 0, f"{out.stdout}{out.stderr}\n{dump([a, b])}"
+    view = json.loads(swarm(a, "jobs", "show", final["id"], "--json").stdout)
+    assert view["state"] == "COMPLETED" and view["plan"]["finetune_mode"] == "none"
+    assert view["evaluation"] == {} and view["step"] == 0  # no step ran, nothing evaluated
+    assert view["plan"]["features"] and "pipeline-eval" in view["plan"]["features"]
+    assert not (a.state.root / "jobs" / view["id"] / "data").exists()  # nothing tokenized
+    assert not list((a.state.root / "inputs").glob("*"))  # nor the corpus fetched
+    models = json.loads(swarm(a, "models", "--json").stdout)
+    assert [m["id"] for m in models] == ["tiny"]
+    manifest = models[0]["manifest"]
+    assert manifest["finetune_mode"] == "none" and manifest["compression"] == ["fixed_int4"]
+    assert all("compressor.pt" in s["files"] for s in manifest["stages"])  # the boundary

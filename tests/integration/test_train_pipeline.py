@@ -402,3 +402,46 @@ def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
     assert trainable == [528, 544 + 528, 544]
     steps = workers[0].of("step")
     assert steps[0]["act_bytes"] < 2 * (2 * 9 * 16 + 2 * 4 + 2 * 9 * 8) + 600  # codes, not floats
+
+
+def test_a_none_job_reads_no_data_runs_no_step_and_exports_its_boundary(
+    checkpoint, token, tmp_path
+):
+    """Reference ("Which parameters train"): none loads, puts the quantizer on the boundary and
+    exports; no data is read (stage 0's tokens file is unreadable) and no step runs."""
+    folder = checkpoint("llama")
+    broken = tmp_path / "tokens.npy"
+    broken.write_bytes(b"read me and fail")
+    workers = run_workers(
+        2,
+        folder,
+        token,
+        [2],
+        job={
+            "model": {"freeze_backbone": True},
+            "split": {"compression": ["fixed_int4"]},
+            "data": {"source": str(broken)},
+            "train": {"steps": 3, "eval_batches": 2},
+        },
+        tokens_path=str(broken),
+        export_dir=str(tmp_path / "export"),
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+        assert w.of("built")[0]["finetune_mode"] == "none"
+        assert w.of("built")[0]["trainable_parameters"] == 0
+        assert w.of("step") == [] and w.of("eval") == [] and w.of("calibrated") == []
+        assert [e["steps"] for e in w.of("done")] == [0]
+
+    from swarmp2p.runtime.torch.train.export import read_manifest, reconstruct_from_shards
+
+    dirs = [tmp_path / "export" / "stage-0", tmp_path / "export" / "stage-1"]
+    manifests = [read_manifest(d) for d in dirs]
+    assert [m["compression"] for m in manifests] == [["fixed_int4"]] * 2
+    assert all(m["evaluation"] == {} for m in manifests)
+    from transformers import AutoModelForCausalLM
+
+    rebuilt = reconstruct_from_shards(folder, dirs).eval()
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for (name, p), q in zip(rebuilt.named_parameters(), base.parameters(), strict=True):
+        assert torch.equal(p, q), name  # nothing trained

@@ -196,3 +196,37 @@ def test_a_text_corpus_is_read_by_stage_0_from_its_token_file():
         stage_data(text, 0, None)
     assert stage_data(text, 0, "/t.npy").path == "/t.npy"
     assert stage_data(text, 1, None).source == "random"  # stages past the first read none
+
+
+NONE_JOB = {  # freeze_backbone with a fixed quantizer: finetune mode none
+    **JOB,
+    "model": {"pretrained": "/m", "freeze_backbone": True},
+    "split": {"compression": ["fixed_int4", "none"]},
+    "train": {**JOB["train"], "eval_batches": 4},
+}
+
+
+@pytest.mark.parametrize("source", ["embedded", "/corpus.jsonl", "/ids.npy", "hf:x/y"])
+def test_a_none_job_reads_no_data_on_any_stage_and_plans_no_evaluation(source):
+    """Reference ("Which parameters train"): none reads no data and runs no step."""
+    from swarmp2p.plan.worker_spec import needs_tokens, reads_data, stage_data
+
+    job = parse_job({**NONE_JOB, "data": {"source": source}})
+    assert job.finetune_mode == "none" and not reads_data(job)
+    assert not needs_tokens(job)  # stage 0 tokenizes nothing
+    assert stage_data(job, 0, "/somewhere/tokens.npy").source == "random"  # a path is ignored
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    assert plan.eval_batches == 0  # both stages run the same (empty) set of passes
+    spec = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://127.0.0.1:5000")
+    assert spec.data.path is None and spec.train.eval_batches == 0
+    trains = parse_job({**JOB, "data": {"source": source}})  # the lora job reads it
+    assert reads_data(trains) and local_plan(trains, from_config(CONFIG), cuts=[2, 4]).eval_batches
+
+
+def test_a_none_spec_that_names_data_is_refused_naming_the_field():
+    job = parse_job(NONE_JOB)
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    data = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://127.0.0.1:5000").to_dict()
+    data["data"] = {"source": "tokens", "path": "/ids.npy"}
+    with pytest.raises(WorkerSpecError, match=r"data\.source.*finetune mode none reads no data"):
+        parse_worker_spec(data)

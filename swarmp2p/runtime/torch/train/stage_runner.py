@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swarmp2p.data.split import HELD_OUT_EVERY
-from swarmp2p.plan.worker_spec import WorkerSpec
+from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
 
 BYE_WAIT_S = 5.0
@@ -178,8 +178,11 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     fingerprint = lora_info["fingerprint"]
     evaluation: dict[str, dict] = {}
     t = spec.train
-    tokens = _load_tokens(spec) if spec.is_first and spec.data.source == "tokens" else None
-    held_out = eval_batches(spec, vocab, tokens) if spec.is_first else None
+    reads = reads_data(spec.job)  # a none job reads no data and runs no step
+    tokens = (
+        _load_tokens(spec) if reads and spec.is_first and spec.data.source != "random" else None
+    )
+    held_out = eval_batches(spec, vocab, tokens) if reads and spec.is_first else None
     emit(
         "built",
         trainable_parameters=sum(p.numel() for p in bundle.trainable_parameters),
@@ -197,7 +200,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
         loss_scale=t.loss_scale,
         inject_nan_step=t.inject_nan_step,
     )
-    trains = spec.finetune_mode != "none" and t.steps > 0
+    trains = reads and t.steps > 0
     optimizer = make_optimizer(bundle, settings) if trains and bundle.trainable_parameters else None
     scaler = make_loss_scaler(bundle.dtype, t.loss_scale)
     start = 0
@@ -225,7 +228,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
     learned = [b.is_learned for b in boundaries]
     compressed = any(b.method != "none" for b in boundaries)
-    if not spec.resume:
+    if not spec.resume and reads:
         if t.eval_batches:
             evaluate("base", False)
         if any(learned):
@@ -266,7 +269,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             on_step=on_step,
             scaler=scaler,
         )
-    if t.eval_batches:
+    if t.eval_batches and reads:
         evaluate("trained", True)
     _say_goodbye(prev, nxt, time)
     if spec.export_dir is not None:
