@@ -41,15 +41,19 @@ class WorkerSpecError(SchemaError):
 class StageData:
     """Where the first stage's tokens come from on its node."""
 
-    source: Literal["random", "tokens"] = "random"
+    source: Literal["random", "tokens", "corpus"] = "random"
     """``random``: seeded uniform tokens (tests, benchmarks, every stage but the first, and a
     ``none`` job's stages, which read nothing); ``tokens``: a .npy file of token ids on this
-    node, cut into windows of seq_len + 1."""
+    node, cut into windows of seq_len + 1, the last one window in twenty held out (it has no
+    rows); ``corpus``: a text corpus tokenized by ``swarmp2p.node.training.corpus`` into a .npz
+    of its training rows' and its validation rows' tokens (the held-out rule counts rows)."""
     path: str | None = field(default=None, min_len=1)
 
     def __post_init__(self) -> None:
-        if self.source == "tokens" and self.path is None:
-            raise SchemaError([FieldError(path="path", message='required when source is "tokens"')])
+        if self.source != "random" and self.path is None:
+            raise SchemaError(
+                [FieldError(path="path", message=f'required when source is "{self.source}"')]
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,7 +262,7 @@ def stage_data(job: Job, stage: int, tokens_path: str | None) -> StageData:
         return StageData(source="tokens", path=tokens_path or source)
     if tokens_path is None:
         raise ValueError(f"data.source {source!r} must be tokenized for stage 0 first")
-    return StageData(source="tokens", path=tokens_path)
+    return StageData(source="corpus", path=tokens_path)
 
 
 def worker_spec(

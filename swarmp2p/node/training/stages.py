@@ -198,7 +198,7 @@ class StageHost:
                     model or msg.job.model.pretrained,
                     str(data) if data is not None else source.source,
                     source.text_field,
-                    folder / "data" / "tokens.npy",
+                    folder / "data" / "corpus.npz",
                 )
             except ValueError as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="failed") from None

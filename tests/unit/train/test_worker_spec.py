@@ -230,3 +230,12 @@ def test_a_none_spec_that_names_data_is_refused_naming_the_field():
     data["data"] = {"source": "tokens", "path": "/ids.npy"}
     with pytest.raises(WorkerSpecError, match=r"data\.source.*finetune mode none reads no data"):
         parse_worker_spec(data)
+
+
+def test_a_text_corpus_reaches_stage_0_as_its_row_split_corpus_file():
+    from swarmp2p.plan.worker_spec import stage_data
+
+    text = parse_job({**JOB, "data": {"source": "/c.jsonl"}})
+    assert stage_data(text, 0, "/job/data/corpus.npz").source == "corpus"
+    ids = parse_job({**JOB, "data": {"source": "/ids.npy"}})
+    assert stage_data(ids, 0, None).source == "tokens"  # token ids: no rows to count

@@ -50,19 +50,43 @@ def eval_batches(spec: WorkerSpec, vocab: int, tokens=None) -> list:
 
 
 def _load_tokens(spec: WorkerSpec):
+    """Stage 0's ``{"train", "held_out"}`` windows of ``seq_len + 1`` tokens. A ``corpus`` (a
+    text source tokenized by rows) holds out its validation rows: its last rows, one in
+    twenty, none of them in a training window. A ``tokens`` .npy has no rows: the last one
+    window in twenty is held out. Either way, too little to hold out evaluates nothing."""
     import numpy as np
     import torch
 
-    try:
-        ids = np.load(spec.data.path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"data.path {spec.data.path!r} is not a readable .npy file: {exc}"
-        ) from None
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"data.path {spec.data.path!r} must hold a 1-D integer array of token ids")
+    path = spec.data.path
     w = spec.train.seq_len + 1
-    windows = torch.from_numpy(ids[: len(ids) // w * w].astype(np.int64)).reshape(-1, w)
+
+    def windows_of(ids, what: str):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"data.path {path!r}: {what} must be a 1-D integer array of token ids")
+        return torch.from_numpy(ids[: len(ids) // w * w].astype(np.int64)).reshape(-1, w)
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        kind = "an .npz corpus" if spec.data.source == "corpus" else "a readable .npy file"
+        raise ValueError(f"data.path {path!r} is not {kind}: {exc}") from None
+    if spec.data.source == "corpus":
+        if not isinstance(loaded, np.lib.npyio.NpzFile) or {*loaded.files} != {
+            "train",
+            "validation",
+        }:
+            raise ValueError(
+                f"data.path {path!r} is not a tokenized corpus (an .npz of exactly the arrays "
+                '"train" and "validation")'
+            )
+        with loaded:
+            train = windows_of(loaded["train"], '"train"')
+            held_out = windows_of(loaded["validation"], '"validation"')
+        return {"train": train, "held_out": held_out}
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        loaded.close()
+        raise ValueError(f"data.path {path!r} must be a .npy of token ids, not an .npz")
+    windows = windows_of(loaded, "it")
     if len(windows) < HELD_OUT_EVERY:  # too small to hold anything out: evaluate nothing
         return {"train": windows, "held_out": windows[:0]}
     held = max(1, len(windows) // HELD_OUT_EVERY)
