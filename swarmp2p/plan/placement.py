@@ -473,12 +473,20 @@ def _build_plan(
             kind=kind, micro_batches=micro, bubble_fraction=round(bubble_fraction(n, micro), 6)
         ),
         recompute=recompute,
-        eval_batches=job.train.eval_batches if "pipeline-eval" in features else 0,
+        eval_batches=_eval_batches(job, features),
         weight_storage=_weight_storage(job, dtype),
         features=tuple(sorted(features)),
         notes=tuple(notes) + _speed_note(job, placer),
         timing=placer.clock.timing(ranges, micro),
     )
+
+
+def _eval_batches(job: Job, features) -> int:
+    """Held-out batches per pass: the job's, when every node runs pipeline evaluation; 0 for
+    a ``none`` job, which reads no data (so both stages run the same, empty, set of passes)."""
+    if "pipeline-eval" not in features or job.finetune_mode == "none":
+        return 0
+    return job.train.eval_batches
 
 
 def _speed_note(job: Job, placer: Placer) -> tuple[str, ...]:

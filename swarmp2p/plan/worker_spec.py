@@ -39,14 +39,19 @@ class WorkerSpecError(SchemaError):
 class StageData:
     """Where the first stage's tokens come from on its node."""
 
-    source: Literal["random", "tokens"] = "random"
-    """``random``: seeded uniform tokens (tests, benchmarks, and every stage but the first);
-    ``tokens``: a .npy file of token ids on this node, cut into windows of seq_len + 1."""
+    source: Literal["random", "tokens", "corpus"] = "random"
+    """``random``: seeded uniform tokens (tests, benchmarks, every stage but the first, and a
+    ``none`` job's stages, which read nothing); ``tokens``: a .npy file of token ids on this
+    node, cut into windows of seq_len + 1, the last one window in twenty held out (it has no
+    rows); ``corpus``: a text corpus tokenized by ``swarmp2p.node.training.corpus`` into a .npz
+    of its training rows' and its validation rows' tokens (the held-out rule counts rows)."""
     path: str | None = field(default=None, min_len=1)
 
     def __post_init__(self) -> None:
-        if self.source == "tokens" and self.path is None:
-            raise SchemaError([FieldError(path="path", message='required when source is "tokens"')])
+        if self.source != "random" and self.path is None:
+            raise SchemaError(
+                [FieldError(path="path", message=f'required when source is "{self.source}"')]
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,6 +147,14 @@ class WorkerSpec(StageOfPlan):
                     message=f"{self.plan.finetune_mode!r} is not the job's {self.job.finetune_mode!r}",
                 )
             )
+        if self.plan.finetune_mode == "none" and self.data.source != "random":
+            errors.append(
+                FieldError(
+                    path="data.source",
+                    message=f"{self.data.source!r}: a job in finetune mode none reads no data "
+                    '(use "random")',
+                )
+            )
         if self.resume and self.snapshot_dir is None:
             errors.append(FieldError(path="resume", message="needs snapshot_dir"))
         if self.loss_scale is not None and self.plan.dtype != "float16":
@@ -229,23 +242,31 @@ def parse_worker_spec(data: Any) -> WorkerSpec:
         raise WorkerSpecError(exc.errors) from None
 
 
+def reads_data(job: Job) -> bool:
+    """Whether the job reads any data: a ``none`` job trains nothing, so no stage reads,
+    fetches or tokenizes its ``data.source`` and no step or evaluation runs (reference,
+    "Which parameters train")."""
+    return job.finetune_mode != "none"
+
+
 def needs_tokens(job: Job) -> bool:
-    """Whether the job's corpus must be tokenized for stage 0 (not random, not a .npy)."""
+    """Whether the job's corpus must be tokenized for stage 0 (it reads data, and the source
+    is not random nor a .npy)."""
     source = job.data.source
-    return source != "random" and not source.endswith(".npy")
+    return reads_data(job) and source != "random" and not source.endswith(".npy")
 
 
 def stage_data(job: Job, stage: int, tokens_path: str | None) -> StageData:
     """What the stage reads: stage 0 the job's tokens (a .npy, or the corpus tokenized to
-    ``tokens_path``); the stages after it read none."""
+    ``tokens_path``); the stages after it, and every stage of a ``none`` job, read none."""
     source = job.data.source
-    if source == "random" or stage > 0:
+    if source == "random" or stage > 0 or not reads_data(job):
         return StageData(source="random")
     if source.endswith(".npy"):  # this node's copy of the file (``tokens_path``) when shipped
         return StageData(source="tokens", path=tokens_path or source)
     if tokens_path is None:
         raise ValueError(f"data.source {source!r} must be tokenized for stage 0 first")
-    return StageData(source="tokens", path=tokens_path)
+    return StageData(source="corpus", path=tokens_path)
 
 
 def worker_spec(
@@ -337,6 +358,7 @@ __all__ = [
     "local_plan",
     "needs_tokens",
     "parse_worker_spec",
+    "reads_data",
     "stage_data",
     "worker_spec",
 ]

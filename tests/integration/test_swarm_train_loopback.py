@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from swarm_harness import agreed_on, dump, swarm, tiny_llama, wait_until, worker_pids
@@ -321,3 +322,73 @@ def test_a_one_stage_job_on_one_node_completes(loopback_swarm, tmp_path):
     assert view["state"] == "COMPLETED" and len(view["plan"]["stages"]) == 1
     assert view["plan"]["stages"][0]["layers"] == [0, 4]
     assert [m["id"] for m in json.loads(swarm(a, "models", "--json").stdout)] == ["tiny"]
+
+
+def test_a_none_job_tokenizes_nothing_runs_no_step_and_registers_its_model(
+    loopback_swarm, tmp_path
+):
+    """Reference ("Which parameters train"): a none job (a frozen backbone with a fixed
+    quantizer) reads no data and runs no step, and exports the model with its boundary. Its
+    corpus here is not JSON: stage 0 failed tokenizing it before."""
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("this is not JSON\n")
+    job = _job(model)
+    job["model"] = {"pretrained": str(model), "freeze_backbone": True}
+    job["split"] = {"stages": 2, "compression": ["fixed_int4"]}
+    job["data"] = {"source": str(corpus)}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    out, final = _train_json(b, tmp_path / "job.json")
+    assert out.returncode == 0, f"{out.stdout}{out.stderr}\n{dump([a, b])}"
+    view = json.loads(swarm(a, "jobs", "show", final["id"], "--json").stdout)
+    assert view["state"] == "COMPLETED" and view["plan"]["finetune_mode"] == "none"
+    assert view["evaluation"] == {} and view["step"] == 0  # no step ran, nothing evaluated
+    assert view["plan"]["features"] and "pipeline-eval" in view["plan"]["features"]
+    assert not (a.state.root / "jobs" / view["id"] / "data").exists()  # nothing tokenized
+    assert not list((a.state.root / "inputs").glob("*"))  # nor the corpus fetched
+    models = json.loads(swarm(a, "models", "--json").stdout)
+    assert [m["id"] for m in models] == ["tiny"]
+    manifest = models[0]["manifest"]
+    assert manifest["finetune_mode"] == "none" and manifest["compression"] == ["fixed_int4"]
+    assert all("compressor.pt" in s["files"] for s in manifest["stages"])  # the boundary
+
+
+def test_a_text_corpus_holds_out_its_last_rows_on_the_daemon_path(loopback_swarm, tmp_path):
+    """Reference: a bucket file's validation split is its last rows, one in twenty; fewer than
+    20 rows evaluate nothing (every pass opens with 0 batches), and the job still completes."""
+    import shutil
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from swarmp2p.data import tokenize_rows
+    from swarmp2p.models import resolve_model_ref
+
+    model = tiny_llama(tmp_path / "m", vocab=49152, layers=2, shard_size="10MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded model's tokenizer
+        shutil.copy(Path(resolve_model_ref("embedded")) / name, model / name)
+    tok = AutoTokenizer.from_pretrained(model)
+    a, b = _two_nodes(loopback_swarm)
+    ran = {}
+    for n in (100, 19):
+        rows = [f"row {i} " + " ".join(f"w{i}x{j}" for j in range(8 + i % 5)) for i in range(n)]
+        corpus = tmp_path / f"rows-{n}.jsonl"
+        corpus.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+        job = _job(model, steps=2, batch_size=1, eval_batches=2)
+        job["name"] = f"rows-{n}"
+        job["data"] = {"source": str(corpus)}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        out, final = _train_json(b, tmp_path / "job.json")
+        assert out.returncode == 0, f"{out.stdout}{out.stderr}\n{dump([a, b])}"
+        view = json.loads(swarm(a, "jobs", "show", final["id"], "--json").stdout)
+        with np.load(a.state.root / "jobs" / view["id"] / "data" / "corpus.npz") as saved:
+            ran[n] = view, saved["train"], saved["validation"]
+        held = n // 20
+        np.testing.assert_array_equal(ran[n][1], tokenize_rows(rows[: n - held], tok))
+        np.testing.assert_array_equal(ran[n][2], tokenize_rows(rows[n - held :], tok))
+    view, _, _ = ran[100]
+    assert view["state"] == "COMPLETED" and view["evaluation"]["base"]["tokens"] == 2 * 8
+    view, _, validation = ran[19]
+    assert view["state"] == "COMPLETED" and view["step"] == 2 and len(validation) == 0
+    assert {p: e["tokens"] for p, e in view["evaluation"].items()} == {"base": 0, "trained": 0}

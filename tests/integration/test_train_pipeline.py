@@ -407,3 +407,123 @@ def test_learned_bottleneck_workers_calibrate_and_train(checkpoint, token):
     assert trainable == [528, 544 + 528, 544]
     steps = workers[0].of("step")
     assert steps[0]["act_bytes"] < 2 * (2 * 9 * 16 + 2 * 4 + 2 * 9 * 8) + 600  # codes, not floats
+
+
+def test_a_none_job_reads_no_data_runs_no_step_and_exports_its_boundary(
+    checkpoint, token, tmp_path
+):
+    """Reference ("Which parameters train"): none loads, puts the quantizer on the boundary and
+    exports; no data is read (stage 0's tokens file is unreadable) and no step runs."""
+    folder = checkpoint("llama")
+    broken = tmp_path / "tokens.npy"
+    broken.write_bytes(b"read me and fail")
+    workers = run_workers(
+        2,
+        folder,
+        token,
+        [2],
+        job={
+            "model": {"freeze_backbone": True},
+            "split": {"compression": ["fixed_int4"]},
+            "data": {"source": str(broken)},
+            "train": {"steps": 3, "eval_batches": 2},
+        },
+        tokens_path=str(broken),
+        export_dir=str(tmp_path / "export"),
+    )
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+        assert w.of("built")[0]["finetune_mode"] == "none"
+        assert w.of("built")[0]["trainable_parameters"] == 0
+        assert w.of("step") == [] and w.of("eval") == [] and w.of("calibrated") == []
+        assert [e["steps"] for e in w.of("done")] == [0]
+
+    from swarmp2p.runtime.torch.train.export import read_manifest, reconstruct_from_shards
+
+    dirs = [tmp_path / "export" / "stage-0", tmp_path / "export" / "stage-1"]
+    manifests = [read_manifest(d) for d in dirs]
+    assert [m["compression"] for m in manifests] == [["fixed_int4"]] * 2
+    assert all(m["evaluation"] == {} for m in manifests)
+    from transformers import AutoModelForCausalLM
+
+    rebuilt = reconstruct_from_shards(folder, dirs).eval()
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for (name, p), q in zip(rebuilt.named_parameters(), base.parameters(), strict=True):
+        assert torch.equal(p, q), name  # nothing trained
+
+
+def _corpus_model(folder: Path) -> Path:
+    """A tiny Llama over the embedded model's tokenizer (so a text corpus tokenizes for it)."""
+    import shutil
+
+    from swarm_harness import tiny_llama
+
+    from swarmp2p.models import resolve_model_ref
+
+    tokenizer = Path(resolve_model_ref("embedded"))
+    tiny_llama(folder, vocab=49152, layers=2, shard_size="10MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def _corpus(tmp_path: Path, n: int) -> tuple[list[str], Path]:
+    """``n`` JSONL rows tokenized as the daemon does (``prepare_tokens``, a subprocess)."""
+    import asyncio
+
+    from swarmp2p.node.training.corpus import prepare_tokens
+
+    rows = [f"row {i} " + " ".join(f"w{i}x{j}" for j in range(8 + i % 5)) for i in range(n)]
+    source = tmp_path / f"rows-{n}.jsonl"
+    source.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    out = tmp_path / f"corpus-{n}.npz"
+    asyncio.run(prepare_tokens(str(tmp_path / "m"), str(source), "text", out))
+    return rows, out
+
+
+def test_a_corpus_trains_on_its_first_rows_and_evaluates_on_its_last(token, tmp_path):
+    """Reference: a bucket file's validation split is its last rows, one in twenty, and none of
+    them is trained on; under 20 rows there is none, and every pass opens with 0 batches on
+    both stages, so the job still completes."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from swarmp2p.data import tokenize_rows
+    from swarmp2p.runtime.torch.train.stage_runner import _load_tokens
+    from swarmp2p.runtime.worker import parse_worker_spec
+
+    folder = _corpus_model(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(folder)
+    job = {"data": {"source": "x.jsonl"}, "train": {"eval_batches": 4, "batch_size": 1}}
+    rows, corpus = _corpus(tmp_path, 100)  # rows 95..99 are held out
+    spec = parse_worker_spec(
+        spec_for(0, 2, folder, token, [1], job, next_port=1, tokens_path=str(corpus))
+    )
+    assert spec.data.source == "corpus"
+    w = spec.train.seq_len + 1
+    windows = _load_tokens(spec)
+    held = tokenize_rows(rows[95:], tok)
+    train = tokenize_rows(rows[:95], tok)
+    assert len(held) >= 4 * w  # the test's premise: four held-out windows
+    np.testing.assert_array_equal(windows["held_out"].flatten().numpy(), held[: len(held) // w * w])
+    np.testing.assert_array_equal(windows["train"].flatten().numpy(), train[: len(train) // w * w])
+    seen = {int(t) for t in windows["train"].flatten()}
+    only_held = {int(t) for t in tokenize_rows(["w99x0 w98x1 w97x2"], tok)[:-1]} - {
+        int(t) for t in train
+    }
+    assert only_held and not (only_held & seen)  # tokens only the held-out rows have: untrained
+
+    workers = run_workers(2, folder, token, [1], job, tokens_path=str(corpus))
+    for w_ in workers:
+        assert w_.proc.returncode == 0, w_.describe()
+    passes = [[(e["pass"], e["tokens"]) for e in w_.of("eval")] for w_ in workers]
+    assert passes[0] == passes[1] == [("base", 4 * 9), ("trained", 4 * 9)]
+
+    _, small = _corpus(tmp_path, 19)  # fewer than 20 rows: no validation split
+    with np.load(small) as saved:
+        assert len(saved["validation"]) == 0 and len(saved["train"]) > 19 * w
+    workers = run_workers(2, folder, token, [1], job, tokens_path=str(small))
+    for w_ in workers:
+        assert w_.proc.returncode == 0, w_.describe()
+        assert [(e["pass"], e["tokens"]) for e in w_.of("eval")] == [("base", 0), ("trained", 0)]
+        assert len(w_.of("step")) == 2  # it still trains

@@ -25,6 +25,7 @@ from swarmp2p._atomic import write_atomic
 from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Job, Plan
 from swarmp2p.plan.inputs import JobInputs
+from swarmp2p.plan.worker_spec import reads_data
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
 log = logging.getLogger("swarmp2p.node.table.jobtable")
@@ -401,7 +402,7 @@ def apply_stage_finished(t: JobTable, e: ev.StageFinished, entry: ev.Entry) -> d
     done = tuple(sorted({*job.done_stages, e.stage}))
     if len(done) < job.n_stages:
         return {e.job_id: replace(job, done_stages=done)}
-    steps = job.job.train.steps
+    steps = job.job.train.steps if reads_data(job.job) else 0  # a none job runs no step
     return {e.job_id: _moved(job, "completed", e.at, done_stages=done, step=steps, reason=None)}
 
 

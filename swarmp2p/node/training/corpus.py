@@ -2,8 +2,11 @@
 
 The daemon never imports a tokenizer: ``prepare_tokens`` runs ``python -m
 swarmp2p.node.training.corpus`` (which imports transformers) in a subprocess and waits for it. The file
-is one 1-D int32 ``.npy`` stream (each document's tokens, then EOS), written atomically; the
-worker cuts it into windows and holds out the last one in twenty for evaluation.
+is a ``.npz`` of two 1-D int32 streams (each row's tokens, then EOS), written atomically:
+``train``, the source's training rows, and ``validation``, its held-out rows - the last rows,
+one in twenty (``swarmp2p.data.split``); a source of fewer than 20 rows has an empty
+``validation`` and evaluates nothing. The worker cuts each stream into windows of its own, so
+no training window holds a validation token.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ async def run_module(module: str, args: list[str], timeout: float = PREPARE_TIME
 
 
 async def prepare_tokens(model: str, source: str, text_field: str, out: Path) -> Path:
-    """Tokenize ``source`` with ``model``'s tokenizer into ``out`` (kept if already there)."""
+    """Tokenize ``source`` with ``model``'s tokenizer into ``out``, a ``.npz`` of its training
+    and validation rows' tokens (kept if already there)."""
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -71,21 +75,25 @@ async def prepare_tokens(model: str, source: str, text_field: str, out: Path) ->
 
 
 def main(argv: list[str]) -> int:
-    """``python -m swarmp2p.node.training.corpus MODEL SOURCE TEXT_FIELD OUT.npy``."""
+    """``python -m swarmp2p.node.training.corpus MODEL SOURCE TEXT_FIELD OUT.npz``."""
     import numpy as np
     from transformers import AutoTokenizer
 
-    from swarmp2p.data import load_rows, tokenize_rows
+    from swarmp2p.data import load_splits, tokenize_rows
     from swarmp2p.models import resolve_model_ref
 
     model, source, text_field, out = argv
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_ref(model))
-    stream = tokenize_rows(load_rows(source, text_field=text_field), tokenizer)
+    splits = load_splits(source, text_field=text_field)
+    streams = {
+        "train": tokenize_rows(splits.train, tokenizer),
+        "validation": tokenize_rows(splits.validation, tokenizer),
+    }
     path = Path(out)
 
     def save(tmp: str) -> None:
         with open(tmp, "wb") as f:
-            np.save(f, stream, allow_pickle=False)
+            np.savez(f, **streams)
 
     write_atomic(path, save)
     return 0

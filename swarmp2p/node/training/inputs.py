@@ -3,8 +3,9 @@
 Where a job is submitted, ``resolve`` reads what it needs from this machine: the model's shape
 (config.json and safetensors headers; a Hub model's through the Hub), the model's files (a
 local folder's names, sizes and sha256) and the data file (its sha256), and this node offers
-them to its peers (``Inputs.offer``; kept in ``<state>/offers.json`` across restarts). A
-stage's node then makes local only what its stage reads (``Inputs.model_folder``: its layers'
+them to its peers (``Inputs.offer``; kept in ``<state>/offers.json`` across restarts); a
+``none`` job reads no data, so its data file is neither read nor offered. A stage's node then
+makes local only what its stage reads (``Inputs.model_folder``: its layers'
 files plus config and tokenizer, from its own copy at the same path when every file matches,
 else fetched into ``<state>/models/<digest>``, sha256-checked, resumable, kept for the next job
 or serve; a Hub model's through the Hub client) and stage 0's node the data file
@@ -39,6 +40,7 @@ from swarmp2p.plan.inputs import (
     ModelSource,
 )
 from swarmp2p.plan.model_shape import EMBEDDED, ModelShape
+from swarmp2p.plan.worker_spec import reads_data
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -137,9 +139,12 @@ def resolve_data(source: str, *, cwd: str | None, node_id: str) -> tuple[str, Da
 
 
 def resolve(job: Job, *, cwd: str | None, node_id: str) -> tuple[Job, JobInputs]:
-    """The job with its local paths made absolute, and its inputs, as this node sees them."""
+    """The job with its local paths made absolute, and its inputs, as this node sees them.
+    A ``none`` job reads no data: its ``data.source`` is left as written, never opened."""
     pretrained, shape, model = resolve_model(job.model.pretrained, cwd=cwd, node_id=node_id)
-    source, data = resolve_data(job.data.source, cwd=cwd, node_id=node_id)
+    source, data = job.data.source, None
+    if reads_data(job):
+        source, data = resolve_data(job.data.source, cwd=cwd, node_id=node_id)
     job = replace(
         job,
         model=replace(job.model, pretrained=pretrained),

@@ -34,7 +34,7 @@ from swarmp2p.node.training.inputs import Inputs
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.serve import ServePlan
-from swarmp2p.plan.worker_spec import needs_tokens, worker_spec
+from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
 from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ class StageHost:
                     model or msg.job.model.pretrained,
                     str(data) if data is not None else source.source,
                     source.text_field,
-                    folder / "data" / "tokens.npy",
+                    folder / "data" / "corpus.npz",
                 )
             except ValueError as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="failed") from None
@@ -309,7 +309,7 @@ class StageHost:
             raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
         model = await self.inputs.model_folder(inputs.model, names, what=what)
         data = None
-        if msg.stage == 0 and inputs.data is not None:
+        if msg.stage == 0 and inputs.data is not None and reads_data(msg.job):
             data = await self.inputs.data_file(inputs.data, what=f"{what} data")
         return model, data
 

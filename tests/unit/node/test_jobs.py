@@ -415,3 +415,27 @@ def _shape():
     from _tables import SHAPE
 
     return SHAPE
+
+
+def test_a_none_job_is_submitted_without_its_data_file_being_opened(tmp_path):
+    """Finetune mode none reads no data: not even the sha256 of its data file at submission."""
+    from swarmp2p.errors import UserError
+    from swarmp2p.node.training.inputs import resolve
+
+    missing = str(tmp_path / "never-read.jsonl")
+    frozen = {"pretrained": "embedded", "freeze_backbone": True}
+    none_job = parse_job(
+        {
+            "name": "q",
+            "model": frozen,
+            "split": {"stages": 2, "compression": ["fixed_int4"]},
+            "data": {"source": missing},
+        }
+    )
+    assert none_job.finetune_mode == "none"
+    job, inputs = resolve(none_job, cwd=str(tmp_path), node_id="a")
+    assert inputs.data is None and job.data.source == missing  # nothing to ship to stage 0
+    lora = {"pretrained": "embedded", "lora": {"enabled": True}}
+    trains = parse_job({"name": "t", "model": lora, "data": {"source": missing}})
+    with pytest.raises(UserError, match=r"never-read\.jsonl"):
+        resolve(trains, cwd=str(tmp_path), node_id="a")  # a job that trains reads it

@@ -211,3 +211,46 @@ def test_the_boundarys_calibration_tokens_reach_the_worker():
     assert spec.compression[1]["calibration_tokens"] == 1000
     default = parse_worker_spec(_good())
     assert default.calibration_tokens == 16384 and default.train.calibration_tokens == 16384
+
+
+NONE_JOB = {  # freeze_backbone with a fixed quantizer: finetune mode none
+    **JOB,
+    "model": {"pretrained": "/m", "freeze_backbone": True},
+    "split": {"compression": ["fixed_int4", "none"]},
+    "train": {**JOB["train"], "eval_batches": 4},
+}
+
+
+@pytest.mark.parametrize("source", ["embedded", "/corpus.jsonl", "/ids.npy", "hf:x/y"])
+def test_a_none_job_reads_no_data_on_any_stage_and_plans_no_evaluation(source):
+    """Reference ("Which parameters train"): none reads no data and runs no step."""
+    from swarmp2p.plan.worker_spec import needs_tokens, reads_data, stage_data
+
+    job = parse_job({**NONE_JOB, "data": {"source": source}})
+    assert job.finetune_mode == "none" and not reads_data(job)
+    assert not needs_tokens(job)  # stage 0 tokenizes nothing
+    assert stage_data(job, 0, "/somewhere/tokens.npy").source == "random"  # a path is ignored
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    assert plan.eval_batches == 0  # both stages run the same (empty) set of passes
+    spec = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://127.0.0.1:5000")
+    assert spec.data.path is None and spec.train.eval_batches == 0
+    trains = parse_job({**JOB, "data": {"source": source}})  # the lora job reads it
+    assert reads_data(trains) and local_plan(trains, from_config(CONFIG), cuts=[2, 4]).eval_batches
+
+
+def test_a_none_spec_that_names_data_is_refused_naming_the_field():
+    job = parse_job(NONE_JOB)
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    data = worker_spec(job, plan, 0, token="t", next_endpoint="tcp://127.0.0.1:5000").to_dict()
+    data["data"] = {"source": "tokens", "path": "/ids.npy"}
+    with pytest.raises(WorkerSpecError, match=r"data\.source.*finetune mode none reads no data"):
+        parse_worker_spec(data)
+
+
+def test_a_text_corpus_reaches_stage_0_as_its_row_split_corpus_file():
+    from swarmp2p.plan.worker_spec import stage_data
+
+    text = parse_job({**JOB, "data": {"source": "/c.jsonl"}})
+    assert stage_data(text, 0, "/job/data/corpus.npz").source == "corpus"
+    ids = parse_job({**JOB, "data": {"source": "/ids.npy"}})
+    assert stage_data(ids, 0, None).source == "tokens"  # token ids: no rows to count

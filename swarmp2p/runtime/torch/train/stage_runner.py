@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from swarmp2p.data.split import HELD_OUT_EVERY
-from swarmp2p.plan.worker_spec import WorkerSpec
+from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
 
 BYE_WAIT_S = 5.0
@@ -50,19 +50,43 @@ def eval_batches(spec: WorkerSpec, vocab: int, tokens=None) -> list:
 
 
 def _load_tokens(spec: WorkerSpec):
+    """Stage 0's ``{"train", "held_out"}`` windows of ``seq_len + 1`` tokens. A ``corpus`` (a
+    text source tokenized by rows) holds out its validation rows: its last rows, one in
+    twenty, none of them in a training window. A ``tokens`` .npy has no rows: the last one
+    window in twenty is held out. Either way, too little to hold out evaluates nothing."""
     import numpy as np
     import torch
 
-    try:
-        ids = np.load(spec.data.path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"data.path {spec.data.path!r} is not a readable .npy file: {exc}"
-        ) from None
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"data.path {spec.data.path!r} must hold a 1-D integer array of token ids")
+    path = spec.data.path
     w = spec.train.seq_len + 1
-    windows = torch.from_numpy(ids[: len(ids) // w * w].astype(np.int64)).reshape(-1, w)
+
+    def windows_of(ids, what: str):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"data.path {path!r}: {what} must be a 1-D integer array of token ids")
+        return torch.from_numpy(ids[: len(ids) // w * w].astype(np.int64)).reshape(-1, w)
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        kind = "an .npz corpus" if spec.data.source == "corpus" else "a readable .npy file"
+        raise ValueError(f"data.path {path!r} is not {kind}: {exc}") from None
+    if spec.data.source == "corpus":
+        if not isinstance(loaded, np.lib.npyio.NpzFile) or {*loaded.files} != {
+            "train",
+            "validation",
+        }:
+            raise ValueError(
+                f"data.path {path!r} is not a tokenized corpus (an .npz of exactly the arrays "
+                '"train" and "validation")'
+            )
+        with loaded:
+            train = windows_of(loaded["train"], '"train"')
+            held_out = windows_of(loaded["validation"], '"validation"')
+        return {"train": train, "held_out": held_out}
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        loaded.close()
+        raise ValueError(f"data.path {path!r} must be a .npy of token ids, not an .npz")
+    windows = windows_of(loaded, "it")
     if len(windows) < HELD_OUT_EVERY:  # too small to hold anything out: evaluate nothing
         return {"train": windows, "held_out": windows[:0]}
     held = max(1, len(windows) // HELD_OUT_EVERY)
@@ -178,8 +202,11 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     fingerprint = lora_info["fingerprint"]
     evaluation: dict[str, dict] = {}
     t = spec.train
-    tokens = _load_tokens(spec) if spec.is_first and spec.data.source == "tokens" else None
-    held_out = eval_batches(spec, vocab, tokens) if spec.is_first else None
+    reads = reads_data(spec.job)  # a none job reads no data and runs no step
+    tokens = (
+        _load_tokens(spec) if reads and spec.is_first and spec.data.source != "random" else None
+    )
+    held_out = eval_batches(spec, vocab, tokens) if reads and spec.is_first else None
     emit(
         "built",
         trainable_parameters=sum(p.numel() for p in bundle.trainable_parameters),
@@ -197,7 +224,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
         loss_scale=t.loss_scale,
         inject_nan_step=t.inject_nan_step,
     )
-    trains = spec.finetune_mode != "none" and t.steps > 0
+    trains = reads and t.steps > 0
     optimizer = make_optimizer(bundle, settings) if trains and bundle.trainable_parameters else None
     scaler = make_loss_scaler(bundle.dtype, t.loss_scale)
     start = 0
@@ -225,7 +252,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
     learned = [b.is_learned for b in boundaries]
     compressed = any(b.method != "none" for b in boundaries)
-    if not spec.resume:
+    if not spec.resume and reads:
         if t.eval_batches:
             evaluate("base", False)
         if any(learned):
@@ -266,7 +293,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             on_step=on_step,
             scaler=scaler,
         )
-    if t.eval_batches:
+    if t.eval_batches and reads:
         evaluate("trained", True)
     _say_goodbye(prev, nxt, time)
     if spec.export_dir is not None:
