@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from swarmp2p.plan import model_shape as _model_shape
-from swarmp2p.plan.attention import SWARM_SDPA_CAPABILITY, training_kernel
 from swarmp2p.plan.hardware import CAPABILITIES, Node
 from swarmp2p.plan.job import FieldError, Job, JobError
 from swarmp2p.plan.memory import Pricing, StagePricer, Workload
@@ -45,7 +44,7 @@ from swarmp2p.plan.placer import (
     torch_device,
     usable_memory,
 )
-from swarmp2p.plan.precision import resolve_dtype
+from swarmp2p.plan.precision import SWARM_SDPA_CAPABILITY, resolve_dtype, training_kernel
 from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedSchedule, PlannedStage
 from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
 from swarmp2p.plan.split import Compression
