@@ -105,6 +105,9 @@ class Replication:
         self._on_disk = self.table
         self._save_lock = asyncio.Lock()
         self._takeover: asyncio.Task | None = None
+        self._catching_up: asyncio.Task | None = None
+        self._behind: tuple[str, int] | None = None
+        """A member that held a newer table than this node's at the last heartbeat round."""
         self.commit_timeout = COMMIT_TIMEOUT_S
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
@@ -131,10 +134,33 @@ class Replication:
         write_atomic(self.vote_file, json.dumps(data), mode=0o600)
 
     def note_view(self) -> None:
-        """Each heartbeat round: remember (on disk) that a peer holds the swarm's table."""
-        if not self.met and any(v > 0 for v in self.ctx.members.held_view().values()):
+        """Each heartbeat round: remember (on disk) that a peer holds the swarm's table, and
+        pull a newer one a member holds when nobody brought it here since the last round."""
+        held = self.ctx.members.held_view()
+        if not self.met and any(v > 0 for v in held.values()):
             self.met = True
             self._save_vote()
+        self._pull_if_behind(held)
+
+    def _pull_if_behind(self, held: dict[str, int]) -> None:
+        """Anti-entropy for a follower the leader does not write to: its view (over its own,
+        older members) names a node that does not lead, or the leader is one its table does
+        not list. A member that has held a newer version for two heartbeat rounds running
+        (a leader that writes here brings this node up within one) is asked for its table
+        (``_fetch_from`` takes it only if it is newer, of this history, and lists this node)."""
+        if self.ready or not self.table.members:
+            self._behind = None
+            return
+        ahead = [
+            (v, n) for n, v in held.items() if n in self.table.member_ids and v > self.table.version
+        ]
+        if not ahead:
+            self._behind = None
+            return
+        version, source = max(ahead)
+        if self._behind is not None and self._behind[1] > self.table.version:
+            self._fetch_from(self._behind[0])
+        self._behind = (source, version)
 
     # --- status ---------------------------------------------------------------------------
 
@@ -306,6 +332,8 @@ class Replication:
         )
         votes: dict[str, LeadVote] = {}
         refusals = []
+        ahead: list[tuple[int, int, str]] = []
+        """Refusing voters that hold a newer table of this history than this node's."""
         newer = False
         founded = sorted(
             p.node_id
@@ -318,6 +346,10 @@ class Replication:
                     votes[peer.node_id] = reply
                 else:
                     refusals.append(f"{peer.node_id}: {reply.reason}")
+                    if reply.epoch == self.table.epoch and (reply.term, reply.version) > (
+                        self.table.key
+                    ):
+                        ahead.append((reply.term, reply.version, peer.node_id))
                     if reply.term >= term:  # a newer term is about: start above it
                         self.voted_term, newer = max(self.voted_term, reply.term), True
         if self.ctx.leader != me:
@@ -344,6 +376,8 @@ class Replication:
                 + (f"; refused by {'; '.join(refusals)}" if refusals else "")
             )
             log.info("cannot lead yet: %s", self._reason)
+            if ahead:  # they follow a leader this node's older table may not list: catch up
+                self._fetch_from(max(ahead)[2])
             if newer and again and self.ctx.leader == me:
                 await self._elect(again=False)
             return
@@ -756,12 +790,54 @@ class Replication:
         if term == self.table.term and self.table.leader and self.table.leader != sender:
             return f"{self.table.leader} leads term {term}, not {sender}"
         if self.table.members and sender not in self.table.member_ids:
+            if term > self.table.term:  # it may have joined after this node's table
+                self._catch_up(sender)
             return f"{sender} is not a member"
         if self.ctx.leader != sender and self.table.version:  # an empty table has nothing to lose
             return f"this node's view says {self.ctx.leader} leads, not {sender}"
         if self.ready:
             self.lost_lead()
         return ""
+
+    def _catch_up(self, writer: str) -> None:
+        """``writer`` leads a newer term than this node's table, yet this table does not list
+        it: it joined while this node was away, and this node's view (over its own, older
+        members) names a member that follows it. Fetch the newer table from that member,
+        which this table lists, so the view moves to the leader and its writes are taken."""
+        source = self.ctx.leader
+        if source in (self.ctx.node_id, writer) or source not in self.table.member_ids:
+            return
+        self._fetch_from(source, writer)
+
+    def _fetch_from(self, source: str, writer: str | None = None) -> None:
+        """Fetch ``source``'s table (a member of this node's) and take it if it is newer, of
+        this history, and still lists this node (and ``writer``, when one is named)."""
+        if self._catching_up is None or self._catching_up.done():
+            self._catching_up = self.ctx.spawn(self._fetch_newer(source, writer), "catch up")
+
+    async def _fetch_newer(self, source: str, writer: str | None) -> None:
+        try:
+            reply = await self.ctx.call(
+                source, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
+            )
+            table = JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
+        except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
+            log.debug("could not fetch the newer table from %s: %s", source, exc)
+            return
+        if table is None or table.epoch != self.table.epoch or table.key <= self.table.key:
+            return
+        if self.ctx.node_id not in table.member_ids or not (
+            writer is None or writer in table.member_ids
+        ):
+            return  # it no longer lists this node, or does not explain the writer
+        async with self._write_lock:
+            if self.ready or table.key <= self.table.key:
+                return
+            log.info(
+                "caught up from %s: table version %d of term %d", source, table.version, table.term
+            )
+            self.table = table
+            await self._persist_follower(self.commit)
 
     def _writer_holds(self, sender: str) -> None:
         """The leader that wrote to this node holds the table (whatever its last hello said)."""

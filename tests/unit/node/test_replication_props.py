@@ -282,6 +282,9 @@ class SwarmMachine(RuleBasedStateMachine):
                 other = self.net.nodes[peer.node_id]
                 leader.rep.push(peer.node_id, other.rep.held)
         await settle(self.up())
+        for node in self.up():  # every node's round: what its peers said they hold
+            node.see()
+        await settle(self.up())
 
     @precondition(lambda self: self.MEMBERSHIP)
     @rule(index=st.integers(0, len(NEWCOMERS) - 1), listed_first=st.booleans())
@@ -547,5 +550,39 @@ def test_a_deposed_leader_learns_of_the_newer_term_from_heartbeats(tmp_path):
             a.rep.push(peer.node_id, nodes[peer.node_id].rep.held)
         await settle(nodes.values())
         assert not (a.rep.ready and a.rep.table.term < b.rep.table.term)
+
+    run_virtual(main())
+
+
+def test_a_member_away_while_a_lower_newcomer_took_the_lead_catches_up(tmp_path):
+    """d is cut off; "0" joins (listed by a), gets the table and leads term 2 (it sorts
+    lowest). Healed, d's own table (term 1) does not list "0", so d refused its writes ("not
+    a member") and its view kept naming a, a follower: d never caught up (found by the
+    property tests above). d must fetch the newer table from a and then follow "0"."""
+
+    async def main():
+        nodes = await _founded(tmp_path, "a", "b", "c", "d")
+        a, d = nodes["a"], nodes["d"]
+        net = a.net
+        zero = net.nodes["0"] = FakeNode(net, "0", tmp_path)
+        zero.rep.commit_timeout = COMMIT_TIMEOUT_S
+        net.partition({"d"}, {"a", "b", "c", "0"})
+        joined = ev.MemberJoined(node_id="0", name="", key=zero.ctx.key.public)
+        await a.rep.append([joined], wait=True)
+        for peer in a.ctx.members.alive_peers():
+            a.rep.push(peer.node_id, net.nodes[peer.node_id].rep.held)
+        await settle(net.nodes.values())
+        net.refresh()  # the views hear that "0" holds the table: it is the lowest member now
+        await lead(zero)
+        assert zero.rep.ready and zero.rep.table.term == 2
+        assert "0" not in d.rep.table.member_ids and d.rep.table.term == 1
+        net.heal()
+        net.refresh()
+        for _ in range(3):  # heartbeat rounds of the leader
+            for peer in zero.ctx.members.alive_peers():
+                zero.rep.push(peer.node_id, net.nodes[peer.node_id].rep.held)
+            await settle(net.nodes.values())
+        assert d.ctx.leader == "0"
+        assert key_of(d.rep.table) == key_of(zero.rep.table)
 
     run_virtual(main())
