@@ -37,7 +37,7 @@ GIB = 1 << 30
 def corpus(tmp_path_factory) -> Path:
     """The embedded corpus as the token file stage 0 reads, folded to VOCAB ids."""
     folder = tmp_path_factory.mktemp("corpus")
-    raw = folder / "embedded.npy"
+    raw = folder / "embedded.npz"
     out = subprocess.run(
         [
             sys.executable,
@@ -55,7 +55,8 @@ def corpus(tmp_path_factory) -> Path:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    ids = np.load(raw)
+    with np.load(raw) as streams:  # the corpus' rows in order: its training part, then held out
+        ids = np.concatenate([streams["train"], streams["validation"]])
     values, counts = np.unique(ids, return_counts=True)
     frequent = values[np.argsort(-counts, kind="stable")][: VOCAB - 1]
     fold = np.full(int(ids.max()) + 1, VOCAB - 1, dtype=np.int32)

@@ -812,6 +812,10 @@ class Replication:
     def _fetch_from(self, source: str, writer: str | None = None) -> None:
         """Fetch ``source``'s table (a member of this node's) and take it if it is newer, of
         this history, and still lists this node (and ``writer``, when one is named)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a view round outside the loop: the next round fetches
+            return
         if self._catching_up is None or self._catching_up.done():
             self._catching_up = self.ctx.spawn(self._fetch_newer(source, writer), "catch up")
 

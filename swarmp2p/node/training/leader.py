@@ -248,21 +248,27 @@ class JobsLeader:
         for i, (node_id, reply) in enumerate(zip(nodes, replies)):
             if isinstance(reply, BaseException):
                 if self.ctx.table.jobs[job_id].attempt == attempt:
-                    await self._stop_everywhere(job_id, -1)
-                    await self._append(
-                        [
-                            ev.JobFailed(
-                                job_id=job_id,
-                                attempt=attempt,
-                                stage=i,
-                                node_id=node_id,
-                                message=f"could not prepare: {reply}",
-                                at=self.wall(),
-                            )
-                        ]
+                    await self._fail_start(
+                        job_id, attempt, i, node_id, f"could not prepare: {reply}"
                     )
                 return False
         return True
+
+    async def _fail_start(
+        self, job_id: str, attempt: int, stage: int, node_id: str, message: str
+    ) -> None:
+        """An attempt's stage could not be prepared or started: stop its stages everywhere and
+        fail the attempt, naming the stage and the node."""
+        await self._stop_everywhere(job_id, -1)
+        failed = ev.JobFailed(
+            job_id=job_id,
+            attempt=attempt,
+            stage=stage,
+            node_id=node_id,
+            message=message,
+            at=self.wall(),
+        )
+        await self._append([failed])
 
     @staticmethod
     def _plan(
@@ -302,21 +308,8 @@ class JobsLeader:
                 if not isinstance(reply, StageReady):
                     raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.stage_ready")
             except (SwarmError, OSError, asyncio.TimeoutError) as exc:
-                if self.ctx.table.jobs[job_id].attempt != attempt:
-                    return
-                await self._stop_everywhere(job_id, -1)
-                await self._append(
-                    [
-                        ev.JobFailed(
-                            job_id=job_id,
-                            attempt=attempt,
-                            stage=i,
-                            node_id=node_id,
-                            message=f"could not start: {exc}",
-                            at=self.wall(),
-                        )
-                    ]
-                )
+                if self.ctx.table.jobs[job_id].attempt == attempt:
+                    await self._fail_start(job_id, attempt, i, node_id, f"could not start: {exc}")
                 return
             nxt = f"tcp://{reply.host}:{reply.port}"
         if self.ctx.table.jobs[job_id].state in ("placed", "resuming"):
