@@ -96,8 +96,8 @@ def _run(hosts, hub_host, repos):
     address = {n.node_id: h.address for n, h in zip(nodes, hosts)}
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3) and a.status()["leader_ready"], 30, "agreement")
-    except AssertionError:
-        raise AssertionError(dump(nodes)) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
 
     # --- a 3-stage job on a Hub id, submitted on b ---------------------------------------------
     job = {

@@ -80,8 +80,8 @@ def test_a_job_beside_a_served_model_counts_its_memory(netns_lab, tmp_path):
     host.put(tiny, MODEL)
     try:
         wait_until(lambda: agreed_on([a], "a", 1) and a.status()["leader_ready"], 30, "a to lead")
-    except AssertionError:
-        raise AssertionError(dump([a])) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump([a])}") from None
 
     # float32 as priced above (the fake Ampere GPUs would otherwise serve bfloat16)
     served = swarm(

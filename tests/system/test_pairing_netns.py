@@ -154,6 +154,8 @@ def _replay(host, flows, clients) -> None:
     )
 
 
+@pytest.mark.alone  # it times the joins (2x a quiet box's 3 s); beside two busy xdist workers a
+# joiner's hello could time out after its join and the third host waited past 20 s for the table
 def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joins(netns_lab_of):
     lab = netns_lab_of
     hosts = lab.build(4)
@@ -223,5 +225,5 @@ def test_three_hosts_join_with_codes_and_an_eavesdropper_learns_nothing_that_joi
         assert max(took) <= 2 * CODE_JOIN_TARGET_S, (
             took
         )  # slack for a loaded box; see bench/join.py
-    except AssertionError:
-        raise AssertionError(dump(lab.nodes)) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(lab.nodes)}") from None

@@ -42,8 +42,8 @@ def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tin
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3), 30, "the hosts to agree")
         wait_until(lambda: a.status()["leader_ready"], 15, "the leader to be ready")
-    except AssertionError:
-        raise AssertionError(dump(nodes)) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
 
     serve = swarm(
         b,

@@ -36,8 +36,8 @@ def _start_three(hosts, token):
         node.start()
     try:
         wait_until(lambda: agreed_on(nodes, "a", 3), 20, "three nodes to agree on a", interval=0.02)
-    except AssertionError:
-        raise AssertionError(dump(nodes)) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
     return nodes, time.monotonic() - nodes[-1].started_at
 
 

@@ -71,8 +71,8 @@ def _start(hosts, ids, token, env=None):
         wait_until(lambda: agreed_on(nodes, leader, len(nodes)), 30, "the hosts to agree")
         by_id = dict(zip(ids, nodes))
         wait_until(lambda: by_id[leader].status()["leader_ready"], 15, "the leader to be ready")
-    except AssertionError:
-        raise AssertionError(dump(nodes)) from None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
     return nodes
 
 
