@@ -43,7 +43,6 @@ from swarmp2p.node.serving.ring import Served
 from swarmp2p.node.serving.stages import ServeStages
 from swarmp2p.node.serving.standby import Standby
 from swarmp2p.node.table.registry import holders
-from swarmp2p.node.training.stages import serve_groups
 from swarmp2p.plan.model_shape import EMBEDDED
 from swarmp2p.plan.serve import parse_serve_request
 from swarmp2p.schema import SchemaError
@@ -282,9 +281,7 @@ class Serving:
             except (OSError, ValueError) as exc:
                 raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
         plan, ends = await self._build(served)
-        served.client = ends.open_client(
-            plan, step_timeout=STEP_TIMEOUT_S, groups=serve_groups(self.ctx, plan)
-        )
+        served.client = ends.open_client(plan, step_timeout=STEP_TIMEOUT_S)
         model = ServedModel(
             name=served.name, client=served.client, codec=codec, max_context=plan.max_context
         )

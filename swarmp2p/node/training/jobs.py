@@ -164,18 +164,6 @@ def stages_on_machine(plan: Plan | ServePlan, node_id: str, machines: Mapping[st
     )
 
 
-def machine_crowded(plan: Plan | ServePlan, machines: Mapping[str, str]) -> bool:
-    """Whether two of ``plan``'s stages share a machine (one node holding two, or two nodes
-    ``machines`` names the same)."""
-    seen: set[str] = set()
-    for st in plan.stages:
-        where = machines.get(st.node_id) or f"node:{st.node_id}"
-        if where in seen:
-            return True
-        seen.add(where)
-    return False
-
-
 def cpu_threads(cores: int, stages_here: int) -> int:
     """Threads each CPU stage gets when ``stages_here`` stages share ``cores`` cores: measured
     40x slower steps with two 2-thread CPU stages on 2 cores under load (oversubscription)."""
@@ -218,7 +206,6 @@ __all__ = [
     "compute_plan",
     "cpu_threads",
     "device_for",
-    "machine_crowded",
     "resume_step",
     "snapshot_holders",
     "stages_on_machine",

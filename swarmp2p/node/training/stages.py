@@ -33,13 +33,12 @@ from swarmp2p.node.training.corpus import prepare_tokens
 from swarmp2p.node.training.inputs import Inputs
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
-from swarmp2p.plan.serve import ServePlan
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
 from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.plan import Plan
+    from swarmp2p.plan import Plan, ServePlan
 
 log = logging.getLogger("swarmp2p.node.training.stages")
 
@@ -49,38 +48,22 @@ REPORT_BATCH = 200
 CHUNK_BYTES = 1 << 20
 
 
-def machines_of(ctx: NodeContext) -> dict[str, str]:
-    """Node id -> its host's ``machine`` id, for this node and the live peers."""
-    machines = {p.node_id: str(p.host.get("machine") or "") for p in ctx.members.alive_peers()}
-    machines[ctx.node_id] = str(ctx.me.host.get("machine") or "")
-    return machines
-
-
 def worker_env(
     ctx: NodeContext, plan: Plan | ServePlan, device: str, visible: str | None
 ) -> dict[str, str]:
     """A stage worker's environment (a training or a serve stage): the GPUs it may see and, on
-    the CPU, its intra-op threads (an ``OMP_NUM_THREADS`` the daemon was started with wins).
-    A training stage shares this machine's cores with the plan's other stages on it: they run
-    at once. A serve stage takes every core: where stages of one served model share a machine,
-    its ring runs one group (``serve_groups``), so they take turns and one session's tokens
-    are never computed on fewer threads than ``generate`` would use."""
+    the CPU, its share of this machine's cores with the plan's other stages on the machine (an
+    ``OMP_NUM_THREADS`` the daemon was started with wins). Serve stages share them too: giving
+    each every core measured the same for one user on 2 idle cores and 2.8x slower beside a
+    2-core load (``bench/serve.py --only daemons``: spinning intra-op threads oversubscribe)."""
     env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        machines = {p.node_id: str(p.host.get("machine") or "") for p in ctx.members.alive_peers()}
+        machines[ctx.node_id] = str(ctx.me.host.get("machine") or "")
+        here = jobs.stages_on_machine(plan, ctx.node_id, machines)  # they share its cores
         cores = int(ctx.me.host.get("cpu_cores") or 1)
-        if isinstance(plan, ServePlan):
-            env["OMP_NUM_THREADS"] = str(max(cores, 1))
-        else:
-            here = jobs.stages_on_machine(plan, ctx.node_id, machines_of(ctx))
-            env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
+        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
     return env
-
-
-def serve_groups(ctx: NodeContext, plan: ServePlan) -> int | None:
-    """The groups of sessions a served ring runs: one where two of its stages share a machine
-    (each of them computes on every core, so two at once would oversubscribe it: see
-    ``worker_env``); else one per stage (None: the client's own default)."""
-    return 1 if jobs.machine_crowded(plan, machines_of(ctx)) else None
 
 
 def job_dir(state_root: Path, job_id: str) -> Path:
