@@ -428,10 +428,7 @@ class Replication:
         if holder == self.ctx.node_id or (best_epoch, (term, version)) == mine:
             return self.table
         try:
-            reply = await self.ctx.call(
-                holder, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
-            )
-            table = JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
+            table = await self._fetch_table(holder)
         except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
             self._reason = f"could not fetch the newest table from {holder}: {exc}"
             return None
@@ -441,6 +438,13 @@ class Replication:
         if table.epoch != self.table.epoch and self.table.jobs:
             self._set_aside(self.table, "another history won the election")
         return table
+
+    async def _fetch_table(self, node_id: str) -> JobTable | None:
+        """``node_id``'s whole table (None when it answers with something else)."""
+        reply = await self.ctx.call(
+            node_id, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
+        )
+        return JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
 
     @property
     def _rpc_timeout(self) -> float:
@@ -821,10 +825,7 @@ class Replication:
 
     async def _fetch_newer(self, source: str, writer: str | None) -> None:
         try:
-            reply = await self.ctx.call(
-                source, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
-            )
-            table = JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
+            table = await self._fetch_table(source)
         except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
             log.debug("could not fetch the newer table from %s: %s", source, exc)
             return
