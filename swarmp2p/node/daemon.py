@@ -242,7 +242,6 @@ class Daemon:
         ctx.spawn(self._heartbeat_loop(), "heartbeats")
         ctx.spawn(self._measure_speeds(), "speed-probe")
         self._elect()
-        self.serving.restore()
 
     def _advert(self) -> Advert:
         ctx = self.ctx
@@ -556,6 +555,7 @@ class Daemon:
             "dashboard": self._dashboard.url if self._dashboard else None,
             "dashboard_note": self._dashboard_note,
             "served": self.serving.status(),
+            "served_in_swarm": self.serving.swarm_status(),
             "fetching": [
                 *self.stages.inputs.status(),
                 *self.heartbeats.fetches(),

@@ -409,6 +409,22 @@ class ServeShardHold(Message):
     shard: dict
 
 
+@message("serve.note")
+class ServeNote(Message):
+    """Issuing node to the leader: write ``event``, a serving table event
+    (``{"event": NAME, ...}``, ``node/table/events.py``) of a model ``issuer`` serves."""
+
+    issuer: str
+    event: dict
+
+
+@message("serve.noted")
+class ServeNoted(Message):
+    """The table version the leader wrote the event at."""
+
+    version: int
+
+
 @message("serve.file_read")
 class ServeFileRead(Message):
     """Stage node to the issuing node: ``size`` bytes at ``offset`` of file ``file`` of the
@@ -433,6 +449,7 @@ class ShardCopy(Message):
 
 SERVE_MESSAGES = (
     ServeFileRead,
+    ServeNote,
     ServePlace,
     ServeStageStart,
     ServeStageConnect,

@@ -430,8 +430,15 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     )
     assert done.returncode == 0, done.stderr + dump([a, b])
     url = json.loads(done.stdout)["url"]
-    saved = b.state.root / "serve" / "served.json"
-    assert oct(saved.stat().st_mode & 0o777) == "0o600"  # it holds the API key
+    # the key stays on b, 0600; the table every member holds lists the model, not the key
+    (key_copy,) = (b.state.root / "serve" / "keys").iterdir()
+    assert oct(key_copy.stat().st_mode & 0o777) == "0o600" and key_copy.read_text() == "k3y"
+    wait_until(
+        lambda: [m["model"] for m in a.status()["served_in_swarm"]] == ["tiny"],
+        20,
+        "a's table listing b's model",
+    )
+    assert "k3y" not in a.state.table_file.read_text()
     expected = greedy_text(tiny, PROMPT, 12)
     before = _worker_pids(a)
     assert len(before) == 1
@@ -462,7 +469,8 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     # stopped for good: forgotten, and a's worker stops
     stopped = swarm(b, "serve", "--stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr
-    assert json.loads(saved.read_text()) == {}
+    assert not key_copy.exists()
+    wait_until(lambda: a.status()["served_in_swarm"] == [], 20, "the table forgetting it")
     wait_until(lambda: _workers(a) == 0, 20, "a's worker stopped")
     # an issuer that goes away for good takes its remote workers with it
     again = swarm(b, "serve", str(tiny), "--name", "tiny", "--stages", "2", "--port", str(port))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from swarmp2p.node import messages as m
 from swarmp2p.node.cluster import join as jn
+from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.wire.messages import Message
 
@@ -35,6 +36,7 @@ CLAIMS: Mapping[type, str] = {
     m.ShardCopy: "node_id",
     m.ServeStageExit: "node_id",
     m.ServeStageStart: "issuer",
+    m.ServeNote: "issuer",
     m.StageStart: "leader",
 }
 """The field of each request that names its sender."""
@@ -134,6 +136,23 @@ def serve_exit_refusal(msg: m.ServeStageExit, stage_nodes: list[str] | None) -> 
     return ""
 
 
+def serve_note_refusal(table: JobTable, event: object, sender: str) -> str:
+    """Why the leader does not write serving table event ``event`` for ``sender``; "" when
+    it may: only a serving event, and only for a model ``sender`` issues."""
+    if not isinstance(event, ev.SERVE_EVENTS):
+        return f"serve.note carries {getattr(event, 'NAME', type(event).__name__)}, not a serving event"
+    if isinstance(event, ev.ServeRequested):
+        issuer = event.issuer
+    else:
+        record = table.served.get(event.serve_id)
+        if record is None:
+            return ""  # apply refuses it, naming the unknown serve id
+        issuer = record.issuer
+    if issuer != sender:
+        return f"serve.note for serve {event.serve_id}: it is issued by node {issuer}, not by node {sender}"
+    return ""
+
+
 def _not_member(who: str) -> str:
     return f"node {who} is not a member of this swarm (yet)"
 
@@ -145,4 +164,12 @@ def refusal_code(sender: Sender, why: str) -> str:
     return "joining" if why == _not_member(sender.node_id) else "forbidden"
 
 
-__all__ = ["CLAIMS", "Sender", "refusal", "refusal_code", "serve_exit_refusal", "serve_refusal"]
+__all__ = [
+    "CLAIMS",
+    "Sender",
+    "refusal",
+    "refusal_code",
+    "serve_exit_refusal",
+    "serve_note_refusal",
+    "serve_refusal",
+]

@@ -13,10 +13,13 @@ from swarmp2p.plan.quantization import QuantSpec
 if TYPE_CHECKING:
     from swarmp2p.node.table.jobtable import JobTable
 
+TrainedEntry = dict[str, Any]
+"""A trained model's registry entry (``node/table/registry.py``'s record, ``swarm models``)."""
+
 # --- the model a MODEL argument names ---------------------------------------------------------
 
 
-def trained_entry(table: JobTable, model: str) -> dict[str, Any] | None:
+def trained_entry(table: JobTable, model: str) -> TrainedEntry | None:
     """The registry entry of ``model`` (``swarm models``), with its job's quantization, or
     None when MODEL names no trained model."""
     from swarmp2p.node.table.registry import models as registry_models
@@ -29,7 +32,7 @@ def trained_entry(table: JobTable, model: str) -> dict[str, Any] | None:
 
 
 def trained_settings(
-    trained: dict[str, Any], stages: int, dtype: str | None, quantization: QuantSpec | None
+    trained: TrainedEntry, stages: int, dtype: str | None, quantization: QuantSpec | None
 ) -> tuple[str, QuantSpec | None]:
     """(dtype, quantization) a trained model serves with: the split, the quantization and by
     default the dtype it was trained with."""
@@ -67,7 +70,7 @@ def trained_settings(
     return dtype, theirs
 
 
-def resolve_model(model: str, trained: dict[str, Any] | None = None) -> str:
+def resolve_model(model: str, trained: TrainedEntry | None = None) -> str:
     """The folder (or Hub id) of a ``swarm serve MODEL`` argument (a trained model's base)
     on this node: its shape and tokenizer are read here."""
     from swarmp2p.models import EmbeddedModelMissing, ensure_embedded, resolve_model_ref

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,20 @@ from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
 from swarmp2p.plan.split import Compression
 from swarmp2p.schema import SchemaError
 from swarmp2p.serve.ring import RingEnds, build_ring
+from swarmp2p.wire.messages import Message
 
 if TYPE_CHECKING:
+    from swarmp2p.net import SecureContext, ZmqLink
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.serving.model import TrainedEntry
+    from swarmp2p.node.table.served import ServedModel
+    from swarmp2p.node.training.inputs import LocalModel
     from swarmp2p.plan.model_shape import ModelShape
     from swarmp2p.plan.quantization import QuantSpec
+    from swarmp2p.serve.api import ApiServer
+    from swarmp2p.serve.sessions import RingClient
+
+    FileListing = dict[str, list[int | str]]
 
 log = logging.getLogger("swarmp2p.node.serving.service")
 
@@ -43,9 +53,12 @@ PLAN_TIMEOUT_S = 30.0
 
 @dataclass(eq=False, kw_only=True)
 class Served:
-    """A model this node serves (it ran ``swarm serve``): its request, its ring, its API."""
+    """What this node runs for a model it serves (it ran ``swarm serve``): the request as it
+    resolved it here and the ring's runtime handles. The model's state (placement, failovers,
+    why it is degraded) is the table's ``ServedModel``; this only carries it out."""
 
     request: ServeRequest
+    """The request, its API key included (the table holds only its digest)."""
     serve_id: str
     folder: str
     """The model folder (or Hub id) read here; a trained model's base."""
@@ -54,89 +67,85 @@ class Served:
     dtype: str | None
     """The dtype asked for (a trained model's training dtype); None: the plan's choice."""
     quantization: QuantSpec | None
-    trained: dict[str, Any] | None = None
+    trained: TrainedEntry | None = None
     """A registry model's entry (``swarm models``) when MODEL names one; its stages load
     the base model plus their trained shards."""
     holders: list[list[str]] = field(default_factory=list)
     """A trained model: per stage, the nodes known to hold an intact copy of its shard."""
-    files: dict[str, Any] | None = None
+    files: FileListing | None = None
     """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
     fetch their copy against."""
     embedded: bool = False
-    local: Any = None
+    local: LocalModel | None = None
     """The model as ``node.inputs.serve_model`` resolved it here (tokenizer folder, revision)."""
     attempt: int = 0
+    """The newest ring attempt tried from here (each attempt's workers are told apart)."""
     live_attempt: int = 0
-    """The attempt whose workers form the ring now (0: none)."""
-    plan: ServePlan | None = None
-    """The live ring's plan."""
-    endpoints: tuple[str, ...] = ()
-    """The live ring's stage endpoints."""
-    ctx: Any = None
-    links: list[Any] = field(default_factory=list)
-    client: Any = None
-    api: Any = None
+    """The attempt whose workers this node started for the ring now (0: none)."""
+    live_nodes: tuple[str, ...] = ()
+    zmq: SecureContext | None = None
+    links: list[ZmqLink] = field(default_factory=list)
+    client: RingClient | None = None
+    api: ApiServer | None = None
     url: str = ""
-    state: str = "starting"
-    reason: str = ""
-    failovers: int = 0
-    replayed: int = 0
-    """Sessions replayed onto a rebuilt ring, in all."""
-    crashed: dict[int, str] = field(default_factory=dict)
-    """Stage index -> why its worker died, for the live ring (its node lives on)."""
-    crash_rebuilds: int = 0
-    rebuilding: asyncio.Task | None = None
-    degraded_since: float | None = None
-    """When the ring first could not be rebuilt (monotonic), for the retry grace."""
 
     @property
     def name(self) -> str:
         return self.request.served_name
 
-    def view(self) -> dict[str, Any]:
-        stages = self.plan.stages if self.plan is not None else ()
-        return {
-            "model": self.name,
-            "trained": self.trained["id"] if self.trained else None,
-            "url": self.url,
-            "state": self.state,
-            "reason": self.reason,
-            "failovers": self.failovers,
-            "replayed": self.replayed,
-            "dtype": self.plan.dtype if self.plan is not None else None,
-            "max_context": self.plan.max_context if self.plan is not None else None,
-            "sessions": self._sessions(),
-            "stages": [
-                {
-                    "index": s.index,
-                    "node_id": s.node_id,
-                    "node": s.node_id,
-                    "node_name": s.node,
-                    "devices": [s.device],
-                    "layers": list(s.layers),
-                    "memory": s.memory.peak,
-                    "endpoint": self.endpoints[s.index] if s.index < len(self.endpoints) else "",
-                    **({"holders": list(self.holders[s.index])} if self.trained else {}),
-                }
-                for s in stages
-            ],
-        }
 
-    def _sessions(self) -> dict[str, Any] | None:
-        """The ring's sessions now: running, queued for a slot, the bound, and the rows of the
-        latest decode step at each stage (None before the ring runs)."""
-        client = self.client
-        if client is None:
-            return None
-        return {
-            "active": client.active,
-            "queued": client.queue_depth,
-            "max": client.max_sessions,
-            "stage_batch": list(client.stage_batch_sizes),
-        }
+def served_view(record: ServedModel | None, here: Served | None, restoring: bool) -> dict[str, Any]:
+    """What ``swarm status`` shows of a served model: the table's record, with this node's
+    handles where it runs them (``restoring``: this node drives no ring of it yet)."""
+    plan = record.plan if record is not None else None
+    holders = here.holders if here is not None and here.trained else None
+    state = record.state if record is not None else "starting"
+    if restoring and record is not None and state != "failed":
+        state = "restoring"
+    name = record.name if record is not None else here.name if here is not None else ""
+    endpoints = record.endpoints if record is not None else ()
+    return {
+        "model": name,
+        "trained": here.trained["id"] if here is not None and here.trained else None,
+        "url": (record.url if record is not None else "") or (here.url if here else ""),
+        "state": state,
+        "reason": record.reason if record is not None else "",
+        "failovers": record.failovers if record is not None else 0,
+        "replayed": record.replayed if record is not None else 0,
+        "dtype": plan.dtype if plan is not None else None,
+        "max_context": plan.max_context if plan is not None else None,
+        "sessions": _sessions(here.client) if here is not None else None,
+        "stages": [
+            {
+                "index": s.index,
+                "node_id": s.node_id,
+                "node": s.node_id,
+                "node_name": s.node,
+                "devices": [s.device],
+                "layers": list(s.layers),
+                "memory": s.memory.peak,
+                "endpoint": endpoints[s.index] if s.index < len(endpoints) else "",
+                **({"holders": list(holders[s.index])} if holders else {}),
+            }
+            for s in (plan.stages if plan is not None else ())
+        ],
+    }
 
 
-async def call_node(ctx: NodeContext, node_id: str, msg: Any, timeout: float) -> Any:
+def _sessions(client: RingClient | None) -> dict[str, int | list[int]] | None:
+    """The ring's sessions now: running, queued for a slot, the bound, and the rows of the
+    latest decode step at each stage (None before the ring runs)."""
+    if client is None:
+        return None
+    return {
+        "active": client.active,
+        "queued": client.queue_depth,
+        "max": client.max_sessions,
+        "stage_batch": list(client.stage_batch_sizes),
+    }
+
+
+async def call_node(ctx: NodeContext, node_id: str, msg: Message, timeout: float) -> Message:
     """A request to a node (this one included); a refusal keeps its code and names the node."""
     try:
         return await ctx.call(node_id, msg, timeout)
@@ -268,7 +277,9 @@ async def stop_stages(ctx: NodeContext, serve_id: str, attempt: int, nodes: set[
     )
 
 
-async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePlan, RingEnds]:
+async def build(
+    ctx: NodeContext, served: Served, on_copy: Callable[[int, str], None]
+) -> tuple[ServePlan, RingEnds]:
     """Plan, then start and connect every stage: the plan and the new ring's ends. On failure
     every worker of this attempt is stopped and the new links closed. ``on_copy(stage, node)``
     hears of a node that fetched a copy of a trained stage's shard to serve it."""
@@ -325,21 +336,20 @@ async def build(ctx: NodeContext, served: Served, on_copy: Any) -> tuple[ServePl
 
     ends = await build_ring(
         n,
-        bind_back=lambda: ZmqLink.bind(served.ctx, back_keys, ctx.me.addresses[0]),
+        bind_back=lambda: ZmqLink.bind(served.zmq, back_keys, ctx.me.addresses[0]),
         start=start,
         connect=connect,
-        dial=lambda endpoint: ZmqLink.dial(served.ctx, first_keys, endpoint),
+        dial=lambda endpoint: ZmqLink.dial(served.zmq, first_keys, endpoint),
         stop=stop,
     )
-    if served.plan is not None:
+    if served.live_attempt:
         log.info(
             "serving %s: ring rebuilt (attempt %d) on %s",
             served.name,
             attempt,
             ", ".join(s.node_id for s in plan.stages),
         )
-    served.plan, served.endpoints, served.live_attempt = plan, ends.endpoints, attempt
-    served.crashed = {}
+    served.live_attempt, served.live_nodes = attempt, tuple(sorted(nodes))
     served.links.extend([ends.back, ends.first])
     return plan, ends
 
@@ -365,6 +375,7 @@ __all__ = [
     "key_of",
     "place",
     "plan_ring",
+    "served_view",
     "shard_ask",
     "stop_stages",
 ]

@@ -8,49 +8,77 @@ Roles (each in its own module):
   and connects them (``node/serving/ring.py``), drives the ring with a
   :class:`~swarmp2p.serve.RingClient` and answers the OpenAI-compatible API on
   ``--host``/``--port``.
-- The leader plans the ring with ``plan.serve.plan_serve`` over the live nodes' records: the
-  dtype rules, memory priced with the KV cache, the split training uses, a trained model's
-  stages where their shards are.
+- The leader plans the ring with ``plan.serve.plan_serve`` over the live nodes' records, and
+  writes the issuing node's serving events into the table (``serve.note``).
 - Every stage's node recomputes the plan from the same inputs and refuses a mismatch, makes
   the stage's files local and runs its worker (``node/serving/stages.py``).
 - Once a trained model serves, every shard gets a standby copy (``node/serving/standby.py``).
 
-Failover: each heartbeat round the issuing node checks that every stage's node is alive. When
-one is lost it re-plans on the live nodes, stops the survivors' old workers, starts a new ring
-and hands it to ``RingClient.reroute``: every open session replays its prompt and the tokens
+State: every served model is a ``ServedModel`` of the replicated table (``node/table/
+served.py``), changed only by serving events; what the issuing node does next is
+``decide_serving`` (``node/serving/decide.py``), a pure function of those records, who is
+alive and what this node runs. This module only carries the actions out; the runtime handles
+(ring client, links, HTTP API) live in ``Serving.live`` beside the record, keyed by serve id.
+
+Failover: each heartbeat round, a stage whose node is gone is marked lost; a ring that lost a
+stage is re-placed on the live nodes, the survivors' old workers stopped, and the new ring
+handed to ``RingClient.reroute``: every open session replays its prompt and the tokens
 generated so far, so a greedy request completes with the same text. When no placement fits,
-every open request fails at once with the reason, and the ring is retried each round.
+the model is degraded, retried each round, and its open requests fail with the reason.
+
+Restart: served models outlive their issuing node's daemon: the table still lists them, and
+the restarted daemon serves each again from its request (``swarm serve --stop`` removes it).
+The API key never enters the table (replicated to every member and written to disk there):
+the table holds its sha256, the key stays in ``serve/keys/<serve id>.key`` (0600) on the
+issuing node, which alone answers the API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hashlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
-from swarmp2p.node.messages import ServeFileRead, ServePlace, ServeStage, ServeStageExit, ShardChunk
+from swarmp2p.node.messages import (
+    ServeFileRead,
+    ServeNote,
+    ServeNoted,
+    ServePlace,
+    ServeStage,
+    ServeStageExit,
+    ShardChunk,
+)
+from swarmp2p.node.serving import decide as dc
 from swarmp2p.node.serving import ring as serve_ring
 from swarmp2p.node.serving.model import resolve_model, trained_entry, trained_settings
-from swarmp2p.node.serving.ring import Served
+from swarmp2p.node.serving.notes import ServeNotes
+from swarmp2p.node.serving.ring import Served, served_view
 from swarmp2p.node.serving.stages import ServeStages
 from swarmp2p.node.serving.standby import Standby
+from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.registry import holders
+from swarmp2p.paths import UnsafeName, confine
 from swarmp2p.plan.model_shape import EMBEDDED
-from swarmp2p.plan.serve import parse_serve_request
+from swarmp2p.plan.serve import ServePlan, ServeRequest, parse_serve_request
 from swarmp2p.schema import SchemaError
+from swarmp2p.wire.messages import Message
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.table.served import ServedModel
     from swarmp2p.node.training.leader import JobsLeader
     from swarmp2p.node.training.stages import StageHost
+    from swarmp2p.serve.ring import RingEnds
+    from swarmp2p.serve.sessions import RingClient
 
 log = logging.getLogger("swarmp2p.node.serving.service")
 
@@ -58,100 +86,120 @@ MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
 STEP_TIMEOUT_S = 60.0
 """A session that gets no token for this long fails (covers a re-placement's reload)."""
-SAVED_FILE = "served.json"
 RESTORE_FOR_S = 600.0
 """How long a restarted daemon keeps trying to serve its saved models again."""
 RESTORE_EVERY_S = 5.0
+KEYS_FOLDER = "keys"
+"""Under ``<state>/serve/``: the API keys of the models this node serves, one 0600 file each."""
+
+Request = Mapping[str, object]
+"""A local-API request (``{"op": ..., **fields}``), as ``node/api.py`` hands it over."""
+
+
+def key_digest(api_key: str | None) -> str:
+    """The sha256 the table holds of an API key ("" without one)."""
+    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
 
 
 class Serving:
     """The serving side of one daemon (issuing node, leader and stage host at once)."""
 
-    def __init__(self, ctx: NodeContext, stage_host: StageHost, jobs: JobsLeader) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        stage_host: StageHost,
+        jobs: JobsLeader,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.ctx = ctx
         self.stage_host = stage_host
         self.jobs = jobs
-        self.served: dict[str, Served] = {}
+        self.wall = wall
+        self.live: dict[str, Served] = {}
+        """serve id -> what this node runs for it (its handles)."""
+        self._busy: dict[str, asyncio.Task] = {}
+        """serve id -> its open or rebuild in flight."""
+        self._retry_at: dict[str, float] = {}
+        """serve id -> when to open it again (an open after a restart failed)."""
+        self.notes = ServeNotes(ctx)
         self.stages = ServeStages(ctx, stage_host)
         self.standby = Standby(ctx, stage_host)
         self._serving_lock = asyncio.Lock()
-        self._restoring: dict[str, tuple[dict[str, Any], str, asyncio.Task | None]] = {}
-        """name -> (request, why it does not serve yet, its retry task): saved models being
-        served again after this daemon restarted."""
+        started = wall()
+        self._restore_from = started + 2 * ctx.config.failure_timeout_s  # peers meet first
+        self._restore_until = started + RESTORE_FOR_S
 
-    # --- served models outlive a restart of this daemon ----------------------------------------
+    # --- the table's served models, as this node sees them ------------------------------------
 
-    @property
-    def _saved_file(self) -> Path:
-        return self.ctx.state.root / "serve" / SAVED_FILE
+    def mine(self) -> dict[str, ServedModel]:
+        """The served models this node issues: the table's, with its own events on top."""
+        return {k: v for k, v in self.notes.view().items() if v.issuer == self.ctx.node_id}
 
-    def _save(self) -> None:
-        """Record the requests of every served (and still restoring) model, 0600: a request
-        may hold an API key."""
-        saved = {name: req for name, (req, _, _) in self._restoring.items()}
-        saved.update({name: s.request.to_dict() for name, s in self.served.items()})
-        write_atomic(self._saved_file, json.dumps(saved, indent=2, sort_keys=True), mode=0o600)
-
-    def restore(self) -> None:
-        """Serve again what this node served when it stopped (``swarm serve --stop`` forgets a
-        model); each is retried until it serves or RESTORE_FOR_S has passed."""
+    def _key_file(self, serve_id: str) -> Path:
         try:
-            saved = json.loads(self._saved_file.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            log.warning("cannot read %s (%s); serving nothing again", self._saved_file, exc)
-            return
-        for name, req in sorted(saved.items()) if isinstance(saved, dict) else []:
-            if isinstance(req, dict):
-                task = self.ctx.spawn(self._restore(name, req), f"serve-restore:{name}")
-                self._restoring[name] = (req, "waiting for the swarm to gather", task)
+            folder = self.ctx.state.root / "serve" / KEYS_FOLDER
+            return confine(folder, f"{serve_id}.key", what="API key file")
+        except UnsafeName as exc:
+            raise UserError(str(exc), code="bad_field") from None
 
-    async def _restore(self, name: str, req: dict[str, Any]) -> None:
-        await asyncio.sleep(2 * self.ctx.config.failure_timeout_s)  # peers find each other first
-        deadline = self.ctx.clock() + RESTORE_FOR_S
-        while True:
-            try:
-                await self._api_serve(req, restoring=True)
-            except (SwarmError, ValueError, OSError) as exc:
-                self._restoring[name] = (req, str(exc), self._restoring[name][2])
-                if self.ctx.clock() > deadline:
-                    log.warning("gave up serving %s again after a restart: %s", name, exc)
-                    self._restoring[name] = (req, f"gave up: {exc}", None)
-                    return
-                await asyncio.sleep(RESTORE_EVERY_S)
-                continue
-            self._restoring.pop(name, None)
-            log.info("serving %s again after a restart", name)
-            return
+    def _read_key(self, record: ServedModel) -> str | None:
+        """The API key of ``record`` from this node's key file (None without one)."""
+        if not record.api_key_sha256:
+            return None
+        path = self._key_file(record.serve_id)
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise Failed(
+                f"model {record.name!r} needs its API key, and {path} cannot be read ({exc}); "
+                f"`swarm serve --stop {record.name}` and serve it again",
+                code="no_file",
+            ) from None
+        if key_digest(key) != record.api_key_sha256:
+            raise Failed(
+                f"model {record.name!r}: {path} holds another API key than the one it was "
+                f"served with; `swarm serve --stop {record.name}` and serve it again",
+                code="no_file",
+            )
+        return key
 
     # --- status and the local API -------------------------------------------------------------
 
     def issued(self) -> list[str]:
-        """The serve ids this node issues now (sent with every heartbeat)."""
-        return sorted(s.serve_id for s in self.served.values())
+        """The serve ids this node issues now (sent with every heartbeat): the ones it runs and
+        the table's it serves again after a restart (their old workers are its to stop)."""
+        mine = {k for k, v in self.mine().items() if v.state != "failed"}
+        return sorted({*self.live, *mine})
 
     def status(self) -> list[dict[str, Any]]:
-        views = {name: s.view() for name, s in self.served.items()}
-        for name, (_, why, task) in self._restoring.items():
-            views.setdefault(
-                name,
-                {
-                    "model": name,
-                    "trained": None,
-                    "url": "",
-                    "failovers": 0,
-                    "replayed": 0,
-                    "state": "restoring" if task is not None else "failed",
-                    "reason": why,
-                    "dtype": None,
-                    "max_context": None,
-                    "stages": [],
-                },
-            )
-        return [views[name] for name in sorted(views)]
+        """The models this node serves (or serves again after a restart), by name."""
+        mine = self.mine()
+        views = [
+            served_view(mine.get(k), self.live.get(k), self._restoring(k))
+            for k in sorted({*mine, *self.live})
+        ]
+        return sorted(views, key=lambda v: v["model"])
 
-    def api_handlers(self) -> dict[str, Any]:
+    def swarm_status(self) -> list[dict[str, object]]:
+        """Every served model of the table (any issuer): name, issuer, state, URL, stages."""
+        return [
+            {
+                "model": m.name,
+                "serve_id": m.serve_id,
+                "issuer": m.issuer,
+                "state": m.state,
+                "url": m.url,
+                "failovers": m.failovers,
+                "stages": list(m.stage_nodes),
+            }
+            for m in sorted(self.ctx.table.served.values(), key=lambda m: (m.name, m.serve_id))
+        ]
+
+    def _restoring(self, serve_id: str) -> bool:
+        here = self.live.get(serve_id)
+        return here is None or here.client is None
+
+    def api_handlers(self) -> dict[str, Callable[[Request], Awaitable[object]]]:
         return {
             "serve": self._api_serve,
             "serve_stop": self._api_stop,
@@ -159,77 +207,136 @@ class Serving:
             "serve_endpoint": self._api_endpoint,
         }
 
-    async def _api_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _api_list(self, req: Request) -> list[dict[str, Any]]:
         return self.status()
 
-    async def _api_endpoint(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _by_name(self, name: object) -> tuple[Served | None, ServedModel | None]:
+        """This node's handle and table record of the model it serves as ``name``."""
+        here = next((s for s in self.live.values() if s.name == name), None)
+        record = next((m for m in self.mine().values() if m.name == name), None)
+        return here, record
+
+    def _known(self) -> str:
+        names = {s.name for s in self.live.values()} | {m.name for m in self.mine().values()}
+        return ", ".join(sorted(names)) or "none"
+
+    async def _api_endpoint(self, req: Request) -> dict[str, str | None]:
         """Where a model served from this node answers, and its API key (for `swarm generate`
         and `swarm chat`: the local socket is its owner's alone)."""
-        name = req.get("model")
-        served = self.served.get(name) if isinstance(name, str) else None
-        if served is None or not served.url:
-            known = ", ".join(sorted(n for n, s in self.served.items() if s.url)) or "none"
+        here, _ = self._by_name(req.get("model"))
+        if here is None or not here.url:
+            known = ", ".join(sorted(s.name for s in self.live.values() if s.url)) or "none"
             raise UserError(
-                f"model {name!r} is not served from this node (served: {known})", code="not_served"
+                f"model {req.get('model')!r} is not served from this node (served: {known})",
+                code="not_served",
             )
-        return {"model": served.name, "url": served.url, "api_key": served.request.api_key}
+        return {"model": here.name, "url": here.url, "api_key": here.request.api_key}
 
-    async def _api_stop(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_stop(self, req: Request) -> dict[str, object]:
         name = req.get("model")
-        served = self.served.get(name) if isinstance(name, str) else None
-        pending = self._restoring.pop(name, None) if isinstance(name, str) else None
-        if pending is not None and pending[2] is not None:
-            pending[2].cancel()
-        if served is None and pending is None:
-            known = ", ".join(sorted({*self.served, *self._restoring})) or "none"
+        here, record = self._by_name(name)
+        if here is None and record is None:
             raise UserError(
-                f"model {name!r} is not served from this node (served: {known})", code="not_served"
+                f"model {name!r} is not served from this node (served: {self._known()})",
+                code="not_served",
             )
-        if served is not None:
-            await self._teardown(served)
-            self.served.pop(served.name, None)
-        await asyncio.to_thread(self._save)
-        log.info("stopped serving %s", name)
-        return {"model": name, "stopped": True}
-
-    async def _api_serve(self, req: dict[str, Any], restoring: bool = False) -> dict[str, Any]:
-        served = await self._parse(req)
-        if not restoring and served.name in self._restoring:
-            raise UserError(
-                f"model {served.name!r} is being served again after a restart "
-                f"({self._restoring[served.name][1]}); `swarm serve --stop {served.name}` first",
-                code="exists",
+        serve_id = here.serve_id if here is not None else record.serve_id
+        await cancel_all(self._busy.pop(serve_id, None))
+        if here is not None:
+            await self._teardown(here)
+            self.live.pop(serve_id, None)
+        elif record.live_attempt:  # serving again after a restart: its old workers stop
+            await serve_ring.stop_stages(
+                self.ctx, serve_id, record.live_attempt, set(record.stage_nodes)
             )
-        async with self._serving_lock:
-            if served.name in self.served:
-                raise UserError(
-                    f"model {served.name!r} is already served at {self.served[served.name].url}; "
-                    f"`swarm serve --stop {served.name}` first",
-                    code="exists",
+        self._retry_at.pop(serve_id, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._key_file(serve_id).unlink()
+        out: dict[str, object] = {"model": name, "stopped": True}
+        if record is not None:
+            self.notes.add(ev.ServeStopped(serve_id=serve_id, at=self.wall()))
+            if not await self.notes.flush():
+                out["warning"] = (
+                    "no leader wrote the stop yet: the swarm's table still lists the model "
+                    "until one does (this node keeps sending it)"
                 )
-            self.served[served.name] = served
-        try:
-            await self._open(served)
-        except BaseException:
-            try:  # still listed while its workers stop: reap() would stop them unawaited
-                await self._teardown(served)
-            finally:
-                self.served.pop(served.name, None)
-            raise
-        served.state = "serving"
-        log.info(
-            "serving %s at %s on %d stage(s)", served.name, served.url, len(served.plan.stages)
-        )
-        self._restoring.pop(served.name, None)
-        await asyncio.to_thread(self._save)
-        self._spawn_standby(served)
-        return served.view()
+        log.info("stopped serving %s", name)
+        return out
 
-    async def _parse(self, req: dict[str, Any]) -> Served:
+    async def _api_serve(self, req: Request) -> dict[str, Any]:
         try:
             request = parse_serve_request({k: v for k, v in req.items() if k != "op"})
         except SchemaError as exc:
             raise UserError(str(exc), code="bad_field") from None
+        serve_id = f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}"
+        served = await self._parse(request, serve_id)
+        async with self._serving_lock:
+            here, record = self._by_name(request.served_name)
+            if record is not None and (here is None or here.client is None):
+                raise UserError(
+                    f"model {record.name!r} is being served again after a restart "
+                    f"({record.reason or record.state}); `swarm serve --stop {record.name}` first",
+                    code="exists",
+                )
+            if here is not None:
+                raise UserError(
+                    f"model {here.name!r} is already served at {here.url or '(starting)'}; "
+                    f"`swarm serve --stop {here.name}` first",
+                    code="exists",
+                )
+            self.live[serve_id] = served
+        self._busy[serve_id] = asyncio.current_task()
+        try:
+            plan, ends = await self._open(served)
+            if served.request.api_key:  # before the table lists it: a restart needs the key
+                path = self._key_file(serve_id)
+                await asyncio.to_thread(write_atomic, path, served.request.api_key, mode=0o600)
+        except BaseException:
+            try:  # still listed while its workers stop: reap() would stop them unawaited
+                await self._teardown(served)
+            finally:
+                self.live.pop(serve_id, None)
+                self._busy.pop(serve_id, None)
+            raise
+        self._busy.pop(serve_id, None)
+        bare = ServeRequest(**{**request.to_dict(), "api_key": None})
+        self.notes.add(
+            ev.ServeRequested(
+                serve_id=serve_id,
+                issuer=self.ctx.node_id,
+                request=bare,
+                api_key_sha256=key_digest(request.api_key),
+                at=self.wall(),
+            ),
+            self._placed(served, plan, ends.endpoints, failover=False),
+        )
+        log.info("serving %s at %s on %d stage(s)", served.name, served.url, len(plan.stages))
+        if not await self.notes.flush():  # it serves; only a restart forgets it meanwhile
+            log.warning("serving %s: no leader wrote it into the table yet", served.name)
+        self._spawn_standby(served)
+        return served_view(self.mine().get(serve_id), served, False)
+
+    def _placed(
+        self,
+        served: Served,
+        plan: ServePlan,
+        endpoints: tuple[str, ...],
+        *,
+        failover: bool,
+        replayed: int = 0,
+    ) -> ev.ServePlaced:
+        return ev.ServePlaced(
+            serve_id=served.serve_id,
+            attempt=served.live_attempt,
+            plan=plan,
+            endpoints=tuple(endpoints),
+            url=served.url,
+            failover=failover,
+            replayed=replayed,
+            at=self.wall(),
+        )
+
+    async def _parse(self, request: ServeRequest, serve_id: str) -> Served:
         serve_ring.check_request(request)
         model = request.model
         trained = trained_entry(self.ctx.table, model)
@@ -250,7 +357,7 @@ class Serving:
         folder, shape = here.folder, here.shape
         return Served(
             request=request,
-            serve_id=f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}",
+            serve_id=serve_id,
             folder=folder,
             shape=shape,
             dtype=dtype,
@@ -264,13 +371,15 @@ class Serving:
 
     # --- opening and closing a served model ----------------------------------------------------
 
-    async def _open(self, served: Served) -> None:
+    async def _open(self, served: Served) -> tuple[ServePlan, RingEnds]:
+        """Start the API and the first ring of ``served``: the ring's plan and ends."""
         from swarmp2p.net import SecureContext
-        from swarmp2p.serve import ServedModel, build_app
+        from swarmp2p.serve import ServedModel as ApiModel
+        from swarmp2p.serve import build_app
         from swarmp2p.serve.api import ApiServer
         from swarmp2p.serve.text import TextCodec
 
-        served.ctx = SecureContext()
+        served.zmq = SecureContext()
         codec_folder = served.local.codec if served.local is not None else served.folder
         codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
         if served.files is None and os.path.isdir(served.folder):
@@ -281,10 +390,9 @@ class Serving:
             except (OSError, ValueError) as exc:
                 raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
         plan, ends = await self._build(served)
-        served.client = ends.open_client(plan, step_timeout=STEP_TIMEOUT_S)
-        model = ServedModel(
-            name=served.name, client=served.client, codec=codec, max_context=plan.max_context
-        )
+        client = ends.open_client(plan, step_timeout=STEP_TIMEOUT_S)
+        served.client = client
+        model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
         req = served.request
         served.api = ApiServer(build_app([model], api_key=req.api_key), req.host, req.port)
         try:
@@ -294,130 +402,205 @@ class Serving:
             raise UserError(
                 f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field"
             ) from None
+        return plan, ends
 
-    async def _build(self, served: Served) -> Any:
+    async def _build(self, served: Served) -> tuple[ServePlan, RingEnds]:
         return await serve_ring.build(
             self.ctx, served, lambda i, node: self.standby.note_copy(served, i, node)
         )
 
     async def _teardown(self, served: Served) -> None:
-        await cancel_all(served.rebuilding)
         if served.api is not None:
             await served.api.close_async()
             served.api = None
         if served.client is not None:
             await asyncio.to_thread(served.client.close)
             served.client = None
-        if served.live_attempt and served.plan is not None:
-            nodes = {s.node_id for s in served.plan.stages}
+        if served.live_attempt:
+            nodes = set(served.live_nodes)
             await serve_ring.stop_stages(self.ctx, served.serve_id, served.live_attempt, nodes)
         for link in served.links:
             link.close()
         served.links = []
-        if served.ctx is not None:
+        if served.zmq is not None:
             from swarmp2p.net import stop_zero_copy_collector
 
             stop_zero_copy_collector()
-            served.ctx.destroy(0)
-            served.ctx = None
+            served.zmq.destroy(0)
+            served.zmq = None
 
     async def close(self) -> None:
-        for served in list(self.served.values()):
+        """This daemon stops: its rings and APIs close (the table keeps the models: the next
+        start serves them again)."""
+        await cancel_all(*self._busy.values())
+        self._busy.clear()
+        for served in list(self.live.values()):
             with contextlib.suppress(Exception):
                 await self._teardown(served)
-        self.served.clear()
+        self.live.clear()
         await self.stages.close()
 
-    # --- failover -------------------------------------------------------------------------------
+    # --- each round: what the table says to do --------------------------------------------------
 
     def tick(self) -> None:
-        """Each heartbeat round: stop stage workers nobody issues any more; rebuild a ring that
-        lost a stage node."""
-        alive = set(self.ctx.live_nodes())
-        self.stages.reap(alive, set(self.issued()), self.ctx.clock())
-        for served in self.served.values():
-            self._check(served, alive)
+        """Each heartbeat round: stop stage workers nobody issues any more, send the serving
+        events that wait for a leader, and carry out what ``decide_serving`` says."""
+        alive = self.ctx.live_nodes()
+        self.stages.reap(set(alive), set(self.issued()), self.ctx.clock())
+        self.notes.kick()
+        self._decide(alive)
 
-    def _check(self, served: Served, alive: set[str]) -> None:
-        """Fail the open requests of a failed model; rebuild a ring that lost a stage node or
-        a stage's worker (unless a rebuild runs)."""
-        if served.state == "failed" and served.client is not None:
-            _fail_open(served.client, served.reason)  # requests sent since fail at once
-            return
-        if served.state not in ("serving", "degraded") or served.client is None:
-            return
-        if served.rebuilding is not None and not served.rebuilding.done():
-            return
-        placed = {s.node_id for s in served.plan.stages} if served.plan else set()
-        lost = sorted(placed - alive)
-        if served.crashed and not lost and served.state == "serving":
-            served.crash_rebuilds += 1
-            if served.crash_rebuilds > MAX_CRASH_REBUILDS:
-                reason = f"stage worker(s) died {served.crash_rebuilds} times; last: " + "; ".join(
-                    f"stage {i}: {m}" for i, m in sorted(served.crashed.items())
-                )
-                served.state, served.reason = "failed", reason
-                log.warning("serving %s: %s; giving up", served.name, reason)
-                _fail_open(served.client, reason)
-                return
-        if lost or served.crashed or served.state == "degraded":
-            served.rebuilding = self.ctx.spawn(
-                self._failover(served, lost), f"serve-failover:{served.name}"
+    def _decide(self, alive: frozenset[str]) -> None:
+        local = {
+            k: dc.Local(
+                running=s.client is not None,
+                busy=k in self._busy and not self._busy[k].done(),
+                retry_at=self._retry_at.get(k, 0.0),
             )
+            for k, s in self.live.items()
+        }
+        for k, at in self._retry_at.items():
+            local.setdefault(k, dc.Local(running=False, busy=False, retry_at=at))
+        actions = dc.decide_serving(
+            self.mine(),
+            me=self.ctx.node_id,
+            alive=alive,
+            local=local,
+            now=self.wall(),
+            grace_s=2 * self.ctx.config.failure_timeout_s,
+            restore_from=self._restore_from,
+            restore_until=self._restore_until,
+            max_crash_rebuilds=MAX_CRASH_REBUILDS,
+        )
+        for action in actions:
+            self._carry_out(action)
 
-    def _rebuild_grace_s(self) -> float:
-        return 2 * self.ctx.config.failure_timeout_s
+    def _carry_out(self, action: dc.ServeAction) -> None:
+        serve_id = action.serve_id
+        here = self.live.get(serve_id)
+        if isinstance(action, dc.MarkLost):
+            self.notes.add(
+                ev.ServeStageLost(
+                    serve_id=serve_id,
+                    attempt=action.attempt,
+                    stage=action.stage,
+                    node_id=action.node_id,
+                    at=self.wall(),
+                )
+            )
+            log.warning(
+                "serving %s: stage %d's node %s was lost; re-placing",
+                here.name if here else serve_id,
+                action.stage,
+                action.node_id,
+            )
+        elif isinstance(action, dc.FailOpen):
+            if here is not None and here.client is not None:
+                _fail_open(here.client, action.reason)
+        elif isinstance(action, dc.GiveUp):
+            log.warning("serving %s: %s; giving up", serve_id, action.reason)
+            self.notes.add(ev.ServeFailed(serve_id=serve_id, reason=action.reason, at=self.wall()))
+            self._retry_at.pop(serve_id, None)
+            if here is not None and here.client is not None:
+                _fail_open(here.client, action.reason)
+        elif isinstance(action, dc.Replan) and here is not None:
+            task = self.ctx.spawn(self._failover(here), f"serve-failover:{here.name}")
+            self._busy[serve_id] = task
+        elif isinstance(action, dc.Restore):
+            task = self.ctx.spawn(self._restore(action), f"serve-restore:{serve_id}")
+            self._busy[serve_id] = task
+            self._retry_at.pop(serve_id, None)
 
-    async def _failover(self, served: Served, lost: list[str]) -> None:
-        died = "; ".join(f"stage {i}: {m}" for i, m in sorted(served.crashed.items()))
-        if lost:
-            what = f"a stage node was lost ({', '.join(lost)})"
-        elif died:
-            what = f"stage worker(s) ended ({died})"
-        else:
-            what = "a stage node was lost (earlier)"
-        if lost or died:
-            log.warning("serving %s: %s; re-placing", served.name, what)
-            if served.state == "serving":  # `swarm status` says why while the ring is rebuilt
-                served.reason = f"{what}; re-placing"
-        old_attempt = served.live_attempt
-        old_nodes = {s.node_id for s in served.plan.stages} if served.plan else set()
+    async def _failover(self, served: Served) -> None:
+        """A new ring for ``served`` on the live nodes; the open sessions move onto it."""
+        record = self.mine().get(served.serve_id)
+        if record is None:
+            return
+        what = record.reason.removesuffix("; re-placing") if record.state == "replacing" else ""
+        what = what or (record.reason.split(" and the model cannot")[0] or "a stage was lost")
+        old_attempt, old_nodes = served.live_attempt, set(served.live_nodes)
         try:
-            _, ends = await self._build(served)
+            plan, ends = await self._build(served)
         except (SwarmError, RuntimeError, OSError) as exc:
             reason = f"{what} and the model cannot be re-placed on the live nodes: {exc}"
-            if served.state != "degraded" or served.reason != reason:
+            if record.state != "degraded" or record.reason != reason:
                 log.warning("serving %s: %s", served.name, reason)
-            now = time.monotonic()
-            if served.degraded_since is None:
-                served.degraded_since = now
-            served.state, served.reason = "degraded", reason
-            # The leader may still count the lost node alive for up to a failure timeout and
-            # place a stage on it: keep the open sessions and retry each round for a grace of
-            # two failure timeouts; only then fail them, with the reason.
-            if now - served.degraded_since > self._rebuild_grace_s():
-                _fail_open(served.client, reason)
+                self.notes.add(
+                    ev.ServeDegraded(
+                        serve_id=served.serve_id,
+                        attempt=max(served.attempt, record.attempt),
+                        reason=reason,
+                        at=self.wall(),
+                    )
+                )
             return
         await serve_ring.stop_stages(self.ctx, served.serve_id, old_attempt, old_nodes)
-        served.replayed += served.client.active
-        olds = await asyncio.to_thread(served.client.reroute, ends.first, ends.back)
+        client = served.client
+        replayed = client.active
+        olds = await asyncio.to_thread(client.reroute, ends.first, ends.back)
         for link in olds:
             link.close()
             with contextlib.suppress(ValueError):
                 served.links.remove(link)
-        served.failovers += 1
-        served.state, served.reason, served.degraded_since = "serving", "", None
+        self.notes.add(self._placed(served, plan, ends.endpoints, failover=True, replayed=replayed))
+        self._spawn_standby(served)
+
+    async def _restore(self, action: dc.Restore) -> None:
+        """Serve a model of the table again after this daemon restarted: stop the workers of
+        the ring it drove before, open the API and a new ring."""
+        record = self.mine().get(action.serve_id)
+        if record is None:
+            return
+        served: Served | None = None
+        try:
+            if action.stop_attempt:
+                await serve_ring.stop_stages(
+                    self.ctx, record.serve_id, action.stop_attempt, set(action.stop_nodes)
+                )
+            request = ServeRequest(
+                **{**record.request.to_dict(), "api_key": self._read_key(record)}
+            )
+            served = await self._parse(request, record.serve_id)
+            served.attempt = record.attempt
+            self.live[record.serve_id] = served
+            plan, ends = await self._open(served)
+        except (SwarmError, ValueError, OSError) as exc:
+            if served is not None:
+                with contextlib.suppress(Exception):
+                    await self._teardown(served)
+                self.live.pop(record.serve_id, None)
+            self._retry_at[record.serve_id] = self.wall() + RESTORE_EVERY_S
+            reason = f"waiting to serve it again after a restart: {exc}"
+            if record.reason != reason:
+                log.info("serving %s: %s", record.name, reason)
+                attempt = max(record.attempt, served.attempt if served else 0)
+                self.notes.add(
+                    ev.ServeDegraded(
+                        serve_id=record.serve_id, attempt=attempt, reason=reason, at=self.wall()
+                    )
+                )
+            return
+        except BaseException:
+            if served is not None:
+                with contextlib.suppress(Exception):
+                    await self._teardown(served)
+                self.live.pop(record.serve_id, None)
+            raise
+        self.notes.add(self._placed(served, plan, ends.endpoints, failover=False))
+        log.info("serving %s again after a restart", served.name)
         self._spawn_standby(served)
 
     def _spawn_standby(self, served: Served) -> None:
-        self.standby.spawn(served, lambda: self.served.get(served.name) is served)
+        self.standby.spawn(served, lambda: self.live.get(served.serve_id) is served)
 
     # --- every node: dispatch ---------------------------------------------------------------
 
-    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+    async def handle(self, msg: Message, sender: str | None = None) -> Message:
         """Answer ``msg`` from node ``sender`` (None: this node)."""
         if isinstance(msg, ServePlace):
             return serve_ring.place(self.ctx, msg)
+        if isinstance(msg, ServeNote):
+            return await self._noted(msg, sender or self.ctx.node_id)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
         if isinstance(msg, ServeStageExit):
@@ -426,21 +609,50 @@ class Serving:
             return await self.stages.handle(msg, sender)
         raise UserError(f"serving does not take {type(msg).TYPE}", code="bad_request")
 
+    async def _noted(self, msg: ServeNote, sender: str) -> ServeNoted:
+        """The leader: write an issuing node's serving event (only for a model it issues)."""
+        from swarmp2p.node.cluster import authz
+
+        try:
+            event = ev.event_from_data(msg.event, "serve.note event")
+        except SchemaError as exc:
+            raise UserError(str(exc), code="bad_field") from None
+        why = authz.serve_note_refusal(self.ctx.table, event, sender)
+        if why:
+            raise UserError(why, code="forbidden")
+        return ServeNoted(version=await self.ctx.append([event]))
+
     def _stage_exited(self, msg: ServeStageExit) -> ServeStage:
         """A stage's node says the worker of a stage of the live ring ended (it died, or the
         leader stopped it): the ring is rebuilt now, not at the next round, so a request in
         flight waits for the rebuild rather than for tokens that never come."""
         from swarmp2p.node.cluster import authz
 
-        served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
-        live = served is not None and served.live_attempt == msg.attempt and served.plan
-        nodes = [s.node_id for s in served.plan.stages] if live else None
-        why = authz.serve_exit_refusal(msg, nodes)
+        served = self.live.get(msg.serve_id)
+        record = self.mine().get(msg.serve_id)
+        live = (
+            served is not None
+            and record is not None
+            and served.live_attempt == msg.attempt == record.live_attempt
+        )
+        why = authz.serve_exit_refusal(msg, list(record.stage_nodes) if live else None)
         if why:
             raise UserError(why, code="forbidden")
-        if live:
-            served.crashed[msg.stage] = f"node {msg.node_id}: {msg.message}"
-            self._check(served, set(self.ctx.live_nodes()))
+        if live and msg.stage not in record.lost:
+            self.notes.add(
+                ev.ServeStageLost(
+                    serve_id=msg.serve_id,
+                    attempt=msg.attempt,
+                    stage=msg.stage,
+                    node_id=msg.node_id,
+                    crashed=True,
+                    reason=f"stage worker(s) ended (stage {msg.stage}: node {msg.node_id}: "
+                    f"{msg.message})"[:2000],
+                    at=self.wall(),
+                )
+            )
+            log.warning("serving %s: stage %d's worker ended; re-placing", served.name, msg.stage)
+            self._decide(self.ctx.live_nodes())
         return ServeStage(
             serve_id=msg.serve_id,
             attempt=msg.attempt,
@@ -453,7 +665,7 @@ class Serving:
         """A chunk of a file of a folder model this node serves (to a stage node fetching it)."""
         from swarmp2p.node.training.stages import CHUNK_BYTES
 
-        served = next((s for s in self.served.values() if s.serve_id == msg.serve_id), None)
+        served = self.live.get(msg.serve_id)
         if served is None or not served.files or msg.file not in served.files:
             raise Failed(
                 f"node {self.ctx.node_id} serves no file {msg.file!r} of {msg.serve_id}",
@@ -476,7 +688,7 @@ class Serving:
             ) from None
 
 
-def _fail_open(client: Any, reason: str) -> None:
+def _fail_open(client: RingClient, reason: str) -> None:
     """Fail every open session of ``client`` now with ``reason`` (RingClient has no public
     "fail all"; ``cancel`` per session does it)."""
     for session in list(getattr(client, "_sessions", {}).values()):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from swarmp2p.errors import SwarmError
 from swarmp2p.node.messages import ServeShardHold
+from swarmp2p.node.serving.decide import standby_copies
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -43,30 +44,36 @@ class Standby:
 
     async def _copy(self, served: Served, still_served: Callable[[], bool]) -> None:
         job_id = served.trained["job_id"]
-        for i, st in enumerate(served.trained["manifest"]["stages"]):
-            alive = self.ctx.live_nodes()
-            live = [h for h in served.holders[i] if h in alive]
-            others = sorted(alive - set(live))
-            if not live or len(live) >= 2 or not others or not still_served():
-                continue
-            target = others[i % len(others)]
+        stages = served.trained["manifest"]["stages"]
+        for copy in standby_copies(served.holders, self.ctx.live_nodes()):
+            if not still_served():
+                return
+            st = stages[copy.stage]
             ask = {
                 "job_id": job_id,
                 "folder": st["folder"],
                 "files": dict(st["files"]),
-                "sources": live,
+                "sources": list(copy.sources),
                 "tied": None,
             }
+            hold = ServeShardHold(stage=copy.stage, shard=ask)
             try:
-                await self.ctx.call(target, ServeShardHold(stage=i, shard=ask), COPY_TIMEOUT_S)
+                await self.ctx.call(copy.target, hold, COPY_TIMEOUT_S)
             except (SwarmError, OSError, ValueError) as exc:
                 log.warning(
-                    "serving %s: no standby copy of stage %d on %s: %s", served.name, i, target, exc
+                    "serving %s: no standby copy of stage %d on %s: %s",
+                    served.name,
+                    copy.stage,
+                    copy.target,
+                    exc,
                 )
                 continue
-            self.note_copy(served, i, target)
+            self.note_copy(served, copy.stage, copy.target)
             log.info(
-                "serving %s: stage %d's shard has a standby copy on %s", served.name, i, target
+                "serving %s: stage %d's shard has a standby copy on %s",
+                served.name,
+                copy.stage,
+                copy.target,
             )
 
 

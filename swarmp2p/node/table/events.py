@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar
 from swarmp2p.net.security import KEY_PATTERN
 from swarmp2p.plan import Job, Plan
 from swarmp2p.plan.inputs import JobInputs
+from swarmp2p.plan.serve import ServePlan, ServeRequest
 from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
@@ -272,6 +273,104 @@ class ShardCopied(Event):
     node_id: NodeId
 
 
+# --- a served model's life (``swarm serve``) --------------------------------------------------
+# Written by the leader on the issuing node's word (``serve.note``, only the issuer of a serve
+# id speaks for it); ``node/serving/decide.py`` decides them, ``node/serving/service.py`` runs
+# the rings. A served model: requested+placed -> serving -> stage lost -> replacing -> placed
+# again (a failover) | degraded (no placement fits; retried) -> ... ; failed; stopped (gone).
+
+ApiKeyDigest = Annotated[str, Bounds(pattern=r"(|[0-9a-f]{64})")]
+"""The sha256 of a served model's API key ("" without one): the key itself never enters the
+replicated table; the issuing node keeps it in a 0600 file of its own."""
+
+
+@event("serve_requested")
+class ServeRequested(Event):
+    """``issuer`` serves ``request`` as ``serve_id`` (its first ring is up: a request that
+    never served is never written)."""
+
+    serve_id: JobId
+    issuer: NodeId
+    request: ServeRequest
+    """The request, ``api_key`` left out (see ``api_key_sha256``)."""
+    api_key_sha256: ApiKeyDigest = ""
+    at: float
+
+    def __post_init__(self) -> None:
+        if self.request.api_key is not None:
+            raise ValueError("serve_requested: the API key never enters the table (its digest)")
+
+
+@event("serve_placed")
+class ServePlaced(Event):
+    """Ring ``attempt`` of ``serve_id`` runs on ``plan`` (its stages answer at ``endpoints``),
+    its API at ``url``. ``failover``: it replaces a ring that lost a stage (``replayed``
+    sessions moved onto it); otherwise it is the first ring or one opened after a restart."""
+
+    serve_id: JobId
+    attempt: Attempt
+    plan: ServePlan
+    endpoints: tuple[str, ...] = field(default=(), max_len=64)
+    url: str = field(default="", max_len=512)
+    failover: bool = False
+    replayed: int = field(default=0, ge=0)
+    at: float
+
+
+@event("serve_stage_lost")
+class ServeStageLost(Event):
+    """Stage ``stage`` of ring ``attempt`` is lost: its node ``node_id`` is gone, or
+    (``crashed``) its worker ended while the node lives on. The ring is re-placed."""
+
+    serve_id: JobId
+    attempt: Attempt
+    stage: StageIndex
+    node_id: NodeId
+    crashed: bool = False
+    reason: str = field(default="", max_len=2000)
+    at: float
+
+
+@event("serve_degraded")
+class ServeDegraded(Event):
+    """Ring ``attempt`` could not be built (no placement fits the live nodes, or the leader
+    did not answer): ``reason``; the issuing node retries each round."""
+
+    serve_id: JobId
+    attempt: Attempt
+    reason: Reason
+    at: float
+
+
+@event("serve_failed")
+class ServeFailed(Event):
+    """The issuing node gave up (workers died too often, or a restart could not serve it
+    again in time): open requests fail with ``reason`` until it is stopped."""
+
+    serve_id: JobId
+    reason: Reason
+    at: float
+
+
+@event("serve_stopped")
+class ServeStopped(Event):
+    """``swarm serve --stop``: the served model leaves the table."""
+
+    serve_id: JobId
+    at: float
+
+
+SERVE_EVENTS = (
+    ServeRequested,
+    ServePlaced,
+    ServeStageLost,
+    ServeDegraded,
+    ServeFailed,
+    ServeStopped,
+)
+"""The events an issuing node asks the leader to write (``serve.note``)."""
+
+
 # --- the log ---------------------------------------------------------------------------------
 
 
@@ -319,6 +418,7 @@ __all__ = [
     "ID_PATTERN",
     "MEMBERSHIP_EVENTS",
     "NODE_PATTERN",
+    "SERVE_EVENTS",
     "AdmissionChanged",
     "Entry",
     "EvaluationReported",
@@ -337,6 +437,12 @@ __all__ = [
     "MemberRemoved",
     "ModelRegistered",
     "PublicKey",
+    "ServeDegraded",
+    "ServeFailed",
+    "ServePlaced",
+    "ServeRequested",
+    "ServeStageLost",
+    "ServeStopped",
     "ShardCopied",
     "SnapshotHeld",
     "StageExported",

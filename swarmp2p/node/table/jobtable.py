@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.table import events as ev
+from swarmp2p.node.table import served as sv
+from swarmp2p.node.table.served import ServedModel
 from swarmp2p.plan import Job, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.worker_spec import reads_data
@@ -150,6 +152,8 @@ class JobTable:
     leader: str = ""
     members: tuple[Member, ...] = ()
     jobs: dict[str, JobEntry] = dataclasses.field(default_factory=dict)
+    served: dict[str, ServedModel] = dataclasses.field(default_factory=dict)
+    """serve id -> the served model (``swarm serve``)."""
     swarm_id: str = field(default="", max_len=16)
     admission: str = field(default="", max_len=40)
     """The admission public key of the secret that admits new nodes (``AdmissionChanged``):
@@ -463,6 +467,12 @@ _APPLY: dict[type, Callable[..., Any]] = {
     ev.JobCancelled: apply_job_cancelled,
     ev.ModelRegistered: apply_model_registered,
     ev.ShardCopied: apply_shard_copied,
+    ev.ServeRequested: sv.apply_serve_requested,
+    ev.ServePlaced: sv.apply_serve_placed,
+    ev.ServeStageLost: sv.apply_serve_stage_lost,
+    ev.ServeDegraded: sv.apply_serve_degraded,
+    ev.ServeFailed: sv.apply_serve_failed,
+    ev.ServeStopped: sv.apply_serve_stopped,
 }
 
 

@@ -109,3 +109,34 @@ def running(job_id: str = "j1", nodes=("a", "b"), the_job=None) -> Log:
         ev.JobRunning(job_id=job_id, attempt=1, at=3.0),
     )
     return log
+
+
+def serve_plan(*node_ids: str):
+    """A serving ring's plan, one stage per node (``node_ids`` in order)."""
+    from swarmp2p.node.training.jobs import cluster_records
+    from swarmp2p.plan.serve import ServeInputs, ServePlan
+
+    records = tuple(cluster_records(cluster(*node_ids)))
+    made = ServeInputs(shape=SHAPE, stages=len(node_ids), cluster=records).plan()
+    assert isinstance(made, ServePlan), made
+    return made
+
+
+def serving(serve_id: str = "s1", nodes=("a", "b"), issuer: str = "a") -> Log:
+    """A founded swarm where ``issuer`` serves a model on a ring over ``nodes`` (attempt 1)."""
+    from swarmp2p.plan.serve import ServeRequest
+
+    log = founded(*sorted({*nodes, issuer}))
+    request = ServeRequest(model="/models/tiny", name="tiny", stages=len(nodes), port=8080)
+    log(
+        ev.ServeRequested(serve_id=serve_id, issuer=issuer, request=request, at=1.0),
+        ev.ServePlaced(
+            serve_id=serve_id,
+            attempt=1,
+            plan=serve_plan(*nodes),
+            endpoints=tuple(f"tcp://{n}:5000" for n in nodes),
+            url="http://127.0.0.1:8080",
+            at=2.0,
+        ),
+    )
+    return log

@@ -10,6 +10,7 @@ import pytest
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
     ServeFileRead,
+    ServeNote,
     ServePlace,
     ServePlaced,
     ServeShardHold,
@@ -161,6 +162,7 @@ def test_the_daemon_routes_exactly_the_serve_requests():
         ServeStageExit,
         ServeFileRead,
         ServeShardHold,
+        ServeNote,
     }
 
 
