@@ -4,6 +4,7 @@ Where it runs is ``plan.serve.plan_serve``'s. Never imports torch."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, UserError
@@ -11,7 +12,11 @@ from swarmp2p.plan.model_shape import EMBEDDED
 from swarmp2p.plan.quantization import QuantSpec
 
 if TYPE_CHECKING:
+    from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.serving.ring import Served
     from swarmp2p.node.table.jobtable import JobTable
+    from swarmp2p.node.training.stages import StageHost
+    from swarmp2p.plan.serve import ServeRequest
 
 TrainedEntry = dict[str, Any]
 """A trained model's registry entry (``node/table/registry.py``'s record, ``swarm models``)."""
@@ -92,3 +97,44 @@ def resolve_model(model: str, trained: TrainedEntry | None = None) -> str:
                 code="no_model",
             ) from None
         raise UserError(str(exc), code="no_model") from None
+
+
+async def resolve_served(
+    ctx: NodeContext, stage_host: StageHost, request: ServeRequest, serve_id: str
+) -> Served:
+    """What this node serves for ``request``: the model read here (a trained model's base
+    and registry entry, its dtype and quantization checked against its training)."""
+    from swarmp2p.node.serving import ring as serve_ring
+    from swarmp2p.node.table.registry import holders
+
+    serve_ring.check_request(request)
+    model = request.model
+    trained = trained_entry(ctx.table, model)
+    model_arg = model
+    if trained is None and request.cwd and model != EMBEDDED and not os.path.isabs(model):
+        here = os.path.join(request.cwd, os.path.expanduser(model))
+        model_arg = os.path.abspath(here) if os.path.isdir(here) else model
+    dtype, quantization = request.dtype, request.quantization
+    if trained is not None:
+        dtype, quantization = trained_settings(trained, request.stages, dtype, quantization)
+    job = ctx.table.jobs.get(str(trained["job_id"])) if trained else None
+    # a Hub model, or a trained model's base this node lacks, is read from elsewhere
+    here = await stage_host.inputs.serve_model(
+        trained["base"] if trained else model_arg,
+        trained=job.inputs if job is not None else None,
+        local=lambda ref: resolve_model(ref, trained),
+    )
+    folder, shape = here.folder, here.shape
+    return serve_ring.Served(
+        request=request,
+        serve_id=serve_id,
+        folder=folder,
+        shape=shape,
+        dtype=dtype,
+        quantization=quantization,
+        trained=trained,
+        holders=[holders(st) for st in trained["manifest"]["stages"]] if trained else [],
+        embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
+        files=here.files,
+        local=here,
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -354,6 +355,66 @@ async def build(
     return plan, ends
 
 
+async def open_served(
+    ctx: NodeContext, served: Served, on_copy: Callable[[int, str], None], step_timeout: float
+) -> tuple[ServePlan, RingEnds]:
+    """Start the first ring of ``served`` and its API (``served.url``): the ring's plan and
+    ends. On failure what started stays in ``served`` for :func:`close_served`."""
+    from swarmp2p.net import SecureContext
+    from swarmp2p.serve import ServedModel as ApiModel
+    from swarmp2p.serve import build_app
+    from swarmp2p.serve.api import ApiServer
+    from swarmp2p.serve.text import TextCodec
+
+    served.zmq = SecureContext()
+    codec_folder = served.local.codec if served.local is not None else served.folder
+    codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
+    if served.files is None and os.path.isdir(served.folder):
+        from swarmp2p.node.serving.model_files import folder_listing
+
+        try:
+            served.files = await asyncio.to_thread(folder_listing, served.folder)
+        except (OSError, ValueError) as exc:
+            raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
+    plan, ends = await build(ctx, served, on_copy)
+    client = ends.open_client(plan, step_timeout=step_timeout)
+    served.client = client
+    model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
+    req = served.request
+    served.api = ApiServer(build_app([model], api_key=req.api_key), req.host, req.port)
+    try:
+        served.url = await served.api.start_async()  # on this daemon's loop
+    except OSError as exc:
+        served.api = None
+        raise UserError(
+            f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field"
+        ) from None
+    return plan, ends
+
+
+async def close_served(ctx: NodeContext, served: Served) -> None:
+    """Close the API, the ring client and links of ``served`` and stop the workers it
+    started."""
+    if served.api is not None:
+        await served.api.close_async()
+        served.api = None
+    if served.client is not None:
+        await asyncio.to_thread(served.client.close)
+        served.client = None
+    if served.live_attempt:
+        nodes = set(served.live_nodes)
+        await stop_stages(ctx, served.serve_id, served.live_attempt, nodes)
+    for link in served.links:
+        link.close()
+    served.links = []
+    if served.zmq is not None:
+        from swarmp2p.net import stop_zero_copy_collector
+
+        stop_zero_copy_collector()
+        served.zmq.destroy(0)
+        served.zmq = None
+
+
 def check_request(req: ServeRequest) -> None:
     """The API's bind rule (beyond loopback only with an API key), as a UserError."""
     from swarmp2p.serve.api import check_bind
@@ -371,8 +432,10 @@ __all__ = [
     "build",
     "call_node",
     "check_request",
+    "close_served",
     "inputs_of",
     "key_of",
+    "open_served",
     "place",
     "plan_ring",
     "served_view",

@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmp2p._atomic import write_atomic
 from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node.messages import (
@@ -59,16 +57,14 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.serving import decide as dc
 from swarmp2p.node.serving import ring as serve_ring
-from swarmp2p.node.serving.model import resolve_model, trained_entry, trained_settings
+from swarmp2p.node.serving.keys import ApiKeys, key_digest
+from swarmp2p.node.serving.model import resolve_served
 from swarmp2p.node.serving.notes import ServeNotes
 from swarmp2p.node.serving.ring import Served, served_view
 from swarmp2p.node.serving.stages import ServeStages
 from swarmp2p.node.serving.standby import Standby
 from swarmp2p.node.table import events as ev
-from swarmp2p.node.table.registry import holders
-from swarmp2p.paths import UnsafeName, confine
-from swarmp2p.plan.model_shape import EMBEDDED
-from swarmp2p.plan.serve import ServePlan, ServeRequest, parse_serve_request
+from swarmp2p.plan.serve import ServePlan, parse_serve_request
 from swarmp2p.schema import SchemaError
 from swarmp2p.wire.messages import Message
 
@@ -89,16 +85,9 @@ STEP_TIMEOUT_S = 60.0
 RESTORE_FOR_S = 600.0
 """How long a restarted daemon keeps trying to serve its saved models again."""
 RESTORE_EVERY_S = 5.0
-KEYS_FOLDER = "keys"
-"""Under ``<state>/serve/``: the API keys of the models this node serves, one 0600 file each."""
 
 Request = Mapping[str, object]
 """A local-API request (``{"op": ..., **fields}``), as ``node/api.py`` hands it over."""
-
-
-def key_digest(api_key: str | None) -> str:
-    """The sha256 the table holds of an API key ("" without one)."""
-    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
 
 
 class Serving:
@@ -122,6 +111,7 @@ class Serving:
         self._retry_at: dict[str, float] = {}
         """serve id -> when to open it again (an open after a restart failed)."""
         self.notes = ServeNotes(ctx)
+        self.keys = ApiKeys(ctx.state.root / "serve")
         self.stages = ServeStages(ctx, stage_host)
         self.standby = Standby(ctx, stage_host)
         self._serving_lock = asyncio.Lock()
@@ -134,34 +124,6 @@ class Serving:
     def mine(self) -> dict[str, ServedModel]:
         """The served models this node issues: the table's, with its own events on top."""
         return {k: v for k, v in self.notes.view().items() if v.issuer == self.ctx.node_id}
-
-    def _key_file(self, serve_id: str) -> Path:
-        try:
-            folder = self.ctx.state.root / "serve" / KEYS_FOLDER
-            return confine(folder, f"{serve_id}.key", what="API key file")
-        except UnsafeName as exc:
-            raise UserError(str(exc), code="bad_field") from None
-
-    def _read_key(self, record: ServedModel) -> str | None:
-        """The API key of ``record`` from this node's key file (None without one)."""
-        if not record.api_key_sha256:
-            return None
-        path = self._key_file(record.serve_id)
-        try:
-            key = path.read_text().strip()
-        except OSError as exc:
-            raise Failed(
-                f"model {record.name!r} needs its API key, and {path} cannot be read ({exc}); "
-                f"`swarm serve --stop {record.name}` and serve it again",
-                code="no_file",
-            ) from None
-        if key_digest(key) != record.api_key_sha256:
-            raise Failed(
-                f"model {record.name!r}: {path} holds another API key than the one it was "
-                f"served with; `swarm serve --stop {record.name}` and serve it again",
-                code="no_file",
-            )
-        return key
 
     # --- status and the local API -------------------------------------------------------------
 
@@ -250,8 +212,7 @@ class Serving:
                 self.ctx, serve_id, record.live_attempt, set(record.stage_nodes)
             )
         self._retry_at.pop(serve_id, None)
-        with contextlib.suppress(FileNotFoundError):
-            self._key_file(serve_id).unlink()
+        self.keys.remove(serve_id)
         out: dict[str, object] = {"model": name, "stopped": True}
         if record is not None:
             self.notes.add(ev.ServeStopped(serve_id=serve_id, at=self.wall()))
@@ -269,7 +230,7 @@ class Serving:
         except SchemaError as exc:
             raise UserError(str(exc), code="bad_field") from None
         serve_id = f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}"
-        served = await self._parse(request, serve_id)
+        served = await resolve_served(self.ctx, self.stage_host, request, serve_id)
         async with self._serving_lock:
             here, record = self._by_name(request.served_name)
             if record is not None and (here is None or here.client is None):
@@ -289,8 +250,7 @@ class Serving:
         try:
             plan, ends = await self._open(served)
             if served.request.api_key:  # before the table lists it: a restart needs the key
-                path = self._key_file(serve_id)
-                await asyncio.to_thread(write_atomic, path, served.request.api_key, mode=0o600)
+                await asyncio.to_thread(self.keys.write, serve_id, served.request.api_key)
         except BaseException:
             try:  # still listed while its workers stop: reap() would stop them unawaited
                 await self._teardown(served)
@@ -299,7 +259,7 @@ class Serving:
                 self._busy.pop(serve_id, None)
             raise
         self._busy.pop(serve_id, None)
-        bare = ServeRequest(**{**request.to_dict(), "api_key": None})
+        bare = dataclasses.replace(request, api_key=None)
         self.notes.add(
             ev.ServeRequested(
                 serve_id=serve_id,
@@ -336,98 +296,16 @@ class Serving:
             at=self.wall(),
         )
 
-    async def _parse(self, request: ServeRequest, serve_id: str) -> Served:
-        serve_ring.check_request(request)
-        model = request.model
-        trained = trained_entry(self.ctx.table, model)
-        model_arg = model
-        if trained is None and request.cwd and model != EMBEDDED and not os.path.isabs(model):
-            here = os.path.join(request.cwd, os.path.expanduser(model))
-            model_arg = os.path.abspath(here) if os.path.isdir(here) else model
-        dtype, quantization = request.dtype, request.quantization
-        if trained is not None:
-            dtype, quantization = trained_settings(trained, request.stages, dtype, quantization)
-        job = self.ctx.table.jobs.get(str(trained["job_id"])) if trained else None
-        # a Hub model, or a trained model's base this node lacks, is read from elsewhere
-        here = await self.stage_host.inputs.serve_model(
-            trained["base"] if trained else model_arg,
-            trained=job.inputs if job is not None else None,
-            local=lambda ref: resolve_model(ref, trained),
-        )
-        folder, shape = here.folder, here.shape
-        return Served(
-            request=request,
-            serve_id=serve_id,
-            folder=folder,
-            shape=shape,
-            dtype=dtype,
-            quantization=quantization,
-            trained=trained,
-            holders=[holders(st) for st in trained["manifest"]["stages"]] if trained else [],
-            embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
-            files=here.files,
-            local=here,
-        )
-
     # --- opening and closing a served model ----------------------------------------------------
 
     async def _open(self, served: Served) -> tuple[ServePlan, RingEnds]:
-        """Start the API and the first ring of ``served``: the ring's plan and ends."""
-        from swarmp2p.net import SecureContext
-        from swarmp2p.serve import ServedModel as ApiModel
-        from swarmp2p.serve import build_app
-        from swarmp2p.serve.api import ApiServer
-        from swarmp2p.serve.text import TextCodec
+        return await serve_ring.open_served(self.ctx, served, self._on_copy(served), STEP_TIMEOUT_S)
 
-        served.zmq = SecureContext()
-        codec_folder = served.local.codec if served.local is not None else served.folder
-        codec = await asyncio.to_thread(TextCodec.from_folder, codec_folder)
-        if served.files is None and os.path.isdir(served.folder):
-            from swarmp2p.node.serving.model_files import folder_listing
-
-            try:
-                served.files = await asyncio.to_thread(folder_listing, served.folder)
-            except (OSError, ValueError) as exc:
-                raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
-        plan, ends = await self._build(served)
-        client = ends.open_client(plan, step_timeout=STEP_TIMEOUT_S)
-        served.client = client
-        model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
-        req = served.request
-        served.api = ApiServer(build_app([model], api_key=req.api_key), req.host, req.port)
-        try:
-            served.url = await served.api.start_async()  # on this daemon's loop
-        except OSError as exc:
-            served.api = None
-            raise UserError(
-                f"port: cannot listen on {req.host}:{req.port}: {exc}", code="bad_field"
-            ) from None
-        return plan, ends
-
-    async def _build(self, served: Served) -> tuple[ServePlan, RingEnds]:
-        return await serve_ring.build(
-            self.ctx, served, lambda i, node: self.standby.note_copy(served, i, node)
-        )
+    def _on_copy(self, served: Served) -> Callable[[int, str], None]:
+        return lambda stage, node: self.standby.note_copy(served, stage, node)
 
     async def _teardown(self, served: Served) -> None:
-        if served.api is not None:
-            await served.api.close_async()
-            served.api = None
-        if served.client is not None:
-            await asyncio.to_thread(served.client.close)
-            served.client = None
-        if served.live_attempt:
-            nodes = set(served.live_nodes)
-            await serve_ring.stop_stages(self.ctx, served.serve_id, served.live_attempt, nodes)
-        for link in served.links:
-            link.close()
-        served.links = []
-        if served.zmq is not None:
-            from swarmp2p.net import stop_zero_copy_collector
-
-            stop_zero_copy_collector()
-            served.zmq.destroy(0)
-            served.zmq = None
+        await serve_ring.close_served(self.ctx, served)
 
     async def close(self) -> None:
         """This daemon stops: its rings and APIs close (the table keeps the models: the next
@@ -520,7 +398,7 @@ class Serving:
         what = what or (record.reason.split(" and the model cannot")[0] or "a stage was lost")
         old_attempt, old_nodes = served.live_attempt, set(served.live_nodes)
         try:
-            plan, ends = await self._build(served)
+            plan, ends = await serve_ring.build(self.ctx, served, self._on_copy(served))
         except (SwarmError, RuntimeError, OSError) as exc:
             reason = f"{what} and the model cannot be re-placed on the live nodes: {exc}"
             if record.state != "degraded" or record.reason != reason:
@@ -557,10 +435,9 @@ class Serving:
                 await serve_ring.stop_stages(
                     self.ctx, record.serve_id, action.stop_attempt, set(action.stop_nodes)
                 )
-            request = ServeRequest(
-                **{**record.request.to_dict(), "api_key": self._read_key(record)}
-            )
-            served = await self._parse(request, record.serve_id)
+            key = self.keys.read(record.serve_id, record.api_key_sha256, record.name)
+            request = dataclasses.replace(record.request, api_key=key)
+            served = await resolve_served(self.ctx, self.stage_host, request, record.serve_id)
             served.attempt = record.attempt
             self.live[record.serve_id] = served
             plan, ends = await self._open(served)
