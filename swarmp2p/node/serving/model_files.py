@@ -17,9 +17,12 @@ import re
 import struct
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmp2p.plan.inputs import MODEL_FILE as _MODEL_FILE
+
+if TYPE_CHECKING:
+    from swarmp2p.wire.messages import Message
 
 MODEL_FILE = re.compile(rf"^(?:{_MODEL_FILE.pattern})$")
 """The files of a model folder a stage loads or a tokenizer reads (``plan.inputs``)."""
@@ -30,6 +33,8 @@ _BLOCK_TENSOR = re.compile(r"\.\d+\.")
 """A tensor name with a numeric path component belongs to a block (``model.layers.3.…``)."""
 
 Reader = Callable[[str, int, int], Awaitable[tuple[bytes, int]]]
+FileListing = dict[str, list[int | str]]
+"""A model folder's files: ``{name: [bytes, sha256]}``."""
 """``read(file, offset, size) -> (data, total bytes of the file)``."""
 
 _hashes: dict[tuple[str, int, int], str] = {}
@@ -49,12 +54,12 @@ def sha256_file(path: Path) -> str:
     return _hashes[key]
 
 
-def folder_listing(folder: str | os.PathLike) -> dict[str, list[Any]]:
+def folder_listing(folder: str | os.PathLike) -> FileListing:
     """``{name: [bytes, sha256]}`` of the model files in ``folder`` (slow the first time: it
     hashes every weight file). The embedded model's completion marker supplies its hashes."""
     folder = Path(folder)
     marker = _marker(folder)
-    out: dict[str, list[Any]] = {}
+    out: FileListing = {}
     for path in sorted(folder.iterdir()):
         if not path.is_file() or not MODEL_FILE.match(path.name):
             continue
@@ -97,7 +102,7 @@ def matches(folder: str | os.PathLike, listing: Mapping[str, Any]) -> bool:
     return True
 
 
-def check_listing(listing: Any) -> dict[str, list[Any]]:
+def check_listing(listing: object) -> FileListing:
     """A listing from the wire, checked: safe names, sizes, hex digests; ValueError else."""
     if not isinstance(listing, dict) or "config.json" not in listing:
         raise ValueError("files: a model folder listing must be a map naming config.json")
@@ -110,7 +115,7 @@ def check_listing(listing: Any) -> dict[str, list[Any]]:
     return {k: list(v) for k, v in listing.items()}
 
 
-def _hex64(value: Any) -> bool:
+def _hex64(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
@@ -307,9 +312,9 @@ async def pull_non_block_tensors(read: Reader, file: str, dest: Path, chunk: int
 
 
 def rpc_reader(
-    call: Callable[[str, Any, float], Awaitable[Any]],
+    call: Callable[[str, Message, float], Awaitable[Message]],
     endpoint: str,
-    request: Callable[[str, int, int], Any],
+    request: Callable[[str, int, int], Message],
     timeout: float = CHUNK_TIMEOUT_S,
 ) -> Reader:
     """A Reader over the swarm's RPC: ``request(file, offset, size)`` is the message sent to

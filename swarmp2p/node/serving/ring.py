@@ -35,14 +35,13 @@ if TYPE_CHECKING:
     from swarmp2p.net import SecureContext, ZmqLink
     from swarmp2p.node.context import NodeContext
     from swarmp2p.node.serving.model import TrainedEntry
+    from swarmp2p.node.serving.model_files import FileListing
     from swarmp2p.node.table.served import ServedModel
     from swarmp2p.node.training.inputs import LocalModel
     from swarmp2p.plan.model_shape import ModelShape
     from swarmp2p.plan.quantization import QuantSpec
     from swarmp2p.serve.api import ApiServer
     from swarmp2p.serve.sessions import RingClient
-
-    FileListing = dict[str, list[int | str]]
 
 log = logging.getLogger("swarmp2p.node.serving.service")
 

@@ -32,8 +32,12 @@ from swarmp2p.serve.spec import serve_spec
 from swarmp2p.workers import WorkerProcess, exit_message
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.serving.model_files import Reader
     from swarmp2p.node.training.stages import StageHost
+    from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.serving.stages")
 
@@ -128,7 +132,9 @@ class ServeStages:
         found = self._issuers.get(serve_id)
         return found[0] if found is not None else None
 
-    def _authorize(self, msg: Any, sender: str) -> None:
+    def _authorize(
+        self, msg: ServeStageStart | ServeStageConnect | ServeStageStop, sender: str
+    ) -> None:
         """Only a serve id's issuing node, or the leader, commands its stages here (its
         issuer is the one this node recorded when it started the first of them)."""
         from swarmp2p.node.cluster import authz
@@ -139,7 +145,7 @@ class ServeStages:
         if why:
             raise UserError(why, code="forbidden")
 
-    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+    async def handle(self, msg: Message, sender: str | None = None) -> Message:
         """Answer ``msg`` from node ``sender`` (None: this node)."""
         sender = sender or self.ctx.node_id
         if isinstance(msg, (ServeStageStart, ServeStageConnect, ServeStageStop)):
@@ -217,7 +223,7 @@ class ServeStages:
     def _lock(self, key: str) -> asyncio.Lock:
         return self._pulls.setdefault(key, asyncio.Lock())
 
-    def _reader(self, node_id: str, read_msg: Any) -> Any:
+    def _reader(self, node_id: str, read_msg: Callable[[str, int, int], Message]) -> Reader:
         """A model_files Reader over RPC: ``read_msg(file, offset, size)`` is the request."""
         from swarmp2p.node.serving.model_files import rpc_reader
 
@@ -282,7 +288,7 @@ class ServeStages:
                 for n, sha in files.items()
             )
 
-        def job_reader(node: str, prefix: str) -> Any:
+        def job_reader(node: str, prefix: str) -> Reader:
             if node == self.ctx.node_id:
                 return model_files.local_reader(job_dir / prefix)
             return self._reader(
@@ -290,7 +296,9 @@ class ServeStages:
                 lambda f, o, n: ShardRead(job_id=job_id, file=f"{prefix}/{f}", offset=o, size=n),
             )
 
-        async def from_any(sources: list[str], what: str, fetch: Any) -> None:
+        async def from_any(
+            sources: list[str], what: str, fetch: Callable[[str], Awaitable[object]]
+        ) -> None:
             errors = []
             for node in sources:
                 if node == self.ctx.node_id and what == "shard":
