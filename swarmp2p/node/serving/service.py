@@ -234,9 +234,12 @@ class Serving:
         async with self._serving_lock:
             here, record = self._by_name(request.served_name)
             if record is not None and (here is None or here.client is None):
+                what = (
+                    "failed" if record.state == "failed" else "being served again after a restart"
+                )
                 raise UserError(
-                    f"model {record.name!r} is being served again after a restart "
-                    f"({record.reason or record.state}); `swarm serve --stop {record.name}` first",
+                    f"model {record.name!r} is {what} ({record.reason or record.state}); "
+                    f"`swarm serve --stop {record.name}` first",
                     code="exists",
                 )
             if here is not None:
