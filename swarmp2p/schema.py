@@ -8,7 +8,7 @@ job.json, worker and serve specs, wire messages and HTTP bodies all go through h
 
 What a hint may be: ``str``, ``int``, ``float``, ``bool``, ``bytes``; ``X | None`` and other
 unions (tried in order); ``Literal[...]``; ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``;
-``dict[str, X]``; another record (nested, with its own path); ``dict``, ``list`` or ``Any`` for
+``dict[str, X]`` (or a ``str`` with bounds as the key: ``dict[DeviceKey, X]``); another record (nested, with its own path); ``dict``, ``list`` or ``Any`` for
 plain nested data (bounded depth); or a class with ``from_data(value, path)`` and ``to_data()``
 for values with their own syntax (a compression spec that may be a string or a map).
 
@@ -356,7 +356,7 @@ def _fixed_tuple(items: list[Checker]) -> Checker:
     return check
 
 
-def _mapping(val: Checker, meta: Mapping[str, Any]) -> Checker:
+def _mapping(val: Checker, meta: Mapping[str, Any], key: Checker | None = None) -> Checker:
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
         if type(value) is not dict:
             errors.append(FieldError(path=path, message=f"must be an object, got {show(value)}"))
@@ -366,6 +366,8 @@ def _mapping(val: Checker, meta: Mapping[str, Any]) -> Checker:
             if type(k) is not str:
                 errors.append(FieldError(path=path, message=f"has a non-string key {show(k)}"))
                 return _BAD
+            if key is not None and key(k, path, errors) is _BAD:
+                return _BAD  # the key's own rule (``dict[DeviceKey, int]``), at the map's path
             out[k] = val(v, join(path, k), errors)
         return _BAD if any(v is _BAD for v in out.values()) else out
 
@@ -453,9 +455,11 @@ def checker(hint: Any, meta: Mapping[str, Any] | None = None, where: str = "") -
     if origin is tuple:
         return _fixed_tuple([checker(a, None, where) for a in args])
     if origin is dict or origin is Mapping:
-        if not args or args[0] is not str:
+        keyed = args and typing.get_origin(args[0]) is typing.Annotated
+        if not args or (args[0] is not str and not (keyed and typing.get_args(args[0])[0] is str)):
             raise TypeError(f"{where}: map fields need str keys, got {hint!r}")
-        return _mapping(checker(args[1], None, where), meta)
+        key = checker(args[0], None, where) if keyed else None
+        return _mapping(checker(args[1], None, where), meta, key)
     raise TypeError(f"{where}: unsupported field type {hint!r} for a record")
 
 

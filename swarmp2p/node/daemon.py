@@ -84,6 +84,7 @@ from swarmp2p.node.table.replication import Replication
 from swarmp2p.node.training import api as jobs_api
 from swarmp2p.node.training.leader import JobsLeader
 from swarmp2p.node.training.stages import StageHost
+from swarmp2p.schema import to_data
 from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")
@@ -120,7 +121,7 @@ class Daemon:
             env=env,
             capabilities=runtime_capabilities(),
         )
-        record["link_speed"] = speed_probe.link_speed([iface for iface, _ in chosen])
+        record = record.with_link_speed(speed_probe.link_speed([iface for iface, _ in chosen]))
         self.ctx = NodeContext(
             me=Identity(node_id=node_id, name=name, addresses=addresses, record=record, host=host),
             state=state,
@@ -514,10 +515,10 @@ class Daemon:
             "last_seen_s": 0.0,
             "key": ctx.key.fingerprint,
             "member": ctx.node_id in self.rep.table.member_ids,
-            "host": ctx.me.host,
+            "host": to_data(ctx.me.host),
             "devices": views.devices(ctx.me.record),
             "version": __version__,
-            "capabilities": list(ctx.me.record.get("capabilities", [])),
+            "capabilities": sorted(ctx.me.record.node.capabilities),
         }
         table = self.rep.table
         rows = views.peer_rows(
@@ -565,10 +566,12 @@ class Daemon:
     async def _measure_speeds(self, fresh: bool = False) -> dict[str, Any]:
         """Measure this node's speeds (cached per hardware and software version; ``fresh``:
         again) and advertise them: a new hello to every live peer."""
-        speeds, changed = await speed_probe.measure_node(
+        speeds = await speed_probe.measure_node(
             self.ctx.me.record, self.ctx.me.host, self._env, fresh=fresh, stop=self._probe_stop
         )
-        if changed:
+        record = self.ctx.me.record.with_speeds(speeds)  # the live one: memory moved meanwhile
+        if record != self.ctx.me.record:
+            self.ctx.set_record(record)
             log.info("measured speeds (FLOP/s): %s", speeds)
             self.ctx.spawn(self._advertise(), "advertise")
         return speeds

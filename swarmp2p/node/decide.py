@@ -16,11 +16,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmp2p.node.records import NO_HELD, NodeRecord, device_key
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.table.registry import model_entry, unique_model_id
 from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_holders
-from swarmp2p.plan import Blocked, Plan
+from swarmp2p.plan import Blocked, Node, Plan
+from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.workers import exit_message
 
@@ -114,24 +116,29 @@ def _learned(entry: JobEntry) -> bool:
     return plan is not None and any(b.compression.is_learned for b in plan.boundaries)
 
 
-def snapshot_layout(entry: JobEntry, alive: Iterable[str]) -> tuple[int, tuple[dict, ...]]:
-    """(step, the stages it was taken on: ``{"stage", "layers", "nodes"}`` with live holders)
-    of the newest snapshots the job can resume from; (0, ()) when there are none. Snapshots
-    of a re-split attempt that never took its own are the old stages' it was cut from."""
+def snapshot_layout(
+    entry: JobEntry, alive: Iterable[str]
+) -> tuple[int, tuple[ev.SnapshotSlice, ...]]:
+    """(step, the stages it was taken on, with their live holders) of the newest snapshots
+    the job can resume from; (0, ()) when there are none. Snapshots of a re-split attempt
+    that never took its own are the old stages' it was cut from."""
     live = set(alive)
     step = resume_step(entry, live) if entry.plan is not None else 0
     if step and entry.plan is not None:
         return step, tuple(
-            {
-                "stage": i,
-                "layers": list(s.layers),
-                "nodes": [h for h in snapshot_holders(entry, i, step) if h in live],
-            }
+            ev.SnapshotSlice(
+                stage=i,
+                layers=(s.layer_start, s.layer_end),
+                nodes=tuple(h for h in snapshot_holders(entry, i, step) if h in live),
+            )
             for i, s in enumerate(entry.plan.stages)
         )
     if entry.resplit and entry.resume_step:
-        layout = tuple({**r, "nodes": [n for n in r["nodes"] if n in live]} for r in entry.resplit)
-        if all(r["nodes"] for r in layout):
+        layout = tuple(
+            dataclasses.replace(r, nodes=tuple(n for n in r.nodes if n in live))
+            for r in entry.resplit
+        )
+        if all(r.nodes for r in layout):
             return entry.resume_step, layout
     return 0, ()
 
@@ -143,7 +150,7 @@ def plan_tries(entry: JobEntry, alive: Iterable[str]) -> list[PlanTry]:
     if entry.plan is None:
         return [PlanTry()]
     step, layout = snapshot_layout(entry, alive)
-    tries = [PlanTry(cuts=plan_cuts([r["layers"] for r in layout]))] if step else []
+    tries = [PlanTry(cuts=plan_cuts([r.layers for r in layout]))] if step else []
     if step and _learned(entry):
         return tries
     tries.append(PlanTry())
@@ -156,8 +163,8 @@ def placement(
     entry: JobEntry,
     result: Plan | Blocked,
     *,
-    cluster: Sequence[Mapping[str, Any]],
-    records: Sequence[Mapping[str, Any]],
+    cluster: Sequence[Node],
+    records: Sequence[NodeRecord],
     alive: Iterable[str],
     me: str,
     now: float,
@@ -177,14 +184,14 @@ def placement(
     tried = tried or PlanTry()
     step, layout = snapshot_layout(entry, alive) if entry.plan is not None else (0, ())
     new = plan_cuts([s.layers for s in result.stages])
-    same = step and new == plan_cuts([r["layers"] for r in layout]) and not entry.resplit
+    same = step and new == plan_cuts([r.layers for r in layout]) and not entry.resplit
     fixed = tried.cuts is not None or tried.any_count
     return [
         ev.JobPlaced(
             job_id=entry.job_id,
             attempt=entry.attempt + 1,
             plan=result,
-            cluster=tuple(dict(r) for r in cluster),
+            cluster=tuple(cluster),
             resume_step=step,
             placed_by=me,
             at=now,
@@ -195,14 +202,12 @@ def placement(
 
 
 def available_memory(
-    records: Sequence[Mapping[str, Any]], table: JobTable, exclude: str | None = None
-) -> list[dict[str, Any]]:
+    records: Sequence[NodeRecord], table: JobTable, exclude: str | None = None
+) -> list[NodeRecord]:
     """The live records with each device's ``memory_free`` less what is already promised
     there: the placed stages of every other active job (the table's, at once) and the served
     models' stages (each node's report). Live free memory already lacks what a loaded worker
     holds, so the smaller of the two counts, never their sum."""
-    from swarmp2p.node.hardware import device_key
-
     promised: dict[tuple[str, str], int] = {}
     for job_id, entry in table.jobs.items():
         if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
@@ -212,18 +217,15 @@ def available_memory(
             promised[key] = promised.get(key, 0) + int(stage.memory.peak)
     out = []
     for record in records:
-        rec = {k: v for k, v in record.items() if k != "held"}
-        serve = (record.get("held") or {}).get("serve") or {}
+        serve = record.held.serve
         devices = []
-        for d in record.get("devices", []):
+        for d in record.node.devices:
             key = device_key(d)
-            taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
-            total = int(d.get("memory_total") or 0)
-            devices.append(
-                {**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))}
-            )
-        rec["devices"] = devices
-        out.append(rec)
+            taken = promised.get((record.node_id, key), 0) + serve.get(key, 0)
+            free = max(0, min(d.memory_free, d.memory_total - taken))
+            devices.append(dataclasses.replace(d, memory_free=free))
+        node = dataclasses.replace(record.node, devices=tuple(devices))
+        out.append(dataclasses.replace(record, node=node, held=NO_HELD))
     return out
 
 
@@ -324,7 +326,7 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
     speeds: dict[str, dict[str, float]] = {}
     for stage, speed in zip(plan.stages, learned):
         if speed is not None:
-            speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
+            speeds.setdefault(stage.node_id, {})[device_key(stage.devices[0])] = speed
     return Rebalance(
         job_id=entry.job_id,
         attempt=entry.attempt,
@@ -346,32 +348,29 @@ def rebalance_step(entry: JobEntry, due: Rebalance, alive: Iterable[str]) -> int
     return step if step > due.step else 0
 
 
-def _device_key(torch_device: str) -> str:
-    return "cpu:0" if torch_device == "cpu" else torch_device
-
-
 def with_learned_speeds(
-    cluster: Sequence[Mapping[str, Any]], speeds: Mapping[str, Mapping[str, float]], dtype: str
-) -> list[dict[str, Any]]:
+    cluster: Sequence[Node], speeds: Mapping[str, Mapping[str, float]], dtype: str
+) -> list[Node]:
     """``cluster`` (node records) with the measured speeds in ``dtype`` in place of the probe's
     on the devices the run measured."""
     out = []
-    for record in cluster:
-        mine = speeds.get(record.get("node_id")) or {}
+    for node in cluster:
+        mine = speeds.get(node.node_id) or {}
         devices = []
-        for d in record.get("devices", []):
-            got = mine.get(f"{d.get('kind')}:{d.get('index')}")
+        for d in node.devices:
+            got = mine.get(device_key(d))
             if got:
-                d = {**d, "speed": {**(d.get("speed") or {}), dtype: got}}
+                speed = Speeds(sorted({**dict(d.speed), dtype: float(got)}.items()))
+                d = dataclasses.replace(d, speed=speed)
             devices.append(d)
-        out.append({**record, "devices": devices})
+        out.append(dataclasses.replace(node, devices=tuple(devices)))
     return out
 
 
-def learned_cluster(cluster: Sequence[Mapping[str, Any]], entry: JobEntry) -> list[dict[str, Any]]:
+def learned_cluster(cluster: Sequence[Node], entry: JobEntry) -> list[Node]:
     """``cluster`` with what ``entry``'s runs measured (none learned: unchanged)."""
     if not entry.learned or not entry.learned_dtype:
-        return [dict(r) for r in cluster]
+        return list(cluster)
     return with_learned_speeds(cluster, entry.learned, entry.learned_dtype)
 
 
@@ -559,22 +558,17 @@ PLAN_AGAIN_S = 30.0
 """A waiting job whose planning inputs did not change is planned again at most this often."""
 
 
-def placement_inputs(
-    entry: JobEntry, alive: Iterable[str], records: Sequence[Mapping[str, Any]]
-) -> tuple:
+def placement_inputs(entry: JobEntry, alive: Iterable[str], records: Sequence[NodeRecord]) -> tuple:
     """What a waiting job's placement depends on, coarsely: its own version, the live nodes,
     and each live device's free memory in GiB and free disk in GiB (a byte's change in free
     memory does not make a blocked job worth planning again)."""
     devices = tuple(
         (
-            r.get("node_id"),
-            int(r.get("disk_free") or 0) >> 30,
-            tuple(
-                (d.get("kind"), d.get("index"), int(d.get("memory_free") or 0) >> 30)
-                for d in r.get("devices", [])
-            ),
+            r.node_id,
+            r.node.disk_free >> 30,
+            tuple((d.kind, d.index, d.memory_free >> 30) for d in r.node.devices),
         )
-        for r in sorted(records, key=lambda r: str(r.get("node_id")))
+        for r in sorted(records, key=lambda r: r.node_id)
     )
     return (entry.version, entry.attempt, tuple(sorted(alive)), devices)
 

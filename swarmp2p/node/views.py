@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from swarmp2p.node.cluster.membership import Peer
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table.jobtable import JobEntry, JobTable
 from swarmp2p.schema import to_data
 
@@ -100,18 +102,27 @@ def find_entry(table: JobTable, key: str) -> JobEntry | None:
     return named[0] if len(named) == 1 else None
 
 
-def devices(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability", "speed")
+def devices(record: NodeRecord) -> list[dict[str, object]]:
+    """A node's devices as `swarm peers --json` lists them (``speed`` None: never measured)."""
     return [
-        {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
-        for d in record.get("devices", [])
+        {
+            "kind": d.kind,
+            "index": d.index,
+            "name": d.name,
+            "memory_total": d.memory_total,
+            "memory_free": d.memory_free,
+            "compute_capability": d.compute_capability,
+            "speed": d.speed.to_data() or None,
+            "fake": record.is_fake(d),
+        }
+        for d in record.node.devices
     ]
 
 
 def peer_rows(
     *,
-    me: Mapping[str, Any],
-    peers: Sequence[Any],
+    me: dict[str, object],
+    peers: Sequence[Peer],
     leader: str,
     now: float,
     skews: Mapping[str, float],
@@ -129,10 +140,10 @@ def peer_rows(
                 "is_leader": peer.alive and peer.node_id == leader,
                 "last_seen_s": round(now - peer.last_seen, 3),
                 "clock_skew_s": None if skew is None or not math.isfinite(skew) else round(skew, 4),
-                "host": peer.host,
+                "host": to_data(peer.host),
                 "devices": devices(peer.record),
-                "version": str(peer.record.get("version", "")) or getattr(peer, "software", ""),
-                "capabilities": list(peer.record.get("capabilities", [])),
+                "version": peer.record.node.version or peer.software,
+                "capabilities": sorted(peer.record.node.capabilities),
             }
         )
     return rows

@@ -26,8 +26,10 @@ from swarmp2p.node.messages import (
     TableEvents,
     TablePush,
 )
+from swarmp2p.node.records import Host, NodeRecord
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import JobTable
+from swarmp2p.plan import Node
 
 pytestmark = pytest.mark.slow
 
@@ -163,8 +165,8 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
         swarm_id=s["swarm_id"],
         control_port=9,
         addresses=["127.0.0.1"],
-        record={},
-        host={},
+        record=NodeRecord(node=Node(node_id="b", name="b", ram=0, disk_free=0, devices=())),
+        host=Host(),
         term=term,
         version=version,
     )

@@ -21,6 +21,8 @@ from swarmp2p._atomic import write_atomic
 from swarmp2p.net import RpcError
 from swarmp2p.node.cluster.election import check_node_id
 from swarmp2p.node.messages import NodeHello
+from swarmp2p.node.records import Host, NodeRecord
+from swarmp2p.plan import Node
 
 
 def _http(port: int, path: str, cookie: str | None = None) -> tuple[int, dict, bytes]:
@@ -75,8 +77,8 @@ def _hello(node_id: str) -> NodeHello:
         swarm_id="0" * 16,
         control_port=9,
         addresses=["127.0.0.1"],
-        record={},
-        host={},
+        record=NodeRecord(node=Node(node_id=node_id, name="m", ram=0, disk_free=0, devices=())),
+        host=Host(),
         term=0,
         version=0,
     )

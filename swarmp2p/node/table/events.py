@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from swarmp2p.net.security import KEY_PATTERN
-from swarmp2p.plan import Job, Plan
+from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
 
@@ -108,6 +108,21 @@ MEMBERSHIP_EVENTS = (MemberJoined, MemberLeft, MemberRemoved)
 # --- a training job's life -------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotSlice:
+    """One stage of the cuts a job's snapshots were taken on: its global blocks
+    ``[start, end)`` and the nodes holding its snapshot (a resplit attempt cuts its new
+    stages' slices from these)."""
+
+    stage: StageIndex
+    layers: tuple[int, int]
+    nodes: tuple[NodeId, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers {list(self.layers)} is not a block range [start, end)")
+
+
 @event("job_submitted")
 class JobSubmitted(Event):
     job_id: JobId
@@ -136,13 +151,13 @@ class JobPlaced(Event):
     job_id: JobId
     attempt: Attempt
     plan: Plan
-    cluster: tuple[dict, ...]
+    cluster: tuple[Node, ...]
     resume_step: int = field(default=0, ge=0)
     placed_by: NodeId
     at: float
-    resplit: tuple[dict, ...] = ()
-    """Resuming on new cuts: the old cuts' stages (``{"stage", "layers", "nodes"}``) whose
-    snapshots at ``resume_step`` each new stage's slice is cut from; empty otherwise."""
+    resplit: tuple[SnapshotSlice, ...] = ()
+    """Resuming on new cuts: the old cuts' stages whose snapshots at ``resume_step`` each new
+    stage's slice is cut from; empty otherwise."""
     cuts: tuple[int, ...] = ()
     """The cuts the plan was made with (every stage's node checks it with these); empty: the
     planner chose them from the job (a first placement)."""

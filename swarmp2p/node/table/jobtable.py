@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.table import events as ev
-from swarmp2p.plan import Job, Plan
+from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.worker_spec import reads_data
 from swarmp2p.schema import SchemaError, field, parse, to_data
@@ -95,7 +95,7 @@ class JobEntry:
     history: tuple[StateChange, ...] = ()
     attempt: int = field(default=0, ge=0)
     plan: Plan | None = None
-    cluster: tuple[dict, ...] = ()
+    cluster: tuple[Node, ...] = ()
     """The node records the current attempt was planned on (every stage's node checks)."""
     placed_by: str = ""
     resume_step: int = field(default=0, ge=0)
@@ -113,7 +113,7 @@ class JobEntry:
     """The registry entry, once the job completed (``swarm models``)."""
     inputs: JobInputs | None = None
     """The model's shape and where its files and data come from (the submitter's)."""
-    resplit: tuple[dict, ...] = ()
+    resplit: tuple[ev.SnapshotSlice, ...] = ()
     """The current attempt resumes on new cuts from these old stages' snapshots."""
     cuts: tuple[int, ...] = ()
     """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""

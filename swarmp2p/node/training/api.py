@@ -19,6 +19,7 @@ from swarmp2p.node.table import registry
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.stages import CHUNK_BYTES
 from swarmp2p.paths import UnsafeName, confine
+from swarmp2p.schema import to_data
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -90,8 +91,8 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         out = result.to_dict()
         if out.get("reason"):
             out["reason"] = jobs.blocked_note(out["reason"], records)
-        out["cluster"] = cluster  # the planner's inputs, as every assigned peer gets them
-        free = {r["node_id"]: r.get("disk_free", 0) for r in cluster}
+        out["cluster"] = to_data(cluster)  # the planner's inputs, as every assigned peer gets them
+        free = {n.node_id: n.disk_free for n in cluster}
         for s in out.get("stages", []):
             s["disk_free"] = free.get(s["node_id"], 0)
         return out

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
@@ -36,16 +36,17 @@ from swarmp2p.node.messages import (
     Submitted,
 )
 from swarmp2p.node.table import events as ev
-from swarmp2p.node.table.jobtable import FINAL_STATES
+from swarmp2p.node.table.jobtable import FINAL_STATES, JobEntry
 from swarmp2p.node.table.replication import check_job_id
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.metrics import MetricsStore
-from swarmp2p.plan import Blocked
+from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.workers import READY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
     from swarmp2p.node.table.replication import Replication
+    from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.jobs")
 
@@ -135,7 +136,7 @@ class JobsLeader:
             elif isinstance(action, decide.Register):
                 self._run(action.job_id, self._register(action.job_id))
 
-    def _run(self, key: str, coro: Any) -> None:
+    def _run(self, key: str, coro: Coroutine[object, object, None]) -> None:
         task = self.ctx.spawn(coro, f"job:{key}")
         self._busy[key] = task
         task.add_done_callback(lambda t: self._busy.pop(key, None))
@@ -210,7 +211,9 @@ class JobsLeader:
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
-    def _stage_start(self, entry: Any, attempt: int, i: int, nxt: str, prepare: bool) -> StageStart:
+    def _stage_start(
+        self, entry: JobEntry, attempt: int, i: int, nxt: str, prepare: bool
+    ) -> StageStart:
         assert entry.plan is not None
         resume = entry.resume_step
         return StageStart(
@@ -218,8 +221,8 @@ class JobsLeader:
             attempt=attempt,
             stage=i,
             job=entry.job,
-            cluster=list(entry.cluster),
-            plan=entry.plan.to_json(),
+            cluster=entry.cluster,
+            plan=entry.plan,
             next=nxt,
             resume_step=resume,
             snapshot_nodes=jobs.snapshot_holders(entry, i, resume)
@@ -228,7 +231,7 @@ class JobsLeader:
             leader=self.ctx.node_id,
             inputs=entry.inputs,
             prepare=prepare,
-            resplit=[dict(r) for r in entry.resplit] or None,
+            resplit=entry.resplit or None,
             cuts=list(entry.cuts) or None,
         )
 
@@ -272,8 +275,8 @@ class JobsLeader:
 
     @staticmethod
     def _plan(
-        entry: Any, cluster: list[dict[str, Any]], alive: frozenset[str]
-    ) -> tuple[Any, decide.PlanTry | None]:
+        entry: JobEntry, cluster: list[Node], alive: frozenset[str]
+    ) -> tuple[Plan | Blocked, decide.PlanTry | None]:
         """The first plan of ``decide.plan_tries`` that places the job (and how it was made),
         else the first Blocked. A plan made with any stage count is made again on its cuts:
         every stage's node checks it that way."""
@@ -472,9 +475,9 @@ class JobsLeader:
         self._weighed[job_id] = (entry.attempt, due.step + decide.REBALANCE_STEPS)
         self.ctx.spawn(self._weigh(job_id, due), f"balance:{job_id}")
 
-    def _measured_cluster(self, entry: Any, due: decide.Rebalance) -> list[dict[str, Any]]:
+    def _measured_cluster(self, entry: JobEntry, due: decide.Rebalance) -> list[Node]:
         """The records the attempt was planned on, with the speeds the run measured."""
-        return decide.with_learned_speeds(list(entry.cluster), due.speeds, due.dtype)
+        return decide.with_learned_speeds(entry.cluster, due.speeds, due.dtype)
 
     async def _weigh(self, job_id: str, due: decide.Rebalance) -> None:
         """Plan the job on the speeds its run measured; a different split waits for the next
@@ -614,7 +617,7 @@ class JobsLeader:
             return reply.metrics
         return {}
 
-    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+    async def handle(self, msg: Message, sender: str | None = None) -> Message:
         """The job requests the leader answers (``sender``: the node it came from)."""
         if isinstance(msg, Submit):
             if not self.ctx.leading:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,9 @@ from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.table.jobtable import JobTable
     from swarmp2p.plan import Plan, ServePlan
+    from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.stages")
 
@@ -58,11 +61,10 @@ def worker_env(
     2-core load (``bench/serve.py --only daemons``: spinning intra-op threads oversubscribe)."""
     env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        machines = {p.node_id: str(p.host.get("machine") or "") for p in ctx.members.alive_peers()}
-        machines[ctx.node_id] = str(ctx.me.host.get("machine") or "")
+        machines = {p.node_id: p.host.machine for p in ctx.members.alive_peers()}
+        machines[ctx.node_id] = ctx.me.host.machine
         here = jobs.stages_on_machine(plan, ctx.node_id, machines)  # they share its cores
-        cores = int(ctx.me.host.get("cpu_cores") or 1)
-        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
+        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(ctx.me.host.cpu_cores, here))
     return env
 
 
@@ -255,7 +257,7 @@ class StageHost:
             port=int(ready.get("port") or 0),
         )
 
-    def _link_keys(self, plan: Any, stage: int) -> dict[str, str]:
+    def _link_keys(self, plan: Plan, stage: int) -> dict[str, str]:
         """This node's key pair and the neighbouring stages' nodes' public keys: the stage's
         links admit only the members the plan puts next to it (issue 15)."""
 
@@ -311,14 +313,14 @@ class StageHost:
         from swarmp2p.node.training.corpus import run_module
 
         start, end = layers
-        n = len(json.loads(msg.plan)["stages"])
+        n = len(msg.plan.stages)
         first, last = msg.stage == 0, msg.stage == n - 1
         name = _snapshot_name(msg.resume_step)
         folder = self.job_dir(msg.job_id)
-        old_dir = snapshot_dir(folder, [r["layers"] for r in msg.resplit or []])
+        old_dir = snapshot_dir(folder, [r.layers for r in msg.resplit or ()])
         sources = []
-        for old in msg.resplit or []:
-            i, (a, b) = int(old["stage"]), (int(x) for x in old["layers"])
+        for old in msg.resplit or ():
+            i, (a, b) = old.stage, old.layers
             was_first, was_last = a == 0, b == n_layers
             if (
                 not (a < end and start < b)
@@ -330,7 +332,7 @@ class StageHost:
             if not dest.is_file():
                 file = str(dest.relative_to(folder))
                 await self._pull_from(
-                    msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest, limit
+                    msg, file, [n for n in old.nodes if n != self.ctx.node_id], dest, limit
                 )
             sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
         out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
@@ -483,7 +485,7 @@ class StageHost:
             log.info("stopping job %s attempt %d stage %d: the job moved on", *key)
             self.ctx.spawn(self.stop_job(key[0], key[1]), f"reap:{key[0]}")
 
-    async def handle(self, msg: Any) -> Any:
+    async def handle(self, msg: Message) -> Message:
         if isinstance(msg, StageStart):
             return await self.start_stage(msg)
         if isinstance(msg, StageStop):
@@ -505,7 +507,7 @@ class StageHost:
         self.workers.clear()
 
 
-def snapshot_dir(job_folder: Path, layers: list) -> Path:
+def snapshot_dir(job_folder: Path, layers: Sequence[Sequence[int]]) -> Path:
     """Where a job's snapshots taken on these cuts live: one folder per cuts, so a re-split
     attempt's snapshots never take the names of the old cuts' it is cut from."""
     cuts = [int(r[0]) for r in list(layers)[1:]]
@@ -530,7 +532,7 @@ def snapshot_limit(plan: Plan) -> int:
     return SNAPSHOT_SLACK + sum(s.memory.weights + s.memory.trainable_state for s in plan.stages)
 
 
-def listed_snapshot(table: Any, job_id: str, file: str) -> int:
+def listed_snapshot(table: JobTable, job_id: str, file: str) -> int:
     """Whether a peer may have this node pull ``file`` of job ``job_id`` (``job.file_pull``):
     the table must hold the job, ``file`` must name a snapshot and the table list that stage's
     snapshot at that step; the most bytes it may have (``snapshot_limit``). UserError naming

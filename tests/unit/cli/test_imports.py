@@ -40,6 +40,7 @@ DAEMON = {
     "swarmp2p.node.decide",
     "swarmp2p.node.table.events",
     "swarmp2p.node.hardware",
+    "swarmp2p.node.records",
     "swarmp2p.node.cluster.heartbeats",
     "swarmp2p.node.cluster.hellos",
     "swarmp2p.node.hub",

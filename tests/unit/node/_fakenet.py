@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import job
+from _tables import bare_record, job
 
 from swarmp2p.net.rpc import RpcTimeout
 from swarmp2p.net.security import NodeKey, SwarmSecret
@@ -39,6 +39,7 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
+from swarmp2p.node.records import Host
 from swarmp2p.node.state import StateDir
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable
@@ -90,8 +91,8 @@ class FakeContext(NodeContext):
                 node_id=node_id,
                 name=f"host-{node_id}",
                 addresses=("127.0.0.1",),
-                record={},
-                host={},
+                record=bare_record(node_id),
+                host=Host(),
             ),
             state=state,
             secret=SECRET,
@@ -154,7 +155,7 @@ class FakeNode:
                     node_id=other,
                     name=f"host-{other}",
                     endpoint=f"fake://{other}",
-                    record={},
+                    record=bare_record(other),
                     now=0.0,
                     held=held,
                 )

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table import registry
 from swarmp2p.node.training import jobs
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
+from swarmp2p.plan.hardware import Speeds
 from swarmp2p.workers import exit_message
 
 GIB = 1 << 30
 
 
 def _node(node_id, devices=None, caps=CAPABILITIES):
+    return NodeRecord.from_data(_node_data(node_id, devices, caps), "")
+
+
+def _node_data(node_id, devices=None, caps=CAPABILITIES):
     return {
         "node_id": node_id,
         "name": f"host-{node_id}",
@@ -99,19 +106,19 @@ def test_unknown_override_is_refused():
 
 def test_every_peer_recomputes_the_same_plan_and_refuses_a_different_one():
     cluster = jobs.cluster_records([_node("b"), _node("a")])
-    assert [r["node_id"] for r in cluster] == ["a", "b"]
+    assert [r.node_id for r in cluster] == ["a", "b"]
     plan = jobs.compute_plan(_canonical(), cluster)
     assert isinstance(plan, Plan)
     assert [s.node_id for s in plan.stages] == ["a", "b"]
-    again = jobs.check_plan(_canonical(), cluster, plan.to_json(), node_id="b")
+    again = jobs.check_plan(_canonical(), cluster, plan, node_id="b")
     assert again.to_json() == plan.to_json()
-    tampered = plan.to_json().replace('"layers":[0,', '"layers":[1,')
+    tampered = dataclasses.replace(plan, recompute=not plan.recompute)
     with pytest.raises(jobs.PlanMismatch, match="node b computes a different plan"):
         jobs.check_plan(_canonical(), cluster, tampered, node_id="b")
     # version skew: a peer whose software lacks a feature the leader's plan enables
     older = frozenset(CAPABILITIES - {"wire-v2"})
     with pytest.raises(jobs.PlanMismatch, match="same swarmp2p version"):
-        jobs.check_plan(_canonical(), cluster, plan.to_json(), node_id="b", capabilities=older)
+        jobs.check_plan(_canonical(), cluster, plan, node_id="b", capabilities=older)
 
 
 def test_features_need_every_assigned_peer():
@@ -125,7 +132,7 @@ def test_features_need_every_assigned_peer():
 
 def test_a_node_without_the_runtime_is_not_planned_on_and_is_named():
     records = [_node("a"), _node("b", caps=frozenset())]
-    assert [r["node_id"] for r in jobs.cluster_records(records)] == ["a"]
+    assert [r.node_id for r in jobs.cluster_records(records)] == ["a"]
     blocked = jobs.compute_plan(_canonical(), jobs.cluster_records(records))
     assert blocked.status == "blocked"
     reason = jobs.blocked_note(blocked.reason, records)
@@ -137,9 +144,10 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     job = _canonical({**JOB, "model": {**JOB["model"], "dtype": "float16"}})
     blocked = jobs.compute_plan(job, jobs.cluster_records([_node("a"), _node("b")]))
     assert blocked.status == "blocked" and "float16" in blocked.reason
-    gpu_node = _node("c", [_gpu(0, fake=True), _gpu(1, fake=True), _node("x")["devices"][0]])
+    gpu_node = _node("c", [_gpu(0, fake=True), _gpu(1, fake=True), _node_data("x")["devices"][0]])
+    assert gpu_node.fake == {"cuda:0", "cuda:1"}
     cluster = jobs.cluster_records([_node("a"), gpu_node])
-    assert all("fake" not in d for r in cluster for d in r["devices"])  # planner inputs
+    assert cluster[1] == gpu_node.node  # planner inputs: a fake GPU plans as real
     plan = jobs.compute_plan(job, cluster)
     assert isinstance(plan, Plan) and {s.node_id for s in plan.stages} == {"c"}
     stage = plan.stages[0]
@@ -388,9 +396,11 @@ def test_job_view_shows_each_stage_predicted_beside_measured():
     from swarmp2p.node.table import events as ev
     from swarmp2p.node.views import job_view
 
-    records = cluster("a", "b")
-    for r in records:
-        r["devices"][0]["speed"] = {"float32": 1e10}
+    speed = Speeds.from_data({"float32": 1e10}, "speed")
+    records = [
+        dataclasses.replace(r, devices=(dataclasses.replace(r.devices[0], speed=speed),))
+        for r in cluster("a", "b")
+    ]
     log = founded("a", "b")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
     planned = jobs.compute_plan(job(), records, shape=_shape())
