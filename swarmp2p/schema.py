@@ -34,6 +34,9 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
+Data = None | bool | int | float | str | bytes | list["Data"] | dict[str, "Data"]
+"""Plain data as JSON and msgpack hold it: what :func:`to_data` makes of a record."""
+
 INT_MIN = -(2**63)
 INT_MAX = 2**63 - 1
 """Every integer field fits a signed 64-bit value."""
@@ -616,6 +619,7 @@ __all__ = [
     "INT_MAX",
     "INT_MIN",
     "Bounds",
+    "Data",
     "FieldError",
     "SchemaError",
     "check_value",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from swarmp2p.node import api
+from swarmp2p.node import requests as rq
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir, pid_alive
 
@@ -151,7 +152,7 @@ def _running(state: StateDir) -> int | None:
     if pid is None:
         return None
     try:
-        api.request(state.api_socket, "status", timeout=2.0)
+        api.send(state.api_socket, rq.StatusRequest(), timeout=2.0)
     except api.ApiError:
         return None
     return pid
@@ -299,17 +300,19 @@ def _pair(code: str | None):
 
 def invite(state_dir: Path, minutes: float = 10) -> dict[str, Any]:
     """A one-time pairing code from the local daemon: ``{"code", "expires_in_s", ...}``."""
-    return api.request(StateDir(root=state_dir).api_socket, "invite", minutes=minutes)
+    return api.send(StateDir(root=state_dir).api_socket, rq.InviteRequest(minutes=minutes))
 
 
 def remove(state_dir: Path, node_id: str) -> dict[str, Any]:
     """`swarm remove NODE`: off the members, its key revoked everywhere."""
-    return api.request(StateDir(root=state_dir).api_socket, "remove", node_id=node_id, timeout=30.0)
+    return api.send(
+        StateDir(root=state_dir).api_socket, rq.RemoveRequest(node_id=node_id), timeout=30.0
+    )
 
 
 def rotate(state_dir: Path) -> SwarmSecret:
     """`swarm token --rotate`: a new secret for the whole swarm; the new one."""
-    api.request(StateDir(root=state_dir).api_socket, "rotate", timeout=30.0)
+    api.send(StateDir(root=state_dir).api_socket, rq.RotateRequest(), timeout=30.0)
     return token(state_dir)
 
 
@@ -343,7 +346,7 @@ def down(state_dir: Path) -> int:
     reboot names some other process, so it is removed and nothing is signalled."""
     state = StateDir(root=state_dir)
     try:
-        pid = api.request(state.api_socket, "down", timeout=5.0)["pid"]
+        pid = api.send(state.api_socket, rq.DownRequest(), timeout=5.0)["pid"]
     except api.ApiError as exc:
         pid, why = state.daemon_pid()
         if pid is None:
@@ -365,7 +368,7 @@ def down(state_dir: Path) -> int:
 
 
 def status(state_dir: Path) -> dict[str, Any]:
-    return api.request(StateDir(root=state_dir).api_socket, "status")
+    return api.send(StateDir(root=state_dir).api_socket, rq.StatusRequest())
 
 
 def _gib(n: int | None) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmp2p.node import api
+from swarmp2p.node import requests as rq
 from swarmp2p.node.state import StateDir
 
 
@@ -21,15 +22,13 @@ def submit_job(
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return api.request(
-                StateDir(root=state_dir).api_socket,
-                "submit",
+            req = rq.SubmitRequest(
                 job=job,
                 job_id=job_id,
                 submitted_by="cli",
                 cwd=os.getcwd(),  # relative model and data paths are the CLI's
-                timeout=timeout,
             )
+            return api.send(StateDir(root=state_dir).api_socket, req, timeout=timeout)
         except api.ApiError as exc:
             wait = exc.kind == "unavailable" and exc.code not in ("no_daemon", "no_quorum")
             if not wait or time.monotonic() > deadline:  # a partition does not heal in seconds
@@ -42,6 +41,10 @@ JOB_FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
     return api.request(StateDir(root=state_dir).api_socket, op, timeout=timeout, **fields)
+
+
+def _send(state_dir: Path, req: rq.ApiRequest, timeout: float = 10.0) -> Any:
+    return api.send(StateDir(root=state_dir).api_socket, req, timeout=timeout)
 
 
 def load_train_job(path: str, overrides: dict[str, Any]):
@@ -96,7 +99,7 @@ def json_depth(value: Any, stop: int) -> int:
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
     """The plan the leader would make now over the live nodes (each stage with its node's
     free disk beside its download share); nothing is submitted."""
-    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
+    return _send(state_dir, rq.LivePlanRequest(job=job.to_dict(), cwd=os.getcwd()))
 
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:
@@ -105,26 +108,23 @@ def submit_train(state_dir: Path, job) -> dict[str, Any]:
 
 
 def jobs(state_dir: Path) -> list[dict[str, Any]]:
-    return _api(state_dir, "jobs")
+    return _send(state_dir, rq.JobsRequest())
 
 
 def job(state_dir: Path, job_id: str) -> dict[str, Any]:
-    return _api(state_dir, "job", job_id=job_id)
+    return _send(state_dir, rq.JobRequest(job_id=job_id))
 
 
 def cancel_job(state_dir: Path, job_id: str) -> dict[str, Any]:
-    return _api(state_dir, "cancel", timeout=30.0, job_id=job_id)
+    return _send(state_dir, rq.CancelRequest(job_id=job_id), timeout=30.0)
 
 
 def job_logs(state_dir: Path, job_id: str, stage: int | None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"job_id": job_id}
-    if stage is not None:
-        fields["stage"] = stage
-    return _api(state_dir, "logs", timeout=30.0, **fields)
+    return _send(state_dir, rq.LogsRequest(job_id=job_id, stage=stage), timeout=30.0)
 
 
 def models(state_dir: Path) -> list[dict[str, Any]]:
-    return _api(state_dir, "models")
+    return _send(state_dir, rq.ModelsRequest())
 
 
 def export_model(
@@ -138,7 +138,7 @@ def export_model(
 
     out = Path(out).resolve()
     shards = out / ".shards"
-    got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
+    got = _send(state_dir, rq.ExportRequest(model=model_id, dest=str(shards)), timeout=600.0)
     from swarmp2p.runtime.torch.train.export import write_export
 
     done = write_export(

@@ -10,6 +10,7 @@ from typing import Any
 
 from swarmp2p import __version__
 from swarmp2p.node import api, hardware, views
+from swarmp2p.node.requests import BenchRequest
 from swarmp2p.node.speed_probe import PROBE_TIMEOUT_S, measure
 from swarmp2p.node.state import StateDir
 
@@ -20,7 +21,9 @@ def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, An
     for the next ``swarm up``."""
     env = os.environ if env is None else env
     try:
-        return api.request(StateDir(root=state_dir).api_socket, "bench", timeout=PROBE_TIMEOUT_S)
+        return api.send(
+            StateDir(root=state_dir).api_socket, BenchRequest(), timeout=PROBE_TIMEOUT_S
+        )
     except api.NoDaemon:
         pass
     record, host = hardware.probe(node_id="bench", name="bench", version=__version__, env=env)

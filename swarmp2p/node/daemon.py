@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p._ratelog import RateLimitedLog
@@ -46,6 +45,7 @@ from swarmp2p.net.discovery import (
 from swarmp2p.net.rpc import RpcError, RpcServer
 from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
 from swarmp2p.node import hardware, speed_probe, views
+from swarmp2p.node import requests as rq
 from swarmp2p.node.api import ApiServer
 from swarmp2p.node.cluster import api as members_api
 from swarmp2p.node.cluster import authz
@@ -84,7 +84,7 @@ from swarmp2p.node.table.replication import Replication
 from swarmp2p.node.training import api as jobs_api
 from swarmp2p.node.training.leader import JobsLeader
 from swarmp2p.node.training.stages import StageHost
-from swarmp2p.schema import to_data
+from swarmp2p.schema import Data, to_data
 from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")
@@ -501,7 +501,7 @@ class Daemon:
 
     # --- the local API -----------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Data]:
         """What `swarm status --json` prints."""
         ctx = self.ctx
         now = ctx.clock()
@@ -563,7 +563,7 @@ class Daemon:
             ],
         }
 
-    async def _measure_speeds(self, fresh: bool = False) -> dict[str, Any]:
+    async def _measure_speeds(self, fresh: bool = False) -> speed_probe.Speeds:
         """Measure this node's speeds (cached per hardware and software version; ``fresh``:
         again) and advertise them: a new hello to every live peer."""
         speeds = await speed_probe.measure_node(
@@ -589,7 +589,7 @@ class Daemon:
                 return
             await asyncio.sleep(0.05)
 
-    async def _api_bench(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_bench(self, req: rq.BenchRequest) -> dict[str, Data]:
         try:
             speeds = await self._measure_speeds(fresh=True)
         except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
@@ -600,11 +600,11 @@ class Daemon:
             "devices": views.devices(self.ctx.me.record),
         }
 
-    async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_down(self, req: rq.DownRequest) -> dict[str, Data]:
         asyncio.get_running_loop().call_soon(self.stop)
         return {"node_id": self.ctx.node_id, "pid": os.getpid()}
 
-    async def _api_status(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_status(self, req: rq.StatusRequest) -> dict[str, Data]:
         return self.status()
 
     async def _adopt_secret(self, secret: SwarmSecret) -> None:
@@ -621,7 +621,7 @@ class Daemon:
                 await self._discovery.update(self._advert())
         log.warning("swarm secret changed: swarm id %s (was %s)", secret.swarm_id, old.swarm_id)
 
-    async def _api_peers(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _api_peers(self, req: rq.PeersRequest) -> list[dict[str, Data]]:
         return self.status()["peers"]
 
 

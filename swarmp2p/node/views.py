@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from swarmp2p.node.cluster.membership import Peer
 from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table.jobtable import JobEntry, JobTable
-from swarmp2p.schema import to_data
+from swarmp2p.plan.result import PlannedTiming
+from swarmp2p.schema import Data, to_data
 
 
-def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def entry_json(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict[str, Data]:
     """One job as `swarm status --json` lists it: ``{"job_id", "state", "version", "record"}``."""
     data = to_data(entry)
     record = {k: v for k, v in data.items() if k not in ("job_id", "state", "version")}
@@ -30,7 +30,7 @@ def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dic
     }
 
 
-def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict[str, Data]:
     """`swarm jobs show ID --json`: one job's public shape."""
     plan = entry.plan
     timing = plan.timing if plan is not None else None
@@ -74,7 +74,9 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[
     }
 
 
-def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> dict[str, Any]:
+def _predicted_vs_measured(
+    timing: PlannedTiming | None, metrics: Mapping[str, Data], i: int
+) -> dict[str, Data]:
     """Stage i's predicted compute seconds per step (the plan's; None without a measured
     speed) beside the newest measured ones (forward + backward + optimizer) and its waits."""
     predicted = None
@@ -86,7 +88,7 @@ def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> d
     return {"predicted_s": predicted, "measured_s": measured, "wait_s": got.get("wait_s")}
 
 
-def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Data]]) -> list[dict[str, Data]]:
     """`swarm jobs --json`: every job, oldest first."""
     entries = sorted(
         table.jobs.values(), key=lambda e: (e.history[0].at if e.history else 0, e.job_id)
@@ -102,7 +104,7 @@ def find_entry(table: JobTable, key: str) -> JobEntry | None:
     return named[0] if len(named) == 1 else None
 
 
-def devices(record: NodeRecord) -> list[dict[str, object]]:
+def devices(record: NodeRecord) -> list[dict[str, Data]]:
     """A node's devices as `swarm peers --json` lists them (``speed`` None: never measured)."""
     return [
         {
@@ -121,12 +123,12 @@ def devices(record: NodeRecord) -> list[dict[str, object]]:
 
 def peer_rows(
     *,
-    me: dict[str, object],
+    me: dict[str, Data],
     peers: Sequence[Peer],
     leader: str,
     now: float,
     skews: Mapping[str, float],
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Data]]:
     """This node first, then every peer in its view, as `swarm peers --json` lists them."""
     rows = [me]
     for peer in sorted(peers, key=lambda p: p.node_id):

@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as _field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from swarmp2p.errors import Failed, Unavailable, UserError
 from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
@@ -54,7 +54,7 @@ from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, peer_ad
 from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
 from swarmp2p.node.cluster.words import WORDS
-from swarmp2p.schema import Bounds, field
+from swarmp2p.schema import Bounds, Data, field
 from swarmp2p.wire.messages import Message, message
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ class PairingPort:
     """A member's pairing port: open while it holds invites, keyed by its node key, admitting
     any client key (the SPAKE2 exchange inside is the authentication)."""
 
-    def __init__(self, ctx: NodeContext, host: str, on_change: Callable[[], Any]) -> None:
+    def __init__(self, ctx: NodeContext, host: str, on_change: Callable[[], object]) -> None:
         self.ctx, self.host = ctx, host
         self.invites = Invites(ctx.clock)
         self._on_change = on_change
@@ -360,7 +360,7 @@ class PairingPort:
         self._server: RpcServer | None = None
         self.port = 0
 
-    async def invite(self, ttl: float = INVITE_TTL_S) -> dict[str, Any]:
+    async def invite(self, ttl: float = INVITE_TTL_S) -> dict[str, Data]:
         invite = self.invites.create(ttl)
         await self._ensure()
         log.info("invite %s open for %.0f s", invite.nameplate, ttl)

@@ -8,12 +8,12 @@ replay are one code path. An event on the wire or on disk is ``{"event": NAME, *
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from swarmp2p.net.security import KEY_PATTERN
 from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
-from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
+from swarmp2p.schema import Bounds, Data, SchemaError, field, parse, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
 """Job ids, model ids, serve ids: one path component, never ``.`` or ``..`` (issue 15)."""
@@ -299,11 +299,11 @@ class Entry:
     event: Event
 
 
-def event_to_data(ev: Event) -> dict[str, Any]:
+def event_to_data(ev: Event) -> dict[str, Data]:
     return {"event": ev.NAME, **to_data(ev)}
 
 
-def event_from_data(data: Any, path: str = "event") -> Event:
+def event_from_data(data: Data, path: str = "event") -> Event:
     """An event from ``{"event": NAME, ...}``; SchemaError naming the bad field."""
     if not isinstance(data, dict) or data.get("event") not in EVENTS:
         name = data.get("event") if isinstance(data, dict) else None
@@ -312,11 +312,11 @@ def event_from_data(data: Any, path: str = "event") -> Event:
     return parse(EVENTS[data["event"]], fields, title=f"invalid {path} {data['event']}")
 
 
-def entry_to_data(entry: Entry) -> dict[str, Any]:
+def entry_to_data(entry: Entry) -> dict[str, Data]:
     return {"version": entry.version, "term": entry.term, "event": event_to_data(entry.event)}
 
 
-def entry_from_data(data: Any) -> Entry:
+def entry_from_data(data: Data) -> Entry:
     if not isinstance(data, dict) or set(data) != {"version", "term", "event"}:
         raise SchemaError("a table entry is {version, term, event}")
     version, term = data["version"], data["term"]

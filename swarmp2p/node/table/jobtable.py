@@ -19,14 +19,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.worker_spec import reads_data
-from swarmp2p.schema import SchemaError, field, parse, to_data
+from swarmp2p.schema import Data, SchemaError, field, parse, to_data
 
 log = logging.getLogger("swarmp2p.node.table.jobtable")
 
@@ -182,11 +182,11 @@ class JobTable:
         """How many voters make a majority (1 for a table with no members yet)."""
         return len(self.voters) // 2 + 1
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Data]:
         return to_data(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> JobTable:
+    def from_dict(cls, data: Data) -> JobTable:
         """A table from its JSON form; SchemaError naming the bad field."""
         return parse(cls, data, title="invalid job table")
 
@@ -433,16 +433,16 @@ def apply_model_registered(
 
 
 def apply_shard_copied(t: JobTable, e: ev.ShardCopied, entry: ev.Entry) -> dict[str, JobEntry]:
-    from swarmp2p.node.table.registry import add_copy
+    from swarmp2p.node.table.registry import ModelEntry, add_copy
 
     job = _job(t, e.job_id)
     if job.model is None:
         raise ValueError(f"job {e.job_id} registered no model")
-    updated = add_copy(job.model, e.stage, e.node_id)
+    updated = add_copy(cast(ModelEntry, job.model), e.stage, e.node_id)
     return {e.job_id: job if updated is None else replace(job, model=updated)}
 
 
-_APPLY: dict[type, Callable[..., Any]] = {
+_APPLY: dict[type, Callable[..., JobTable | dict[str, JobEntry]]] = {
     ev.LeaderElected: apply_leader_elected,
     ev.MemberJoined: apply_member_joined,
     ev.MemberLeft: apply_member_left,

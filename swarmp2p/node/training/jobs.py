@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from swarmp2p.errors import Failed
 from swarmp2p.node.records import NodeRecord
@@ -17,6 +16,7 @@ from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.worker_spec import LINK_TIMEOUT_S
+from swarmp2p.schema import Data
 
 OVERRIDES: dict[str, tuple[str, ...]] = {
     "pretrained": ("model", "pretrained"),
@@ -40,7 +40,7 @@ class PlanMismatch(Failed):
     default_code = "plan_mismatch"
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def apply_overrides(data: Data, overrides: Mapping[str, Data]) -> Data:
     """``data`` (decoded job.json) with the flags in ``overrides`` (None: not given) set."""
     out = copy.deepcopy(dict(data)) if isinstance(data, Mapping) else data
     if not isinstance(out, dict):

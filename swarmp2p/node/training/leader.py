@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.net.rpc import ByteBudget, RpcError
@@ -41,6 +41,7 @@ from swarmp2p.node.table.replication import check_job_id
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked, Node, Plan
+from swarmp2p.schema import Data
 from swarmp2p.workers import READY_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -382,7 +383,7 @@ class JobsLeader:
             replicas=self.rep.holders(version),
         )
 
-    async def cancel(self, job_id: str) -> dict[str, Any]:
+    async def cancel(self, job_id: str) -> dict[str, Data]:
         """Leader (a follower forwards): stop the job's workers, mark it CANCELLED."""
         if not self.ctx.leading:
             await self.ctx.to_leader(JobCancel(job_id=job_id), STOP_TIMEOUT_S * 3)
@@ -604,7 +605,7 @@ class JobsLeader:
         )
         return JobAck(job_id=msg.job_id)
 
-    async def job_metrics(self, job_id: str) -> dict[str, Any]:
+    async def job_metrics(self, job_id: str) -> dict[str, Data]:
         """The job's metrics from the leader (this node, or asked)."""
         if self.ctx.leading:
             return self.metrics.get(job_id)

@@ -22,6 +22,7 @@ CLIENT = {
     "swarmp2p.node",
     "swarmp2p.node.cluster",
     "swarmp2p.node.api",
+    "swarmp2p.node.requests",
     "swarmp2p.node.config",
     "swarmp2p.client.control",
     "swarmp2p.node.cluster.election",
