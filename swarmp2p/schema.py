@@ -543,6 +543,22 @@ def _parse_record(cls: type, data: Any, path: str, errors: list[FieldError]) -> 
 
 
 _R = typing.TypeVar("_R")
+_C = typing.TypeVar("_C", bound=type)
+
+
+def registered(registry: dict[str, type], name: str, *, attr: str, what: str) -> Callable[[_C], _C]:
+    """Class decorator: ``cls`` made a frozen kw_only slots record, its ``attr`` set to
+    ``name`` and registered in ``registry`` (table events by name, API requests by op)."""
+
+    def register(cls: _C) -> _C:
+        cls = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
+        if name in registry:
+            raise ValueError(f"{what} {name!r} is registered twice")
+        setattr(cls, attr, name)
+        registry[name] = cls
+        return cls
+
+    return register
 
 
 def parse(cls: type[_R], data: Any, *, title: str | None = None) -> _R:
@@ -629,6 +645,7 @@ __all__ = [
     "join",
     "parse",
     "plain",
+    "registered",
     "show",
     "to_data",
 ]

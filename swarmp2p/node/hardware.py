@@ -92,16 +92,7 @@ def _parse_fake_json(text: str) -> list[DeviceData]:
         where = f"{FAKE_DEVICES_ENV}[{index}]"
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object, got {type(item).__name__}")
-        unknown = set(item) - {
-            "kind",
-            "index",
-            "name",
-            "memory_total",
-            "memory_free",
-            "compute_capability",
-            "fake",
-            "speed",
-        }
+        unknown = set(item) - set(DeviceData.__annotations__)
         if unknown:
             raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}")
         kind = item.get("kind", "cuda")

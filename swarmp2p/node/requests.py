@@ -9,10 +9,9 @@ Standard library only: ``swarm status`` imports this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
-from swarmp2p.schema import SchemaError, field, parse
+from swarmp2p.schema import SchemaError, field, parse, registered
 
 MAX_PATH = 4096
 
@@ -26,21 +25,10 @@ class ApiRequest:
 REQUESTS: dict[str, type[ApiRequest]] = {}
 """op -> its request record."""
 
-_R = TypeVar("_R", bound=type[ApiRequest])
-
 
 def request(op: str):
     """Class decorator: a frozen record registered as the request of local API op ``op``."""
-
-    def register(cls: _R) -> _R:
-        cls = dataclass(frozen=True, kw_only=True, slots=True)(cls)
-        if op in REQUESTS:
-            raise ValueError(f"local API op {op!r} has two request records")
-        cls.OP = op
-        REQUESTS[op] = cls
-        return cls
-
-    return register
+    return registered(REQUESTS, op, attr="OP", what="local API op")
 
 
 @request("status")

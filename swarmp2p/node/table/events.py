@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 from swarmp2p.net.security import KEY_PATTERN
 from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
-from swarmp2p.schema import Bounds, Data, SchemaError, field, parse, to_data
+from swarmp2p.schema import Bounds, Data, SchemaError, field, parse, registered, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
 """Job ids, model ids, serve ids: one path component, never ``.`` or ``..`` (issue 15)."""
@@ -40,16 +40,7 @@ EVENTS: dict[str, type[Event]] = {}
 
 def event(name: str):
     """Class decorator: a frozen record registered as table event ``name``."""
-
-    def register(cls):
-        cls = dataclass(frozen=True, kw_only=True, slots=True)(cls)
-        if name in EVENTS:
-            raise ValueError(f"table event {name!r} is registered twice")
-        cls.NAME = name
-        EVENTS[name] = cls
-        return cls
-
-    return register
+    return registered(EVENTS, name, attr="NAME", what="table event")
 
 
 # --- the swarm -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -16,6 +17,7 @@ from swarmp2p.node.hardware import (
     summary,
 )
 from swarmp2p.node.records import NO_HELD, Held, MemoryReport, NodeRecord
+from swarmp2p.plan.hardware import Device
 from swarmp2p.schema import to_data
 
 
@@ -103,15 +105,7 @@ NODE_KEYS = {
     "devices",
     "link_speed",
 }
-DEVICE_KEYS = {
-    "kind",
-    "index",
-    "name",
-    "memory_total",
-    "memory_free",
-    "compute_capability",
-    "speed",
-}
+DEVICE_KEYS = {f.name for f in dataclasses.fields(Device)}  # the planner's device record
 
 
 def test_real_probe_on_this_machine_without_nvml():
