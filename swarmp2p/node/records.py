@@ -23,8 +23,8 @@ from swarmp2p.plan.hardware import Device, Node, Speeds
 from swarmp2p.schema import Bounds, FieldError, SchemaError, field, parse, replace_errors, show
 
 Bytes = Annotated[int, Bounds(ge=0)]
-DeviceKey = Annotated[str, Bounds(pattern=r"(cuda|cpu|mps):\d{1,4}")]
-"""``cuda:0``, ``cpu:0``: a device of a node record."""
+DeviceKey = Annotated[str, Bounds(pattern=r"(cuda|cpu|mps)(:\d{1,4})?")]
+"""``cuda:0``, ``cpu:0``: a device of a node record (a plan's bare ``cuda`` keys as it is)."""
 
 
 def device_key(device: Device | str) -> str:

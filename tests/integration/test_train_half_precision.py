@@ -323,7 +323,8 @@ def test_an_injected_nan_fails_the_job_naming_the_stage(model, token, tmp_path, 
 # --- the specs a daemon builds --------------------------------------------------------------------------
 
 
-def _node(node_id: str, device: str, capability: str) -> dict:
+def _node(node_id: str, device: str, capability: str):
+    from swarmp2p.node.records import NodeRecord
     from swarmp2p.plan import CAPABILITIES
 
     gpu = {
@@ -335,7 +336,7 @@ def _node(node_id: str, device: str, capability: str) -> dict:
         "compute_capability": capability,
         "fake": True,
     }
-    return {
+    data = {
         "node_id": node_id,
         "name": f"host-{node_id}",
         "ram": 16 * GIB,
@@ -344,6 +345,7 @@ def _node(node_id: str, device: str, capability: str) -> dict:
         "version": "0",
         "devices": [gpu],
     }
+    return NodeRecord.from_data(data, "")  # as its hello carries it: the fake GPU marked
 
 
 @pytest.mark.parametrize(

@@ -452,7 +452,7 @@ class StageHost:
 
     def held(self) -> dict[str, int]:
         """Bytes this node's stage workers hold per device (their plans' peaks)."""
-        from swarmp2p.node.hardware import device_key
+        from swarmp2p.node.records import device_key
 
         out: dict[str, int] = {}
         for job_id, attempt, stage in self.workers:
