@@ -203,9 +203,21 @@ def up(
     state = StateDir(root=config.state_dir).ensure()
     pid = _running(state)
     if pid is not None:
-        raise ValueError(
-            f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` first"
-        )
+        if code is not None or token_text or new or foreground:
+            raise UserError(
+                f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` "
+                "first to start it again or to join another swarm",
+                code="exists",
+            )
+        status = api.request(state.api_socket, "status", timeout=5.0)
+        return {
+            "status": status,
+            "created": False,
+            "join": join_command(),
+            "paired": None,
+            "already": pid,
+        }
+    _check_ports(config)
     if code is not None and (token_text or new):
         raise ValueError("--code joins with a pairing code: give no token and no --new with it")
     paired = None
@@ -271,7 +283,13 @@ def up(
         if proc.poll() is None:
             proc.terminate()
             proc.wait(5)
-        raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
+        tail = _log_tail(state)
+        cause = [
+            line.split(CANNOT_START, 1)[1] for line in tail.splitlines() if CANNOT_START in line
+        ]
+        if cause:  # the daemon named a cause the user can fix (a port in use...)
+            raise UserError(f"the swarm daemon did not start: {cause[-1]}") from None
+        raise api.ApiError(f"{exc}; last log lines:\n{tail}") from None
     join = join_command()
     if created and config.mdns:
         try:
@@ -326,6 +344,25 @@ def _preflight(config: NodeConfig) -> None:
         parse_fake_devices(os.environ[FAKE_DEVICES_ENV])
     if config.node_id is not None:
         check_node_id(config.node_id)
+
+
+CANNOT_START = "cannot start: "
+"""What the daemon logs before a cause the user can fix (``Daemon.run``)."""
+
+
+def _check_ports(config: NodeConfig) -> None:
+    """UserError naming the port, what it is for and the flag that moves it, when another
+    process listens on the control port or the join port (checked again at the bind)."""
+    from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
+    from swarmp2p.node.config import check_port_free
+
+    if not config.port:
+        return
+    chosen = select_interfaces(list_interfaces(), config.interface)
+    host = chosen[0][1] if config.interface and chosen else "0.0.0.0"
+    check_port_free(host, config.port, "control")
+    check_port_free(host, config.port + JOIN_PORT_OFFSET, "join")
 
 
 def _log_tail(state: StateDir, lines: int = 15) -> str:
