@@ -422,14 +422,8 @@ def models(as_json, state_dir) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
-    for m in rows:
-        ev = m["manifest"]["evaluation"].get("trained", {})
-        loss = ev.get("loss")
-        click.echo(
-            f"{m['id']}  job {m['job_id']}  base {m['base']}  "
-            f"{len(m['manifest']['stages'])} stage(s)  "
-            + (f"trained loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
-        )
+    if rows:
+        click.echo(job_commands.format_models(rows))
 
 
 @main.command("export")

@@ -410,8 +410,8 @@ def _gib(n: int | None) -> str:
 
 
 def format_peers(peers: list[dict[str, Any]]) -> str:
-    """A plain text table of peers (KEY: each one's public key fingerprint; a trailing ``?``
-    marks a node that joined but is not listed as a member yet)."""
+    """A plain text table of peers (KEY: each one's public key fingerprint; ``(joining)``
+    after it marks a node that joined but is not listed as a member yet)."""
     rows = [("NODE", "NAME", "ADDRESS", "ALIVE", "LEADER", "KEY", "DEVICES")]
     for p in peers:
         devices = ", ".join(
@@ -427,7 +427,7 @@ def format_peers(peers: list[dict[str, Any]]) -> str:
                 p["address"],
                 "yes" if p["alive"] else "NO",
                 "*" if p["is_leader"] else "",
-                (p.get("key") or "-") + ("" if p.get("member", True) else "?"),
+                (p.get("key") or "-") + ("" if p.get("member", True) else " (joining)"),
                 devices,
             )
         )
@@ -450,6 +450,32 @@ def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
     return out
 
 
+UNFINISHED = ("pending", "placed", "running", "resuming")
+"""The job states `swarm status` lists one line each (finished ones: `swarm jobs`)."""
+
+
+def _job_lines(jobs: list[dict[str, Any]]) -> list[str]:
+    """A line per unfinished job (state, step, last training loss), then how many finished."""
+    lines, finished = [], 0
+    for j in jobs:
+        if j.get("state") not in UNFINISHED:
+            finished += 1
+            continue
+        r = j.get("record") or {}
+        metrics = r.get("metrics") or {}
+        steps = ((r.get("job") or {}).get("train") or {}).get("steps")
+        step = max(r.get("step") or 0, metrics.get("step") or 0)
+        loss = metrics.get("loss", r.get("loss"))
+        name = f" ({r['name']})" if r.get("name") else ""
+        lines.append(
+            f"job     {j['job_id']}{name} {j['state'].upper()}, step {step}/{steps or '?'}"
+            + (f", training loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        )
+    if finished:
+        lines.append(f"jobs    {finished} finished (`swarm jobs` lists them)")
+    return lines
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"node    {s['node_id']} ({s['name']}), port {s['port']}, key {s.get('key', '-')}",
@@ -463,6 +489,7 @@ def format_status(s: dict[str, Any]) -> str:
         + ("" if s.get("leader_ready") or s["leader"] != s["node_id"] else " (taking over)"),
         f"table   term {s['term']}, version {s['table_version']}, {len(s['jobs'])} job(s)",
         *_quorum_lines(s.get("quorum")),
+        *_job_lines(s["jobs"]),
         "",
         format_peers(s["peers"]),
     ]
