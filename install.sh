@@ -46,6 +46,17 @@ has_nvidia() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null
 install_torch() {
   local have
   have=$("$@" show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
+  if [ -n "$have" ] && [ "${have%%+*}" = "$TORCH_VERSION" ] && ! has_nvidia \
+      && "$1" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
+    # A CUDA build (from plain PyPI) on a machine without an NVIDIA GPU: gigabytes of CUDA
+    # libraries it never uses. Swap it for the CPU build and remove what it brought.
+    local cuda
+    cuda=$("$@" list --format=freeze 2>/dev/null | sed -n 's/^\(nvidia-[^=]*\|triton\)==.*/\1/p' | tr '\n' ' ')
+    say "torch $have is a CUDA build on a machine without an NVIDIA GPU: replacing it with the CPU build (removing torch ${cuda:-and nothing else})"
+    # shellcheck disable=SC2086
+    "$@" uninstall -q -y torch $cuda
+    have=""
+  fi
   if [ -n "$have" ] && [ "${have%%+*}" = "$TORCH_VERSION" ]; then
     say "torch $have already installed"
   elif has_nvidia; then
