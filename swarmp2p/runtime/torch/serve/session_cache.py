@@ -121,8 +121,16 @@ class SessionBatch:
                 f"a padded prefill of {self._counts} tokens per row is {max(self._counts)} "
                 f"wide, not {new_tokens}"
             )
-        if self.rows > 1 and new_tokens != 1 and self._counts is None:
-            raise ValueError(f"a batch of {self.rows} rows steps one token each, not {new_tokens}")
+        if (
+            self.rows > 1
+            and new_tokens != 1
+            and self._counts is None
+            and (self.conv or self.recurrent)
+        ):
+            raise ValueError(
+                f"a batch of {self.rows} rows with recurrent blocks steps one token each, not "
+                f"{new_tokens}"
+            )
         need = max(self.lengths) + new_tokens
         if need > self.max_context:
             raise ValueError(f"{need} tokens is over max_context {self.max_context}")
@@ -132,9 +140,9 @@ class SessionBatch:
         self._view = need
         starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
         self.position_ids = starts[:, None] + torch.arange(new_tokens, device=device)[None, :]
-        if self.rows > 1 and new_tokens == 1:
-            self._rows = torch.arange(self.rows, device=device)
-            self._cols = starts
+        if self.rows > 1 and self._counts is None:  # each row writes at its own positions
+            self._rows = torch.arange(self.rows, device=device)[:, None].expand(-1, new_tokens)
+            self._cols = self.position_ids
 
     def commit(self) -> None:
         """The forward ran: every row holds its new tokens (a padded prefill's rows: their
@@ -145,6 +153,20 @@ class SessionBatch:
             self.lengths = [n + self._new for n in self.lengths]
         self._new = 0
         self._counts = None
+
+    def rollback(self, row: int, length: int) -> None:
+        """Row ``row`` holds its first ``length`` tokens only (a speculative step's rejected
+        drafts leave it): their keys and values stay where they are, hidden by the masks
+        (positions past the row's length) and overwritten by the row's next tokens. Refused
+        for a stage with recurrent blocks, whose state has taken the tokens in for good."""
+        if self.conv or self.recurrent:
+            raise ValueError(
+                "a recurrent (linear-attention) block cannot take tokens back: speculative "
+                "decoding is off for this model"
+            )
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} tokens, not {length} or more")
+        self.lengths[row] = length
 
     def mask(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The attention mask of this forward for blocks of ``layer_type``: None where nothing
@@ -200,12 +222,12 @@ class SessionBatch:
             start = self.lengths[0]
             keys[0, :, start : start + self._new] = key_states[0]
             values[0, :, start : start + self._new] = value_states[0]
-        elif self._new > 1:  # a padded prefill: every row starts empty
+        elif self._counts is not None:  # a padded prefill: every row starts empty
             keys[:, :, : self._new] = key_states
             values[:, :, : self._new] = value_states
-        else:  # one new token per row, each at its own position
-            keys[self._rows, :, self._cols] = key_states[:, :, 0]
-            values[self._rows, :, self._cols] = value_states[:, :, 0]
+        else:  # new tokens per row (one a decode step, k + 1 a verification), at its positions
+            keys[self._rows, :, self._cols] = key_states.transpose(1, 2)
+            values[self._rows, :, self._cols] = value_states.transpose(1, 2)
         return keys[:, :, : self._view], values[:, :, : self._view]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
