@@ -97,7 +97,7 @@ def _dispatcher_points(raw: Mapping[str, Any]) -> list[Any]:
         else:
             items.append(row)  # counted as bad
     step = raw.get("step")
-    if _count(step) and step > 0:
+    if (_count(step) or 0) > 0:
         newest = {"step": step, "loss": raw.get("loss"), "tokens_per_s": raw.get("tokens_per_s")}
         same = [p for p in items if isinstance(p, dict) and p.get("step") == step]
         if same:  # the newest row lacks throughput: take it from the newest step's fields
@@ -232,7 +232,7 @@ def sessions_view(raw: Any) -> dict[str, int] | None:
     if not isinstance(raw, Mapping):
         return None
     view = {k: _count(raw.get(k)) for k in ("active", "max", "queued")}
-    return view if all(v is not None for v in view.values()) else None  # type: ignore[return-value]
+    return view if all(v is not None for v in view.values()) else None
 
 
 def _served(model: str, **fields: Any) -> dict[str, Any]:
