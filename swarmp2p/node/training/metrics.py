@@ -12,7 +12,8 @@ import copy
 from typing import Any
 
 CURVE_POINTS = 500
-"""Loss points kept per job: the newest ones, as ``[attempt, step, loss]``."""
+"""Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``
+(``step`` from 0, as the workers count; the dashboard draws throughput from them too)."""
 COMPUTE_STEPS = 40
 """Steps of per-stage compute seconds kept per job (the re-balance trigger reads them)."""
 WARMUP_STEPS = 2
@@ -43,15 +44,15 @@ def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, ev
     _fold_compute(metrics, attempt, stage, event)
     if stage == n_stages - 1:
         _fold_steady(metrics, attempt, event)
-        loss = _float(event.get("loss"))
+        loss, tokens_per_s = _float(event.get("loss")), _float(event.get("tokens_per_s"))
         metrics.update(
             step=event["step"] + 1,
             loss=loss,
-            tokens_per_s=_float(event.get("tokens_per_s")),
+            tokens_per_s=tokens_per_s,
             step_s=_float(event.get("step_s")),
         )
         losses = metrics.setdefault("losses", [])
-        losses.append([attempt, event["step"], loss])
+        losses.append([attempt, event["step"], loss, tokens_per_s])
         del losses[:-CURVE_POINTS]
 
 

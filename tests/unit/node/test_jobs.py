@@ -173,7 +173,7 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     }
     store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "act_bytes": 0}])
     last = store.get("j")
-    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5]]
+    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5, 100.0]]
     assert last["boundaries"]["1"]["grad_mb_s"] == 4.0
     store.fold(
         "j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)]
