@@ -13,7 +13,7 @@
 # and runs bench/gpu.py --dry-run (the CPU, float32, tiny sizes) writing its docs section into
 # a copy of docs/benchmarks.md. Files written (8 at most, what the device tool brings back):
 # env.txt, pip.log, pytest.log, pytest.xml, bench.log, bench.json, benchmarks.md, summary.txt.
-# Each step's time limit: GPU_CHECK_PYTEST_S (300), GPU_CHECK_BENCH_S (150).
+# Each step's time limit: GPU_CHECK_PYTEST_S (300), GPU_CHECK_BENCH_S (150; 600 dry: CPU daemons).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -33,6 +33,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failed=0
 started=$SECONDS
+exec 3>&1
 
 step() {  # NAME SECONDS-LIMIT COMMAND...: run, time, record ok/FAILED in the summary
     local name=$1 limit=$2 t0=$SECONDS rc
@@ -40,7 +41,8 @@ step() {  # NAME SECONDS-LIMIT COMMAND...: run, time, record ok/FAILED in the su
     if [ "$limit" = 0 ]; then "$@"; else timeout --kill-after=10 "$limit" "$@"; fi  # 0: a function
     rc=$?
     local line="$name: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc$([ $rc = 124 ] && echo ", past ${limit} s"))") in $((SECONDS - t0)) s"
-    echo "$line" | tee -a "$SUMMARY"
+    echo "$line" >>"$SUMMARY"
+    echo "$line" >&3  # past the step's own redirection
     [ $rc = 0 ] || failed=1
     return $rc
 }
@@ -113,7 +115,7 @@ fi
 cp docs/benchmarks.md "$DEST/benchmarks.md"
 bench_args=(--docs "$DEST/benchmarks.md")
 [ $DRY = 1 ] && bench_args=(--dry-run "${bench_args[@]}")
-step bench "${GPU_CHECK_BENCH_S:-150}" "$PY" bench/gpu.py "${bench_args[@]}" >"$DEST/bench.log" 2>&1
+step bench "${GPU_CHECK_BENCH_S:-$([ $DRY = 1 ] && echo 600 || echo 150)}" "$PY" bench/gpu.py "${bench_args[@]}" >"$DEST/bench.log" 2>&1
 tail -1 "$DEST/bench.log" >"$DEST/bench.json"
 grep -v '^{' "$DEST/bench.log" | grep '^|\|^#' | head -40
 if ! "$PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$DEST/bench.json" 2>/dev/null ||

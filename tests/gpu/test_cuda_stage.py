@@ -74,3 +74,51 @@ def test_slice_loading_puts_only_the_stage_on_the_card(tmp_path):
     assert abs(peak - price) <= 0.15 * price, f"peak {peak} B vs priced {price} B"
     assert held <= peak and peak < 0.6 * whole, (held, peak, whole)
     del stage
+
+
+def test_the_boundary_sends_a_card_tensor_through_pinned_memory_and_backpropagates():
+    import torch
+
+    from swarmp2p.net import InProcLink
+    from swarmp2p.runtime.torch.train.boundary import Channel, HostCopy, send_through
+
+    a, b = InProcLink.pair()
+    up, down = Channel(a, timeout=10), Channel(b, timeout=10)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    payload = x @ w
+    host = HostCopy()(payload)
+    assert host.is_pinned() and host.device.type == "cpu" and torch.equal(host, payload.cpu())
+    sent = send_through(up, payload, step=0, micro=0, labels=torch.zeros(4, dtype=torch.long))
+    got, _ = down.recv_activation(0, 0)
+    assert torch.equal(got, payload.detach().cpu())
+    down.send_reply(0, 0, torch.ones(4, 64), 1.0)
+    sent.backward()  # a CPU gradient from the wire, back on the card for autograd
+    assert w.grad.device == w.device and w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w.grad, x.t() @ torch.ones_like(payload))
+
+
+def test_nothing_synchronises_the_card_per_block(tmp_path):
+    """A training stage's forward and backward on the card (8 blocks, bfloat16): fewer
+    synchronising calls than blocks (``torch.cuda.set_sync_debug_mode``'s warnings)."""
+    import warnings
+
+    import torch
+
+    from swarmp2p.runtime.torch import load_stage_shard
+
+    folder = tiny_model(tmp_path / "m", layers=8, initializer_range=0.05)
+    stage = load_stage_shard(folder, 0, 8, True, False, dtype="bfloat16", device="cuda:0")
+    stage.train()
+    x = torch.randint(0, stage.config.vocab_size, (2, 64), device="cuda")
+    stage(x).float().square().mean().backward()  # warm-up: lazy inits may synchronise
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            stage(x).float().square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) < 8, syncs
