@@ -14,6 +14,7 @@ has none); :func:`decode` reads it back through ``schema.parse`` and raises one
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -185,22 +186,7 @@ WorkerEvent = (
 )
 """Every event a training stage worker (or its daemon, ``Exited``) reports."""
 
-KINDS: dict[str, type] = {
-    cls.KIND: cls
-    for cls in (
-        Ready,
-        Built,
-        Resumed,
-        Evaluated,
-        Calibrated,
-        StepDone,
-        SnapshotSaved,
-        Exported,
-        Done,
-        Failure,
-        Exited,
-    )
-}
+KINDS: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(WorkerEvent)}
 """The record of each wire kind."""
 
 
