@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
 
@@ -125,11 +125,11 @@ class _OpenAI:
     __slots__ = ()
 
     @classmethod
-    def __schema_prepare__(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def __schema_prepare__(cls, data: dict[str, object]) -> dict[str, object]:
         return _lenient(cls, data)
 
 
-def _lenient(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+def _lenient(cls: type, data: dict[str, object]) -> dict[str, object]:
     """``data`` without its nulls and the keys ``cls`` does not know."""
     known = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in data.items() if k in known and v is not None}
@@ -141,7 +141,7 @@ class StopStrings(tuple):
     __slots__ = ()
 
     @classmethod
-    def from_data(cls, value: Any, path: str) -> StopStrings:
+    def from_data(cls, value: object, path: str) -> StopStrings:
         stop = [value] if isinstance(value, str) else value
         if (
             not isinstance(stop, list)
@@ -159,10 +159,11 @@ class StopStrings(tuple):
 
 
 class Prompt:
-    """``prompt``: a string, a list of token ids, or a list holding one of those."""
+    """``prompt``: a string, a list of token ids, or a list holding one of those; the field
+    holds what ``from_data`` returns (the string, or the ids as a tuple)."""
 
     @classmethod
-    def from_data(cls, value: Any, path: str) -> str | tuple[int, ...]:
+    def from_data(cls, value: object, path: str) -> str | tuple[int, ...]:
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]  # a batch of one
         if isinstance(value, str):
@@ -181,7 +182,7 @@ class MessageContent(str):
     __slots__ = ()
 
     @classmethod
-    def from_data(cls, value: Any, path: str) -> MessageContent:
+    def from_data(cls, value: object, path: str) -> MessageContent:
         if isinstance(value, str):
             return cls(value)
         if not isinstance(value, list):
@@ -206,7 +207,7 @@ class Seed(int):
     __slots__ = ()
 
     @classmethod
-    def from_data(cls, value: Any, path: str) -> Seed:
+    def from_data(cls, value: object, path: str) -> Seed:
         if type(value) is not int or not -(2**63) <= value <= 2**64 - 1:
             raise ValueError(
                 "must be an integer in [-9223372036854775808, 18446744073709551615], "
@@ -301,7 +302,7 @@ class CompletionBody(_Body):
     """Top alternatives per token to report (``false`` is none)."""
 
     @classmethod
-    def __schema_prepare__(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def __schema_prepare__(cls, data: dict[str, object]) -> dict[str, object]:
         if data.get("logprobs") is False:  # as absent
             data = {k: v for k, v in data.items() if k != "logprobs"}
         return _lenient(cls, data)
@@ -324,7 +325,10 @@ class ChatBody(_Body):
             raise SchemaError([FieldError(path="top_logprobs", message="needs logprobs: true")])
 
 
-def _body(cls: type[_Body], data: dict[str, Any]) -> Any:
+_B = TypeVar("_B", bound=_Body)
+
+
+def _body(cls: type[_B], data: dict[str, object]) -> _B:
     """``data`` as a ``cls`` record; ApiError listing every bad parameter, the first as its
     ``param``."""
     try:
@@ -398,20 +402,17 @@ def _completion_prompt(prompt: str | tuple[int, ...], model: ServedModel) -> lis
     return list(prompt)
 
 
-def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> GenerationRequest:
+def parse_request(body: object, models: dict[str, ServedModel], *, chat: bool) -> GenerationRequest:
     """Validate a request body; ApiError naming the parameter on anything wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     name = body.get("model")
     if isinstance(name, str) and name and name not in models:
         raise model_not_found(name, models)
-    if chat:
-        req: Any = _body(ChatBody, body)
-    else:
-        req = _body(CompletionBody, body)
+    req = _body(ChatBody, body) if chat else _body(CompletionBody, body)
     model = models[req.model]
     _refuse_unsupported(req)
-    if chat:
+    if isinstance(req, ChatBody):
         messages = [
             {
                 "role": m.role,

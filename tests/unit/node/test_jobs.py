@@ -205,6 +205,30 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
 
 
+def test_the_leader_refuses_a_malformed_event_naming_its_field_and_keeps_the_rest(caplog):
+    from swarmp2p.node.messages import StageReport
+    from swarmp2p.node.training.leader import JobsLeader
+    from swarmp2p.worker_events import Done, StepDone
+
+    good = {**_STEP_FIELDS, "step": 4}
+    report = StageReport(
+        node_id="b",
+        job_id="j",
+        attempt=1,
+        stage=1,
+        events=[good, {**good, "loss": "low"}, {"event": "done", "steps": 5}, "junk"],
+    )
+    with caplog.at_level("WARNING"):
+        events = JobsLeader._decoded(report)
+    assert [type(e) for e in events] == [StepDone, Done]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(
+        'invalid worker event "step"' in m and 'loss: must be a number, got "low"' in m
+        for m in logged
+    )
+    assert any("node b reported" in m and "must be an object" in m for m in logged)
+
+
 def test_metrics_keep_compute_per_stage_and_the_steady_pace():
     from swarmp2p.node.training.metrics import COMPUTE_STEPS, MetricsStore
 
