@@ -609,7 +609,9 @@ def boundary_bytes(model, args) -> dict[str, dict[str, int]]:
             ),
         ]
         a, b = InProcLink.pair()
-        settings = StageTraining.of(steps=1, micro_batches=args.micro, lr=1e-5)
+        settings = StageTraining.of(
+            steps=1, batch_size=args.batch, seq_len=args.seq, micro_batches=args.micro, lr=1e-5
+        )
         results = [None, None]
 
         def run(i, bundles=bundles, a=a, b=b, settings=settings, results=results):
