@@ -48,14 +48,14 @@ import torch  # noqa: E402
 
 from swarmp2p.net import InProcLink, SwarmSecret  # noqa: E402
 from swarmp2p.plan import load_model_shape, parse_job, stage_schedule  # noqa: E402
-from swarmp2p.plan.worker_spec import local_plan, worker_spec  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining, local_plan, worker_spec  # noqa: E402
 from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train.loss import chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import train_stage  # noqa: E402
 
 CACHE = Path(os.environ.get("SWARMP2P_CACHE", Path.home() / ".cache" / "swarmp2p")) / "bench"
 COMPRESSIONS = {
@@ -638,7 +638,9 @@ def boundary_bytes(model, args) -> dict[str, dict[str, int]]:
             ),
         ]
         a, b = InProcLink.pair()
-        settings = TrainSettings(steps=1, micro_batches=args.micro, lr=1e-5)
+        settings = StageTraining.of(
+            steps=1, batch_size=args.batch, seq_len=args.seq, micro_batches=args.micro, lr=1e-5
+        )
         results = [None, None]
 
         def run(i, bundles=bundles, a=a, b=b, settings=settings, results=results):
