@@ -34,6 +34,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import itertools
 import logging
 import time
@@ -144,15 +145,25 @@ socket's listener on its I/O thread, after ``close()`` returns, so a server rest
 own port (a re-key) can find the port still held for a moment."""
 
 
-async def _bind(sock: zmq.asyncio.Socket, addr: str) -> None:
+class AddressInUse(OSError):
+    """A fixed port that another process still listened on after REBIND_S of retries."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use by another process")
+        self.port = port
+
+
+async def _bind(sock: zmq.asyncio.Socket, addr: str, port: int) -> None:
     deadline = time.monotonic() + REBIND_S
     while True:
         try:
             sock.bind(addr)
             return
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+            if exc.errno != zmq.EADDRINUSE:
                 raise
+            if time.monotonic() >= deadline:
+                raise AddressInUse(port) from None
         await asyncio.sleep(0.05)
 
 
@@ -196,7 +207,9 @@ class RpcServer:
             if self._requested_port == 0:
                 self.port = sock.bind_to_random_port(f"tcp://{self._host}")
             else:
-                await _bind(sock, f"tcp://{self._host}:{self._requested_port}")
+                await _bind(
+                    sock, f"tcp://{self._host}:{self._requested_port}", self._requested_port
+                )
                 self.port = self._requested_port
         except BaseException:
             sock.close(0)
