@@ -235,10 +235,20 @@ def test_ten_steps_of_the_leaders_metrics_draw_ten_points_of_each_curve():
     """What the leader folds from ten steps (MetricsStore, as the daemon keeps it) gives ten
     loss and ten tokens/s points over steps 1..10, the numbers "step 10 of 10" counts."""
     from swarmp2p.node.training.metrics import MetricsStore
+    from swarmp2p.worker_events import StepDone
 
     store = MetricsStore()
     events = [
-        {"event": "step", "step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0 + s}
+        StepDone(
+            step=s,
+            loss=5.0 - s / 10,
+            tokens=64,
+            tokens_per_s=100.0 + s,
+            act_bytes=0,
+            grad_bytes=0,
+            step_s=0.5,
+            peak_memory_bytes=0,
+        )
         for s in range(10)
     ]
     store.fold("j", attempt=1, stage=1, n_stages=2, events=events)
