@@ -24,13 +24,11 @@ from swarmp2p.cli import (
     main,
 )
 from swarmp2p.cli._exit import CliExit
+from swarmp2p.timings import TIMINGS
 
 # --- training jobs and models: train, jobs, models, export -----------------------------------
 
 EXIT_JOB_FAILED = _exit.FAILED
-NO_DAEMON_GRACE_S = 10.0
-"""How long `swarm train` keeps following a job while its daemon does not answer (a restart)
-before it exits 4."""
 
 
 def _train_overrides(**flags) -> dict:
@@ -178,10 +176,6 @@ def _print_live_plan(result: dict) -> None:
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
 
 
-REGISTER_WAIT_S = 30.0
-"""How long `swarm train` waits, once its job completed, for the model to be registered."""
-
-
 def _follow(sd, job_id: str, as_json: bool) -> dict:
     """Poll the job until it ends, with a live progress bar; the final view."""
     import time
@@ -213,7 +207,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
             except ApiError as exc:
                 if isinstance(exc, NoDaemon):
                     unreachable_since = unreachable_since or time.monotonic()
-                    if time.monotonic() - unreachable_since > NO_DAEMON_GRACE_S:
+                    if time.monotonic() - unreachable_since > TIMINGS.no_daemon_grace_s:
                         raise CliExit(
                             f"{exc}; job {job_id} goes on in the swarm: `swarm jobs show "
                             f"{job_id}` once a daemon runs here",
@@ -245,7 +239,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
                 # a completed job's model is registered by the table's next event: the view
                 # this prints names it (`swarm serve` right after must find it)
                 if view["state"] == "COMPLETED" and view.get("model") is None:
-                    registered_by = registered_by or time.monotonic() + REGISTER_WAIT_S
+                    registered_by = registered_by or time.monotonic() + TIMINGS.register_wait_s
                     if time.monotonic() < registered_by:
                         time.sleep(0.2)
                         continue

@@ -10,6 +10,7 @@ from typing import Any
 
 from swarmp2p.node import api
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def submit_job(
@@ -166,16 +167,10 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
 
 
-SERVE_TIMEOUT_S = 3600.0
-"""`swarm serve` waits this long for every stage to start: a stage node may first fetch the
-model's files or a trained shard (tens of GB over 1 GbE take minutes), then load. A stalled
-fetch fails sooner: every chunk has its own timeout."""
-
-
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
     "stages", ...}`` once every stage serves and the HTTP API listens."""
-    return _api(state_dir, "serve", timeout=SERVE_TIMEOUT_S, **request)
+    return _api(state_dir, "serve", timeout=TIMINGS.serve_start_s, **request)
 
 
 def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:

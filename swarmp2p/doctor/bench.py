@@ -10,8 +10,9 @@ from typing import Any
 
 from swarmp2p import __version__
 from swarmp2p.node import api, hardware
-from swarmp2p.node.speed_probe import PROBE_TIMEOUT_S, apply_speeds, measure
+from swarmp2p.node.speed_probe import apply_speeds, measure
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -20,7 +21,9 @@ def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, An
     for the next ``swarm up``."""
     env = os.environ if env is None else env
     try:
-        return api.request(StateDir(root=state_dir).api_socket, "bench", timeout=PROBE_TIMEOUT_S)
+        return api.request(
+            StateDir(root=state_dir).api_socket, "bench", timeout=TIMINGS.speed_probe_s
+        )
     except api.NoDaemon:
         pass
     record, host = hardware.probe(node_id="bench", name="bench", version=__version__, env=env)

@@ -25,14 +25,14 @@ def handlers(ctx: NodeContext, admission: jn.Admission, pairing: PairingPort) ->
                 "remove 'node_id' must be a node id (see `swarm peers`)", code="bad_field"
             )
         msg = jn.MemberRemove(node_id=node_id, reason=f"removed from node {ctx.node_id}")
-        reply = await ctx.to_leader(msg, jn.ROTATE_TIMEOUT_S + 5)
+        reply = await ctx.to_leader(msg, ctx.config.timings.rotate_s + 5)
         return {"node_id": node_id, "key": fingerprint(reply.key), "version": reply.version}
 
     async def rotate(req: dict[str, Any]) -> dict[str, Any]:
         """`swarm token --rotate`: a new secret for the whole swarm; the old one admits nobody."""
         msg = jn.SecretRotate(reason=f"rotated from node {ctx.node_id}")
-        reply = await ctx.to_leader(msg, jn.ROTATE_TIMEOUT_S + 5)
-        deadline = ctx.clock() + jn.ROTATE_TIMEOUT_S
+        reply = await ctx.to_leader(msg, ctx.config.timings.rotate_s + 5)
+        deadline = ctx.clock() + ctx.config.timings.rotate_s
         while ctx.secret.swarm_id != reply.swarm_id and ctx.clock() < deadline:
             admission.check_secret()
             await asyncio.sleep(0.05)

@@ -67,8 +67,6 @@ log = logging.getLogger("swarmp2p.node.table.replication")
 LOG_KEEP = 4096
 """Entries the leader keeps to send followers deltas; one further behind gets the table."""
 MAX_EVENTS_PER_PUSH = 256
-COMMIT_TIMEOUT_S = 10.0
-"""How long a submission waits for a majority to hold it."""
 DROPPED_KEPT = 16
 """Roll-backs of uncommitted entries remembered for ``swarm status``."""
 
@@ -110,7 +108,7 @@ class Replication:
         self._catching_up: asyncio.Task | None = None
         self._behind: tuple[str, int] | None = None
         """A member that held a newer table than this node's at the last heartbeat round."""
-        self.commit_timeout = COMMIT_TIMEOUT_S
+        self.commit_timeout = self.ctx.config.timings.commit_s
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
 
@@ -903,4 +901,4 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-__all__ = ["COMMIT_TIMEOUT_S", "Replication", "check_job_id"]
+__all__ = ["Replication", "check_job_id"]

@@ -16,6 +16,7 @@ from swarmp2p.node.hardware import (
     probe_gpus,
     summary,
 )
+from swarmp2p.timings import TIMINGS
 
 
 class _NVMLError(Exception):
@@ -190,7 +191,7 @@ def test_live_memory_re_reads_nvml_and_ram_at_most_once_a_second(tmp_path):
     gpus[0] = ("RTX A5000", 24 * GIB, 3 * GIB, (8, 6))  # a served model loaded meanwhile
     meminfo.write_text("MemAvailable: 32 kB\n")
     assert live.read()["cuda:0"] == 20 * GIB  # within the second: the last reading
-    now[0] = hardware.LIVE_EVERY_S
+    now[0] = TIMINGS.live_memory_every_s
     assert live.read() == {"cuda:0": 3 * GIB, "cpu:0": 32 * 1024}
     assert calls.count("init") == 1  # NVML stays initialised between readings
 

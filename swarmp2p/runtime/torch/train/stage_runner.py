@@ -9,9 +9,7 @@ from collections.abc import Callable
 from swarmp2p.data.split import HELD_OUT_EVERY
 from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
-
-BYE_WAIT_S = 5.0
-"""How long a stage waits for the stage before it to confirm the end before closing anyway."""
+from swarmp2p.runtime.timings import WORKER_TIMINGS
 
 
 def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
@@ -338,7 +336,7 @@ def _say_goodbye(prev, nxt, time) -> None:
         nxt.send_control("bye")
         time.sleep(0.05)  # the link drops queued messages on close; let this one leave
     if prev is not None:
-        old, prev.timeout = prev.timeout, min(prev.timeout, BYE_WAIT_S)
+        old, prev.timeout = prev.timeout, min(prev.timeout, WORKER_TIMINGS.stage_bye_s)
         try:
             prev.recv_control("bye")
         except LinkTimeout:
