@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from swarmp2p.errors import Failed
+from swarmp2p.node.hardware import planner_record
 from swarmp2p.node.table.jobtable import JobEntry
 from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
@@ -85,9 +86,7 @@ def cluster_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     for r in sorted(records, key=lambda r: r["node_id"]):
         if not r.get("capabilities"):
             continue
-        rec = copy.deepcopy(dict(r))
-        rec["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in r["devices"]]
-        out.append(rec)
+        out.append(planner_record(copy.deepcopy(dict(r))))
     return out
 
 

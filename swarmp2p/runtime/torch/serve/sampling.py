@@ -160,18 +160,3 @@ class SessionSampler:
             values, indices = torch.topk(logprobs, self.params.logprobs)
             top = tuple(zip(indices.tolist(), values.tolist()))
         return token, TokenLogprobs(logprob=float(logprobs[token]), top=top)
-
-
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """The next token id from a ``[vocab]`` row with temperature, top-k, top-p and min-p only
-    (no penalties); greedy is the argmax."""
-    if logits.dim() != 1:
-        raise ValueError(f"sample_token takes one [vocab] row, got shape {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    if generator is None:
-        raise ValueError("sampling with temperature > 0 needs a generator (new_generator)")
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
