@@ -48,21 +48,11 @@ def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
 def load_train_job(path: str, overrides: dict[str, Any]):
     """A parsed Job from JOB.json with the `swarm train` flags applied; JobError lists every
     problem with its field path."""
-    import json
-
     from swarmp2p.node.training.jobs import apply_overrides
-    from swarmp2p.plan import FieldError, JobError, parse_job
+    from swarmp2p.plan import JobError, parse_job
+    from swarmp2p.schema import read_json
 
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise JobError(
-            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
-        ) from None
-    except ValueError as exc:
-        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
-    except RecursionError:  # e.g. 200,000 nested brackets
-        raise _too_deep(path) from None
+    data = read_json(path, JobError)
     if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
         raise _too_deep(path)
     return parse_job(apply_overrides(data, overrides))

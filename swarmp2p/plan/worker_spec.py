@@ -116,15 +116,9 @@ class WorkerSpec(StageOfPlan):
     """Test knob: from this step on, this stage's gradients hold a NaN."""
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = self.stage_errors()
         n = len(self.plan.stages)
-        if self.stage >= n:
-            errors.append(
-                FieldError(
-                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
-                )
-            )
-        elif self.stage < n - 1 and self.next is None:
+        if not errors and self.stage < n - 1 and self.next is None:
             errors.append(
                 FieldError(
                     path="next",
