@@ -23,7 +23,7 @@ import threading
 import time
 
 from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
-from swarmp2p.runtime.timings import WORKER_TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 _EMIT_LOCK = threading.Lock()
 

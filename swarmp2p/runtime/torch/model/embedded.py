@@ -34,7 +34,7 @@ from swarmp2p.models import (
     embedded_gguf,
     read_marker,
 )
-from swarmp2p.runtime.timings import WORKER_TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 __all__ = ["ensure_embedded"]
 

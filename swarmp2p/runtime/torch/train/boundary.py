@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from swarmp2p.codec_layout import sent_codec
-from swarmp2p.runtime.timings import WORKER_TIMINGS
 from swarmp2p.serve.spec import fixed_bits
 from swarmp2p.timings import TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
 ACT, GRAD, CONTROL = "act", "grad", "control"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from swarmp2p.data.split import HELD_OUT_EVERY
 from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
-from swarmp2p.runtime.timings import WORKER_TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 
 def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):

@@ -1,7 +1,7 @@
 """The worker processes' timings (training and serving stages, the embedded model's
-conversion), each with its unit and reason. Standard library only: a worker imports it before
-torch. The daemon's and the CLI's timings are in ``swarmp2p.timings``; a training stage's link
-timeout crosses to it in its ``WorkerSpec`` (``Timings.link_timeout_s``).
+conversion), each with its unit and reason: the heavy plane's, apart from the light plane's
+(``swarmp2p.timings``). Standard library only: a worker imports it before torch. A training
+stage's link timeout crosses to it in its ``WorkerSpec`` (``Timings.link_timeout_s``).
 
 A module reads its module-level ``WORKER_TIMINGS``, which a test replaces with a smaller one
 (``dataclasses.replace(WORKER_TIMINGS, embedded_lock_s=0.3)``).

@@ -6,7 +6,7 @@ record, each with its unit and why it has its value. Standard library only.
 passes ``Timings(heartbeat_s=0.05, failure_timeout_s=0.2)`` instead of sleeping through the
 defaults; a module without a config reads its module-level ``TIMINGS``, which a test replaces
 with a smaller one. Names end in their unit (``_s`` seconds, ``_ms`` milliseconds). The
-worker processes' own timings are in ``swarmp2p.runtime.timings``.
+worker processes' own timings are in ``swarmp2p.timings.workers``.
 """
 
 from __future__ import annotations
