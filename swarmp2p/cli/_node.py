@@ -176,13 +176,18 @@ def up(
                 "created": result["created"],
                 "join": result["join"] if result["created"] else None,
                 "paired_with": paired.inviter if paired else None,
+                "already": result.get("already"),
             }
         )
         return
+    already = f" (already: pid {result['already']})" if result.get("already") else ""
     click.echo(
-        f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}, "
-        f"key {s.get('key', '-')}"
+        f"node {s['node_id']} ({s['name']}) is up{already} in swarm {s['swarm_id']}, port "
+        f"{s['port']}, key {s.get('key', '-')}"
     )
+    note = s.get("dashboard_note") or ""
+    if note and not note.startswith("off"):
+        click.echo(f"no dashboard: {note}", err=True)
     if paired:
         click.echo(f"paired with node {paired.inviter}: this machine holds the swarm's secret")
     if result["created"]:

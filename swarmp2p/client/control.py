@@ -199,9 +199,21 @@ def up(
     state = StateDir(root=config.state_dir).ensure()
     pid = _running(state)
     if pid is not None:
-        raise ValueError(
-            f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` first"
-        )
+        if code is not None or token_text or new or foreground:
+            raise UserError(
+                f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` "
+                "first to start it again or to join another swarm",
+                code="exists",
+            )
+        status = api.request(state.api_socket, "status", timeout=5.0)
+        return {
+            "status": status,
+            "created": False,
+            "join": join_command(),
+            "paired": None,
+            "already": pid,
+        }
+    _check_ports(config)
     if code is not None and (token_text or new):
         raise ValueError("--code joins with a pairing code: give no token and no --new with it")
     paired = None
@@ -267,7 +279,13 @@ def up(
         if proc.poll() is None:
             proc.terminate()
             proc.wait(5)
-        raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
+        tail = _log_tail(state)
+        cause = [
+            line.split(CANNOT_START, 1)[1] for line in tail.splitlines() if CANNOT_START in line
+        ]
+        if cause:  # the daemon named a cause the user can fix (a port in use...)
+            raise UserError(f"the swarm daemon did not start: {cause[-1]}") from None
+        raise api.ApiError(f"{exc}; last log lines:\n{tail}") from None
     join = join_command()
     if created and config.mdns:
         try:
@@ -324,6 +342,25 @@ def _preflight(config: NodeConfig) -> None:
         check_node_id(config.node_id)
 
 
+CANNOT_START = "cannot start: "
+"""What the daemon logs before a cause the user can fix (``Daemon.run``)."""
+
+
+def _check_ports(config: NodeConfig) -> None:
+    """UserError naming the port, what it is for and the flag that moves it, when another
+    process listens on the control port or the join port (checked again at the bind)."""
+    from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
+    from swarmp2p.node.config import check_port_free
+
+    if not config.port:
+        return
+    chosen = select_interfaces(list_interfaces(), config.interface)
+    host = chosen[0][1] if config.interface and chosen else "0.0.0.0"
+    check_port_free(host, config.port, "control")
+    check_port_free(host, config.port + JOIN_PORT_OFFSET, "join")
+
+
 def _log_tail(state: StateDir, lines: int = 15) -> str:
     try:
         return "\n".join(state.log_file.read_text().splitlines()[-lines:])
@@ -369,8 +406,8 @@ def _gib(n: int | None) -> str:
 
 
 def format_peers(peers: list[dict[str, Any]]) -> str:
-    """A plain text table of peers (KEY: each one's public key fingerprint; a trailing ``?``
-    marks a node that joined but is not listed as a member yet)."""
+    """A plain text table of peers (KEY: each one's public key fingerprint; ``(joining)``
+    after it marks a node that joined but is not listed as a member yet)."""
     rows = [("NODE", "NAME", "ADDRESS", "ALIVE", "LEADER", "KEY", "DEVICES")]
     for p in peers:
         devices = ", ".join(
@@ -386,7 +423,7 @@ def format_peers(peers: list[dict[str, Any]]) -> str:
                 p["address"],
                 "yes" if p["alive"] else "NO",
                 "*" if p["is_leader"] else "",
-                (p.get("key") or "-") + ("" if p.get("member", True) else "?"),
+                (p.get("key") or "-") + ("" if p.get("member", True) else " (joining)"),
                 devices,
             )
         )
@@ -409,6 +446,32 @@ def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
     return out
 
 
+UNFINISHED = ("pending", "placed", "running", "resuming")
+"""The job states `swarm status` lists one line each (finished ones: `swarm jobs`)."""
+
+
+def _job_lines(jobs: list[dict[str, Any]]) -> list[str]:
+    """A line per unfinished job (state, step, last training loss), then how many finished."""
+    lines, finished = [], 0
+    for j in jobs:
+        if j.get("state") not in UNFINISHED:
+            finished += 1
+            continue
+        r = j.get("record") or {}
+        metrics = r.get("metrics") or {}
+        steps = ((r.get("job") or {}).get("train") or {}).get("steps")
+        step = max(r.get("step") or 0, metrics.get("step") or 0)
+        loss = metrics.get("loss", r.get("loss"))
+        name = f" ({r['name']})" if r.get("name") else ""
+        lines.append(
+            f"job     {j['job_id']}{name} {j['state'].upper()}, step {step}/{steps or '?'}"
+            + (f", training loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        )
+    if finished:
+        lines.append(f"jobs    {finished} finished (`swarm jobs` lists them)")
+    return lines
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"node    {s['node_id']} ({s['name']}), port {s['port']}, key {s.get('key', '-')}",
@@ -422,6 +485,7 @@ def format_status(s: dict[str, Any]) -> str:
         + ("" if s.get("leader_ready") or s["leader"] != s["node_id"] else " (taking over)"),
         f"table   term {s['term']}, version {s['table_version']}, {len(s['jobs'])} job(s)",
         *_quorum_lines(s.get("quorum")),
+        *_job_lines(s["jobs"]),
         "",
         format_peers(s["peers"]),
     ]

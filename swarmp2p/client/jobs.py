@@ -139,10 +139,17 @@ def export_model(
     return {**done, "model": model_id}
 
 
+def _loss(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+
+
 def format_jobs(rows: list[dict[str, Any]]) -> str:
-    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "LOSS")]
+    """The jobs as a table: TRAIN LOSS is the last training step's (one batch), HELD-OUT the
+    trained model's loss on the held-out split once the job evaluated it (`swarm models`)."""
+    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "TRAIN LOSS", "HELD-OUT")]
     for j in rows:
         loss = j["metrics"].get("loss")
+        held_out = ((j.get("evaluation") or {}).get("trained") or {}).get("loss")
         table.append(
             (
                 j["id"],
@@ -150,11 +157,31 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
                 j["state"],
                 f"{j['step']}/{j['steps']}",
                 ",".join(s["node"] for s in j["plan"]["stages"]) or "-",
-                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                _loss(loss),
+                _loss(held_out),
             )
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+def format_models(rows: list[dict[str, Any]]) -> str:
+    """A line per trained model; its loss is the held-out split's (the training steps' loss is
+    `swarm jobs`' TRAIN LOSS), beside the base model's on the same split when measured."""
+    lines = []
+    for m in rows:
+        passes = m["manifest"]["evaluation"]
+        loss, base = (passes.get(p, {}).get("loss") for p in ("trained", "base"))
+        held_out = ""
+        if isinstance(loss, (int, float)):
+            held_out = f"held-out loss {loss:.4f}" + (
+                f" (base model {base:.4f})" if isinstance(base, (int, float)) else ""
+            )
+        lines.append(
+            f"{m['id']}  job {m['job_id']}  base {m['base']}  "
+            f"{len(m['manifest']['stages'])} stage(s)  {held_out}".rstrip()
+        )
+    return "\n".join(lines)
 
 
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:

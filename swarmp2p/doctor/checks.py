@@ -10,6 +10,7 @@ from typing import Any
 
 from swarmp2p._install import (
     Install,
+    cpu_torch_fix,
     detect,
     embedded_fix,
     package_fix,
@@ -55,6 +56,8 @@ class WorkerProbe:
     cuda_version: str | None = None
     devices: tuple[tuple[str, str], ...] = ()
     """CUDA devices torch sees: (name, compute capability)."""
+    cuda_packages: tuple[tuple[str, int], ...] = ()
+    """A CUDA build's companions installed beside it (nvidia-*, triton): (name, bytes)."""
     bitsandbytes: str | None = None
     bitsandbytes_error: str = ""
     skipped: bool = False
@@ -184,6 +187,18 @@ def check_worker_torch(
             fix="reinstall torch with CUDA on this machine: "
             f"{runtime_fix(install, nvidia=True, embedded=False)} (the CUDA build when "
             "`nvidia-smi` works); check that the driver supports that CUDA version",
+        )
+    if worker.cuda_version and not nvml_gpus and not nvidia:
+        names = [n for n, _ in worker.cuda_packages]
+        freed = sum(b for _, b in worker.cuda_packages)
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"{build} on a machine without an NVIDIA GPU: it computes on the CPU all "
+            f"the same, and its CUDA libraries ({len(names)} packages, {freed / GIB:.1f} GiB "
+            "beside torch) are never used",
+            fix=f"{cpu_torch_fix(install, names)} (frees about {freed / GIB:.1f} GiB plus the "
+            "difference between the two torch builds)",
         )
     if nvml_gpus and len(worker.devices) != nvml_gpus:
         return Check(

@@ -44,6 +44,20 @@ try:
     ] if out["cuda_available"] else []
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"
+if out.get("cuda_version"):  # what the CUDA build installed beside torch: nvidia-*, triton
+    import importlib.metadata as md
+    cuda = {}
+    for dist in md.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith("nvidia-") or name == "triton":
+            size = 0
+            for f in dist.files or ():
+                try:
+                    size += f.locate().stat().st_size
+                except OSError:
+                    pass
+            cuda[name] = size
+    out["cuda_packages"] = cuda
 print(json.dumps(out), flush=True)
 try:
     import bitsandbytes
@@ -87,6 +101,9 @@ def probe_worker(
         cuda_available=bool(facts.get("cuda_available", False)),
         cuda_version=facts.get("cuda_version"),
         devices=tuple((str(n), str(c)) for n, c in facts.get("devices", [])),
+        cuda_packages=tuple(
+            (str(n), int(b)) for n, b in sorted((facts.get("cuda_packages") or {}).items())
+        ),
         bitsandbytes=facts.get("bitsandbytes"),
         bitsandbytes_error=facts.get("bitsandbytes_error", ""),
     )

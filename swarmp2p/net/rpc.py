@@ -34,6 +34,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import itertools
 import logging
 import time
@@ -139,15 +140,25 @@ class RpcError(SwarmError):
         return cls(reply.code, reply.detail)
 
 
-async def _bind(sock: zmq.asyncio.Socket, addr: str) -> None:
+class AddressInUse(OSError):
+    """A fixed port that another process still listened on after ``Timings.rpc_rebind_s`` of retries."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use by another process")
+        self.port = port
+
+
+async def _bind(sock: zmq.asyncio.Socket, addr: str, port: int) -> None:
     deadline = time.monotonic() + TIMINGS.rpc_rebind_s
     while True:
         try:
             sock.bind(addr)
             return
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+            if exc.errno != zmq.EADDRINUSE:
                 raise
+            if time.monotonic() >= deadline:
+                raise AddressInUse(port) from None
         await asyncio.sleep(0.05)
 
 
@@ -191,7 +202,9 @@ class RpcServer:
             if self._requested_port == 0:
                 self.port = sock.bind_to_random_port(f"tcp://{self._host}")
             else:
-                await _bind(sock, f"tcp://{self._host}:{self._requested_port}")
+                await _bind(
+                    sock, f"tcp://{self._host}:{self._requested_port}", self._requested_port
+                )
                 self.port = self._requested_port
         except BaseException:
             sock.close(0)

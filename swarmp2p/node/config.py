@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
+from swarmp2p.errors import UserError
 from swarmp2p.node.state import StateDir
 from swarmp2p.timings import TIMINGS, Timings
 
@@ -25,6 +27,39 @@ MAX_WAITING_PER_SUBMITTER = 16
 """Jobs not finished yet that one node's submissions may hold (``--max-waiting-per-node``):
 one member cannot fill the swarm's share alone."""
 SUBMIT_BURST = 32
+
+
+PORT_ROLES = {
+    "control": "this node's control port; `swarm up --port N` picks another (0: any free port)",
+    "join": "the join port, the control port + 2; `swarm up --port N` moves both",
+}
+
+
+def port_in_use(port: int, role: str) -> UserError:
+    """The error for a port another process listens on: which port, what it is, the fix."""
+    return UserError(
+        f"port {port} is in use by another process: it is {PORT_ROLES[role]} (`ss -ltnp "
+        f"'sport = :{port}'` shows who holds it)",
+        code="bad_request",
+    )
+
+
+def check_port_free(host: str, port: int, role: str) -> None:
+    """UserError (:func:`port_in_use`) when another process listens on ``host:port``; port 0
+    (any free port) passes. Bound with SO_REUSEADDR as ZeroMQ binds, so a port a closed
+    socket left in TIME_WAIT passes and only a live listener fails."""
+    if port == 0:
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise port_in_use(port, role) from None
+        raise
+    finally:
+        sock.close()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

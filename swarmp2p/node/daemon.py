@@ -43,7 +43,7 @@ from swarmp2p.net.discovery import (
     list_interfaces,
     select_interfaces,
 )
-from swarmp2p.net.rpc import RpcError, RpcServer
+from swarmp2p.net.rpc import AddressInUse, RpcError, RpcServer
 from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
 from swarmp2p.node import hardware, speed_probe, views
 from swarmp2p.node.api import ApiServer
@@ -54,7 +54,7 @@ from swarmp2p.node.cluster.heartbeats import Heartbeats
 from swarmp2p.node.cluster.hellos import Hellos
 from swarmp2p.node.cluster.membership import Change
 from swarmp2p.node.cluster.pairing import PairingPort
-from swarmp2p.node.config import NodeConfig, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer, port_in_use
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
@@ -169,6 +169,9 @@ class Daemon:
         try:
             await self._start()
             await self._stop.wait()
+        except SwarmError as exc:  # a cause the user can fix: daemon.log says it first
+            log.error("cannot start: %s", exc)  # client.control.CANNOT_START
+            raise
         finally:
             await self._close()
 
@@ -187,11 +190,17 @@ class Daemon:
             domain=f"swarmp2p-members-{ctx.node_id}",
         )
         self._server = RpcServer(ctx.zmq, keys, self.bind_host, ctx.config.port, self._handle)
-        await self._server.start()
+        try:
+            await self._server.start()
+        except AddressInUse as exc:
+            raise port_in_use(exc.port, "control") from None
         ctx.port = self._server.port
         join_port = ctx.port + jn.JOIN_PORT_OFFSET if ctx.config.port else 0
         self._join = jn.JoinPort(ctx, self.bind_host, join_port, self.hellos.on_join)
-        await self._join.start()
+        try:
+            await self._join.start()
+        except AddressInUse as exc:
+            raise port_in_use(exc.port, "join") from None
         ctx.join_port = self._join.port
         self._api = ApiServer(
             ctx.state.api_socket,

@@ -23,6 +23,15 @@ from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_hold
 from swarmp2p.plan import Blocked, Plan
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.timings import TIMINGS
+from swarmp2p.worker_events import (
+    Done,
+    Evaluated,
+    Exited,
+    Exported,
+    SnapshotSaved,
+    StepDone,
+    WorkerEvent,
+)
 from swarmp2p.workers import exit_message
 
 
@@ -407,7 +416,7 @@ def fold_report(
     attempt: int,
     stage: int,
     node_id: str,
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[WorkerEvent],
     now: float,
     progress_due: bool,
 ) -> list[ev.Event]:
@@ -418,31 +427,27 @@ def fold_report(
         return []
     last = stage == entry.n_stages - 1
     out: list[ev.Event] = []
-    newest_step: Mapping[str, Any] | None = None
+    newest_step: StepDone | None = None
     for event in events:
-        kind = event.get("event")
-        if kind == "step" and last and isinstance(event.get("step"), int):
+        if isinstance(event, StepDone) and last:
             newest_step = event
-        elif kind == "snapshot" and isinstance(event.get("step"), int) and event["step"] >= 1:
+        elif isinstance(event, SnapshotSaved):
             out.append(
-                ev.SnapshotHeld(
-                    job_id=entry.job_id, stage=stage, step=event["step"], node_id=node_id
-                )
+                ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event.step, node_id=node_id)
             )
             progress_due = True
-        elif kind == "eval" and last and isinstance(event.get("pass"), str):
-            tokens = event.get("tokens")
+        elif isinstance(event, Evaluated) and last:
             out.append(
                 ev.EvaluationReported(
                     job_id=entry.job_id,
-                    name=event["pass"][:64],
-                    loss=_number(event.get("loss")),
-                    perplexity=_number(event.get("perplexity")),
-                    top1=_number(event.get("top1")),
-                    tokens=tokens if isinstance(tokens, int) and tokens >= 0 else 0,
+                    name=event.name[:64],
+                    loss=_number(event.loss),
+                    perplexity=_number(event.perplexity),
+                    top1=_number(event.top1),
+                    tokens=event.tokens,
                 )
             )
-        elif kind == "exported" and isinstance(event.get("manifest_data"), dict):
+        elif isinstance(event, Exported) and event.manifest_data is not None:
             out.append(
                 ev.StageExported(
                     job_id=entry.job_id,
@@ -450,46 +455,38 @@ def fold_report(
                     stage=stage,
                     node_id=node_id,
                     folder=f"export/stage-{stage}",
-                    manifest=event["manifest_data"],
+                    manifest=event.manifest_data,
                 )
             )
-        elif kind == "done":
+        elif isinstance(event, Done):
             if newest_step is not None:
                 out.append(_progress(entry, attempt, newest_step, now))
                 newest_step = None
             out.append(ev.StageFinished(job_id=entry.job_id, attempt=attempt, stage=stage, at=now))
-        elif kind == "exit" and event.get("code") != 0:
-            code = event.get("code")
-            how = exit_message(code if isinstance(code, int) else None)
-            message = event.get("error")
-            tail = [str(line)[:2000] for line in (event.get("stderr_tail") or [])][
-                -ev.MAX_TAIL_LINES :
-            ]
+        elif isinstance(event, Exited) and event.code != 0:
+            how = exit_message(event.code)
+            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
             out.append(
                 ev.JobFailed(
                     job_id=entry.job_id,
                     attempt=attempt,
                     stage=stage,
                     node_id=node_id,
-                    message=f"{message} ({how})" if message else how,
+                    message=f"{event.error} ({how})" if event.error else how,
                     stderr_tail=tuple(tail),
                     at=now,
                 )
             )
     if newest_step is not None:
         steps = entry.job.train.steps
-        if progress_due or newest_step["step"] + 1 >= steps or entry.state != "running":
+        if progress_due or newest_step.step + 1 >= steps or entry.state != "running":
             out.insert(0, _progress(entry, attempt, newest_step, now))
     return out
 
 
-def _progress(entry: JobEntry, attempt: int, step: Mapping[str, Any], now: float) -> ev.Event:
+def _progress(entry: JobEntry, attempt: int, step: StepDone, now: float) -> ev.Event:
     return ev.StepsReported(
-        job_id=entry.job_id,
-        attempt=attempt,
-        step=step["step"] + 1,
-        loss=_number(step.get("loss")),
-        at=now,
+        job_id=entry.job_id, attempt=attempt, step=step.step + 1, loss=_number(step.loss), at=now
     )
 
 

@@ -166,6 +166,9 @@ class Timings:
     CUDA start takes tens of seconds)."""
     doctor_connect_s: float = 2.0
     """How long `swarm doctor` tries each peer's control port: a LAN answers in milliseconds."""
+    dashboard_ticket_s: int = 60
+    """How long the one-time link `swarm dashboard --open` gives the browser stays good: long
+    enough for a browser to start, short enough that a link seen in ``ps`` is soon useless."""
     demo_start_s: float = 60.0
     """How long the demo's three daemons get to answer and agree on a leader."""
     demo_stop_s: float = 10.0

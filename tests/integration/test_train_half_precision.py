@@ -203,7 +203,7 @@ def _reference(specs: list[dict]) -> list[float]:
     from swarmp2p.plan import stage_schedule
     from swarmp2p.runtime.torch.train.boundary import Channel
     from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, build_from_spec, train_batch
-    from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage
+    from swarmp2p.runtime.torch.train.steps import train_stage
     from swarmp2p.runtime.worker import parse_worker_spec
 
     n = len(specs)
@@ -211,7 +211,7 @@ def _reference(specs: list[dict]) -> list[float]:
     built = [build_from_spec(p) for p in parsed]  # one after the other: the LoRA draws are seeded
     tokens = _load_tokens(parsed[0])
     t = parsed[0].train
-    settings = TrainSettings(steps=t.steps, micro_batches=t.micro_batches, lr=t.lr)
+    settings = t  # what the workers train with
     links = [InProcLink.pair() for _ in range(n - 1)]
     out: list = [None] * n
 

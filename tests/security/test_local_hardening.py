@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import pytest
@@ -58,6 +59,8 @@ def test_the_dashboard_shows_the_swarm_only_to_its_user(victim):
     status, _, body = _http(port, "/api/state", cookie=f"swarmp2p_dashboard_{port}={'x' * 43}")
     assert status == 401 and b"swarm_id" not in body
     assert _http(port, "/?key=guess")[0] == 403
+    forged = f"/?open={int(time.time())}.{'0' * 64}"  # a one-time link not made with the key
+    assert _http(port, forged)[0] == 403 and "Set-Cookie" not in _http(port, forged)[1]
 
     status, headers, _ = _http(port, f"/?key={key}")
     assert status == 303 and "HttpOnly" in headers["Set-Cookie"]

@@ -309,7 +309,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
         return by_id, victim, final
     assert "resuming" in states and final["attempt"] == 2
     losses = {}
-    for attempt, step, loss in final["metrics"]["losses"]:
+    for attempt, step, loss, _tokens_per_s in final["metrics"]["losses"]:
         losses.setdefault(attempt, {})[step] = loss
     # the loss curve lives on the leader, off the table: a killed leader's copy of attempt
     # 1 is gone with it (the new leader's curve starts at the resume)

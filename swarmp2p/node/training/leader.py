@@ -41,6 +41,8 @@ from swarmp2p.node.table.replication import check_job_id
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked
+from swarmp2p.schema import SchemaError
+from swarmp2p.worker_events import SnapshotSaved, WorkerEvent, decode
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -412,12 +414,13 @@ class JobsLeader:
             entry = self.ctx.table.jobs.get(msg.job_id)
             if entry is None or entry.attempt != msg.attempt or entry.state in FINAL_STATES:
                 return
+            reported = self._decoded(msg)
             self.metrics.fold(
                 msg.job_id,
                 attempt=msg.attempt,
                 stage=msg.stage,
                 n_stages=entry.n_stages,
-                events=msg.events,
+                events=reported,
             )
             now = self.wall()
             due = (
@@ -429,7 +432,7 @@ class JobsLeader:
                 attempt=msg.attempt,
                 stage=msg.stage,
                 node_id=msg.node_id,
-                events=[e for e in msg.events if isinstance(e, dict)],
+                events=reported,
                 now=now,
                 progress_due=due,
             )
@@ -441,19 +444,31 @@ class JobsLeader:
         for event in events:
             if isinstance(event, ev.SnapshotHeld):
                 files = [
-                    e.get("file")
-                    for e in msg.events
-                    if isinstance(e, dict)
-                    and e.get("event") == "snapshot"
-                    and e.get("step") == event.step
+                    e.file
+                    for e in reported
+                    if isinstance(e, SnapshotSaved) and e.step == event.step and e.file
                 ]
-                if files and isinstance(files[0], str):
+                if files:
                     self._copy_snapshot(msg.job_id, msg.stage, msg.node_id, event.step, files[0])
             elif isinstance(event, ev.JobFailed):
                 self.ctx.spawn(self._stop_everywhere(msg.job_id, msg.attempt), f"stop:{msg.job_id}")
         if self.ctx.table.jobs[msg.job_id].state == "completed":
             await self._register(msg.job_id)
         self._watch_balance(msg.job_id)
+
+    @staticmethod
+    def _decoded(msg: StageReport) -> list[WorkerEvent]:
+        """A report's events as records; a malformed one is logged, naming its field, and left
+        out (the rest of the batch still counts)."""
+        out = []
+        for raw in msg.events:
+            try:
+                out.append(decode(raw))
+            except SchemaError as exc:
+                log.warning(
+                    "job %s stage %d: node %s reported %s", msg.job_id, msg.stage, msg.node_id, exc
+                )
+        return out
 
     # --- learning from the run ----------------------------------------------------------------
 

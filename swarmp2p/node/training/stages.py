@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,8 @@ from swarmp2p.node.training.inputs import Inputs
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
+from swarmp2p.schema import SchemaError
+from swarmp2p.worker_events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
@@ -86,7 +89,7 @@ class StageHost:
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
-        self._outbox: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        self._outbox: dict[tuple[str, int, int], list[WorkerEvent]] = {}
         self.inputs = Inputs(ctx)
         """The job inputs this node offers, and those it fetches for its stages."""
 
@@ -230,7 +233,7 @@ class StageHost:
             stage=msg.stage,
             spec=spec.to_dict(),
             env=env,
-            on_event=lambda e: self._queue(key, e),
+            on_event=lambda e: self._received(key, e),
             on_exit=lambda code, tail: self._exited(key, code, tail),
             log_path=str(folder / f"stage-{msg.stage}.log"),
         )
@@ -398,23 +401,32 @@ class StageHost:
 
     # --- reports to the leader --------------------------------------------------------------
 
-    def _queue(self, key: tuple[str, int, int], event: dict[str, Any]) -> None:
-        if event.get("event") == "exported":
+    def _received(self, key: tuple[str, int, int], raw: dict[str, Any]) -> None:
+        """One line of a worker's stdout: checked, queued for the leader; a malformed one is
+        logged with the field it got wrong and dropped."""
+        try:
+            event = decode(raw)
+        except SchemaError as exc:
+            log.warning("job %s attempt %d stage %d: %s", *key, exc)
+            return
+        self._queue(key, event)
+
+    def _queue(self, key: tuple[str, int, int], event: WorkerEvent) -> None:
+        if isinstance(event, Exported):  # the leader registers the model from it
             with contextlib.suppress(OSError, ValueError):
-                event = {**event, "manifest_data": json.loads(Path(event["manifest"]).read_text())}
-        if event.get("event") == "snapshot" and event.get("path"):
+                manifest = json.loads(Path(event.manifest).read_text())
+                if isinstance(manifest, dict):
+                    event = dataclasses.replace(event, manifest_data=manifest)
+        if isinstance(event, SnapshotSaved):  # the name peers ask this node for
             with contextlib.suppress(ValueError):
-                rel = Path(event["path"]).relative_to(self.job_dir(key[0]))
-                event = {**event, "file": str(rel)}
+                rel = Path(event.path).relative_to(self.job_dir(key[0]))
+                event = dataclasses.replace(event, file=str(rel))
         self._outbox.setdefault(key, []).append(event)
 
     def _exited(self, key: tuple[str, int, int], code: int, tail: list[str]) -> None:
         worker = self.workers.get(key)
         error = worker.last_error if worker is not None else None
-        self._queue(
-            key,
-            {"event": "exit", "stage": key[2], "code": code, "stderr_tail": tail, "error": error},
-        )
+        self._queue(key, Exited(code=code, stderr_tail=tuple(tail), error=error))
 
     def _ensure_sender(self) -> None:
         if not self.ctx.running("job-reports"):
@@ -431,7 +443,7 @@ class StageHost:
                         job_id=key[0],
                         attempt=key[1],
                         stage=key[2],
-                        events=batch,
+                        events=[encode(e, key[2]) for e in batch],
                     )
                     try:
                         await self.ctx.to_leader(report, 10.0)

@@ -221,3 +221,57 @@ def test_status_names_down_members_and_the_writes_this_node_rolled_back():
         "quorum  NO: this node sees 1 of 2 voting member(s) (a)",
         "dropped versions 7-8 (member_removed, job_submitted): no majority",
     ]
+
+
+def test_status_lists_unfinished_jobs_and_counts_finished_ones():
+    jobs = [
+        {
+            "job_id": "j1",
+            "state": "running",
+            "record": {
+                "name": "tune",
+                "step": 3,
+                "job": {"train": {"steps": 10}},
+                "metrics": {"step": 4, "loss": 2.5},
+            },
+        },
+        {"job_id": "j2", "state": "pending", "record": {"job": {"train": {"steps": 5}}}},
+        {"job_id": "j0", "state": "completed", "record": {}},
+        {"job_id": "jx", "state": "failed", "record": {}},
+    ]
+    assert control._job_lines(jobs) == [
+        "job     j1 (tune) RUNNING, step 4/10, training loss 2.5000",
+        "job     j2 PENDING, step 0/5",
+        "jobs    2 finished (`swarm jobs` lists them)",
+    ]
+    assert control._job_lines([]) == []
+
+
+def test_peers_say_what_a_key_not_yet_listed_means():
+    row = {"node_id": "c", "name": "c", "address": "-", "alive": True, "is_leader": False}
+    text = control.format_peers([{**row, "key": "ab12", "member": False, "devices": []}])
+    assert "ab12 (joining)" in text and "?" not in text
+
+
+def test_jobs_and_models_label_the_training_and_the_held_out_loss():
+    from swarmp2p.client.jobs import format_jobs, format_models
+
+    job = {
+        "id": "j1",
+        "name": "t",
+        "state": "COMPLETED",
+        "step": 10,
+        "steps": 10,
+        "plan": {"stages": [{"node": "a"}, {"node": "b"}]},
+        "metrics": {"loss": 1.25},
+        "evaluation": {"trained": {"loss": 2.5}, "base": {"loss": 3.0}},
+    }
+    header, row = format_jobs([job, {**job, "id": "j2", "evaluation": {}}]).splitlines()[:2]
+    assert "TRAIN LOSS" in header and "HELD-OUT" in header
+    assert row.split()[-2:] == ["1.2500", "2.5000"]
+    assert format_jobs([{**job, "evaluation": {}}]).splitlines()[1].split()[-2:] == ["1.2500", "-"]
+    model = {"id": "m", "job_id": "j1", "base": "tiny", "manifest": {"stages": [1, 2]}}
+    model["manifest"]["evaluation"] = job["evaluation"]
+    assert format_models([model]) == (
+        "m  job j1  base tiny  2 stage(s)  held-out loss 2.5000 (base model 3.0000)"
+    )

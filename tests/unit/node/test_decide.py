@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from _tables import cluster, founded, job, key, plan, running
 from swarmp2p.node import decide
 from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Blocked
+from swarmp2p.worker_events import decode, encode
 
 
 def view(*alive, me="a", busy=()):
@@ -168,7 +170,18 @@ def test_a_learned_boundary_resumes_only_on_its_cuts_and_says_why_it_waits():
     assert "waiting for a node to return" in wait.reason and "learned boundary" in wait.reason
 
 
-STEP = {"event": "step", "step": 3, "loss": 2.5, "step_s": 0.5}
+STEP = {
+    "event": "step",
+    "step": 3,
+    "loss": 2.5,
+    "tokens": 64,
+    "tokens_per_s": 128.0,
+    "act_bytes": 0,
+    "grad_bytes": 0,
+    "step_s": 0.5,
+    "peak_memory_bytes": 0,
+}
+EVAL = {"event": "eval", "pass": "base", "loss": 3.0, "perplexity": 20.1, "top1": 0.1, "tokens": 8}
 
 
 def _fold(log, stage, *events, attempt=1, due=False):
@@ -177,7 +190,7 @@ def _fold(log, stage, *events, attempt=1, due=False):
         attempt=attempt,
         stage=stage,
         node_id="ab"[stage],
-        events=list(events),
+        events=[decode(e) for e in events],  # as the leader reads a report
         now=10.0,
         progress_due=due,
     )
@@ -199,16 +212,14 @@ def test_lifecycle_events_of_a_report():
     snap, evaluation, exported, done = _fold(
         log,
         1,
-        {"event": "snapshot", "step": 2, "file": "snapshots/stage-1/step-00000002.pt"},
         {
-            "event": "eval",
-            "pass": "base",
-            "loss": 3.0,
-            "perplexity": float("inf"),
-            "top1": 0.1,
-            "tokens": 8,
+            "event": "snapshot",
+            "step": 2,
+            "path": "/state/jobs/j1/snapshots/stage-1/step-00000002.pt",
+            "file": "snapshots/stage-1/step-00000002.pt",
         },
-        {"event": "exported", "manifest_data": {"files": {}}},
+        encode(dataclasses.replace(decode(EVAL), perplexity=float("inf")), 1),
+        {"event": "exported", "manifest": "/m.json", "manifest_data": {"files": {}}},
         {"event": "done", "steps": 10},
     )
     assert isinstance(snap, ev.SnapshotHeld) and (snap.stage, snap.step, snap.node_id) == (
@@ -216,9 +227,9 @@ def test_lifecycle_events_of_a_report():
         2,
         "b",
     )
-    assert evaluation.perplexity is None  # inf is no number to store
+    assert evaluation.perplexity is None  # inf is no number to store: the wire writes null
     assert isinstance(exported, ev.StageExported) and isinstance(done, ev.StageFinished)
-    assert _fold(log, 0, {"event": "eval", "pass": "base", "loss": 3.0}) == []
+    assert _fold(log, 0, EVAL) == []  # the numbers are the last stage's
 
 
 def test_a_failed_exit_names_the_stage_node_message_and_tail():

@@ -149,6 +149,26 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     assert jobs.device_for(["cpu"], real) == ("cpu", None)
 
 
+_STEP_FIELDS = {
+    "event": "step",
+    "loss": 1.0,
+    "tokens": 0,
+    "tokens_per_s": 0.0,
+    "act_bytes": 0,
+    "grad_bytes": 0,
+    "step_s": 0.5,
+    "peak_memory_bytes": 0,
+}
+
+
+def _steps(*events):
+    """Step events as the leader reads them from a report (the fields a test leaves out
+    filled in)."""
+    from swarmp2p.worker_events import decode
+
+    return [decode({**_STEP_FIELDS, **e}) for e in events]
+
+
 def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
     from swarmp2p.node.training.metrics import MetricsStore
 
@@ -162,23 +182,51 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
         "act_bytes": 1_000_000,
         "grad_bytes": 2_000_000,
     }
-    store.fold("j", attempt=1, stage=0, n_stages=3, events=[step])
+    store.fold("j", attempt=1, stage=0, n_stages=3, events=_steps(step))
     first = store.get("j")
     assert "step" not in first
     assert first["boundaries"] == {"0": {"act_mb_s": 2.0, "grad_mb_s": 0.0}}
-    store.fold("j", attempt=1, stage=1, n_stages=3, events=[step])
+    store.fold("j", attempt=1, stage=1, n_stages=3, events=_steps(step))
     assert store.get("j")["boundaries"] == {
         "0": {"act_mb_s": 2.0, "grad_mb_s": 4.0},  # stage 1 sends gradients back over 0
         "1": {"act_mb_s": 2.0, "grad_mb_s": 0.0},
     }
-    store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "act_bytes": 0}])
+    store.fold("j", attempt=1, stage=2, n_stages=3, events=_steps({**step, "act_bytes": 0}))
     last = store.get("j")
-    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5]]
+    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5, 100.0]]
     assert last["boundaries"]["1"]["grad_mb_s"] == 4.0
     store.fold(
-        "j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)]
+        "j",
+        attempt=1,
+        stage=2,
+        n_stages=3,
+        events=_steps(*({**step, "step": s} for s in range(1, 700))),
     )
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
+
+
+def test_the_leader_refuses_a_malformed_event_naming_its_field_and_keeps_the_rest(caplog):
+    from swarmp2p.node.messages import StageReport
+    from swarmp2p.node.training.leader import JobsLeader
+    from swarmp2p.worker_events import Done, StepDone
+
+    good = {**_STEP_FIELDS, "step": 4}
+    report = StageReport(
+        node_id="b",
+        job_id="j",
+        attempt=1,
+        stage=1,
+        events=[good, {**good, "loss": "low"}, {"event": "done", "steps": 5}, "junk"],
+    )
+    with caplog.at_level("WARNING"):
+        events = JobsLeader._decoded(report)
+    assert [type(e) for e in events] == [StepDone, Done]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(
+        'invalid worker event "step"' in m and 'loss: must be a number, got "low"' in m
+        for m in logged
+    )
+    assert any("node b reported" in m and "must be an object" in m for m in logged)
 
 
 def test_metrics_keep_compute_per_stage_and_the_steady_pace():
@@ -199,7 +247,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
             "step_s": 0.65,
             **extra,
         }
-        store.fold("j", attempt=1, stage=stage, n_stages=2, events=[event])
+        store.fold("j", attempt=1, stage=stage, n_stages=2, events=_steps(event))
 
     for s in range(6):  # a slow first step, then one step every 0.5 s
         at = 100.0 + (2.0 if s == 0 else 2.0 + 0.5 * s)
@@ -220,7 +268,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
         attempt=2,
         stage=1,
         n_stages=2,
-        events=[
+        events=_steps(
             {
                 "event": "step",
                 "step": 50,
@@ -230,7 +278,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
                 "at": 1.0,
                 "tokens": 1,
             }
-        ],
+        ),
     )
     assert store.get("j")["compute"] == {"attempt": 2, "steps": {"50": {"1": 2.0}}}
 

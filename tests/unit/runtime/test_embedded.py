@@ -178,7 +178,7 @@ def converted(tmp_path_factory):
     models_dir = cache / "swarmp2p" / "models"
     folder = models_dir / "smollm2-135m-instruct"
     env = os.environ | {"XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "swarmp2p.runtime.torch.model.embedded"]
+    command = [sys.executable, "-m", "swarmp2p.models"]  # what install.sh and the docs run
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -204,6 +204,7 @@ def converted(tmp_path_factory):
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=280)
         assert proc.returncode == 0, stderr
+        assert "Warning" not in stderr and "%|" not in stderr, stderr  # no runpy note, no bar
         reports.append(json.loads(stdout.strip().splitlines()[-1]))
     yield folder, reports, crash
     shutil.rmtree(cache, ignore_errors=True)  # 540 MB: do not keep it among pytest's old tmp dirs

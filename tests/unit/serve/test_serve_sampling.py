@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from swarmp2p.serve import SamplingParams
@@ -120,3 +121,22 @@ def test_a_replayed_session_counts_only_its_generated_tokens():
     fresh.end_of_prompt()
     fresh.observe([1, 1])
     assert replay.pick(LOGITS) == fresh.pick(LOGITS) == (4, None)
+
+
+def _mask(ids, vocab):
+    bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+    bits[list(ids)] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammars_mask_limits_the_pick_to_the_ids_it_allows(temperature):
+    vocab = 50
+    logits = torch.arange(vocab, dtype=torch.float32)  # the argmax, 49, is not allowed
+    allowed = {3, 17, 20}
+    sampler = SessionSampler(SamplingParams(temperature=temperature, seed=7), vocab)
+    picks = {sampler.pick(logits, _mask(allowed, vocab))[0] for _ in range(40)}
+    assert picks <= allowed and (picks == {20} if temperature == 0 else len(picks) > 1)
+    assert SessionSampler(SamplingParams(temperature=0.0), vocab).pick(logits)[0] == 49
+    with pytest.raises(ValueError, match="allows no token"):
+        sampler.pick(logits, _mask(set(), vocab))

@@ -6,7 +6,7 @@ completion marker last and moves the folder into place with one `os.replace`; th
 on the lock and then find the marker. Once converted, a call only reads the marker and stats
 the files it lists (see `swarmp2p.models.read_marker`).
 
-    python -m swarmp2p.runtime.torch.model.embedded      # convert now; prints one JSON line
+    python -m swarmp2p.models      # convert now; prints one JSON line
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -115,6 +116,25 @@ def _check_disk(parent: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' GGUF reader draws a plain tqdm bar on stderr that no switch turns off:
+    what is written to stderr meanwhile is kept, and only its lines that are not a bar's
+    frames are written on (a warning still shows; an installer's output stays clean)."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        kept = [
+            line
+            for line in buffer.getvalue().replace("\r", "\n").splitlines()
+            if line.strip() and "%|" not in line
+        ]
+        if kept:
+            print("\n".join(kept), file=sys.stderr)
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF to float32 and save model, tokenizer and marker into `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,7 +144,7 @@ def _convert(gguf: Path, out: Path) -> None:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a worker's stderr tail is for errors, not progress bars
     try:
-        with _gguf_parsed_once():
+        with _gguf_parsed_once(), _no_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32
