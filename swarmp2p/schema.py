@@ -27,11 +27,14 @@ rules, reported at the record's path) or SchemaError (with paths relative to the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 Data = None | bool | int | float | str | bytes | list["Data"] | dict[str, "Data"]
@@ -64,6 +67,23 @@ class SchemaError(ValueError):
         self.errors = list(errors)
         self.title = title
         super().__init__(f"{title}:\n" + "\n".join(str(e) for e in self.errors))
+
+
+def read_json(path: str | os.PathLike[str], error: Callable[[list[FieldError]], Exception]) -> Any:
+    """The JSON document in the file at ``path``; ``error`` (e.g. ``JobError``), with one error
+    naming the file, when it cannot be read, is not JSON, or nests too deeply to parse."""
+
+    def fail(message: str) -> Exception:
+        return error([FieldError(path=str(path), message=message)])
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise fail(f"not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise fail("not readable JSON: nested too deeply") from None
 
 
 def field(

@@ -24,13 +24,11 @@ from swarmp2p.cli import (
     main,
 )
 from swarmp2p.cli._exit import CliExit
+from swarmp2p.timings import TIMINGS
 
 # --- training jobs and models: train, jobs, models, export -----------------------------------
 
 EXIT_JOB_FAILED = _exit.FAILED
-NO_DAEMON_GRACE_S = 10.0
-"""How long `swarm train` keeps following a job while its daemon does not answer (a restart)
-before it exits 4."""
 
 
 def _train_overrides(**flags) -> dict:
@@ -205,10 +203,6 @@ def plan_table(view: dict):
     return t
 
 
-REGISTER_WAIT_S = 30.0
-"""How long `swarm train` waits, once its job completed, for the model to be registered."""
-
-
 def progress_bar(console, *, disable: bool = False):
     """The live line of `swarm train`: job, bar, step/steps, ETA, elapsed, then what is going
     on. Only the last column gives way to a narrow terminal (cut with an ellipsis), so at 80
@@ -280,7 +274,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
             except ApiError as exc:
                 if isinstance(exc, NoDaemon):
                     unreachable_since = unreachable_since or time.monotonic()
-                    if time.monotonic() - unreachable_since > NO_DAEMON_GRACE_S:
+                    if time.monotonic() - unreachable_since > TIMINGS.no_daemon_grace_s:
                         raise CliExit(
                             f"{exc}; job {job_id} goes on in the swarm: `swarm jobs show "
                             f"{job_id}` once a daemon runs here",
@@ -302,7 +296,7 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
                 # a completed job's model is registered by the table's next event: the view
                 # this prints names it (`swarm serve` right after must find it)
                 if view["state"] == "COMPLETED" and view.get("model") is None:
-                    registered_by = registered_by or time.monotonic() + REGISTER_WAIT_S
+                    registered_by = registered_by or time.monotonic() + TIMINGS.register_wait_s
                     if time.monotonic() < registered_by:
                         time.sleep(0.2)
                         continue

@@ -17,13 +17,11 @@ from swarmp2p.node import api
 from swarmp2p.node import requests as rq
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir, pid_alive
+from swarmp2p.timings import TIMINGS
 
 if TYPE_CHECKING:  # net.security loads all of swarmp2p.net (zmq, the wire codec, numpy):
     # `swarm status`, `peers`, `down` need none of it; what reads or writes a secret imports it
     from swarmp2p.net.security import SwarmSecret
-
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 
 
 TOKEN_ENV = "SWARM_TOKEN"
@@ -31,8 +29,6 @@ JOIN_COMMAND = "swarm up --token -"
 """How a script joins another machine: it reads the token on stdin. Never the token itself:
 printed text lands in terminals' scrollback and in logs, and a token in argv is read by
 ``ps``. People join with a pairing code (:func:`code_command`)."""
-LAN_BROWSE_S = 1.5
-"""How long `swarm up` on a machine with no swarm looks for swarms on the LAN."""
 
 
 def join_command() -> str:
@@ -59,7 +55,7 @@ def read_code(option: str, stdin: TextIO | None = None) -> str:
     return text.strip()
 
 
-def lan_swarms(seconds: float = LAN_BROWSE_S) -> list[dict[str, Any]]:
+def lan_swarms(seconds: float = TIMINGS.lan_browse_s) -> list[dict[str, Any]]:
     """The swarms advertised on the LAN: ``{"swarm_id", "nodes": [names], "open"}`` each."""
     import asyncio
 
@@ -278,7 +274,7 @@ def up(
     )
     try:
         status = api.wait_until_up(
-            state.api_socket, START_TIMEOUT_S, alive=lambda: proc.poll() is None
+            state.api_socket, TIMINGS.daemon_start_s, alive=lambda: proc.poll() is None
         )
     except api.ApiError as exc:
         if proc.poll() is None:
@@ -396,12 +392,12 @@ def down(state_dir: Path) -> int:
                 f"{state.pid_file.name} (the local API said: {exc})"
             ) from None
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + TIMINGS.daemon_stop_s
     while time.monotonic() < deadline:
         if not pid_alive(pid):
             return pid
         time.sleep(0.05)
-    raise api.ApiError(f"swarm daemon pid {pid} did not stop within {STOP_TIMEOUT_S:g} s")
+    raise api.ApiError(f"swarm daemon pid {pid} did not stop within {TIMINGS.daemon_stop_s:g} s")
 
 
 def status(state_dir: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from swarmp2p.node import api
 from swarmp2p.node import requests as rq
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def submit_job(
@@ -50,21 +51,11 @@ def _send(state_dir: Path, req: rq.ApiRequest, timeout: float = 10.0) -> Any:
 def load_train_job(path: str, overrides: dict[str, Any]):
     """A parsed Job from JOB.json with the `swarm train` flags applied; JobError lists every
     problem with its field path."""
-    import json
-
     from swarmp2p.node.training.jobs import apply_overrides
-    from swarmp2p.plan import FieldError, JobError, parse_job
+    from swarmp2p.plan import JobError, parse_job
+    from swarmp2p.schema import read_json
 
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise JobError(
-            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
-        ) from None
-    except ValueError as exc:
-        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
-    except RecursionError:  # e.g. 200,000 nested brackets
-        raise _too_deep(path) from None
+    data = read_json(path, JobError)
     if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
         raise _too_deep(path)
     return parse_job(apply_overrides(data, overrides))
@@ -193,16 +184,10 @@ def format_models(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SERVE_TIMEOUT_S = 3600.0
-"""`swarm serve` waits this long for every stage to start: a stage node may first fetch the
-model's files or a trained shard (tens of GB over 1 GbE take minutes), then load. A stalled
-fetch fails sooner: every chunk has its own timeout."""
-
-
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
     "stages", ...}`` once every stage serves and the HTTP API listens."""
-    return _api(state_dir, "serve", timeout=SERVE_TIMEOUT_S, **request)
+    return _api(state_dir, "serve", timeout=TIMINGS.serve_start_s, **request)
 
 
 def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:

@@ -6,9 +6,9 @@ key: every local user can reach 127.0.0.1, and the swarm's state is the user's a
 local API is a 0600 unix socket). The URL `swarm dashboard` prints carries the key once
 (``/?key=...``); the server answers it with an HttpOnly, SameSite=Strict cookie and a
 redirect to ``/``, so the key leaves the address bar. `swarm dashboard --open` starts a
-browser with a one-time link instead (``/?open=...``: a ticket made from the key, good once and
-for OPEN_TICKET_S), since a browser's command line is visible to every local user (``ps``) and
-a browser started that way keeps it for its whole life. The key lives 0600 in the state dir
+browser with a one-time link instead (``/?open=...``: a ticket made from the key, good once
+and for ``Timings.dashboard_ticket_s``), since a browser's command line is visible to every
+local user (``ps``) and a browser started that way keeps it for its whole life. The key lives 0600 in the state dir
 (``dashboard.key``); delete it and restart to change it. To watch a remote node, forward the
 port: ``ssh -L 7738:127.0.0.1:7738 HOST``.
 """
@@ -31,6 +31,7 @@ from aiohttp import web
 from swarmp2p._ratelog import HttpLog
 from swarmp2p.dashboard.page import PAGE
 from swarmp2p.dashboard.view import dashboard_view
+from swarmp2p.timings import TIMINGS
 
 DEFAULT_DASHBOARD_PORT = 7738
 DASHBOARD_PORT_ENV = "SWARM_DASHBOARD_PORT"
@@ -48,8 +49,6 @@ _CSP = (
     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
 )
 
-OPEN_TICKET_S = 60
-"""How long the one-time link `swarm dashboard --open` gives the browser stays good."""
 KEY_BYTES = 32
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
@@ -194,17 +193,19 @@ class DashboardServer:
         return response
 
     def _take_ticket(self, ticket: str) -> bool:
-        """True, once, for a one-time link made from this key less than OPEN_TICKET_S ago."""
+        """True, once, for a one-time link made from this key less than ``Timings.dashboard_ticket_s`` ago."""
         now = self._clock()
         self._used = {t: until for t, until in self._used.items() if until > now}
         stamp, _, mac = ticket.partition(".")
         if not stamp.isdigit() or ticket in self._used:
             return False
-        if not -5 <= now - int(stamp) <= OPEN_TICKET_S:  # 5 s: the CLI's clock read first
+        if (
+            not -5 <= now - int(stamp) <= TIMINGS.dashboard_ticket_s
+        ):  # 5 s: the CLI's clock read first
             return False
         if not hmac.compare_digest(mac.encode(), _ticket_mac(self._key, stamp).encode()):
             return False
-        self._used[ticket] = int(stamp) + OPEN_TICKET_S + 5
+        self._used[ticket] = int(stamp) + TIMINGS.dashboard_ticket_s + 5
         return True
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
@@ -237,7 +238,7 @@ _WRONG_KEY = (
     "prints (it carries the key once), or run `swarm dashboard --open`\n"
 )
 _USED_TICKET = (
-    f"this one-time link to the dashboard was used already or is older than {OPEN_TICKET_S} s: "
+    f"this one-time link to the dashboard was used already or is older than {TIMINGS.dashboard_ticket_s} s: "
     "run `swarm dashboard --open` again (or open the URL `swarm dashboard` prints)\n"
 )
 

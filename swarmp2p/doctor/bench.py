@@ -11,8 +11,9 @@ from typing import Any
 from swarmp2p import __version__
 from swarmp2p.node import api, hardware, views
 from swarmp2p.node.requests import BenchRequest
-from swarmp2p.node.speed_probe import PROBE_TIMEOUT_S, measure
+from swarmp2p.node.speed_probe import measure
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -22,7 +23,7 @@ def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, An
     env = os.environ if env is None else env
     try:
         return api.send(
-            StateDir(root=state_dir).api_socket, BenchRequest(), timeout=PROBE_TIMEOUT_S
+            StateDir(root=state_dir).api_socket, BenchRequest(), timeout=TIMINGS.speed_probe_s
         )
     except api.NoDaemon:
         pass

@@ -16,6 +16,7 @@ from swarmp2p._install import (
     package_fix,
     runtime_fix,
 )
+from swarmp2p.timings import TIMINGS
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 STATUSES = (PASS, WARN, FAIL)
@@ -24,10 +25,6 @@ DISK_FAIL_BYTES = 2 * GIB
 """Below this a model cache cannot hold even the embedded model's conversion comfortably."""
 DISK_WARN_BYTES = 20 * GIB
 """Below this a 7B model in 16 bits (about 14 GB) does not fit."""
-SKEW_WARN_S = 1.0
-"""Clock skew past which log lines and metric timestamps from two nodes stop lining up."""
-WORKER_PROBE_TIMEOUT_S = 180.0
-CONNECT_TIMEOUT_S = 2.0
 IFF_UP, IFF_LOOPBACK, IFF_MULTICAST = 0x1, 0x8, 0x1000
 """Linux interface flags (include/uapi/linux/if.h)."""
 
@@ -351,7 +348,9 @@ def check_ports(daemon: Mapping[str, Any] | None, reach: Mapping[str, str]) -> C
     )
 
 
-def check_clock_skew(daemon: Mapping[str, Any] | None, *, warn_s: float = SKEW_WARN_S) -> Check:
+def check_clock_skew(
+    daemon: Mapping[str, Any] | None, *, warn_s: float = TIMINGS.doctor_skew_warn_s
+) -> Check:
     name = "clock skew"
     if daemon is None:
         return _no_daemon(name, "skew to peers not measured")
@@ -548,16 +547,13 @@ def run_checks(facts: Facts) -> list[Check]:
 
 
 __all__ = [
-    "CONNECT_TIMEOUT_S",
     "DISK_FAIL_BYTES",
     "DISK_WARN_BYTES",
     "FAIL",
     "GIB",
     "PASS",
-    "SKEW_WARN_S",
     "STATUSES",
     "WARN",
-    "WORKER_PROBE_TIMEOUT_S",
     "Check",
     "Facts",
     "Interface",

@@ -17,10 +17,8 @@ from typing import Any
 
 from swarmp2p._install import detect, has_nvidia
 from swarmp2p.doctor.checks import (
-    CONNECT_TIMEOUT_S,
     FAIL,
     STATUSES,
-    WORKER_PROBE_TIMEOUT_S,
     Check,
     Facts,
     Interface,
@@ -28,6 +26,7 @@ from swarmp2p.doctor.checks import (
     peers_of,
     run_checks,
 )
+from swarmp2p.timings import TIMINGS
 
 # --- gathering facts (effects) -----------------------------------------------------------------
 
@@ -70,7 +69,7 @@ print(json.dumps(out), flush=True)
 
 
 def probe_worker(
-    python: str = sys.executable, timeout: float = WORKER_PROBE_TIMEOUT_S
+    python: str = sys.executable, timeout: float = TIMINGS.doctor_worker_probe_s
 ) -> WorkerProbe:
     """Import torch and bitsandbytes in a fresh ``python``; a native crash is reported, not raised."""
     try:
@@ -202,7 +201,7 @@ def gather(
         interfaces=interfaces,
         interface_error=interface_error,
         daemon=daemon,
-        reach=_reach(daemon, CONNECT_TIMEOUT_S) if daemon else {},
+        reach=_reach(daemon, TIMINGS.doctor_connect_s) if daemon else {},
         disks=(
             ("Hugging Face hub cache", hub, hardware.disk_free(hub)),
             ("swarmp2p cache", ours, hardware.disk_free(ours)),

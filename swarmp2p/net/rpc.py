@@ -53,6 +53,7 @@ from swarmp2p.net.auth import (
     make_server_socket,
 )
 from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire.messages import MAX_MESSAGE_BYTES, ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -139,14 +140,8 @@ class RpcError(SwarmError):
         return cls(reply.code, reply.detail)
 
 
-REBIND_S = 5.0
-"""How long a fixed port is tried again while it is still in use: zmq releases a closed
-socket's listener on its I/O thread, after ``close()`` returns, so a server restarted on its
-own port (a re-key) can find the port still held for a moment."""
-
-
 class AddressInUse(OSError):
-    """A fixed port that another process still listened on after REBIND_S of retries."""
+    """A fixed port that another process still listened on after ``Timings.rpc_rebind_s`` of retries."""
 
     def __init__(self, port: int) -> None:
         super().__init__(errno.EADDRINUSE, f"port {port} is in use by another process")
@@ -154,7 +149,7 @@ class AddressInUse(OSError):
 
 
 async def _bind(sock: zmq.asyncio.Socket, addr: str, port: int) -> None:
-    deadline = time.monotonic() + REBIND_S
+    deadline = time.monotonic() + TIMINGS.rpc_rebind_s
     while True:
         try:
             sock.bind(addr)

@@ -89,11 +89,6 @@ from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")
 
-LEAVE_TIMEOUT_S = 2.0
-"""How long a stopping member waits for the leader to take it off the members."""
-METRICS_WANTED_S = 10.0
-"""A follower fetches job metrics from the leader while its status was asked this recently."""
-
 
 class Daemon:
     """One node. ``await run()`` serves until ``stop()`` (or SIGTERM via ``serve``)."""
@@ -322,10 +317,10 @@ class Daemon:
                     self.rep.append(
                         [ev.MemberLeft(node_id=ctx.node_id, reason="stopped")], wait=True
                     ),
-                    LEAVE_TIMEOUT_S,
+                    self.ctx.config.timings.leave_s,
                 )
             else:
-                await ctx.to_leader(Leave(node_id=ctx.node_id), LEAVE_TIMEOUT_S)
+                await ctx.to_leader(Leave(node_id=ctx.node_id), self.ctx.config.timings.leave_s)
         except (SwarmError, OSError, asyncio.TimeoutError) as exc:
             log.info("left without the leader's acknowledgement: %s", exc)
 
@@ -380,7 +375,7 @@ class Daemon:
         self.serving.tick()
         if (
             not ctx.leading
-            and now - self._status_at < METRICS_WANTED_S
+            and now - self._status_at < self.ctx.config.timings.metrics_wanted_s
             and now - self._metrics_at >= 1.0
         ):
             self._metrics_at = now

@@ -24,6 +24,7 @@ from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_hold
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
+from swarmp2p.timings import TIMINGS
 from swarmp2p.worker_events import (
     Done,
     Evaluated,
@@ -34,10 +35,6 @@ from swarmp2p.worker_events import (
     WorkerEvent,
 )
 from swarmp2p.workers import exit_message
-
-PROGRESS_EVERY_S = 5.0
-"""The leader writes a job's progress (step, loss) to the replicated table at most this often
-(and at every snapshot and at the end); the curve stays in its memory (``metrics``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -551,10 +548,6 @@ def waiting_refusal(table: JobTable, node_id: str, *, per_swarm: int, per_node: 
     return ""
 
 
-PLAN_AGAIN_S = 30.0
-"""A waiting job whose planning inputs did not change is planned again at most this often."""
-
-
 def placement_inputs(entry: JobEntry, alive: Iterable[str], records: Sequence[NodeRecord]) -> tuple:
     """What a waiting job's placement depends on, coarsely: its own version, the live nodes,
     and each live device's free memory in GiB and free disk in GiB (a byte's change in free
@@ -572,8 +565,8 @@ def placement_inputs(entry: JobEntry, alive: Iterable[str], records: Sequence[No
 
 def plan_again(last: tuple[tuple, float] | None, inputs: tuple, now: float) -> bool:
     """Whether to plan a waiting job again: never planned, or its inputs changed since the
-    last (blocked) try ``last`` = (inputs, when), or PLAN_AGAIN_S passed."""
-    return last is None or last[0] != inputs or now - last[1] >= PLAN_AGAIN_S
+    last (blocked) try ``last`` = (inputs, when), or ``Timings.plan_again_s`` passed."""
+    return last is None or last[0] != inputs or now - last[1] >= TIMINGS.plan_again_s
 
 
 _NEW_ID = re.compile(r"[^A-Za-z0-9_-]+")
@@ -586,8 +579,6 @@ def new_job_id(version: int, token: str) -> str:
 
 __all__ = [
     "MAX_REBALANCES",
-    "PLAN_AGAIN_S",
-    "PROGRESS_EVERY_S",
     "REBALANCE_OFF",
     "REBALANCE_STEPS",
     "Action",

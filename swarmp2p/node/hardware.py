@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import TypedDict
 
 from swarmp2p.node.records import Host, NodeRecord, device_key
+from swarmp2p.timings import TIMINGS
 
 FAKE_DEVICES_ENV = "SWARM_FAKE_DEVICES"
 """Environment variable describing fake devices (see the module docstring)."""
@@ -280,9 +281,6 @@ def _available_ram(total: int, meminfo: Path = Path("/proc/meminfo")) -> int:
 
 # --- live memory --------------------------------------------------------------------------------
 
-LIVE_EVERY_S = 1.0
-"""Free memory is re-read at most this often (each heartbeat asks; NVML takes ~1 ms a device)."""
-
 
 class LiveMemory:
     """This node's free memory per device, re-read: NVML for real GPUs (initialised once),
@@ -326,9 +324,9 @@ class LiveMemory:
             return {}
 
     def read(self) -> dict[str, int]:
-        """``{device key: free bytes}`` now (or as of at most LIVE_EVERY_S ago)."""
+        """``{device key: free bytes}`` now (or as of at most ``Timings.live_memory_every_s`` ago)."""
         now = self._clock()
-        if now - self._at < LIVE_EVERY_S and self._last:
+        if now - self._at < TIMINGS.live_memory_every_s and self._last:
             return self._last
         gpus = self._gpu_free()
         out = {}

@@ -34,11 +34,10 @@ from swarmp2p import __version__
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.records import Host, NodeRecord, device_key
 from swarmp2p.plan.hardware import Device
+from swarmp2p.timings import TIMINGS
 
 PROBE_ENV = "SWARM_SPEED_PROBE"
 """``off``: never measure (the planner then splits by free memory); anything else: measure."""
-PROBE_TIMEOUT_S = 600.0
-"""A probe that takes longer than this (a wedged GPU) is given up; the node stays unmeasured."""
 PROBE_SECONDS = 1.0
 """Wall time each (device, dtype) is timed (``runtime.probe.SECONDS``)."""
 _CGROUP = Path("/sys/fs/cgroup")
@@ -246,7 +245,7 @@ def _run_probe(
     request: ProbeRequest, env: Mapping[str, str], stop: threading.Event | None = None
 ) -> dict[str, object]:
     """The probe subprocess's answer; killed when ``stop`` is set (a daemon's shutdown never
-    waits for a probe) or past ``PROBE_TIMEOUT_S``."""
+    waits for a probe) or past ``TIMINGS.speed_probe_s``."""
     import subprocess
 
     run_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "")}
@@ -263,7 +262,7 @@ def _run_probe(
         text=True,
         env=run_env,
     )
-    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    deadline = time.monotonic() + TIMINGS.speed_probe_s
     sent: str | None = json.dumps(request)
     while True:
         try:
@@ -276,7 +275,9 @@ def _run_probe(
                 proc.communicate()
                 if _stopped(stop):
                     raise ProbeStopped("the node is stopping") from None
-                raise TimeoutError(f"the speed probe took over {PROBE_TIMEOUT_S:g} s") from None
+                raise TimeoutError(
+                    f"the speed probe took over {TIMINGS.speed_probe_s:g} s"
+                ) from None
     lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (stderr or stdout).strip().splitlines()[-3:]

@@ -23,9 +23,7 @@ from swarmp2p.plan.placement import plan_job
 from swarmp2p.plan.result import Plan
 from swarmp2p.plan.split import StageOfPlan
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
-
-LINK_TIMEOUT_S = 30.0
-"""How long a stage waits on a silent neighbour before it fails (the leader stops it sooner)."""
+from swarmp2p.timings import TIMINGS
 
 
 class WorkerSpecError(SchemaError):
@@ -140,7 +138,7 @@ class WorkerSpec(StageOfPlan):
     port: int = field(default=0, ge=0, le=65535)
     next: str | None = field(default=None, pattern=r"tcp://[^\s]+:\d{1,5}")
     """The endpoint of the next stage's bound link; None on the last stage."""
-    link_timeout_s: float = field(default=LINK_TIMEOUT_S, gt=0, le=86400)
+    link_timeout_s: float = field(default=TIMINGS.link_timeout_s, gt=0, le=86400)
     data: StageData = dataclasses.field(default_factory=StageData)
     snapshot_dir: str | None = field(default=None, min_len=1)
     resume: bool = False
@@ -163,15 +161,9 @@ class WorkerSpec(StageOfPlan):
     """Test knob: from this step on, this stage's gradients hold a NaN."""
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = self.stage_errors()
         n = len(self.plan.stages)
-        if self.stage >= n:
-            errors.append(
-                FieldError(
-                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
-                )
-            )
-        elif self.stage < n - 1 and self.next is None:
+        if not errors and self.stage < n - 1 and self.next is None:
             errors.append(
                 FieldError(
                     path="next",
@@ -387,7 +379,6 @@ def local_plan(
 
 
 __all__ = [
-    "LINK_TIMEOUT_S",
     "StageData",
     "StageTraining",
     "WorkerSpec",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from _gpu import MARKS, tiny_model
 
-from swarmp2p.node.hardware import planner_record, probe
+from swarmp2p.node.hardware import probe
 from swarmp2p.plan import Plan, parse_job, plan_job
-from swarmp2p.plan.hardware import CAPABILITIES, Node
+from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.precision import SWARM_SDPA_CAPABILITY, expands_grouped_kv, training_kernel
 
 pytestmark = MARKS
@@ -29,18 +29,18 @@ def _torch():
 def test_nvml_probe_reads_the_card_and_the_planner_resolves_its_dtype(tmp_path: Path):
     torch = _torch()
     record, host = probe(node_id="g", name="gpu-host", version="test", env={})
-    cuda = [d for d in record["devices"] if d["kind"] == "cuda"]
+    node = record.node
+    cuda = [d for d in node.devices if d.kind == "cuda"]
     assert len(cuda) == torch.cuda.device_count(), record
     card = cuda[0]
     props = torch.cuda.get_device_properties(0)
-    assert card["name"] == props.name and "fake" not in card
-    assert abs(card["memory_total"] - props.total_memory) <= 0.02 * props.total_memory
-    assert 0 < card["memory_free"] <= card["memory_total"]
+    assert card.name == props.name and not record.fake
+    assert abs(card.memory_total - props.total_memory) <= 0.02 * props.total_memory
+    assert 0 < card.memory_free <= card.memory_total
     major, minor = torch.cuda.get_device_capability(0)
-    assert card["compute_capability"] == f"{major}.{minor}"
-    assert host["driver"], host
+    assert card.compute_capability == f"{major}.{minor}"
+    assert host.driver, host
 
-    node = Node.from_dict(planner_record(record))
     model = tiny_model(tmp_path / "m")
     job = parse_job({"model": {"pretrained": str(model)}, "split": {"stages": 1}})
     plan = plan_job(job, [node])
@@ -124,7 +124,7 @@ def test_swarm_sdpa_keeps_scores_off_the_card_in_bfloat16_and_float32():
         training = True
 
     record, _ = probe(node_id="g", name="gpu-host", version="test", env={})
-    node = Node.from_dict(planner_record(record))
+    node = record.node
     card = next(d for d in node.devices if d.kind == "cuda")
     own = frozenset(CAPABILITIES)
     assert SWARM_SDPA_CAPABILITY in own

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from swarm_harness import ROOT, free_port, swarm_env, wait_until
@@ -217,7 +218,7 @@ def test_a_port_taken_between_the_check_and_the_bind_stops_the_daemon_naming_it(
     from swarmp2p.node.config import NodeConfig, setup_logging
     from swarmp2p.node.daemon import Daemon
 
-    monkeypatch.setattr(rpc, "REBIND_S", 0.2)
+    monkeypatch.setattr(rpc, "TIMINGS", replace(rpc.TIMINGS, rpc_rebind_s=0.2))
     port = free_port()
     holder = socket.socket()
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -106,11 +106,13 @@ def trio(tmp_path_factory):
 
 
 def _written(trio: Trio) -> dict[str, tuple[bytes, bytes]]:
-    """Each node's table and vote files, byte for byte."""
+    """Each node's table (snapshot and log) and vote files, byte for byte."""
     out = {}
     for n, node in trio.nodes.items():
         vote = node.state.root / "vote.json"
-        out[n] = (node.state.table_file.read_bytes(), vote.read_bytes() if vote.exists() else b"")
+        log = node.state.table_file.with_name("jobs.log")
+        table = node.state.table_file.read_bytes() + (log.read_bytes() if log.exists() else b"")
+        out[n] = (table, vote.read_bytes() if vote.exists() else b"")
     return out
 
 

@@ -267,7 +267,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     # freeze a stage past the first snapshot, so the job cannot end however fast this machine
     # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
     # has been noticed. A snapshot enters the table at once (the step count only every
-    # PROGRESS_EVERY_S), so the freeze comes a few steps past it and STEPS need not outlast that
+    # progress_every_s), so the freeze comes a few steps past it and STEPS need not outlast that
     wait_until(
         lambda: resume_step(_entry(watcher, job_id)) >= CHECKPOINT_EVERY,
         120,

@@ -26,14 +26,14 @@ def handlers(
         """`swarm remove NODE`: the leader takes it off the members and revokes its key."""
         node_id = req.node_id
         msg = jn.MemberRemove(node_id=node_id, reason=f"removed from node {ctx.node_id}")
-        reply = await ctx.to_leader(msg, jn.ROTATE_TIMEOUT_S + 5)
+        reply = await ctx.to_leader(msg, ctx.config.timings.rotate_s + 5)
         return {"node_id": node_id, "key": fingerprint(reply.key), "version": reply.version}
 
     async def rotate(req: rq.RotateRequest) -> dict[str, Data]:
         """`swarm token --rotate`: a new secret for the whole swarm; the old one admits nobody."""
         msg = jn.SecretRotate(reason=f"rotated from node {ctx.node_id}")
-        reply = await ctx.to_leader(msg, jn.ROTATE_TIMEOUT_S + 5)
-        deadline = ctx.clock() + jn.ROTATE_TIMEOUT_S
+        reply = await ctx.to_leader(msg, ctx.config.timings.rotate_s + 5)
+        deadline = ctx.clock() + ctx.config.timings.rotate_s
         while ctx.secret.swarm_id != reply.swarm_id and ctx.clock() < deadline:
             admission.check_secret()
             await asyncio.sleep(0.05)

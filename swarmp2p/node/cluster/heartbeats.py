@@ -100,7 +100,7 @@ class Heartbeats:
 
     def _disk_free(self) -> int:
         now = self.ctx.clock()
-        if now - self._disk[0] >= hardware.LIVE_EVERY_S:
+        if now - self._disk[0] >= self.ctx.config.timings.live_memory_every_s:
             self._disk = (now, hardware.free_disk(self.env))
         return self._disk[1]
 

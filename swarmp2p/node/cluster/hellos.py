@@ -183,7 +183,7 @@ class Hellos:
         ctx = self.ctx
         msg = jn.join_request(ctx, self.ctx.join_port)
         reply = await jn.join_at(
-            ctx, endpoint, msg, rpc_timeout(self.ctx.config) + jn.JOIN_TIMEOUT_S
+            ctx, endpoint, msg, rpc_timeout(self.ctx.config) + self.ctx.config.timings.join_reply_s
         )
         now = ctx.clock()
         try:

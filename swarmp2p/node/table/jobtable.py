@@ -4,7 +4,8 @@ The table holds the swarm's members (who counts towards a majority) and every tr
 with its state, plan, snapshots, shards and registered model. Each event has its own
 ``apply_<event>``; an event that does not follow from the table (an unknown job, a finished
 one, a stale attempt's step) raises ValueError naming why, so the leader never commits it.
-Tables are persisted atomically with a sha256 checksum.
+A table is saved atomically with a sha256 checksum; the daemon's copy is a snapshot plus an
+append-only log of the entries after it (``store.py``).
 
 Job states: pending -> placed -> running -> completed | failed | cancelled; a lost stage node
 sends a running job to resuming -> placed (a new attempt) -> running.
@@ -494,8 +495,9 @@ def apply_all(table: JobTable, entries: list[ev.Entry]) -> JobTable:
 # --- persistence ------------------------------------------------------------------------------
 
 
-def _checksum(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()
+def checksum(body: str) -> str:
+    """The sha256 a saved table carries of its body."""
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def encode(table: JobTable) -> str:
@@ -506,7 +508,7 @@ def encode(table: JobTable) -> str:
 def save(path: Path, table: JobTable, body: str | None = None) -> None:
     """Write ``table`` to ``path`` atomically (temp file, fsync, rename) with a sha256."""
     body = encode(table) if body is None else body
-    write_atomic(path, json.dumps({"sha256": _checksum(body.encode()), "table": body}))
+    write_atomic(path, json.dumps({"sha256": checksum(body), "table": body}))
 
 
 def load(path: Path) -> JobTable:
@@ -525,7 +527,7 @@ def load(path: Path) -> JobTable:
         raise ValueError(
             f"job table {path} is not a saved table; move it away to start empty"
         ) from None
-    if _checksum(body.encode()) != expected:
+    if checksum(body) != expected:
         raise ValueError(f"job table {path} fails its sha256 checksum; move it away to start empty")
     data = json.loads(body)
     if isinstance(data, dict) and data.get("format") in (1, 2):
@@ -560,6 +562,7 @@ __all__ = [
     "StateChange",
     "apply",
     "apply_all",
+    "checksum",
     "encode",
     "load",
     "save",

@@ -15,7 +15,6 @@ from swarmp2p.node.table.jobtable import JobEntry
 from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape
-from swarmp2p.plan.worker_spec import LINK_TIMEOUT_S
 from swarmp2p.schema import Data
 
 OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -187,7 +186,6 @@ def resume_step(entry: JobEntry, alive: Iterable[str] | None = None, copies: int
 
 
 __all__ = [
-    "LINK_TIMEOUT_S",
     "OVERRIDES",
     "PlanMismatch",
     "apply_overrides",

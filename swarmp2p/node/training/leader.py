@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.net.rpc import ByteBudget, RpcError
 from swarmp2p.node import decide
-from swarmp2p.node.config import SUBMIT_BURST, SUBMIT_EVERY_S
+from swarmp2p.node.config import SUBMIT_BURST
 from swarmp2p.node.messages import (
     FilePull,
     JobAck,
@@ -43,7 +43,6 @@ from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.schema import Data, SchemaError
 from swarmp2p.worker_events import SnapshotSaved, WorkerEvent, decode
-from swarmp2p.workers import READY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -51,12 +50,6 @@ if TYPE_CHECKING:
     from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.jobs")
-
-STOP_TIMEOUT_S = 5.0
-COPY_TIMEOUT_S = 60.0
-PREPARE_TIMEOUT_S = 6 * 3600.0
-"""How long the stage nodes may take to fetch their files (a stalled fetch fails sooner: each
-chunk has its own timeout, ``model_files.CHUNK_TIMEOUT_S``)."""
 
 
 class JobsLeader:
@@ -84,14 +77,16 @@ class JobsLeader:
         only when they change (``decide.plan_again``), so many waiting jobs cost the leader
         little each round."""
         self._submit_budgets: dict[str, ByteBudget] = {}
-        """Node -> its submissions' bucket (``SUBMIT_BURST``, one per ``SUBMIT_EVERY_S``)."""
+        """Node -> its submissions' bucket (``SUBMIT_BURST``, one per ``Timings.submit_every_s``)."""
 
     def _submits(self, node_id: str) -> ByteBudget:
         if len(self._submit_budgets) > 4096:  # ids of nodes long gone
             self._submit_budgets.clear()
         budget = self._submit_budgets.get(node_id)
         if budget is None:
-            budget = ByteBudget(1 / SUBMIT_EVERY_S, SUBMIT_BURST, self.ctx.clock)
+            budget = ByteBudget(
+                1 / self.ctx.config.timings.submit_every_s, SUBMIT_BURST, self.ctx.clock
+            )
             self._submit_budgets[node_id] = budget
         return budget
 
@@ -245,7 +240,11 @@ class JobsLeader:
         nodes = [s.node_id for s in entry.plan.stages]
         replies = await asyncio.gather(
             *(
-                self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
+                self.ctx.call(
+                    n,
+                    self._stage_start(entry, attempt, i, "", True),
+                    self.ctx.config.timings.stage_prepare_s,
+                )
                 for i, n in enumerate(nodes)
             ),
             return_exceptions=True,
@@ -309,7 +308,9 @@ class JobsLeader:
             node_id = entry.plan.stages[i].node_id
             msg = self._stage_start(self.ctx.table.jobs[job_id], attempt, i, nxt, False)
             try:
-                reply = await self.ctx.call(node_id, msg, READY_TIMEOUT_S + 30)
+                reply = await self.ctx.call(
+                    node_id, msg, self.ctx.config.timings.worker_ready_s + 30
+                )
                 if not isinstance(reply, StageReady):
                     raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.stage_ready")
             except (SwarmError, OSError, asyncio.TimeoutError) as exc:
@@ -337,7 +338,10 @@ class JobsLeader:
     async def _stop_everywhere(self, job_id: str, attempt: int) -> None:
         msg = StageStop(job_id=job_id, attempt=attempt)
         await asyncio.gather(
-            *(self.ctx.call(n, msg, STOP_TIMEOUT_S) for n in sorted(self.ctx.live_nodes())),
+            *(
+                self.ctx.call(n, msg, self.ctx.config.timings.stage_stop_s)
+                for n in sorted(self.ctx.live_nodes())
+            ),
             return_exceptions=True,
         )
 
@@ -367,7 +371,7 @@ class JobsLeader:
         if wait > 0:
             raise Unavailable(
                 f"job not submitted: node {sender} submitted {SUBMIT_BURST} jobs in quick "
-                f"succession; past that the leader takes one every {SUBMIT_EVERY_S:g} s from "
+                f"succession; past that the leader takes one every {self.ctx.config.timings.submit_every_s:g} s from "
                 f"a node: retry in {wait:.1f} s",
                 code="job_rate",
             )
@@ -387,7 +391,9 @@ class JobsLeader:
     async def cancel(self, job_id: str) -> dict[str, Data]:
         """Leader (a follower forwards): stop the job's workers, mark it CANCELLED."""
         if not self.ctx.leading:
-            await self.ctx.to_leader(JobCancel(job_id=job_id), STOP_TIMEOUT_S * 3)
+            await self.ctx.to_leader(
+                JobCancel(job_id=job_id), self.ctx.config.timings.stage_stop_s * 3
+            )
             return {"job_id": job_id, "state": "CANCELLED"}
         entry = self.ctx.table.jobs.get(job_id)
         if entry is None:
@@ -420,7 +426,10 @@ class JobsLeader:
                 events=reported,
             )
             now = self.wall()
-            due = now - self._progress_at.get(msg.job_id, 0.0) >= decide.PROGRESS_EVERY_S
+            due = (
+                now - self._progress_at.get(msg.job_id, 0.0)
+                >= self.ctx.config.timings.progress_every_s
+            )
             events = decide.fold_report(
                 entry,
                 attempt=msg.attempt,
@@ -592,7 +601,9 @@ class JobsLeader:
             try:
                 source = self.ctx.endpoint_of(holder)
                 await self.ctx.call(
-                    target, FilePull(job_id=job_id, file=file, source=source), COPY_TIMEOUT_S
+                    target,
+                    FilePull(job_id=job_id, file=file, source=source),
+                    self.ctx.config.timings.shard_copy_s,
                 )
             except (SwarmError, OSError) as exc:
                 log.warning("snapshot copy of job %s stage %d failed: %s", job_id, stage, exc)
@@ -659,4 +670,4 @@ class JobsLeader:
         return f"node {self.ctx.node_id} is not leading ({self.ctx.leader} leads in its view{'; ' + why if why else ''})"
 
 
-__all__ = ["COPY_TIMEOUT_S", "STOP_TIMEOUT_S", "JobsLeader"]
+__all__ = ["JobsLeader"]

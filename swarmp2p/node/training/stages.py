@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.training.stages")
 
-REPORT_EVERY_S = 0.2
-"""How often a node sends its workers' new events to the leader (one batch per worker)."""
 REPORT_BATCH = 200
 CHUNK_BYTES = 1 << 20
 
@@ -138,10 +136,10 @@ class StageHost:
         """``job.file_pull``: copy a snapshot the table lists for the job (``listed_snapshot``),
         refused before any byte or folder is written here. A copy asked for right after the
         leader listed the snapshot may arrive before the table change: it waits for it a
-        moment (``LISTED_WAIT_S``)."""
+        moment (``Timings.snapshot_listed_s``)."""
         job_file(self.ctx.state.root, msg.job_id, msg.file)  # a name that escapes: bad_field
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + LISTED_WAIT_S
+        deadline = loop.time() + self.ctx.config.timings.snapshot_listed_s
         while True:
             try:
                 limit = listed_snapshot(self.ctx.table, msg.job_id, msg.file)
@@ -224,7 +222,7 @@ class StageHost:
             export_dir=str(folder / "export"),
             resume=bool(msg.resume_step),
             tokens_path=str(tokens) if tokens is not None else None,
-            link_timeout_s=jobs.LINK_TIMEOUT_S,
+            link_timeout_s=self.ctx.config.timings.link_timeout_s,
             link_keys=self._link_keys(plan, msg.stage),
         )
         folder.mkdir(parents=True, exist_ok=True)
@@ -460,7 +458,7 @@ class StageHost:
                     self._outbox.pop(key, None)
                     if worker is not None:
                         self.workers.pop(key, None)
-            await asyncio.sleep(REPORT_EVERY_S)
+            await asyncio.sleep(self.ctx.config.timings.report_every_s)
 
     def held(self) -> dict[str, int]:
         """Bytes this node's stage workers hold per device (their plans' peaks)."""
@@ -530,8 +528,6 @@ _SNAP = re.compile(r"step-(\d{8})\.pt")
 """The runtime's snapshot file names (``runtime.torch.snapshot.snapshot_path``)."""
 _SNAP_FILE = re.compile(r"snapshots/cuts-(?:none|\d+(?:-\d+)*)/stage-(\d{1,4})/step-(\d{8})\.pt")
 """A snapshot's path in its job's folder (``snapshot_dir``/stage-N/step-XXXXXXXX.pt)."""
-LISTED_WAIT_S = 3.0
-"""How long a ``job.file_pull`` waits for the table to list the snapshot it names."""
 SNAPSHOT_SLACK = 64 * 2**20
 """Bytes a snapshot may have beyond its stages' planned weights and trainable state
 (compressor halves, the loss scaler, the pickle's own framing)."""
@@ -581,7 +577,6 @@ def _snapshot_name(step: int) -> str:
 
 __all__ = [
     "CHUNK_BYTES",
-    "REPORT_EVERY_S",
     "StageHost",
     "job_dir",
     "job_file",

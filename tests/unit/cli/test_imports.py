@@ -59,6 +59,7 @@ DAEMON = {
     "swarmp2p.node.cluster.pairing",
     "swarmp2p.node.table.registry",
     "swarmp2p.node.table.replication",
+    "swarmp2p.node.table.store",
     "swarmp2p.node.serving.model",
     "swarmp2p.node.serving.ring",
     "swarmp2p.node.serving.stages",

@@ -159,15 +159,16 @@ def test_malformed_requests_log_one_short_line_each_at_most(caplog):
 
 def test_a_one_time_link_logs_in_once_and_never_carries_the_key():
     """`swarm dashboard --open` hands the browser /?open=STAMP.MAC (its argv is public): it
-    sets the key's cookie once, within OPEN_TICKET_S; again, late, forged or from another key
+    sets the key's cookie once, within dashboard_ticket_s; again, late, forged or from another key
     it is refused, and the key is in none of them."""
-    from swarmp2p.dashboard.server import OPEN_TICKET_S, open_url
+    from swarmp2p.dashboard.server import open_url
+    from swarmp2p.timings import TIMINGS
 
     def fetch(port):
         url = f"http://127.0.0.1:{port}/?key={KEY}"
         link = open_url(url, now=42.0)
         path = link.split(f":{port}", 1)[1]
-        late = open_url(url, now=42.0 - OPEN_TICKET_S - 10).split(f":{port}", 1)[1]
+        late = open_url(url, now=42.0 - TIMINGS.dashboard_ticket_s - 10).split(f":{port}", 1)[1]
         other = open_url(f"http://127.0.0.1:{port}/?key={'o' * 43}", now=42.0)
         forged = path[:-4] + ("0000" if not path.endswith("0000") else "1111")
         return link, [

@@ -45,6 +45,7 @@ from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable
 from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.node.table.replication import Replication
+from swarmp2p.timings import Timings
 from swarmp2p.wire.messages import decode, encode
 
 SECRET = SwarmSecret.generate()
@@ -97,7 +98,9 @@ class FakeContext(NodeContext):
             state=state,
             secret=SECRET,
             key=key or NodeKey.generate(),
-            config=NodeConfig(state_dir=state.root, heartbeat_s=0.05, failure_timeout_s=0.2),
+            config=NodeConfig(
+                state_dir=state.root, timings=Timings(heartbeat_s=0.05, failure_timeout_s=0.2)
+            ),
         )
         self.net = net
         self.started_at = -1e9  # long past its start-up grace

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from swarmp2p.timings import TIMINGS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import founded, job, running
 
@@ -76,8 +78,8 @@ def test_a_blocked_job_is_planned_again_only_when_its_inputs_change_or_in_time()
     last = (inputs, 100.0)
     # free memory wobbling within its GiB: the same inputs
     assert decide.placement_inputs(entry, {"a"}, _records(4.3)) == inputs
-    assert not decide.plan_again(last, inputs, 100.0 + decide.PLAN_AGAIN_S - 1)
-    assert decide.plan_again(last, inputs, 100.0 + decide.PLAN_AGAIN_S)
+    assert not decide.plan_again(last, inputs, 100.0 + TIMINGS.plan_again_s - 1)
+    assert decide.plan_again(last, inputs, 100.0 + TIMINGS.plan_again_s)
     for changed in (
         decide.placement_inputs(entry, {"a"}, _records(5.0)),  # a GiB more free
         decide.placement_inputs(entry, {"a", "b"}, _records(4.0)),  # a node came

@@ -24,6 +24,7 @@ from swarmp2p.node.messages import (
 )
 from swarmp2p.node.records import Host, NodeRecord
 from swarmp2p.plan import parse_job
+from swarmp2p.timings import Timings
 from swarmp2p.wire.messages import WireError, decode, encode
 
 
@@ -39,13 +40,15 @@ def test_parse_peer():
     ("fields", "message"),
     [
         ({"port": 70000}, "--port 70000"),
-        ({"heartbeat_s": 3.0, "failure_timeout_s": 2.0}, "must be > 0 and below the failure"),
-        ({"heartbeat_s": 0.0}, "must be > 0"),
+        ({"timings": {"heartbeat_s": 3.0, "failure_timeout_s": 2.0}}, "must be > 0 and below the"),
+        ({"timings": {"heartbeat_s": 0.0}}, "must be > 0"),
         ({"peers": ("nope",)}, "--peer 'nope'"),
     ],
 )
 def test_config_refuses_bad_values(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
+        if "timings" in fields:
+            fields = {**fields, "timings": Timings(**fields["timings"])}
         NodeConfig(state_dir=tmp_path, **fields)
 
 

@@ -19,6 +19,7 @@ from swarmp2p.node.hardware import (
 from swarmp2p.node.records import NO_HELD, Held, MemoryReport, NodeRecord
 from swarmp2p.plan.hardware import Device
 from swarmp2p.schema import to_data
+from swarmp2p.timings import TIMINGS
 
 
 class _NVMLError(Exception):
@@ -202,7 +203,7 @@ def test_live_memory_re_reads_nvml_and_ram_at_most_once_a_second(tmp_path):
     gpus[0] = ("RTX A5000", 24 * GIB, 3 * GIB, (8, 6))  # a served model loaded meanwhile
     meminfo.write_text("MemAvailable: 32 kB\n")
     assert live.read()["cuda:0"] == 20 * GIB  # within the second: the last reading
-    now[0] = hardware.LIVE_EVERY_S
+    now[0] = TIMINGS.live_memory_every_s
     assert live.read() == {"cuda:0": 3 * GIB, "cpu:0": 32 * 1024}
     assert calls.count("init") == 1  # NVML stays initialised between readings
 

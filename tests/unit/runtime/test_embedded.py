@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -344,7 +345,9 @@ def test_a_caller_gives_up_on_a_stuck_converter(monkeypatch, tmp_path):
 
     from swarmp2p.runtime.torch.model import embedded
 
-    monkeypatch.setattr(embedded, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(
+        embedded, "WORKER_TIMINGS", replace(embedded.WORKER_TIMINGS, embedded_lock_s=0.3)
+    )
     folder = tmp_path / "models" / "smollm2-135m-instruct"
     folder.parent.mkdir(parents=True)
     with open(folder.parent / ".smollm2-135m-instruct.lock", "w") as held:

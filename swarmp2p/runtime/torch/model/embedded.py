@@ -35,6 +35,7 @@ from swarmp2p.models import (
     embedded_gguf,
     read_marker,
 )
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 __all__ = ["ensure_embedded"]
 
@@ -42,11 +43,6 @@ _NEEDED_BYTES = 700 * 2**20
 """Free disk a conversion needs: 538 MB of float32 weights, the tokenizer, and a margin."""
 
 _HASH_CHUNK = 8 * 2**20
-
-LOCK_TIMEOUT_S = 900.0
-"""How long a caller waits for another process's conversion (normally 15-60 s) before failing."""
-
-_LOCK_POLL_S = 0.1
 
 
 def ensure_embedded() -> Path:
@@ -80,7 +76,7 @@ def _locked(path: Path) -> Iterator[None]:
     # The lock file stays: unlinking a lock file others may hold open is racy. The holder's pid
     # is written into it for the timeout message; the kernel drops the lock if the holder dies.
     with open(path, "a+") as handle:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        deadline = time.monotonic() + WORKER_TIMINGS.embedded_lock_s
         while True:
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,10 +86,10 @@ def _locked(path: Path) -> Iterator[None]:
                     handle.seek(0)
                     holder = handle.read().strip() or "unknown"
                     raise TimeoutError(
-                        f"waited {LOCK_TIMEOUT_S:.0f} s for process {holder} to finish converting "
+                        f"waited {WORKER_TIMINGS.embedded_lock_s:.0f} s for process {holder} to finish converting "
                         f"the embedded model (lock {path}); stop it or wait, then try again"
                     ) from None
-                time.sleep(_LOCK_POLL_S)
+                time.sleep(WORKER_TIMINGS.embedded_lock_poll_s)
         try:
             handle.truncate(0)
             handle.write(str(os.getpid()))

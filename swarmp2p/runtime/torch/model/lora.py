@@ -71,7 +71,7 @@ def resolve_targets(model: nn.Module, settings: LoraConfig) -> tuple[str, ...]:
         return tuple(settings.target_modules)
     leaves = getattr(model, "model_leaves", None)  # a runtime Stage: the whole model's leaves
     if leaves is None:
-        leaves = leaf_weights(introspect(model).blocks)
+        return default_target_modules(introspect(model).blocks)
     return targets_of_leaves(leaves)
 
 

@@ -178,18 +178,3 @@ def allowed_ids(mask: bytes, vocab: int) -> torch.Tensor:
     if not bool(out.any()):
         raise ValueError("the structured output's grammar allows no token of this vocabulary")
     return out
-
-
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """The next token id from a ``[vocab]`` row with temperature, top-k, top-p and min-p only
-    (no penalties); greedy is the argmax."""
-    if logits.dim() != 1:
-        raise ValueError(f"sample_token takes one [vocab] row, got shape {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    if generator is None:
-        raise ValueError("sampling with temperature > 0 needs a generator (new_generator)")
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

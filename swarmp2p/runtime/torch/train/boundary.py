@@ -35,19 +35,15 @@ import torch
 
 from swarmp2p.codec_layout import sent_codec
 from swarmp2p.serve.spec import fixed_bits
+from swarmp2p.timings import TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
 ACT, GRAD, CONTROL = "act", "grad", "control"
 """Message kinds: an activation (upstream to downstream), a reply (back), a control message."""
 
-DEFAULT_LINK_TIMEOUT_S = 60.0
-"""How long a stage waits for its neighbour before it gives up with ``LinkTimeout``."""
 ABORT = "abort"
 """The control message a failing stage sends its neighbours."""
-ABORT_SEND_S = 1.0
-"""How long a failing stage tries to hand its abort to a neighbour (it may be gone)."""
-ABORT_FLUSH_S = 0.05
-"""How long a failing stage lets its abort leave before the link closes (and drops it)."""
 
 
 class BoundaryError(RuntimeError):
@@ -147,7 +143,7 @@ class Channel:
     """
 
     link: Any
-    timeout: float = DEFAULT_LINK_TIMEOUT_S
+    timeout: float = TIMINGS.link_timeout_s
     sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
     wait_s: float = 0.0
     host_copy: HostCopy = field(default_factory=HostCopy)
@@ -264,10 +260,10 @@ class Channel:
 
     def send_abort(self, *, stage: int | None, step: int | None, reason: str) -> None:
         """Tell the neighbour this pipeline stops (best effort: it may be gone already)."""
-        old, self.timeout = self.timeout, min(self.timeout, ABORT_SEND_S)
+        old, self.timeout = self.timeout, min(self.timeout, WORKER_TIMINGS.abort_send_s)
         try:
             self.send_control(ABORT, failed_stage=stage, step=step, reason=reason)
-            time.sleep(ABORT_FLUSH_S)  # the link drops queued messages on close
+            time.sleep(WORKER_TIMINGS.abort_flush_s)  # the link drops queued messages on close
         except Exception:
             pass
         finally:

@@ -11,6 +11,7 @@ from swarmp2p.data.split import HELD_OUT_EVERY
 from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
 from swarmp2p.schema import to_data
+from swarmp2p.timings.workers import WORKER_TIMINGS
 from swarmp2p.worker_events import (
     Built,
     Calibrated,
@@ -20,9 +21,6 @@ from swarmp2p.worker_events import (
     SnapshotSaved,
     WorkerEvent,
 )
-
-BYE_WAIT_S = 5.0
-"""How long a stage waits for the stage before it to confirm the end before closing anyway."""
 
 
 def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
@@ -330,7 +328,7 @@ def _say_goodbye(prev, nxt, time) -> None:
         nxt.send_control("bye")
         time.sleep(0.05)  # the link drops queued messages on close; let this one leave
     if prev is not None:
-        old, prev.timeout = prev.timeout, min(prev.timeout, BYE_WAIT_S)
+        old, prev.timeout = prev.timeout, min(prev.timeout, WORKER_TIMINGS.stage_bye_s)
         try:
             prev.recv_control("bye")
         except LinkTimeout:
