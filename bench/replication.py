@@ -6,9 +6,14 @@ Three real daemons on loopback (each `swarm up --foreground`, static peers, no m
 tables) are read before the submission and after completion. The job reports every 0.2 s
 like any job; the table sees only lifecycle events and a progress sample every few seconds.
 
+``--persist`` measures instead what one append costs on disk, with no daemons: the whole
+table rewritten at every append (``jobtable.save``, as before the log) beside the log's
+append (``node/table/store.py``, its periodic snapshots included), on tables of growing size,
+side by side in one run: bytes written and milliseconds per append.
+
 Prints a markdown table, then as its last line one JSON object.
 
-    python bench/replication.py [--quick] [--steps N]
+    python bench/replication.py [--quick] [--steps N] [--persist]
 """
 
 from __future__ import annotations
@@ -100,11 +105,79 @@ def run(args) -> dict:
     }
 
 
+def persist(args) -> dict:
+    """Bytes and time per append: the whole table rewritten vs the log (snapshots included)."""
+    sys.path.insert(0, str(ROOT / "tests" / "unit" / "node"))
+    from _tables import running
+
+    from swarmp2p.node.table import events as ev
+    from swarmp2p.node.table import jobtable
+    from swarmp2p.node.table.store import TableStore
+
+    appends = 50 if args.quick else 300
+    rows = []
+    for jobs in (1, 50, 400) if args.quick else (1, 50, 400, 1600):
+        table = running().table
+        job = table.jobs["j1"].job
+        version = table.version
+        for i in range(jobs - 1):
+            version += 1
+            event = ev.JobSubmitted(job_id=f"k{i}", job=job, submitted_by="cli", at=1.0)
+            table = jobtable.apply(table, ev.Entry(version=version, term=1, event=event))
+        entries, tables = [], [table]
+        for step in range(1, appends + 1):
+            event = ev.StepsReported(job_id="j1", attempt=1, step=step, loss=4.0, at=1.0 * step)
+            entries.append(ev.Entry(version=tables[-1].version + 1, term=1, event=event))
+            tables.append(jobtable.apply(tables[-1], entries[-1]))
+        row = {"jobs": jobs}
+        with tempfile.TemporaryDirectory(prefix="swarm-persist-") as tmp:
+            path = Path(tmp) / "whole.json"
+            start, written = time.perf_counter(), 0
+            for t in tables[1:]:
+                jobtable.save(path, t)
+                written += path.stat().st_size
+            row["whole_ms"] = (time.perf_counter() - start) * 1e3 / appends
+            row["whole_bytes"] = written / appends
+            store = TableStore(Path(tmp) / "jobs.json")
+            store.snapshot(tables[0])
+            store.bytes_written = 0
+            start = time.perf_counter()
+            for base, t, entry in zip(tables, tables[1:], entries):
+                store.write(t, base, [entry])
+            row["log_ms"] = (time.perf_counter() - start) * 1e3 / appends
+            row["log_bytes"] = store.bytes_written / appends
+            row["table_bytes"] = len(jobtable.encode(tables[-1]))
+        row["bytes_ratio"] = row["whole_bytes"] / row["log_bytes"]
+        row["time_ratio"] = row["whole_ms"] / row["log_ms"]
+        rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    return {"appends": appends, "rows": rows}
+
+
+def main_persist(args) -> None:
+    result = persist(args)
+    print(f"{result['appends']} appends of one StepsReported each, fsync'd")
+    print(
+        "| jobs | table bytes | whole: bytes/append | log: bytes/append | bytes ratio "
+        "| whole: ms/append | log: ms/append | time ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(
+            f"| {r['jobs']} | {r['table_bytes']} | {r['whole_bytes']:.0f} | {r['log_bytes']:.0f} "
+            f"| {r['bytes_ratio']:.1f}x | {r['whole_ms']:.2f} | {r['log_ms']:.2f} "
+            f"| {r['time_ratio']:.1f}x |"
+        )
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps (CI)")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--persist", action="store_true", help="append cost on disk, no daemons")
     args = parser.parse_args()
+    if args.persist:
+        return main_persist(args)
     if args.quick:
         args.steps = 6
     result = run(args)

@@ -37,6 +37,11 @@ QUICK_ARGS = {"fuzz_wire.py": ["--inputs", "2000"]}
 START_FIRST = ("train_pipeline.py", "serve.py")
 """The longest quick runs (about 115 s and 55 s here): with ``--jobs``, they start first, so
 the short ones fill the other slot instead of one long run starting last."""
+GPU_ONLY = ("gpu.py",)
+"""Benchmarks of the GPU machine: ``bench/gpu_check.sh`` runs them there (CI its dry run); they
+are left out here unless ``--only`` names them, and the section they write into
+``docs/benchmarks.md`` (between GPU_MARKERS) is kept when this script rewrites it."""
+GPU_MARKERS = ("<!-- gpu:begin -->", "<!-- gpu:end -->")
 VERSIONS = ("torch", "transformers", "pyzmq", "numpy", "msgpack", "bitsandbytes", "peft")
 TIMEOUT_S = 1800.0
 
@@ -67,7 +72,7 @@ def discover(bench_dir: Path, only: list[str] | None = None) -> list[Path]:
         if p.name != Path(__file__).name and not p.name.startswith("_")
     )
     if not only:
-        return scripts
+        return [p for p in scripts if p.name not in GPU_ONLY]
     names = {p.stem: p for p in scripts}
     missing = [n for n in only if n.removesuffix(".py") not in names]
     if missing:
@@ -217,6 +222,14 @@ def render(results: list[BenchResult], info: dict[str, str], *, quick: bool) -> 
     return "\n".join(lines).rstrip() + "\n"
 
 
+def gpu_section(old: str) -> str:
+    """The GPU section of an earlier docs/benchmarks.md (markers included), or ''."""
+    begin, end = GPU_MARKERS
+    if begin not in old or end not in old.split(begin, 1)[1]:
+        return ""
+    return begin + old.split(begin, 1)[1].split(end, 1)[0] + end
+
+
 def _demote(markdown: str) -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in markdown.splitlines())
 
@@ -273,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     results = [done[s] for s, _ in plan]  # reported in the plan's order
     output = args.output if args.output is not None else (None if args.quick else DEFAULT_OUTPUT)
     if output is not None:
-        write_atomic(output, render(results, machine(), quick=args.quick), mode=0o644)
+        text = render(results, machine(), quick=args.quick)
+        kept = gpu_section(output.read_text(encoding="utf-8")) if output.is_file() else ""
+        write_atomic(output, text + (f"\n{kept}\n" if kept else ""), mode=0o644)
     print("| benchmark | seconds | status |\n|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.seconds:.1f} | {'ok' if r.ok else 'FAILED: ' + r.error} |")

@@ -259,11 +259,11 @@ def _http_round(client, model: str, users: int, tokens: int) -> dict:
 
 def _generate_batch(model, prompt_ids, batch: int, tokens: int, threads: int) -> float:
     """Aggregate tok/s of ``model.generate`` on ``batch`` copies of the prompt (prefill
-    included), eos ignored, ``threads`` intra-op threads."""
+    included), eos ignored, ``threads`` intra-op threads, on the model's device."""
     import torch
 
     torch.set_num_threads(threads)
-    ids = torch.tensor([prompt_ids] * batch)
+    ids = torch.tensor([prompt_ids] * batch, device=model.device)
     with torch.no_grad():
         start = time.perf_counter()
         model.generate(
@@ -274,6 +274,8 @@ def _generate_batch(model, prompt_ids, batch: int, tokens: int, threads: int) ->
             do_sample=False,
             pad_token_id=2,
         )
+        if ids.is_cuda:  # generate returns before the card is done
+            torch.cuda.synchronize()
         return batch * tokens / (time.perf_counter() - start)
 
 

@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -47,14 +48,14 @@ import torch  # noqa: E402
 
 from swarmp2p.net import InProcLink, SwarmSecret  # noqa: E402
 from swarmp2p.plan import load_model_shape, parse_job, stage_schedule  # noqa: E402
-from swarmp2p.plan.worker_spec import local_plan, worker_spec  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining, local_plan, worker_spec  # noqa: E402
 from swarmp2p.runtime.torch import build_stage, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.calibration import CovarianceAccumulator, principal_projection  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import LearnedBottleneck, compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train.loss import chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import train_stage  # noqa: E402
 
 CACHE = Path(os.environ.get("SWARMP2P_CACHE", Path.home() / ".cache" / "swarmp2p")) / "bench"
 COMPRESSIONS = {
@@ -242,22 +243,26 @@ def _pp_rank(
     out,
     cut: int,
     onednn: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # NCCL for tensors on a card (gloo sends only host memory), gloo on the CPU
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=2)
     try:
         a, b = (0, cut) if rank == 0 else (cut, n_layers)
-        module = load_stage_shard(folder, a, b, rank == 0, rank == 1)
+        module = load_stage_shard(folder, a, b, rank == 0, rank == 1, dtype=dtype, device=device)
         module.train()
         if onednn:  # the products a float32 CPU swarm stage runs (runtime/torch/model/packed.py)
             from swarmp2p.runtime.torch.model.packed import use_onednn
 
             use_onednn(module)
-        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        stage = PipelineStage(module, rank, 2, torch.device(device))
 
         def loss_fn(logits, target):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -267,7 +272,7 @@ def _pp_rank(
         vocab = module.config.vocab_size
         times = []
         for step in range(args.steps):
-            tokens = random_batch(step, args.batch, args.seq, vocab)
+            tokens = random_batch(step, args.batch, args.seq, vocab).to(device)
             start = time.perf_counter()
             if rank == 0:
                 schedule.step(tokens[:, :-1])
@@ -275,6 +280,8 @@ def _pp_rank(
                 schedule.step(target=tokens[:, 1:], losses=[])
             opt.step()
             opt.zero_grad()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         out.put((rank, times[args.warmup :]))
     finally:
@@ -290,10 +297,13 @@ def run_torch_pipelining(
     cut: int | None = None,
     groups=(),
     onednn: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[float]:
     """Step seconds of torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks cut at
     ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given; with
-    ``onednn``, its linear layers run oneDNN's products as a swarm's CPU stage does."""
+    ``onednn``, its linear layers run oneDNN's products as a swarm's CPU stage does. On a
+    ``device`` "cuda:0" both ranks share that card over NCCL, in ``dtype``."""
     import multiprocessing as mp
     import socket
 
@@ -305,7 +315,8 @@ def run_torch_pipelining(
     procs = [
         ctx.Process(
             target=_pp_rank,
-            args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2, onednn),
+            args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2),
+            kwargs={"onednn": onednn, "device": device, "dtype": dtype},
         )
         for r in range(2)
     ]
@@ -313,7 +324,19 @@ def run_torch_pipelining(
         p.start()
         if groups:
             groups[r].add(p.pid)
-    results = dict(out.get(timeout=3600) for _ in procs)
+    results: dict = {}
+    while len(results) < len(procs):
+        try:
+            rank, times = out.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):  # its traceback is on stderr
+                codes = [p.exitcode for p in procs]
+                for p in procs:
+                    p.kill()
+                    p.join()
+                raise RuntimeError(f"a torch pipelining rank failed (exit codes {codes})") from None
+            continue
+        results[rank] = times
     for p in procs:
         p.join()
     # a step ends when both ranks are done with it
@@ -376,12 +399,14 @@ def run_daemons(
     threads: int = 1,
     quotas: dict | None = None,
     steps: int | None = None,
+    probe: bool = True,
 ) -> dict:
     """``swarm train`` of a 2-stage full fine-tune on two loopback daemons (``OMP_NUM_THREADS``
     ``threads``; each under a cgroup CPU quota when ``quotas`` maps node -> CPUs), once per
     split mode in ``modes`` (None: the default, by measured speed), the daemons kept between
     jobs. Per mode: the daemons' steady tokens/s (the last stage's tokens over the wall time
-    between its step ends, the first 2 steps left out) and the layers each stage held."""
+    between its step ends, the first 2 steps left out) and the layers each stage held.
+    ``probe`` False: no speed probe, for splits that need no measured speed (``equal``)."""
     from _swarm import LoopbackSwarm, wait
 
     from swarmp2p.net.security import SwarmSecret
@@ -389,10 +414,10 @@ def run_daemons(
     tmp = Path(tempfile.mkdtemp(prefix="swarmp2p-bench-daemons-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env.update(
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         SWARM_TOKEN=SwarmSecret.generate().token,
         OMP_NUM_THREADS=str(threads),
-        SWARM_SPEED_PROBE="on",
+        SWARM_SPEED_PROBE="on" if probe else "off",
     )
     groups, prefixes = {}, {}
     if quotas:
@@ -405,7 +430,11 @@ def run_daemons(
     try:
         with LoopbackSwarm("ab", tmp, env=env, prefixes=prefixes, failure_timeout=30) as sw:
             try:
-                wait(lambda: sw.ready("a") and _measured(sw, "ab"), 300, "both daemons measured")
+                wait(
+                    lambda: sw.ready("a") and (not probe or _measured(sw, "ab")),
+                    300,
+                    "both daemons up" + (", measured" if probe else ""),
+                )
                 for mode in modes:
                     job = tmp / f"job-{mode}.json"
                     job.write_text(
@@ -609,7 +638,9 @@ def boundary_bytes(model, args) -> dict[str, dict[str, int]]:
             ),
         ]
         a, b = InProcLink.pair()
-        settings = TrainSettings(steps=1, micro_batches=args.micro, lr=1e-5)
+        settings = StageTraining.of(
+            steps=1, batch_size=args.batch, seq_len=args.seq, micro_batches=args.micro, lr=1e-5
+        )
         results = [None, None]
 
         def run(i, bundles=bundles, a=a, b=b, settings=settings, results=results):

@@ -167,6 +167,19 @@ def runtime_fix(install: Install, *, nvidia: bool | None = None, embedded: bool 
     return f"{out} && {embedded_fix(install)}" if embedded else out
 
 
+def cpu_torch_fix(install: Install, cuda_packages: list[str]) -> str:
+    """The one command that swaps a CUDA build of torch for the CPU build on a machine without
+    an NVIDIA GPU, removing the CUDA libraries (``cuda_packages``) it brought."""
+    if install.kind == "dev":  # install.sh replaces a CUDA torch there and prunes its libraries
+        return f"cd {shlex.quote(install.checkout)} && ./install.sh --dev"
+    if install.source:
+        return f"cd {shlex.quote(install.source)} && ./install.sh"
+    if install.kind == "pipx":  # --force builds the environment anew: nothing is left behind
+        return runtime_fix(install, nvidia=False)
+    remove = shlex.join([install.python, "-m", "pip", "uninstall", "-y", "torch", *cuda_packages])
+    return f"{remove} && {runtime_fix(install, nvidia=False, embedded=False)}"
+
+
 def embedded_fix(install: Install) -> str:
     """The command that installs the embedded model's package into this copy. Under pipx it is
     pipx's pip: `pipx inject` refuses a package installed without its dependencies (this one

@@ -30,16 +30,12 @@ from swarmp2p.models import (
     embedded_ready,
 )
 from swarmp2p.node import api
+from swarmp2p.timings import TIMINGS
 from swarmp2p.workers import preexec
 
 NODE_IDS = ("demo-1", "demo-2", "demo-3")
 """The demo's node ids; the lowest (demo-1) leads."""
 PROMPT = "The capital of France is"
-START_TIMEOUT_S = 60.0
-"""How long the three daemons get to answer and agree on a leader."""
-STOP_TIMEOUT_S = 10.0
-HEARTBEAT_S = 0.5
-FAILURE_TIMEOUT_S = 5.0
 MARK_ENV = "SWARMP2P_DEMO_ROOT"
 """Set to the demo's temp dir in its daemons' environment (their workers inherit it), so every
 process of one demo can be found."""
@@ -140,7 +136,12 @@ def daemon_args(state_dir: Path, node_id: str, port: int, peers: Sequence[int]) 
     args += ["--interface", "127.0.0.1", "--no-mdns"]
     for p in peers:
         args += ["--peer", f"127.0.0.1:{p}"]
-    args += ["--heartbeat", repr(HEARTBEAT_S), "--failure-timeout", repr(FAILURE_TIMEOUT_S)]
+    args += [
+        "--heartbeat",
+        repr(TIMINGS.heartbeat_s),
+        "--failure-timeout",
+        repr(TIMINGS.demo_failure_timeout_s),
+    ]
     return args
 
 
@@ -215,7 +216,7 @@ class LocalSwarm:
     def leader(self) -> DemoNode:
         return self.nodes[0]
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> LocalSwarm:
+    def start(self, timeout: float = TIMINGS.demo_start_s) -> LocalSwarm:
         """Start every daemon; return once all answer and agree on ``demo-1`` as a ready leader."""
         for node in self.nodes:
             node.state_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +322,7 @@ class LocalSwarm:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + TIMINGS.demo_stop_s
         for proc in self.procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
@@ -331,7 +332,7 @@ class LocalSwarm:
         self.procs = []
         # The daemons' stage workers die with them (PDEATHSIG), but asynchronously: one still
         # writing its log or snapshot would recreate what rmtree removes. Wait them out.
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + TIMINGS.demo_stop_s
         while marked_processes(self.root) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid, _ in marked_processes(self.root):

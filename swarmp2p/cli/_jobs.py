@@ -24,13 +24,11 @@ from swarmp2p.cli import (
     main,
 )
 from swarmp2p.cli._exit import CliExit
+from swarmp2p.timings import TIMINGS
 
 # --- training jobs and models: train, jobs, models, export -----------------------------------
 
 EXIT_JOB_FAILED = _exit.FAILED
-NO_DAEMON_GRACE_S = 10.0
-"""How long `swarm train` keeps following a job while its daemon does not answer (a restart)
-before it exits 4."""
 
 
 def _train_overrides(**flags) -> dict:
@@ -178,42 +176,105 @@ def _print_live_plan(result: dict) -> None:
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)
 
 
-REGISTER_WAIT_S = 30.0
-"""How long `swarm train` waits, once its job completed, for the model to be registered."""
+def plan_table(view: dict):
+    """The placed job's plan as `swarm train` prints it once: a row per stage (node, devices,
+    layers, predicted seconds per step), titled with its dtype, mode and predicted step."""
+    from rich.table import Table
+
+    plan = view["plan"]
+    step_s = plan.get("predicted_step_s")
+    t = Table(
+        title=f"plan: dtype {plan.get('dtype')}, {plan.get('finetune_mode')}"
+        + (f", predicted {step_s:.2f} s/step" if isinstance(step_s, (int, float)) else ""),
+        title_justify="left",
+    )
+    for col in ("stage", "node", "devices", "layers", "predicted s/step"):
+        t.add_column(col)
+    for i, s in enumerate(plan["stages"]):
+        predicted = s.get("predicted_s")
+        mark = " (slowest)" if i == plan.get("bottleneck") else ""
+        t.add_row(
+            str(i),
+            s.get("node_name") or s["node"],
+            ", ".join(s["devices"]),
+            f"{s['layers'][0]}-{s['layers'][1] - 1}",
+            (f"{predicted:.3f}" if isinstance(predicted, (int, float)) else "-") + mark,
+        )
+    return t
+
+
+def progress_bar(console, *, disable: bool = False):
+    """The live line of `swarm train`: job, bar, step/steps, ETA, elapsed, then what is going
+    on. Only the last column gives way to a narrow terminal (cut with an ellipsis), so at 80
+    columns the bar, the step count and the ETA stay."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=16),
+        TextColumn("{task.fields[steps]}"),
+        TextColumn("{task.fields[eta]}"),
+        TimeElapsedColumn(),
+        TextColumn(
+            "{task.fields[info]}",
+            table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1),
+        ),
+        console=console,
+        disable=disable,
+        expand=True,
+    )
+
+
+def progress_fields(view: dict) -> dict:
+    """What the live line shows for one job view: ``steps`` (``12/30``; ``-/30`` before the
+    first step is known), ``eta`` (``ETA 45s``, blank while unknown) and ``info`` (the state,
+    the loss of the last step, tokens/s, boundary rates, a PENDING job's reason)."""
+    from swarmp2p.node.views import eta_s
+
+    m = view.get("metrics") or {}
+    info = [view["state"]]
+    if isinstance(m.get("loss"), (int, float)):
+        info.append(f"loss {m['loss']:.4f}")
+    if m.get("tokens_per_s"):
+        info.append(f"{m['tokens_per_s']:.0f} tok/s")
+    for b, r in sorted((m.get("boundaries") or {}).items()):
+        info.append(f"b{b} {r['act_mb_s']:.2f}/{r['grad_mb_s']:.2f} MB/s")
+    if view.get("reason") and view["state"] in ("PENDING", "RESUMING"):
+        info.append(view["reason"].splitlines()[0])
+    steps = view.get("steps")
+    step = view.get("step") or 0
+    eta = eta_s(step, steps or 0, m.get("step_s"))
+    return {
+        "steps": f"{step if step or view['state'] == 'RUNNING' else '-'}/{steps or '?'}",
+        "eta": f"ETA {eta:.0f}s" if eta is not None else "",
+        "info": " · ".join(info),
+    }
 
 
 def _follow(sd, job_id: str, as_json: bool) -> dict:
-    """Poll the job until it ends, with a live progress bar; the final view."""
+    """Poll the job until it ends, with a live progress bar; the plan once it is placed; the
+    final view."""
     import time
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from swarmp2p.client import jobs as job_commands
     from swarmp2p.node.api import ApiError, NoDaemon
-    from swarmp2p.node.views import eta_s
 
     console = _console(stderr=True)
     view: dict = {}
     said = ""
+    shown_plan = False
     unreachable_since: float | None = None
     registered_by = 0.0
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=as_json,
-    ) as bar:
-        task = bar.add_task(job_id, total=None, info="")
+    with progress_bar(console, disable=as_json) as bar:
+        task = bar.add_task(job_id, total=None, steps="-/?", eta="", info="")
         while True:
             try:
                 view = job_commands.job(sd, job_id)
             except ApiError as exc:
                 if isinstance(exc, NoDaemon):
                     unreachable_since = unreachable_since or time.monotonic()
-                    if time.monotonic() - unreachable_since > NO_DAEMON_GRACE_S:
+                    if time.monotonic() - unreachable_since > TIMINGS.no_daemon_grace_s:
                         raise CliExit(
                             f"{exc}; job {job_id} goes on in the swarm: `swarm jobs show "
                             f"{job_id}` once a daemon runs here",
@@ -223,29 +284,19 @@ def _follow(sd, job_id: str, as_json: bool) -> dict:
                 time.sleep(1.0)
                 continue
             unreachable_since = None
-            m = view["metrics"]
-            info = [view["state"]]
-            if isinstance(m.get("loss"), (int, float)):
-                info.append(f"loss {m['loss']:.4f}")
-            if m.get("tokens_per_s"):
-                info.append(f"{m['tokens_per_s']:.0f} tok/s")
-            for b, r in sorted(m.get("boundaries", {}).items()):
-                info.append(f"b{b} {r['act_mb_s']:.2f}/{r['grad_mb_s']:.2f} MB/s")
-            eta = eta_s(view["step"], view["steps"] or 0, m.get("step_s"))
-            if eta is not None:
-                info.append(f"ETA {eta:.0f}s")
+            if not shown_plan and view["plan"]["stages"] and not as_json:
+                shown_plan = True  # above the bar, once: where each stage runs
+                bar.console.print(plan_table(view))
             waiting = view["state"] in ("PENDING", "RESUMING")
-            if view["reason"] and waiting:
-                info.append(view["reason"].splitlines()[0])
-                if view["reason"] != said and not as_json:  # every line, above the bar
-                    said = view["reason"]
-                    bar.console.print(f"{view['state']}: {said}", markup=False, soft_wrap=True)
-            bar.update(task, total=view["steps"], completed=view["step"], info=" · ".join(info))
+            if view["reason"] and waiting and view["reason"] != said and not as_json:
+                said = view["reason"]  # every line, above the bar
+                bar.console.print(f"{view['state']}: {said}", markup=False, soft_wrap=True)
+            bar.update(task, total=view["steps"], completed=view["step"], **progress_fields(view))
             if view["state"] in job_commands.JOB_FINAL:
                 # a completed job's model is registered by the table's next event: the view
                 # this prints names it (`swarm serve` right after must find it)
                 if view["state"] == "COMPLETED" and view.get("model") is None:
-                    registered_by = registered_by or time.monotonic() + REGISTER_WAIT_S
+                    registered_by = registered_by or time.monotonic() + TIMINGS.register_wait_s
                     if time.monotonic() < registered_by:
                         time.sleep(0.2)
                         continue
@@ -422,14 +473,8 @@ def models(as_json, state_dir) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
-    for m in rows:
-        ev = m["manifest"]["evaluation"].get("trained", {})
-        loss = ev.get("loss")
-        click.echo(
-            f"{m['id']}  job {m['job_id']}  base {m['base']}  "
-            f"{len(m['manifest']['stages'])} stage(s)  "
-            + (f"trained loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
-        )
+    if rows:
+        click.echo(job_commands.format_models(rows))
 
 
 @main.command("export")

@@ -15,6 +15,7 @@ from swarmp2p.cli import (
     _state_dir,
     main,
 )
+from swarmp2p.timings import TIMINGS, Timings
 
 # --- the node daemon: up, down, token, status, peers -----------------------------------------
 
@@ -89,11 +90,13 @@ def _count_option(flag: str, envvar: str, default: int, what: str):
     "SWARM_LOG=file|stderr|both picks one (under systemd: stderr, the journal, alone).",
 )
 @click.option("--no-mdns", is_flag=True, help="Do not advertise or browse over mDNS.")
-@_seconds_option("--heartbeat", "SWARM_HEARTBEAT_S", 0.5, "Seconds between heartbeats.")
+@_seconds_option(
+    "--heartbeat", "SWARM_HEARTBEAT_S", TIMINGS.heartbeat_s, "Seconds between heartbeats."
+)
 @_seconds_option(
     "--failure-timeout",
     "SWARM_FAILURE_TIMEOUT_S",
-    3.0,
+    TIMINGS.failure_timeout_s,
     "Seconds of silence after which a peer is dead.",
 )
 @_count_option(
@@ -154,8 +157,7 @@ def up(
             interface=interface,
             peers=tuple(peers),
             mdns=not no_mdns,
-            heartbeat_s=heartbeat,
-            failure_timeout_s=failure_timeout,
+            timings=Timings(heartbeat_s=heartbeat, failure_timeout_s=failure_timeout),
             open_swarm=open_swarm,
             max_waiting_jobs=max_waiting_jobs,
             max_waiting_per_submitter=max_waiting_per_node,
@@ -174,13 +176,18 @@ def up(
                 "created": result["created"],
                 "join": result["join"] if result["created"] else None,
                 "paired_with": paired.inviter if paired else None,
+                "already": result.get("already"),
             }
         )
         return
+    already = f" (already: pid {result['already']})" if result.get("already") else ""
     click.echo(
-        f"node {s['node_id']} ({s['name']}) is up in swarm {s['swarm_id']}, port {s['port']}, "
-        f"key {s.get('key', '-')}"
+        f"node {s['node_id']} ({s['name']}) is up{already} in swarm {s['swarm_id']}, port "
+        f"{s['port']}, key {s.get('key', '-')}"
     )
+    note = s.get("dashboard_note") or ""
+    if note and not note.startswith("off"):
+        click.echo(f"no dashboard: {note}", err=True)
     if paired:
         click.echo(f"paired with node {paired.inviter}: this machine holds the swarm's secret")
     if result["created"]:

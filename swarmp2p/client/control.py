@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from swarmp2p.node import api
+from swarmp2p.node import requests as rq
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.state import StateDir, pid_alive
+from swarmp2p.timings import TIMINGS
 
 if TYPE_CHECKING:  # net.security loads all of swarmp2p.net (zmq, the wire codec, numpy):
     # `swarm status`, `peers`, `down` need none of it; what reads or writes a secret imports it
     from swarmp2p.net.security import SwarmSecret
-
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 
 
 TOKEN_ENV = "SWARM_TOKEN"
@@ -30,8 +29,6 @@ JOIN_COMMAND = "swarm up --token -"
 """How a script joins another machine: it reads the token on stdin. Never the token itself:
 printed text lands in terminals' scrollback and in logs, and a token in argv is read by
 ``ps``. People join with a pairing code (:func:`code_command`)."""
-LAN_BROWSE_S = 1.5
-"""How long `swarm up` on a machine with no swarm looks for swarms on the LAN."""
 
 
 def join_command() -> str:
@@ -58,7 +55,7 @@ def read_code(option: str, stdin: TextIO | None = None) -> str:
     return text.strip()
 
 
-def lan_swarms(seconds: float = LAN_BROWSE_S) -> list[dict[str, Any]]:
+def lan_swarms(seconds: float = TIMINGS.lan_browse_s) -> list[dict[str, Any]]:
     """The swarms advertised on the LAN: ``{"swarm_id", "nodes": [names], "open"}`` each."""
     import asyncio
 
@@ -151,7 +148,7 @@ def _running(state: StateDir) -> int | None:
     if pid is None:
         return None
     try:
-        api.request(state.api_socket, "status", timeout=2.0)
+        api.send(state.api_socket, rq.StatusRequest(), timeout=2.0)
     except api.ApiError:
         return None
     return pid
@@ -203,9 +200,21 @@ def up(
     state = StateDir(root=config.state_dir).ensure()
     pid = _running(state)
     if pid is not None:
-        raise ValueError(
-            f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` first"
-        )
+        if code is not None or token_text or new or foreground:
+            raise UserError(
+                f"a swarm daemon already runs for {state.root} (pid {pid}); `swarm down` "
+                "first to start it again or to join another swarm",
+                code="exists",
+            )
+        status = api.request(state.api_socket, "status", timeout=5.0)
+        return {
+            "status": status,
+            "created": False,
+            "join": join_command(),
+            "paired": None,
+            "already": pid,
+        }
+    _check_ports(config)
     if code is not None and (token_text or new):
         raise ValueError("--code joins with a pairing code: give no token and no --new with it")
     paired = None
@@ -265,13 +274,19 @@ def up(
     )
     try:
         status = api.wait_until_up(
-            state.api_socket, START_TIMEOUT_S, alive=lambda: proc.poll() is None
+            state.api_socket, TIMINGS.daemon_start_s, alive=lambda: proc.poll() is None
         )
     except api.ApiError as exc:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(5)
-        raise api.ApiError(f"{exc}; last log lines:\n{_log_tail(state)}") from None
+        tail = _log_tail(state)
+        cause = [
+            line.split(CANNOT_START, 1)[1] for line in tail.splitlines() if CANNOT_START in line
+        ]
+        if cause:  # the daemon named a cause the user can fix (a port in use...)
+            raise UserError(f"the swarm daemon did not start: {cause[-1]}") from None
+        raise api.ApiError(f"{exc}; last log lines:\n{tail}") from None
     join = join_command()
     if created and config.mdns:
         try:
@@ -299,17 +314,19 @@ def _pair(code: str | None):
 
 def invite(state_dir: Path, minutes: float = 10) -> dict[str, Any]:
     """A one-time pairing code from the local daemon: ``{"code", "expires_in_s", ...}``."""
-    return api.request(StateDir(root=state_dir).api_socket, "invite", minutes=minutes)
+    return api.send(StateDir(root=state_dir).api_socket, rq.InviteRequest(minutes=minutes))
 
 
 def remove(state_dir: Path, node_id: str) -> dict[str, Any]:
     """`swarm remove NODE`: off the members, its key revoked everywhere."""
-    return api.request(StateDir(root=state_dir).api_socket, "remove", node_id=node_id, timeout=30.0)
+    return api.send(
+        StateDir(root=state_dir).api_socket, rq.RemoveRequest(node_id=node_id), timeout=30.0
+    )
 
 
 def rotate(state_dir: Path) -> SwarmSecret:
     """`swarm token --rotate`: a new secret for the whole swarm; the new one."""
-    api.request(StateDir(root=state_dir).api_socket, "rotate", timeout=30.0)
+    api.send(StateDir(root=state_dir).api_socket, rq.RotateRequest(), timeout=30.0)
     return token(state_dir)
 
 
@@ -328,6 +345,25 @@ def _preflight(config: NodeConfig) -> None:
         check_node_id(config.node_id)
 
 
+CANNOT_START = "cannot start: "
+"""What the daemon logs before a cause the user can fix (``Daemon.run``)."""
+
+
+def _check_ports(config: NodeConfig) -> None:
+    """UserError naming the port, what it is for and the flag that moves it, when another
+    process listens on the control port or the join port (checked again at the bind)."""
+    from swarmp2p.net.discovery import list_interfaces, select_interfaces
+    from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
+    from swarmp2p.node.config import check_port_free
+
+    if not config.port:
+        return
+    chosen = select_interfaces(list_interfaces(), config.interface)
+    host = chosen[0][1] if config.interface and chosen else "0.0.0.0"
+    check_port_free(host, config.port, "control")
+    check_port_free(host, config.port + JOIN_PORT_OFFSET, "join")
+
+
 def _log_tail(state: StateDir, lines: int = 15) -> str:
     try:
         return "\n".join(state.log_file.read_text().splitlines()[-lines:])
@@ -343,7 +379,7 @@ def down(state_dir: Path) -> int:
     reboot names some other process, so it is removed and nothing is signalled."""
     state = StateDir(root=state_dir)
     try:
-        pid = api.request(state.api_socket, "down", timeout=5.0)["pid"]
+        pid = api.send(state.api_socket, rq.DownRequest(), timeout=5.0)["pid"]
     except api.ApiError as exc:
         pid, why = state.daemon_pid()
         if pid is None:
@@ -356,16 +392,16 @@ def down(state_dir: Path) -> int:
                 f"{state.pid_file.name} (the local API said: {exc})"
             ) from None
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + TIMINGS.daemon_stop_s
     while time.monotonic() < deadline:
         if not pid_alive(pid):
             return pid
         time.sleep(0.05)
-    raise api.ApiError(f"swarm daemon pid {pid} did not stop within {STOP_TIMEOUT_S:g} s")
+    raise api.ApiError(f"swarm daemon pid {pid} did not stop within {TIMINGS.daemon_stop_s:g} s")
 
 
 def status(state_dir: Path) -> dict[str, Any]:
-    return api.request(StateDir(root=state_dir).api_socket, "status")
+    return api.send(StateDir(root=state_dir).api_socket, rq.StatusRequest())
 
 
 def _gib(n: int | None) -> str:
@@ -373,8 +409,8 @@ def _gib(n: int | None) -> str:
 
 
 def format_peers(peers: list[dict[str, Any]]) -> str:
-    """A plain text table of peers (KEY: each one's public key fingerprint; a trailing ``?``
-    marks a node that joined but is not listed as a member yet)."""
+    """A plain text table of peers (KEY: each one's public key fingerprint; ``(joining)``
+    after it marks a node that joined but is not listed as a member yet)."""
     rows = [("NODE", "NAME", "ADDRESS", "ALIVE", "LEADER", "KEY", "DEVICES")]
     for p in peers:
         devices = ", ".join(
@@ -390,7 +426,7 @@ def format_peers(peers: list[dict[str, Any]]) -> str:
                 p["address"],
                 "yes" if p["alive"] else "NO",
                 "*" if p["is_leader"] else "",
-                (p.get("key") or "-") + ("" if p.get("member", True) else "?"),
+                (p.get("key") or "-") + ("" if p.get("member", True) else " (joining)"),
                 devices,
             )
         )
@@ -413,6 +449,32 @@ def _quorum_lines(q: dict[str, Any] | None) -> list[str]:
     return out
 
 
+UNFINISHED = ("pending", "placed", "running", "resuming")
+"""The job states `swarm status` lists one line each (finished ones: `swarm jobs`)."""
+
+
+def _job_lines(jobs: list[dict[str, Any]]) -> list[str]:
+    """A line per unfinished job (state, step, last training loss), then how many finished."""
+    lines, finished = [], 0
+    for j in jobs:
+        if j.get("state") not in UNFINISHED:
+            finished += 1
+            continue
+        r = j.get("record") or {}
+        metrics = r.get("metrics") or {}
+        steps = ((r.get("job") or {}).get("train") or {}).get("steps")
+        step = max(r.get("step") or 0, metrics.get("step") or 0)
+        loss = metrics.get("loss", r.get("loss"))
+        name = f" ({r['name']})" if r.get("name") else ""
+        lines.append(
+            f"job     {j['job_id']}{name} {j['state'].upper()}, step {step}/{steps or '?'}"
+            + (f", training loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        )
+    if finished:
+        lines.append(f"jobs    {finished} finished (`swarm jobs` lists them)")
+    return lines
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"node    {s['node_id']} ({s['name']}), port {s['port']}, key {s.get('key', '-')}",
@@ -426,6 +488,7 @@ def format_status(s: dict[str, Any]) -> str:
         + ("" if s.get("leader_ready") or s["leader"] != s["node_id"] else " (taking over)"),
         f"table   term {s['term']}, version {s['table_version']}, {len(s['jobs'])} job(s)",
         *_quorum_lines(s.get("quorum")),
+        *_job_lines(s["jobs"]),
         "",
         format_peers(s["peers"]),
     ]

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmp2p.node import api
+from swarmp2p.node import requests as rq
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def submit_job(
@@ -21,15 +23,13 @@ def submit_job(
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return api.request(
-                StateDir(root=state_dir).api_socket,
-                "submit",
+            req = rq.SubmitRequest(
                 job=job,
                 job_id=job_id,
                 submitted_by="cli",
                 cwd=os.getcwd(),  # relative model and data paths are the CLI's
-                timeout=timeout,
             )
+            return api.send(StateDir(root=state_dir).api_socket, req, timeout=timeout)
         except api.ApiError as exc:
             wait = exc.kind == "unavailable" and exc.code not in ("no_daemon", "no_quorum")
             if not wait or time.monotonic() > deadline:  # a partition does not heal in seconds
@@ -44,24 +44,18 @@ def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
     return api.request(StateDir(root=state_dir).api_socket, op, timeout=timeout, **fields)
 
 
+def _send(state_dir: Path, req: rq.ApiRequest, timeout: float = 10.0) -> Any:
+    return api.send(StateDir(root=state_dir).api_socket, req, timeout=timeout)
+
+
 def load_train_job(path: str, overrides: dict[str, Any]):
     """A parsed Job from JOB.json with the `swarm train` flags applied; JobError lists every
     problem with its field path."""
-    import json
-
     from swarmp2p.node.training.jobs import apply_overrides
-    from swarmp2p.plan import FieldError, JobError, parse_job
+    from swarmp2p.plan import JobError, parse_job
+    from swarmp2p.schema import read_json
 
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise JobError(
-            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
-        ) from None
-    except ValueError as exc:
-        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from None
-    except RecursionError:  # e.g. 200,000 nested brackets
-        raise _too_deep(path) from None
+    data = read_json(path, JobError)
     if json_depth(data, MAX_JOB_DEPTH) > MAX_JOB_DEPTH:
         raise _too_deep(path)
     return parse_job(apply_overrides(data, overrides))
@@ -96,7 +90,7 @@ def json_depth(value: Any, stop: int) -> int:
 def live_plan(state_dir: Path, job) -> dict[str, Any]:
     """The plan the leader would make now over the live nodes (each stage with its node's
     free disk beside its download share); nothing is submitted."""
-    return _api(state_dir, "live_plan", job=job.to_dict(), cwd=os.getcwd())
+    return _send(state_dir, rq.LivePlanRequest(job=job.to_dict(), cwd=os.getcwd()))
 
 
 def submit_train(state_dir: Path, job) -> dict[str, Any]:
@@ -105,26 +99,23 @@ def submit_train(state_dir: Path, job) -> dict[str, Any]:
 
 
 def jobs(state_dir: Path) -> list[dict[str, Any]]:
-    return _api(state_dir, "jobs")
+    return _send(state_dir, rq.JobsRequest())
 
 
 def job(state_dir: Path, job_id: str) -> dict[str, Any]:
-    return _api(state_dir, "job", job_id=job_id)
+    return _send(state_dir, rq.JobRequest(job_id=job_id))
 
 
 def cancel_job(state_dir: Path, job_id: str) -> dict[str, Any]:
-    return _api(state_dir, "cancel", timeout=30.0, job_id=job_id)
+    return _send(state_dir, rq.CancelRequest(job_id=job_id), timeout=30.0)
 
 
 def job_logs(state_dir: Path, job_id: str, stage: int | None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"job_id": job_id}
-    if stage is not None:
-        fields["stage"] = stage
-    return _api(state_dir, "logs", timeout=30.0, **fields)
+    return _send(state_dir, rq.LogsRequest(job_id=job_id, stage=stage), timeout=30.0)
 
 
 def models(state_dir: Path) -> list[dict[str, Any]]:
-    return _api(state_dir, "models")
+    return _send(state_dir, rq.ModelsRequest())
 
 
 def export_model(
@@ -138,7 +129,7 @@ def export_model(
 
     out = Path(out).resolve()
     shards = out / ".shards"
-    got = _api(state_dir, "export", timeout=600.0, model=model_id, dest=str(shards))
+    got = _send(state_dir, rq.ExportRequest(model=model_id, dest=str(shards)), timeout=600.0)
     from swarmp2p.runtime.torch.train.export import write_export
 
     done = write_export(
@@ -148,10 +139,17 @@ def export_model(
     return {**done, "model": model_id}
 
 
+def _loss(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+
+
 def format_jobs(rows: list[dict[str, Any]]) -> str:
-    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "LOSS")]
+    """The jobs as a table: TRAIN LOSS is the last training step's (one batch), HELD-OUT the
+    trained model's loss on the held-out split once the job evaluated it (`swarm models`)."""
+    table = [("ID", "NAME", "STATE", "STEP", "STAGES", "TRAIN LOSS", "HELD-OUT")]
     for j in rows:
         loss = j["metrics"].get("loss")
+        held_out = ((j.get("evaluation") or {}).get("trained") or {}).get("loss")
         table.append(
             (
                 j["id"],
@@ -159,23 +157,37 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
                 j["state"],
                 f"{j['step']}/{j['steps']}",
                 ",".join(s["node"] for s in j["plan"]["stages"]) or "-",
-                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                _loss(loss),
+                _loss(held_out),
             )
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
 
 
-SERVE_TIMEOUT_S = 3600.0
-"""`swarm serve` waits this long for every stage to start: a stage node may first fetch the
-model's files or a trained shard (tens of GB over 1 GbE take minutes), then load. A stalled
-fetch fails sooner: every chunk has its own timeout."""
+def format_models(rows: list[dict[str, Any]]) -> str:
+    """A line per trained model; its loss is the held-out split's (the training steps' loss is
+    `swarm jobs`' TRAIN LOSS), beside the base model's on the same split when measured."""
+    lines = []
+    for m in rows:
+        passes = m["manifest"]["evaluation"]
+        loss, base = (passes.get(p, {}).get("loss") for p in ("trained", "base"))
+        held_out = ""
+        if isinstance(loss, (int, float)):
+            held_out = f"held-out loss {loss:.4f}" + (
+                f" (base model {base:.4f})" if isinstance(base, (int, float)) else ""
+            )
+        lines.append(
+            f"{m['id']}  job {m['job_id']}  base {m['base']}  "
+            f"{len(m['manifest']['stages'])} stage(s)  {held_out}".rstrip()
+        )
+    return "\n".join(lines)
 
 
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
     "stages", ...}`` once every stage serves and the HTTP API listens."""
-    return _api(state_dir, "serve", timeout=SERVE_TIMEOUT_S, **request)
+    return _api(state_dir, "serve", timeout=TIMINGS.serve_start_s, **request)
 
 
 def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:

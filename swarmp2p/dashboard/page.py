@@ -89,7 +89,7 @@ function planChart(job) {
   job.stages.forEach((st, i) => {
     const w = (st.layers ? st.layers[1] - st.layers[0] : 1) / Math.max(total, 1) * W;
     const r = svg("rect", {x: x, y: 0, width: Math.max(w - 2, 1), height: H, fill: PALETTE[i % PALETTE.length],
-                           "data-node-id": st.node_id});
+                           "data-node-id": st.node_id, "data-node": st.node});
     r.append(svg("title", {text: `stage ${st.index} on ${st.node} ${st.devices.join(",")}`}));
     g.append(r);
     g.append(svg("text", {x: x + 4, y: 14, style: "fill:#fff", text: `${st.index}: ${st.node}`}));
@@ -99,11 +99,14 @@ function planChart(job) {
   return g;
 }
 
+// x: the step numbers the points carry (1 the first, as "step N of M" counts)
 function lineChart(job, key, title, color) {
   const pts = job.metrics.filter(p => p[key] != null);
   const W = 360, H = 160, P = 34;
   const g = svg("svg", {width: W, height: H, class: "chart " + key.replace(/_/g, "-") + "-chart",
-                        "data-job-id": job.job_id, "data-points": String(pts.length)});
+                        "data-job-id": job.job_id, "data-points": String(pts.length),
+                        "data-first-step": pts.length ? String(pts[0].step) : "",
+                        "data-last-step": pts.length ? String(pts[pts.length - 1].step) : ""});
   g.append(svg("text", {x: P, y: 12, text: title + (pts.length ? ": " + fmt(pts[pts.length - 1][key]) : " (no data)")}));
   g.append(svg("rect", {x: P, y: 18, width: W - P - 6, height: H - 38, fill: "none", stroke: "#d9dde2"}));
   if (!pts.length) return g;
@@ -117,8 +120,8 @@ function lineChart(job, key, title, color) {
   g.append(svg("circle", {cx: sx(last.step).toFixed(1), cy: sy(last[key]).toFixed(1), r: 3, fill: color}));
   g.append(svg("text", {x: 2, y: 24, text: fmt(y1)}));
   g.append(svg("text", {x: 2, y: H - 20, text: fmt(y0)}));
-  g.append(svg("text", {x: P, y: H - 6, text: "step " + x0}));
-  g.append(svg("text", {x: W - 60, y: H - 6, text: "step " + x1}));
+  g.append(svg("text", {x: P, y: H - 6, class: "x-first", text: "step " + x0}));
+  if (x1 !== x0) g.append(svg("text", {x: W - 6, y: H - 6, "text-anchor": "end", class: "x-last", text: "step " + x1}));
   return g;
 }
 
@@ -157,11 +160,27 @@ function renderJobs(s) {
     j.evaluation.length ? evalTable(j.evaluation) : null)));
 }
 
+// live sessions of a served model: running of its slots, and requests queued for one
+function sessions(m) {
+  const n = m.sessions;
+  if (!n) return el("div", {class: "mut sessions", "data-active": "", "data-max": "", "data-queued": "",
+                            text: "sessions: not known yet"});
+  const box = el("div", {class: "sessions", "data-active": String(n.active), "data-max": String(n.max),
+                         "data-queued": String(n.queued)},
+                 el("span", {class: "bar", style: "width:120px", title: `${n.active} of ${n.max} session slots in use`},
+                    el("i", {style: `width:${Math.min(100, n.active / Math.max(n.max, 1) * 100).toFixed(1)}%`})),
+                 ` sessions ${n.active}/${n.max} active \u00b7 ${n.queued} queued`);
+  return box;
+}
+
 function renderServed(s) {
   const box = document.getElementById("served");
   if (!s.served.length) { box.replaceChildren(el("p", {class: "mut", text: "none"})); return; }
-  box.replaceChildren(...s.served.map(m => el("div", {class: "served", "data-model": m.model},
-    el("b", {text: m.model}), " ", m.url ? el("code", {text: m.url}) : null,
+  box.replaceChildren(...s.served.map(m => el("div", {class: "served job", "data-model": m.model, "data-state": m.state},
+    el("div", {}, el("b", {text: m.model}), " ", m.state ? el("span", {class: "state", text: m.state}) : null, " ",
+       m.url ? el("code", {text: m.url}) : null),
+    m.reason ? el("div", {class: "mut", text: m.reason}) : null,
+    m.url || m.sessions ? sessions(m) : null,
     m.stages.length ? planChart({job_id: m.job_id || m.model, stages: m.stages}) : null)));
 }
 
@@ -170,7 +189,7 @@ async function poll() {
     const r = await fetch("api/state", {cache: "no-store"});
     if (r.status === 401) {
       const box = document.getElementById("error");
-      box.textContent = "this page needs its key: open the URL that `swarm dashboard` prints";
+      box.textContent = "this page needs its key: open the URL that `swarm dashboard` prints, or run `swarm dashboard --open`";
       box.style.display = "block";
       setTimeout(poll, INTERVAL);
       return;

@@ -5,13 +5,17 @@ web page elsewhere cannot read it through DNS rebinding. ``/api/state`` also nee
 key: every local user can reach 127.0.0.1, and the swarm's state is the user's alone (the
 local API is a 0600 unix socket). The URL `swarm dashboard` prints carries the key once
 (``/?key=...``); the server answers it with an HttpOnly, SameSite=Strict cookie and a
-redirect to ``/``, so the key leaves the address bar. The key lives 0600 in the state dir
+redirect to ``/``, so the key leaves the address bar. `swarm dashboard --open` starts a
+browser with a one-time link instead (``/?open=...``: a ticket made from the key, good once
+and for ``Timings.dashboard_ticket_s``), since a browser's command line is visible to every
+local user (``ps``) and a browser started that way keeps it for its whole life. The key lives 0600 in the state dir
 (``dashboard.key``); delete it and restart to change it. To watch a remote node, forward the
 port: ``ssh -L 7738:127.0.0.1:7738 HOST``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -27,6 +31,7 @@ from aiohttp import web
 from swarmp2p._ratelog import HttpLog
 from swarmp2p.dashboard.page import PAGE
 from swarmp2p.dashboard.view import dashboard_view
+from swarmp2p.timings import TIMINGS
 
 DEFAULT_DASHBOARD_PORT = 7738
 DASHBOARD_PORT_ENV = "SWARM_DASHBOARD_PORT"
@@ -75,6 +80,26 @@ def _host_name(host_header: str) -> str:
     return host_header.rsplit(":", 1)[0] if ":" in host_header else host_header
 
 
+def _ticket_mac(key: str, stamp: str) -> str:
+    return hmac.new(
+        key.encode(), f"swarmp2p-dashboard-open:{stamp}".encode(), hashlib.sha256
+    ).hexdigest()
+
+
+def open_url(url: str, *, now: float) -> str:
+    """The one-time link for a browser started on ``url`` (the address with its key, as
+    `swarm dashboard` prints it): ``/?open=STAMP.MAC``, the key itself left out (a browser's
+    argv is public). ValueError when ``url`` carries no key."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(url)
+    key = parse_qs(parts.query).get("key", [""])[0]
+    if not key:
+        raise ValueError("the dashboard's URL carries no key")
+    stamp = str(int(now))
+    return f"{parts.scheme}://{parts.netloc}/?open={stamp}.{_ticket_mac(key, stamp)}"
+
+
 def dashboard_key(path: Path | None) -> str:
     """The dashboard key saved 0600 at ``path`` (made there if absent, unreadable, malformed
     or readable by others); a fresh one, not saved, when ``path`` is None."""
@@ -111,6 +136,7 @@ class DashboardServer:
         self._want_port = port
         self._runner: web.AppRunner | None = None
         self._key = key or secrets.token_urlsafe(KEY_BYTES)
+        self._used: dict[str, float] = {}  # one-time links already taken -> when they expire
         self.port = 0
 
     @property
@@ -166,10 +192,28 @@ class DashboardServer:
         response.headers.update(_HEADERS)
         return response
 
+    def _take_ticket(self, ticket: str) -> bool:
+        """True, once, for a one-time link made from this key less than ``Timings.dashboard_ticket_s`` ago."""
+        now = self._clock()
+        self._used = {t: until for t, until in self._used.items() if until > now}
+        stamp, _, mac = ticket.partition(".")
+        if not stamp.isdigit() or ticket in self._used:
+            return False
+        if (
+            not -5 <= now - int(stamp) <= TIMINGS.dashboard_ticket_s
+        ):  # 5 s: the CLI's clock read first
+            return False
+        if not hmac.compare_digest(mac.encode(), _ticket_mac(self._key, stamp).encode()):
+            return False
+        self._used[ticket] = int(stamp) + TIMINGS.dashboard_ticket_s + 5
+        return True
+
     async def _page(self, request: web.Request) -> web.StreamResponse:
-        key = request.query.get("key")
-        if key is not None:
-            if not hmac.compare_digest(key.encode(), self._key.encode()):
+        key, ticket = request.query.get("key"), request.query.get("open")
+        if ticket is not None and not self._take_ticket(ticket):
+            return web.Response(status=403, text=_USED_TICKET)
+        if key is not None or ticket is not None:
+            if key is not None and not hmac.compare_digest(key.encode(), self._key.encode()):
                 return web.Response(status=403, text=_WRONG_KEY)
             # the key moves into a cookie and out of the address bar (and the history)
             response = web.Response(status=303, headers={"Location": "/"})
@@ -191,7 +235,11 @@ class DashboardServer:
 
 _WRONG_KEY = (
     "this dashboard shows a user's swarm to that user only: open the URL `swarm dashboard` "
-    "prints (it carries the key once)\n"
+    "prints (it carries the key once), or run `swarm dashboard --open`\n"
+)
+_USED_TICKET = (
+    f"this one-time link to the dashboard was used already or is older than {TIMINGS.dashboard_ticket_s} s: "
+    "run `swarm dashboard --open` again (or open the URL `swarm dashboard` prints)\n"
 )
 
 

@@ -6,15 +6,21 @@ their records are opaque to the daemon, so this reads them defensively:
 - ``record["plan"]``: a ``Plan.to_dict()`` (stages with ``node_id``, ``node``, ``devices``,
   ``layers``) -- drawn as stages over nodes;
 - ``record["metrics"]``: a list of ``{"step", "loss", "tokens_per_s"}`` points (either value
-  may be null), or the training dispatcher's map (``losses`` as ``[attempt, step, loss(,
-  tokens_per_s)]`` rows, the newest ``step``/``loss``/``tokens_per_s``, and per-boundary
-  ``boundaries`` traffic) -- drawn as loss and throughput curves; bad points are counted;
+  may be null; ``step`` as "step N of M" counts, 1 the first), or the training dispatcher's
+  map (``losses`` as ``[attempt, step, loss(, tokens_per_s)]`` rows with ``step`` from 0 as
+  the workers count, the newest ``step`` (steps done)/``loss``/``tokens_per_s``, and
+  per-boundary ``boundaries`` traffic) -- drawn as loss and throughput curves over the step
+  numbers "step N of M" shows (a row's step + 1); bad points are counted;
 - ``record["evaluation"]`` (or ``"eval"``): a map of name -> number, a list of such maps, or
   a map of pass name -> such a map;
 - ``record["step"]``, ``record["job"]["train"]["steps"]``, ``record["attempt"]`` and
   ``record["error"]["message"]`` when present;
-- served models: ``status["served"]`` (a list of ``{"model", "url", "stages"}``) and jobs whose
-  record has ``"kind": "serve"``.
+- served models: ``status["served"]`` (a list of ``{"model", "url", "state", "reason",
+  "stages", "sessions"}``, ``sessions`` as ``{"active", "max", "queued"}`` or null) and jobs
+  whose record has ``"kind": "serve"``.
+
+Stages name their node by the name the peers list gives it (``status["peers"]``), so served
+models and jobs say ``host-a`` alike; the node id only where no name is known.
 """
 
 from __future__ import annotations
@@ -71,24 +77,29 @@ def node_view(peer: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _dispatcher_points(raw: Mapping[str, Any]) -> list[Any]:
-    """The dispatcher's metrics map as a list of point dicts (later attempts last)."""
+    """The dispatcher's metrics map as a list of point dicts (later attempts last), each
+    row's 0-based step as the step number it completes (row step 0 is "step 1")."""
     items: list[Any] = []
     for row in raw.get("losses") or []:
-        if isinstance(row, (list, tuple)) and len(row) in (3, 4):
+        if isinstance(row, (list, tuple)) and len(row) in (3, 4) and _count(row[1]) is not None:
             items.append(
-                {"step": row[1], "loss": row[2], "tokens_per_s": row[3] if len(row) == 4 else None}
+                {
+                    "step": row[1] + 1,
+                    "loss": row[2],
+                    "tokens_per_s": row[3] if len(row) == 4 else None,
+                }
             )
         else:
             items.append(row)  # counted as bad
     step = raw.get("step")
-    if isinstance(step, int) and not isinstance(step, bool) and step > 0:
-        newest = {
-            "step": step - 1,
-            "loss": raw.get("loss"),
-            "tokens_per_s": raw.get("tokens_per_s"),
-        }
-        same = [p for p in items if isinstance(p, dict) and p.get("step") == step - 1]
+    if (_count(step) or 0) > 0:
+        newest = {"step": step, "loss": raw.get("loss"), "tokens_per_s": raw.get("tokens_per_s")}
+        same = [p for p in items if isinstance(p, dict) and p.get("step") == step]
         if same:  # the newest row lacks throughput: take it from the newest step's fields
             if same[-1]["tokens_per_s"] is None:
                 same[-1]["tokens_per_s"] = newest["tokens_per_s"]
@@ -119,8 +130,10 @@ def metric_points(raw: Any) -> tuple[list[dict[str, Any]], int]:
     return ordered[-MAX_POINTS:], bad
 
 
-def stage_views(plan: Any) -> list[dict[str, Any]]:
-    """A plan's stages as ``{"index", "node_id", "node", "devices", "layers"}``."""
+def stage_views(plan: Any, names: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """A plan's stages as ``{"index", "node_id", "node", "devices", "layers"}``, ``node`` the
+    node's name: from ``names`` (node id -> name, the peers'), else the stage's ``node_name``
+    or ``node``, else its node id."""
     if not isinstance(plan, Mapping) or not isinstance(plan.get("stages"), list):
         return []
     stages = []
@@ -134,11 +147,13 @@ def stage_views(plan: Any) -> list[dict[str, Any]]:
             and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
         ):
             layers = None
+        node_id = str(stage.get("node_id", ""))
+        known = (names or {}).get(node_id) or stage.get("node_name") or stage.get("node")
         stages.append(
             {
                 "index": stage.get("index", i),
-                "node_id": str(stage.get("node_id", "")),
-                "node": str(stage.get("node", stage.get("node_id", ""))),
+                "node_id": node_id,
+                "node": str(known or node_id),
                 "devices": [str(d) for d in stage.get("devices") or []],
                 "layers": layers,
             }
@@ -165,7 +180,7 @@ def evaluation_rows(raw: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def job_view(job: Mapping[str, Any]) -> dict[str, Any]:
+def job_view(job: Mapping[str, Any], names: Mapping[str, str] | None = None) -> dict[str, Any]:
     record = job.get("record") if isinstance(job.get("record"), Mapping) else {}
     points, bad = metric_points(record.get("metrics"))
     plan = record.get("plan")
@@ -204,37 +219,58 @@ def job_view(job: Mapping[str, Any]) -> dict[str, Any]:
         "attempt": record.get("attempt") if isinstance(record.get("attempt"), int) else None,
         "boundaries": boundaries,
         "dtype": plan.get("dtype") if isinstance(plan, Mapping) else None,
-        "stages": stage_views(plan),
+        "stages": stage_views(plan, names),
         "metrics": points,
         "bad_metrics": bad,
         "evaluation": evaluation_rows(record.get("evaluation", record.get("eval"))),
     }
 
 
-def served_views(status: Mapping[str, Any], jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def sessions_view(raw: Any) -> dict[str, int] | None:
+    """A served model's sessions now, ``{"active", "max", "queued"}`` (None when unknown:
+    before its ring runs, or malformed)."""
+    if not isinstance(raw, Mapping):
+        return None
+    view = {k: _count(raw.get(k)) for k in ("active", "max", "queued")}
+    return view if all(v is not None for v in view.values()) else None
+
+
+def _served(model: str, **fields: Any) -> dict[str, Any]:
+    base = {"url": "", "state": "", "reason": "", "stages": [], "sessions": None, "job_id": ""}
+    return {"model": model, **base, **fields}
+
+
+def served_views(
+    status: Mapping[str, Any], jobs: list[dict[str, Any]], names: Mapping[str, str]
+) -> list[dict[str, Any]]:
     served = []
     for item in status.get("served") or []:
         if isinstance(item, Mapping) and item.get("model"):
             served.append(
-                {
-                    "model": str(item["model"]),
-                    "url": str(item.get("url") or ""),
-                    "stages": stage_views({"stages": item.get("stages") or []}),
-                    "job_id": str(item.get("job_id") or ""),
-                }
+                _served(
+                    str(item["model"]),
+                    url=str(item.get("url") or ""),
+                    state=str(item.get("state") or ""),
+                    reason=str(item.get("reason") or ""),
+                    stages=stage_views({"stages": item.get("stages") or []}, names),
+                    sessions=sessions_view(item.get("sessions")),
+                    job_id=str(item.get("job_id") or ""),
+                )
             )
-    for job in jobs:
-        if job["kind"] == "serve" and job["state"] == "running":
+    listed = {m["model"] for m in served}
+    for job in jobs:  # a serve job this node does not answer for (its API is elsewhere)
+        if job["kind"] == "serve" and job["state"] == "running" and job["name"] not in listed:
             served.append(
-                {"model": job["name"], "url": "", "stages": job["stages"], "job_id": job["job_id"]}
+                _served(job["name"], state="running", stages=job["stages"], job_id=job["job_id"])
             )
     return served
 
 
 def dashboard_view(status: Mapping[str, Any], *, now: float) -> dict[str, Any]:
     """The JSON the dashboard page polls, from ``Daemon.status()``; ``now`` is wall time."""
-    jobs = [job_view(j) for j in status.get("jobs") or [] if isinstance(j, Mapping)]
     nodes = [node_view(p) for p in status.get("peers") or [] if isinstance(p, Mapping)]
+    names = {n["node_id"]: n["name"] for n in nodes if n["name"] and isinstance(n["name"], str)}
+    jobs = [job_view(j, names) for j in status.get("jobs") or [] if isinstance(j, Mapping)]
     return {
         "format": VIEW_FORMAT,
         "generated_at": now,
@@ -249,5 +285,5 @@ def dashboard_view(status: Mapping[str, Any], *, now: float) -> dict[str, Any]:
         "nodes": nodes,
         "alive": sum(n["alive"] for n in nodes),
         "jobs": jobs,
-        "served": served_views(status, jobs),
+        "served": served_views(status, jobs, names),
     }

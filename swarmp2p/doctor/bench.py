@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from swarmp2p import __version__
-from swarmp2p.node import api, hardware
-from swarmp2p.node.speed_probe import PROBE_TIMEOUT_S, apply_speeds, measure
+from swarmp2p.node import api, hardware, views
+from swarmp2p.node.requests import BenchRequest
+from swarmp2p.node.speed_probe import measure
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 
 def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -20,15 +22,17 @@ def bench(state_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, An
     for the next ``swarm up``."""
     env = os.environ if env is None else env
     try:
-        return api.request(StateDir(root=state_dir).api_socket, "bench", timeout=PROBE_TIMEOUT_S)
+        return api.send(
+            StateDir(root=state_dir).api_socket, BenchRequest(), timeout=TIMINGS.speed_probe_s
+        )
     except api.NoDaemon:
         pass
     record, host = hardware.probe(node_id="bench", name="bench", version=__version__, env=env)
     omp = str(env.get("OMP_NUM_THREADS", "")).strip()
-    threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(host["cpu_cores"])
+    threads = int(omp) if omp.isdigit() and int(omp) > 0 else host.cpu_cores
     speeds = measure(record, threads=threads, env=env, fresh=True)
-    apply_speeds(record, speeds)
-    return {"node_id": None, "speeds": speeds, "devices": record["devices"]}
+    record = record.with_speeds(speeds)
+    return {"node_id": None, "speeds": speeds, "devices": views.devices(record)}
 
 
 def format_bench(result: Mapping[str, Any]) -> str:

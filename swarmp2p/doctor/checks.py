@@ -10,11 +10,13 @@ from typing import Any
 
 from swarmp2p._install import (
     Install,
+    cpu_torch_fix,
     detect,
     embedded_fix,
     package_fix,
     runtime_fix,
 )
+from swarmp2p.timings import TIMINGS
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 STATUSES = (PASS, WARN, FAIL)
@@ -23,10 +25,6 @@ DISK_FAIL_BYTES = 2 * GIB
 """Below this a model cache cannot hold even the embedded model's conversion comfortably."""
 DISK_WARN_BYTES = 20 * GIB
 """Below this a 7B model in 16 bits (about 14 GB) does not fit."""
-SKEW_WARN_S = 1.0
-"""Clock skew past which log lines and metric timestamps from two nodes stop lining up."""
-WORKER_PROBE_TIMEOUT_S = 180.0
-CONNECT_TIMEOUT_S = 2.0
 IFF_UP, IFF_LOOPBACK, IFF_MULTICAST = 0x1, 0x8, 0x1000
 """Linux interface flags (include/uapi/linux/if.h)."""
 
@@ -58,6 +56,8 @@ class WorkerProbe:
     cuda_version: str | None = None
     devices: tuple[tuple[str, str], ...] = ()
     """CUDA devices torch sees: (name, compute capability)."""
+    cuda_packages: tuple[tuple[str, int], ...] = ()
+    """A CUDA build's companions installed beside it (nvidia-*, triton): (name, bytes)."""
     bitsandbytes: str | None = None
     bitsandbytes_error: str = ""
     skipped: bool = False
@@ -187,6 +187,18 @@ def check_worker_torch(
             fix="reinstall torch with CUDA on this machine: "
             f"{runtime_fix(install, nvidia=True, embedded=False)} (the CUDA build when "
             "`nvidia-smi` works); check that the driver supports that CUDA version",
+        )
+    if worker.cuda_version and not nvml_gpus and not nvidia:
+        names = [n for n, _ in worker.cuda_packages]
+        freed = sum(b for _, b in worker.cuda_packages)
+        return Check(
+            name=name,
+            status=WARN,
+            detail=f"{build} on a machine without an NVIDIA GPU: it computes on the CPU all "
+            f"the same, and its CUDA libraries ({len(names)} packages, {freed / GIB:.1f} GiB "
+            "beside torch) are never used",
+            fix=f"{cpu_torch_fix(install, names)} (frees about {freed / GIB:.1f} GiB plus the "
+            "difference between the two torch builds)",
         )
     if nvml_gpus and len(worker.devices) != nvml_gpus:
         return Check(
@@ -336,7 +348,9 @@ def check_ports(daemon: Mapping[str, Any] | None, reach: Mapping[str, str]) -> C
     )
 
 
-def check_clock_skew(daemon: Mapping[str, Any] | None, *, warn_s: float = SKEW_WARN_S) -> Check:
+def check_clock_skew(
+    daemon: Mapping[str, Any] | None, *, warn_s: float = TIMINGS.doctor_skew_warn_s
+) -> Check:
     name = "clock skew"
     if daemon is None:
         return _no_daemon(name, "skew to peers not measured")
@@ -533,16 +547,13 @@ def run_checks(facts: Facts) -> list[Check]:
 
 
 __all__ = [
-    "CONNECT_TIMEOUT_S",
     "DISK_FAIL_BYTES",
     "DISK_WARN_BYTES",
     "FAIL",
     "GIB",
     "PASS",
-    "SKEW_WARN_S",
     "STATUSES",
     "WARN",
-    "WORKER_PROBE_TIMEOUT_S",
     "Check",
     "Facts",
     "Interface",

@@ -17,10 +17,8 @@ from typing import Any
 
 from swarmp2p._install import detect, has_nvidia
 from swarmp2p.doctor.checks import (
-    CONNECT_TIMEOUT_S,
     FAIL,
     STATUSES,
-    WORKER_PROBE_TIMEOUT_S,
     Check,
     Facts,
     Interface,
@@ -28,6 +26,7 @@ from swarmp2p.doctor.checks import (
     peers_of,
     run_checks,
 )
+from swarmp2p.timings import TIMINGS
 
 # --- gathering facts (effects) -----------------------------------------------------------------
 
@@ -45,6 +44,20 @@ try:
     ] if out["cuda_available"] else []
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"
+if out.get("cuda_version"):  # what the CUDA build installed beside torch: nvidia-*, triton
+    import importlib.metadata as md
+    cuda = {}
+    for dist in md.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith("nvidia-") or name == "triton":
+            size = 0
+            for f in dist.files or ():
+                try:
+                    size += f.locate().stat().st_size
+                except OSError:
+                    pass
+            cuda[name] = size
+    out["cuda_packages"] = cuda
 print(json.dumps(out), flush=True)
 try:
     import bitsandbytes
@@ -56,7 +69,7 @@ print(json.dumps(out), flush=True)
 
 
 def probe_worker(
-    python: str = sys.executable, timeout: float = WORKER_PROBE_TIMEOUT_S
+    python: str = sys.executable, timeout: float = TIMINGS.doctor_worker_probe_s
 ) -> WorkerProbe:
     """Import torch and bitsandbytes in a fresh ``python``; a native crash is reported, not raised."""
     try:
@@ -88,6 +101,9 @@ def probe_worker(
         cuda_available=bool(facts.get("cuda_available", False)),
         cuda_version=facts.get("cuda_version"),
         devices=tuple((str(n), str(c)) for n, c in facts.get("devices", [])),
+        cuda_packages=tuple(
+            (str(n), int(b)) for n, b in sorted((facts.get("cuda_packages") or {}).items())
+        ),
         bitsandbytes=facts.get("bitsandbytes"),
         bitsandbytes_error=facts.get("bitsandbytes_error", ""),
     )
@@ -185,7 +201,7 @@ def gather(
         interfaces=interfaces,
         interface_error=interface_error,
         daemon=daemon,
-        reach=_reach(daemon, CONNECT_TIMEOUT_S) if daemon else {},
+        reach=_reach(daemon, TIMINGS.doctor_connect_s) if daemon else {},
         disks=(
             ("Hugging Face hub cache", hub, hardware.disk_free(hub)),
             ("swarmp2p cache", ours, hardware.disk_free(ours)),

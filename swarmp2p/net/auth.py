@@ -30,6 +30,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.auth.thread import ThreadAuthenticator
 
 from swarmp2p.net.security import SwarmSecret
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire.messages import MAX_MESSAGE_BYTES
 
 ZAP_DOMAIN_PREFIX = "swarmp2p-"
@@ -173,24 +174,11 @@ TRANSPORT_SLACK_BYTES = 256
 """Added to ``zmq.MAXMSGSIZE``: libzmq counts a CURVE frame's box overhead against the cap."""
 
 
-HEARTBEAT_IVL_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 6000
-"""ZMTP heartbeats: a peer silent this long (host gone, cable pulled) is disconnected, so the
-socket reconnects instead of queueing into a dead TCP connection."""
-
-
-HANDSHAKE_IVL_MS = 5000
-"""A connection that has not finished its CURVE handshake in this long is closed. The handshake
-is four small messages (milliseconds on a LAN, well under a second on a loaded 2-core box);
-libzmq's default, 30 s, let idle unauthenticated connections hold a descriptor each for that
-long (issue 15). Set on server sockets, which accept from anyone."""
-
-
 def _common(sock: zmq.Socket, max_message_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, TIMINGS.zmq_heartbeat_ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, TIMINGS.zmq_heartbeat_timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, TIMINGS.zmq_heartbeat_timeout_ms)
     limit = -1 if max_message_bytes < 0 else max_message_bytes + TRANSPORT_SLACK_BYTES
     sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
@@ -228,7 +216,7 @@ def make_server_socket(
 ) -> zmq.Socket:
     """A CURVE server socket (not yet bound) that admits only the clients ``secret`` admits
     (a SwarmSecret: holders of that secret), and closes a connection whose handshake takes
-    over ``HANDSHAKE_IVL_MS``.
+    over ``TIMINGS.zmq_handshake_ivl_ms``.
 
     ``max_message_bytes`` (plus a small CURVE slack) becomes ``zmq.MAXMSGSIZE``: a peer
     sending a larger frame is disconnected before the frame is buffered (-1: no cap). ``secure=False`` (plain TCP, anyone may
@@ -246,7 +234,7 @@ def make_server_socket(
     if secure:
         domain = ctx._admit(keys)  # type: ignore[attr-defined]
         curve = [
-            (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
+            (zmq.HANDSHAKE_IVL, TIMINGS.zmq_handshake_ivl_ms),
             (zmq.ZAP_DOMAIN, domain.encode()),
             (zmq.CURVE_SERVER, 1),
             *_own_keys(keys),

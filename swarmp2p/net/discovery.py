@@ -18,11 +18,12 @@ import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from swarmp2p.timings import TIMINGS
+
 SERVICE_TYPE = "_swarmp2p._tcp.local."
 SKIPPED_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel")
 """Container and bridge interfaces that discovery skips unless pinned (loopback too, unless
 it is all there is)."""
-RESOLVE_TIMEOUT_MS = 3000
 
 _log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class Discovery:
             return
         registered = getattr(self, "_registered", None)
         if registered is not None and not registered.done():
-            await asyncio.wait([registered], timeout=RESOLVE_TIMEOUT_MS / 1000)
+            await asyncio.wait([registered], timeout=TIMINGS.mdns_resolve_ms / 1000)
         info = self._service_info(advert)
         if advert.instance_name == old.instance_name:
             await (await self._zc.async_update_service(info))
@@ -258,7 +259,7 @@ class Discovery:
 
     async def _resolve(self, service_type: str, name: str) -> None:
         info = self._info_type(service_type, name)
-        if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
+        if not await info.async_request(self._zc.zeroconf, TIMINGS.mdns_resolve_ms):
             return
         try:
             advert = Advert.from_txt(info.properties or {})
@@ -319,7 +320,7 @@ async def browse(
 
     async def resolve(name: str) -> None:
         info = AsyncServiceInfo(SERVICE_TYPE, name)
-        if not await info.async_request(zc.zeroconf, RESOLVE_TIMEOUT_MS):
+        if not await info.async_request(zc.zeroconf, TIMINGS.mdns_resolve_ms):
             return
         try:
             advert = Advert.from_txt(info.properties or {})

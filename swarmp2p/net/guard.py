@@ -3,12 +3,12 @@
 libzmq accepts every TCP connection and holds its file descriptor until the handshake ends,
 and ZAP never sees a client that connects and says nothing: 1,100 such idle connections
 exhausted a daemon's descriptors (issue 15). The handshake timeout
-(:data:`swarmp2p.net.auth.HANDSHAKE_IVL_MS`) bounds how long each stays; this guard bounds how
+(``Timings.zmq_handshake_ivl_ms``) bounds how long each stays; this guard bounds how
 many one source holds. It reads the socket's monitor: ``EVENT_ACCEPTED`` carries the new
 connection's descriptor, from which it reads the peer's address and counts it;
 ``EVENT_DISCONNECTED`` (same descriptor) uncounts it. A connection past the cap is shut down
 at once (libzmq reads EOF and closes it). Refusals and accept failures (``EMFILE``...) are
-counted and logged at most once per :data:`LOG_EVERY_S`.
+counted and logged at most once per ``Timings.refusals_log_every_s``.
 
 A monitor event is read after the fact, so the descriptor may by then belong to a newer
 connection: the guard counts whatever peer the descriptor names when it reads it (the
@@ -35,6 +35,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from swarmp2p._tasks import cancel_all
+from swarmp2p.timings import TIMINGS
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,6 @@ MAX_PER_SOURCE = 64
 """Live connections one address may hold on a listening port. A peer daemon holds one to each
 control port, and each `swarm` command or file pull briefly one more; 64 leaves room for a
 host running many workers and the CLI, while a flood from one host stays small."""
-LOG_EVERY_S = 10.0
-"""At most one line per this many seconds about refused connections and accept errors: a
-flood must not fill the disk with log lines (issue 15: 84 MB of EMFILE tracebacks)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
 
 
@@ -102,7 +100,7 @@ class ConnectionGuard:
         self.stats = GuardStats()
         self._window_refused: Counter[str] = Counter()
         self._window_errors: Counter[str] = Counter()
-        self._logged_at = -LOG_EVERY_S
+        self._logged_at = -TIMINGS.refusals_log_every_s
 
     async def start(self) -> None:
         """Start reading the socket's monitor (call once the socket is bound)."""
@@ -122,7 +120,7 @@ class ConnectionGuard:
     async def _watch(self) -> None:
         assert self._monitor is not None
         while True:
-            if await self._monitor.poll(int(LOG_EVERY_S * 1000)):
+            if await self._monitor.poll(int(TIMINGS.refusals_log_every_s * 1000)):
                 event = parse_monitor_message(await self._monitor.recv_multipart())
                 self.on_event(int(event["event"]), int(event["value"]))
             self._flush_log()
@@ -170,7 +168,7 @@ class ConnectionGuard:
         if not (self._window_refused or self._window_errors):
             return
         now = self._clock()
-        if not force and now - self._logged_at < LOG_EVERY_S:
+        if not force and now - self._logged_at < TIMINGS.refusals_log_every_s:
             return
         parts = []
         if self._window_refused:
@@ -189,4 +187,4 @@ class ConnectionGuard:
         self._logged_at = now
 
 
-__all__ = ["LOG_EVERY_S", "MAX_PER_SOURCE", "ConnectionGuard", "GuardStats", "admit"]
+__all__ = ["MAX_PER_SOURCE", "ConnectionGuard", "GuardStats", "admit"]

@@ -32,6 +32,7 @@ from swarmp2p.net.auth import (
     make_server_socket,
 )
 from swarmp2p.net.security import check_public_key
+from swarmp2p.timings import TIMINGS
 
 Buffer = bytes | bytearray | memoryview
 
@@ -39,9 +40,6 @@ DATA_MAX_PART_BYTES = 2**31
 """Largest single part a data link accepts (2 GiB); a larger one drops the connection."""
 DATA_HWM = 64
 """Messages queued per direction before ``send`` blocks."""
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 2000
-"""ZeroMQ reconnect back-off: first retry after 100 ms, doubling up to 2 s."""
 
 
 class LinkTimeout(TimeoutError):
@@ -102,8 +100,8 @@ class ZmqLink(Link):
     def _tune(sock: zmq.Socket, hwm: int) -> None:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL, TIMINGS.zmq_reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, TIMINGS.zmq_reconnect_ivl_max_ms)
 
     @classmethod
     def bind(

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import itertools
 import logging
 import time
@@ -52,6 +53,7 @@ from swarmp2p.net.auth import (
     make_server_socket,
 )
 from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire.messages import MAX_MESSAGE_BYTES, ErrorReply, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -138,21 +140,25 @@ class RpcError(SwarmError):
         return cls(reply.code, reply.detail)
 
 
-REBIND_S = 5.0
-"""How long a fixed port is tried again while it is still in use: zmq releases a closed
-socket's listener on its I/O thread, after ``close()`` returns, so a server restarted on its
-own port (a re-key) can find the port still held for a moment."""
+class AddressInUse(OSError):
+    """A fixed port that another process still listened on after ``Timings.rpc_rebind_s`` of retries."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use by another process")
+        self.port = port
 
 
-async def _bind(sock: zmq.asyncio.Socket, addr: str) -> None:
-    deadline = time.monotonic() + REBIND_S
+async def _bind(sock: zmq.asyncio.Socket, addr: str, port: int) -> None:
+    deadline = time.monotonic() + TIMINGS.rpc_rebind_s
     while True:
         try:
             sock.bind(addr)
             return
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+            if exc.errno != zmq.EADDRINUSE:
                 raise
+            if time.monotonic() >= deadline:
+                raise AddressInUse(port) from None
         await asyncio.sleep(0.05)
 
 
@@ -196,7 +202,9 @@ class RpcServer:
             if self._requested_port == 0:
                 self.port = sock.bind_to_random_port(f"tcp://{self._host}")
             else:
-                await _bind(sock, f"tcp://{self._host}:{self._requested_port}")
+                await _bind(
+                    sock, f"tcp://{self._host}:{self._requested_port}", self._requested_port
+                )
                 self.port = self._requested_port
         except BaseException:
             sock.close(0)

@@ -4,6 +4,8 @@ Why a unix socket: it lives in the 0700 state directory and is itself 0600, so t
 only the user who runs the daemon (and root) open it -- no key is needed, and nothing on it is
 ever reachable from the network. Each request is one JSON object ``{"op": ..., ...}`` on one
 line; each reply is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``.
+The request's fields are a typed record (``swarmp2p.node.requests``): the client builds it
+(:func:`send`), the server parses it back before the handler runs, naming a bad field.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.errors import SwarmError, UserError
+from swarmp2p.node.requests import ApiRequest, parse_request
+from swarmp2p.schema import Data, SchemaError, to_data
 
 if TYPE_CHECKING:  # the daemon's side (ApiServer) imports asyncio itself: the CLI's request()
     # is one blocking socket, and importing asyncio costs `swarm status` 50-70 ms
@@ -63,8 +67,9 @@ class NoDaemon(ApiError):
     default_code = "no_daemon"
 
 
-ApiHandler = Callable[[dict[str, Any]], Awaitable[Any]]
-"""``async handler(request) -> result``; raise ApiError or ValueError to refuse."""
+ApiHandler = Callable[[Any], Awaitable[Any]]
+"""``async handler(request) -> result`` (the op's ``ApiRequest`` record, or the plain fields of
+an op that has none); raise ApiError or ValueError to refuse. The result is JSON data."""
 
 _log = logging.getLogger(__name__)
 
@@ -127,7 +132,7 @@ class ApiServer:
         finally:
             writer.close()
 
-    async def _answer(self, line: bytes) -> dict[str, Any]:
+    async def _answer(self, line: bytes) -> dict[str, Data]:
         try:
             try:
                 req = json.loads(line)
@@ -136,7 +141,11 @@ class ApiServer:
             op = req.get("op") if isinstance(req, dict) else None
             if not isinstance(op, str) or op not in self._handlers:
                 raise UserError(f"bad request: op must be one of {sorted(self._handlers)}")
-            return {"ok": True, "result": await self._handlers[op](req)}
+            try:
+                typed = parse_request(op, {k: v for k, v in req.items() if k != "op"})
+            except SchemaError as exc:
+                raise UserError(str(exc), code="bad_field") from None
+            return {"ok": True, "result": await self._handlers[op](req if typed is None else typed)}
         except SwarmError as exc:
             return {"ok": False, "error": exc.message, "code": exc.code, "kind": exc.kind}
         except ValueError as exc:  # a handler's refusal of a bad value (ApiHandler's contract)
@@ -151,10 +160,21 @@ class ApiServer:
             }
 
 
-def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any) -> Any:
-    """Send one request to the daemon whose API socket is ``socket_path``; its result."""
+def send(socket_path: Path, req: ApiRequest, *, timeout: float = 10.0) -> Any:
+    """Send one typed request to the daemon whose API socket is ``socket_path``; its result."""
+    return _send(socket_path, req.OP, to_data(req), timeout)
+
+
+def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Data) -> Any:
+    """Send op ``op`` with ``fields`` (checked as its request record first: SchemaError, a
+    ValueError, naming a bad field) to the daemon at ``socket_path``; its result."""
     if op not in API_OPS:
         raise ValueError(f"unknown local API op {op!r}; one of {list(API_OPS)}")
+    typed = parse_request(op, fields)
+    return _send(socket_path, op, fields if typed is None else to_data(typed), timeout)
+
+
+def _send(socket_path: Path, op: str, fields: Mapping[str, object], timeout: float) -> Any:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -191,7 +211,9 @@ def request(socket_path: Path, op: str, *, timeout: float = 10.0, **fields: Any)
     return reply.get("result")
 
 
-def wait_until_up(socket_path: Path, timeout: float, *, alive=None) -> dict[str, Any]:
+def wait_until_up(
+    socket_path: Path, timeout: float, *, alive: Callable[[], bool] | None = None
+) -> dict[str, Any]:
     """Poll ``status`` until the daemon answers (or ``alive()`` says it died); its status."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -12,16 +13,13 @@ from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
+from swarmp2p.errors import UserError
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS, Timings
 
 _log = logging.getLogger("swarmp2p.node")
 
 DEFAULT_PORT = 7737
-HEARTBEAT_S = 0.5
-FAILURE_TIMEOUT_S = 3.0
-FORGET_AFTER_S = 60.0
-"""How long a dead (not cleanly stopped) peer stays listed with ``alive: false``."""
-SUBMIT_TIMEOUT_S = 10.0
 MAX_WAITING_JOBS = 64
 """Jobs not finished yet (pending, placed, running, resuming) the leader holds in all; a
 submission past it is refused before anything is written (``--max-waiting-jobs``)."""
@@ -29,15 +27,44 @@ MAX_WAITING_PER_SUBMITTER = 16
 """Jobs not finished yet that one node's submissions may hold (``--max-waiting-per-node``):
 one member cannot fill the swarm's share alone."""
 SUBMIT_BURST = 32
-SUBMIT_EVERY_S = 2.0
-"""Past a burst of ``SUBMIT_BURST`` submissions the leader takes one job per node every
-``SUBMIT_EVERY_S`` s: jobs that fail at once are not waiting, so the waiting caps do not
-bound them, and each is planned and kept in the table (at most 1,800 an hour per node)."""
+
+
+PORT_ROLES = {
+    "control": "this node's control port; `swarm up --port N` picks another (0: any free port)",
+    "join": "the join port, the control port + 2; `swarm up --port N` moves both",
+}
+
+
+def port_in_use(port: int, role: str) -> UserError:
+    """The error for a port another process listens on: which port, what it is, the fix."""
+    return UserError(
+        f"port {port} is in use by another process: it is {PORT_ROLES[role]} (`ss -ltnp "
+        f"'sport = :{port}'` shows who holds it)",
+        code="bad_request",
+    )
+
+
+def check_port_free(host: str, port: int, role: str) -> None:
+    """UserError (:func:`port_in_use`) when another process listens on ``host:port``; port 0
+    (any free port) passes. Bound with SO_REUSEADDR as ZeroMQ binds, so a port a closed
+    socket left in TIME_WAIT passes and only a live listener fails."""
+    if port == 0:
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise port_in_use(port, role) from None
+        raise
+    finally:
+        sock.close()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeConfig:
-    """Everything `swarm up` was told; timings are seconds."""
+    """Everything `swarm up` was told."""
 
     state_dir: Path
     name: str = ""
@@ -50,9 +77,9 @@ class NodeConfig:
     peers: tuple[str, ...] = ()
     """Static peers ``HOST:PORT`` (networks without multicast)."""
     mdns: bool = True
-    heartbeat_s: float = HEARTBEAT_S
-    failure_timeout_s: float = FAILURE_TIMEOUT_S
-    forget_after_s: float = FORGET_AFTER_S
+    timings: Timings = TIMINGS
+    """Every timing of the daemon (`--heartbeat`, `--failure-timeout` set two); tests pass
+    smaller ones."""
     open_swarm: bool = False
     """`swarm up --open`: any machine on the LAN joins without a code (a trusted home LAN only)."""
     max_waiting_jobs: int = MAX_WAITING_JOBS
@@ -63,11 +90,6 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not in 0..65535")
-        if not 0 < self.heartbeat_s < self.failure_timeout_s:
-            raise ValueError(
-                f"heartbeat interval {self.heartbeat_s} s must be > 0 and below the failure "
-                f"timeout {self.failure_timeout_s} s"
-            )
         for peer in self.peers:
             parse_peer(peer)
         if self.max_waiting_jobs < 1 or self.max_waiting_per_submitter < 1:
@@ -75,6 +97,18 @@ class NodeConfig:
                 f"--max-waiting-jobs {self.max_waiting_jobs} and --max-waiting-per-node "
                 f"{self.max_waiting_per_submitter} must be at least 1"
             )
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.timings.heartbeat_s
+
+    @property
+    def failure_timeout_s(self) -> float:
+        return self.timings.failure_timeout_s
+
+    @property
+    def forget_after_s(self) -> float:
+        return self.timings.forget_after_s
 
 
 def parse_peer(text: str) -> str:
@@ -88,9 +122,6 @@ def parse_peer(text: str) -> str:
 LOG_MAX_BYTES = 10 << 20
 LOG_BACKUPS = 3
 """``daemon.log`` rotates at 10 MB and keeps 3 old files: at most 40 MB, whatever a flood does."""
-RESOURCE_ERRORS_EVERY_S = 10.0
-"""At most one log line (without its traceback) per this many seconds about running out of
-descriptors or buffers; the ones in between are counted in the next line."""
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 NOFILE_CAP = 1 << 20
 """The soft open-file limit is raised to the hard limit, but not past this (an unlimited hard
@@ -117,7 +148,7 @@ class ResourceErrorFilter(logging.Filter):
             return True
         with self._lock:
             now = self._clock()
-            if self._last is not None and now - self._last < RESOURCE_ERRORS_EVERY_S:
+            if self._last is not None and now - self._last < TIMINGS.resource_errors_every_s:
                 self._dropped += 1
                 verdict = False
             else:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from swarmp2p.errors import NotApplied, Unavailable
 from swarmp2p.net.auth import ClientKeys
@@ -21,12 +21,15 @@ from swarmp2p.net.rpc import RpcClient
 from swarmp2p.node.cluster.election import eligible_leader
 from swarmp2p.node.cluster.election import leader as lowest_live
 from swarmp2p.node.cluster.membership import Keyring, Membership
+from swarmp2p.node.records import Host, NodeRecord
 
 if TYPE_CHECKING:
     from swarmp2p.net.security import NodeKey, SwarmSecret
     from swarmp2p.node.config import NodeConfig
     from swarmp2p.node.state import StateDir
+    from swarmp2p.node.table.events import Event
     from swarmp2p.node.table.jobtable import JobTable
+    from swarmp2p.node.table.replication import Replication
     from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")
@@ -41,10 +44,10 @@ class Identity:
     node_id: str
     name: str
     addresses: tuple[str, ...]
-    record: dict[str, Any]
-    """Its hardware node record (cluster.json form)."""
-    host: dict[str, Any]
-    """CPU cores, NVIDIA driver."""
+    record: NodeRecord
+    """Its hardware node record (``NodeContext.set_record`` puts a new one)."""
+    host: Host
+    """CPU cores, machine, NVIDIA driver."""
 
 
 class NodeContext:
@@ -84,9 +87,13 @@ class NodeContext:
         self._retired: list[RpcClient] = []
         self._tasks: set[asyncio.Task] = set()
         self._local: LocalHandler | None = None
-        self._replication: Any = None
+        self._replication: Replication | None = None
 
-    def attach(self, *, local: LocalHandler, replication: Any) -> None:
+    def set_record(self, record: NodeRecord) -> None:
+        """This node's hardware record from now on (live memory, measured speeds)."""
+        self.me = replace(self.me, record=record)
+
+    def attach(self, *, local: LocalHandler, replication: Replication) -> None:
         """The daemon's own request handler (a call to this node) and the table's replication."""
         self._local, self._replication = local, replication
 
@@ -118,14 +125,14 @@ class NodeContext:
     def table(self) -> JobTable:
         return self._replication.table
 
-    async def append(self, events: list[Any]) -> int:
+    async def append(self, events: list[Event]) -> int:
         """Leader: add table events (validated, persisted, replicated); the last version."""
         return await self._replication.append(events)
 
     def live_nodes(self) -> frozenset[str]:
         return frozenset({self.node_id, *(p.node_id for p in self.members.alive_peers())})
 
-    def live_records(self) -> list[dict[str, Any]]:
+    def live_records(self) -> list[NodeRecord]:
         """The hardware records of the live nodes, this one first."""
         return [self.me.record, *(p.record for p in self.members.alive_peers())]
 
@@ -213,7 +220,7 @@ class NodeContext:
 
     # --- tasks -----------------------------------------------------------------------------
 
-    def spawn(self, coro: Coroutine[Any, Any, Any] | Awaitable[Any], name: str) -> asyncio.Task:
+    def spawn(self, coro: Awaitable[object], name: str) -> asyncio.Task:
         """Run ``coro`` as a task the daemon cancels when it stops; failures are logged."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)

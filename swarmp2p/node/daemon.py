@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from swarmp2p import PROTOCOL_VERSION, __version__
 from swarmp2p._ratelog import RateLimitedLog
@@ -43,9 +42,10 @@ from swarmp2p.net.discovery import (
     list_interfaces,
     select_interfaces,
 )
-from swarmp2p.net.rpc import RpcError, RpcServer
+from swarmp2p.net.rpc import AddressInUse, RpcError, RpcServer
 from swarmp2p.net.security import NodeKey, SwarmSecret, fingerprint
 from swarmp2p.node import hardware, speed_probe, views
+from swarmp2p.node import requests as rq
 from swarmp2p.node.api import ApiServer
 from swarmp2p.node.cluster import api as members_api
 from swarmp2p.node.cluster import authz
@@ -54,7 +54,7 @@ from swarmp2p.node.cluster.heartbeats import Heartbeats
 from swarmp2p.node.cluster.hellos import Hellos
 from swarmp2p.node.cluster.membership import Change
 from swarmp2p.node.cluster.pairing import PairingPort
-from swarmp2p.node.config import NodeConfig, parse_peer
+from swarmp2p.node.config import NodeConfig, parse_peer, port_in_use
 from swarmp2p.node.context import Identity, NodeContext
 from swarmp2p.node.messages import (
     SERVE_MESSAGES,
@@ -84,14 +84,10 @@ from swarmp2p.node.table.replication import Replication
 from swarmp2p.node.training import api as jobs_api
 from swarmp2p.node.training.leader import JobsLeader
 from swarmp2p.node.training.stages import StageHost
+from swarmp2p.schema import Data, to_data
 from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node")
-
-LEAVE_TIMEOUT_S = 2.0
-"""How long a stopping member waits for the leader to take it off the members."""
-METRICS_WANTED_S = 10.0
-"""A follower fetches job metrics from the leader while its status was asked this recently."""
 
 
 class Daemon:
@@ -120,7 +116,7 @@ class Daemon:
             env=env,
             capabilities=runtime_capabilities(),
         )
-        record["link_speed"] = speed_probe.link_speed([iface for iface, _ in chosen])
+        record = record.with_link_speed(speed_probe.link_speed([iface for iface, _ in chosen]))
         self.ctx = NodeContext(
             me=Identity(node_id=node_id, name=name, addresses=addresses, record=record, host=host),
             state=state,
@@ -174,6 +170,9 @@ class Daemon:
         try:
             await self._start()
             await self._stop.wait()
+        except SwarmError as exc:  # a cause the user can fix: daemon.log says it first
+            log.error("cannot start: %s", exc)  # client.control.CANNOT_START
+            raise
         finally:
             await self._close()
 
@@ -192,11 +191,17 @@ class Daemon:
             domain=f"swarmp2p-members-{ctx.node_id}",
         )
         self._server = RpcServer(ctx.zmq, keys, self.bind_host, ctx.config.port, self._handle)
-        await self._server.start()
+        try:
+            await self._server.start()
+        except AddressInUse as exc:
+            raise port_in_use(exc.port, "control") from None
         ctx.port = self._server.port
         join_port = ctx.port + jn.JOIN_PORT_OFFSET if ctx.config.port else 0
         self._join = jn.JoinPort(ctx, self.bind_host, join_port, self.hellos.on_join)
-        await self._join.start()
+        try:
+            await self._join.start()
+        except AddressInUse as exc:
+            raise port_in_use(exc.port, "join") from None
         ctx.join_port = self._join.port
         self._api = ApiServer(
             ctx.state.api_socket,
@@ -311,10 +316,10 @@ class Daemon:
                     self.rep.append(
                         [ev.MemberLeft(node_id=ctx.node_id, reason="stopped")], wait=True
                     ),
-                    LEAVE_TIMEOUT_S,
+                    self.ctx.config.timings.leave_s,
                 )
             else:
-                await ctx.to_leader(Leave(node_id=ctx.node_id), LEAVE_TIMEOUT_S)
+                await ctx.to_leader(Leave(node_id=ctx.node_id), self.ctx.config.timings.leave_s)
         except (SwarmError, OSError, asyncio.TimeoutError) as exc:
             log.info("left without the leader's acknowledgement: %s", exc)
 
@@ -369,7 +374,7 @@ class Daemon:
         self.serving.tick()
         if (
             not ctx.leading
-            and now - self._status_at < METRICS_WANTED_S
+            and now - self._status_at < self.ctx.config.timings.metrics_wanted_s
             and now - self._metrics_at >= 1.0
         ):
             self._metrics_at = now
@@ -499,7 +504,7 @@ class Daemon:
 
     # --- the local API -----------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Data]:
         """What `swarm status --json` prints."""
         ctx = self.ctx
         now = ctx.clock()
@@ -513,10 +518,10 @@ class Daemon:
             "last_seen_s": 0.0,
             "key": ctx.key.fingerprint,
             "member": ctx.node_id in self.rep.table.member_ids,
-            "host": ctx.me.host,
+            "host": to_data(ctx.me.host),
             "devices": views.devices(ctx.me.record),
             "version": __version__,
-            "capabilities": list(ctx.me.record.get("capabilities", [])),
+            "capabilities": sorted(ctx.me.record.node.capabilities),
         }
         table = self.rep.table
         rows = views.peer_rows(
@@ -562,13 +567,15 @@ class Daemon:
             ],
         }
 
-    async def _measure_speeds(self, fresh: bool = False) -> dict[str, Any]:
+    async def _measure_speeds(self, fresh: bool = False) -> speed_probe.Speeds:
         """Measure this node's speeds (cached per hardware and software version; ``fresh``:
         again) and advertise them: a new hello to every live peer."""
-        speeds, changed = await speed_probe.measure_node(
+        speeds = await speed_probe.measure_node(
             self.ctx.me.record, self.ctx.me.host, self._env, fresh=fresh, stop=self._probe_stop
         )
-        if changed:
+        record = self.ctx.me.record.with_speeds(speeds)  # the live one: memory moved meanwhile
+        if record != self.ctx.me.record:
+            self.ctx.set_record(record)
             log.info("measured speeds (FLOP/s): %s", speeds)
             self.ctx.spawn(self._advertise(), "advertise")
         return speeds
@@ -586,7 +593,7 @@ class Daemon:
                 return
             await asyncio.sleep(0.05)
 
-    async def _api_bench(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_bench(self, req: rq.BenchRequest) -> dict[str, Data]:
         try:
             speeds = await self._measure_speeds(fresh=True)
         except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
@@ -597,11 +604,11 @@ class Daemon:
             "devices": views.devices(self.ctx.me.record),
         }
 
-    async def _api_down(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_down(self, req: rq.DownRequest) -> dict[str, Data]:
         asyncio.get_running_loop().call_soon(self.stop)
         return {"node_id": self.ctx.node_id, "pid": os.getpid()}
 
-    async def _api_status(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _api_status(self, req: rq.StatusRequest) -> dict[str, Data]:
         return self.status()
 
     async def _adopt_secret(self, secret: SwarmSecret) -> None:
@@ -618,7 +625,7 @@ class Daemon:
                 await self._discovery.update(self._advert())
         log.warning("swarm secret changed: swarm id %s (was %s)", secret.swarm_id, old.swarm_id)
 
-    async def _api_peers(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _api_peers(self, req: rq.PeersRequest) -> list[dict[str, Data]]:
         return self.status()["peers"]
 
 

@@ -16,17 +16,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmp2p.node.records import NO_HELD, NodeRecord, device_key
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.table.registry import model_entry, unique_model_id
 from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_holders
-from swarmp2p.plan import Blocked, Plan
+from swarmp2p.plan import Blocked, Node, Plan
+from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
+from swarmp2p.timings import TIMINGS
+from swarmp2p.worker_events import (
+    Done,
+    Evaluated,
+    Exited,
+    Exported,
+    SnapshotSaved,
+    StepDone,
+    WorkerEvent,
+)
 from swarmp2p.workers import exit_message
-
-PROGRESS_EVERY_S = 5.0
-"""The leader writes a job's progress (step, loss) to the replicated table at most this often
-(and at every snapshot and at the end); the curve stays in its memory (``metrics``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,24 +122,29 @@ def _learned(entry: JobEntry) -> bool:
     return plan is not None and any(b.compression.is_learned for b in plan.boundaries)
 
 
-def snapshot_layout(entry: JobEntry, alive: Iterable[str]) -> tuple[int, tuple[dict, ...]]:
-    """(step, the stages it was taken on: ``{"stage", "layers", "nodes"}`` with live holders)
-    of the newest snapshots the job can resume from; (0, ()) when there are none. Snapshots
-    of a re-split attempt that never took its own are the old stages' it was cut from."""
+def snapshot_layout(
+    entry: JobEntry, alive: Iterable[str]
+) -> tuple[int, tuple[ev.SnapshotSlice, ...]]:
+    """(step, the stages it was taken on, with their live holders) of the newest snapshots
+    the job can resume from; (0, ()) when there are none. Snapshots of a re-split attempt
+    that never took its own are the old stages' it was cut from."""
     live = set(alive)
     step = resume_step(entry, live) if entry.plan is not None else 0
     if step and entry.plan is not None:
         return step, tuple(
-            {
-                "stage": i,
-                "layers": list(s.layers),
-                "nodes": [h for h in snapshot_holders(entry, i, step) if h in live],
-            }
+            ev.SnapshotSlice(
+                stage=i,
+                layers=(s.layer_start, s.layer_end),
+                nodes=tuple(h for h in snapshot_holders(entry, i, step) if h in live),
+            )
             for i, s in enumerate(entry.plan.stages)
         )
     if entry.resplit and entry.resume_step:
-        layout = tuple({**r, "nodes": [n for n in r["nodes"] if n in live]} for r in entry.resplit)
-        if all(r["nodes"] for r in layout):
+        layout = tuple(
+            dataclasses.replace(r, nodes=tuple(n for n in r.nodes if n in live))
+            for r in entry.resplit
+        )
+        if all(r.nodes for r in layout):
             return entry.resume_step, layout
     return 0, ()
 
@@ -143,7 +156,7 @@ def plan_tries(entry: JobEntry, alive: Iterable[str]) -> list[PlanTry]:
     if entry.plan is None:
         return [PlanTry()]
     step, layout = snapshot_layout(entry, alive)
-    tries = [PlanTry(cuts=plan_cuts([r["layers"] for r in layout]))] if step else []
+    tries = [PlanTry(cuts=plan_cuts([r.layers for r in layout]))] if step else []
     if step and _learned(entry):
         return tries
     tries.append(PlanTry())
@@ -156,8 +169,8 @@ def placement(
     entry: JobEntry,
     result: Plan | Blocked,
     *,
-    cluster: Sequence[Mapping[str, Any]],
-    records: Sequence[Mapping[str, Any]],
+    cluster: Sequence[Node],
+    records: Sequence[NodeRecord],
     alive: Iterable[str],
     me: str,
     now: float,
@@ -177,14 +190,14 @@ def placement(
     tried = tried or PlanTry()
     step, layout = snapshot_layout(entry, alive) if entry.plan is not None else (0, ())
     new = plan_cuts([s.layers for s in result.stages])
-    same = step and new == plan_cuts([r["layers"] for r in layout]) and not entry.resplit
+    same = step and new == plan_cuts([r.layers for r in layout]) and not entry.resplit
     fixed = tried.cuts is not None or tried.any_count
     return [
         ev.JobPlaced(
             job_id=entry.job_id,
             attempt=entry.attempt + 1,
             plan=result,
-            cluster=tuple(dict(r) for r in cluster),
+            cluster=tuple(cluster),
             resume_step=step,
             placed_by=me,
             at=now,
@@ -195,14 +208,12 @@ def placement(
 
 
 def available_memory(
-    records: Sequence[Mapping[str, Any]], table: JobTable, exclude: str | None = None
-) -> list[dict[str, Any]]:
+    records: Sequence[NodeRecord], table: JobTable, exclude: str | None = None
+) -> list[NodeRecord]:
     """The live records with each device's ``memory_free`` less what is already promised
     there: the placed stages of every other active job (the table's, at once) and the served
     models' stages (each node's report). Live free memory already lacks what a loaded worker
     holds, so the smaller of the two counts, never their sum."""
-    from swarmp2p.node.hardware import device_key
-
     promised: dict[tuple[str, str], int] = {}
     for job_id, entry in table.jobs.items():
         if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
@@ -212,18 +223,15 @@ def available_memory(
             promised[key] = promised.get(key, 0) + int(stage.memory.peak)
     out = []
     for record in records:
-        rec = {k: v for k, v in record.items() if k != "held"}
-        serve = (record.get("held") or {}).get("serve") or {}
+        serve = record.held.serve
         devices = []
-        for d in record.get("devices", []):
+        for d in record.node.devices:
             key = device_key(d)
-            taken = promised.get((record["node_id"], key), 0) + int(serve.get(key, 0))
-            total = int(d.get("memory_total") or 0)
-            devices.append(
-                {**d, "memory_free": max(0, min(int(d.get("memory_free") or 0), total - taken))}
-            )
-        rec["devices"] = devices
-        out.append(rec)
+            taken = promised.get((record.node_id, key), 0) + serve.get(key, 0)
+            free = max(0, min(d.memory_free, d.memory_total - taken))
+            devices.append(dataclasses.replace(d, memory_free=free))
+        node = dataclasses.replace(record.node, devices=tuple(devices))
+        out.append(dataclasses.replace(record, node=node, held=NO_HELD))
     return out
 
 
@@ -324,7 +332,7 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
     speeds: dict[str, dict[str, float]] = {}
     for stage, speed in zip(plan.stages, learned):
         if speed is not None:
-            speeds.setdefault(stage.node_id, {})[_device_key(stage.devices[0])] = speed
+            speeds.setdefault(stage.node_id, {})[device_key(stage.devices[0])] = speed
     return Rebalance(
         job_id=entry.job_id,
         attempt=entry.attempt,
@@ -346,32 +354,29 @@ def rebalance_step(entry: JobEntry, due: Rebalance, alive: Iterable[str]) -> int
     return step if step > due.step else 0
 
 
-def _device_key(torch_device: str) -> str:
-    return "cpu:0" if torch_device == "cpu" else torch_device
-
-
 def with_learned_speeds(
-    cluster: Sequence[Mapping[str, Any]], speeds: Mapping[str, Mapping[str, float]], dtype: str
-) -> list[dict[str, Any]]:
+    cluster: Sequence[Node], speeds: Mapping[str, Mapping[str, float]], dtype: str
+) -> list[Node]:
     """``cluster`` (node records) with the measured speeds in ``dtype`` in place of the probe's
     on the devices the run measured."""
     out = []
-    for record in cluster:
-        mine = speeds.get(record.get("node_id")) or {}
+    for node in cluster:
+        mine = speeds.get(node.node_id) or {}
         devices = []
-        for d in record.get("devices", []):
-            got = mine.get(f"{d.get('kind')}:{d.get('index')}")
+        for d in node.devices:
+            got = mine.get(device_key(d))
             if got:
-                d = {**d, "speed": {**(d.get("speed") or {}), dtype: got}}
+                speed = Speeds(sorted({**dict(d.speed), dtype: float(got)}.items()))
+                d = dataclasses.replace(d, speed=speed)
             devices.append(d)
-        out.append({**record, "devices": devices})
+        out.append(dataclasses.replace(node, devices=tuple(devices)))
     return out
 
 
-def learned_cluster(cluster: Sequence[Mapping[str, Any]], entry: JobEntry) -> list[dict[str, Any]]:
+def learned_cluster(cluster: Sequence[Node], entry: JobEntry) -> list[Node]:
     """``cluster`` with what ``entry``'s runs measured (none learned: unchanged)."""
     if not entry.learned or not entry.learned_dtype:
-        return [dict(r) for r in cluster]
+        return list(cluster)
     return with_learned_speeds(cluster, entry.learned, entry.learned_dtype)
 
 
@@ -410,7 +415,7 @@ def fold_report(
     attempt: int,
     stage: int,
     node_id: str,
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[WorkerEvent],
     now: float,
     progress_due: bool,
 ) -> list[ev.Event]:
@@ -421,31 +426,27 @@ def fold_report(
         return []
     last = stage == entry.n_stages - 1
     out: list[ev.Event] = []
-    newest_step: Mapping[str, Any] | None = None
+    newest_step: StepDone | None = None
     for event in events:
-        kind = event.get("event")
-        if kind == "step" and last and isinstance(event.get("step"), int):
+        if isinstance(event, StepDone) and last:
             newest_step = event
-        elif kind == "snapshot" and isinstance(event.get("step"), int) and event["step"] >= 1:
+        elif isinstance(event, SnapshotSaved):
             out.append(
-                ev.SnapshotHeld(
-                    job_id=entry.job_id, stage=stage, step=event["step"], node_id=node_id
-                )
+                ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event.step, node_id=node_id)
             )
             progress_due = True
-        elif kind == "eval" and last and isinstance(event.get("pass"), str):
-            tokens = event.get("tokens")
+        elif isinstance(event, Evaluated) and last:
             out.append(
                 ev.EvaluationReported(
                     job_id=entry.job_id,
-                    name=event["pass"][:64],
-                    loss=_number(event.get("loss")),
-                    perplexity=_number(event.get("perplexity")),
-                    top1=_number(event.get("top1")),
-                    tokens=tokens if isinstance(tokens, int) and tokens >= 0 else 0,
+                    name=event.name[:64],
+                    loss=_number(event.loss),
+                    perplexity=_number(event.perplexity),
+                    top1=_number(event.top1),
+                    tokens=event.tokens,
                 )
             )
-        elif kind == "exported" and isinstance(event.get("manifest_data"), dict):
+        elif isinstance(event, Exported) and event.manifest_data is not None:
             out.append(
                 ev.StageExported(
                     job_id=entry.job_id,
@@ -453,46 +454,38 @@ def fold_report(
                     stage=stage,
                     node_id=node_id,
                     folder=f"export/stage-{stage}",
-                    manifest=event["manifest_data"],
+                    manifest=event.manifest_data,
                 )
             )
-        elif kind == "done":
+        elif isinstance(event, Done):
             if newest_step is not None:
                 out.append(_progress(entry, attempt, newest_step, now))
                 newest_step = None
             out.append(ev.StageFinished(job_id=entry.job_id, attempt=attempt, stage=stage, at=now))
-        elif kind == "exit" and event.get("code") != 0:
-            code = event.get("code")
-            how = exit_message(code if isinstance(code, int) else None)
-            message = event.get("error")
-            tail = [str(line)[:2000] for line in (event.get("stderr_tail") or [])][
-                -ev.MAX_TAIL_LINES :
-            ]
+        elif isinstance(event, Exited) and event.code != 0:
+            how = exit_message(event.code)
+            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
             out.append(
                 ev.JobFailed(
                     job_id=entry.job_id,
                     attempt=attempt,
                     stage=stage,
                     node_id=node_id,
-                    message=f"{message} ({how})" if message else how,
+                    message=f"{event.error} ({how})" if event.error else how,
                     stderr_tail=tuple(tail),
                     at=now,
                 )
             )
     if newest_step is not None:
         steps = entry.job.train.steps
-        if progress_due or newest_step["step"] + 1 >= steps or entry.state != "running":
+        if progress_due or newest_step.step + 1 >= steps or entry.state != "running":
             out.insert(0, _progress(entry, attempt, newest_step, now))
     return out
 
 
-def _progress(entry: JobEntry, attempt: int, step: Mapping[str, Any], now: float) -> ev.Event:
+def _progress(entry: JobEntry, attempt: int, step: StepDone, now: float) -> ev.Event:
     return ev.StepsReported(
-        job_id=entry.job_id,
-        attempt=attempt,
-        step=step["step"] + 1,
-        loss=_number(step.get("loss")),
-        at=now,
+        job_id=entry.job_id, attempt=attempt, step=step.step + 1, loss=_number(step.loss), at=now
     )
 
 
@@ -555,34 +548,25 @@ def waiting_refusal(table: JobTable, node_id: str, *, per_swarm: int, per_node: 
     return ""
 
 
-PLAN_AGAIN_S = 30.0
-"""A waiting job whose planning inputs did not change is planned again at most this often."""
-
-
-def placement_inputs(
-    entry: JobEntry, alive: Iterable[str], records: Sequence[Mapping[str, Any]]
-) -> tuple:
+def placement_inputs(entry: JobEntry, alive: Iterable[str], records: Sequence[NodeRecord]) -> tuple:
     """What a waiting job's placement depends on, coarsely: its own version, the live nodes,
     and each live device's free memory in GiB and free disk in GiB (a byte's change in free
     memory does not make a blocked job worth planning again)."""
     devices = tuple(
         (
-            r.get("node_id"),
-            int(r.get("disk_free") or 0) >> 30,
-            tuple(
-                (d.get("kind"), d.get("index"), int(d.get("memory_free") or 0) >> 30)
-                for d in r.get("devices", [])
-            ),
+            r.node_id,
+            r.node.disk_free >> 30,
+            tuple((d.kind, d.index, d.memory_free >> 30) for d in r.node.devices),
         )
-        for r in sorted(records, key=lambda r: str(r.get("node_id")))
+        for r in sorted(records, key=lambda r: r.node_id)
     )
     return (entry.version, entry.attempt, tuple(sorted(alive)), devices)
 
 
 def plan_again(last: tuple[tuple, float] | None, inputs: tuple, now: float) -> bool:
     """Whether to plan a waiting job again: never planned, or its inputs changed since the
-    last (blocked) try ``last`` = (inputs, when), or PLAN_AGAIN_S passed."""
-    return last is None or last[0] != inputs or now - last[1] >= PLAN_AGAIN_S
+    last (blocked) try ``last`` = (inputs, when), or ``Timings.plan_again_s`` passed."""
+    return last is None or last[0] != inputs or now - last[1] >= TIMINGS.plan_again_s
 
 
 _NEW_ID = re.compile(r"[^A-Za-z0-9_-]+")
@@ -595,8 +579,6 @@ def new_job_id(version: int, token: str) -> str:
 
 __all__ = [
     "MAX_REBALANCES",
-    "PLAN_AGAIN_S",
-    "PROGRESS_EVERY_S",
     "REBALANCE_OFF",
     "REBALANCE_STEPS",
     "Action",

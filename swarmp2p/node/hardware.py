@@ -1,10 +1,8 @@
 """Hardware probe: GPUs through NVML (nvidia-ml-py), CPU cores, RAM, free disk; fake devices.
 
-``probe`` returns the cluster.json node record of ``swarmp2p.plan.hardware`` (plain dicts,
-bytes everywhere): ``{"node_id", "name", "ram", "disk_free", "capabilities", "version",
-"devices": [{"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}]}``
-with ``"fake": true`` added on fake devices only (``planner_record`` drops it), and a host dict
-``{"cpu_cores", "driver"}`` that the planner does not take.
+``probe`` returns this machine's :class:`~swarmp2p.node.records.NodeRecord` (the planner's
+node, bytes everywhere, and which devices are fake) and its :class:`~swarmp2p.node.records.Host`
+facts, which the planner does not take.
 
 ``SWARM_FAKE_DEVICES`` (tests and demos only) replaces the GPUs NVML would report with
 described ones, each marked ``"fake": true``. Two forms:
@@ -16,9 +14,9 @@ described ones, each marked ``"fake": true``. Two forms:
   ``compute_capability`` to ``""``, ``index`` to the position; ``speed`` (FLOP/s per dtype,
   ``{"float32": 2e10}``) stands in for a measurement (the speed probe measures the others).
 
-The host dict's ``cpu_cores`` is the CPUs this node may keep busy (affinity capped by its
-cgroup's quota, ``node.speed_probe``), ``cpu_quota`` that quota (None: unlimited) and
-``machine`` a hash telling daemons on one machine from separate ones.
+The host's ``cpu_cores`` is the CPUs this node may keep busy (affinity capped by its cgroup's
+quota, ``node.speed_probe``), ``cpu_quota`` that quota (None: unlimited) and ``machine`` a hash
+telling daemons on one machine from separate ones.
 """
 
 from __future__ import annotations
@@ -27,20 +25,38 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TypedDict
+
+from swarmp2p.node.records import Host, NodeRecord, device_key
+from swarmp2p.timings import TIMINGS
 
 FAKE_DEVICES_ENV = "SWARM_FAKE_DEVICES"
 """Environment variable describing fake devices (see the module docstring)."""
 
 DEVICE_KINDS = ("cuda", "cpu", "mps")
 GIB = 1 << 30
+
+
+class DeviceData(TypedDict, total=False):
+    """A device in cluster.json form as the probe builds it (``fake`` on a described one)."""
+
+    kind: str
+    index: int
+    name: str
+    memory_total: int
+    memory_free: int
+    compute_capability: str
+    speed: dict[str, float]
+    fake: bool
+
+
 _SHORT_ITEM = re.compile(r"^([A-Za-z0-9 ._-]+):(\d+(?:\.\d+)?)(?::(\d+\.\d+))?$")
 
 
-def parse_fake_devices(text: str) -> list[dict[str, Any]]:
+def parse_fake_devices(text: str) -> list[DeviceData]:
     """Parse a ``SWARM_FAKE_DEVICES`` value into device dicts marked ``fake``; ValueError if bad."""
     text = text.strip()
     if not text:
@@ -65,7 +81,7 @@ def parse_fake_devices(text: str) -> list[dict[str, Any]]:
     return devices
 
 
-def _parse_fake_json(text: str) -> list[dict[str, Any]]:
+def _parse_fake_json(text: str) -> list[DeviceData]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -77,16 +93,7 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
         where = f"{FAKE_DEVICES_ENV}[{index}]"
         if not isinstance(item, dict):
             raise ValueError(f"{where} must be an object, got {type(item).__name__}")
-        unknown = set(item) - {
-            "kind",
-            "index",
-            "name",
-            "memory_total",
-            "memory_free",
-            "compute_capability",
-            "fake",
-            "speed",
-        }
+        unknown = set(item) - set(DeviceData.__annotations__)
         if unknown:
             raise ValueError(f"{where} has unknown field(s) {sorted(unknown)}")
         kind = item.get("kind", "cuda")
@@ -122,7 +129,7 @@ def _parse_fake_json(text: str) -> list[dict[str, Any]]:
     return devices
 
 
-def _fake_speed(value: Any, where: str) -> dict[str, float]:
+def _fake_speed(value: object, where: str) -> dict[str, float]:
     from swarmp2p.plan.hardware import Speeds
     from swarmp2p.schema import SchemaError
 
@@ -134,8 +141,8 @@ def _fake_speed(value: Any, where: str) -> dict[str, float]:
 
 def _device(
     kind: str, index: int, name: str, total: int, free: int, capability: str, *, fake: bool
-) -> dict[str, Any]:
-    device = {
+) -> DeviceData:
+    device: DeviceData = {
         "kind": kind,
         "index": index,
         "name": name,
@@ -148,11 +155,11 @@ def _device(
     return device
 
 
-def _text(value: Any) -> str:
+def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def probe_gpus(nvml: ModuleType | None = None) -> tuple[list[dict[str, Any]], str]:
+def probe_gpus(nvml: ModuleType | None = None) -> tuple[list[DeviceData], str]:
     """CUDA devices and the driver version from NVML; ``([], "")`` quietly when NVML is absent."""
     if nvml is None:
         try:
@@ -230,8 +237,8 @@ def probe(
     capabilities: list[str] | None = None,
     env: Mapping[str, str] | None = None,
     nvml: ModuleType | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """This machine's node record and host dict; ``SWARM_FAKE_DEVICES`` in ``env`` replaces
+) -> tuple[NodeRecord, Host]:
+    """This machine's node record and host facts; ``SWARM_FAKE_DEVICES`` in ``env`` replaces
     the GPUs. ``capabilities`` are the runtime features this node declares (none by default)."""
     env = os.environ if env is None else env
     fake = env.get(FAKE_DEVICES_ENV)
@@ -241,7 +248,7 @@ def probe(
         gpus, driver = probe_gpus(nvml)
     ram = _ram_bytes()
     cpu = _device("cpu", 0, "cpu", ram, _available_ram(ram), "", fake=False)
-    record = {
+    data = {
         "node_id": node_id,
         "name": name,
         "ram": ram,
@@ -253,19 +260,13 @@ def probe(
     from swarmp2p.node.speed_probe import cpu_quota, cpu_share, machine_id
 
     quota = cpu_quota()
-    host = {
-        "cpu_cores": cpu_share(_cpu_cores(), quota),
-        "cpu_quota": quota,
-        "machine": machine_id(),
-    }
-    return record, {**host, "driver": driver}
-
-
-def planner_record(record: Mapping[str, Any]) -> dict[str, Any]:
-    """``record`` as ``swarmp2p.plan.hardware.Node.from_dict`` takes it (no ``fake`` marks)."""
-    out = dict(record)
-    out["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in record["devices"]]
-    return out
+    host = Host(
+        cpu_cores=cpu_share(_cpu_cores(), quota),
+        cpu_quota=quota,
+        machine=machine_id(),
+        driver=driver,
+    )
+    return NodeRecord.from_data(data, ""), host
 
 
 def _available_ram(total: int, meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -280,16 +281,6 @@ def _available_ram(total: int, meminfo: Path = Path("/proc/meminfo")) -> int:
 
 # --- live memory --------------------------------------------------------------------------------
 
-LIVE_EVERY_S = 1.0
-"""Free memory is re-read at most this often (each heartbeat asks; NVML takes ~1 ms a device)."""
-
-
-def device_key(device: Mapping[str, Any] | str) -> str:
-    """``cuda:0``, ``cpu:0``: a device of a record, or a stage's torch device (``cpu``)."""
-    if isinstance(device, str):
-        return "cpu:0" if device == "cpu" else device
-    return f"{device.get('kind')}:{device.get('index')}"
-
 
 class LiveMemory:
     """This node's free memory per device, re-read: NVML for real GPUs (initialised once),
@@ -297,25 +288,25 @@ class LiveMemory:
 
     def __init__(
         self,
-        record: Mapping[str, Any],
+        record: NodeRecord,
         *,
         nvml: ModuleType | None = None,
-        clock: Any = None,
+        clock: Callable[[], float] | None = None,
         meminfo: Path = Path("/proc/meminfo"),
     ) -> None:
         import time
 
-        self._devices = [dict(d) for d in record.get("devices", [])]
+        self._devices = record.node.devices
+        self._real = [d.index for d in self._devices if d.kind == "cuda" and not record.is_fake(d)]
         self._nvml = nvml
-        self._handles: dict[int, Any] | None = None
+        self._handles: dict[int, object] | None = None
         self._clock = clock or time.monotonic
         self._meminfo = meminfo
         self._at = -1e18
         self._last: dict[str, int] = {}
 
     def _gpu_free(self) -> dict[int, int]:
-        real = [d for d in self._devices if d.get("kind") == "cuda" and not d.get("fake")]
-        if not real:
+        if not self._real:
             return {}
         try:
             if self._handles is None:
@@ -324,31 +315,29 @@ class LiveMemory:
                     import pynvml as nvml  # provided by nvidia-ml-py
                 nvml.nvmlInit()
                 self._nvml = nvml
-                self._handles = {
-                    int(d["index"]): nvml.nvmlDeviceGetHandleByIndex(int(d["index"])) for d in real
-                }
-            return {
-                i: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for i, h in self._handles.items()
-            }
+                self._handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in self._real}
+            nvml = self._nvml
+            assert nvml is not None
+            return {i: int(nvml.nvmlDeviceGetMemoryInfo(h).free) for i, h in self._handles.items()}
         except Exception:  # NVML gone (driver reload): keep the last values
             self._handles = None
             return {}
 
     def read(self) -> dict[str, int]:
-        """``{device key: free bytes}`` now (or as of at most LIVE_EVERY_S ago)."""
+        """``{device key: free bytes}`` now (or as of at most ``Timings.live_memory_every_s`` ago)."""
         now = self._clock()
-        if now - self._at < LIVE_EVERY_S and self._last:
+        if now - self._at < TIMINGS.live_memory_every_s and self._last:
             return self._last
         gpus = self._gpu_free()
         out = {}
         for d in self._devices:
             key = device_key(d)
-            if d.get("kind") == "cpu":
-                out[key] = _available_ram(int(d.get("memory_total") or 0), self._meminfo)
-            elif d.get("kind") == "cuda" and int(d["index"]) in gpus:
-                out[key] = gpus[int(d["index"])]
+            if d.kind == "cpu":
+                out[key] = _available_ram(d.memory_total, self._meminfo)
+            elif d.kind == "cuda" and d.index in gpus:
+                out[key] = gpus[d.index]
             else:
-                out[key] = int(d.get("memory_free") or 0)
+                out[key] = d.memory_free
         self._at, self._last = now, out
         return out
 
@@ -358,36 +347,12 @@ def free_disk(env: Mapping[str, str] | None = None) -> int:
     return disk_free(model_cache_dir(env))
 
 
-def apply_memory(record: dict[str, Any], memory: Mapping[str, Any] | None) -> None:
-    """Put a node's live report (``{"free": {device: bytes}, "held": {"jobs": {...},
-    "serve": {...}}, "disk": bytes}``, from its heartbeat) into its record, in place; bad
-    values are ignored."""
-    if not isinstance(memory, Mapping):
-        return
-    free = memory.get("free")
-    if isinstance(free, Mapping):
-        for d in record.get("devices", []):
-            value = free.get(device_key(d))
-            if type(value) is int and value >= 0:
-                d["memory_free"] = min(value, int(d.get("memory_total") or value))
-    disk = memory.get("disk")
-    if type(disk) is int and disk >= 0:
-        record["disk_free"] = disk
-    held = memory.get("held")
-    if isinstance(held, Mapping):
-        record["held"] = {
-            kind: {str(k): v for k, v in part.items() if type(v) is int and v >= 0}
-            for kind, part in held.items()
-            if kind in ("jobs", "serve") and isinstance(part, Mapping)
-        }
-
-
-def summary(record: Mapping[str, Any], host: Mapping[str, Any]) -> str:
+def summary(record: NodeRecord, host: Host) -> str:
     """A short hardware line for the mDNS TXT record, e.g. ``"2xcuda:30G,cpu:4c/23G"``."""
-    gpus = [d for d in record.get("devices", []) if d.get("kind") != "cpu"]
+    gpus = [d for d in record.node.devices if d.kind != "cpu"]
     parts = []
     if gpus:
-        total = sum(int(d.get("memory_total", 0)) for d in gpus) // GIB
-        parts.append(f"{len(gpus)}x{gpus[0].get('kind', 'cuda')}:{total}G")
-    parts.append(f"cpu:{host.get('cpu_cores', 0)}c/{int(record.get('ram', 0)) // GIB}G")
+        total = sum(d.memory_total for d in gpus) // GIB
+        parts.append(f"{len(gpus)}x{gpus[0].kind}:{total}G")
+    parts.append(f"cpu:{host.cpu_cores}c/{record.node.ram // GIB}G")
     return ",".join(parts)

@@ -11,11 +11,16 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from swarmp2p.plan import model_shape
 from swarmp2p.plan.inputs import MODEL_FILE, InputFile, ModelSource
 from swarmp2p.plan.model_shape import ModelShape
+from swarmp2p.schema import Data
+
+if TYPE_CHECKING:
+    from huggingface_hub.utils import SafetensorsFileMetadata
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -25,7 +30,7 @@ class HubError(ValueError):
     """The Hub (or its mirror) cannot give what was asked; the message names repo and file."""
 
 
-def _hub() -> Any:
+def _hub() -> ModuleType:
     try:
         import huggingface_hub
     except ImportError:  # pragma: no cover - tokenizers depends on it
@@ -50,9 +55,9 @@ def _explain(repo: str, what: str, exc: BaseException) -> HubError:
     )
 
 
-def _header(info: Any) -> dict[str, Any]:
+def _header(info: SafetensorsFileMetadata) -> dict[str, Data]:
     """A ``SafetensorsFileMetadata`` as the raw safetensors header ``from_config`` reads."""
-    out: dict[str, Any] = {}
+    out: dict[str, Data] = {}
     for name, tensor in info.tensors.items():
         out[name] = {
             "dtype": tensor.dtype,
@@ -107,7 +112,7 @@ def download(
     """One file of ``repo`` at ``revision`` in the local Hugging Face cache (downloaded if
     missing, resumed if partial); its path. ``progress(n)`` is told of every n bytes read."""
     hub = _hub()
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, type] = {}
     if progress is not None:
         kwargs["tqdm_class"] = _counting_tqdm(progress)
     try:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from swarmp2p.node.cluster.election import check_node_id
-from swarmp2p.node.table.events import Attempt, JobId, NodeId, StageIndex
+from swarmp2p.node.records import Host, MemoryReport, NodeRecord
+from swarmp2p.node.table.events import Attempt, JobId, NodeId, SnapshotSlice, StageIndex
 from swarmp2p.node.table.jobtable import MAX_VERSION
-from swarmp2p.plan import Job
+from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.serve import ServeInputs
 from swarmp2p.schema import field
@@ -28,10 +29,10 @@ class NodeHello(Message):
     control_port: int
     addresses: list[str]
     """IPv4 addresses its control port listens on, best first."""
-    record: dict
-    """The hardware node record (cluster.json form)."""
-    host: dict
-    """CPU cores and the NVIDIA driver version."""
+    record: NodeRecord
+    """The hardware node record (cluster.json form, fake devices marked)."""
+    host: Host
+    """CPU cores, machine, the NVIDIA driver version."""
     term: int
     version: int
     join_port: int = field(default=0, ge=0, le=65535)
@@ -45,6 +46,10 @@ class NodeHello(Message):
             raise ValueError("addresses must list at least one IPv4 address")
         if not self.versions:
             raise ValueError("versions must not be empty")
+        if self.record.node_id != self.node_id:
+            raise ValueError(
+                f"record.node_id {self.record.node_id!r} is not the sender's {self.node_id!r}"
+            )
 
 
 @message("node.heartbeat")
@@ -57,12 +62,11 @@ class Heartbeat(Message):
     leader: str
     wall_time: float = 0.0
     """The sender's ``time.time()``; peers estimate clock skew from it (0: not sent)."""
-    serving: list | None = None
+    serving: list[JobId] | None = None
     """The serve ids the sender issues now (``swarm serve`` run there): a node stops the serve
     workers of an id its issuer no longer claims (the issuer restarted or stopped it)."""
-    memory: dict | None = None
-    """Live memory: ``{"devices": {"cuda:0": free bytes, ...}, "held": {"cuda:0": bytes its
-    own workers hold, ...}}`` re-read each heartbeat (None: a peer that does not say)."""
+    memory: MemoryReport | None = None
+    """Live memory re-read each heartbeat (None: a peer that does not say)."""
     fetching: list | None = None
     """The model and data files the sender is fetching now, one progress map each."""
 
@@ -181,15 +185,15 @@ class StageStart(Message):
     stage: StageIndex
     job: Job
     """The job the plan was made from."""
-    cluster: list
+    cluster: tuple[Node, ...]
     """The exact node records the leader planned on."""
-    plan: str
-    """The leader's plan, canonical JSON (``Plan.to_json()``)."""
+    plan: Plan
+    """The leader's plan (the stage's node plans again and refuses another)."""
     next: str
     """The next stage's bound endpoint; empty on the last stage."""
     resume_step: int
     """0: start fresh; else resume from the snapshot after this many steps."""
-    snapshot_nodes: list
+    snapshot_nodes: list[NodeId]
     """Nodes holding a copy of this stage's snapshot at ``resume_step``."""
     leader: str
     inputs: JobInputs | None = None
@@ -197,10 +201,10 @@ class StageStart(Message):
     prepare: bool = False
     """Only check the plan and fetch the stage's files (every stage at once, before any
     worker starts): answered with ``job.ack`` once they are here."""
-    resplit: list | None = None
-    """Resuming on new cuts: ``[{"stage", "layers": [start, end], "nodes"}, ...]`` per stage of
-    the old cuts, whose snapshots at ``resume_step`` this stage's slice is cut from."""
-    cuts: list | None = None
+    resplit: tuple[SnapshotSlice, ...] | None = None
+    """Resuming on new cuts: each stage of the old cuts, whose snapshots at ``resume_step`` this
+    stage's slice is cut from."""
+    cuts: list[int] | None = None
     """The cuts the leader planned with (None: the planner's own choice from the job)."""
 
 

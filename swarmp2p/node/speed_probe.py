@@ -28,15 +28,16 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, TypedDict
 
 from swarmp2p import __version__
 from swarmp2p._atomic import write_atomic
+from swarmp2p.node.records import Host, NodeRecord, device_key
+from swarmp2p.plan.hardware import Device
+from swarmp2p.timings import TIMINGS
 
 PROBE_ENV = "SWARM_SPEED_PROBE"
 """``off``: never measure (the planner then splits by free memory); anything else: measure."""
-PROBE_TIMEOUT_S = 600.0
-"""A probe that takes longer than this (a wedged GPU) is given up; the node stays unmeasured."""
 PROBE_SECONDS = 1.0
 """Wall time each (device, dtype) is timed (``runtime.probe.SECONDS``)."""
 _CGROUP = Path("/sys/fs/cgroup")
@@ -138,33 +139,43 @@ def link_speed(interfaces: list[str], sys_net: Path = Path("/sys/class/net")) ->
 # --- the probe ---------------------------------------------------------------------------------
 
 
-def _device_dtypes(device: Mapping[str, Any]) -> tuple[str, ...]:
-    from swarmp2p.plan.hardware import Device
+def _device_dtypes(device: Device) -> tuple[str, ...]:
     from swarmp2p.plan.precision import supported_dtypes
 
-    fields = {k: device.get(k) for k in ("kind", "index", "name", "memory_total", "memory_free")}
-    cc = device.get("compute_capability") or ""
-    dev = Device(**fields, compute_capability=cc)
-    return supported_dtypes(dev, explicit="bfloat16" if dev.kind == "cpu" else None)
+    return supported_dtypes(device, explicit="bfloat16" if device.kind == "cpu" else None)
 
 
-def device_key(device: Mapping[str, Any]) -> str:
-    return f"{device.get('kind')}:{device.get('index')}"
+class ProbeDevice(TypedDict):
+    """One device to measure: its record key, where the probe runs it, in which dtypes."""
+
+    key: str
+    torch_device: str
+    dtypes: list[str]
 
 
-def probe_request(
-    record: Mapping[str, Any], threads: int, quota: float | None = None
-) -> dict[str, Any]:
+class ProbeRequest(TypedDict):
+    """What ``python -m swarmp2p.runtime.probe`` reads on stdin (JSON)."""
+
+    devices: list[ProbeDevice]
+    threads: int
+    seconds: float
+    cpus: float
+
+
+Speeds = dict[str, dict[str, float]]
+"""Device key -> dtype -> FLOP/s."""
+
+
+def probe_request(record: NodeRecord, threads: int, quota: float | None = None) -> ProbeRequest:
     """What to measure: every device of ``record`` without a given speed, in every dtype it
     trains (a CPU in bfloat16 too: a job may ask for it); a fake GPU runs on the CPU. ``cpus``
     (``probe_cpus``, ``quota``: this process's cgroup quota) keeps a passing load on the
     machine out of a CPU's measured speed (``runtime.probe``)."""
-    devices = []
-    for d in record.get("devices", []):
-        if d.get("speed"):
+    devices: list[ProbeDevice] = []
+    for d in record.node.devices:
+        if d.speed:
             continue  # described (a fake device with a speed): kept as given
-        kind = d.get("kind")
-        where = "cpu" if kind == "cpu" or d.get("fake") else f"{kind}:{d.get('index')}"
+        where = "cpu" if d.kind == "cpu" or record.is_fake(d) else device_key(d)
         devices.append(
             {"key": device_key(d), "torch_device": where, "dtypes": list(_device_dtypes(d))}
         )
@@ -187,14 +198,18 @@ def _torch_version() -> str:
         return ""
 
 
-def cache_key(request: Mapping[str, Any], record: Mapping[str, Any], quota: float | None) -> str:
+def cache_key(request: ProbeRequest, record: NodeRecord, quota: float | None) -> str:
     """The probe's cache key: the devices, the CPU and its share, the request, the versions."""
     devices = [
         {
-            k: d.get(k)
-            for k in ("kind", "index", "name", "memory_total", "compute_capability", "fake")
+            "kind": d.kind,
+            "index": d.index,
+            "name": d.name,
+            "memory_total": d.memory_total,
+            "compute_capability": d.compute_capability,
+            "fake": True if record.is_fake(d) else None,
         }
-        for d in record.get("devices", [])
+        for d in record.node.devices
     ]
     facts = {
         "devices": devices,
@@ -227,10 +242,10 @@ def _stopped(stop: threading.Event | None) -> bool:
 
 
 def _run_probe(
-    request: Mapping[str, Any], env: Mapping[str, str], stop: threading.Event | None = None
-) -> dict[str, Any]:
+    request: ProbeRequest, env: Mapping[str, str], stop: threading.Event | None = None
+) -> dict[str, object]:
     """The probe subprocess's answer; killed when ``stop`` is set (a daemon's shutdown never
-    waits for a probe) or past ``PROBE_TIMEOUT_S``."""
+    waits for a probe) or past ``TIMINGS.speed_probe_s``."""
     import subprocess
 
     run_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "")}
@@ -247,7 +262,7 @@ def _run_probe(
         text=True,
         env=run_env,
     )
-    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    deadline = time.monotonic() + TIMINGS.speed_probe_s
     sent: str | None = json.dumps(request)
     while True:
         try:
@@ -260,18 +275,20 @@ def _run_probe(
                 proc.communicate()
                 if _stopped(stop):
                     raise ProbeStopped("the node is stopping") from None
-                raise TimeoutError(f"the speed probe took over {PROBE_TIMEOUT_S:g} s") from None
+                raise TimeoutError(
+                    f"the speed probe took over {TIMINGS.speed_probe_s:g} s"
+                ) from None
     lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (stderr or stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"the speed probe exited with {proc.returncode}: {' | '.join(tail)}")
     answer = json.loads(lines[-1])
-    if not isinstance(answer.get("speeds"), dict):
+    if not isinstance(answer, dict) or not isinstance(answer.get("speeds"), dict):
         raise RuntimeError(f"the speed probe answered {lines[-1][:200]!r}")
     return answer
 
 
-def _lock(lock: Any, stop: threading.Event | None) -> None:
+def _lock(lock: IO[str], stop: threading.Event | None) -> None:
     """The cache file's lock (daemons starting together on one machine measure once); a
     stopping daemon stops waiting for it."""
     while True:
@@ -285,13 +302,13 @@ def _lock(lock: Any, stop: threading.Event | None) -> None:
 
 
 def measure(
-    record: Mapping[str, Any],
+    record: NodeRecord,
     *,
     threads: int,
     env: Mapping[str, str] | None = None,
     fresh: bool = False,
     stop: threading.Event | None = None,
-) -> dict[str, dict[str, float]]:
+) -> Speeds:
     """``{device key: {dtype: FLOP/s}}`` for ``record``'s devices: from the cache, else (or when
     ``fresh``) measured by the probe subprocess and cached. Blocks for the probe (seconds);
     daemons starting together on one machine measure once (a lock on the cache file).
@@ -337,17 +354,6 @@ def _cached(path: Path) -> dict[str, dict[str, float]] | None:
     return speeds if isinstance(speeds, dict) else None
 
 
-def apply_speeds(record: dict[str, Any], speeds: Mapping[str, Mapping[str, float]]) -> bool:
-    """Put measured speeds into ``record``'s devices (in place); True when any changed."""
-    changed = False
-    for d in record.get("devices", []):
-        got = speeds.get(device_key(d))
-        if got and d.get("speed") != dict(got):
-            d["speed"] = dict(sorted(got.items()))
-            changed = True
-    return changed
-
-
 def can_probe(env: Mapping[str, str]) -> bool:
     """Whether this node measures: not switched off, and torch is importable here."""
     if env.get(PROBE_ENV, "").strip().lower() in ("off", "0", "no", "false"):
@@ -356,43 +362,43 @@ def can_probe(env: Mapping[str, str]) -> bool:
 
 
 async def measure_node(
-    record: dict[str, Any],
-    host: Mapping[str, Any],
+    record: NodeRecord,
+    host: Host,
     env: Mapping[str, str],
     *,
     fresh: bool = False,
     stop: threading.Event | None = None,
-) -> tuple[dict[str, dict[str, float]], bool]:
+) -> Speeds:
     """``measure`` for a daemon, on a thread with ``OMP_NUM_THREADS`` (else the host's cores)
-    threads, the speeds put into ``record``: (speeds, whether any changed). Nothing where the
+    threads; each checked as a record takes it (``NodeRecord.with_speeds``). Nothing where the
     node does not measure or it stops; a failed probe is logged (``fresh``: raised)."""
     import asyncio
     import logging
 
     if not can_probe(env):
-        return {}, False
+        return {}
     omp = str(env.get("OMP_NUM_THREADS", "")).strip()
-    threads = int(omp) if omp.isdigit() and int(omp) > 0 else int(host.get("cpu_cores") or 1)
+    threads = int(omp) if omp.isdigit() and int(omp) > 0 else host.cpu_cores
     try:
         speeds = await asyncio.to_thread(
             measure, record, threads=threads, env=env, fresh=fresh, stop=stop
         )
+        record.with_speeds(speeds)  # a bad cached speed: ValueError
+        return speeds
     except ProbeStopped:
-        return {}, False
+        return {}
     except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
         logging.getLogger("swarmp2p.node").warning(
             "speed probe failed (the planner splits by free memory): %s", exc
         )
         if fresh:
             raise
-        return {}, False
-    return speeds, apply_speeds(record, speeds)
+        return {}
 
 
 __all__ = [
     "PROBE_ENV",
     "ProbeStopped",
-    "apply_speeds",
     "cache_folder",
     "can_probe",
     "cpu_quota",

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from swarmp2p.node.cluster.membership import Peer
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table.jobtable import JobEntry, JobTable
-from swarmp2p.schema import to_data
+from swarmp2p.plan.result import PlannedTiming
+from swarmp2p.schema import Data, to_data
 
 
-def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def entry_json(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict[str, Data]:
     """One job as `swarm status --json` lists it: ``{"job_id", "state", "version", "record"}``."""
     data = to_data(entry)
     record = {k: v for k, v in data.items() if k not in ("job_id", "state", "version")}
@@ -28,7 +30,7 @@ def entry_json(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dic
     }
 
 
-def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict[str, Data]:
     """`swarm jobs show ID --json`: one job's public shape."""
     plan = entry.plan
     timing = plan.timing if plan is not None else None
@@ -72,7 +74,9 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Any] | None = None) -> dict[
     }
 
 
-def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> dict[str, Any]:
+def _predicted_vs_measured(
+    timing: PlannedTiming | None, metrics: Mapping[str, Data], i: int
+) -> dict[str, Data]:
     """Stage i's predicted compute seconds per step (the plan's; None without a measured
     speed) beside the newest measured ones (forward + backward + optimizer) and its waits."""
     predicted = None
@@ -84,7 +88,7 @@ def _predicted_vs_measured(timing: Any, metrics: Mapping[str, Any], i: int) -> d
     return {"predicted_s": predicted, "measured_s": measured, "wait_s": got.get("wait_s")}
 
 
-def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+def jobs_list(table: JobTable, metrics: Mapping[str, Mapping[str, Data]]) -> list[dict[str, Data]]:
     """`swarm jobs --json`: every job, oldest first."""
     entries = sorted(
         table.jobs.values(), key=lambda e: (e.history[0].at if e.history else 0, e.job_id)
@@ -100,22 +104,31 @@ def find_entry(table: JobTable, key: str) -> JobEntry | None:
     return named[0] if len(named) == 1 else None
 
 
-def devices(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    keys = ("kind", "index", "name", "memory_total", "memory_free", "compute_capability", "speed")
+def devices(record: NodeRecord) -> list[dict[str, Data]]:
+    """A node's devices as `swarm peers --json` lists them (``speed`` None: never measured)."""
     return [
-        {**{k: d.get(k) for k in keys}, "fake": d.get("fake", False)}
-        for d in record.get("devices", [])
+        {
+            "kind": d.kind,
+            "index": d.index,
+            "name": d.name,
+            "memory_total": d.memory_total,
+            "memory_free": d.memory_free,
+            "compute_capability": d.compute_capability,
+            "speed": d.speed.to_data() or None,
+            "fake": record.is_fake(d),
+        }
+        for d in record.node.devices
     ]
 
 
 def peer_rows(
     *,
-    me: Mapping[str, Any],
-    peers: Sequence[Any],
+    me: dict[str, Data],
+    peers: Sequence[Peer],
     leader: str,
     now: float,
     skews: Mapping[str, float],
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Data]]:
     """This node first, then every peer in its view, as `swarm peers --json` lists them."""
     rows = [me]
     for peer in sorted(peers, key=lambda p: p.node_id):
@@ -129,10 +142,10 @@ def peer_rows(
                 "is_leader": peer.alive and peer.node_id == leader,
                 "last_seen_s": round(now - peer.last_seen, 3),
                 "clock_skew_s": None if skew is None or not math.isfinite(skew) else round(skew, 4),
-                "host": peer.host,
+                "host": to_data(peer.host),
                 "devices": devices(peer.record),
-                "version": str(peer.record.get("version", "")) or getattr(peer, "software", ""),
-                "capabilities": list(peer.record.get("capabilities", [])),
+                "version": peer.record.node.version or peer.software,
+                "capabilities": sorted(peer.record.node.capabilities),
             }
         )
     return rows

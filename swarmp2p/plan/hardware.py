@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swarmp2p import __version__
-from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show, to_data
+from swarmp2p.schema import (
+    FieldError,
+    SchemaError,
+    field,
+    parse,
+    read_json,
+    replace_errors,
+    show,
+    to_data,
+)
 
 CAPABILITIES: frozenset[str] = frozenset(
     {
@@ -212,19 +221,7 @@ def parse_cluster(data: Any) -> tuple[Node, ...]:
 
 def load_cluster(path: str | Path) -> tuple[Node, ...]:
     """Read and parse a `cluster.json` file."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ClusterError(
-            [FieldError(path=str(path), message=f"cannot read: {exc.strerror or exc}")]
-        ) from exc
-    except json.JSONDecodeError as exc:
-        raise ClusterError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
-    except RecursionError:  # e.g. 200,000 nested brackets
-        raise ClusterError(
-            [FieldError(path=str(path), message="not readable JSON: nested too deeply")]
-        ) from None
-    return parse_cluster(data)
+    return parse_cluster(read_json(path, ClusterError))
 
 
 def cluster_to_json(nodes: tuple[Node, ...] | list[Node]) -> str:

@@ -9,7 +9,6 @@ every field.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -18,7 +17,7 @@ from typing import Any, Literal
 
 from swarmp2p.plan.quantization import QuantSpec
 from swarmp2p.plan.split import DEFAULT_CALIBRATION_TOKENS, Compression
-from swarmp2p.schema import FieldError, SchemaError, field, to_data
+from swarmp2p.schema import FieldError, SchemaError, field, read_json, to_data
 from swarmp2p.schema import parse as parse_record
 
 JOB_VERSION = 1
@@ -303,18 +302,4 @@ def parse(data: Any) -> Job:
 
 def load(path: str | Path) -> Job:
     """Read and parse a job.json file; unreadable or non-JSON files raise JobError too."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise JobError(
-            [FieldError(path=str(path), message=f"cannot read: {exc.strerror}")]
-        ) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise JobError([FieldError(path=str(path), message=f"not valid JSON: {exc}")]) from exc
-    except RecursionError:  # e.g. 200,000 nested brackets
-        raise JobError(
-            [FieldError(path=str(path), message="not readable JSON: nested too deeply")]
-        ) from None
-    return parse(data)
+    return parse(read_json(path, JobError))

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.plan.memory import StageMemory
 from swarmp2p.plan.speed import PlannedTiming
-from swarmp2p.plan.split import Compression, SplitSpec, StageSpec
+from swarmp2p.plan.split import Compression, SplitSpec
 from swarmp2p.schema import SchemaError, field, parse, to_data
 
 
@@ -160,10 +160,6 @@ class Plan:
             boundaries=tuple(s.layer_start for s in self.stages[1:]),
             compression=tuple(b.compression for b in self.boundaries),
         )
-
-    def stage_spec(self, index: int) -> StageSpec:
-        """Stage `index`'s layers and the boundaries it reads from and writes to."""
-        return self.split_spec.stage(index)
 
     def to_json(self) -> str:
         """Canonical bytes: sorted keys, no whitespace; peers compare these."""

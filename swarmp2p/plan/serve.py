@@ -599,8 +599,8 @@ class ServeInputs:
     refuses a plan it does not compute itself."""
 
     shape: ModelShape
-    cluster: tuple[dict, ...] = ()
-    """Node records (cluster.json form) of the live nodes the leader planned on."""
+    cluster: tuple[Node, ...] = ()
+    """The node records of the live nodes the leader planned on."""
     stages: int = field(default=0, ge=0, le=MAX_STAGES)
     dtype: Dtype | None = None
     quantization: QuantSpec | None = None
@@ -614,7 +614,7 @@ class ServeInputs:
     """A trained model's boundaries (its manifest's ``compression``), one per boundary."""
 
     def nodes(self) -> list[Node]:
-        return [Node.from_dict(dict(r), f"cluster[{i}]") for i, r in enumerate(self.cluster)]
+        return list(self.cluster)
 
     def plan(self) -> ServePlan | Blocked:
         """``plan_serve`` of these inputs."""

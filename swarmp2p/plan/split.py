@@ -348,6 +348,15 @@ class StageOfPlan(StagePosition):
         """The compute dtype the plan chose."""
         return self.plan.dtype
 
+    def stage_errors(self) -> list[FieldError]:
+        """The check both specs start their validation with: ``stage`` is one of the plan's."""
+        n = len(self.plan.stages)
+        if self.stage < n:
+            return []
+        return [
+            FieldError(path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}")
+        ]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageSpec(StagePosition):

@@ -16,16 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
-from swarmp2p.plan.job import Job, LoraConfig
+from swarmp2p.plan.job import Job, LoraConfig, SplitConfig, TrainConfig
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placement import plan_job
 from swarmp2p.plan.result import Plan
 from swarmp2p.plan.split import StageOfPlan
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
-
-LINK_TIMEOUT_S = 30.0
-"""How long a stage waits on a silent neighbour before it fails (the leader stops it sooner)."""
+from swarmp2p.timings import TIMINGS
 
 
 class WorkerSpecError(SchemaError):
@@ -56,23 +54,68 @@ class StageData:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageTraining:
-    """What one stage's training loop reads, derived from the job and the plan (never parsed:
-    ``WorkerSpec.train`` builds it)."""
+    """What one stage's training loop reads (``runtime.torch.train.steps``): the job's ``train``
+    record with what its plan and its worker spec resolved. ``WorkerSpec.train`` builds it, and
+    a run without a spec (a test, a benchmark) through ``StageTraining.of``, from the same
+    records: no setting has a default of its own here but AdamW's constants, which job.json
+    does not set."""
 
     steps: int
     batch_size: int
     seq_len: int
     micro_batches: int
+    """M: each step's batch is split into this many micro-batches (the batch size must divide)."""
     schedule: str
     lr: float
     weight_decay: float
     recompute: bool
+    """Activation checkpointing per block: keep block inputs only, recompute in backward."""
     loss_chunk_tokens: int
+    """The last stage scores this many tokens at a time."""
     eval_batches: int
     calibration_tokens: int
     checkpoint_every: int
     loss_scale: float | None
+    """A float16 pipeline's first loss scale (None: ``precision.INIT_LOSS_SCALE``)."""
     inject_nan_step: int | None
+    """Test knob: from this step on, this stage's gradients hold a NaN."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (torch.optim.AdamW's defaults)."""
+    eps: float = 1e-8
+
+    @classmethod
+    def of(cls, train: TrainConfig | None = None, **settings: Any) -> StageTraining:
+        """A stage's settings from the job's ``train`` record (``train``, or one parsed from
+        the ``settings`` job.json's ``train`` names, with its defaults and checks), the other
+        ``settings`` standing for what a plan and a spec resolve (by default: the job's own
+        choice, and the worker spec's defaults)."""
+        if train is None:
+            names = {f.name for f in dataclasses.fields(TrainConfig)}
+            train = parse(
+                TrainConfig,
+                {k: v for k, v in settings.items() if k in names},
+                title="invalid train",
+            )
+            settings = {k: v for k, v in settings.items() if k not in names}
+        spec = {f.name: f.default for f in dataclasses.fields(WorkerSpec)}
+        derived = {
+            "steps": train.steps,
+            "batch_size": train.batch_size,
+            "seq_len": train.seq_len,
+            "micro_batches": train.micro_batches,
+            "schedule": train.schedule,
+            "lr": train.lr,
+            "recompute": train.recompute is True,  # "auto" is the planner's to resolve
+            "eval_batches": train.eval_batches,
+            "checkpoint_every": train.checkpoint_every,
+            "calibration_tokens": SplitConfig().calibration_tokens,
+            **{k: spec[k] for k in _SPEC_TUNABLES},
+        }
+        return cls(**{**derived, **settings})
+
+
+_SPEC_TUNABLES = ("weight_decay", "loss_chunk_tokens", "loss_scale", "inject_nan_step")
+"""StageTraining's settings a worker spec may set, and whose defaults it declares."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +138,7 @@ class WorkerSpec(StageOfPlan):
     port: int = field(default=0, ge=0, le=65535)
     next: str | None = field(default=None, pattern=r"tcp://[^\s]+:\d{1,5}")
     """The endpoint of the next stage's bound link; None on the last stage."""
-    link_timeout_s: float = field(default=LINK_TIMEOUT_S, gt=0, le=86400)
+    link_timeout_s: float = field(default=TIMINGS.link_timeout_s, gt=0, le=86400)
     data: StageData = dataclasses.field(default_factory=StageData)
     snapshot_dir: str | None = field(default=None, min_len=1)
     resume: bool = False
@@ -118,15 +161,9 @@ class WorkerSpec(StageOfPlan):
     """Test knob: from this step on, this stage's gradients hold a NaN."""
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = self.stage_errors()
         n = len(self.plan.stages)
-        if self.stage >= n:
-            errors.append(
-                FieldError(
-                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
-                )
-            )
-        elif self.stage < n - 1 and self.next is None:
+        if not errors and self.stage < n - 1 and self.next is None:
             errors.append(
                 FieldError(
                     path="next",
@@ -208,26 +245,19 @@ class WorkerSpec(StageOfPlan):
 
     @property
     def train(self) -> StageTraining:
-        t = self.job.train
-        return StageTraining(
-            steps=t.steps,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
+        return StageTraining.of(
+            self.job.train,
             micro_batches=self.plan.schedule.micro_batches,
             schedule=self.plan.schedule.kind,
-            lr=t.lr,
-            weight_decay=self.weight_decay,
             recompute=self.plan.recompute,
-            loss_chunk_tokens=self.loss_chunk_tokens,
             eval_batches=self.plan.eval_batches,
             calibration_tokens=(
                 self.job.split.calibration_tokens
                 if self.calibration_tokens is None
                 else self.calibration_tokens
             ),
-            checkpoint_every=t.checkpoint_every if self.snapshot_dir else 0,
-            loss_scale=self.loss_scale,
-            inject_nan_step=self.inject_nan_step,
+            checkpoint_every=self.job.train.checkpoint_every if self.snapshot_dir else 0,
+            **{k: getattr(self, k) for k in _SPEC_TUNABLES},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -349,7 +379,6 @@ def local_plan(
 
 
 __all__ = [
-    "LINK_TIMEOUT_S",
     "StageData",
     "StageTraining",
     "WorkerSpec",

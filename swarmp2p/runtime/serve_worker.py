@@ -7,7 +7,7 @@ stdin, one JSON object per line:
      link, or the session manager's return link after the last stage);
   then ``{"op": "stop"}`` or end of input stops the worker.
 stdout, one JSON event per line: ``{"event": "ready", "endpoint", "stage", "load_s"}``,
-``{"event": "serving"}``, every STATS_EVERY_S while it works ``{"event": "stats", "stage",
+``{"event": "serving"}``, every WORKER_TIMINGS.serve_stats_every_s while it works ``{"event": "stats", "stage",
 "sessions", "batch", "peak_batch", "steps", "busy_s", "waiting"}`` (the batch size of its latest
 decode step, and how busy it is), ``{"event": "stopped", "steps", ...the same stats}``, or
 ``{"event": "error", "message"}`` before a non-zero exit. Diagnostics go to stderr; faulthandler is on, so a native
@@ -23,12 +23,7 @@ import threading
 import time
 
 from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
-
-CONNECT_TIMEOUT_S = 600.0
-"""How long a ready worker waits for its connect line."""
-STATS_EVERY_S = 5.0
-"""How often a working stage reports its batch size and load (nothing while idle)."""
-
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 _EMIT_LOCK = threading.Lock()
 
@@ -66,9 +61,9 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 
 def _report_stats(server, stage: int, stop: threading.Event) -> None:
-    """A ``stats`` event every STATS_EVERY_S while the stage runs forwards."""
+    """A ``stats`` event every WORKER_TIMINGS.serve_stats_every_s while the stage runs forwards."""
     last = -1
-    while not stop.wait(STATS_EVERY_S):
+    while not stop.wait(WORKER_TIMINGS.serve_stats_every_s):
         stats = server.stats()
         if stats["steps"] != last:
             last = stats["steps"]

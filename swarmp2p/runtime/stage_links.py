@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmp2p.plan.worker_spec import WorkerSpec
+from swarmp2p.worker_events import Ready, WorkerEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class StageLinks:
         self.ctx.destroy(linger=0)
 
 
-def open_stage_links(spec: WorkerSpec, emit: Callable[..., None]) -> StageLinks:
+def open_stage_links(spec: WorkerSpec, emit: Callable[[WorkerEvent], None]) -> StageLinks:
     """Bind the link from the stage before (any free port), emit ``ready`` with that port, then
     dial the stage after; ValueError naming the key when the spec's link keys are unusable."""
     from swarmp2p.net import SecureContext, SwarmSecret, ZmqLink
@@ -50,7 +51,7 @@ def open_stage_links(spec: WorkerSpec, emit: Callable[..., None]) -> StageLinks:
     try:
         if not spec.is_first:
             prev_link = ZmqLink.bind(ctx, server, spec.host, spec.port)
-        emit("ready", port=prev_link.port if prev_link is not None else None)
+        emit(Ready(port=prev_link.port if prev_link is not None else None))
         if not spec.is_last:
             if client is None:
                 raise ValueError("link keys: no 'next' key for a stage that is not the last")

@@ -2,19 +2,10 @@
 
 It reads a worker spec (one JSON object) on stdin, validates it (a bad field exits with code 2
 and an ``error`` event naming it), binds the link to the stage before it (port 0: any free
-port) and dials the stage after it, then writes JSON-lines events on stdout:
-
-- ``{"event": "ready", "stage": i, "port": p}`` once its link is bound (``port`` null on stage 0)
-- ``{"event": "eval", "stage": i, "pass": name, "loss": ..., "perplexity": ..., "top1": ..., "tokens": n}``
-- ``{"event": "step", "stage": i, "step": s, "loss": ..., "tokens_per_s": ..., "act_bytes": ...,
-  "grad_bytes": ..., "step_s": ..., "peak_memory_bytes": ..., "loss_scale": ..., "skipped": ...}``
-  (``loss_scale`` null unless float16; ``skipped``: a float16 overflow dropped the step),
-  ``"forward_s", "backward_s", "optimizer_s"`` (computing) and ``"wait_s"`` (blocked on the
-  links) that add up to ``step_s``, and ``"at"`` (wall-clock time the step ended)
-- ``{"event": "done", "stage": i, "steps": n}`` and exit code 0
-- ``{"event": "error", "stage": i, "type": ..., "message": ...}`` and exit code 1; a non-finite
-  step (``NonFiniteError``) and a stage stopped by another's failure (``PipelineAborted``) add
-  ``failed_stage``, ``step`` (null when not in a step) and ``reason``
+port) and dials the stage after it, then writes its events on stdout, one JSON line each: the records of
+``swarmp2p.worker_events`` (``ready`` once its link is bound, ``built``, ``eval``, ``step``,
+``snapshot``, ``exported``, then ``done`` and exit code 0, or ``error`` and exit code 1; a spec
+refused names every bad field in an ``error`` and exits 2).
 
 The spec is a ``swarmp2p.plan.worker_spec.WorkerSpec`` (the job, its plan, the stage and what
 only this node knows), built by ``worker_spec()`` wherever a stage is started. Parsing it imports
@@ -24,28 +15,25 @@ no torch; running a stage does.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TextIO
 
 from swarmp2p.plan.worker_spec import WorkerSpec, WorkerSpecError, parse_worker_spec
 from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
+from swarmp2p.worker_events import Failure, WorkerEvent, encode
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+Emit = Callable[[WorkerEvent], None]
+"""How a stage reports: one typed event at a time."""
 
 
-def _emitter(out: TextIO, stage: int | None) -> Callable[..., None]:
-    def emit(event: str, **fields: Any) -> None:
-        record = {"event": event, "stage": stage, **{k: _clean(v) for k, v in fields.items()}}
-        out.write(json.dumps(record) + "\n")
+def _emitter(out: TextIO, stage: int | None) -> Emit:
+    def emit(event: WorkerEvent) -> None:
+        out.write(json.dumps(encode(event, stage)) + "\n")
         out.flush()
 
     return emit
@@ -64,15 +52,15 @@ def main(
     try:
         raw = json.loads(stdin.read())
     except ValueError as exc:
-        _emitter(stdout, None)("error", type="WorkerSpecError", message=f"spec is not JSON: {exc}")
+        _emitter(stdout, None)(Failure(type="WorkerSpecError", message=f"spec is not JSON: {exc}"))
         return EXIT_BAD_SPEC
     stage = raw.get("stage") if isinstance(raw, dict) else None
     emit = _emitter(stdout, stage if isinstance(stage, int) else None)
     try:
         spec = parse_worker_spec(raw)
     except WorkerSpecError as exc:
-        errors = [str(e) for e in exc.errors]
-        emit("error", type="WorkerSpecError", message=str(exc), errors=errors)
+        errors = tuple(str(e) for e in exc.errors)
+        emit(Failure(type="WorkerSpecError", message=str(exc), errors=errors))
         return EXIT_BAD_SPEC
     if own_process:
         keep_bitsandbytes_out(spec.quantization)
@@ -91,7 +79,7 @@ def main(
 
         traceback.print_exc(file=sys.stderr)
         extra = getattr(exc, "event_fields", None)
-        emit("error", type=type(exc).__name__, message=str(exc), **(extra or {}))
+        emit(Failure(type=type(exc).__name__, message=str(exc), **(extra or {})))
         return EXIT_FAILED
     return 0
 
@@ -103,6 +91,7 @@ if __name__ == "__main__":
 __all__ = [
     "EXIT_BAD_SPEC",
     "EXIT_FAILED",
+    "Emit",
     "WorkerSpec",
     "WorkerSpecError",
     "main",

@@ -33,13 +33,12 @@ from swarmp2p.serve.generation import Choice, ClientGone, Generation
 from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.request import ApiError, ServedModel, model_not_found, parse_body
 from swarmp2p.serve.session import GenerationError
+from swarmp2p.timings import TIMINGS
 
 log = logging.getLogger("swarmp2p.serve.api")
 
 API_KEY_ENV = "SWARM_API_KEY"
 MAX_BODY_BYTES = 8 * 2**20
-SHUTDOWN_TIMEOUT_S = 5.0
-"""How long closing the server waits for requests to finish (they are cancelled at once)."""
 OFF_LOOP_BYTES = 64 * 1024
 """A request body larger than this is parsed and tokenized on a worker thread, so that the
 event loop (the daemon's, once it mounts the app) never stalls on a long prompt."""
@@ -376,7 +375,7 @@ class ApiServer:
             access_log=None,
             logger=HttpLog(log, "API"),  # a malformed request is one line, rate-limited
             handle_signals=False,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            shutdown_timeout=TIMINGS.api_shutdown_s,
             handler_cancellation=True,
         )
         await runner.setup()

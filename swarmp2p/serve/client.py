@@ -9,8 +9,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from swarmp2p.timings import TIMINGS
+
 URL_ENV = "SWARM_API_URL"
-TIMEOUT_S = 600.0
 
 
 class ApiClientError(RuntimeError):
@@ -25,7 +26,7 @@ def _request(url: str, path: str, body: dict[str, Any], api_key: str | None):
         url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers, method="POST"
     )
     try:
-        return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+        return urllib.request.urlopen(request, timeout=TIMINGS.api_client_s)
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read())["error"]["message"]

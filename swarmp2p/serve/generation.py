@@ -16,12 +16,7 @@ from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.request import ApiError, GenerationRequest
 from swarmp2p.serve.session import GenerationError, RingBusy, Session
 from swarmp2p.serve.text import TextCodec, TextStream
-
-REQUEST_TIMEOUT_S = 600.0
-"""A request whose ring sends nothing for this long fails (the ring's own step timeout is
-usually shorter)."""
-WATCH_S = 0.25
-"""How often a waiting request looks whether its client left or the server is stopping."""
+from swarmp2p.timings import TIMINGS
 
 
 def busy_error(e: RingBusy | Session) -> ApiError:
@@ -114,20 +109,22 @@ class Generation:
 
     async def next(self) -> tuple[Choice, str, object]:
         """The next event of any choice; ClientGone when the client left, ApiError when the
-        server stops or nothing comes for REQUEST_TIMEOUT_S."""
+        server stops or nothing comes for TIMINGS.generation_idle_s."""
         waited = 0.0
         while True:
             try:
-                return await asyncio.wait_for(self.events.get(), WATCH_S)
+                return await asyncio.wait_for(self.events.get(), TIMINGS.generation_watch_s)
             except asyncio.TimeoutError:
-                waited += WATCH_S
+                waited += TIMINGS.generation_watch_s
             transport = self.request.transport
             if transport is None or transport.is_closing():
                 raise ClientGone()
             if self._closing():
                 raise ApiError(503, "the server is shutting down", type="server_error")
-            if waited >= REQUEST_TIMEOUT_S:
-                raise ApiError(504, f"no token within {REQUEST_TIMEOUT_S:g} s", type="server_error")
+            if waited >= TIMINGS.generation_idle_s:
+                raise ApiError(
+                    504, f"no token within {TIMINGS.generation_idle_s:g} s", type="server_error"
+                )
 
     def handle(self, choice: Choice, kind: str, value: object) -> tuple[str, list[int]]:
         """Text that became ready with this event and the tokens it reported; raises the

@@ -23,11 +23,8 @@ from swarmp2p.plan.split import layer_range
 from swarmp2p.serve.ring import build_ring
 from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.spec import serve_spec
+from swarmp2p.timings import TIMINGS
 
-READY_TIMEOUT_S = 300.0
-"""How long a worker may take to load its stage and bind its link."""
-CONNECT_TIMEOUT_S = 60.0
-"""How long a started worker may take to dial the next stage and report ``serving``."""
 SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
 
 
@@ -100,7 +97,7 @@ class LocalRing:
         max_context: int = 2048,
         host: str = "127.0.0.1",
         step_timeout: float = 60.0,
-        ready_timeout: float = READY_TIMEOUT_S,
+        ready_timeout: float = TIMINGS.local_stage_ready_s,
         env: dict[str, str] | None = None,
         shards: Sequence[str | None] = (),
         tied_head: str | None = None,
@@ -154,7 +151,7 @@ class LocalRing:
         try:
             ends = self._run(
                 self._build(specs, secret, host, worker_env, ready_timeout),
-                timeout=ready_timeout + CONNECT_TIMEOUT_S + 30,
+                timeout=ready_timeout + TIMINGS.local_stage_connect_s + 30,
             )
             self._links = [ends.back, ends.first]
             # groups of sessions in the ring at once: one per stage keeps every stage busy,
@@ -213,7 +210,7 @@ class LocalRing:
             worker = self.workers[i]
             try:
                 await worker.send_line({"op": "connect", "next": after})
-                await worker.wait_event("serving", CONNECT_TIMEOUT_S)
+                await worker.wait_event("serving", TIMINGS.local_stage_connect_s)
             except (RuntimeError, OSError) as exc:
                 raise self._failed(i, exc) from None
 

@@ -1,17 +1,25 @@
 """An OpenAI completions or chat request body, validated into a :class:`GenerationRequest`
 for a :class:`ServedModel`; anything wrong is an :class:`ApiError` (OpenAI's error shape) that
 names the parameter.
+
+The body's shape is two records, :class:`CompletionBody` and :class:`ChatBody`, under OpenAI's
+own parameter names, checked by ``swarmp2p.schema`` (every bad parameter named with its path);
+``parse_request`` then applies what needs the served model (its vocabulary, its context) and
+refuses what this server does not do. As OpenAI-compatible servers do, a ``null`` parameter is
+an absent one and a parameter this server does not know is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
 
+from swarmp2p.schema import Bounds, FieldError, SchemaError, field, parse, show
 from swarmp2p.serve.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.text import MAX_STOP_STRINGS, TextCodec
@@ -20,8 +28,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for /v1/completions; chat defaults to the rest of the context."""
 MAX_N = 16
 """Choices one request may ask for (each is a session of the batch)."""
-MAX_INT = 2**63 - 1
-"""Every integer parameter is bounded (msgpack and torch take at most 64 bits)."""
+MAX_STOP_LENGTH = 1024
+"""Characters one stop string may hold."""
 
 
 class ApiError(Exception):
@@ -69,7 +77,7 @@ class ServedModel:
     client: RingClient
     codec: TextCodec
     max_context: int
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     vocab_size: int | None = None
     """The model's vocabulary (config ``vocab_size``); None: the tokenizer's."""
 
@@ -107,65 +115,254 @@ class GenerationRequest:
     chat: bool
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ApiError(400, f"{name}: {value!r} is not a number in [{lo}, {hi}]", param=name)
-    return float(value)
+# --- the bodies' shape: records under OpenAI's names -------------------------------------------
 
 
-def _integer(body: dict, name: str, lo: int, hi: int = MAX_INT) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or not lo <= value <= hi:
-        shown = value if len(repr(value)) < 40 else f"{repr(value)[:40]}..."
-        raise ApiError(400, f"{name}: {shown!r} is not an integer in [{lo}, {hi}]", param=name)
-    return value
+class _OpenAI:
+    """A body record as OpenAI-compatible servers read one: ``null`` is absent, an unknown key
+    is ignored."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __schema_prepare__(cls, data: dict[str, object]) -> dict[str, object]:
+        return _lenient(cls, data)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if (
-        not isinstance(stop, list)
-        or len(stop) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and len(s) <= 1024 for s in stop)
-    ):
-        raise ApiError(
-            400,
-            f"stop: must be a string or a list of up to {MAX_STOP_STRINGS} strings",
-            param="stop",
+def _lenient(cls: type, data: dict[str, object]) -> dict[str, object]:
+    """``data`` without its nulls and the keys ``cls`` does not know."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in known and v is not None}
+
+
+class StopStrings(tuple):
+    """``stop``: one string or a list of up to MAX_STOP_STRINGS (empty ones dropped)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_data(cls, value: object, path: str) -> StopStrings:
+        stop = [value] if isinstance(value, str) else value
+        if (
+            not isinstance(stop, list)
+            or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in stop)
+        ):
+            raise ValueError(
+                f"must be a string or a list of up to {MAX_STOP_STRINGS} strings of at most "
+                f"{MAX_STOP_LENGTH} characters"
+            )
+        return cls(s for s in stop if s)
+
+    def to_data(self) -> list[str]:
+        return list(self)
+
+
+class Prompt:
+    """``prompt``: a string, a list of token ids, or a list holding one of those; the field
+    holds what ``from_data`` returns (the string, or the ids as a tuple)."""
+
+    @classmethod
+    def from_data(cls, value: object, path: str) -> str | tuple[int, ...]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(type(t) is int for t in value):
+            return tuple(value)  # each id is checked against the model's vocabulary
+        raise ValueError(
+            "must be a string, a list of token ids, or a list holding one of those "
+            "(batches of several prompts are not supported)"
         )
-    return tuple(s for s in stop if s)
 
 
-def _refuse_unsupported(body: dict, n: int) -> None:
+class MessageContent(str):
+    """A chat message's ``content``: a string, or a list of text parts (joined)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_data(cls, value: object, path: str) -> MessageContent:
+        if isinstance(value, str):
+            return cls(value)
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string or text parts, got {show(value)}")
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError(f"part {i}: only text parts are supported")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"part {i}: a text part's text is a string")
+            texts.append(text)
+        return cls("".join(texts))
+
+    def to_data(self) -> str:
+        return str(self)
+
+
+class Seed(int):
+    """``seed``: any 64-bit integer, signed or not (the sampler takes it modulo 2**63)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_data(cls, value: object, path: str) -> Seed:
+        if type(value) is not int or not -(2**63) <= value <= 2**64 - 1:
+            raise ValueError(
+                "must be an integer in [-9223372036854775808, 18446744073709551615], "
+                f"got {show(value)}"
+            )
+        return cls(value)
+
+    def to_data(self) -> int:
+        return int(self)
+
+
+_NO_CONTENT, _NO_STOP = MessageContent(""), StopStrings()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChatMessage(_OpenAI):
+    """One message of ``messages``."""
+
+    role: str
+    content: MessageContent = _NO_CONTENT
+    name: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamOptions(_OpenAI):
+    """``stream_options``."""
+
+    include_usage: bool = False
+    """A last chunk with the usage."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResponseFormat(_OpenAI):
+    """``response_format``: only ``text`` is served (see ``parse_request``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+Bias = Annotated[float, Bounds(ge=-100, le=100)]
+"""A ``logit_bias`` value."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Body(_OpenAI):
+    """What completions and chat bodies share."""
+
+    model: str = field(min_len=1)
+    """The id of a served model."""
+    n: int = field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions = StreamOptions()
+    stop: StopStrings = _NO_STOP
+    temperature: float = field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = field(default=1.0, ge=0.0, le=1.0)
+    top_k: int = field(default=-1, ge=-1, le=2**31 - 1)
+    """-1 (or 0): off."""
+    min_p: float = field(default=0.0, ge=0.0, le=1.0)
+    seed: Seed | None = None
+    presence_penalty: float = field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = field(default=1.0, ge=0.01, le=10.0)
+    logit_bias: Annotated[dict[str, Bias], Bounds(max_len=MAX_LOGIT_BIAS)] = dataclasses.field(
+        default_factory=dict
+    )
+    """Token id (a decimal string) to a bias added to its logit."""
+    response_format: ResponseFormat | None = None
+    # asked for, refused by parse_request (this server does not do them)
+    echo: bool = False
+    suffix: str = ""
+    best_of: int | None = field(default=None, ge=1)
+    tools: list = dataclasses.field(default_factory=list)
+    functions: list = dataclasses.field(default_factory=list)
+    tool_choice: str | dict = "none"
+    function_call: str | dict = "none"
+
+    def __post_init__(self) -> None:
+        for key in self.logit_bias:
+            if not (key.isascii() and key.isdigit() and len(key) < 12):
+                raise SchemaError(
+                    [FieldError(path="logit_bias", message=f"key {key!r} is not a token id")]
+                )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompletionBody(_Body):
+    """A ``/v1/completions`` body."""
+
+    prompt: Prompt
+    max_tokens: int | None = field(default=None, ge=1)
+    """Tokens to generate (OpenAI's default: COMPLETIONS_DEFAULT_MAX_TOKENS)."""
+    logprobs: int | None = field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Top alternatives per token to report (``false`` is none)."""
+
+    @classmethod
+    def __schema_prepare__(cls, data: dict[str, object]) -> dict[str, object]:
+        if data.get("logprobs") is False:  # as absent
+            data = {k: v for k, v in data.items() if k != "logprobs"}
+        return _lenient(cls, data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChatBody(_Body):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: Annotated[list[ChatMessage], Bounds(min_len=1)]
+    max_completion_tokens: int | None = field(default=None, ge=1)
+    max_tokens: int | None = field(default=None, ge=1)
+    """The older name of ``max_completion_tokens`` (which wins)."""
+    logprobs: bool = False
+    top_logprobs: int | None = field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def __post_init__(self) -> None:
+        _Body.__post_init__(self)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SchemaError([FieldError(path="top_logprobs", message="needs logprobs: true")])
+
+
+_B = TypeVar("_B", bound=_Body)
+
+
+def _body(cls: type[_B], data: dict[str, object]) -> _B:
+    """``data`` as a ``cls`` record; ApiError listing every bad parameter, the first as its
+    ``param``."""
+    try:
+        return parse(cls, data)
+    except SchemaError as exc:
+        errors = [
+            f"{e}, the id of a served model"
+            if e.path == "model" and e.message == "required"
+            else str(e)
+            for e in exc.errors
+        ]
+        param = exc.errors[0].path.split(".", 1)[0] or None
+        raise ApiError(400, "; ".join(errors), param=param) from None
+
+
+# --- what needs the served model, and what is refused ------------------------------------------
+
+
+def _refuse_unsupported(body: _Body) -> None:
     """Parameters asking for something this server does not do get a 400 naming them."""
-    if body.get("echo") not in (None, False):
+    if body.echo:
         raise ApiError(400, "echo is not supported by this server", param="echo")
-    if body.get("suffix") not in (None, ""):
+    if body.suffix:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
-    if body.get("best_of") not in (None, n):
+    if body.best_of not in (None, body.n):
         raise ApiError(400, "best_of is not supported (beyond best_of == n)", param="best_of")
     for name in ("tools", "functions"):
-        if body.get(name) not in (None, []):
+        if getattr(body, name):
             raise ApiError(400, f"{name}: tool calling is not supported by this server", param=name)
     for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
+        if getattr(body, name) != "none":
             raise ApiError(400, f"{name}: tool calling is not supported by this server", param=name)
-    fmt = body.get("response_format")
-    if fmt is None:
-        return
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
+    kind = body.response_format.type if body.response_format is not None else "text"
+    if kind != "text":
         raise ApiError(
             400,
             f"response_format {kind} is not supported: this server cannot constrain its output "
@@ -174,60 +371,11 @@ def _refuse_unsupported(body: dict, n: int) -> None:
             param="response_format",
             code="unsupported_response_format",
         )
-    raise ApiError(
-        400,
-        "response_format: must be an object whose type is text, json_object or json_schema",
-        param="response_format",
-    )
 
 
-def _chat_messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: must be a non-empty list of messages", param="messages")
+def _logit_bias(body: _Body, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"{where}: must be an object with a role", param=where)
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text ones are understood
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ApiError(
-                        400, f"{where}.content: only text parts are supported", param=where
-                    )
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise ApiError(400, f"{where}.content: a text part's text is a string")
-                texts.append(text)
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise ApiError(400, f"{where}.content: must be a string or text parts", param=where)
-        entry = {"role": message["role"], "content": content}
-        if isinstance(message.get("name"), str):
-            entry["name"] = message["name"]
-        out.append(entry)
-    return out
-
-
-def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
-    bias = body.get("logit_bias")
-    if bias is None:
-        return ()
-    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError(
-            400,
-            f"logit_bias: must be an object of up to {MAX_LOGIT_BIAS} token ids to biases",
-            param="logit_bias",
-        )
-    out = []
-    for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
-            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+    for key, value in body.logit_bias.items():
         token = int(key)
         if token >= vocab:
             raise ApiError(
@@ -235,57 +383,56 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
                 f"logit_bias: token id {token} is outside the vocabulary ({vocab} ids)",
                 param="logit_bias",
             )
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not -100 <= value <= 100
-        ):
-            raise ApiError(
-                400,
-                f"logit_bias[{key}]: {value!r} is not a number in [-100, 100]",
-                param="logit_bias",
-            )
-        out.append((token, float(value)))
+        out.append((token, value))
     return tuple(out)
 
 
-def _logprobs(body: dict, chat: bool) -> int | None:
-    if chat:
-        wanted = body.get("logprobs")
-        if wanted not in (None, True, False):
-            raise ApiError(400, f"logprobs: {wanted!r} is not true or false", param="logprobs")
-        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if top is not None and not wanted:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return (top or 0) if wanted else None
-    if body.get("logprobs") is False:
-        return None
-    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+def _completion_prompt(prompt: str | tuple[int, ...], model: ServedModel) -> list[int]:
+    if isinstance(prompt, str):
+        return model.codec.encode(prompt)
+    vocab = model.vocab
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        shown = bad if len(str(bad)) < 40 else f"{str(bad)[:40]}..."
+        raise ApiError(
+            400,
+            f"prompt: token id {shown} is outside the vocabulary (ids 0..{vocab - 1})",
+            param="prompt",
+        )
+    return list(prompt)
 
 
-def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> GenerationRequest:
+def parse_request(body: object, models: dict[str, ServedModel], *, chat: bool) -> GenerationRequest:
     """Validate a request body; ApiError naming the parameter on anything wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise ApiError(400, "model: required, the id of a served model", param="model")
-    model = models.get(name)
-    if model is None:
+    if isinstance(name, str) and name and name not in models:
         raise model_not_found(name, models)
-    n = _integer(body, "n", 1, MAX_N) or 1
-    _refuse_unsupported(body, n)
-    if chat:
+    req = _body(ChatBody, body) if chat else _body(CompletionBody, body)
+    model = models[req.model]
+    _refuse_unsupported(req)
+    if isinstance(req, ChatBody):
+        messages = [
+            {
+                "role": m.role,
+                "content": str(m.content),
+                **({"name": m.name} if m.name is not None else {}),
+            }
+            for m in req.messages
+        ]
         try:
-            prompt = model.codec.encode_chat(_chat_messages(body))
+            prompt = model.codec.encode_chat(messages)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        where = "messages"
-        max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
+        where, verb = "messages", "have"
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        prompt = _completion_prompt(body.get("prompt"), model)
-        where = "prompt"
-        max_tokens = _integer(body, "max_tokens", 1) or COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt = _completion_prompt(req.prompt, model)
+        where, verb = "prompt", "has"
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        logprobs = req.logprobs
     if not prompt:
         raise ApiError(400, f"{where}: the prompt is empty after tokenizing", param=where)
     room = model.max_context - len(prompt)
@@ -293,41 +440,21 @@ def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> G
         raise ApiError(
             400,
             f"This model's maximum context length is {model.max_context} tokens, but the "
-            f"{where} has {len(prompt)} tokens; shorten it",
+            f"{where} {verb} {len(prompt)} tokens; shorten it",
             param=where,
             code="context_length_exceeded",
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"stream: {stream!r} is not true or false", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "stream_options: must be an object", param="stream_options")
-    seed = _integer(body, "seed", -(2**63), 2**64 - 1)
-    top_k = _integer(body, "top_k", -1, 2**31 - 1)
-    repetition = body.get("repetition_penalty")
-    if repetition is not None and (
-        isinstance(repetition, bool)
-        or not isinstance(repetition, (int, float))
-        or not 0.01 <= repetition <= 10
-    ):
-        raise ApiError(
-            400,
-            f"repetition_penalty: {repetition!r} is not a number in [0.01, 10]",
-            param="repetition_penalty",
-        )
-    logprobs = _logprobs(body, chat)
     try:
         sampling = SamplingParams(
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=max(top_k or 0, 0),
-            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-            seed=None if seed is None else seed % 2**63,
-            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=1.0 if repetition is None else float(repetition),
-            logit_bias=_logit_bias(body, model.vocab),
+            temperature=req.temperature,
+            top_p=req.top_p or 1e-9,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            seed=None if req.seed is None else int(req.seed) % 2**63,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=_logit_bias(req, model.vocab),
             logprobs=logprobs,
         )
     except ValueError as e:
@@ -337,10 +464,10 @@ def parse_request(body: Any, models: dict[str, ServedModel], *, chat: bool) -> G
         prompt=tuple(prompt),
         max_tokens=min(max_tokens or room, room),
         sampling=sampling,
-        n=n,
-        stop=_stop(body),
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        n=req.n,
+        stop=tuple(req.stop),
+        stream=req.stream,
+        include_usage=req.stream_options.include_usage,
         logprobs=logprobs,
         chat=chat,
     )
@@ -363,28 +490,4 @@ def model_not_found(name: str, models: dict[str, ServedModel]) -> ApiError:
         f"The model `{shown}` does not exist on this server; it serves: {', '.join(models)}",
         param="model",
         code="model_not_found",
-    )
-
-
-def _completion_prompt(prompt: Any, model: ServedModel) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return model.codec.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        vocab = model.vocab
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            shown = bad if len(str(bad)) < 40 else f"{str(bad)[:40]}..."
-            raise ApiError(
-                400,
-                f"prompt: token id {shown} is outside the vocabulary (ids 0..{vocab - 1})",
-                param="prompt",
-            )
-        return prompt
-    raise ApiError(
-        400,
-        "prompt: must be a string, a list of token ids, or a list holding one of those "
-        "(batches of several prompts are not supported)",
-        param="prompt",
     )

@@ -60,14 +60,8 @@ class ServeSpec(StageOfPlan):
     ``LocalRing``, tests)."""
 
     def __post_init__(self) -> None:
-        errors = []
+        errors = self.stage_errors()
         n = len(self.plan.stages)
-        if self.stage >= n:
-            errors.append(
-                FieldError(
-                    path="stage", message=f"must be < the plan's {n} stage(s), got {self.stage}"
-                )
-            )
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

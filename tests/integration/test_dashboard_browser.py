@@ -6,10 +6,15 @@ runs with a fresh profile, no network services and no sandbox (root in CI).
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+import threading
 
 import pytest
-from swarm_harness import agreed_on, dump, free_port, tiny_llama, wait_until
+from swarm_harness import ROOT, agreed_on, dump, free_port, swarm, swarm_env, tiny_llama, wait_until
+from test_swarm_serve_loopback import tiny_llama_with_tokenizer
 
 from swarmp2p.net.security import SwarmSecret
 
@@ -62,6 +67,33 @@ def _js(driver, script: str):
     return driver.execute_script(script)
 
 
+def _dashboard_open(node, tmp_path, browser_env: bool):
+    """`swarm dashboard --open` on ``node``, no graphical session; with ``browser_env`` a
+    $BROWSER that only writes down the command line it was started with."""
+    env = swarm_env()
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER"):
+        env.pop(name, None)
+    argv_file = tmp_path / "browser-argv.json"
+    if browser_env:
+        fake = tmp_path / "fake-browser"
+        fake.write_text(
+            f"#!{sys.executable}\nimport json, sys\n"
+            f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv))\n"
+        )
+        fake.chmod(0o700)
+        env["BROWSER"] = str(fake)
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmp2p", "dashboard", "--open"],
+        capture_output=True,
+        text=True,
+        env={**env, "SWARM_STATE_DIR": str(node.state.root)},
+        cwd=ROOT,
+        timeout=60,
+    )
+    argv = json.loads(argv_file.read_text()) if browser_env else None
+    return out, argv
+
+
 def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp_path):
     loopback_swarm.reserve("a", "b", "c")
     port = free_port()
@@ -86,13 +118,30 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
         20,
         "the page to ask for its key",
     )
-    browser.get(status["dashboard"])
-    assert browser.current_url == f"http://127.0.0.1:{port}/"  # the key left the address bar
+    key = status["dashboard"].split("?key=", 1)[1]
+
+    # `swarm dashboard --open` where no browser can start: it says so and prints the URL
+    out, _ = _dashboard_open(nodes[0], tmp_path, browser_env=False)
+    assert out.returncode == 0 and out.stdout.strip() == status["dashboard"], out
+    assert "no browser opened: no graphical session" in out.stderr
+    # with a browser: its command line holds a one-time link, never the key
+    out, argv = _dashboard_open(nodes[0], tmp_path, browser_env=True)
+    assert out.returncode == 0 and "opened the dashboard" in out.stdout, out
+    assert key not in out.stdout + out.stderr + " ".join(argv)
+    (link,) = [a for a in argv if a.startswith(f"http://127.0.0.1:{port}/?open=")]
+    browser.get(link)  # the one-time link logs this browser in, and leaves the address bar
+    assert browser.current_url == f"http://127.0.0.1:{port}/"
     alive = "return [...document.querySelectorAll('tr[data-node-id][data-alive=true]')].map(r => r.dataset.nodeId)"
     wait_until(
         lambda: sorted(_js(browser, alive)) == ["a", "b", "c"], 20, "three live nodes on the page"
     )
     assert _js(browser, "return document.getElementById('leader').dataset.leader") == "a"
+    browser.get(link)  # used once: refused, with what to do
+    assert "swarm dashboard --open" in _js(browser, "return document.body.innerText")
+    browser.get(status["dashboard"])  # the printed URL logs in too
+    assert browser.current_url == f"http://127.0.0.1:{port}/"  # the key left the address bar
+    browser.get(f"http://127.0.0.1:{port}/?interval=250")  # poll faster (the cookie holds)
+    wait_until(lambda: sorted(_js(browser, alive)) == ["a", "b", "c"], 20, "the page again")
     bars = _js(browser, "return document.querySelectorAll('tr[data-node-id] .dev .bar').length")
     assert bars >= 3  # at least the CPU of every node, each with a memory bar
 
@@ -120,12 +169,15 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     )
     stages = "return [...document.querySelectorAll('svg.plan-chart[data-job-id=\"%s\"] rect')].map(r => r.dataset.nodeId)"
     assert _js(browser, stages % first["job_id"]) == ["a", "b", "c"]
+    names = stages.replace("dataset.nodeId", "dataset.node")
+    assert _js(browser, names % first["job_id"]) == ["host-a", "host-b", "host-c"]
     line = "return document.querySelector('svg.loss-chart[data-job-id=\"%s\"] polyline').getAttribute('points')"
     assert len(_js(browser, line % first["job_id"]).split()) == 7
-    tps = (
-        "return document.querySelector('svg.tokens-per-s-chart[data-job-id=\"%s\"]').dataset.points"
-    )
-    assert _js(browser, tps % first["job_id"]) == "1"  # the leader keeps only the newest
+    # both curves: a line over steps 1..7, the numbers "step 7 of 7" counts (not 0..6)
+    for chart_class in ("loss-chart", "tokens-per-s-chart"):
+        found = "const s = document.querySelector('svg.%s[data-job-id=\"%s\"]'); return [s.dataset.points, s.dataset.firstStep, s.dataset.lastStep, s.querySelector('.x-first').textContent, s.querySelector('.x-last').textContent, s.querySelector('polyline').getAttribute('points').split(' ').length]"
+        got = _js(browser, found % (chart_class, first["job_id"]))
+        assert got == ["7", "1", "7", "step 1", "step 7", 7], (chart_class, got)
     job_text = "return document.querySelector('div.job[data-job-id=\"%s\"]').innerText"
     wait_until(
         lambda: "trained" in _js(browser, job_text % first["job_id"]), 60, "the evaluation row"
@@ -134,6 +186,8 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     for words in ("step 7 of 7", "attempt 1", "activations", "trained"):
         assert words in text, text
     browser.save_screenshot(str(tmp_path / "dashboard.png"))  # for a person to look at
+
+    _served_model_shows_names_and_live_sessions(nodes, browser, tmp_path)
 
     # a node goes away: the page says so
     nodes[2].stop()
@@ -146,3 +200,46 @@ def test_dashboard_lists_nodes_and_draws_job_curves(loopback_swarm, browser, tmp
     assert "cannot reach this node's daemon" in wait_until(
         lambda: _js(browser, banner), 20, "the page to report its daemon gone"
     )
+
+
+def _served_model_shows_names_and_live_sessions(nodes, browser, tmp_path):
+    """A model served across a, b and c from a: its stages say host-a, host-b, host-c (as the
+    job's plan does), and while three requests run through one session slot the page shows 1/1
+    active and the rest queued, then 0 and 0 once they are done."""
+    from swarmp2p.serve.client import stream_text
+
+    tiny = tiny_llama_with_tokenizer(tmp_path / "tiny-served")
+    args = ["serve", str(tiny), "--name", "tiny", "--stages", "3", "--port", str(free_port())]
+    done = swarm(nodes[0], *args, "--max-sessions", "1", "--max-context", "512", "--json")
+    assert done.returncode == 0, done.stderr + dump(nodes)
+    url = json.loads(done.stdout)["url"]
+    served = "return [...document.querySelectorAll('div.served[data-model=tiny] svg.plan-chart rect')].map(r => r.dataset.node)"
+    wait_until(lambda: _js(browser, served) == ["host-a", "host-b", "host-c"], 20, "host names")
+    sessions = "const e = document.querySelector('div.served[data-model=tiny] .sessions'); return e ? [e.dataset.active, e.dataset.max, e.dataset.queued, e.textContent] : []"
+    wait_until(lambda: _js(browser, sessions)[:3] == ["0", "1", "0"], 20, "idle sessions")
+
+    # 400 tokens each, EOS (id 2) barred: each holds the one slot for a while
+    body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 400}
+    body |= {"temperature": 0, "logit_bias": {"2": -100}}
+    texts: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda: texts.append("".join(stream_text(url, "/v1/completions", body)))
+        )
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    busy = wait_until(
+        lambda: (got := _js(browser, sessions))[:2] == ["1", "1"] and int(got[2]) >= 1 and got,
+        60,
+        "the page to show one running session and the others queued",
+    )
+    assert "sessions 1/1 active" in busy[3] and "queued" in busy[3], busy
+    browser.save_screenshot(str(tmp_path / "dashboard-serving.png"))
+    for thread in threads:
+        thread.join(300)
+    assert len(texts) == 3 and all(texts), texts
+    wait_until(lambda: _js(browser, sessions)[:3] == ["0", "1", "0"], 20, "the sessions done")
+    stop = swarm(nodes[0], "serve", "--stop", "tiny")
+    assert stop.returncode == 0, stop.stderr

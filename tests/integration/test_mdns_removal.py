@@ -11,6 +11,7 @@ from swarm_harness import free_port
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.daemon import Daemon
+from swarmp2p.timings import Timings
 
 SECRET = SwarmSecret.generate()
 
@@ -24,8 +25,8 @@ def _daemon(tmp_path, node_id: str, ports: dict[str, int]) -> Daemon:
         interface="127.0.0.1",
         peers=peers,
         mdns=False,
-        heartbeat_s=0.1,
-        failure_timeout_s=30.0,  # long: only the confirmed mDNS removal can make b dead soon
+        # long: only the confirmed mDNS removal can make b dead soon
+        timings=Timings(heartbeat_s=0.1, failure_timeout_s=30.0),
     )
     return Daemon(config, SECRET, env={})
 

@@ -488,7 +488,7 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
     from swarmp2p.net.auth import AsyncSecureContext
     from swarmp2p.net.rpc import RpcClient, RpcError
     from swarmp2p.node.messages import ServeStageStart
-    from swarmp2p.plan import from_config
+    from swarmp2p.plan import Node, from_config
     from swarmp2p.plan.serve import ServeInputs
 
     b = loopback_swarm.node("b", token=TOKEN, env=ENV).start()
@@ -523,7 +523,9 @@ def test_a_peer_refuses_a_serve_plan_it_does_not_compute_itself(loopback_swarm):
             ],
         },
     )
-    inputs = ServeInputs(shape=shape, cluster=cluster, stages=1, max_context=64)
+    inputs = ServeInputs(
+        shape=shape, cluster=tuple(Node.from_dict(c) for c in cluster), stages=1, max_context=64
+    )
     plan = inputs.plan()
     skewed = plan.to_json().replace('"dtype":"float32"', '"dtype":"bfloat16"')
 

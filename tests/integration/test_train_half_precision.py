@@ -203,7 +203,7 @@ def _reference(specs: list[dict]) -> list[float]:
     from swarmp2p.plan import stage_schedule
     from swarmp2p.runtime.torch.train.boundary import Channel
     from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, build_from_spec, train_batch
-    from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage
+    from swarmp2p.runtime.torch.train.steps import train_stage
     from swarmp2p.runtime.worker import parse_worker_spec
 
     n = len(specs)
@@ -211,7 +211,7 @@ def _reference(specs: list[dict]) -> list[float]:
     built = [build_from_spec(p) for p in parsed]  # one after the other: the LoRA draws are seeded
     tokens = _load_tokens(parsed[0])
     t = parsed[0].train
-    settings = TrainSettings(steps=t.steps, micro_batches=t.micro_batches, lr=t.lr)
+    settings = t  # what the workers train with
     links = [InProcLink.pair() for _ in range(n - 1)]
     out: list = [None] * n
 
@@ -323,7 +323,8 @@ def test_an_injected_nan_fails_the_job_naming_the_stage(model, token, tmp_path, 
 # --- the specs a daemon builds --------------------------------------------------------------------------
 
 
-def _node(node_id: str, device: str, capability: str) -> dict:
+def _node(node_id: str, device: str, capability: str):
+    from swarmp2p.node.records import NodeRecord
     from swarmp2p.plan import CAPABILITIES
 
     gpu = {
@@ -335,7 +336,7 @@ def _node(node_id: str, device: str, capability: str) -> dict:
         "compute_capability": capability,
         "fake": True,
     }
-    return {
+    data = {
         "node_id": node_id,
         "name": f"host-{node_id}",
         "ram": 16 * GIB,
@@ -344,6 +345,7 @@ def _node(node_id: str, device: str, capability: str) -> dict:
         "version": "0",
         "devices": [gpu],
     }
+    return NodeRecord.from_data(data, "")  # as its hello carries it: the fake GPU marked
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from swarm_harness import direct_plan, direct_spec  # noqa: E402
 
+from swarmp2p.worker_events import decode  # noqa: E402
+
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 try:  # tqdm's monitor thread (transformers' progress bars) would trip the thread-leak check
@@ -111,6 +113,7 @@ class Worker:
     def _out(self) -> None:
         for line in self.proc.stdout:
             event = json.loads(line)
+            decode(event)  # every line a worker writes is a record the daemon reads
             self.events.append(event)
             if event["event"] in ("ready", "error"):
                 self._ready.set()

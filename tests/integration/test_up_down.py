@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from swarm_harness import ROOT, free_port, swarm_env, wait_until
@@ -77,8 +78,11 @@ def test_up_creates_a_swarm_daemonises_and_down_stops_it(state):
     s = api.request(state.api_socket, "status")
     assert s["node_id"] == "solo" and s["port"] == port and s["pid"] == pid
 
-    again = _swarm("up", *common, "--port", str(port), check=False)
-    assert again.returncode != 0 and "already runs" in again.stderr
+    again = _swarm("up", *common, "--port", str(port))  # up twice: it is up, exit 0
+    assert "node solo (" in again.stdout and f"already: pid {pid}" in again.stdout
+    twice = _swarm("up", *common, "--foreground", check=False)  # a second foreground one: no
+    assert twice.returncode == 2 and "already runs" in twice.stderr, twice.stderr
+    assert "Traceback" not in twice.stderr
 
     out = _swarm("down", *common)
     assert f"pid {pid}" in out.stdout
@@ -166,3 +170,75 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, args, env, me
     )
     assert out.returncode != 0 and message in out.stderr, out.stderr
     assert not state_dir.exists()
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
+@pytest.mark.parametrize("taken", ["control", "join"])
+def test_a_port_in_use_is_named_with_the_flag_that_moves_it(tmp_path, taken, foreground):
+    import socket
+
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port + (2 if taken == "join" else 0)))
+    holder.listen()
+    state_dir = tmp_path / "s"
+    try:
+        out = _swarm(
+            "up",
+            "--state-dir",
+            str(state_dir),
+            "--port",
+            str(port),
+            "--interface",
+            "127.0.0.1",
+            "--no-mdns",
+            *(["--foreground"] if foreground else []),
+            check=False,
+        )
+    finally:
+        holder.close()
+    busy = port + (2 if taken == "join" else 0)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"port {busy} is in use by another process" in out.stderr, out.stderr
+    assert "--port" in out.stderr and "Traceback" not in out.stderr
+    assert StateDir(root=state_dir).read_pid() is None
+
+
+def test_a_port_taken_between_the_check_and_the_bind_stops_the_daemon_naming_it(
+    tmp_path, monkeypatch
+):
+    """The race the start-up check cannot close: the daemon's own bind names the port too,
+    and daemon.log says it before `stopped` (the background `swarm up` reads it there)."""
+    import asyncio
+    import socket
+
+    from swarmp2p.errors import UserError
+    from swarmp2p.net import rpc
+    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.node.config import NodeConfig, setup_logging
+    from swarmp2p.node.daemon import Daemon
+
+    monkeypatch.setattr(rpc, "TIMINGS", replace(rpc.TIMINGS, rpc_rebind_s=0.2))
+    port = free_port()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    state = StateDir(root=tmp_path / "s").ensure()
+    config = NodeConfig(state_dir=state.root, port=port, interface="127.0.0.1", mdns=False)
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    setup_logging(state, foreground=False)
+    try:
+        with pytest.raises(UserError, match=f"port {port} is in use .*--port"):
+            asyncio.run(Daemon(config, SwarmSecret.generate()).run())
+    finally:
+        holder.close()
+        for handler in set(root.handlers) - set(handlers):
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+    log = state.log_file.read_text()
+    assert f"cannot start: port {port} is in use" in log

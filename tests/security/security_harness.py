@@ -19,6 +19,8 @@ from swarmp2p.net import ClientKeys, NodeKey, RpcError, SecureContext, SwarmSecr
 from swarmp2p.net.auth import make_client_socket
 from swarmp2p.node.cluster.join import NodeJoin, NodeJoined, join_endpoint
 from swarmp2p.node.messages import NodeHello
+from swarmp2p.node.records import Host, NodeRecord
+from swarmp2p.plan import Node
 from swarmp2p.wire.messages import ErrorReply, Message, decode, encode
 
 _KEYS: dict[tuple[str, str], NodeKey] = {}
@@ -88,8 +90,10 @@ def _meet_leader(
         swarm_id=secret.swarm_id,
         control_port=9,
         addresses=["127.0.0.1"],
-        record={"node_id": msg.node_id, "devices": []},
-        host={},
+        record=NodeRecord(
+            node=Node(node_id=msg.node_id, name=msg.name, ram=0, disk_free=0, devices=())
+        ),
+        host=Host(),
         term=0,
         version=0,
         join_port=11,

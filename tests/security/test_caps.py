@@ -21,11 +21,12 @@ from swarm_harness import NodeProc, agreed_on, free_port, swarm, tiny_llama, wai
 from swarmp2p.net import AsyncSecureContext, NodeKey, RpcClient, RpcError, RpcServer, ServerKeys
 from swarmp2p.net.auth import KeyCheck
 from swarmp2p.net.security import SwarmSecret
-from swarmp2p.node.config import MAX_WAITING_PER_SUBMITTER, SUBMIT_BURST, SUBMIT_EVERY_S
+from swarmp2p.node.config import MAX_WAITING_PER_SUBMITTER, SUBMIT_BURST
 from swarmp2p.node.messages import FilePull, ShardChunk, ShardRead, StageReport, Submit
 from swarmp2p.plan import parse_job
 from swarmp2p.plan.inputs import JobInputs, ModelSource
 from swarmp2p.plan.model_shape import from_config
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire.messages import MAX_MESSAGE_BYTES, encode
 
 pytestmark = pytest.mark.slow
@@ -180,7 +181,7 @@ def _failing() -> Submit:
 
 def test_jobs_that_fail_at_once_meet_the_submission_rate(pair):
     """Failed jobs are not waiting, so the waiting caps do not bound them: past a burst of
-    SUBMIT_BURST the leader takes one job from a node every SUBMIT_EVERY_S, with a refusal
+    SUBMIT_BURST the leader takes one job from a node every submit_every_s, with a refusal
     that says when to retry; the table keeps nothing of a refused one."""
     a, _ = pair
     keys = credentials(a.endpoint, a.token)
@@ -200,14 +201,16 @@ def test_jobs_that_fail_at_once_meet_the_submission_rate(pair):
         took = time.monotonic() - start
         assert refused is not None, f"{len(taken)} taken in {took:.1f} s, none refused"
         # the burst, and the ones the bucket gained back while this loop ran
-        assert SUBMIT_BURST <= len(taken) <= SUBMIT_BURST + took / SUBMIT_EVERY_S + 1, (
+        assert SUBMIT_BURST <= len(taken) <= SUBMIT_BURST + took / TIMINGS.submit_every_s + 1, (
             len(taken),
             took,
         )
         assert refused.code == "job_rate", refused
-        assert f"past that the leader takes one every {SUBMIT_EVERY_S:g} s" in refused.detail
+        assert (
+            f"past that the leader takes one every {TIMINGS.submit_every_s:g} s" in refused.detail
+        )
         assert f"fails-{len(taken)}" not in {j["job_id"] for j in a.status()["jobs"]}
-        time.sleep(SUBMIT_EVERY_S)  # the refusal's "retry in": one more is taken then
+        time.sleep(TIMINGS.submit_every_s)  # the refusal's "retry in": one more is taken then
         m.send(_failing(), job_id="fails-later")
         assert m.reply(15.0).job_id == "fails-later"
 

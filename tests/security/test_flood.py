@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,12 @@ from swarmp2p.net.guard import MAX_PER_SOURCE, ConnectionGuard, admit
 from swarmp2p.net.rpc import RpcServer
 from swarmp2p.net.security import SwarmSecret
 from swarmp2p.node.config import (
-    RESOURCE_ERRORS_EVERY_S,
     ResourceErrorFilter,
     raise_open_file_limit,
     setup_logging,
 )
 from swarmp2p.node.state import StateDir
+from swarmp2p.timings import TIMINGS
 
 FLOOD = 1100
 """Idle TCP connections, as in the attack that exhausted a daemon (issue 15)."""
@@ -116,7 +117,7 @@ def test_accept_failures_are_counted_not_fatal():
 
 
 def test_an_idle_connection_is_closed_after_the_handshake_timeout(monkeypatch):
-    monkeypatch.setattr(auth, "HANDSHAKE_IVL_MS", 300)
+    monkeypatch.setattr(auth, "TIMINGS", replace(auth.TIMINGS, zmq_handshake_ivl_ms=300))
 
     async def main() -> None:
         async def handler(msg, peer):
@@ -170,7 +171,7 @@ def test_resource_errors_are_rate_limited_without_tracebacks():
             except OSError:
                 logger.error("socket.accept() out of system resource\nsocket: <...>", exc_info=True)
         logger.warning("an ordinary line")
-        now[0] += RESOURCE_ERRORS_EVERY_S
+        now[0] += TIMINGS.resource_errors_every_s
         try:
             raise RuntimeError("task failed") from emfile
         except RuntimeError:

@@ -26,8 +26,10 @@ from swarmp2p.node.messages import (
     TableEvents,
     TablePush,
 )
+from swarmp2p.node.records import Host, NodeRecord
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import JobTable
+from swarmp2p.plan import Node
 
 pytestmark = pytest.mark.slow
 
@@ -104,11 +106,13 @@ def trio(tmp_path_factory):
 
 
 def _written(trio: Trio) -> dict[str, tuple[bytes, bytes]]:
-    """Each node's table and vote files, byte for byte."""
+    """Each node's table (snapshot and log) and vote files, byte for byte."""
     out = {}
     for n, node in trio.nodes.items():
         vote = node.state.root / "vote.json"
-        out[n] = (node.state.table_file.read_bytes(), vote.read_bytes() if vote.exists() else b"")
+        log = node.state.table_file.with_name("jobs.log")
+        table = node.state.table_file.read_bytes() + (log.read_bytes() if log.exists() else b"")
+        out[n] = (table, vote.read_bytes() if vote.exists() else b"")
     return out
 
 
@@ -163,8 +167,8 @@ def test_a_member_cannot_speak_leave_lead_or_write_as_another(trio):
         swarm_id=s["swarm_id"],
         control_port=9,
         addresses=["127.0.0.1"],
-        record={},
-        host={},
+        record=NodeRecord(node=Node(node_id="b", name="b", ram=0, disk_free=0, devices=())),
+        host=Host(),
         term=term,
         version=version,
     )

@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import pytest
@@ -21,6 +22,8 @@ from swarmp2p._atomic import write_atomic
 from swarmp2p.net import RpcError
 from swarmp2p.node.cluster.election import check_node_id
 from swarmp2p.node.messages import NodeHello
+from swarmp2p.node.records import Host, NodeRecord
+from swarmp2p.plan import Node
 
 
 def _http(port: int, path: str, cookie: str | None = None) -> tuple[int, dict, bytes]:
@@ -58,6 +61,8 @@ def test_the_dashboard_shows_the_swarm_only_to_its_user(victim):
     status, _, body = _http(port, "/api/state", cookie=f"swarmp2p_dashboard_{port}={'x' * 43}")
     assert status == 401 and b"swarm_id" not in body
     assert _http(port, "/?key=guess")[0] == 403
+    forged = f"/?open={int(time.time())}.{'0' * 64}"  # a one-time link not made with the key
+    assert _http(port, forged)[0] == 403 and "Set-Cookie" not in _http(port, forged)[1]
 
     status, headers, _ = _http(port, f"/?key={key}")
     assert status == 303 and "HttpOnly" in headers["Set-Cookie"]
@@ -75,8 +80,8 @@ def _hello(node_id: str) -> NodeHello:
         swarm_id="0" * 16,
         control_port=9,
         addresses=["127.0.0.1"],
-        record={},
-        host={},
+        record=NodeRecord(node=Node(node_id=node_id, name="m", ram=0, disk_free=0, devices=())),
+        host=Host(),
         term=0,
         version=0,
     )

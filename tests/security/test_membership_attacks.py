@@ -11,7 +11,7 @@ from test_identity import _up
 
 from swarmp2p.net import NodeKey, RpcError
 from swarmp2p.node.cluster.join import MemberAdmit
-from swarmp2p.node.table import jobtable
+from swarmp2p.node.table.store import load_table
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_a_member_cannot_list_ghosts_and_a_stopped_members_id_stays_its_own(tmp_
             assert info.value.code == "refused" and "another key" in info.value.detail
         own = NodeKey.load(c.state.node_key_file).public
         for node in (a, b):
-            assert jobtable.load(node.state.table_file).member("c").key == own
+            assert load_table(node.state.table_file).member("c").key == own
         # the real c comes back with its own key: it counts again
         c = trio.start("c")
         c.wait_up()

@@ -51,7 +51,7 @@ def _prices(folder) -> tuple[int, int]:
             for i, d in enumerate(big)
         ],
     }
-    plan = compute_plan(parse_job(JOB), [record], shape=shape)
+    plan = compute_plan(parse_job(JOB), [Node.from_dict(record)], shape=shape)
     job = max(s.memory.peak for s in plan.stages)
     serve = plan_serve(
         shape,

@@ -267,7 +267,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     # freeze a stage past the first snapshot, so the job cannot end however fast this machine
     # is: the victim's own stage, or (when the victim runs none) the first stage until the kill
     # has been noticed. A snapshot enters the table at once (the step count only every
-    # PROGRESS_EVERY_S), so the freeze comes a few steps past it and STEPS need not outlast that
+    # progress_every_s), so the freeze comes a few steps past it and STEPS need not outlast that
     wait_until(
         lambda: resume_step(_entry(watcher, job_id)) >= CHECKPOINT_EVERY,
         120,
@@ -309,7 +309,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
         return by_id, victim, final
     assert "resuming" in states and final["attempt"] == 2
     losses = {}
-    for attempt, step, loss in final["metrics"]["losses"]:
+    for attempt, step, loss, _tokens_per_s in final["metrics"]["losses"]:
         losses.setdefault(attempt, {})[step] = loss
     # the loss curve lives on the leader, off the table: a killed leader's copy of attempt
     # 1 is gone with it (the new leader's curve starts at the resume)

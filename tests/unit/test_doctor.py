@@ -427,3 +427,64 @@ def test_doctor_text_and_fake_devices(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "WARN  GPUs (NVML)" in out.stdout and "2 fake GPU(s)" in out.stdout
     assert "cuda:1 P100 cc6.0: float32" in out.stdout and "below 7.0" in out.stdout
+
+
+CUDA_ON_CPU = WorkerProbe(
+    torch="2.14.1",
+    cuda_available=False,
+    cuda_version="13.0",
+    cuda_packages=(("nvidia-cublas", 3 << 29), ("triton", 1 << 29)),
+)
+
+
+@pytest.mark.parametrize(
+    ("install", "fix"),
+    [
+        (
+            VENV,
+            "/opt/v/bin/python -m pip uninstall -y torch nvidia-cublas triton && "
+            "/opt/v/bin/python -m pip install 'swarmp2p[runtime]' --extra-index-url "
+            "https://download.pytorch.org/whl/cpu",
+        ),
+        (
+            Install(kind="dev", python="/c/.venv/bin/python", checkout="/c"),
+            "cd /c && ./install.sh --dev",
+        ),
+        (PIPX, "pipx install --force '/src/swarmp2p[runtime]'"),
+    ],
+)
+def test_a_cuda_torch_on_a_machine_without_nvidia_is_named_with_the_space_it_wastes(install, fix):
+    check = doc.check_worker_torch(CUDA_ON_CPU, nvml_gpus=0, install=install, nvidia=False)
+    assert check.status == WARN
+    assert "CUDA 13.0" in check.detail and "without an NVIDIA GPU" in check.detail
+    assert "2 packages, 2.0 GiB" in check.detail and "frees about 2.0 GiB" in check.fix
+    assert check.fix.startswith(fix), check.fix
+    # with an NVIDIA GPU (nvidia-smi there, NVML not yet working) it is the build to keep
+    assert "CUDA 13.0" in doc.check_worker_torch(CUDA_ON_CPU, nvml_gpus=0, nvidia=True).detail
+    assert doc.check_worker_torch(CUDA_ON_CPU, nvml_gpus=0, nvidia=True).status == PASS
+
+
+def test_the_worker_probe_sizes_a_cuda_builds_packages(tmp_path, monkeypatch):
+    """The probe's own scan over the installed distributions, run in a fresh interpreter that
+    finds a torch reporting a CUDA build and an nvidia-* distribution of known size first."""
+    from swarmp2p.doctor.facts import probe_worker
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import types\n__version__ = '2.14.1'\nversion = types.SimpleNamespace(cuda='13.0')\n"
+        "cuda = types.SimpleNamespace(is_available=lambda: False)\n"
+    )
+    (tmp_path / "nvidia_fake").mkdir()
+    (tmp_path / "nvidia_fake" / "lib.so").write_bytes(b"x" * 12345)
+    info = tmp_path / "nvidia_fake-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-fake\nVersion: 1.0\n")
+    (info / "RECORD").write_text(
+        "nvidia_fake/lib.so,,12345\nnvidia_fake-1.0.dist-info/METADATA,,\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    probe = probe_worker()
+    assert probe.torch == "2.14.1" and probe.cuda_version == "13.0"
+    sizes = dict(probe.cuda_packages)
+    assert sizes["nvidia-fake"] >= 12345
+    assert all(n.startswith("nvidia-") or n == "triton" for n in sizes)

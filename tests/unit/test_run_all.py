@@ -152,3 +152,17 @@ def test_the_longest_quick_runs_start_first_and_are_reported_in_order(tmp_path):
     alone = _run("--quick", "--bench-dir", str(folder))  # one at a time: the plan's order
     started = [line.split()[1] for line in alone.stderr.splitlines() if line.startswith("running")]
     assert started == ["bench/a.py", "bench/serve.py", "bench/train_pipeline.py", "bench/z.py"]
+
+
+def test_gpu_benchmarks_are_left_out_and_their_docs_section_is_kept(tmp_path):
+    folder = _bench_dir(tmp_path, good=GOOD, gpu="import sys\nsys.exit('ran without a GPU')\n")
+    out_md = tmp_path / "b.md"
+    section = "<!-- gpu:begin -->\n## GPU: H200\n| 1 | 2 |\n<!-- gpu:end -->"
+    out_md.write_text(f"# Benchmarks\n\nold tables\n\n{section}\n")
+    out = _run("--quick", "--bench-dir", str(folder), "--output", str(out_md))
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["benchmarks"] == 1 and summary["failed"] == []
+    text = out_md.read_text()
+    assert "old tables" not in text and text.count(section) == 1 and "bench/gpu.py" not in text
+    assert run_all.gpu_section("no markers") == "" and run_all.gpu_section(text) == section

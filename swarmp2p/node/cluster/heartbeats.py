@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from swarmp2p.errors import Unavailable
 from swarmp2p.net.rpc import RpcError, RpcTimeout
@@ -18,6 +17,7 @@ from swarmp2p.node.cluster.hellos import Hellos, rpc_timeout
 from swarmp2p.node.cluster.membership import Change
 from swarmp2p.node.context import NodeContext
 from swarmp2p.node.messages import Heartbeat
+from swarmp2p.node.records import Held, MemoryReport
 from swarmp2p.node.serving.service import Serving
 from swarmp2p.node.table.replication import Replication
 from swarmp2p.node.training.stages import StageHost
@@ -38,7 +38,7 @@ class Heartbeats:
     env: Mapping[str, str]
     skews: dict[str, float] = field(default_factory=dict, init=False)
     """node -> its wall clock minus this node's, from the last heartbeat it answered."""
-    _fetching: dict[str, list] = field(default_factory=dict, init=False)
+    _fetching: dict[str, list[dict]] = field(default_factory=dict, init=False)
     """node -> the fetches its last heartbeat listed (``swarm status`` shows them)."""
     _disk: tuple[float, int] = field(default=(-1e18, 0), init=False)
     """(when, free bytes) of the last look at the model cache's disk."""
@@ -47,7 +47,7 @@ class Heartbeats:
         self._live = hardware.LiveMemory(self.ctx.me.record)
         """Free memory re-read with the heartbeats (live, not the probe at start)."""
 
-    def fetches(self) -> list:
+    def fetches(self) -> list[dict]:
         """What the live peers' last heartbeats listed as fetching (``swarm status``)."""
         return [f for n, fs in sorted(self._fetching.items()) if self.ctx.is_alive(n) for f in fs]
 
@@ -88,19 +88,19 @@ class Heartbeats:
             fetching=self.stages.inputs.status(),
         )
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemoryReport:
         """This node's live memory: free per device, and what its own workers hold."""
-        memory = {
-            "free": self._live.read(),
-            "held": {"jobs": self.stages.held(), "serve": self.serving.stages.held()},
-            "disk": self._disk_free(),
-        }
-        hardware.apply_memory(self.ctx.me.record, memory)
+        memory = MemoryReport(
+            free=self._live.read(),
+            held=Held(jobs=self.stages.held(), serve=self.serving.stages.held()),
+            disk=self._disk_free(),
+        )
+        self.ctx.set_record(self.ctx.me.record.with_memory(memory))
         return memory
 
     def _disk_free(self) -> int:
         now = self.ctx.clock()
-        if now - self._disk[0] >= hardware.LIVE_EVERY_S:
+        if now - self._disk[0] >= self.ctx.config.timings.live_memory_every_s:
             self._disk = (now, hardware.free_disk(self.env))
         return self._disk[1]
 
@@ -108,7 +108,7 @@ class Heartbeats:
         """A peer's heartbeat: its live memory into its record, its fetches for status."""
         peer = self.ctx.members.peers.get(beat.node_id)
         if peer is not None:
-            hardware.apply_memory(peer.record, beat.memory)
+            peer.record = peer.record.with_memory(beat.memory)
         self._fetching[beat.node_id] = list(beat.fetching or [])
 
     async def beat(self, node_id: str, endpoint: str, alive: bool, join_endpoint: str = "") -> None:

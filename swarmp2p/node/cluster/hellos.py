@@ -20,6 +20,7 @@ from swarmp2p.node.cluster.membership import Change, Refused
 from swarmp2p.node.config import NodeConfig
 from swarmp2p.node.context import NodeContext
 from swarmp2p.node.messages import NodeHello
+from swarmp2p.node.table.jobtable import Member
 from swarmp2p.node.table.replication import Replication
 
 log = logging.getLogger("swarmp2p.node")
@@ -94,10 +95,6 @@ class Hellos:
                 f"node {hello.node_id} speaks protocol {hello.versions}, this node "
                 f"{PROTOCOL_VERSION}; run the same swarmp2p version everywhere",
             )
-        if not isinstance(hello.record, dict) or hello.record.get("node_id") != hello.node_id:
-            raise RpcError(
-                "bad_field", f"node {hello.node_id}'s hello carries a record of another node id"
-            )
         if hello.node_id == self.ctx.node_id:
             raise RpcError(
                 "node_id_taken",
@@ -165,7 +162,7 @@ class Hellos:
         if not candidates:
             return None
 
-        async def probe(member) -> tuple[str, str] | None:
+        async def probe(member: Member) -> tuple[str, str] | None:
             keys = ClientKeys(public=ctx.key.public, secret=ctx.key.secret, server=member.key)
             client = RpcClient(ctx.zmq, keys, endpoint)
             try:
@@ -186,7 +183,7 @@ class Hellos:
         ctx = self.ctx
         msg = jn.join_request(ctx, self.ctx.join_port)
         reply = await jn.join_at(
-            ctx, endpoint, msg, rpc_timeout(self.ctx.config) + jn.JOIN_TIMEOUT_S
+            ctx, endpoint, msg, rpc_timeout(self.ctx.config) + self.ctx.config.timings.join_reply_s
         )
         now = ctx.clock()
         try:

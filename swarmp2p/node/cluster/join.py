@@ -57,10 +57,6 @@ JOIN_PORT_OFFSET = 2
 """The join port is the control port + 2 (7739 beside the default 7737; 7738 is the
 dashboard's), so a peer named by its control port alone (``--peer HOST:PORT``) can be joined;
 with ``--port 0`` both are random and the join port travels in mDNS adverts and hellos."""
-JOIN_TIMEOUT_S = 1.0
-"""Added to the hello timeout for a join's reply: one round trip and a CURVE handshake (the
-leader lists the newcomer in the background)."""
-ROTATE_TIMEOUT_S = 10.0
 
 
 def join_endpoint(control_endpoint: str) -> str:
@@ -357,7 +353,8 @@ class Admission:
         push = SecretPush(token=new.token, swarm_id=new.swarm_id)
         members = sorted(m for m in ctx.table.member_ids if m != ctx.node_id and ctx.is_alive(m))
         results = await asyncio.gather(
-            *(ctx.call(m, push, ROTATE_TIMEOUT_S / 2) for m in members), return_exceptions=True
+            *(ctx.call(m, push, self.ctx.config.timings.rotate_s / 2) for m in members),
+            return_exceptions=True,
         )
         missed = [m for m, r in zip(members, results) if isinstance(r, BaseException)]
         await self._on_secret(new)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from swarmp2p.node.records import Host, NodeRecord
 
 if TYPE_CHECKING:
     from swarmp2p.node.table.jobtable import JobTable
@@ -26,10 +28,10 @@ class Peer:
     name: str
     endpoint: str
     """``tcp://host:port`` of its control socket."""
-    record: dict[str, Any] = field(default_factory=dict)
-    """Its hardware node record from the hello."""
-    host: dict[str, Any] = field(default_factory=dict)
-    """Its host dict (CPU cores, driver) from the hello."""
+    record: NodeRecord
+    """Its hardware node record from the hello (live memory from its heartbeats)."""
+    host: Host = field(default_factory=Host)
+    """Its host facts (CPU cores, machine, driver) from the hello."""
     software: str = ""
     """The swarmp2p release it runs (from its hello)."""
     key: str = ""
@@ -75,9 +77,9 @@ class Membership:
         node_id: str,
         name: str,
         endpoint: str,
-        record: dict[str, Any],
+        record: NodeRecord,
         now: float,
-        host: dict[str, Any] | None = None,
+        host: Host | None = None,
         key: str = "",
         join_endpoint: str = "",
         held: int = 0,
@@ -90,8 +92,9 @@ class Membership:
         peer = self.peers.get(node_id)
         joined = peer is None or not peer.alive
         if peer is None:
-            peer = self.peers[node_id] = Peer(node_id=node_id, name=name, endpoint=endpoint)
-        peer.name, peer.endpoint, peer.record, peer.host = name, endpoint, record, host or {}
+            peer = Peer(node_id=node_id, name=name, endpoint=endpoint, record=record)
+            self.peers[node_id] = peer
+        peer.name, peer.endpoint, peer.record, peer.host = name, endpoint, record, host or Host()
         peer.key = key or peer.key
         peer.join_endpoint = join_endpoint or peer.join_endpoint
         peer.held = held
@@ -158,7 +161,7 @@ class Keyring:
         self._pending: dict[str, tuple[str, float]] = {}
         """node id -> (key, when it joined)."""
         self._rev = 0
-        self._cache: tuple[Any, ...] = ()
+        self._cache: tuple[int, int, int, int] | tuple[()] = ()
         self._index: dict[str, str] = {}
         self._members: dict[str, str] = {}
 

@@ -1,7 +1,7 @@
 """Pairing codes: a new machine joins with a few words instead of a copied token. No torch.
 
 ``swarm invite`` on any member makes a one-time code, ``<nameplate>-<word>-<word>-<word>``
-(e.g. ``42-otter-violin-maple``), valid for :data:`INVITE_TTL_S`. The member advertises only
+(e.g. ``42-otter-violin-maple``), valid for ``Timings.invite_ttl_s``. The member advertises only
 the nameplate (mDNS TXT ``inv=42:PORT``) and opens a **pairing port** keyed by its own node key
 (advertised beside it). ``swarm up --code ...`` on the new machine finds that advert and runs
 SPAKE2 (RFC 9382; the ``spake2`` package) with the whole code as the password:
@@ -19,7 +19,7 @@ time, and a used invite is gone).
 
 Online guessing is bounded per source address and in all. The nameplate is public (it is in
 the advert), so a guesser faces the 3 words: 313**3 = 3.07e7 codes. Each source address gets
-:data:`MAX_TRIES` starts on an invite, at most one per :data:`TRY_INTERVAL_S`; the invite
+:data:`MAX_TRIES` starts on an invite, at most one per ``Timings.pairing_try_every_s``; the invite
 allows :data:`MAX_GUESSES` starts in all, then it is burnt. So a bystander on the LAN who
 throws junk at an advertised nameplate uses up only its own address's tries: the real joiner,
 on another machine, still pairs (issue 24: three junk tries used to burn the invite for
@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as _field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from swarmp2p.errors import Failed, Unavailable, UserError
 from swarmp2p.net.auth import ClientKeys, KeyCheck, ServerKeys
@@ -54,7 +54,8 @@ from swarmp2p.net.rpc import RpcClient, RpcError, RpcServer, RpcTimeout, peer_ad
 from swarmp2p.net.security import NodeKey, SwarmSecret
 from swarmp2p.node.cluster.join import JOIN_PORT_OFFSET
 from swarmp2p.node.cluster.words import WORDS
-from swarmp2p.schema import Bounds, field
+from swarmp2p.schema import Bounds, Data, field
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire.messages import Message, message
 
 if TYPE_CHECKING:
@@ -63,18 +64,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.cluster.pairing")
 
-INVITE_TTL_S = 600.0
-"""An invite is valid for 10 minutes: long enough to walk to the other machine."""
 MAX_TRIES = 3
 """Exchanges one source address may start on one invite (a joiner's typos); past them that
 address is refused, and the invite stays open for others."""
 MAX_GUESSES = 12
 """Exchanges one invite allows from all addresses together; then it is burnt. 12 guesses at
 3 words of 313 (the nameplate is public) win once in ~2.6e6 invites."""
-TRY_INTERVAL_S = 1.0
-"""At most one exchange per invite per source address per second."""
-SESSION_TTL_S = 30.0
-"""A started exchange that is not finished within this is dropped."""
 MAX_SESSIONS = 64
 """Exchanges in progress at once (a bound on memory: each source holds at most
 :data:`MAX_SOURCE_SESSIONS`, so a flood from a few addresses does not shut out the joiner)."""
@@ -87,9 +82,6 @@ SLOW_DOWN_RETRIES = 3
 same invite from its address, e.g. a second `swarm up` started at once)."""
 OPEN = "open"
 """The nameplate of an open swarm's standing invite (`swarm up --open`)."""
-BROWSE_S = 5.0
-"""How long `swarm up --code` looks for the inviting node on the LAN."""
-EXCHANGE_TIMEOUT_S = 5.0
 
 _IDS = {"idA": b"swarmp2p-joiner", "idB": b"swarmp2p-inviter"}
 _OPEN_PASSWORD = "swarmp2p-open-swarm"
@@ -210,7 +202,7 @@ class Invite:
     """Starts per source address (not kept for an open invite: it has no limit)."""
     last_try: dict[str, float] = _field(default_factory=dict)
     """When each source address last started an exchange (entries older than
-    :data:`TRY_INTERVAL_S` are dropped)."""
+    ``Timings.pairing_try_every_s`` are dropped)."""
 
     @property
     def guesses_left(self) -> int:
@@ -238,7 +230,7 @@ class Invites:
         self.by_plate: dict[str, Invite] = {}
         self._sessions: dict[bytes, _Session] = {}
 
-    def create(self, ttl: float = INVITE_TTL_S) -> Invite:
+    def create(self, ttl: float = TIMINGS.invite_ttl_s) -> Invite:
         self.prune()
         while True:
             code = new_code()
@@ -258,7 +250,9 @@ class Invites:
         """Drop expired invites, stale sessions and burnt invites; the nameplates dropped."""
         now = self.clock()
         self._sessions = {
-            s: x for s, x in self._sessions.items() if now - x.started < SESSION_TTL_S
+            s: x
+            for s, x in self._sessions.items()
+            if now - x.started < TIMINGS.pairing_session_ttl_s
         }
         busy = {x.invite.nameplate for x in self._sessions.values()}
         gone = [
@@ -293,10 +287,12 @@ class Invites:
                 f"invite {msg.nameplate}: this machine ({source or 'unknown address'}) used its {MAX_TRIES} tries; check the code, then run `swarm invite` again for a new one",
                 code="no_invite",
             )
-        invite.last_try = {a: t for a, t in invite.last_try.items() if now - t < TRY_INTERVAL_S}
+        invite.last_try = {
+            a: t for a, t in invite.last_try.items() if now - t < TIMINGS.pairing_try_every_s
+        }
         if source in invite.last_try:
             raise Unavailable(
-                f"invite {msg.nameplate}: one try per {TRY_INTERVAL_S:g} s from one machine; retry in a moment",
+                f"invite {msg.nameplate}: one try per {TIMINGS.pairing_try_every_s:g} s from one machine; retry in a moment",
                 code="slow_down",
             )
         mine_now = sum(1 for x in self._sessions.values() if x.source == source)
@@ -352,7 +348,7 @@ class PairingPort:
     """A member's pairing port: open while it holds invites, keyed by its node key, admitting
     any client key (the SPAKE2 exchange inside is the authentication)."""
 
-    def __init__(self, ctx: NodeContext, host: str, on_change: Callable[[], Any]) -> None:
+    def __init__(self, ctx: NodeContext, host: str, on_change: Callable[[], object]) -> None:
         self.ctx, self.host = ctx, host
         self.invites = Invites(ctx.clock)
         self._on_change = on_change
@@ -360,7 +356,7 @@ class PairingPort:
         self._server: RpcServer | None = None
         self.port = 0
 
-    async def invite(self, ttl: float = INVITE_TTL_S) -> dict[str, Any]:
+    async def invite(self, ttl: float = TIMINGS.invite_ttl_s) -> dict[str, Data]:
         invite = self.invites.create(ttl)
         await self._ensure()
         log.info("invite %s open for %.0f s", invite.nameplate, ttl)
@@ -476,12 +472,12 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
         start = PairStart(nameplate=nameplate, session=session, spake=mine)
         for attempt in range(SLOW_DOWN_RETRIES + 1):
             try:
-                reply = await client.request(start, EXCHANGE_TIMEOUT_S)
+                reply = await client.request(start, TIMINGS.pairing_exchange_s)
                 break
             except RpcError as exc:  # nothing depends on the key yet: asking again is safe
                 if exc.code != "slow_down" or attempt == SLOW_DOWN_RETRIES:
                     raise
-                await asyncio.sleep(TRY_INTERVAL_S)
+                await asyncio.sleep(TIMINGS.pairing_try_every_s)
         if not isinstance(reply, PairReply):
             raise Failed(
                 f"{endpoint} answered {type(reply).TYPE}, not pair.reply", code="bad_reply"
@@ -504,7 +500,7 @@ async def exchange(endpoint: str, server_key: str, code: str, nameplate: str) ->
             )
         welcome = await client.request(
             PairFinish(session=session, confirm=_mac(key, b"joiner", transcript)),
-            EXCHANGE_TIMEOUT_S,
+            TIMINGS.pairing_exchange_s,
         )
         if not isinstance(welcome, PairWelcome):
             raise Failed(
@@ -532,7 +528,7 @@ def _offers(seen: list[Seen], nameplate: str) -> list[tuple[str, str, str]]:
     return out
 
 
-async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
+async def pair(code: str | None, *, browse_s: float = TIMINGS.pairing_browse_s) -> Paired:
     """Find the invite of ``code`` on the LAN (``None``: the single open swarm) and pair with
     it; UserError when none (or, open, more than one swarm) is found or the code is wrong."""
     from swarmp2p.net.discovery import browse
@@ -576,7 +572,6 @@ async def pair(code: str | None, *, browse_s: float = BROWSE_S) -> Paired:
 
 
 __all__ = [
-    "INVITE_TTL_S",
     "MAX_GUESSES",
     "MAX_TRIES",
     "OPEN",

@@ -24,6 +24,7 @@ from swarmp2p.node.messages import (
     ShardCopy,
     ShardRead,
 )
+from swarmp2p.node.records import device_key
 from swarmp2p.node.training.jobs import PlanMismatch, device_for
 from swarmp2p.node.training.stages import CHUNK_BYTES, worker_env
 from swarmp2p.paths import UnsafeName, check_id, confine
@@ -463,8 +464,6 @@ class ServeStages:
             keep_stdin=True,
         )
         self.workers[key] = worker
-        from swarmp2p.node.hardware import device_key
-
         self._held[key] = (device_key(planned.device), int(planned.memory.peak))
         try:
             await worker.start()

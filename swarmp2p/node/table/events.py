@@ -8,13 +8,13 @@ replay are one code path. An event on the wire or on disk is ``{"event": NAME, *
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from swarmp2p.net.security import KEY_PATTERN
-from swarmp2p.plan import Job, Plan
+from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.serve import ServePlan, ServeRequest
-from swarmp2p.schema import Bounds, SchemaError, field, parse, to_data
+from swarmp2p.schema import Bounds, Data, SchemaError, field, parse, registered, to_data
 
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
 """Job ids, model ids, serve ids: one path component, never ``.`` or ``..`` (issue 15)."""
@@ -41,16 +41,7 @@ EVENTS: dict[str, type[Event]] = {}
 
 def event(name: str):
     """Class decorator: a frozen record registered as table event ``name``."""
-
-    def register(cls):
-        cls = dataclass(frozen=True, kw_only=True, slots=True)(cls)
-        if name in EVENTS:
-            raise ValueError(f"table event {name!r} is registered twice")
-        cls.NAME = name
-        EVENTS[name] = cls
-        return cls
-
-    return register
+    return registered(EVENTS, name, attr="NAME", what="table event")
 
 
 # --- the swarm -------------------------------------------------------------------------------
@@ -109,6 +100,21 @@ MEMBERSHIP_EVENTS = (MemberJoined, MemberLeft, MemberRemoved)
 # --- a training job's life -------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotSlice:
+    """One stage of the cuts a job's snapshots were taken on: its global blocks
+    ``[start, end)`` and the nodes holding its snapshot (a resplit attempt cuts its new
+    stages' slices from these)."""
+
+    stage: StageIndex
+    layers: tuple[int, int]
+    nodes: tuple[NodeId, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layers[0] < self.layers[1]:
+            raise ValueError(f"layers {list(self.layers)} is not a block range [start, end)")
+
+
 @event("job_submitted")
 class JobSubmitted(Event):
     job_id: JobId
@@ -137,13 +143,13 @@ class JobPlaced(Event):
     job_id: JobId
     attempt: Attempt
     plan: Plan
-    cluster: tuple[dict, ...]
+    cluster: tuple[Node, ...]
     resume_step: int = field(default=0, ge=0)
     placed_by: NodeId
     at: float
-    resplit: tuple[dict, ...] = ()
-    """Resuming on new cuts: the old cuts' stages (``{"stage", "layers", "nodes"}``) whose
-    snapshots at ``resume_step`` each new stage's slice is cut from; empty otherwise."""
+    resplit: tuple[SnapshotSlice, ...] = ()
+    """Resuming on new cuts: the old cuts' stages whose snapshots at ``resume_step`` each new
+    stage's slice is cut from; empty otherwise."""
     cuts: tuple[int, ...] = ()
     """The cuts the plan was made with (every stage's node checks it with these); empty: the
     planner chose them from the job (a first placement)."""
@@ -383,11 +389,11 @@ class Entry:
     event: Event
 
 
-def event_to_data(ev: Event) -> dict[str, Any]:
+def event_to_data(ev: Event) -> dict[str, Data]:
     return {"event": ev.NAME, **to_data(ev)}
 
 
-def event_from_data(data: Any, path: str = "event") -> Event:
+def event_from_data(data: Data, path: str = "event") -> Event:
     """An event from ``{"event": NAME, ...}``; SchemaError naming the bad field."""
     if not isinstance(data, dict) or data.get("event") not in EVENTS:
         name = data.get("event") if isinstance(data, dict) else None
@@ -396,11 +402,11 @@ def event_from_data(data: Any, path: str = "event") -> Event:
     return parse(EVENTS[data["event"]], fields, title=f"invalid {path} {data['event']}")
 
 
-def entry_to_data(entry: Entry) -> dict[str, Any]:
+def entry_to_data(entry: Entry) -> dict[str, Data]:
     return {"version": entry.version, "term": entry.term, "event": event_to_data(entry.event)}
 
 
-def entry_from_data(data: Any) -> Entry:
+def entry_from_data(data: Data) -> Entry:
     if not isinstance(data, dict) or set(data) != {"version", "term", "event"}:
         raise SchemaError("a table entry is {version, term, event}")
     version, term = data["version"], data["term"]

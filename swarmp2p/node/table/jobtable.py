@@ -4,7 +4,8 @@ The table holds the swarm's members (who counts towards a majority) and every tr
 with its state, plan, snapshots, shards and registered model. Each event has its own
 ``apply_<event>``; an event that does not follow from the table (an unknown job, a finished
 one, a stale attempt's step) raises ValueError naming why, so the leader never commits it.
-Tables are persisted atomically with a sha256 checksum.
+A table is saved atomically with a sha256 checksum; the daemon's copy is a snapshot plus an
+append-only log of the entries after it (``store.py``).
 
 Job states: pending -> placed -> running -> completed | failed | cancelled; a lost stage node
 sends a running job to resuming -> placed (a new attempt) -> running.
@@ -19,16 +20,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import served as sv
 from swarmp2p.node.table.served import ServedModel
-from swarmp2p.plan import Job, Plan
+from swarmp2p.plan import Job, Node, Plan
 from swarmp2p.plan.inputs import JobInputs
 from swarmp2p.plan.worker_spec import reads_data
-from swarmp2p.schema import SchemaError, field, parse, to_data
+from swarmp2p.schema import Data, SchemaError, field, parse, to_data
 
 log = logging.getLogger("swarmp2p.node.table.jobtable")
 
@@ -97,7 +98,7 @@ class JobEntry:
     history: tuple[StateChange, ...] = ()
     attempt: int = field(default=0, ge=0)
     plan: Plan | None = None
-    cluster: tuple[dict, ...] = ()
+    cluster: tuple[Node, ...] = ()
     """The node records the current attempt was planned on (every stage's node checks)."""
     placed_by: str = ""
     resume_step: int = field(default=0, ge=0)
@@ -115,7 +116,7 @@ class JobEntry:
     """The registry entry, once the job completed (``swarm models``)."""
     inputs: JobInputs | None = None
     """The model's shape and where its files and data come from (the submitter's)."""
-    resplit: tuple[dict, ...] = ()
+    resplit: tuple[ev.SnapshotSlice, ...] = ()
     """The current attempt resumes on new cuts from these old stages' snapshots."""
     cuts: tuple[int, ...] = ()
     """The cuts the current attempt's plan was made with (empty: chosen by the planner)."""
@@ -186,11 +187,11 @@ class JobTable:
         """How many voters make a majority (1 for a table with no members yet)."""
         return len(self.voters) // 2 + 1
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Data]:
         return to_data(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> JobTable:
+    def from_dict(cls, data: Data) -> JobTable:
         """A table from its JSON form; SchemaError naming the bad field."""
         return parse(cls, data, title="invalid job table")
 
@@ -437,16 +438,16 @@ def apply_model_registered(
 
 
 def apply_shard_copied(t: JobTable, e: ev.ShardCopied, entry: ev.Entry) -> dict[str, JobEntry]:
-    from swarmp2p.node.table.registry import add_copy
+    from swarmp2p.node.table.registry import ModelEntry, add_copy
 
     job = _job(t, e.job_id)
     if job.model is None:
         raise ValueError(f"job {e.job_id} registered no model")
-    updated = add_copy(job.model, e.stage, e.node_id)
+    updated = add_copy(cast(ModelEntry, job.model), e.stage, e.node_id)
     return {e.job_id: job if updated is None else replace(job, model=updated)}
 
 
-_APPLY: dict[type, Callable[..., Any]] = {
+_APPLY: dict[type, Callable[..., JobTable | dict[str, JobEntry]]] = {
     ev.LeaderElected: apply_leader_elected,
     ev.MemberJoined: apply_member_joined,
     ev.MemberLeft: apply_member_left,
@@ -504,8 +505,9 @@ def apply_all(table: JobTable, entries: list[ev.Entry]) -> JobTable:
 # --- persistence ------------------------------------------------------------------------------
 
 
-def _checksum(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()
+def checksum(body: str) -> str:
+    """The sha256 a saved table carries of its body."""
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def encode(table: JobTable) -> str:
@@ -516,7 +518,7 @@ def encode(table: JobTable) -> str:
 def save(path: Path, table: JobTable, body: str | None = None) -> None:
     """Write ``table`` to ``path`` atomically (temp file, fsync, rename) with a sha256."""
     body = encode(table) if body is None else body
-    write_atomic(path, json.dumps({"sha256": _checksum(body.encode()), "table": body}))
+    write_atomic(path, json.dumps({"sha256": checksum(body), "table": body}))
 
 
 def load(path: Path) -> JobTable:
@@ -535,7 +537,7 @@ def load(path: Path) -> JobTable:
         raise ValueError(
             f"job table {path} is not a saved table; move it away to start empty"
         ) from None
-    if _checksum(body.encode()) != expected:
+    if checksum(body) != expected:
         raise ValueError(f"job table {path} fails its sha256 checksum; move it away to start empty")
     data = json.loads(body)
     if isinstance(data, dict) and data.get("format") in (1, 2):
@@ -570,6 +572,7 @@ __all__ = [
     "StateChange",
     "apply",
     "apply_all",
+    "checksum",
     "encode",
     "load",
     "save",

@@ -10,12 +10,47 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 from swarmp2p.errors import UserError
 
 if TYPE_CHECKING:
     from swarmp2p.node.table.jobtable import JobEntry
+
+
+class RegistryStage(TypedDict):
+    """Where one stage's shard is: the node that trained it (and the copies made since), the
+    folder in its job folder, its blocks and the sha256 of every file."""
+
+    stage: int
+    node: str
+    folder: str
+    layers: list[int]
+    files: dict[str, str]
+    weights_included: bool
+    copies: NotRequired[list[str]]
+
+
+class Manifest(TypedDict):
+    """What a registered model is: base, split, compression, LoRA, dtype, evaluation, stages."""
+
+    base: str
+    split: list[list[int]]
+    compression: list[object]
+    lora: dict[str, object] | None
+    finetune_mode: str
+    dtype: str
+    evaluation: dict[str, dict]
+    stages: list[RegistryStage]
+
+
+class ModelEntry(TypedDict):
+    """A registered model (a COMPLETED job's ``model`` in the table; `swarm models` lists them)."""
+
+    id: str
+    job_id: str
+    base: str
+    manifest: Manifest
 
 
 def unique_model_id(name: str, taken: Iterable[str]) -> str:
@@ -30,11 +65,11 @@ def unique_model_id(name: str, taken: Iterable[str]) -> str:
     return f"{base}-{n}"
 
 
-def model_entry(model_id: str, entry: JobEntry) -> dict[str, Any]:
+def model_entry(model_id: str, entry: JobEntry) -> ModelEntry:
     """The registry entry of a completed job's model."""
     job, plan = entry.job, entry.plan
     assert plan is not None
-    stages = []
+    stages: list[RegistryStage] = []
     for s in plan.stages:
         shard = entry.shards.get(str(s.index))
         manifest = shard.manifest if shard is not None else {}
@@ -68,18 +103,18 @@ def model_entry(model_id: str, entry: JobEntry) -> dict[str, Any]:
     }
 
 
-def holders(stage: Mapping[str, Any]) -> list[str]:
+def holders(stage: RegistryStage) -> list[str]:
     """The nodes holding a registry stage's shard: the one that trained it, then the copies
     made since (``swarm serve`` keeps a standby copy of every shard)."""
     return [stage["node"], *(n for n in stage.get("copies", []) if n != stage["node"])]
 
 
-def add_copy(model: Mapping[str, Any], stage: int, node_id: str) -> dict[str, Any] | None:
+def add_copy(model: ModelEntry, stage: int, node_id: str) -> ModelEntry | None:
     """``model`` with ``node_id`` listed as holding a copy of stage ``stage``'s shard; None
     when it is listed already. ValueError for a stage the model does not have."""
     import copy
 
-    out = copy.deepcopy(dict(model))
+    out = copy.deepcopy(model)
     stages = out["manifest"]["stages"]
     if not 0 <= stage < len(stages):
         raise ValueError(f"model {out['id']} has no stage {stage} (it has {len(stages)})")
@@ -89,13 +124,14 @@ def add_copy(model: Mapping[str, Any], stage: int, node_id: str) -> dict[str, An
     return out
 
 
-def models(jobs: Mapping[str, JobEntry]) -> list[dict[str, Any]]:
+def models(jobs: Mapping[str, JobEntry]) -> list[ModelEntry]:
     """Every registered model in a job table's jobs, by id."""
-    out = [dict(entry.model) for entry in jobs.values() if entry.model is not None]
+    # the table holds each as plain data (its schema field is a dict): a copy of each
+    out = [cast(ModelEntry, dict(entry.model)) for entry in jobs.values() if entry.model]
     return sorted(out, key=lambda m: m["id"])
 
 
-def find_model(jobs: Mapping[str, JobEntry], model_id: str) -> dict[str, Any]:
+def find_model(jobs: Mapping[str, JobEntry], model_id: str) -> ModelEntry:
     """The model ``model_id``; ValueError listing the known ones."""
     known = models(jobs)
     for m in known:

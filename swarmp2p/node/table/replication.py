@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import NotApplied, Unavailable, UserError
 from swarmp2p.net.rpc import RpcError, RpcTimeout
 from swarmp2p.node.messages import (
@@ -56,8 +54,9 @@ from swarmp2p.node.messages import (
     TablePush,
 )
 from swarmp2p.node.table import events as ev
-from swarmp2p.node.table import jobtable
-from swarmp2p.node.table.jobtable import MAX_VERSION, JobTable
+from swarmp2p.node.table import jobtable, store
+from swarmp2p.node.table.jobtable import JobTable
+from swarmp2p.node.table.store import TableStore
 from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
@@ -68,8 +67,6 @@ log = logging.getLogger("swarmp2p.node.table.replication")
 LOG_KEEP = 4096
 """Entries the leader keeps to send followers deltas; one further behind gets the table."""
 MAX_EVENTS_PER_PUSH = 256
-COMMIT_TIMEOUT_S = 10.0
-"""How long a submission waits for a majority to hold it."""
 DROPPED_KEPT = 16
 """Roll-backs of uncommitted entries remembered for ``swarm status``."""
 
@@ -80,8 +77,12 @@ class Replication:
     def __init__(self, ctx: NodeContext, table_file: Path, vote_file: Path) -> None:
         self.ctx = ctx
         self.table_file, self.vote_file = table_file, vote_file
-        self.table = jobtable.load(table_file)
-        self.voted_term, self.voted_for, self.met = self._load_vote()
+        self.store = TableStore(table_file)
+        self.table = self.store.load()
+        self._unsaved: list[ev.Entry] | None = []
+        """The entries that lead from the table on disk to ``self.table``; None when it does
+        not follow that table by entries (it is written whole then)."""
+        self.voted_term, self.voted_for, self.met = store.load_vote(vote_file)
         """``met``: this node has seen a peer that holds the swarm's table (it joined a swarm,
         it did not start one): it never founds a history of its own, even cut off."""
         self.ready = False
@@ -102,36 +103,23 @@ class Replication:
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._write_lock = asyncio.Lock()
         self._saved = self.table.version
-        self._on_disk = self.table
         self._save_lock = asyncio.Lock()
         self._takeover: asyncio.Task | None = None
         self._catching_up: asyncio.Task | None = None
         self._behind: tuple[str, int] | None = None
         """A member that held a newer table than this node's at the last heartbeat round."""
-        self.commit_timeout = COMMIT_TIMEOUT_S
+        self.commit_timeout = self.ctx.config.timings.commit_s
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
 
     # --- votes on disk ------------------------------------------------------------------------
-
-    def _load_vote(self) -> tuple[int, str, bool]:
-        try:
-            data = json.loads(self.vote_file.read_text())
-            term, who, met = int(data["term"]), str(data["for"]), bool(data.get("met", False))
-        except FileNotFoundError:
-            return 0, "", False
-        except (ValueError, KeyError, TypeError):
-            log.warning("%s is unreadable; voting afresh", self.vote_file)
-            return 0, "", False
-        return (term, who, met) if 0 <= term < MAX_VERSION else (0, "", met)
 
     def _vote(self, term: int, candidate: str) -> None:
         self.voted_term, self.voted_for = term, candidate
         self._save_vote()
 
     def _save_vote(self) -> None:
-        data = {"term": self.voted_term, "for": self.voted_for, "met": self.met}
-        write_atomic(self.vote_file, json.dumps(data), mode=0o600)
+        store.save_vote(self.vote_file, self.voted_term, self.voted_for, self.met)
 
     def note_view(self) -> None:
         """Each heartbeat round: remember (on disk) that a peer holds the swarm's table, and
@@ -279,8 +267,8 @@ class Replication:
         )
         self._after = {}
         self._match = {n: min(v, base.version) for n, v in self._match.items()}
-        jobtable.save(self.table_file, base)  # at once: a write in flight is redone after it
-        self._on_disk, self._saved = base, base.version
+        self.store.snapshot(base)  # at once: a write in flight then writes nothing
+        self._unsaved, self._saved = [], base.version
 
     def start_takeover(self) -> None:
         if self._takeover is None or self._takeover.done():
@@ -381,7 +369,9 @@ class Replication:
             if newer and again and self.ctx.leader == me:
                 await self._elect(again=False)
             return
-        self.table, self._log = base, collections.deque(maxlen=LOG_KEEP)
+        if base is not self.table:
+            self._replace(base)
+        self._log = collections.deque(maxlen=LOG_KEEP)
         self.committed, self._after = base, {}
         epoch = base.epoch or secrets.token_hex(8)
         events: list[ev.Event] = [ev.LeaderElected(leader=me, epoch=epoch)]
@@ -466,7 +456,7 @@ class Replication:
                 ) from None
             entries.append(entry)
             after[entry.version] = table
-        self.table = table
+        self._advance(table, entries)
         self._log.extend(entries)
         self._after.update(after)
         return table.version
@@ -528,15 +518,26 @@ class Replication:
         await self._write_table()
         self._advance_commit()
 
+    def _advance(self, table: JobTable, entries: list[ev.Entry]) -> None:
+        """``self.table`` becomes ``table``, which ``entries`` lead to from it."""
+        self.table = table
+        if self._unsaved is not None:
+            self._unsaved.extend(entries)
+
+    def _replace(self, table: JobTable) -> None:
+        """``self.table`` becomes ``table``, which does not follow it by entries."""
+        self.table, self._unsaved = table, None
+
     async def _write_table(self) -> None:
-        """Save the newest table, encoded and written in a thread (the loop keeps answering):
-        one write at a time, again until the file holds ``self.table`` (appends that came
-        meanwhile go in one write; a rollback meanwhile is written after the write it
-        raced). ``_saved`` is the version on disk."""
+        """Save the newest table in a thread (the loop keeps answering): its new entries
+        appended to the log, or the table whole when it does not follow the one on disk
+        (``store.py``). One write at a time, again until the files hold ``self.table``
+        (appends that came meanwhile go in one write; a rollback meanwhile makes the write
+        it raced a no-op). ``_saved`` is the version on disk."""
         async with self._save_lock:
-            while (table := self.table) is not self._on_disk:
-                await asyncio.to_thread(jobtable.save, self.table_file, table)
-                self._on_disk = table
+            while (table := self.table) is not self.store.table:
+                base, entries, self._unsaved = self.store.table, self._unsaved, []
+                await asyncio.to_thread(self.store.write, table, base, entries)
             self._saved = table.version
 
     def _advance_commit(self) -> None:
@@ -749,14 +750,15 @@ class Replication:
         if msg.prev_version == 0 and self.table.version:
             return self._ack(False, "need the whole table")
         async with self._write_lock:
-            table = self.table
+            table, entries = self.table, []
             try:
                 for data in msg.entries:
-                    table = jobtable.apply(table, ev.entry_from_data(data))
+                    entries.append(ev.entry_from_data(data))
+                    table = jobtable.apply(table, entries[-1])
             except (SchemaError, ValueError) as exc:
                 log.warning("refused a delta from %s: %s", msg.leader, exc)
                 return self._ack(False, f"bad delta: {exc}")
-            self.table = table
+            self._advance(table, entries)
             self._writer_holds(sender)
             await self._persist_follower(msg.commit)
         return self._ack(True, "")
@@ -777,7 +779,7 @@ class Replication:
                 self._set_aside(self.table, f"node {msg.node_id} leads another history")
             elif table.epoch == self.table.epoch and table.key < self.table.key:
                 return self._ack(False, "older than this node's table")
-            self.table = table
+            self._replace(table)
             self._writer_holds(sender)
             await self._persist_follower(msg.commit)
         return self._ack(True, "")
@@ -841,7 +843,7 @@ class Replication:
             log.info(
                 "caught up from %s: table version %d of term %d", source, table.version, table.term
             )
-            self.table = table
+            self._replace(table)
             await self._persist_follower(self.commit)
 
     def _writer_holds(self, sender: str) -> None:
@@ -854,7 +856,7 @@ class Replication:
         """A follower saves what its leader sent; it reasons with the latest configuration
         there (Raft's followers do), so its status and its next election count those voters."""
         self.committed, self._after = self.table, {}
-        if self.table is not self._on_disk:  # a table of another term at one version, too
+        if self.table is not self.store.table:  # a table of another term at one version, too
             await self._write_table()
         self.commit = min(max(self.commit, commit), self.table.version)
 
@@ -868,10 +870,7 @@ class Replication:
         )
 
     def _set_aside(self, table: JobTable, why: str) -> None:
-        aside = self.table_file.with_name(
-            f"{self.table_file.name}.{table.epoch or 'old'}-{table.version}"
-        )
-        jobtable.save(aside, table)
+        aside = store.set_aside(self.table_file, table)
         log.warning("kept this node's table of %d job(s) as %s: %s", len(table.jobs), aside, why)
 
     def require_ready(self) -> None:
@@ -902,4 +901,4 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-__all__ = ["COMMIT_TIMEOUT_S", "Replication", "check_job_id"]
+__all__ = ["Replication", "check_job_id"]

@@ -8,20 +8,24 @@ import asyncio
 import hashlib
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.node import requests as rq
 from swarmp2p.node import views
+from swarmp2p.node.api import ApiHandler
 from swarmp2p.node.messages import ShardChunk, ShardRead, Submit
 from swarmp2p.node.serving import model_files
 from swarmp2p.node.table import registry
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.stages import CHUNK_BYTES
 from swarmp2p.paths import UnsafeName, confine
+from swarmp2p.schema import Data, to_data
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.table.jobtable import JobEntry
     from swarmp2p.node.training.leader import JobsLeader
     from swarmp2p.node.training.stages import StageHost
 
@@ -29,35 +33,23 @@ LOG_BYTES = 256 * 1024
 """`swarm jobs logs` shows at most the last this many bytes of a stage's log."""
 
 
-def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[str, Any]:
-    def entry(req: dict[str, Any]):
-        key = req.get("job_id")
-        if not isinstance(key, str) or not key:
-            raise UserError("'job_id' must be a non-empty string", code="bad_field")
+def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[str, ApiHandler]:
+    def entry(key: str) -> JobEntry:
         found = views.find_entry(ctx.table, key)
         if found is None:
             raise UserError(f"no job {key!r} in the table; see `swarm jobs`", code="no_job")
         return found
 
-    async def submit(req: dict[str, Any]) -> dict[str, Any]:
+    async def submit(req: rq.SubmitRequest) -> dict[str, Data]:
         from swarmp2p.plan import JobError, parse_job
 
-        job_id = req.get("job_id") or ""
-        if not isinstance(job_id, str):
-            raise UserError("submit 'job_id' must be a string", code="bad_field")
         try:
-            job = parse_job(req.get("job"))
+            job = parse_job(req.job)
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
-        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
-        job, inputs = await stages.inputs.submit(job, cwd)  # its files travel from here
+        job, inputs = await stages.inputs.submit(job, req.cwd)  # its files travel from here
         reply = await ctx.to_leader(
-            Submit(
-                job_id=job_id,
-                job=job,
-                submitted_by=str(req.get("submitted_by") or "cli"),
-                inputs=inputs,
-            ),
+            Submit(job_id=req.job_id, job=job, submitted_by=req.submitted_by, inputs=inputs),
             15.0,
         )
         return {
@@ -67,11 +59,11 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             "replicas": reply.replicas,
         }
 
-    async def live_plan(req: dict[str, Any]) -> dict[str, Any]:
+    async def live_plan(req: rq.LivePlanRequest) -> dict[str, Data]:
         from swarmp2p.plan import JobError, parse_job
 
         try:
-            job = parse_job(req.get("job"))
+            job = parse_job(req.job)
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
         from swarmp2p.node.decide import available_memory
@@ -79,10 +71,9 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
 
         records = available_memory(ctx.live_records(), ctx.table)
         cluster = jobs.cluster_records(records)
-        cwd = req.get("cwd") if isinstance(req.get("cwd"), str) else None
         try:  # the shape as a submission from here would resolve it
             _, shape, _ = await asyncio.to_thread(
-                resolve_model, job.model.pretrained, cwd=cwd, node_id=ctx.node_id
+                resolve_model, job.model.pretrained, cwd=req.cwd, node_id=ctx.node_id
             )
             result = await asyncio.to_thread(jobs.compute_plan, job, cluster, shape=shape)
         except ValueError as exc:
@@ -90,31 +81,31 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         out = result.to_dict()
         if out.get("reason"):
             out["reason"] = jobs.blocked_note(out["reason"], records)
-        out["cluster"] = cluster  # the planner's inputs, as every assigned peer gets them
-        free = {r["node_id"]: r.get("disk_free", 0) for r in cluster}
+        out["cluster"] = to_data(cluster)  # the planner's inputs, as every assigned peer gets them
+        free = {n.node_id: n.disk_free for n in cluster}
         for s in out.get("stages", []):
             s["disk_free"] = free.get(s["node_id"], 0)
         return out
 
-    async def list_jobs(req: dict[str, Any]) -> list[dict[str, Any]]:
+    async def list_jobs(req: rq.JobsRequest) -> list[dict[str, Data]]:
         return views.jobs_list(ctx.table, {j: leader.metrics.get(j) for j in ctx.table.jobs})
 
-    async def show(req: dict[str, Any]) -> dict[str, Any]:
-        e = entry(req)
+    async def show(req: rq.JobRequest) -> dict[str, Data]:
+        e = entry(req.job_id)
         return views.job_view(e, await leader.job_metrics(e.job_id))
 
-    async def cancel(req: dict[str, Any]) -> dict[str, Any]:
-        return await leader.cancel(entry(req).job_id)
+    async def cancel(req: rq.CancelRequest) -> dict[str, Data]:
+        return await leader.cancel(entry(req.job_id).job_id)
 
-    async def logs(req: dict[str, Any]) -> dict[str, Any]:
-        e = entry(req)
+    async def logs(req: rq.LogsRequest) -> dict[str, Data]:
+        e = entry(req.job_id)
         if e.plan is None:
             raise UserError(
                 f"job {e.job_id} was never placed: it has no stage logs", code="no_file"
             )
         n = e.n_stages
-        stage = req.get("stage", n - 1)
-        if type(stage) is not int or not 0 <= stage < n:
+        stage = n - 1 if req.stage is None else req.stage
+        if not 0 <= stage < n:
             raise UserError(f"'stage' must be in 0..{n - 1}, got {stage!r}", code="bad_field")
         node = e.plan.stages[stage].node_id
         data = await read_whole(ctx, node, e.job_id, f"stage-{stage}.log", tail=LOG_BYTES)
@@ -125,15 +116,12 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             "text": data.decode(errors="replace"),
         }
 
-    async def models(req: dict[str, Any]) -> list[dict[str, Any]]:
+    async def models(req: rq.ModelsRequest) -> list[registry.ModelEntry]:
         return registry.models(ctx.table.jobs)
 
-    async def export(req: dict[str, Any]) -> dict[str, Any]:
-        model = registry.find_model(ctx.table.jobs, str(req.get("model")))
-        dest = req.get("dest")
-        if not isinstance(dest, str) or not dest:
-            raise UserError("'dest' must be a folder path", code="bad_field")
-        out = Path(dest)
+    async def export(req: rq.ExportRequest) -> dict[str, object]:
+        model = registry.find_model(ctx.table.jobs, req.model)
+        out = Path(req.dest)
         dirs = []
         for stage in model["manifest"]["stages"]:
             index = stage.get("stage")
@@ -154,7 +142,7 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             else:
                 raise Failed("; ".join(problems), code="no_file")
             dirs.append(str(target))
-        out_view: dict[str, Any] = {"model": model, "shards": dirs}
+        out_view: dict[str, object] = {"model": model, "shards": dirs}
         job = ctx.table.jobs.get(str(model.get("job_id")))
         inputs = job.inputs if job is not None else None
         if inputs is not None and inputs.model.kind != "embedded":
@@ -177,7 +165,11 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
 
 
 async def _gather_stage(
-    ctx: NodeContext, model: dict[str, Any], stage: dict[str, Any], node: str, dest: Path
+    ctx: NodeContext,
+    model: registry.ModelEntry,
+    stage: registry.RegistryStage,
+    node: str,
+    dest: Path,
 ) -> None:
     """Copy one stage's shard from ``node`` into ``dest``, every file checked."""
     folder = stage.get("folder")

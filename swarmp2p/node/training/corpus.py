@@ -17,11 +17,12 @@ from pathlib import Path
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p._module_main import run_main
+from swarmp2p.timings import TIMINGS
 
-PREPARE_TIMEOUT_S = 600.0
 
-
-async def run_module(module: str, args: list[str], timeout: float = PREPARE_TIMEOUT_S) -> None:
+async def run_module(
+    module: str, args: list[str], timeout: float = TIMINGS.corpus_prepare_s
+) -> None:
     """``python -m module args...`` in a subprocess (the daemon never imports torch);
     ValueError with its last stderr line when it fails."""
     proc = await asyncio.create_subprocess_exec(
@@ -61,12 +62,12 @@ async def prepare_tokens(model: str, source: str, text_field: str, out: Path) ->
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), PREPARE_TIMEOUT_S)
+        _, err = await asyncio.wait_for(proc.communicate(), TIMINGS.corpus_prepare_s)
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
         raise ValueError(
-            f"data.source {source!r}: tokenizing took over {PREPARE_TIMEOUT_S:g} s"
+            f"data.source {source!r}: tokenizing took over {TIMINGS.corpus_prepare_s:g} s"
         ) from None
     if proc.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()

@@ -21,10 +21,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarmp2p._atomic import write_atomic
 from swarmp2p.errors import Failed, SwarmError, UserError
@@ -41,11 +41,15 @@ from swarmp2p.plan.inputs import (
 )
 from swarmp2p.plan.model_shape import EMBEDDED, ModelShape
 from swarmp2p.plan.worker_spec import reads_data
+from swarmp2p.schema import Data
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
 
 log = logging.getLogger("swarmp2p.node.training.inputs")
+
+Listed = list[int | str]
+"""A folder model's file as ``serve.stage_start`` lists it: ``[bytes, sha256]``."""
 
 CHUNK_BYTES = 1 << 20
 MAX_DATA_BYTES = 4 * 2**30
@@ -154,7 +158,7 @@ def resolve(job: Job, *, cwd: str | None, node_id: str) -> tuple[Job, JobInputs]
 
 
 def stage_names(
-    folder: Path, listing: dict[str, Any], start: int, end: int, first: bool, last: bool
+    folder: Path, listing: Mapping[str, Listed], start: int, end: int, first: bool, last: bool
 ) -> list[str]:
     """The files of ``listing`` a stage of blocks ``[start, end)`` reads, from the config and
     index already in ``folder``: its blocks' weight files plus config and tokenizer."""
@@ -185,7 +189,7 @@ class LocalModel:
     codec: str
     """The folder this node reads the tokenizer from."""
     shape: ModelShape
-    files: dict[str, list[Any]] | None = None
+    files: dict[str, Listed] | None = None
     """A folder model's ``{name: [bytes, sha256]}``: stage nodes fetch theirs against it."""
     revision: str = ""
     """A Hub model's commit: every stage downloads the same files."""
@@ -206,7 +210,7 @@ class Fetch:
     def add(self, n: int) -> None:
         self.done += n
 
-    def view(self, node_id: str) -> dict[str, Any]:
+    def view(self, node_id: str) -> dict[str, Data]:
         return {
             "node": node_id,
             "what": self.what,
@@ -374,7 +378,7 @@ class Inputs:
         self,
         what: str,
         names: Sequence[str],
-        listing: dict[str, list[Any]],
+        listing: Mapping[str, Listed],
         dest: Path,
         sources: Sequence[tuple[str, model_files.Reader]],
         total: int,
@@ -532,7 +536,7 @@ class Inputs:
     async def serve_stage_folder(
         self,
         model: str,
-        files: dict[str, list[Any]] | None,
+        files: Mapping[str, Listed] | None,
         *,
         issuer: str,
         revision: str,
@@ -589,7 +593,7 @@ class Inputs:
         names = stage_names(Path(folder), checked, start, end, first, last)
         return await self.model_folder(source, names, what=what, readers=readers)
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[dict[str, Data]]:
         return [f.view(self.ctx.node_id) for f in self.fetching.values()]
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from swarmp2p.errors import Failed
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table.jobtable import JobEntry
 from swarmp2p.plan import Blocked, Job, Node, Plan, ServePlan, plan_job
 from swarmp2p.plan.hardware import CAPABILITIES
 from swarmp2p.plan.model_shape import ModelShape
-from swarmp2p.plan.worker_spec import LINK_TIMEOUT_S
+from swarmp2p.schema import Data
 
 OVERRIDES: dict[str, tuple[str, ...]] = {
     "pretrained": ("model", "pretrained"),
@@ -39,7 +39,7 @@ class PlanMismatch(Failed):
     default_code = "plan_mismatch"
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def apply_overrides(data: Data, overrides: Mapping[str, Data]) -> Data:
     """``data`` (decoded job.json) with the flags in ``overrides`` (None: not given) set."""
     out = copy.deepcopy(dict(data)) if isinstance(data, Mapping) else data
     if not isinstance(out, dict):
@@ -62,13 +62,13 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 # --- planning inputs --------------------------------------------------------------------------
 
 
-def without_runtime(records: Sequence[Mapping[str, Any]]) -> list[str]:
+def without_runtime(records: Sequence[NodeRecord]) -> list[str]:
     """Names of the nodes that declare no runtime capability (torch is not importable there):
     they cannot run a stage, so they are left out of planning."""
-    return sorted(r["name"] for r in records if not r.get("capabilities"))
+    return sorted(r.node.name for r in records if not r.node.capabilities)
 
 
-def blocked_note(reason: str, records: Sequence[Mapping[str, Any]]) -> str:
+def blocked_note(reason: str, records: Sequence[NodeRecord]) -> str:
     """A blocked reason, naming the live nodes left out for lack of the runtime."""
     missing = without_runtime(records)
     if not missing:
@@ -79,37 +79,29 @@ def blocked_note(reason: str, records: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def cluster_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def cluster_records(records: Sequence[NodeRecord]) -> list[Node]:
     """Planner inputs from live nodes' hardware records, sorted by node id (order-free); nodes
-    without the runtime are left out; a fake device's marker is dropped (it plans as real)."""
-    out = []
-    for r in sorted(records, key=lambda r: r["node_id"]):
-        if not r.get("capabilities"):
-            continue
-        rec = copy.deepcopy(dict(r))
-        rec["devices"] = [{k: v for k, v in d.items() if k != "fake"} for d in r["devices"]]
-        out.append(rec)
-    return out
+    without the runtime are left out; a fake device plans as real."""
+    return [r.node for r in sorted(records, key=lambda r: r.node_id) if r.node.capabilities]
 
 
 def compute_plan(
     job: Job,
-    cluster: Sequence[Mapping[str, Any]],
+    cluster: Sequence[Node],
     *,
     shape: ModelShape | None = None,
     capabilities: frozenset[str] | None = None,
     cuts: Sequence[int] | None = None,
 ) -> Plan | Blocked:
-    """``plan_job`` over plain node records; what the leader and every assigned peer run."""
-    nodes = [Node.from_dict(copy.deepcopy(dict(r)), f"cluster[{i}]") for i, r in enumerate(cluster)]
+    """``plan_job`` over node records; what the leader and every assigned peer run."""
     own = CAPABILITIES if capabilities is None else capabilities
-    return plan_job(job, nodes, own, shape=shape, cuts=cuts or None)
+    return plan_job(job, list(cluster), own, shape=shape, cuts=cuts or None)
 
 
 def check_plan(
     job: Job,
-    cluster: Sequence[Mapping[str, Any]],
-    plan_json: str,
+    cluster: Sequence[Node],
+    plan: Plan,
     *,
     node_id: str,
     shape: ModelShape | None = None,
@@ -123,10 +115,11 @@ def check_plan(
             f"node {node_id} cannot place this job from the same inputs: {mine.reason}; "
             "run the same swarmp2p version on every node"
         )
-    if mine.to_json() != plan_json:
+    if mine != plan:
+        ours, theirs = mine.to_json(), plan.to_json()
         raise PlanMismatch(
             f"node {node_id} computes a different plan from the same job and cluster "
-            f"(first difference at byte {_first_diff(mine.to_json(), plan_json)}); run the "
+            f"(first difference at byte {_first_diff(ours, theirs)} of its JSON); run the "
             "same swarmp2p version on every node"
         )
     return mine
@@ -139,16 +132,13 @@ def _first_diff(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def device_for(stage_devices: Sequence[str], record: Mapping[str, Any]) -> tuple[str, str | None]:
+def device_for(stage_devices: Sequence[str], record: NodeRecord) -> tuple[str, str | None]:
     """(torch device inside the worker, CUDA_VISIBLE_DEVICES or None) for a planned stage's
     devices on this node. A fake GPU (``SWARM_FAKE_DEVICES``, tests and demos) runs on the CPU."""
     device = stage_devices[0]
-    if device == "cpu" or ":" not in device:
+    if device == "cpu" or ":" not in device or device in record.fake:
         return "cpu", None
     kind, index = device.split(":", 1)
-    for d in record.get("devices", []):
-        if d.get("kind") == kind and str(d.get("index")) == index and d.get("fake"):
-            return "cpu", None
     return f"{kind}:0", index
 
 
@@ -196,7 +186,6 @@ def resume_step(entry: JobEntry, alive: Iterable[str] | None = None, copies: int
 
 
 __all__ = [
-    "LINK_TIMEOUT_S",
     "OVERRIDES",
     "PlanMismatch",
     "apply_overrides",

@@ -14,13 +14,13 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.net.rpc import ByteBudget, RpcError
 from swarmp2p.node import decide
-from swarmp2p.node.config import SUBMIT_BURST, SUBMIT_EVERY_S
+from swarmp2p.node.config import SUBMIT_BURST
 from swarmp2p.node.messages import (
     FilePull,
     JobAck,
@@ -36,24 +36,20 @@ from swarmp2p.node.messages import (
     Submitted,
 )
 from swarmp2p.node.table import events as ev
-from swarmp2p.node.table.jobtable import FINAL_STATES
+from swarmp2p.node.table.jobtable import FINAL_STATES, JobEntry
 from swarmp2p.node.table.replication import check_job_id
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.metrics import MetricsStore
-from swarmp2p.plan import Blocked
-from swarmp2p.workers import READY_TIMEOUT_S
+from swarmp2p.plan import Blocked, Node, Plan
+from swarmp2p.schema import Data, SchemaError
+from swarmp2p.worker_events import SnapshotSaved, WorkerEvent, decode
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
     from swarmp2p.node.table.replication import Replication
+    from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.jobs")
-
-STOP_TIMEOUT_S = 5.0
-COPY_TIMEOUT_S = 60.0
-PREPARE_TIMEOUT_S = 6 * 3600.0
-"""How long the stage nodes may take to fetch their files (a stalled fetch fails sooner: each
-chunk has its own timeout, ``model_files.CHUNK_TIMEOUT_S``)."""
 
 
 class JobsLeader:
@@ -81,14 +77,16 @@ class JobsLeader:
         only when they change (``decide.plan_again``), so many waiting jobs cost the leader
         little each round."""
         self._submit_budgets: dict[str, ByteBudget] = {}
-        """Node -> its submissions' bucket (``SUBMIT_BURST``, one per ``SUBMIT_EVERY_S``)."""
+        """Node -> its submissions' bucket (``SUBMIT_BURST``, one per ``Timings.submit_every_s``)."""
 
     def _submits(self, node_id: str) -> ByteBudget:
         if len(self._submit_budgets) > 4096:  # ids of nodes long gone
             self._submit_budgets.clear()
         budget = self._submit_budgets.get(node_id)
         if budget is None:
-            budget = ByteBudget(1 / SUBMIT_EVERY_S, SUBMIT_BURST, self.ctx.clock)
+            budget = ByteBudget(
+                1 / self.ctx.config.timings.submit_every_s, SUBMIT_BURST, self.ctx.clock
+            )
             self._submit_budgets[node_id] = budget
         return budget
 
@@ -135,7 +133,7 @@ class JobsLeader:
             elif isinstance(action, decide.Register):
                 self._run(action.job_id, self._register(action.job_id))
 
-    def _run(self, key: str, coro: Any) -> None:
+    def _run(self, key: str, coro: Coroutine[object, object, None]) -> None:
         task = self.ctx.spawn(coro, f"job:{key}")
         self._busy[key] = task
         task.add_done_callback(lambda t: self._busy.pop(key, None))
@@ -210,7 +208,9 @@ class JobsLeader:
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
-    def _stage_start(self, entry: Any, attempt: int, i: int, nxt: str, prepare: bool) -> StageStart:
+    def _stage_start(
+        self, entry: JobEntry, attempt: int, i: int, nxt: str, prepare: bool
+    ) -> StageStart:
         assert entry.plan is not None
         resume = entry.resume_step
         return StageStart(
@@ -218,8 +218,8 @@ class JobsLeader:
             attempt=attempt,
             stage=i,
             job=entry.job,
-            cluster=list(entry.cluster),
-            plan=entry.plan.to_json(),
+            cluster=entry.cluster,
+            plan=entry.plan,
             next=nxt,
             resume_step=resume,
             snapshot_nodes=jobs.snapshot_holders(entry, i, resume)
@@ -228,7 +228,7 @@ class JobsLeader:
             leader=self.ctx.node_id,
             inputs=entry.inputs,
             prepare=prepare,
-            resplit=[dict(r) for r in entry.resplit] or None,
+            resplit=entry.resplit or None,
             cuts=list(entry.cuts) or None,
         )
 
@@ -240,7 +240,11 @@ class JobsLeader:
         nodes = [s.node_id for s in entry.plan.stages]
         replies = await asyncio.gather(
             *(
-                self.ctx.call(n, self._stage_start(entry, attempt, i, "", True), PREPARE_TIMEOUT_S)
+                self.ctx.call(
+                    n,
+                    self._stage_start(entry, attempt, i, "", True),
+                    self.ctx.config.timings.stage_prepare_s,
+                )
                 for i, n in enumerate(nodes)
             ),
             return_exceptions=True,
@@ -272,8 +276,8 @@ class JobsLeader:
 
     @staticmethod
     def _plan(
-        entry: Any, cluster: list[dict[str, Any]], alive: frozenset[str]
-    ) -> tuple[Any, decide.PlanTry | None]:
+        entry: JobEntry, cluster: list[Node], alive: frozenset[str]
+    ) -> tuple[Plan | Blocked, decide.PlanTry | None]:
         """The first plan of ``decide.plan_tries`` that places the job (and how it was made),
         else the first Blocked. A plan made with any stage count is made again on its cuts:
         every stage's node checks it that way."""
@@ -304,7 +308,9 @@ class JobsLeader:
             node_id = entry.plan.stages[i].node_id
             msg = self._stage_start(self.ctx.table.jobs[job_id], attempt, i, nxt, False)
             try:
-                reply = await self.ctx.call(node_id, msg, READY_TIMEOUT_S + 30)
+                reply = await self.ctx.call(
+                    node_id, msg, self.ctx.config.timings.worker_ready_s + 30
+                )
                 if not isinstance(reply, StageReady):
                     raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.stage_ready")
             except (SwarmError, OSError, asyncio.TimeoutError) as exc:
@@ -332,7 +338,10 @@ class JobsLeader:
     async def _stop_everywhere(self, job_id: str, attempt: int) -> None:
         msg = StageStop(job_id=job_id, attempt=attempt)
         await asyncio.gather(
-            *(self.ctx.call(n, msg, STOP_TIMEOUT_S) for n in sorted(self.ctx.live_nodes())),
+            *(
+                self.ctx.call(n, msg, self.ctx.config.timings.stage_stop_s)
+                for n in sorted(self.ctx.live_nodes())
+            ),
             return_exceptions=True,
         )
 
@@ -362,7 +371,7 @@ class JobsLeader:
         if wait > 0:
             raise Unavailable(
                 f"job not submitted: node {sender} submitted {SUBMIT_BURST} jobs in quick "
-                f"succession; past that the leader takes one every {SUBMIT_EVERY_S:g} s from "
+                f"succession; past that the leader takes one every {self.ctx.config.timings.submit_every_s:g} s from "
                 f"a node: retry in {wait:.1f} s",
                 code="job_rate",
             )
@@ -379,10 +388,12 @@ class JobsLeader:
             replicas=self.rep.holders(version),
         )
 
-    async def cancel(self, job_id: str) -> dict[str, Any]:
+    async def cancel(self, job_id: str) -> dict[str, Data]:
         """Leader (a follower forwards): stop the job's workers, mark it CANCELLED."""
         if not self.ctx.leading:
-            await self.ctx.to_leader(JobCancel(job_id=job_id), STOP_TIMEOUT_S * 3)
+            await self.ctx.to_leader(
+                JobCancel(job_id=job_id), self.ctx.config.timings.stage_stop_s * 3
+            )
             return {"job_id": job_id, "state": "CANCELLED"}
         entry = self.ctx.table.jobs.get(job_id)
         if entry is None:
@@ -406,21 +417,25 @@ class JobsLeader:
             entry = self.ctx.table.jobs.get(msg.job_id)
             if entry is None or entry.attempt != msg.attempt or entry.state in FINAL_STATES:
                 return
+            reported = self._decoded(msg)
             self.metrics.fold(
                 msg.job_id,
                 attempt=msg.attempt,
                 stage=msg.stage,
                 n_stages=entry.n_stages,
-                events=msg.events,
+                events=reported,
             )
             now = self.wall()
-            due = now - self._progress_at.get(msg.job_id, 0.0) >= decide.PROGRESS_EVERY_S
+            due = (
+                now - self._progress_at.get(msg.job_id, 0.0)
+                >= self.ctx.config.timings.progress_every_s
+            )
             events = decide.fold_report(
                 entry,
                 attempt=msg.attempt,
                 stage=msg.stage,
                 node_id=msg.node_id,
-                events=[e for e in msg.events if isinstance(e, dict)],
+                events=reported,
                 now=now,
                 progress_due=due,
             )
@@ -432,19 +447,31 @@ class JobsLeader:
         for event in events:
             if isinstance(event, ev.SnapshotHeld):
                 files = [
-                    e.get("file")
-                    for e in msg.events
-                    if isinstance(e, dict)
-                    and e.get("event") == "snapshot"
-                    and e.get("step") == event.step
+                    e.file
+                    for e in reported
+                    if isinstance(e, SnapshotSaved) and e.step == event.step and e.file
                 ]
-                if files and isinstance(files[0], str):
+                if files:
                     self._copy_snapshot(msg.job_id, msg.stage, msg.node_id, event.step, files[0])
             elif isinstance(event, ev.JobFailed):
                 self.ctx.spawn(self._stop_everywhere(msg.job_id, msg.attempt), f"stop:{msg.job_id}")
         if self.ctx.table.jobs[msg.job_id].state == "completed":
             await self._register(msg.job_id)
         self._watch_balance(msg.job_id)
+
+    @staticmethod
+    def _decoded(msg: StageReport) -> list[WorkerEvent]:
+        """A report's events as records; a malformed one is logged, naming its field, and left
+        out (the rest of the batch still counts)."""
+        out = []
+        for raw in msg.events:
+            try:
+                out.append(decode(raw))
+            except SchemaError as exc:
+                log.warning(
+                    "job %s stage %d: node %s reported %s", msg.job_id, msg.stage, msg.node_id, exc
+                )
+        return out
 
     # --- learning from the run ----------------------------------------------------------------
 
@@ -472,9 +499,9 @@ class JobsLeader:
         self._weighed[job_id] = (entry.attempt, due.step + decide.REBALANCE_STEPS)
         self.ctx.spawn(self._weigh(job_id, due), f"balance:{job_id}")
 
-    def _measured_cluster(self, entry: Any, due: decide.Rebalance) -> list[dict[str, Any]]:
+    def _measured_cluster(self, entry: JobEntry, due: decide.Rebalance) -> list[Node]:
         """The records the attempt was planned on, with the speeds the run measured."""
-        return decide.with_learned_speeds(list(entry.cluster), due.speeds, due.dtype)
+        return decide.with_learned_speeds(entry.cluster, due.speeds, due.dtype)
 
     async def _weigh(self, job_id: str, due: decide.Rebalance) -> None:
         """Plan the job on the speeds its run measured; a different split waits for the next
@@ -574,7 +601,9 @@ class JobsLeader:
             try:
                 source = self.ctx.endpoint_of(holder)
                 await self.ctx.call(
-                    target, FilePull(job_id=job_id, file=file, source=source), COPY_TIMEOUT_S
+                    target,
+                    FilePull(job_id=job_id, file=file, source=source),
+                    self.ctx.config.timings.shard_copy_s,
                 )
             except (SwarmError, OSError) as exc:
                 log.warning("snapshot copy of job %s stage %d failed: %s", job_id, stage, exc)
@@ -601,7 +630,7 @@ class JobsLeader:
         )
         return JobAck(job_id=msg.job_id)
 
-    async def job_metrics(self, job_id: str) -> dict[str, Any]:
+    async def job_metrics(self, job_id: str) -> dict[str, Data]:
         """The job's metrics from the leader (this node, or asked)."""
         if self.ctx.leading:
             return self.metrics.get(job_id)
@@ -614,7 +643,7 @@ class JobsLeader:
             return reply.metrics
         return {}
 
-    async def handle(self, msg: Any, sender: str | None = None) -> Any:
+    async def handle(self, msg: Message, sender: str | None = None) -> Message:
         """The job requests the leader answers (``sender``: the node it came from)."""
         if isinstance(msg, Submit):
             if not self.ctx.leading:
@@ -641,4 +670,4 @@ class JobsLeader:
         return f"node {self.ctx.node_id} is not leading ({self.ctx.leader} leads in its view{'; ' + why if why else ''})"
 
 
-__all__ = ["COPY_TIMEOUT_S", "STOP_TIMEOUT_S", "JobsLeader"]
+__all__ = ["JobsLeader"]

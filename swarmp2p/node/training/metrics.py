@@ -9,72 +9,77 @@ dashboard wants them. A new leader starts each running job's curve afresh from t
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Sequence
 from typing import Any
 
+from swarmp2p.worker_events import StepDone, WorkerEvent
+
 CURVE_POINTS = 500
-"""Loss points kept per job: the newest ones, as ``[attempt, step, loss]``."""
+"""Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``
+(``step`` from 0, as the workers count; the dashboard draws throughput from them too)."""
 COMPUTE_STEPS = 40
 """Steps of per-stage compute seconds kept per job (the re-balance trigger reads them)."""
 WARMUP_STEPS = 2
 """Steps of an attempt left out of its steady tokens/s (allocations, the first snapshot)."""
 
 
-def fold(metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, event: dict) -> None:
+def fold(
+    metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, event: StepDone
+) -> None:
     """Fold one worker ``step`` event of stage ``stage`` into ``metrics`` (in place).
 
     Step metrics come from the last stage (it holds the loss); boundary traffic from the stages
     on either side of it."""
-    if event.get("event") != "step" or not isinstance(event.get("step"), int):
-        return
     boundaries = metrics.setdefault("boundaries", {})
-    secs = max(_float(event.get("step_s")) or 0.0, 1e-9)
+    secs = max(_float(event.step_s) or 0.0, 1e-9)
     # a stage sends activations over the boundary after it, gradients over the one before
     if stage < n_stages - 1:
         rates = boundaries.setdefault(str(stage), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
-        rates["act_mb_s"] = round((_float(event.get("act_bytes")) or 0.0) / secs / 1e6, 3)
+        rates["act_mb_s"] = round(event.act_bytes / secs / 1e6, 3)
     if 0 < stage < n_stages:
         rates = boundaries.setdefault(str(stage - 1), {"act_mb_s": 0.0, "grad_mb_s": 0.0})
-        rates["grad_mb_s"] = round((_float(event.get("grad_bytes")) or 0.0) / secs / 1e6, 3)
+        rates["grad_mb_s"] = round(event.grad_bytes / secs / 1e6, 3)
     stages = metrics.setdefault("stages", {})
     stages[str(stage)] = {
-        k: _float(event.get(k))
+        k: _float(getattr(event, k))
         for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "wait_s")
     }
     _fold_compute(metrics, attempt, stage, event)
     if stage == n_stages - 1:
         _fold_steady(metrics, attempt, event)
-        loss = _float(event.get("loss"))
+        loss, tokens_per_s = _float(event.loss), _float(event.tokens_per_s)
         metrics.update(
-            step=event["step"] + 1,
+            step=event.step + 1,
             loss=loss,
-            tokens_per_s=_float(event.get("tokens_per_s")),
-            step_s=_float(event.get("step_s")),
+            tokens_per_s=tokens_per_s,
+            step_s=_float(event.step_s),
         )
         losses = metrics.setdefault("losses", [])
-        losses.append([attempt, event["step"], loss])
+        losses.append([attempt, event.step, loss, tokens_per_s])
         del losses[:-CURVE_POINTS]
 
 
-def _fold_compute(metrics: dict[str, Any], attempt: int, stage: int, event: dict) -> None:
+def _fold_compute(metrics: dict[str, Any], attempt: int, stage: int, event: StepDone) -> None:
     """Stage ``stage``'s compute seconds of this step (forward + backward + optimizer, its
     waits left out), kept for the newest COMPUTE_STEPS steps of the attempt."""
-    parts = [_float(event.get(k)) for k in ("forward_s", "backward_s", "optimizer_s")]
-    if any(p is None for p in parts) or event.get("skipped"):
+    parts = [_float(v) for v in (event.forward_s, event.backward_s, event.optimizer_s)]
+    if any(p is None for p in parts) or event.skipped:
         return
     compute = metrics.get("compute")
     if not isinstance(compute, dict) or compute.get("attempt") != attempt:
         compute = metrics["compute"] = {"attempt": attempt, "steps": {}}
     steps = compute["steps"]
-    steps.setdefault(str(event["step"]), {})[str(stage)] = round(sum(parts), 6)  # type: ignore[arg-type]
+    steps.setdefault(str(event.step), {})[str(stage)] = round(sum(parts), 6)  # type: ignore[arg-type]
     for old in sorted(steps, key=int)[:-COMPUTE_STEPS]:
         del steps[old]
 
 
-def _fold_steady(metrics: dict[str, Any], attempt: int, event: dict) -> None:
+def _fold_steady(metrics: dict[str, Any], attempt: int, event: StepDone) -> None:
     """The pipeline's steady tokens/s: the last stage's tokens over the wall time between its
     step ends (``at``), the attempt's first WARMUP_STEPS steps left out."""
-    at, tokens = _float(event.get("at")), event.get("tokens")
-    if at is None or not isinstance(tokens, int):
+    at, tokens = _float(event.at), event.tokens
+    if at is None:
         return
     steady = metrics.get("steady")
     if not isinstance(steady, dict) or steady.get("attempt") != attempt:
@@ -87,11 +92,8 @@ def _fold_steady(metrics: dict[str, Any], attempt: int, event: dict) -> None:
         metrics["steady_tokens_per_s"] = round(steady["tokens"] / (at - steady["since"]), 3)
 
 
-def _float(value: Any) -> float | None:
-    import math
-
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+def _float(value: float | None) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 class MetricsStore:
@@ -100,10 +102,18 @@ class MetricsStore:
     def __init__(self) -> None:
         self._jobs: dict[str, dict[str, Any]] = {}
 
-    def fold(self, job_id: str, *, attempt: int, stage: int, n_stages: int, events: list) -> None:
+    def fold(
+        self,
+        job_id: str,
+        *,
+        attempt: int,
+        stage: int,
+        n_stages: int,
+        events: Sequence[WorkerEvent],
+    ) -> None:
         metrics = self._jobs.setdefault(job_id, {})
         for event in events:
-            if isinstance(event, dict):
+            if isinstance(event, StepDone):
                 fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
 
     def compute(self, job_id: str) -> dict[str, Any] | None:

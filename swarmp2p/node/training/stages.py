@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,16 +36,18 @@ from swarmp2p.node.training.inputs import Inputs
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
+from swarmp2p.schema import SchemaError
+from swarmp2p.worker_events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 from swarmp2p.workers import WorkerProcess
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
+    from swarmp2p.node.table.jobtable import JobTable
     from swarmp2p.plan import Plan, ServePlan
+    from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.stages")
 
-REPORT_EVERY_S = 0.2
-"""How often a node sends its workers' new events to the leader (one batch per worker)."""
 REPORT_BATCH = 200
 CHUNK_BYTES = 1 << 20
 
@@ -58,11 +62,10 @@ def worker_env(
     2-core load (``bench/serve.py --only daemons``: spinning intra-op threads oversubscribe)."""
     env = {"CUDA_VISIBLE_DEVICES": visible if visible is not None else ""}
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        machines = {p.node_id: str(p.host.get("machine") or "") for p in ctx.members.alive_peers()}
-        machines[ctx.node_id] = str(ctx.me.host.get("machine") or "")
+        machines = {p.node_id: p.host.machine for p in ctx.members.alive_peers()}
+        machines[ctx.node_id] = ctx.me.host.machine
         here = jobs.stages_on_machine(plan, ctx.node_id, machines)  # they share its cores
-        cores = int(ctx.me.host.get("cpu_cores") or 1)
-        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(cores, here))
+        env["OMP_NUM_THREADS"] = str(jobs.cpu_threads(ctx.me.host.cpu_cores, here))
     return env
 
 
@@ -88,7 +91,7 @@ class StageHost:
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
-        self._outbox: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        self._outbox: dict[tuple[str, int, int], list[WorkerEvent]] = {}
         self.inputs = Inputs(ctx)
         """The job inputs this node offers, and those it fetches for its stages."""
 
@@ -133,10 +136,10 @@ class StageHost:
         """``job.file_pull``: copy a snapshot the table lists for the job (``listed_snapshot``),
         refused before any byte or folder is written here. A copy asked for right after the
         leader listed the snapshot may arrive before the table change: it waits for it a
-        moment (``LISTED_WAIT_S``)."""
+        moment (``Timings.snapshot_listed_s``)."""
         job_file(self.ctx.state.root, msg.job_id, msg.file)  # a name that escapes: bad_field
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + LISTED_WAIT_S
+        deadline = loop.time() + self.ctx.config.timings.snapshot_listed_s
         while True:
             try:
                 limit = listed_snapshot(self.ctx.table, msg.job_id, msg.file)
@@ -219,7 +222,7 @@ class StageHost:
             export_dir=str(folder / "export"),
             resume=bool(msg.resume_step),
             tokens_path=str(tokens) if tokens is not None else None,
-            link_timeout_s=jobs.LINK_TIMEOUT_S,
+            link_timeout_s=self.ctx.config.timings.link_timeout_s,
             link_keys=self._link_keys(plan, msg.stage),
         )
         folder.mkdir(parents=True, exist_ok=True)
@@ -232,7 +235,7 @@ class StageHost:
             stage=msg.stage,
             spec=spec.to_dict(),
             env=env,
-            on_event=lambda e: self._queue(key, e),
+            on_event=lambda e: self._received(key, e),
             on_exit=lambda code, tail: self._exited(key, code, tail),
             log_path=str(folder / f"stage-{msg.stage}.log"),
         )
@@ -255,7 +258,7 @@ class StageHost:
             port=int(ready.get("port") or 0),
         )
 
-    def _link_keys(self, plan: Any, stage: int) -> dict[str, str]:
+    def _link_keys(self, plan: Plan, stage: int) -> dict[str, str]:
         """This node's key pair and the neighbouring stages' nodes' public keys: the stage's
         links admit only the members the plan puts next to it (issue 15)."""
 
@@ -311,14 +314,14 @@ class StageHost:
         from swarmp2p.node.training.corpus import run_module
 
         start, end = layers
-        n = len(json.loads(msg.plan)["stages"])
+        n = len(msg.plan.stages)
         first, last = msg.stage == 0, msg.stage == n - 1
         name = _snapshot_name(msg.resume_step)
         folder = self.job_dir(msg.job_id)
-        old_dir = snapshot_dir(folder, [r["layers"] for r in msg.resplit or []])
+        old_dir = snapshot_dir(folder, [r.layers for r in msg.resplit or ()])
         sources = []
-        for old in msg.resplit or []:
-            i, (a, b) = int(old["stage"]), (int(x) for x in old["layers"])
+        for old in msg.resplit or ():
+            i, (a, b) = old.stage, old.layers
             was_first, was_last = a == 0, b == n_layers
             if (
                 not (a < end and start < b)
@@ -330,7 +333,7 @@ class StageHost:
             if not dest.is_file():
                 file = str(dest.relative_to(folder))
                 await self._pull_from(
-                    msg, file, [n for n in old["nodes"] if n != self.ctx.node_id], dest, limit
+                    msg, file, [n for n in old.nodes if n != self.ctx.node_id], dest, limit
                 )
             sources.append(f"{dest}:{a}:{b}:{int(was_first)}:{int(was_last)}")
         out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
@@ -400,23 +403,32 @@ class StageHost:
 
     # --- reports to the leader --------------------------------------------------------------
 
-    def _queue(self, key: tuple[str, int, int], event: dict[str, Any]) -> None:
-        if event.get("event") == "exported":
+    def _received(self, key: tuple[str, int, int], raw: dict[str, Any]) -> None:
+        """One line of a worker's stdout: checked, queued for the leader; a malformed one is
+        logged with the field it got wrong and dropped."""
+        try:
+            event = decode(raw)
+        except SchemaError as exc:
+            log.warning("job %s attempt %d stage %d: %s", *key, exc)
+            return
+        self._queue(key, event)
+
+    def _queue(self, key: tuple[str, int, int], event: WorkerEvent) -> None:
+        if isinstance(event, Exported):  # the leader registers the model from it
             with contextlib.suppress(OSError, ValueError):
-                event = {**event, "manifest_data": json.loads(Path(event["manifest"]).read_text())}
-        if event.get("event") == "snapshot" and event.get("path"):
+                manifest = json.loads(Path(event.manifest).read_text())
+                if isinstance(manifest, dict):
+                    event = dataclasses.replace(event, manifest_data=manifest)
+        if isinstance(event, SnapshotSaved):  # the name peers ask this node for
             with contextlib.suppress(ValueError):
-                rel = Path(event["path"]).relative_to(self.job_dir(key[0]))
-                event = {**event, "file": str(rel)}
+                rel = Path(event.path).relative_to(self.job_dir(key[0]))
+                event = dataclasses.replace(event, file=str(rel))
         self._outbox.setdefault(key, []).append(event)
 
     def _exited(self, key: tuple[str, int, int], code: int, tail: list[str]) -> None:
         worker = self.workers.get(key)
         error = worker.last_error if worker is not None else None
-        self._queue(
-            key,
-            {"event": "exit", "stage": key[2], "code": code, "stderr_tail": tail, "error": error},
-        )
+        self._queue(key, Exited(code=code, stderr_tail=tuple(tail), error=error))
 
     def _ensure_sender(self) -> None:
         if not self.ctx.running("job-reports"):
@@ -433,7 +445,7 @@ class StageHost:
                         job_id=key[0],
                         attempt=key[1],
                         stage=key[2],
-                        events=batch,
+                        events=[encode(e, key[2]) for e in batch],
                     )
                     try:
                         await self.ctx.to_leader(report, 10.0)
@@ -446,11 +458,11 @@ class StageHost:
                     self._outbox.pop(key, None)
                     if worker is not None:
                         self.workers.pop(key, None)
-            await asyncio.sleep(REPORT_EVERY_S)
+            await asyncio.sleep(self.ctx.config.timings.report_every_s)
 
     def held(self) -> dict[str, int]:
         """Bytes this node's stage workers hold per device (their plans' peaks)."""
-        from swarmp2p.node.hardware import device_key
+        from swarmp2p.node.records import device_key
 
         out: dict[str, int] = {}
         for job_id, attempt, stage in self.workers:
@@ -483,7 +495,7 @@ class StageHost:
             log.info("stopping job %s attempt %d stage %d: the job moved on", *key)
             self.ctx.spawn(self.stop_job(key[0], key[1]), f"reap:{key[0]}")
 
-    async def handle(self, msg: Any) -> Any:
+    async def handle(self, msg: Message) -> Message:
         if isinstance(msg, StageStart):
             return await self.start_stage(msg)
         if isinstance(msg, StageStop):
@@ -505,7 +517,7 @@ class StageHost:
         self.workers.clear()
 
 
-def snapshot_dir(job_folder: Path, layers: list) -> Path:
+def snapshot_dir(job_folder: Path, layers: Sequence[Sequence[int]]) -> Path:
     """Where a job's snapshots taken on these cuts live: one folder per cuts, so a re-split
     attempt's snapshots never take the names of the old cuts' it is cut from."""
     cuts = [int(r[0]) for r in list(layers)[1:]]
@@ -516,8 +528,6 @@ _SNAP = re.compile(r"step-(\d{8})\.pt")
 """The runtime's snapshot file names (``runtime.torch.snapshot.snapshot_path``)."""
 _SNAP_FILE = re.compile(r"snapshots/cuts-(?:none|\d+(?:-\d+)*)/stage-(\d{1,4})/step-(\d{8})\.pt")
 """A snapshot's path in its job's folder (``snapshot_dir``/stage-N/step-XXXXXXXX.pt)."""
-LISTED_WAIT_S = 3.0
-"""How long a ``job.file_pull`` waits for the table to list the snapshot it names."""
 SNAPSHOT_SLACK = 64 * 2**20
 """Bytes a snapshot may have beyond its stages' planned weights and trainable state
 (compressor halves, the loss scaler, the pickle's own framing)."""
@@ -530,7 +540,7 @@ def snapshot_limit(plan: Plan) -> int:
     return SNAPSHOT_SLACK + sum(s.memory.weights + s.memory.trainable_state for s in plan.stages)
 
 
-def listed_snapshot(table: Any, job_id: str, file: str) -> int:
+def listed_snapshot(table: JobTable, job_id: str, file: str) -> int:
     """Whether a peer may have this node pull ``file`` of job ``job_id`` (``job.file_pull``):
     the table must hold the job, ``file`` must name a snapshot and the table list that stage's
     snapshot at that step; the most bytes it may have (``snapshot_limit``). UserError naming
@@ -567,7 +577,6 @@ def _snapshot_name(step: int) -> str:
 
 __all__ = [
     "CHUNK_BYTES",
-    "REPORT_EVERY_S",
     "StageHost",
     "job_dir",
     "job_file",

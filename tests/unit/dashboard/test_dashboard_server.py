@@ -155,3 +155,74 @@ def test_malformed_requests_log_one_short_line_each_at_most(caplog):
     assert lines and all(r.exc_info is None for r in caplog.records), caplog.text[:2000]
     assert "Traceback" not in caplog.text
     assert len(lines) < 200 / 2  # rate-limited: 5 a second, the rest counted
+
+
+def test_a_one_time_link_logs_in_once_and_never_carries_the_key():
+    """`swarm dashboard --open` hands the browser /?open=STAMP.MAC (its argv is public): it
+    sets the key's cookie once, within dashboard_ticket_s; again, late, forged or from another key
+    it is refused, and the key is in none of them."""
+    from swarmp2p.dashboard.server import open_url
+    from swarmp2p.timings import TIMINGS
+
+    def fetch(port):
+        url = f"http://127.0.0.1:{port}/?key={KEY}"
+        link = open_url(url, now=42.0)
+        path = link.split(f":{port}", 1)[1]
+        late = open_url(url, now=42.0 - TIMINGS.dashboard_ticket_s - 10).split(f":{port}", 1)[1]
+        other = open_url(f"http://127.0.0.1:{port}/?key={'o' * 43}", now=42.0)
+        forged = path[:-4] + ("0000" if not path.endswith("0000") else "1111")
+        return link, [
+            _get(port, p, key=None)
+            for p in (path, path, late, other.split(f":{port}", 1)[1], forged, "/?open=x.y")
+        ]
+
+    (link, answers), _, _ = asyncio.run(_serve_and(fetch))
+    assert KEY not in link and "?open=42." in link
+    first, *refused = answers
+    assert first[0] == 303 and first[1]["Location"] == "/"
+    assert f"={KEY};" in first[1]["Set-Cookie"] and "HttpOnly" in first[1]["Set-Cookie"]
+    assert [r[0] for r in refused] == [403] * 5
+    assert all("Set-Cookie" not in r[1] for r in refused)
+    assert b"swarm dashboard --open" in refused[0][2]
+
+
+def _open_in_browser(tmp_path, url: str, env: dict) -> str:
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    base.pop("BROWSER", None)
+    code = "import sys; from swarmp2p.cli._ux import _open_in_browser as o; print(o(sys.argv[1]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, url],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=60,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def test_swarm_dashboard_open_gives_the_browser_a_one_time_link_or_says_why_not(tmp_path):
+    """`swarm dashboard --open`: $BROWSER is started on /?open=..., the key in none of its
+    arguments; with no graphical session and no $BROWSER nothing starts (not even a text
+    browser in the terminal) and the reason comes back for the CLI to print with the URL."""
+    import json
+    import sys
+
+    url = f"http://127.0.0.1:7738/?key={KEY}"
+    argv_file = tmp_path / "argv.json"
+    fake = tmp_path / "browser"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    fake.chmod(0o700)
+    assert _open_in_browser(tmp_path, url, {"BROWSER": str(fake)}) == "None"
+    (link,) = json.loads(argv_file.read_text())
+    assert link.startswith("http://127.0.0.1:7738/?open=") and KEY not in link
+    argv_file.unlink()
+    why = _open_in_browser(tmp_path, url, {})
+    assert "no graphical session" in why and not argv_file.exists()

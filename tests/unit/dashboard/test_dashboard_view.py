@@ -219,14 +219,48 @@ def test_dispatcher_metrics_map():
         "losses": [[1, 0, 3.0], [1, 1, 2.9], [1, 2, 2.8], [2, 2, 2.7], [2, 3, 2.5], ["x"]],
     }
     points, bad = metric_points(raw)
-    assert [(p["step"], p["loss"]) for p in points] == [(0, 3.0), (1, 2.9), (2, 2.7), (3, 2.5)]
+    # a row's step counts from 0 (the workers'); the points carry "step N of M"'s numbers
+    assert [(p["step"], p["loss"]) for p in points] == [(1, 3.0), (2, 2.9), (3, 2.7), (4, 2.5)]
     assert points[-1]["tokens_per_s"] == 90.0 and points[0]["tokens_per_s"] is None
     assert bad == 1
     only_newest, _ = metric_points({"step": 1, "loss": 3.1, "tokens_per_s": 12.0})
-    assert only_newest == [{"step": 0, "loss": 3.1, "tokens_per_s": 12.0}]
+    assert only_newest == [{"step": 1, "loss": 3.1, "tokens_per_s": 12.0}]
     four, _ = metric_points({"losses": [[1, 5, 2.0, 33.0]]})
-    assert four == [{"step": 5, "loss": 2.0, "tokens_per_s": 33.0}]
+    assert four == [{"step": 6, "loss": 2.0, "tokens_per_s": 33.0}]
     assert metric_points({}) == ([], 0)
+    assert metric_points({"losses": [[1, -1, 2.0], [1, "3", 2.0], [1, True, 2.0]]}) == ([], 3)
+
+
+def test_ten_steps_of_the_leaders_metrics_draw_ten_points_of_each_curve():
+    """What the leader folds from ten steps (MetricsStore, as the daemon keeps it) gives ten
+    loss and ten tokens/s points over steps 1..10, the numbers "step 10 of 10" counts."""
+    from swarmp2p.node.training.metrics import MetricsStore
+    from swarmp2p.worker_events import StepDone
+
+    store = MetricsStore()
+    events = [
+        StepDone(
+            step=s,
+            loss=5.0 - s / 10,
+            tokens=64,
+            tokens_per_s=100.0 + s,
+            act_bytes=0,
+            grad_bytes=0,
+            step_s=0.5,
+            peak_memory_bytes=0,
+        )
+        for s in range(10)
+    ]
+    store.fold("j", attempt=1, stage=1, n_stages=2, events=events)
+    entry = {
+        "job_id": "j",
+        "state": "completed",
+        "record": {"job": {"train": {"steps": 10}}, "step": 10, "metrics": store.get("j")},
+    }
+    job = dashboard_view({"jobs": [entry]}, now=0.0)["jobs"][0]
+    assert [p["step"] for p in job["metrics"]] == list(range(1, 11))
+    assert [p["tokens_per_s"] for p in job["metrics"]] == [100.0 + s for s in range(10)]
+    assert job["metrics"][-1]["step"] == job["step"] == job["steps"] == 10
 
 
 def test_dispatcher_job_record():
@@ -255,3 +289,59 @@ def test_dispatcher_job_record():
         {"pass": "before", "loss": 3.2, "perplexity": 24.5},
         {"pass": "after", "loss": 2.1},
     ]
+
+
+def test_served_models_name_their_nodes_and_count_their_sessions():
+    """A served model's stages say the peers' names (as jobs do), the node id only where no
+    name is known; its sessions come through as numbers, or None while unknown."""
+    ring = {
+        "model": "tiny",
+        "url": "http://127.0.0.1:8080",
+        "state": "serving",
+        "reason": "",
+        "sessions": {"active": 2, "max": 4, "queued": 3, "stage_batch": [2, 2]},
+        "stages": [
+            {"index": 0, "node_id": "a", "node": "a", "devices": ["cpu"], "layers": [0, 2]},
+            {"index": 1, "node_id": "z", "node": "z", "node_name": "host-z", "layers": [2, 4]},
+            {"index": 2, "node_id": "y", "node": "y", "layers": [4, 5]},
+        ],
+    }
+    restoring = {"model": "old", "state": "restoring", "reason": "waiting for b", "stages": []}
+    view = dashboard_view(_status(served=[ring, restoring]), now=0.0)
+    tiny, old = view["served"]
+    assert [s["node"] for s in tiny["stages"]] == ["host-a", "host-z", "y"]
+    assert [s["node_id"] for s in tiny["stages"]] == ["a", "z", "y"]
+    assert tiny["sessions"] == {"active": 2, "max": 4, "queued": 3}
+    assert (tiny["state"], old["state"], old["reason"]) == ("serving", "restoring", "waiting for b")
+    assert old["sessions"] is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        "x",
+        {"active": 1, "max": 4},
+        {"active": -1, "max": 4, "queued": 0},
+        {"active": True, "max": 4, "queued": 0},
+    ],
+)
+def test_malformed_sessions_are_unknown(raw):
+    view = dashboard_view(_status(served=[{"model": "m", "sessions": raw}]), now=0.0)
+    assert view["served"][0]["sessions"] is None
+
+
+def test_job_stages_take_the_peers_names():
+    entry = {
+        "job_id": "j",
+        "state": "running",
+        "record": {"plan": {"stages": [{"index": 0, "node_id": "b", "node": "old-name"}]}},
+    }
+    job = dashboard_view(_status([entry]), now=0.0)["jobs"][0]
+    assert job["stages"][0]["node"] == "host-b"
+
+
+def test_a_serve_job_already_listed_by_this_node_shows_once():
+    serve = {"job_id": "j2", "state": "running", "record": {"kind": "serve", "name": "m"}}
+    view = dashboard_view(_status([serve], served=[{"model": "m"}]), now=0.0)
+    assert [m["model"] for m in view["served"]] == ["m"]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import job
+from _tables import bare_record, job
 
 from swarmp2p.net.rpc import RpcTimeout
 from swarmp2p.net.security import NodeKey, SwarmSecret
@@ -39,11 +39,13 @@ from swarmp2p.node.messages import (
     TableFetch,
     TablePush,
 )
+from swarmp2p.node.records import Host
 from swarmp2p.node.state import StateDir
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable
 from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.node.table.replication import Replication
+from swarmp2p.timings import Timings
 from swarmp2p.wire.messages import decode, encode
 
 SECRET = SwarmSecret.generate()
@@ -90,13 +92,15 @@ class FakeContext(NodeContext):
                 node_id=node_id,
                 name=f"host-{node_id}",
                 addresses=("127.0.0.1",),
-                record={},
-                host={},
+                record=bare_record(node_id),
+                host=Host(),
             ),
             state=state,
             secret=SECRET,
             key=key or NodeKey.generate(),
-            config=NodeConfig(state_dir=state.root, heartbeat_s=0.05, failure_timeout_s=0.2),
+            config=NodeConfig(
+                state_dir=state.root, timings=Timings(heartbeat_s=0.05, failure_timeout_s=0.2)
+            ),
         )
         self.net = net
         self.started_at = -1e9  # long past its start-up grace
@@ -154,7 +158,7 @@ class FakeNode:
                     node_id=other,
                     name=f"host-{other}",
                     endpoint=f"fake://{other}",
-                    record={},
+                    record=bare_record(other),
                     now=0.0,
                     held=held,
                 )

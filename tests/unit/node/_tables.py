@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import zmq
 import zmq.utils.z85
 
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable
 from swarmp2p.node.table.jobtable import JobTable
-from swarmp2p.plan import from_config, parse_job
+from swarmp2p.plan import Node, from_config, parse_job
 from swarmp2p.plan.worker_spec import local_cluster
-from swarmp2p.schema import to_data
 
 CONFIG = {
     "model_type": "llama",
@@ -47,16 +48,22 @@ def job(name: str = "t", **train):
     )
 
 
-def cluster(*node_ids: str) -> list[dict]:
-    """Node records (cluster.json form) of CPU nodes with these ids."""
-    from swarmp2p.plan import plan_job  # noqa: F401 - the planner reads these records
+def cluster(*node_ids: str) -> list[Node]:
+    """Node records of CPU nodes with these ids (what the planner takes)."""
+    return [
+        dataclasses.replace(node, node_id=node_id, name=f"host-{node_id}")
+        for node, node_id in zip(local_cluster(len(node_ids)), node_ids)
+    ]
 
-    out = []
-    for node, node_id in zip(local_cluster(len(node_ids)), node_ids):
-        data = to_data(node) if not hasattr(node, "to_dict") else node.to_dict()
-        data["node_id"], data["name"] = node_id, f"host-{node_id}"
-        out.append(data)
-    return out
+
+def records(*node_ids: str) -> list[NodeRecord]:
+    """The daemons' records of CPU nodes with these ids (as their hellos carry them)."""
+    return [NodeRecord(node=n) for n in cluster(*node_ids)]
+
+
+def bare_record(node_id: str) -> NodeRecord:
+    """A record of a node with no devices (a test that plans nothing on it)."""
+    return NodeRecord(node=Node(node_id=node_id, name=node_id, ram=0, disk_free=0, devices=()))
 
 
 def plan(node_ids=("a", "b"), the_job=None):
@@ -113,11 +120,10 @@ def running(job_id: str = "j1", nodes=("a", "b"), the_job=None) -> Log:
 
 def serve_plan(*node_ids: str):
     """A serving ring's plan, one stage per node (``node_ids`` in order)."""
-    from swarmp2p.node.training.jobs import cluster_records
     from swarmp2p.plan.serve import ServeInputs, ServePlan
 
-    records = tuple(cluster_records(cluster(*node_ids)))
-    made = ServeInputs(shape=SHAPE, stages=len(node_ids), cluster=records).plan()
+    nodes = tuple(cluster(*node_ids))
+    made = ServeInputs(shape=SHAPE, stages=len(node_ids), cluster=nodes).plan()
     assert isinstance(made, ServePlan), made
     return made
 

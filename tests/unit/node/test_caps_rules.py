@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from swarmp2p.timings import TIMINGS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import founded, job, running
 
 from swarmp2p.errors import UserError
 from swarmp2p.node import decide
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.serving import model_files
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.training.stages import SNAPSHOT_SLACK, listed_snapshot, snapshot_limit
@@ -55,13 +58,15 @@ def test_the_swarm_cap_counts_every_unfinished_job():
 
 
 def _records(free_gib: float, disk_gib: float = 100):
-    return [
-        {
-            "node_id": "a",
-            "disk_free": int(disk_gib * 2**30),
-            "devices": [{"kind": "cpu", "index": 0, "memory_free": int(free_gib * 2**30)}],
-        },
-    ]
+    cpu = {"kind": "cpu", "index": 0, "name": "cpu", "memory_total": 64 * 2**30}
+    node = {
+        "node_id": "a",
+        "name": "a",
+        "ram": 64 * 2**30,
+        "disk_free": int(disk_gib * 2**30),
+        "devices": [{**cpu, "memory_free": int(free_gib * 2**30)}],
+    }
+    return [NodeRecord.from_data(node, "")]
 
 
 def test_a_blocked_job_is_planned_again_only_when_its_inputs_change_or_in_time():
@@ -73,8 +78,8 @@ def test_a_blocked_job_is_planned_again_only_when_its_inputs_change_or_in_time()
     last = (inputs, 100.0)
     # free memory wobbling within its GiB: the same inputs
     assert decide.placement_inputs(entry, {"a"}, _records(4.3)) == inputs
-    assert not decide.plan_again(last, inputs, 100.0 + decide.PLAN_AGAIN_S - 1)
-    assert decide.plan_again(last, inputs, 100.0 + decide.PLAN_AGAIN_S)
+    assert not decide.plan_again(last, inputs, 100.0 + TIMINGS.plan_again_s - 1)
+    assert decide.plan_again(last, inputs, 100.0 + TIMINGS.plan_again_s)
     for changed in (
         decide.placement_inputs(entry, {"a"}, _records(5.0)),  # a GiB more free
         decide.placement_inputs(entry, {"a", "b"}, _records(4.0)),  # a node came

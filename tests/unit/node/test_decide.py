@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import cluster, founded, job, key, plan, running
+from _tables import cluster, founded, job, key, plan, records, running
 
 from swarmp2p.node import decide
+from swarmp2p.node.records import NO_HELD, Held, MemoryReport
 from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Blocked
+from swarmp2p.plan.hardware import Speeds
+from swarmp2p.schema import to_data
+from swarmp2p.worker_events import decode, encode
 
 
 def view(*alive, me="a", busy=()):
@@ -86,7 +91,7 @@ def test_placement_waits_once_per_reason_then_places_a_new_attempt():
     log = founded("a")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
     blocked = Blocked(reason="placed 1 of 2 required workers")
-    args = dict(cluster=cluster("a"), records=cluster("a"), alive={"a"}, me="a", now=2.0)
+    args = dict(cluster=cluster("a"), records=records("a"), alive={"a"}, me="a", now=2.0)
     (wait,) = decide.placement(log.table.jobs["j1"], blocked, **args)
     assert isinstance(wait, ev.JobPending) and wait.reason == blocked.reason
     log(wait)
@@ -120,8 +125,8 @@ def test_a_lost_job_is_planned_on_its_snapshots_cuts_first_then_re_split():
     _snapshots(log)
     entry = log.table.jobs["j1"]
     step, layout = decide.snapshot_layout(entry, {"a", "c"})
-    assert step == 4 and [r["layers"] for r in layout] == [[0, 3], [3, 6]]
-    assert [r["nodes"] for r in layout] == [["a"], ["a"]]
+    assert step == 4 and [r.layers for r in layout] == [(0, 3), (3, 6)]
+    assert [r.nodes for r in layout] == [("a",), ("a",)]
     assert decide.plan_tries(entry, {"a", "c"}) == [
         decide.PlanTry(cuts=(3,)),
         decide.PlanTry(),
@@ -134,7 +139,7 @@ def test_a_resume_on_the_same_cuts_reads_its_snapshots_and_other_cuts_re_slice_t
     log = running()
     _snapshots(log)
     args = dict(
-        cluster=cluster("a", "c"), records=cluster("a", "c"), alive={"a", "c"}, me="a", now=9.0
+        cluster=cluster("a", "c"), records=records("a", "c"), alive={"a", "c"}, me="a", now=9.0
     )
     (placed,) = decide.placement(
         log.table.jobs["j1"], plan(("a", "c")), **args, tried=decide.PlanTry(cuts=(3,))
@@ -143,9 +148,10 @@ def test_a_resume_on_the_same_cuts_reads_its_snapshots_and_other_cuts_re_slice_t
     (other,) = decide.placement(log.table.jobs["j1"], _with_cuts(plan(("a", "c"))), **args)
     assert other.resume_step == 4 and other.cuts == ()
     assert other.resplit == (
-        {"stage": 0, "layers": [0, 3], "nodes": ["a"]},
-        {"stage": 1, "layers": [3, 6], "nodes": ["a"]},
+        ev.SnapshotSlice(stage=0, layers=(0, 3), nodes=("a",)),
+        ev.SnapshotSlice(stage=1, layers=(3, 6), nodes=("a",)),
     )
+    assert to_data(other)["resplit"][1] == {"stage": 1, "layers": [3, 6], "nodes": ["a"]}
     log(other)  # the re-split attempt forgets the old cuts' snapshots, keeps where they are
     entry = log.table.jobs["j1"]
     assert entry.snapshots == {} and entry.resplit == other.resplit
@@ -163,12 +169,23 @@ def test_a_learned_boundary_resumes_only_on_its_cuts_and_says_why_it_waits():
     _snapshots(log)
     entry = log.table.jobs["j1"]
     assert decide.plan_tries(entry, {"a", "c"}) == [decide.PlanTry(cuts=(3,))]
-    args = dict(cluster=cluster("a"), records=cluster("a"), alive={"a"}, me="a", now=9.0)
+    args = dict(cluster=cluster("a"), records=records("a"), alive={"a"}, me="a", now=9.0)
     (wait,) = decide.placement(entry, Blocked(reason="placed 1 of 2 required workers"), **args)
     assert "waiting for a node to return" in wait.reason and "learned boundary" in wait.reason
 
 
-STEP = {"event": "step", "step": 3, "loss": 2.5, "step_s": 0.5}
+STEP = {
+    "event": "step",
+    "step": 3,
+    "loss": 2.5,
+    "tokens": 64,
+    "tokens_per_s": 128.0,
+    "act_bytes": 0,
+    "grad_bytes": 0,
+    "step_s": 0.5,
+    "peak_memory_bytes": 0,
+}
+EVAL = {"event": "eval", "pass": "base", "loss": 3.0, "perplexity": 20.1, "top1": 0.1, "tokens": 8}
 
 
 def _fold(log, stage, *events, attempt=1, due=False):
@@ -177,7 +194,7 @@ def _fold(log, stage, *events, attempt=1, due=False):
         attempt=attempt,
         stage=stage,
         node_id="ab"[stage],
-        events=list(events),
+        events=[decode(e) for e in events],  # as the leader reads a report
         now=10.0,
         progress_due=due,
     )
@@ -199,16 +216,14 @@ def test_lifecycle_events_of_a_report():
     snap, evaluation, exported, done = _fold(
         log,
         1,
-        {"event": "snapshot", "step": 2, "file": "snapshots/stage-1/step-00000002.pt"},
         {
-            "event": "eval",
-            "pass": "base",
-            "loss": 3.0,
-            "perplexity": float("inf"),
-            "top1": 0.1,
-            "tokens": 8,
+            "event": "snapshot",
+            "step": 2,
+            "path": "/state/jobs/j1/snapshots/stage-1/step-00000002.pt",
+            "file": "snapshots/stage-1/step-00000002.pt",
         },
-        {"event": "exported", "manifest_data": {"files": {}}},
+        encode(dataclasses.replace(decode(EVAL), perplexity=float("inf")), 1),
+        {"event": "exported", "manifest": "/m.json", "manifest_data": {"files": {}}},
         {"event": "done", "steps": 10},
     )
     assert isinstance(snap, ev.SnapshotHeld) and (snap.stage, snap.step, snap.node_id) == (
@@ -216,9 +231,9 @@ def test_lifecycle_events_of_a_report():
         2,
         "b",
     )
-    assert evaluation.perplexity is None  # inf is no number to store
+    assert evaluation.perplexity is None  # inf is no number to store: the wire writes null
     assert isinstance(exported, ev.StageExported) and isinstance(done, ev.StageFinished)
-    assert _fold(log, 0, {"event": "eval", "pass": "base", "loss": 3.0}) == []
+    assert _fold(log, 0, EVAL) == []  # the numbers are the last stage's
 
 
 def test_a_failed_exit_names_the_stage_node_message_and_tail():
@@ -241,18 +256,18 @@ def test_stale_workers_are_those_of_an_ended_job_or_an_older_attempt():
 
 def test_available_memory_leaves_out_other_jobs_stages_and_served_models():
     log = running()  # j1 on a and b
-    records = cluster("a", "b")
+    ra, rb = records("a", "b")
     peak = log.table.jobs["j1"].plan.stages[0].memory.peak
-    records[1]["held"] = {"serve": {"cpu:0": 1000}, "jobs": {"cpu:0": 5}}
-    total = records[0]["devices"][0]["memory_total"]
-    records[0]["devices"][0]["memory_free"] = total - 10  # live: a little in use
-    a, b = decide.available_memory(records, log.table)
-    assert a["devices"][0]["memory_free"] == total - peak  # the smaller of live and promised
+    total = ra.node.devices[0].memory_total
+    ra = ra.with_memory(MemoryReport(free={"cpu:0": total - 10}))  # live: a little in use
+    rb = rb.with_memory(MemoryReport(held=Held(serve={"cpu:0": 1000}, jobs={"cpu:0": 5})))
+    a, b = decide.available_memory([ra, rb], log.table)
+    assert a.node.devices[0].memory_free == total - peak  # the smaller of live and promised
     stage1 = log.table.jobs["j1"].plan.stages[1].memory.peak
-    assert b["devices"][0]["memory_free"] == total - stage1 - 1000
-    assert "held" not in b  # the planner takes node records
-    a, _ = decide.available_memory(records, log.table, exclude="j1")  # re-placing j1 itself
-    assert a["devices"][0]["memory_free"] == total - 10
+    assert b.node.devices[0].memory_free == total - stage1 - 1000
+    assert b.held == NO_HELD  # promised: counted once
+    a, _ = decide.available_memory([ra, rb], log.table, exclude="j1")  # re-placing j1 itself
+    assert a.node.devices[0].memory_free == total - 10
 
 
 # --- re-balancing to the speeds the run measured -----------------------------------------------
@@ -381,12 +396,13 @@ def test_a_rebalance_waits_for_a_snapshot_taken_after_it_was_called_for():
 
 
 def test_learned_speeds_replace_the_probes_on_the_devices_measured():
-    records = cluster("a", "b")
-    records[0]["devices"][0]["speed"] = {"float32": 1e12, "bfloat16": 2e12}
-    out = decide.with_learned_speeds(records, {"a": {"cpu:0": 3e9}}, "float32")
-    assert out[0]["devices"][0]["speed"] == {"float32": 3e9, "bfloat16": 2e12}
-    assert out[1]["devices"] == records[1]["devices"]
-    assert records[0]["devices"][0]["speed"]["float32"] == 1e12  # a copy, not in place
+    a, b = cluster("a", "b")
+    speed = Speeds.from_data({"float32": 1e12, "bfloat16": 2e12}, "speed")
+    a = dataclasses.replace(a, devices=(dataclasses.replace(a.devices[0], speed=speed),))
+    out = decide.with_learned_speeds([a, b], {"a": {"cpu:0": 3e9}}, "float32")
+    assert out[0].devices[0].speed.to_data() == {"float32": 3e9, "bfloat16": 2e12}
+    assert out[1].devices == b.devices
+    assert a.devices[0].speed.get("float32") == 1e12  # a copy: records are frozen
 
 
 def test_one_pause_is_no_rebalance_but_a_stage_throttled_now_and_then_is():

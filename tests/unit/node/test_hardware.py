@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -11,11 +12,14 @@ from swarmp2p.node import hardware
 from swarmp2p.node.hardware import (
     GIB,
     parse_fake_devices,
-    planner_record,
     probe,
     probe_gpus,
     summary,
 )
+from swarmp2p.node.records import NO_HELD, Held, MemoryReport, NodeRecord
+from swarmp2p.plan.hardware import Device
+from swarmp2p.schema import to_data
+from swarmp2p.timings import TIMINGS
 
 
 class _NVMLError(Exception):
@@ -92,36 +96,45 @@ def test_non_nvml_error_is_not_swallowed():
         probe_gpus(nvml)
 
 
-NODE_KEYS = {"node_id", "name", "ram", "disk_free", "capabilities", "version", "devices"}
-DEVICE_KEYS = {"kind", "index", "name", "memory_total", "memory_free", "compute_capability"}
+NODE_KEYS = {
+    "node_id",
+    "name",
+    "ram",
+    "disk_free",
+    "capabilities",
+    "version",
+    "devices",
+    "link_speed",
+}
+DEVICE_KEYS = {f.name for f in dataclasses.fields(Device)}  # the planner's device record
 
 
 def test_real_probe_on_this_machine_without_nvml():
     # this machine has no NVIDIA driver: the real pynvml raises NVMLError_LibraryNotFound
-    record, host = probe(node_id="a1", name="box", version="0.1.0", env={})
+    found, host = probe(node_id="a1", name="box", version="0.1.0", env={})
+    record = found.to_data()
     assert set(record) == NODE_KEYS  # exactly the cluster.json node record of plan/
     assert record["node_id"] == "a1" and record["name"] == "box"
     assert record["capabilities"] == [] and record["version"] == "0.1.0"
     assert [d["kind"] for d in record["devices"]] == ["cpu"]
     assert record["ram"] > 0 and record["disk_free"] > 0
-    assert set(host) == {"cpu_cores", "cpu_quota", "machine", "driver"} and host["driver"] == ""
-    assert host["cpu_cores"] >= 1 and host["machine"]
+    assert host.driver == "" and host.cpu_cores >= 1 and host.machine
     cpu = record["devices"][0]
     assert 0 < cpu["memory_free"] <= cpu["memory_total"] == record["ram"]
     assert set(cpu) == DEVICE_KEYS
+    assert NodeRecord.from_data(record, "") == found
 
 
 def test_probe_with_fake_devices_env_marks_them_fake():
     record, host = probe(
         node_id="a1", name="box", version="0.1.0", env={"SWARM_FAKE_DEVICES": "A5000:24:8.6"}
     )
-    gpu, cpu = record["devices"]
+    gpu, cpu = record.to_data()["devices"]
     assert gpu["fake"] is True and "fake" not in cpu
     assert gpu["memory_total"] == 24 * GIB and gpu["compute_capability"] == "8.6"
+    assert record.fake == {"cuda:0"}
     assert summary(record, host).startswith("1xcuda:24G,cpu:")
-    planner = planner_record(record)
-    assert all(set(d) == DEVICE_KEYS for d in planner["devices"])
-    assert record["devices"][0]["fake"] is True  # the original is untouched
+    assert all(set(d) == DEVICE_KEYS for d in to_data(record.node)["devices"])  # the planner's
 
 
 @pytest.mark.parametrize(
@@ -190,7 +203,7 @@ def test_live_memory_re_reads_nvml_and_ram_at_most_once_a_second(tmp_path):
     gpus[0] = ("RTX A5000", 24 * GIB, 3 * GIB, (8, 6))  # a served model loaded meanwhile
     meminfo.write_text("MemAvailable: 32 kB\n")
     assert live.read()["cuda:0"] == 20 * GIB  # within the second: the last reading
-    now[0] = hardware.LIVE_EVERY_S
+    now[0] = TIMINGS.live_memory_every_s
     assert live.read() == {"cuda:0": 3 * GIB, "cpu:0": 32 * 1024}
     assert calls.count("init") == 1  # NVML stays initialised between readings
 
@@ -199,14 +212,11 @@ def test_a_fake_device_keeps_its_memory_and_a_report_lands_in_the_record():
     env = {hardware.FAKE_DEVICES_ENV: "A5000:24:8.6"}
     record, _ = hardware.probe(node_id="n1", name="n1", version="0", env=env)
     assert hardware.LiveMemory(record).read()["cuda:0"] == 24 * GIB
-    hardware.apply_memory(
-        record,
-        {
-            "free": {"cuda:0": 30 * GIB, "cpu:0": -1},
-            "held": {"serve": {"cuda:0": GIB}, "other": {}},
-        },
-    )
-    gpu, cpu = record["devices"]
-    assert gpu["memory_free"] == 24 * GIB  # never above the total
-    assert cpu["memory_free"] > 0  # a bad value is ignored
-    assert record["held"] == {"serve": {"cuda:0": GIB}}
+    cpu_free = record.node.devices[1].memory_free
+    report = MemoryReport(free={"cuda:0": 30 * GIB}, held=Held(serve={"cuda:0": GIB}))
+    after = record.with_memory(report)
+    gpu, cpu = after.node.devices
+    assert gpu.memory_free == 24 * GIB  # never above the total
+    assert cpu.memory_free == cpu_free  # not told: kept
+    assert after.held == Held(serve={"cuda:0": GIB}) and after.fake == record.fake
+    assert record.held == NO_HELD  # records are frozen: a new one

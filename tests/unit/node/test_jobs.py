@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.table import registry
 from swarmp2p.node.training import jobs
 from swarmp2p.plan import CAPABILITIES, Plan, parse_job
+from swarmp2p.plan.hardware import Speeds
 from swarmp2p.workers import exit_message
 
 GIB = 1 << 30
 
 
 def _node(node_id, devices=None, caps=CAPABILITIES):
+    return NodeRecord.from_data(_node_data(node_id, devices, caps), "")
+
+
+def _node_data(node_id, devices=None, caps=CAPABILITIES):
     return {
         "node_id": node_id,
         "name": f"host-{node_id}",
@@ -99,19 +106,19 @@ def test_unknown_override_is_refused():
 
 def test_every_peer_recomputes_the_same_plan_and_refuses_a_different_one():
     cluster = jobs.cluster_records([_node("b"), _node("a")])
-    assert [r["node_id"] for r in cluster] == ["a", "b"]
+    assert [r.node_id for r in cluster] == ["a", "b"]
     plan = jobs.compute_plan(_canonical(), cluster)
     assert isinstance(plan, Plan)
     assert [s.node_id for s in plan.stages] == ["a", "b"]
-    again = jobs.check_plan(_canonical(), cluster, plan.to_json(), node_id="b")
+    again = jobs.check_plan(_canonical(), cluster, plan, node_id="b")
     assert again.to_json() == plan.to_json()
-    tampered = plan.to_json().replace('"layers":[0,', '"layers":[1,')
+    tampered = dataclasses.replace(plan, recompute=not plan.recompute)
     with pytest.raises(jobs.PlanMismatch, match="node b computes a different plan"):
         jobs.check_plan(_canonical(), cluster, tampered, node_id="b")
     # version skew: a peer whose software lacks a feature the leader's plan enables
     older = frozenset(CAPABILITIES - {"wire-v2"})
     with pytest.raises(jobs.PlanMismatch, match="same swarmp2p version"):
-        jobs.check_plan(_canonical(), cluster, plan.to_json(), node_id="b", capabilities=older)
+        jobs.check_plan(_canonical(), cluster, plan, node_id="b", capabilities=older)
 
 
 def test_features_need_every_assigned_peer():
@@ -125,7 +132,7 @@ def test_features_need_every_assigned_peer():
 
 def test_a_node_without_the_runtime_is_not_planned_on_and_is_named():
     records = [_node("a"), _node("b", caps=frozenset())]
-    assert [r["node_id"] for r in jobs.cluster_records(records)] == ["a"]
+    assert [r.node_id for r in jobs.cluster_records(records)] == ["a"]
     blocked = jobs.compute_plan(_canonical(), jobs.cluster_records(records))
     assert blocked.status == "blocked"
     reason = jobs.blocked_note(blocked.reason, records)
@@ -137,9 +144,10 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     job = _canonical({**JOB, "model": {**JOB["model"], "dtype": "float16"}})
     blocked = jobs.compute_plan(job, jobs.cluster_records([_node("a"), _node("b")]))
     assert blocked.status == "blocked" and "float16" in blocked.reason
-    gpu_node = _node("c", [_gpu(0, fake=True), _gpu(1, fake=True), _node("x")["devices"][0]])
+    gpu_node = _node("c", [_gpu(0, fake=True), _gpu(1, fake=True), _node_data("x")["devices"][0]])
+    assert gpu_node.fake == {"cuda:0", "cuda:1"}
     cluster = jobs.cluster_records([_node("a"), gpu_node])
-    assert all("fake" not in d for r in cluster for d in r["devices"])  # planner inputs
+    assert cluster[1] == gpu_node.node  # planner inputs: a fake GPU plans as real
     plan = jobs.compute_plan(job, cluster)
     assert isinstance(plan, Plan) and {s.node_id for s in plan.stages} == {"c"}
     stage = plan.stages[0]
@@ -147,6 +155,26 @@ def test_a_dtype_no_device_runs_is_blocked_with_the_reason_then_placed_on_a_gpu_
     real = _node("c", [_gpu(0), _gpu(1)])
     assert jobs.device_for(["cuda:1"], real) == ("cuda:0", "1")
     assert jobs.device_for(["cpu"], real) == ("cpu", None)
+
+
+_STEP_FIELDS = {
+    "event": "step",
+    "loss": 1.0,
+    "tokens": 0,
+    "tokens_per_s": 0.0,
+    "act_bytes": 0,
+    "grad_bytes": 0,
+    "step_s": 0.5,
+    "peak_memory_bytes": 0,
+}
+
+
+def _steps(*events):
+    """Step events as the leader reads them from a report (the fields a test leaves out
+    filled in)."""
+    from swarmp2p.worker_events import decode
+
+    return [decode({**_STEP_FIELDS, **e}) for e in events]
 
 
 def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
@@ -162,23 +190,51 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
         "act_bytes": 1_000_000,
         "grad_bytes": 2_000_000,
     }
-    store.fold("j", attempt=1, stage=0, n_stages=3, events=[step])
+    store.fold("j", attempt=1, stage=0, n_stages=3, events=_steps(step))
     first = store.get("j")
     assert "step" not in first
     assert first["boundaries"] == {"0": {"act_mb_s": 2.0, "grad_mb_s": 0.0}}
-    store.fold("j", attempt=1, stage=1, n_stages=3, events=[step])
+    store.fold("j", attempt=1, stage=1, n_stages=3, events=_steps(step))
     assert store.get("j")["boundaries"] == {
         "0": {"act_mb_s": 2.0, "grad_mb_s": 4.0},  # stage 1 sends gradients back over 0
         "1": {"act_mb_s": 2.0, "grad_mb_s": 0.0},
     }
-    store.fold("j", attempt=1, stage=2, n_stages=3, events=[{**step, "act_bytes": 0}])
+    store.fold("j", attempt=1, stage=2, n_stages=3, events=_steps({**step, "act_bytes": 0}))
     last = store.get("j")
-    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5]]
+    assert last["step"] == 1 and last["loss"] == 4.5 and last["losses"] == [[1, 0, 4.5, 100.0]]
     assert last["boundaries"]["1"]["grad_mb_s"] == 4.0
     store.fold(
-        "j", attempt=1, stage=2, n_stages=3, events=[{**step, "step": s} for s in range(1, 700)]
+        "j",
+        attempt=1,
+        stage=2,
+        n_stages=3,
+        events=_steps(*({**step, "step": s} for s in range(1, 700))),
     )
     assert len(store.get("j")["losses"]) == 500 and store.get("j")["losses"][-1][1] == 699
+
+
+def test_the_leader_refuses_a_malformed_event_naming_its_field_and_keeps_the_rest(caplog):
+    from swarmp2p.node.messages import StageReport
+    from swarmp2p.node.training.leader import JobsLeader
+    from swarmp2p.worker_events import Done, StepDone
+
+    good = {**_STEP_FIELDS, "step": 4}
+    report = StageReport(
+        node_id="b",
+        job_id="j",
+        attempt=1,
+        stage=1,
+        events=[good, {**good, "loss": "low"}, {"event": "done", "steps": 5}, "junk"],
+    )
+    with caplog.at_level("WARNING"):
+        events = JobsLeader._decoded(report)
+    assert [type(e) for e in events] == [StepDone, Done]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(
+        'invalid worker event "step"' in m and 'loss: must be a number, got "low"' in m
+        for m in logged
+    )
+    assert any("node b reported" in m and "must be an object" in m for m in logged)
 
 
 def test_metrics_keep_compute_per_stage_and_the_steady_pace():
@@ -199,7 +255,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
             "step_s": 0.65,
             **extra,
         }
-        store.fold("j", attempt=1, stage=stage, n_stages=2, events=[event])
+        store.fold("j", attempt=1, stage=stage, n_stages=2, events=_steps(event))
 
     for s in range(6):  # a slow first step, then one step every 0.5 s
         at = 100.0 + (2.0 if s == 0 else 2.0 + 0.5 * s)
@@ -220,7 +276,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
         attempt=2,
         stage=1,
         n_stages=2,
-        events=[
+        events=_steps(
             {
                 "event": "step",
                 "step": 50,
@@ -230,7 +286,7 @@ def test_metrics_keep_compute_per_stage_and_the_steady_pace():
                 "at": 1.0,
                 "tokens": 1,
             }
-        ],
+        ),
     )
     assert store.get("j")["compute"] == {"attempt": 2, "steps": {"50": {"1": 2.0}}}
 
@@ -388,9 +444,11 @@ def test_job_view_shows_each_stage_predicted_beside_measured():
     from swarmp2p.node.table import events as ev
     from swarmp2p.node.views import job_view
 
-    records = cluster("a", "b")
-    for r in records:
-        r["devices"][0]["speed"] = {"float32": 1e10}
+    speed = Speeds.from_data({"float32": 1e10}, "speed")
+    records = [
+        dataclasses.replace(r, devices=(dataclasses.replace(r.devices[0], speed=speed),))
+        for r in cluster("a", "b")
+    ]
     log = founded("a", "b")
     log(ev.JobSubmitted(job_id="j1", job=job(), submitted_by="cli", at=1.0))
     planned = jobs.compute_plan(job(), records, shape=_shape())

@@ -11,6 +11,7 @@ from spake2 import SPAKE2_A
 from swarmp2p.errors import SwarmError, UserError
 from swarmp2p.node.cluster import pairing
 from swarmp2p.node.cluster.pairing import Invites, PairFinish, PairStart, parse_code
+from swarmp2p.timings import TIMINGS
 
 
 class Clock:
@@ -99,7 +100,7 @@ def test_three_wrong_codes_from_one_address_lock_it_out_but_not_the_joiner():
                 _joiner(wrong, plate, book, "10.0.0.66")  # at once again: slowed, no try used
         with pytest.raises(UserError, match="does not match"):
             _finish(book, session, key, mine, reply)  # and a finish anyway is refused
-        clock.now += pairing.TRY_INTERVAL_S
+        clock.now += TIMINGS.pairing_try_every_s
     assert lefts == [2, 1, 0]
     with pytest.raises(UserError, match=r"10\.0\.0\.66\) used its 3 tries"):
         _joiner(invite.code, plate, book, "10.0.0.66")  # the bystander has no try left
@@ -120,7 +121,7 @@ def test_an_invite_burns_after_its_guesses_from_all_addresses():
             assert not ok
             with pytest.raises(UserError, match="does not match"):
                 _finish(book, session, key, mine, reply)
-        clock.now += pairing.TRY_INTERVAL_S
+        clock.now += TIMINGS.pairing_try_every_s
     assert invite.guesses_left == 0 and reply.tries_left == 0
     with pytest.raises(UserError, match=r"no open invite|burnt"):
         _joiner(invite.code, plate, book, "10.0.0.2")  # the right code now: too late
@@ -133,7 +134,7 @@ def test_one_address_holds_few_exchanges_at_once():
     clock = Clock()
     book = Invites(clock)
     invites = [book.create() for _ in range(pairing.MAX_SOURCE_SESSIONS + 1)]
-    for invite in invites[:-1]:  # started, never finished: held for SESSION_TTL_S
+    for invite in invites[:-1]:  # started, never finished: held for pairing_session_ttl_s
         _joiner(_wrong(invite), invite.nameplate, book, "10.0.0.66")
     with pytest.raises(SwarmError, match="too many pairings"):
         _joiner(invites[-1].code, invites[-1].nameplate, book, "10.0.0.66")
@@ -188,5 +189,5 @@ def test_an_open_swarm_never_burns():
         ok, *rest = _joiner(pairing._OPEN_PASSWORD, pairing.OPEN, book)
         assert ok
         _finish(book, *rest)
-        clock.now += pairing.TRY_INTERVAL_S
+        clock.now += TIMINGS.pairing_try_every_s
     assert pairing.OPEN in book.by_plate

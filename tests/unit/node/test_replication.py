@@ -17,6 +17,7 @@ from swarmp2p.errors import NotApplied, Unavailable
 from swarmp2p.node.messages import LeadRequest, TableEvents, TablePush
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable
+from swarmp2p.node.table.store import load_table
 
 
 async def _founding(tmp_path):
@@ -63,7 +64,7 @@ def test_a_write_commits_on_a_majority_and_not_on_a_minority(tmp_path):
         a.rep.check_quorum()
         assert not a.rep.ready and "no majority" in a.rep.why_not_ready()
         assert "j2" not in a.rep.table.jobs and a.rep.table.version == committed
-        assert jobtable.load(a.ctx.state.table_file).version == committed  # on disk too
+        assert load_table(a.ctx.state.table_file).version == committed  # on disk too
         (dropped,) = a.rep.quorum()["dropped"]
         assert dropped["events"] == ["job_submitted"] and dropped["versions"] == [committed + 1] * 2
         # and a leader that knows it sees no majority refuses at once, writing nothing
@@ -281,7 +282,7 @@ def test_an_event_that_does_not_follow_refuses_its_whole_batch_and_writes_nothin
         a = nodes["a"].rep
         await submit(nodes["a"], "j1")
         await settle(nodes.values())
-        before, on_disk = a.table, jobtable.load(nodes["a"].ctx.state.table_file)
+        before, on_disk = a.table, load_table(nodes["a"].ctx.state.table_file)
         cancel = ev.JobCancelled(job_id="j1", reason="by the user", at=2.0)
         ghost = ev.JobCancelled(job_id="nobody", reason="by the user", at=2.0)
         with pytest.raises(
@@ -290,9 +291,28 @@ def test_an_event_that_does_not_follow_refuses_its_whole_batch_and_writes_nothin
             await a.append([cancel, ghost], wait=True)
         assert err.value.code == "not_applied" and "nobody" in str(err.value)
         assert a.table is before and a.table.jobs["j1"].state == "pending"
-        assert jobtable.load(nodes["a"].ctx.state.table_file) == on_disk
+        assert load_table(nodes["a"].ctx.state.table_file) == on_disk
         await settle(nodes.values())
         assert all(n.rep.table.version == before.version for n in nodes.values())
         assert await a.append([cancel], wait=True) == before.version + 1  # alone, it applies
+
+    asyncio.run(main())
+
+
+def test_leader_and_followers_append_entries_to_their_logs_and_reload_the_same_table(tmp_path):
+    """After the founding (whole tables), every write reaches each node's disk as log lines
+    of its entries: the snapshot is not rewritten, and a reload equals the table in memory."""
+
+    async def main():
+        nodes = await _founding(tmp_path)
+        snapshots = {n: node.ctx.state.table_file.read_bytes() for n, node in nodes.items()}
+        for i in range(5):
+            await submit(nodes["a"], f"j{i}")
+        await settle(nodes.values())
+        for n, node in nodes.items():
+            path = node.ctx.state.table_file
+            assert path.read_bytes() == snapshots[n], n
+            assert len(path.with_name("jobs.log").read_bytes().splitlines()) >= 1 + 5, n
+            assert load_table(path) == node.rep.table and len(node.rep.table.jobs) == 5
 
     asyncio.run(main())

@@ -21,6 +21,7 @@ from swarmp2p.node.messages import (
     ServeStageStop,
     ShardCopy,
 )
+from swarmp2p.node.records import NodeRecord
 from swarmp2p.node.serving.ring import Served, inputs_of
 from swarmp2p.node.serving.stages import check_serve_plan
 from swarmp2p.node.training.jobs import PlanMismatch, cluster_records
@@ -45,7 +46,13 @@ SHAPE = from_config(
 )
 
 
-def record(node_id: str, free: int = 8 * GIB, *, fake_gpu: str | None = None) -> dict:
+def record(
+    node_id: str,
+    free: int = 8 * GIB,
+    *,
+    fake_gpu: str | None = None,
+    caps=("serve-codec", "wire-v2"),
+) -> NodeRecord:
     """A node record as a daemon advertises it (a fake GPU carries the ``fake`` mark)."""
     devices = [
         {
@@ -70,17 +77,18 @@ def record(node_id: str, free: int = 8 * GIB, *, fake_gpu: str | None = None) ->
                 "fake": True,
             },
         )
-    return {
+    data = {
         "node_id": node_id,
         "name": f"host-{node_id}",
         "ram": 64 * GIB,
         "disk_free": 100 * GIB,
-        "capabilities": ["serve-codec", "wire-v2"],
+        "capabilities": list(caps),
         "devices": devices,
     }
+    return NodeRecord.from_data(data, "")
 
 
-def inputs(*records: dict, **kw) -> ServeInputs:
+def inputs(*records: NodeRecord, **kw) -> ServeInputs:
     return ServeInputs(shape=SHAPE, cluster=tuple(cluster_records(list(records))), **kw)
 
 
@@ -210,7 +218,7 @@ def test_a_trained_models_inputs_carry_its_boundaries_and_its_ring_skips_old_nod
     ask = inputs_of(served, frozenset("abc"))
     assert ask.trained_compression == (Compression.from_data(learned, "c"),)
     old = record("b")  # its record declares no calibrated-bottleneck
-    new = [{**record(n), "capabilities": ["calibrated-bottleneck"]} for n in "ac"]
+    new = [record(n, caps=["calibrated-bottleneck"]) for n in "ac"]
     plan = dataclasses.replace(ask, cluster=tuple(cluster_records([new[0], old, new[1]]))).plan()
     assert isinstance(plan, ServePlan)
     assert [s.node_id for s in plan.stages] == ["a", "c"]

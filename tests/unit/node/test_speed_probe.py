@@ -11,6 +11,7 @@ from swarmp2p.node import hardware, speed_probe
 from swarmp2p.node.training import jobs
 from swarmp2p.plan import Node, Plan, parse_job
 from swarmp2p.plan.worker_spec import local_plan
+from swarmp2p.schema import to_data
 
 V1 = "12:cpu,cpuacct:/lab/hostb\n0::/lab/hostb\n"
 
@@ -92,17 +93,17 @@ def test_the_probe_measures_what_each_device_trains_a_fake_gpu_on_the_cpu():
         ]
     )
     record, host = _record(fake)
-    assert host["cpu_cores"] >= 1 and host["machine"] == speed_probe.machine_id()
+    assert host.cpu_cores >= 1 and host.machine == speed_probe.machine_id()
     request = speed_probe.probe_request(record, threads=1)
     got = {d["key"]: (d["torch_device"], d["dtypes"]) for d in request["devices"]}
     assert got == {
         "cuda:0": ("cpu", ["bfloat16", "float16", "float32"]),
         "cpu:0": ("cpu", ["bfloat16", "float32"]),
     }  # the 1660S came with its speed: not measured
-    assert record["devices"][1]["speed"] == {"float16": 5e12, "float32": 4e12}
+    assert record.node.devices[1].speed.to_data() == {"float16": 5e12, "float32": 4e12}
     assert request["cpus"] == 1.0  # one thread
     assert speed_probe.probe_request(record, threads=1, quota=0.35)["cpus"] == 0.35
-    assert Node.from_dict(hardware.planner_record(record)).devices[1].speed.get("float16") == 5e12
+    assert Node.from_dict(to_data(record.node)).devices[1].speed.get("float16") == 5e12
 
 
 def test_a_bad_fake_speed_names_the_field():
@@ -110,11 +111,14 @@ def test_a_bad_fake_speed_names_the_field():
         hardware.parse_fake_devices('[{"name": "x", "memory_total": 1, "speed": {"f": 1}}]')
 
 
-def test_apply_speeds_fills_the_record_once():
+def test_measured_speeds_fill_a_new_record():
     record, _ = _record()
-    assert speed_probe.apply_speeds(record, {"cpu:0": {"float32": 3e10}})
-    assert record["devices"][-1]["speed"] == {"float32": 3e10}
-    assert not speed_probe.apply_speeds(record, {"cpu:0": {"float32": 3e10}})
+    measured = record.with_speeds({"cpu:0": {"float32": 3e10}})
+    assert measured.node.devices[-1].speed.to_data() == {"float32": 3e10}
+    assert measured.with_speeds({"cpu:0": {"float32": 3e10}}) == measured  # no change
+    assert not record.node.devices[-1].speed  # records are frozen
+    with pytest.raises(ValueError, match=r"cpu:0\.float8: is not a dtype"):
+        record.with_speeds({"cpu:0": {"float8": 1.0}})  # a bad cached speed is refused
 
 
 def test_stages_on_one_machine_share_its_cores():

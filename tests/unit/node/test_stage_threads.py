@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from swarmp2p.node.records import Host
 from swarmp2p.node.training.stages import worker_env
 from swarmp2p.plan import from_config, parse_job
 from swarmp2p.plan.hardware import Device, Node
@@ -40,7 +41,7 @@ def _ctx(node_id: str, machines: dict[str, str], cores: int = 8):
     live peers' (their ``machine`` ids)."""
 
     def peer(n: str):
-        return SimpleNamespace(node_id=n, host={"machine": machines[n], "cpu_cores": cores})
+        return SimpleNamespace(node_id=n, host=Host(machine=machines[n], cpu_cores=cores))
 
     return SimpleNamespace(
         node_id=node_id,

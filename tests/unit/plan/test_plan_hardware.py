@@ -144,10 +144,13 @@ def test_example_clusters_parse(name):
 
 
 def test_plan_imports_only_the_standard_library():
-    """plan/ (and the schema validator it parses records with, and the codec layout it prices
-    boundaries with) import only the stdlib."""
+    """plan/ (and the schema validator it parses records with, the codec layout it prices
+    boundaries with, and the timings a worker spec carries) import only the stdlib."""
     allowed = set(sys.stdlib_module_names) | {"swarmp2p"}
-    light = [ROOT / "swarmp2p" / f for f in ("schema.py", "_install.py", "codec_layout.py")]
+    light = [
+        ROOT / "swarmp2p" / f
+        for f in ("schema.py", "_install.py", "codec_layout.py", "timings/__init__.py")
+    ]
     paths = [*sorted((ROOT / "swarmp2p" / "plan").glob("*.py")), *light]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -164,5 +167,6 @@ def test_plan_imports_only_the_standard_library():
                         "swarmp2p.schema",
                         "swarmp2p._install",
                         "swarmp2p.codec_layout",
+                        "swarmp2p.timings",
                     )
                     assert ok, f"{path.name} imports {name}"

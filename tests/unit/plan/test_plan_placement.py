@@ -270,7 +270,7 @@ def test_plan_gives_the_stage_specs():
     spec = plan.split_spec
     assert spec.n_stages == 3 and spec.n_layers == 30
     assert [spec.layer_range(i) for i in range(3)] == layers_of(plan)
-    middle = plan.stage_spec(1)
+    middle = spec.stage(1)
     assert middle.receive_compression.bits == 8 and middle.send_compression.method == "fp16"
 
 

@@ -363,7 +363,7 @@ def test_the_serve_request_is_parsed_once_with_every_error_named():
 
 
 def test_the_inputs_cross_the_wire_and_plan_the_same_bytes():
-    cluster = (cpu_gb("a", 8).to_dict(), node("b", gpu(*A5000, 8)).to_dict())
+    cluster = (cpu_gb("a", 8), node("b", gpu(*A5000, 8)))
     inputs = ServeInputs(
         shape=SHAPE,
         cluster=cluster,

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -177,7 +178,7 @@ def converted(tmp_path_factory):
     models_dir = cache / "swarmp2p" / "models"
     folder = models_dir / "smollm2-135m-instruct"
     env = os.environ | {"XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "swarmp2p.runtime.torch.model.embedded"]
+    command = [sys.executable, "-m", "swarmp2p.models"]  # what install.sh and the docs run
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -203,6 +204,7 @@ def converted(tmp_path_factory):
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=280)
         assert proc.returncode == 0, stderr
+        assert "Warning" not in stderr and "%|" not in stderr, stderr  # no runpy note, no bar
         reports.append(json.loads(stdout.strip().splitlines()[-1]))
     yield folder, reports, crash
     shutil.rmtree(cache, ignore_errors=True)  # 540 MB: do not keep it among pytest's old tmp dirs
@@ -343,7 +345,9 @@ def test_a_caller_gives_up_on_a_stuck_converter(monkeypatch, tmp_path):
 
     from swarmp2p.runtime.torch.model import embedded
 
-    monkeypatch.setattr(embedded, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(
+        embedded, "WORKER_TIMINGS", replace(embedded.WORKER_TIMINGS, embedded_lock_s=0.3)
+    )
     folder = tmp_path / "models" / "smollm2-135m-instruct"
     folder.parent.mkdir(parents=True)
     with open(folder.parent / ".smollm2-135m-instruct.lock", "w") as held:

@@ -68,13 +68,14 @@ def _adapted_shards(root: Path):
     as two stages' adapters shards; and the adapted whole model, the swarm's reference."""
     from transformers import AutoModelForCausalLM
 
+    from swarmp2p.plan.job import LoraConfig
     from swarmp2p.runtime.torch import build_stage
-    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.model.lora import apply_lora, resolve_targets
     from swarmp2p.runtime.torch.train.bundle import build_bundle
     from swarmp2p.runtime.torch.train.compression import compressor_from_spec
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_ref("embedded")).eval()
-    settings = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
+    settings = LoraConfig(r=4, alpha=8, dropout=0.0, export="adapters")
     torch.manual_seed(0)  # lora_A's init: an unseeded draw sometimes left the greedy text as is
     fingerprint = apply_lora(model, settings)
     targets = resolve_targets(model, settings)

@@ -260,3 +260,34 @@ def test_attn_implementation_moved_is_loud():
     with pytest.raises(TransformersHookMoved, match="_attn_implementation") as error:
         hf_compat.attn_implementation(SimpleNamespace())
     _assert_names(error, "attn_implementation")
+
+
+# --- set_attn_implementation: PretrainedConfig._attn_implementation, written ---------------------
+
+
+def test_set_attn_implementation_switches_what_a_built_model_dispatches_on():
+    model = _llama(attn_implementation="sdpa")
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        expected = model(IDS).logits
+        hf_compat.set_attn_implementation(attention.config, "eager")
+        assert hf_compat.attn_implementation(attention.config) == "eager"
+        assert torch.allclose(model(IDS).logits, expected, rtol=0, atol=1e-5)
+        hf_compat.set_attn_implementation(attention.config, "no_such_attention")
+        with pytest.raises(KeyError, match="no_such_attention"):  # the blocks read the write
+            model(IDS)
+
+
+def test_set_attn_implementation_moved_is_loud():
+    class Computed:  # a config whose implementation is derived, not stored
+        @property
+        def _attn_implementation(self):
+            return "sdpa"
+
+        @_attn_implementation.setter
+        def _attn_implementation(self, value):
+            pass
+
+    with pytest.raises(TransformersHookMoved, match="does not change") as error:
+        hf_compat.set_attn_implementation(Computed(), "eager")
+    _assert_names(error, "set_attn_implementation")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from swarmp2p.serve import SamplingParams
@@ -12,9 +13,9 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 from swarmp2p.runtime.torch.serve.sampling import (  # noqa: E402
+    SessionSampler,
     filter_logits,
     new_generator,
-    sample_token,
 )
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (as logits, shuffled)
@@ -51,21 +52,19 @@ def test_temperature_sharpens_and_flattens():
 
 def test_draws_follow_the_distribution_and_repeat_with_the_seed():
     params = SamplingParams(seed=123)
-    gen = new_generator(params)
-    draws = [sample_token(LOGITS, params, gen) for _ in range(4000)]
+    sampler = SessionSampler(params, vocab_size=5)
+    draws = [sampler.pick(LOGITS)[0] for _ in range(4000)]
     share = draws.count(1) / len(draws)
     assert 0.46 < share < 0.54  # p = 0.5
-    again = new_generator(params)
-    assert [sample_token(LOGITS, params, again) for _ in range(4000)] == draws
+    again = SessionSampler(params, vocab_size=5)
+    assert [again.pick(LOGITS)[0] for _ in range(4000)] == draws
 
 
-def test_greedy_needs_no_generator_and_others_do():
+def test_greedy_needs_no_generator_and_picks_one_row():
     assert new_generator(SamplingParams(temperature=0)) is None
-    assert sample_token(LOGITS, SamplingParams(temperature=0), None) == 1
-    with pytest.raises(ValueError, match="needs a generator"):
-        sample_token(LOGITS, SamplingParams(), None)
+    assert SessionSampler(SamplingParams(temperature=0), vocab_size=5).pick(LOGITS)[0] == 1
     with pytest.raises(ValueError, match=r"one \[vocab\] row"):
-        sample_token(LOGITS[None], SamplingParams(temperature=0), None)
+        SessionSampler(SamplingParams(temperature=0), vocab_size=5).pick(LOGITS[None])
 
 
 def test_min_p_keeps_tokens_at_least_that_share_of_the_top_one():
@@ -122,3 +121,22 @@ def test_a_replayed_session_counts_only_its_generated_tokens():
     fresh.end_of_prompt()
     fresh.observe([1, 1])
     assert replay.pick(LOGITS) == fresh.pick(LOGITS) == (4, None)
+
+
+def _mask(ids, vocab):
+    bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+    bits[list(ids)] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammars_mask_limits_the_pick_to_the_ids_it_allows(temperature):
+    vocab = 50
+    logits = torch.arange(vocab, dtype=torch.float32)  # the argmax, 49, is not allowed
+    allowed = {3, 17, 20}
+    sampler = SessionSampler(SamplingParams(temperature=temperature, seed=7), vocab)
+    picks = {sampler.pick(logits, _mask(allowed, vocab))[0] for _ in range(40)}
+    assert picks <= allowed and (picks == {20} if temperature == 0 else len(picks) > 1)
+    assert SessionSampler(SamplingParams(temperature=0.0), vocab).pick(logits)[0] == 49
+    with pytest.raises(ValueError, match="allows no token"):
+        sampler.pick(logits, _mask(set(), vocab))

@@ -20,9 +20,11 @@ from train_models import build_model, run_threads, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan.job import LoraConfig  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch import decoder_config, load_stage_shard  # noqa: E402
 from swarmp2p.runtime.torch.model.introspect import introspect  # noqa: E402
-from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import apply_lora, resolve_targets  # noqa: E402
 from swarmp2p.runtime.torch.serve.trained import load_trained_stage  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import (  # noqa: E402
     Channel,
@@ -35,7 +37,7 @@ from swarmp2p.runtime.torch.train.export import (  # noqa: E402
     read_manifest,
     reconstruct_from_shards,
 )
-from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import train_stage  # noqa: E402
 from swarmp2p.serve import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -129,7 +131,7 @@ def _train_and_export(
                 finetune_mode="full" if lora is None else "lora",
             )
         )
-    settings = TrainSettings(steps=2, micro_batches=2, lr=LR)
+    settings = StageTraining.of(steps=2, micro_batches=2, lr=LR)
     batches = token_batches(2, 4, 9)
 
     def run(i):
@@ -318,7 +320,7 @@ def test_a_tied_last_stage_needs_its_tied_head(tied, tmp_path):
 
 def test_lora_merged_with_a_fixed_int8_boundary(base, tmp_path):
     bounds, compression = [(0, 2), (2, 4)], ["fixed_int8"]
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="merged")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, export="merged")
     dirs, _ = _train_and_export(base, tmp_path, bounds, compression, lora=lora)
     want = _reference_with_boundaries(
         reconstruct_from_shards(base, dirs).eval(), dirs, bounds, compression
@@ -337,7 +339,7 @@ def test_lora_merged_with_a_fixed_int8_boundary(base, tmp_path):
 
 def test_lora_adapters_serve_unmerged(base, tmp_path):
     bounds = [(0, 2), (2, 4)]
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, export="adapters")
     dirs, bundles = _train_and_export(base, tmp_path, bounds, ["none"], lora=lora)
     reference = reconstruct_from_shards(base, dirs, merge_adapters=False).eval()
     want = reference_generate(reference.get_base_model(), PROMPT, NEW)  # LoRA layers inside
@@ -354,7 +356,8 @@ def test_lora_adapters_serve_unmerged(base, tmp_path):
 @pytest.mark.slow
 def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -363,7 +366,7 @@ def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process
 
     base = _save_base(tmp_path / "base", wide=True)
     bounds = [(0, 2), (2, 4)]
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="merged")  # exported as adapters
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, export="merged")  # exported as adapters
     dirs, _ = _train_and_export(base, tmp_path, bounds, ["none"], lora=lora, quantization=NF4)
     assert not any(read_manifest(d)["weights_included"] for d in dirs)
     reference = AutoModelForCausalLM.from_pretrained(
@@ -374,7 +377,7 @@ def test_qlora_nf4_adapters_equal_the_same_nf4_base_with_adapters_in_one_process
     )
     config = json.loads((dirs[0] / "adapter" / "adapter_config.json").read_text())
     config.pop("peft_type")
-    reference = get_peft_model(reference, LoraConfig(**config))
+    reference = get_peft_model(reference, PeftConfig(**config))
     union = {}
     for d in dirs:
         union.update(load_file(d / "adapter" / "adapter_model.safetensors"))
@@ -412,7 +415,7 @@ def test_a_hybrid_qwen3_5_with_lora_adapters_and_a_learned_bottleneck(tmp_path):
     base = tmp_path / "base"
     build_wide_model("qwen3_5").save_pretrained(base)
     bounds, compression = [(0, 2), (2, 4)], [LEARNED]
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0, export="adapters")
+    lora = LoraConfig(r=4, alpha=8, dropout=0.0, export="adapters")
     dirs, _ = _train_and_export(base, tmp_path, bounds, compression, lora=lora)
     assert "in_proj_qkv" in read_manifest(dirs[0])["lora"]["target_modules"]
     reference = reconstruct_from_shards(base, dirs, merge_adapters=False).eval()

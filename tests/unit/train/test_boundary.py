@@ -128,3 +128,36 @@ def test_control_messages_are_named():
     up.send_control("eval")
     with pytest.raises(StaleReply, match="expected control message 'projection'"):
         down.recv_control("projection")
+
+
+def test_on_the_cpu_the_host_copy_is_the_tensor_itself_and_the_bytes_are_unchanged():
+    """The pinned, side-stream copy is a card's path: a CPU tensor goes as it is (no copy, no
+    stream), and a channel sends exactly the parts ``to_frame`` makes of it."""
+    from swarmp2p.runtime.torch.train.boundary import HostCopy
+
+    x = torch.randn(3, 5, requires_grad=True) * 2
+    host = HostCopy()(x)
+    assert host.data_ptr() == x.data_ptr() and not host.requires_grad and not host.is_pinned()
+    sent: list = []
+
+    class Recorder:
+        def send(self, parts, timeout=None):
+            sent.append([bytes(memoryview(p)) for p in parts])
+
+    channel = Channel(Recorder(), timeout=1.0)
+    channel.send_activation(4, 1, x, torch.arange(3))
+    want = [bytes(memoryview(p)) for p in to_frame(x, step=4, micro=1).to_parts()]
+    assert sent[0][1 : 1 + len(want)] == want
+
+
+def test_the_gradient_comes_back_in_the_payload_dtype_on_its_device():
+    up, down = _channels()
+    w = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    sent = send_through(
+        up, torch.ones(2, 4, dtype=torch.bfloat16) @ w, step=0, micro=0, labels=torch.zeros(2)
+    )
+    down.recv_activation(0, 0)
+    down.send_reply(0, 0, torch.ones(2, 4), 1.0)  # float32 on the wire
+    sent.backward()
+    assert w.grad.dtype == torch.bfloat16 and w.grad.device == w.device
+    assert torch.equal(w.grad, torch.full((4, 4), 2.0, dtype=torch.bfloat16))

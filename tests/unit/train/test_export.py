@@ -12,9 +12,10 @@ torch = pytest.importorskip("torch")
 from test_pipeline import run_pipeline  # noqa: E402
 from train_models import build_model, token_batches  # noqa: E402
 
-from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.plan.job import LoraConfig  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import apply_lora, resolve_targets  # noqa: E402
 from swarmp2p.runtime.torch.train.export import export_stage, read_manifest, reconstruct_from_shards  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -67,7 +68,7 @@ def base(tmp_path_factory):
 
 def test_full_finetune_export_reconstructs_the_trained_model(base, tmp_path):
     folder, model = base
-    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-2)
+    settings = StageTraining.of(steps=2, micro_batches=2, lr=1e-2)
     _, bundles = run_pipeline(model, 3, token_batches(2, 4, 9), settings, "gpipe")
     dirs = _export(bundles, tmp_path, 3, cuts=(1, 3))
     manifest = read_manifest(dirs[1])
@@ -86,12 +87,17 @@ def test_full_finetune_export_reconstructs_the_trained_model(base, tmp_path):
 @pytest.mark.parametrize("export", ["merged", "adapters"])
 def test_lora_export_reconstructs_the_trained_model(base, tmp_path, export):
     folder, _model = base
-    settings = LoraSettings(r=4, alpha=8, dropout=0.0, export=export)
+    settings = LoraConfig(r=4, alpha=8, dropout=0.0, export=export)
     adapted = build_model("llama")
     fingerprint = apply_lora(adapted, settings)
     targets = resolve_targets(adapted, settings)
     _, bundles = run_pipeline(
-        adapted, 2, token_batches(2, 4, 9), TrainSettings(steps=2, lr=1e-2), "1f1b", mode="lora"
+        adapted,
+        2,
+        token_batches(2, 4, 9),
+        StageTraining.of(steps=2, lr=1e-2, micro_batches=1),
+        "1f1b",
+        mode="lora",
     )
     dirs = _export(bundles, tmp_path, 2, lora=settings, targets=targets, fingerprint=fingerprint)
     manifest = read_manifest(dirs[0])
@@ -106,7 +112,9 @@ def test_lora_export_reconstructs_the_trained_model(base, tmp_path, export):
 
 def test_mismatched_fingerprints_are_refused(base, tmp_path):
     folder, model = base
-    _, bundles = run_pipeline(model, 2, token_batches(1, 4, 9), TrainSettings(steps=1), "1f1b")
+    _, bundles = run_pipeline(
+        model, 2, token_batches(1, 4, 9), StageTraining.of(steps=1, micro_batches=1), "1f1b"
+    )
     dirs = _export(bundles, tmp_path, 2)
     manifest_path = dirs[0] / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
@@ -121,7 +129,9 @@ def test_mismatched_fingerprints_are_refused(base, tmp_path):
 
 def test_a_corrupted_shard_file_is_refused(base, tmp_path):
     folder, model = base
-    _, bundles = run_pipeline(model, 2, token_batches(1, 4, 9), TrainSettings(steps=1), "1f1b")
+    _, bundles = run_pipeline(
+        model, 2, token_batches(1, 4, 9), StageTraining.of(steps=1, micro_batches=1), "1f1b"
+    )
     dirs = _export(bundles, tmp_path, 2)
     with open(dirs[1] / "weights.safetensors", "r+b") as handle:
         handle.seek(-1, 2)

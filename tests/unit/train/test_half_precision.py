@@ -20,6 +20,7 @@ from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch import build_stage  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel, PipelineAborted  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
@@ -37,7 +38,7 @@ from swarmp2p.runtime.torch.train.precision import (  # noqa: E402
     next_loss_scale,
 )
 from swarmp2p.runtime.torch.train.snapshot import load_snapshot, save_snapshot  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import make_optimizer, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -159,15 +160,16 @@ def test_float32_masters_step_in_the_fused_kernel_and_equal_the_unfused_adamw():
 @pytest.mark.slow  # float16 matmuls are emulated on the CPU: ~0.5 s per tiny LoRA step
 def test_float16_lora_stays_finite_with_master_copies_and_goes_nan_without():
     """The DESIGN pitfall: AdamW in float16 divides 0 by eps = 0 on a zero-initialised LoRA B."""
-    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora
+    from swarmp2p.plan.job import LoraConfig
+    from swarmp2p.runtime.torch.model.lora import apply_lora
 
     def one_stage(model):
         stage = build_stage(model, 0, 4)
-        apply_lora(stage, LoraSettings(r=4, alpha=8, dropout=0.0))
+        apply_lora(stage, LoraConfig(r=4, alpha=8, dropout=0.0))
         return build_bundle(stage.half(), index=0, n_stages=1, finetune_mode="lora")
 
     batches = token_batches(2, 4, 9)
-    settings = TrainSettings(steps=2, lr=1e-2)
+    settings = StageTraining.of(steps=2, lr=1e-2, micro_batches=1)
     ops = stage_schedule("1f1b", 0, 1, 1)
     model = build_model("llama")
     bundle = one_stage(copy.deepcopy(model))
@@ -240,7 +242,7 @@ def _train(bundles, settings, batches, *, per_stage=None, start=0, optimizers=No
 
 def test_one_stage_trains_exactly_like_a_single_process():
     model = build_model("llama")
-    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-3, loss_chunk_tokens=7)
+    settings = StageTraining.of(steps=2, micro_batches=2, lr=1e-3, loss_chunk_tokens=7)
     batches = token_batches(2, 4, 9)
     ref_losses, _, ref_params = _reference(model, batches, settings)
     whole = copy.deepcopy(model)
@@ -258,7 +260,7 @@ def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale():
     model = build_model("llama")
     bundles = _bundles(model, 3, torch.float16)
     before = [[p.detach().clone() for p in b.trainable_parameters] for b in bundles]
-    settings = TrainSettings(steps=3, micro_batches=2, lr=1e-3, loss_scale=2.0**40)
+    settings = StageTraining.of(steps=3, micro_batches=2, lr=1e-3, loss_scale=2.0**40)
     results = _train(bundles, settings, token_batches(3, 4, 9))
     for stage_metrics in results:
         assert not isinstance(stage_metrics, Exception), stage_metrics
@@ -277,8 +279,10 @@ def test_an_injected_nan_fails_every_stage_naming_the_stage_and_step(dtype):
     model = build_model("llama")
     bundles = _bundles(model, 3, dtype)
     scale = 4.0 if dtype == torch.float16 else None  # float16 first skips: 4, 2, then fails at 1
-    settings = TrainSettings(steps=8, micro_batches=2, lr=1e-3, loss_scale=scale)
-    poisoned = TrainSettings(steps=8, micro_batches=2, lr=1e-3, loss_scale=scale, inject_nan_step=1)
+    settings = StageTraining.of(steps=8, micro_batches=2, lr=1e-3, loss_scale=scale)
+    poisoned = StageTraining.of(
+        steps=8, micro_batches=2, lr=1e-3, loss_scale=scale, inject_nan_step=1
+    )
     results = _train(bundles, settings, token_batches(8, 4, 9), per_stage={1: poisoned})
     fail_step = 3 if dtype == torch.float16 else 1
     assert isinstance(results[1], NonFiniteError), results[1]
@@ -297,11 +301,11 @@ def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path):
     from the float16 weights, or restarting at the default scale, would change the run."""
     model = build_model("llama")
     batches = token_batches(4, 4, 9)
-    settings = TrainSettings(steps=4, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
+    settings = StageTraining.of(steps=4, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     whole = _bundles(model, 2, torch.float16)
     full = _train(whole, settings, batches)
 
-    half = TrainSettings(steps=2, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
+    half = StageTraining.of(steps=2, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     first = _bundles(model, 2, torch.float16)
     opts = [make_optimizer(b, half) for b in first]
     scalers = [LossScaler(scale=2.0**10) for _ in first]
@@ -406,7 +410,7 @@ def test_a_float16_backbone_halves_the_stage_peak_and_keeps_the_loss(tmp_path):
         spec = worker_spec(job, plan, 0, token="t")
         assert spec.weight_dtype == weight_dtype
         bundle, vocab, _ = build_from_spec(spec)
-        settings = TrainSettings(steps=3, lr=1e-2)
+        settings = StageTraining.of(steps=3, lr=1e-2, micro_batches=1)
         held = [*bundle.stage.parameters(), *bundle.stage.buffers()]
         memory = LiveTensorBytes(held)
         weights = memory.current

@@ -12,9 +12,10 @@ torch = pytest.importorskip("torch")
 from test_pipeline import _reference_lora, run_pipeline  # noqa: E402
 from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
+from swarmp2p.plan.job import LoraConfig  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch.model.introspect import introspect  # noqa: E402
 from swarmp2p.runtime.torch.model.lora import (  # noqa: E402
-    LoraSettings,
     apply_lora,
     default_target_modules,
     lora_fingerprint,
@@ -22,7 +23,6 @@ from swarmp2p.runtime.torch.model.lora import (  # noqa: E402
 )
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import NoCompression  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -53,18 +53,18 @@ def test_unknown_architecture_falls_back_to_every_2d_weight():
 
 
 def test_fingerprint_depends_on_every_setting():
-    base = LoraSettings(r=8, alpha=16, dropout=0.0)
+    base = LoraConfig(r=8, alpha=16, dropout=0.0)
     fp = lora_fingerprint(base, ["q_proj", "v_proj"])
     assert fp == lora_fingerprint(base, ["v_proj", "q_proj"])
     assert fp == lora_fingerprint(
-        LoraSettings(r=8, alpha=16, dropout=0.0, export="adapters"), ["q_proj", "v_proj"]
+        LoraConfig(r=8, alpha=16, dropout=0.0, export="adapters"), ["q_proj", "v_proj"]
     )
     others = [
         lora_fingerprint(
-            LoraSettings(r=4, alpha=8, dropout=0.0), ["q_proj", "v_proj"]
+            LoraConfig(r=4, alpha=8, dropout=0.0), ["q_proj", "v_proj"]
         ),  # scaling same, rank not
-        lora_fingerprint(LoraSettings(r=8, alpha=32, dropout=0.0), ["q_proj", "v_proj"]),
-        lora_fingerprint(LoraSettings(r=8, alpha=16, dropout=0.1), ["q_proj", "v_proj"]),
+        lora_fingerprint(LoraConfig(r=8, alpha=32, dropout=0.0), ["q_proj", "v_proj"]),
+        lora_fingerprint(LoraConfig(r=8, alpha=16, dropout=0.1), ["q_proj", "v_proj"]),
         lora_fingerprint(base, ["q_proj"]),
     ]
     assert len({fp, *others}) == 5
@@ -73,21 +73,25 @@ def test_fingerprint_depends_on_every_setting():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"r": 0}, r"model\.lora\.r must be an integer >= 1, got 0"),
-        ({"dropout": 1.0}, r"model\.lora\.dropout must be in \[0, 1\)"),
-        ({"export": "zip"}, "model.lora.export must be merged or adapters, got 'zip'"),
-        ({"target_modules": ()}, "target_modules must be a non-empty list"),
+        ({"r": 0}, "r: must be an integer >= 1, got 0"),
+        ({"dropout": 1.0}, "dropout: must be a number >= 0 and < 1, got 1.0"),
+        ({"export": "zip"}, 'export: must be one of "merged", "adapters", got "zip"'),
+        ({"target_modules": []}, "target_modules: must be a non-empty list"),
     ],
 )
 def test_bad_lora_settings_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        LoraSettings(**kwargs)
+    """The runtime takes the job's record, checked where job.json (or a manifest) is read."""
+    from swarmp2p.schema import SchemaError, parse
+
+    with pytest.raises(SchemaError) as info:
+        parse(LoraConfig, kwargs)
+    assert message in str(info.value)
 
 
 def test_targets_that_match_nothing_fail_at_once():
     model = build_model("llama", layers=2)
     with pytest.raises(ValueError, match=r"target_modules \['c_attn'\] matched nothing"):
-        apply_lora(model, LoraSettings(target_modules=("c_attn",)))
+        apply_lora(model, LoraConfig(target_modules=("c_attn",)))
 
 
 def test_stage_without_adapters_fails_clearly():
@@ -102,12 +106,12 @@ def test_stage_without_adapters_fails_clearly():
 @pytest.mark.parametrize(("family", "n"), [("llama", 2), ("gpt2", 3)])
 def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n):
     model = build_model(family)
-    apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
+    apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
     with torch.no_grad():  # a non-zero B so that A's gradient is not zero either
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=2, micro_batches=2, lr=1e-3)
     batches = token_batches(2, 4, 9)
     ref_losses, ref_params = _reference_lora(model, batches, settings)
     metrics, bundles = run_pipeline(model, n, batches, settings, "1f1b", mode="lora")
@@ -128,7 +132,7 @@ def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n
     assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint halves
     copy.deepcopy(model)  # the adapted model stays copyable
     # resolution reads through the adapters: the same targets before and after injection
-    assert resolve_targets(model, LoraSettings()) == default_target_modules(
+    assert resolve_targets(model, LoraConfig()) == default_target_modules(
         list(introspect(build_model(family, layers=2)).blocks)
     )
 
@@ -183,7 +187,7 @@ def test_hybrid_stages_resolve_one_target_set_and_their_shards_merge(family, gro
 
     base = tmp_path / "base"
     _hybrid(family).save_pretrained(base)
-    settings = LoraSettings(r=4, alpha=8, dropout=0.0)
+    settings = LoraConfig(r=4, alpha=8, dropout=0.0)
     bundles, fingerprints, dirs = [], [], []
     for index, (a, b) in enumerate([(0, 1), (1, 4)]):
         torch.manual_seed(0)
@@ -232,3 +236,26 @@ def test_hybrid_stages_resolve_one_target_set_and_their_shards_merge(family, gro
         chained = bundles[1].stage(bundles[0].stage(ids))
         torch.testing.assert_close(rebuilt(ids).logits, chained, atol=1e-5, rtol=0)
         assert not torch.allclose(_hybrid(family)(ids).logits, chained, atol=1e-3)
+
+
+def test_the_runtime_trains_at_the_jobs_defaults():
+    """A job.json that sets nothing: the adapters PEFT builds and the optimizer the stage steps
+    take the job's defaults (declared once, in ``plan/job.py``)."""
+    from swarmp2p.plan.job import TrainConfig
+    from swarmp2p.runtime.torch.model.lora import lora_config
+    from swarmp2p.runtime.torch.train.steps import make_optimizer
+    from swarmp2p.schema import parse
+
+    lora, train = parse(LoraConfig, {}), parse(TrainConfig, {})
+    model = build_model("llama", layers=2)
+    peft = lora_config(model, lora)
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout) == (lora.r, lora.alpha, lora.dropout)
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout) == (8, 16.0, 0.05)
+    apply_lora(model, lora)
+    (stage, _), _ = stage_copies(model, [1])
+    bundle = build_bundle(
+        stage, index=0, n_stages=2, send_compressor=NoCompression(), finetune_mode="lora"
+    )
+    (group,) = make_optimizer(bundle, StageTraining.of()).param_groups
+    assert group["lr"] == train.lr == 2e-4
+    assert group["weight_decay"] == 0.0

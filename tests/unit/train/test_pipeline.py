@@ -16,11 +16,12 @@ from train_models import (  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train.loss import chunked_loss  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 TOL = 1e-5
@@ -154,7 +155,7 @@ def models():
 )
 def test_pipeline_matches_single_process(models, family, n, schedule, m):
     model = models(family)
-    settings = TrainSettings(steps=2, micro_batches=m, lr=1e-3, loss_chunk_tokens=7)
+    settings = StageTraining.of(steps=2, micro_batches=m, lr=1e-3, loss_chunk_tokens=7)
     batches = token_batches(2, 4, 9)
     ref_losses, ref_grads, ref_params = _reference(model, batches, settings)
     metrics, bundles = run_pipeline(model, n, batches, settings, schedule)
@@ -175,10 +176,14 @@ def test_pipeline_matches_single_process(models, family, n, schedule, m):
 def test_recompute_gives_the_same_gradients(models):
     model = models("llama")
     batches = token_batches(1, 4, 9)
-    plain = TrainSettings(steps=1, micro_batches=2, lr=1e-3)
+    plain = StageTraining.of(steps=1, micro_batches=2, lr=1e-3)
     _, ref = run_pipeline(model, 2, batches, plain, "1f1b")
     _, rec = run_pipeline(
-        model, 2, batches, TrainSettings(steps=1, micro_batches=2, lr=1e-3, recompute=True), "1f1b"
+        model,
+        2,
+        batches,
+        StageTraining.of(steps=1, micro_batches=2, lr=1e-3, recompute=True),
+        "1f1b",
     )
     for (a, _), (b, _) in zip(ref, rec):
         for pa, pb in zip(a.stage.parameters(), b.stage.parameters()):
@@ -187,7 +192,7 @@ def test_recompute_gives_the_same_gradients(models):
 
 def test_metrics_count_bytes_and_tokens(models):
     model = models("llama")
-    settings = TrainSettings(steps=1, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=1, micro_batches=2, lr=1e-3)
     batches = token_batches(1, 4, 9)
     metrics, _ = run_pipeline(model, 3, batches, settings, "gpipe")
     first, middle, last = (m[0] for m in metrics)
@@ -206,7 +211,7 @@ def test_each_step_says_where_its_time_went(models):
     import time
 
     model = models("llama")
-    settings = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=2, micro_batches=2, lr=1e-3)
     batches = token_batches(2, 4, 9)
 
     def slow(*_):
@@ -228,7 +233,7 @@ def test_each_step_says_where_its_time_went(models):
 
 def test_fixed_int8_trains_bit_identically_to_plain_floats(models):
     model = models("llama")
-    settings = TrainSettings(steps=3, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=3, micro_batches=2, lr=1e-3)
     batches = token_batches(3, 4, 9)
     plain_metrics, plain = run_pipeline(
         model, 2, batches, settings, "1f1b", compression="fixed_int8"

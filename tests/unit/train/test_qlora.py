@@ -12,13 +12,15 @@ from train_models import build_model, run_threads  # noqa: E402
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan.job import LoraConfig  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch import load_stage_shard  # noqa: E402
-from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets  # noqa: E402
+from swarmp2p.runtime.torch.model.lora import apply_lora, resolve_targets  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import NoCompression  # noqa: E402
 from swarmp2p.runtime.torch.train.export import export_stage, read_manifest  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import train_stage  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -33,7 +35,7 @@ except ImportError:
 def test_qlora_two_stages_loss_falls_and_exports_adapters_only(tmp_path):
     folder = tmp_path / "base"
     build_model("llama").save_pretrained(folder)
-    settings = LoraSettings(r=8, alpha=16, dropout=0.0, export="merged")
+    settings = LoraConfig(r=8, alpha=16, dropout=0.0, export="merged")
     bundles, fingerprints = [], []
     for i, (a, b) in enumerate([(0, 2), (2, 4)]):
         torch.manual_seed(0)
@@ -56,7 +58,7 @@ def test_qlora_two_stages_loss_falls_and_exports_adapters_only(tmp_path):
     # one fixed batch, trained on repeatedly: the adapters must fit it
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 128, (4, 17), generator=gen)
-    train = TrainSettings(steps=12, micro_batches=2, lr=2e-2)
+    train = StageTraining.of(steps=12, micro_batches=2, lr=2e-2)
     a, b = InProcLink.pair()
 
     def run(i):

@@ -13,11 +13,12 @@ torch = pytest.importorskip("torch")
 from test_snapshot import _train  # noqa: E402
 from train_models import build_model, stage_copies, token_batches  # noqa: E402
 
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
 from swarmp2p.runtime.torch.train.reslice import Source, reslice  # noqa: E402
 from swarmp2p.runtime.torch.train.snapshot import load_snapshot, save_snapshot, snapshot_path  # noqa: E402
-from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -57,7 +58,7 @@ def _by_global_name(bundles, cuts):
 def test_a_run_resliced_onto_other_cuts_goes_on_as_the_uninterrupted_one(tmp_path):
     model = build_model("llama")
     batches = token_batches(4, 4, 9)
-    settings = TrainSettings(steps=4, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=4, micro_batches=2, lr=1e-3)
     old_cuts, new_cuts = [1, 3], [2]
 
     whole = _bundles(model, old_cuts)
@@ -65,7 +66,7 @@ def test_a_run_resliced_onto_other_cuts_goes_on_as_the_uninterrupted_one(tmp_pat
 
     first = _bundles(model, old_cuts)
     first_opts = [make_optimizer(b, settings) for b in first]
-    half = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    half = StageTraining.of(steps=2, micro_batches=2, lr=1e-3)
 
     def snap(i):
         def on_step(m):
@@ -115,7 +116,9 @@ def test_a_learned_boundary_is_never_resliced(tmp_path):
     (s0, _), _ = stage_copies(model, [1])
     learned = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
     a = build_bundle(s0, index=0, n_stages=2, send_compressor=compressor_from_spec(learned, 32, 0))
-    path = save_snapshot(tmp_path, a, make_optimizer(a, TrainSettings(steps=1)), step=1)
+    path = save_snapshot(
+        tmp_path, a, make_optimizer(a, StageTraining.of(steps=1, micro_batches=1)), step=1
+    )
     with pytest.raises(ValueError, match="learned boundary"):
         reslice(
             [Source(path=path, start=0, end=1, first=True, last=False)],

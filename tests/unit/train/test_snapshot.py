@@ -11,6 +11,7 @@ from train_models import build_model, run_threads, stage_copies, token_batches  
 
 from swarmp2p.net import InProcLink  # noqa: E402
 from swarmp2p.plan import stage_schedule  # noqa: E402
+from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch.train.boundary import Channel  # noqa: E402
 from swarmp2p.runtime.torch.train.bundle import build_bundle  # noqa: E402
 from swarmp2p.runtime.torch.train.compression import compressor_from_spec  # noqa: E402
@@ -19,7 +20,7 @@ from swarmp2p.runtime.torch.train.snapshot import (  # noqa: E402
     load_snapshot,
     save_snapshot,
 )
-from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage  # noqa: E402
+from swarmp2p.runtime.torch.train.steps import make_optimizer, train_stage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 LEARNED = {"method": "learned_bottleneck", "learned_dim": 16, "code_bits": 8}
@@ -59,7 +60,7 @@ def _train(bundles, optimizers, settings, batches, start, on_step=None):
 def test_resumed_run_equals_uninterrupted(tmp_path):
     model = build_model("llama")
     batches = token_batches(4, 4, 9)
-    settings = TrainSettings(steps=4, micro_batches=2, lr=1e-3)
+    settings = StageTraining.of(steps=4, micro_batches=2, lr=1e-3)
 
     whole = _bundles(model, 3)
     whole_opts = [make_optimizer(b, settings) for b in whole]
@@ -67,7 +68,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
 
     first = _bundles(model, 3)
     first_opts = [make_optimizer(b, settings) for b in first]
-    half = TrainSettings(steps=2, micro_batches=2, lr=1e-3)
+    half = StageTraining.of(steps=2, micro_batches=2, lr=1e-3)
 
     def snap(i):
         def on_step(m):
@@ -96,7 +97,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
 
 def test_snapshot_of_another_configuration_is_refused(tmp_path):
     model = build_model("llama", layers=2)
-    settings = TrainSettings(steps=1)
+    settings = StageTraining.of(steps=1, micro_batches=1)
     (s0, _), (s1, _) = stage_copies(model, [1])
     a = build_bundle(s0, index=0, n_stages=2, send_compressor=compressor_from_spec(LEARNED, 32, 0))
     path = save_snapshot(tmp_path, a, make_optimizer(a, settings), step=1)

@@ -110,6 +110,43 @@ def test_half_precision_fields_parse():
     assert spec.train.loss_scale == 1024.0 and spec.train.inject_nan_step == 3
 
 
+def test_each_training_default_is_the_jobs():
+    """The runtime trains with the job's records: a job.json that sets nothing trains at the
+    job's defaults (``lr`` 2e-4, LoRA r 8...), inside a spec and outside one (tests, benches)."""
+    from swarmp2p.plan.job import LoraConfig, TrainConfig
+    from swarmp2p.plan.worker_spec import StageTraining
+    from swarmp2p.schema import parse
+
+    job = parse_job(
+        {"model": {"pretrained": "/m", "lora": {"enabled": True}}, "split": {"stages": 1}}
+    )
+    defaults = parse(TrainConfig, {})
+    spec = worker_spec(
+        job, local_plan(job, from_config(CONFIG)), 0, token="t", tokens_path="/t.npz"
+    )
+    for t in (spec.train, StageTraining.of()):
+        assert t.lr == defaults.lr == 2e-4
+        assert (t.steps, t.batch_size, t.seq_len, t.micro_batches, t.schedule) == (
+            defaults.steps,
+            defaults.batch_size,
+            defaults.seq_len,
+            defaults.micro_batches,
+            defaults.schedule,
+        )
+        assert t.eval_batches == defaults.eval_batches
+        assert t.calibration_tokens == job.split.calibration_tokens
+        assert (t.weight_decay, t.loss_chunk_tokens, t.loss_scale) == (
+            spec.weight_decay,
+            spec.loss_chunk_tokens,
+            spec.loss_scale,
+        )
+    assert spec.lora is job.model.lora and spec.lora == parse(LoraConfig, {"enabled": True})
+    # what a run outside a spec names is checked as job.json's train is
+    assert StageTraining.of(lr=1e-3, micro_batches=2).lr == 1e-3
+    with pytest.raises(ValueError, match=r"micro_batches: must divide train\.batch_size 4"):
+        StageTraining.of(micro_batches=3)
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(WorkerSpecError) as info:
         parse_worker_spec({"stage": 0})

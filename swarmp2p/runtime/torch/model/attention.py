@@ -20,7 +20,7 @@ import functools
 import torch
 
 from swarmp2p.plan.precision import expands_grouped_kv
-from swarmp2p.runtime.torch.model.hf_compat import TransformersHookMoved, attn_implementation
+from swarmp2p.runtime.torch.model.hf_compat import attn_implementation, set_attn_implementation
 
 SWARM_SDPA = "swarm_sdpa"
 
@@ -81,9 +81,5 @@ def use_swarm_sdpa(stage) -> bool:
     if current != "sdpa":
         return False
     register()
-    config._attn_implementation = SWARM_SDPA
-    if attn_implementation(config) != SWARM_SDPA:
-        raise TransformersHookMoved(
-            "_attn_implementation", "setting it on the config does not change the config's"
-        )
+    set_attn_implementation(config, SWARM_SDPA)
     return True

@@ -6,7 +6,7 @@ completion marker last and moves the folder into place with one `os.replace`; th
 on the lock and then find the marker. Once converted, a call only reads the marker and stats
 the files it lists (see `swarmp2p.models.read_marker`).
 
-    python -m swarmp2p.runtime.torch.model.embedded      # convert now; prints one JSON line
+    python -m swarmp2p.models      # convert now; prints one JSON line
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from swarmp2p.models import (
     embedded_gguf,
     read_marker,
 )
+from swarmp2p.timings.workers import WORKER_TIMINGS
 
 __all__ = ["ensure_embedded"]
 
@@ -41,11 +43,6 @@ _NEEDED_BYTES = 700 * 2**20
 """Free disk a conversion needs: 538 MB of float32 weights, the tokenizer, and a margin."""
 
 _HASH_CHUNK = 8 * 2**20
-
-LOCK_TIMEOUT_S = 900.0
-"""How long a caller waits for another process's conversion (normally 15-60 s) before failing."""
-
-_LOCK_POLL_S = 0.1
 
 
 def ensure_embedded() -> Path:
@@ -79,7 +76,7 @@ def _locked(path: Path) -> Iterator[None]:
     # The lock file stays: unlinking a lock file others may hold open is racy. The holder's pid
     # is written into it for the timeout message; the kernel drops the lock if the holder dies.
     with open(path, "a+") as handle:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        deadline = time.monotonic() + WORKER_TIMINGS.embedded_lock_s
         while True:
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -89,10 +86,10 @@ def _locked(path: Path) -> Iterator[None]:
                     handle.seek(0)
                     holder = handle.read().strip() or "unknown"
                     raise TimeoutError(
-                        f"waited {LOCK_TIMEOUT_S:.0f} s for process {holder} to finish converting "
+                        f"waited {WORKER_TIMINGS.embedded_lock_s:.0f} s for process {holder} to finish converting "
                         f"the embedded model (lock {path}); stop it or wait, then try again"
                     ) from None
-                time.sleep(_LOCK_POLL_S)
+                time.sleep(WORKER_TIMINGS.embedded_lock_poll_s)
         try:
             handle.truncate(0)
             handle.write(str(os.getpid()))
@@ -119,6 +116,25 @@ def _check_disk(parent: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' GGUF reader draws a plain tqdm bar on stderr that no switch turns off:
+    what is written to stderr meanwhile is kept, and only its lines that are not a bar's
+    frames are written on (a warning still shows; an installer's output stays clean)."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        kept = [
+            line
+            for line in buffer.getvalue().replace("\r", "\n").splitlines()
+            if line.strip() and "%|" not in line
+        ]
+        if kept:
+            print("\n".join(kept), file=sys.stderr)
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF to float32 and save model, tokenizer and marker into `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,7 +144,7 @@ def _convert(gguf: Path, out: Path) -> None:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a worker's stderr tail is for errors, not progress bars
     try:
-        with _gguf_parsed_once():
+        with _gguf_parsed_once(), _no_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32

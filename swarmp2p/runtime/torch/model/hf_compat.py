@@ -226,3 +226,21 @@ def attn_implementation(config) -> str:
             "attn_implementation", f"{type(config).__name__} has no _attn_implementation"
         )
     return config._attn_implementation or "sdpa"
+
+
+def set_attn_implementation(config, name: str) -> None:
+    """Make the blocks built on ``config`` dispatch on ``name`` (one registered with
+    ``AttentionInterface``): ``PretrainedConfig._attn_implementation`` written in place.
+
+    Why: a stage's blocks read the config they were built with at every forward, so switching
+    a built stage to ``swarm_sdpa`` is one write there. The public
+    ``PreTrainedModel.set_attn_implementation`` needs the whole model (a stage is a slice of
+    one) and checks the name against the implementations it knows, which a registered one is
+    not on 5.8.0 (checked on 5.8.0 and 5.24.0)."""
+    attn_implementation(config)  # the member is where it was
+    config._attn_implementation = name
+    if attn_implementation(config) != name:
+        raise TransformersHookMoved(
+            "set_attn_implementation",
+            "setting _attn_implementation on the config does not change what it reads",
+        )

@@ -18,10 +18,10 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch import nn
 
+from swarmp2p.plan.job import LoraConfig
 from swarmp2p.runtime.torch.model.introspect import introspect, leaf_weights
 
 ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -36,43 +36,6 @@ ATTENTION_GROUPS: tuple[tuple[str, ...], ...] = (
     ("qkv_proj",),  # Phi-3
 )
 """Known attention-projection groups, most specific first (reference's family table)."""
-
-LORA_EXPORTS = ("merged", "adapters")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoraSettings:
-    """A job's LoRA settings (``model.lora``)."""
-
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] | None = None
-    """Leaf module names to adapt; ``None`` resolves them from the model."""
-    export: str = "merged"
-    """``merged`` (adapters folded into the weights) or ``adapters`` (the delta only)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"model.lora.r must be an integer >= 1, got {self.r!r}")
-        if self.alpha <= 0:
-            raise ValueError(f"model.lora.alpha must be > 0, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.export not in LORA_EXPORTS:
-            raise ValueError(f"model.lora.export must be merged or adapters, got {self.export!r}")
-        if self.target_modules is not None and (
-            not self.target_modules
-            or not all(isinstance(t, str) and t for t in self.target_modules)
-        ):
-            raise ValueError(
-                f"model.lora.target_modules must be a non-empty list of module names, "
-                f"got {self.target_modules!r}"
-            )
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
 
 
 def default_target_modules(blocks: Sequence[nn.Module]) -> tuple[str, ...]:
@@ -101,24 +64,24 @@ def _blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     return topology.names["blocks"], list(topology.blocks)
 
 
-def resolve_targets(model: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
+def resolve_targets(model: nn.Module, settings: LoraConfig) -> tuple[str, ...]:
     """The settings' targets, or the defaults of the whole architecture: of every block of the
     model, for a runtime Stage too (its ``model_leaves``), so all stages of a job agree."""
     if settings.target_modules is not None:
         return tuple(settings.target_modules)
     leaves = getattr(model, "model_leaves", None)  # a runtime Stage: the whole model's leaves
     if leaves is None:
-        leaves = leaf_weights(introspect(model).blocks)
+        return default_target_modules(introspect(model).blocks)
     return targets_of_leaves(leaves)
 
 
-def lora_fingerprint(settings: LoraSettings, targets: Sequence[str]) -> str:
+def lora_fingerprint(settings: LoraConfig, targets: Sequence[str]) -> str:
     """A hash of the effective rank, scaling, dropout and resolved targets; stages of one job
     agree on it, halves trained differently do not."""
     canonical = json.dumps(
         {
             "r": settings.r,
-            "scaling": float(settings.scaling),
+            "scaling": float(settings.alpha / settings.r),
             "dropout": float(settings.dropout),
             "targets": sorted(targets),
         },
@@ -132,9 +95,9 @@ def _target_regex(blocks_name: str, targets: Sequence[str]) -> str:
     return rf"^{re.escape(blocks_name)}\.\d+\.(?:.*\.)?(?:{names})$"
 
 
-def lora_config(model: nn.Module, settings: LoraSettings):
+def lora_config(model: nn.Module, settings: LoraConfig):
     """The PEFT ``LoraConfig`` of these settings, matching only modules inside the blocks."""
-    from peft import LoraConfig
+    from peft import LoraConfig as PeftConfig
     from transformers.pytorch_utils import Conv1D
 
     targets = resolve_targets(model, settings)
@@ -145,7 +108,7 @@ def lora_config(model: nn.Module, settings: LoraSettings):
         for block in blocks
         for name, m in block.named_modules()
     )
-    return LoraConfig(
+    return PeftConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -155,7 +118,7 @@ def lora_config(model: nn.Module, settings: LoraSettings):
     )
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> str:
+def apply_lora(model: nn.Module, settings: LoraConfig) -> str:
     """Inject adapters into the decoder blocks of ``model`` (a whole model or a runtime
     ``Stage``) in place; return the fingerprint.
 

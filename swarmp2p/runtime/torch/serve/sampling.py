@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from swarmp2p.serve.protocol import SamplingParams, TokenLogprobs
@@ -129,9 +130,13 @@ class SessionSampler:
         if self.prompt_len is None:
             self.prompt_len = self.seen
 
-    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+    def pick(
+        self, logits: torch.Tensor, allowed: bytes | None = None
+    ) -> tuple[int, TokenLogprobs | None]:
         """The next token from a ``[vocab]`` logits row, and its log-probabilities (under the
-        model's own distribution, before any processor) when the session asked for them."""
+        model's own distribution, before any processor) when the session asked for them.
+        ``allowed``: a structured output's bitmask of the ids its grammar allows next
+        (``serve.grammar``): every other id is excluded before the choice, greedy or not."""
         if logits.dim() != 1:
             raise ValueError(f"pick takes one [vocab] row, got shape {tuple(logits.shape)}")
         logprobs = None
@@ -141,6 +146,8 @@ class SessionSampler:
         ids = self._ids[:, : self.seen] if self._ids is not None else None
         for processor in self._processors:
             scores = processor(ids, scores)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed_ids(allowed, scores.shape[-1]), float("-inf"))
         if self.params.greedy:
             token = int(torch.argmax(scores[0]))
         else:
@@ -162,16 +169,12 @@ class SessionSampler:
         return token, TokenLogprobs(logprob=float(logprobs[token]), top=top)
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """The next token id from a ``[vocab]`` row with temperature, top-k, top-p and min-p only
-    (no penalties); greedy is the argmax."""
-    if logits.dim() != 1:
-        raise ValueError(f"sample_token takes one [vocab] row, got shape {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    if generator is None:
-        raise ValueError("sampling with temperature > 0 needs a generator (new_generator)")
-    probs = filter_logits(logits, params).softmax(dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+def allowed_ids(mask: bytes, vocab: int) -> torch.Tensor:
+    """A ``[vocab]`` bool tensor of the ids a little-endian bitmask allows (id i: bit i % 8 of
+    byte i // 8); ids past the mask's end are not allowed. ValueError when it allows none."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
+    out = torch.zeros(vocab, dtype=torch.bool)
+    out[: bits.shape[0]] = torch.from_numpy(bits.astype(np.bool_))
+    if not bool(out.any()):
+        raise ValueError("the structured output's grammar allows no token of this vocabulary")
+    return out

@@ -28,6 +28,8 @@ import torch
 from swarmp2p.runtime.torch.model.hf_compat import attn_implementation
 from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 
+KVBlock = dict
+"""One cached block of a stage: ``{layer: (keys [kv_heads, block, head_dim], values)}``."""
 GROW_TOKENS = 64
 """Smallest capacity step (tokens): a session's first prefill allocates at least this much."""
 
@@ -100,14 +102,17 @@ class SessionBatch:
     # --- one forward --------------------------------------------------------------------------
 
     def expect(self, counts: Sequence[int]) -> None:
-        """The next forward is a prefill of fresh rows padded on the right: row i holds
-        ``counts[i]`` real tokens of the forward's width (the rest is padding, written past the
-        row's length, where the mask hides it until the row's own tokens overwrite it)."""
-        if len(counts) != self.rows or any(self.lengths):
+        """The next forward is a prefill padded on the right: row i takes ``counts[i]`` real
+        tokens of the forward's width after the ones it holds (none for a fresh row; a cached
+        prefix for a row :meth:`load_prefix` filled); the rest is padding, written past the
+        row's length, where the mask hides it until the row's own tokens overwrite it."""
+        if len(counts) != self.rows:
             raise ValueError(
-                f"a padded prefill needs {self.rows} counts for empty rows, got {list(counts)} "
-                f"for rows holding {self.lengths}"
+                f"a padded prefill needs {self.rows} counts, got {list(counts)} for rows holding "
+                f"{self.lengths}"
             )
+        if any(self.lengths) and (self.conv or self.recurrent):
+            raise ValueError("a recurrent block cannot prefill rows that already hold tokens")
         if min(counts) < 1:
             raise ValueError(f"every row of a padded prefill holds a token: {list(counts)}")
         self._counts = list(counts)
@@ -121,8 +126,16 @@ class SessionBatch:
                 f"a padded prefill of {self._counts} tokens per row is {max(self._counts)} "
                 f"wide, not {new_tokens}"
             )
-        if self.rows > 1 and new_tokens != 1 and self._counts is None:
-            raise ValueError(f"a batch of {self.rows} rows steps one token each, not {new_tokens}")
+        if (
+            self.rows > 1
+            and new_tokens != 1
+            and self._counts is None
+            and (self.conv or self.recurrent)
+        ):
+            raise ValueError(
+                f"a batch of {self.rows} rows with recurrent blocks steps one token each, not "
+                f"{new_tokens}"
+            )
         need = max(self.lengths) + new_tokens
         if need > self.max_context:
             raise ValueError(f"{need} tokens is over max_context {self.max_context}")
@@ -132,19 +145,83 @@ class SessionBatch:
         self._view = need
         starts = torch.tensor(self.lengths, dtype=torch.long, device=device)
         self.position_ids = starts[:, None] + torch.arange(new_tokens, device=device)[None, :]
-        if self.rows > 1 and new_tokens == 1:
-            self._rows = torch.arange(self.rows, device=device)
-            self._cols = starts
+        if self.rows > 1 and (self._counts is None or any(self.lengths)):
+            # each row writes at its own positions (a padded prefill of fresh rows: all at 0)
+            self._rows = torch.arange(self.rows, device=device)[:, None].expand(-1, new_tokens)
+            self._cols = self.position_ids
+        else:
+            self._rows = self._cols = None
 
     def commit(self) -> None:
         """The forward ran: every row holds its new tokens (a padded prefill's rows: their
         real ones)."""
         if self._counts is not None:
-            self.lengths = self._counts
+            self.lengths = [n + c for n, c in zip(self.lengths, self._counts)]
         else:
             self.lengths = [n + self._new for n in self.lengths]
         self._new = 0
         self._counts = None
+
+    # --- the prefix cache's blocks ------------------------------------------------------------
+
+    def read_blocks(self, row: int, start: int, count: int, block: int) -> list[KVBlock]:
+        """Copies of row ``row``'s keys and values for ``count`` blocks of ``block`` tokens
+        from token ``start`` on (positions it holds), one :data:`KVBlock` a block."""
+        if self.conv or self.recurrent:
+            raise ValueError("a recurrent block's state cannot be cached by prefix blocks")
+        end = start + count * block
+        if end > self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} tokens, not {end}")
+        return [
+            {
+                layer: (
+                    self.keys[layer][row, :, a : a + block].clone(),
+                    self.values[layer][row, :, a : a + block].clone(),
+                )
+                for layer in self.keys
+            }
+            for a in range(start, end, block)
+        ]
+
+    def load_prefix(self, row: int, blocks: Sequence[KVBlock]) -> None:
+        """Fill empty row ``row`` with cached blocks (in order from token 0): it then holds
+        their tokens, and its prefill computes only the rest of its prompt."""
+        if self.lengths[row]:
+            raise ValueError(f"row {row} already holds {self.lengths[row]} tokens")
+        if self.conv or self.recurrent:
+            raise ValueError("a recurrent block's state cannot be cached by prefix blocks")
+        if not blocks:
+            return
+        width = next(iter(blocks[0].values()))[0].shape[1]
+        need = width * len(blocks)
+        if need > self.max_context:
+            raise ValueError(f"{need} cached tokens is over max_context {self.max_context}")
+        if need > self.capacity:
+            self._grow(min(self.max_context, _grown(need + 1, self.capacity)))
+        for layer, (k, v) in blocks[0].items():
+            if layer not in self.keys:  # a fresh batch: its layers come with the first block
+                self.keys[layer] = k.new_zeros((self.rows, k.shape[0], self.capacity, k.shape[2]))
+                self.values[layer] = v.new_zeros((self.rows, v.shape[0], self.capacity, v.shape[2]))
+        for i, kv in enumerate(blocks):
+            at = i * width
+            for layer, (k, v) in kv.items():
+                self.keys[layer][row, :, at : at + width] = k
+                self.values[layer][row, :, at : at + width] = v
+        self.lengths[row] = need
+
+    def rollback(self, row: int, length: int) -> None:
+        """Row ``row`` holds its first ``length`` tokens only (a speculative step's rejected
+        drafts leave it): their keys and values stay where they are, hidden by the masks
+        (positions past the row's length) and overwritten by the row's next tokens. Refused
+        for a stage with recurrent blocks, whose state has taken the tokens in for good."""
+        if self.conv or self.recurrent:
+            raise ValueError(
+                "a recurrent (linear-attention) block cannot take tokens back: speculative "
+                "decoding is off for this model"
+            )
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} tokens, not {length} or more")
+        self.lengths[row] = length
 
     def mask(self, layer_type: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The attention mask of this forward for blocks of ``layer_type``: None where nothing
@@ -200,12 +277,12 @@ class SessionBatch:
             start = self.lengths[0]
             keys[0, :, start : start + self._new] = key_states[0]
             values[0, :, start : start + self._new] = value_states[0]
-        elif self._new > 1:  # a padded prefill: every row starts empty
+        elif self._rows is None:  # a padded prefill of fresh rows: every row starts at 0
             keys[:, :, : self._new] = key_states
             values[:, :, : self._new] = value_states
-        else:  # one new token per row, each at its own position
-            keys[self._rows, :, self._cols] = key_states[:, :, 0]
-            values[self._rows, :, self._cols] = value_states[:, :, 0]
+        else:  # new tokens per row (one a decode step, k + 1 a verification), at its positions
+            keys[self._rows, :, self._cols] = key_states.transpose(1, 2)
+            values[self._rows, :, self._cols] = value_states.transpose(1, 2)
         return keys[:, :, : self._view], values[:, :, : self._view]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -265,3 +342,40 @@ def _grown(need: int, capacity: int) -> int:
     while grown < need:
         grown *= 2
     return grown
+
+
+class PrefixStore:
+    """A stage's cached prompt blocks by name (``serve.prefix``), as the issuing node's index
+    says: it stores, hands out and drops exactly the blocks each prefill names, so every stage
+    holds the same ones. ``nbytes`` is what they take."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, KVBlock] = {}
+        self.nbytes = 0
+
+    def get(self, names: Sequence[bytes]) -> list[KVBlock]:
+        """The blocks ``names`` (a prefill's reuse list), KeyError naming the first missing."""
+        missing = [n for n in names if n not in self.blocks]
+        if missing:
+            raise KeyError(f"prefix block {missing[0].hex()} is not cached on this stage")
+        return [self.blocks[n] for n in names]
+
+    def put(self, names: Sequence[bytes], blocks: Sequence[KVBlock]) -> None:
+        for name, kv in zip(names, blocks, strict=True):
+            if name not in self.blocks:
+                self.blocks[name] = kv
+                self.nbytes += _kv_bytes(kv)
+
+    def drop(self, names: Sequence[bytes]) -> None:
+        for name in names:
+            kv = self.blocks.pop(name, None)
+            if kv is not None:
+                self.nbytes -= _kv_bytes(kv)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.nbytes = 0
+
+
+def _kv_bytes(kv: KVBlock) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in kv.values())

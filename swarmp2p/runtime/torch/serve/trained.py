@@ -285,26 +285,34 @@ def _load_adapters(stage: Stage, shard: Path, lora: Mapping[str, Any]) -> None:
     """LoRA with the manifest's settings, then the shard's adapter tensors (unmerged)."""
     from safetensors.torch import load_file
 
-    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora
+    from swarmp2p.plan.job import LoraConfig
+    from swarmp2p.runtime.torch.model.lora import apply_lora
+    from swarmp2p.schema import SchemaError, parse
 
     path = shard / ADAPTER_DIR / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ValueError(
             f"shard {shard}: its manifest says lora export 'adapters' but {path} is missing"
         )
-    targets = lora.get("target_modules") or None
-    try:
-        settings = LoraSettings(
-            r=lora["r"],
-            alpha=lora["alpha"],
-            dropout=lora["dropout"],
-            target_modules=None if targets is None else tuple(targets),
-            export="adapters",
-        )
-    except (KeyError, TypeError) as exc:
+    missing = [k for k in ("r", "alpha", "dropout") if k not in lora]
+    if missing:
         raise ValueError(
-            f"shard {shard}: the manifest's lora settings are incomplete: {exc}"
-        ) from None
+            f"shard {shard}: the manifest's lora settings are incomplete: {', '.join(missing)} missing"
+        )
+    try:  # the job's record, with job.json's checks
+        settings = parse(
+            LoraConfig,
+            {
+                "r": lora["r"],
+                "alpha": lora["alpha"],
+                "dropout": lora["dropout"],
+                "target_modules": lora.get("target_modules") or None,
+                "export": "adapters",
+            },
+            title=f"shard {shard}: the manifest's lora settings are invalid",
+        )
+    except SchemaError as exc:
+        raise ValueError(str(exc)) from None
     mapping = _model_names(stage)  # before injection: block paths do not change
     fingerprint = apply_lora(stage, settings)
     expected = lora.get("fingerprint")

@@ -12,6 +12,12 @@ codes (wire v2, ``encode_tensor(exact=True)``), which decode to exactly the floa
 computed; if a round trip were ever not exact, the plain floats go instead (reference, "What a
 distributed job sends").
 
+Off a card, a tensor is copied into pinned host memory on the channel's own CUDA stream (one
+per channel: each channel sends one direction, activations forward or gradients back), so the
+copy runs at the pinned rate beside the compute stream's next kernels instead of queued behind
+them; the send waits for that copy alone. No copy and no stream on the CPU: the bytes sent are
+the same. A gradient comes back on the device and in the dtype of the payload it is for.
+
 A stage that fails sends its neighbours an ``abort`` control message (best effort); whatever a
 neighbour was waiting for, receiving it raises ``PipelineAborted`` naming the stage, the step and
 the reason, so the whole pipeline stops at once instead of after the link timeout.
@@ -29,19 +35,15 @@ import torch
 
 from swarmp2p.codec_layout import sent_codec
 from swarmp2p.serve.spec import fixed_bits
+from swarmp2p.timings import TIMINGS
+from swarmp2p.timings.workers import WORKER_TIMINGS
 from swarmp2p.wire import DTYPES, TensorFrame, decode_tensor, encode_tensor
 
 ACT, GRAD, CONTROL = "act", "grad", "control"
 """Message kinds: an activation (upstream to downstream), a reply (back), a control message."""
 
-DEFAULT_LINK_TIMEOUT_S = 60.0
-"""How long a stage waits for its neighbour before it gives up with ``LinkTimeout``."""
 ABORT = "abort"
 """The control message a failing stage sends its neighbours."""
-ABORT_SEND_S = 1.0
-"""How long a failing stage tries to hand its abort to a neighbour (it may be gone)."""
-ABORT_FLUSH_S = 0.05
-"""How long a failing stage lets its abort leave before the link closes (and drops it)."""
 
 
 class BoundaryError(RuntimeError):
@@ -98,6 +100,29 @@ def from_frame(frame: TensorFrame) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, copy=True))
 
 
+class HostCopy:
+    """Tensors as host memory for the wire: the CPU's as they are; a card's through pinned
+    memory on this copier's own CUDA stream (one per device), waiting only for that copy."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type != "cuda":
+            return tensor
+        stream = self._streams.get(tensor.device)
+        if stream is None:
+            stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the payload's producer
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # the allocator keeps its memory until the copy is done
+        stream.synchronize()
+        return host
+
+
 _WIRE_DTYPES = {
     torch.float32,
     torch.float16,
@@ -118,15 +143,17 @@ class Channel:
     """
 
     link: Any
-    timeout: float = DEFAULT_LINK_TIMEOUT_S
+    timeout: float = TIMINGS.link_timeout_s
     sent_bytes: dict[str, int] = field(default_factory=lambda: {ACT: 0, GRAD: 0, CONTROL: 0})
     wait_s: float = 0.0
+    host_copy: HostCopy = field(default_factory=HostCopy)
 
     def _send(self, header: dict[str, Any], payloads: list[tuple[torch.Tensor, str]]) -> None:
         step, micro = header.get("step") or 0, header.get("micro") or 0
         counts, parts = [], []
         for tensor, codec in payloads:
-            frame_parts = to_frame(tensor, codec, step=step, micro=micro).to_parts()
+            host = self.host_copy(tensor)
+            frame_parts = to_frame(host, codec, step=step, micro=micro).to_parts()
             counts.append(len(frame_parts))
             parts.extend(frame_parts)
         message = [json.dumps({**header, "tensors": counts}).encode(), *parts]
@@ -233,10 +260,10 @@ class Channel:
 
     def send_abort(self, *, stage: int | None, step: int | None, reason: str) -> None:
         """Tell the neighbour this pipeline stops (best effort: it may be gone already)."""
-        old, self.timeout = self.timeout, min(self.timeout, ABORT_SEND_S)
+        old, self.timeout = self.timeout, min(self.timeout, WORKER_TIMINGS.abort_send_s)
         try:
             self.send_control(ABORT, failed_stage=stage, step=step, reason=reason)
-            time.sleep(ABORT_FLUSH_S)  # the link drops queued messages on close
+            time.sleep(WORKER_TIMINGS.abort_flush_s)  # the link drops queued messages on close
         except Exception:
             pass
         finally:
@@ -302,7 +329,7 @@ class PipelineBoundary(torch.autograd.Function):
             session.step, session.micro, payload, session.labels, session.codec
         )
         ctx.session = session
-        ctx.shape, ctx.dtype = payload.shape, payload.dtype
+        ctx.shape, ctx.dtype, ctx.device = payload.shape, payload.dtype, payload.device
         return payload.new_zeros(())
 
     @staticmethod
@@ -317,7 +344,8 @@ class PipelineBoundary(torch.autograd.Function):
             raise BoundaryError(
                 f"gradient shape {tuple(grad.shape)} != payload shape {tuple(ctx.shape)}"
             )
-        return grad.to(ctx.dtype), None
+        # autograd refuses a gradient on another device than its input (the wire's is the CPU)
+        return grad.to(device=ctx.device, dtype=ctx.dtype), None
 
 
 class SentMicroBatch:

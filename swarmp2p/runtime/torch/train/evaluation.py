@@ -10,37 +10,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.runtime.torch.train.bundle import StageBundle
+from swarmp2p.worker_events import Evaluated
 
 EVAL_PASSES = ("base", "calibrated_boundary", "trained")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EvalResult:
-    """One evaluation pass's numbers."""
-
-    name: str
-    loss: float
-    """Mean token cross-entropy (nan when nothing was scored)."""
-    perplexity: float
-    top1: float
-    """Share of tokens whose highest logit is the next token."""
-    tokens: int
-
-    def as_dict(self) -> dict[str, object]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-def _result(name: str, loss_sum: float, hits: int, tokens: int) -> EvalResult:
+def _result(name: str, loss_sum: float, hits: int, tokens: int) -> Evaluated:
     if tokens == 0:
-        return EvalResult(name=name, loss=math.nan, perplexity=math.nan, top1=math.nan, tokens=0)
+        return Evaluated(name=name, loss=math.nan, perplexity=math.nan, top1=math.nan, tokens=0)
     loss = loss_sum / tokens
-    return EvalResult(
+    return Evaluated(
         name=name,
         loss=loss,
         perplexity=math.exp(min(loss, 700.0)),
@@ -73,7 +57,7 @@ def evaluate_stage(
     batches: Iterable[torch.Tensor] | None = None,
     through_compressors: bool = True,
     chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-) -> EvalResult:
+) -> Evaluated:
     """One evaluation pass on this stage; every stage returns the last stage's numbers.
 
     The first stage sends each ``[B, T + 1]`` batch of ``batches`` through (none: an empty pass,

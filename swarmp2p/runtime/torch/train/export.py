@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from swarmp2p._atomic import write_atomic
-from swarmp2p.runtime.torch.model.lora import LoraSettings, _target_regex
+from swarmp2p.plan.job import LoraConfig
+from swarmp2p.runtime.torch.model.lora import _target_regex
 from swarmp2p.runtime.torch.train.bundle import StageBundle
 
 MANIFEST = "manifest.json"
@@ -100,7 +101,7 @@ def export_stage(
     layers: tuple[int, int],
     n_layers: int,
     compression: Sequence[Any] = (),
-    lora: LoraSettings | None = None,
+    lora: LoraConfig | None = None,
     lora_targets: Sequence[str] = (),
     lora_fingerprint: str | None = None,
     evaluation: dict[str, Any] | None = None,
@@ -247,14 +248,15 @@ def reconstruct_from_shards(
     ]
     if not adapter_dirs:
         return model
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model, set_peft_model_state_dict
 
     config = json.loads((adapter_dirs[0] / ADAPTER_CONFIG).read_text())
     config.pop("peft_type", None)
     union: dict[str, torch.Tensor] = {}
     for adapter in adapter_dirs:
         union.update(load_file(adapter / ADAPTER_WEIGHTS))
-    peft_model = get_peft_model(model, LoraConfig(**config))
+    peft_model = get_peft_model(model, PeftConfig(**config))
     result = set_peft_model_state_dict(peft_model, union)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing:
@@ -291,7 +293,7 @@ def portable_base(ref: str) -> tuple[str, dict[str, Any]]:
             f"({EMBEDDED_INSTALL.rsplit(' ', 1)[-1]}), Q4_1 dequantized to float32 safetensors",
             "note": "the swarm trained on those dequantized weights; on the Hub's original "
             "weights an adapter's text is close to, not exactly, the swarm's. Load the base from "
-            "the converted folder (`python -m swarmp2p.runtime.torch.model.embedded` prints it) for the "
+            "the converted folder (`python -m swarmp2p.models` prints it) for the "
             "swarm's exact text",
         }
     parts = Path(ref).parts

@@ -4,14 +4,23 @@ spec and calls ``run_stage``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from swarmp2p.data.split import HELD_OUT_EVERY
 from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
-
-BYE_WAIT_S = 5.0
-"""How long a stage waits for the stage before it to confirm the end before closing anyway."""
+from swarmp2p.schema import to_data
+from swarmp2p.timings.workers import WORKER_TIMINGS
+from swarmp2p.worker_events import (
+    Built,
+    Calibrated,
+    Done,
+    Exported,
+    Resumed,
+    SnapshotSaved,
+    WorkerEvent,
+)
 
 
 def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
@@ -99,7 +108,7 @@ def build_from_spec(spec: WorkerSpec):
     import torch
 
     from swarmp2p.runtime.torch import decoder_config, load_spec_stage
-    from swarmp2p.runtime.torch.model.lora import LoraSettings, apply_lora, resolve_targets
+    from swarmp2p.runtime.torch.model.lora import apply_lora, resolve_targets
     from swarmp2p.runtime.torch.model.packed import use_onednn
     from swarmp2p.runtime.torch.train.bundle import build_bundle
     from swarmp2p.runtime.torch.train.compression import compressor_from_spec
@@ -119,14 +128,7 @@ def build_from_spec(spec: WorkerSpec):
     send = compressor_from_spec(spec.compression[i], hidden, i) if not spec.is_last else None
     fingerprint = None
     if spec.finetune_mode == "lora":
-        lora = spec.lora
-        settings = LoraSettings(
-            r=lora.r,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            export=lora.export,
-        )
+        settings = spec.lora  # the job's record: its defaults are job.json's
         fingerprint = apply_lora(stage, settings)
         targets = resolve_targets(stage, settings)
     else:
@@ -164,7 +166,9 @@ def _store_frozen_weights(spec: WorkerSpec, bundle) -> int:
     return apply_half_storage(bundle.stage, spec.weight_dtype, compute_dtype=bundle.dtype)
 
 
-def run_stage(spec: WorkerSpec, emit: Callable[..., None], links: StageLinks | None = None) -> None:
+def run_stage(
+    spec: WorkerSpec, emit: Callable[[WorkerEvent], None], links: StageLinks | None = None
+) -> None:
     """Run one stage of a training job end to end, reporting through ``emit``: over ``links``
     when the caller opened them (the worker does, before it imports torch), else its own;
     closed at the end either way."""
@@ -196,7 +200,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     from swarmp2p.runtime.torch.train.evaluation import evaluate_stage
     from swarmp2p.runtime.torch.train.precision import make_loss_scaler
     from swarmp2p.runtime.torch.train.snapshot import latest_snapshot, load_snapshot, save_snapshot
-    from swarmp2p.runtime.torch.train.steps import TrainSettings, make_optimizer, train_stage
+    from swarmp2p.runtime.torch.train.steps import make_optimizer, train_stage
 
     bundle, vocab, lora_info = build_from_spec(spec)
     fingerprint = lora_info["fingerprint"]
@@ -208,24 +212,15 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     )
     held_out = eval_batches(spec, vocab, tokens) if reads and spec.is_first else None
     emit(
-        "built",
-        trainable_parameters=sum(p.numel() for p in bundle.trainable_parameters),
-        finetune_mode=spec.finetune_mode,
-        lora_fingerprint=fingerprint,
+        Built(
+            trainable_parameters=sum(p.numel() for p in bundle.trainable_parameters),
+            finetune_mode=spec.finetune_mode,
+            lora_fingerprint=fingerprint,
+        )
     )
 
-    settings = TrainSettings(
-        steps=t.steps,
-        micro_batches=t.micro_batches,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        recompute=t.recompute,
-        loss_chunk_tokens=t.loss_chunk_tokens,
-        loss_scale=t.loss_scale,
-        inject_nan_step=t.inject_nan_step,
-    )
     trains = reads and t.steps > 0
-    optimizer = make_optimizer(bundle, settings) if trains and bundle.trainable_parameters else None
+    optimizer = make_optimizer(bundle, t) if trains and bundle.trainable_parameters else None
     scaler = make_loss_scaler(bundle.dtype, t.loss_scale)
     start = 0
     if spec.resume:
@@ -233,7 +228,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
         if path is None:
             raise ValueError(f"resume: no snapshot of stage {spec.stage} under {spec.snapshot_dir}")
         start = load_snapshot(path, bundle, optimizer, scaler=scaler)
-        emit("resumed", step=start, snapshot=str(path))
+        emit(Resumed(step=start, snapshot=str(path)))
 
     def evaluate(name: str, through: bool) -> None:
         result = evaluate_stage(
@@ -245,9 +240,8 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             through_compressors=through,
             chunk_tokens=t.loss_chunk_tokens,
         )
-        numbers = {k: v for k, v in result.as_dict().items() if k != "name"}
-        evaluation[name] = {k: _finite(v) for k, v in numbers.items()}
-        emit("eval", **{"pass": name}, **numbers)
+        evaluation[name] = {k: _finite(v) for k, v in to_data(result).items() if k != "name"}
+        emit(result)
 
     boundaries = [parse_compression(c, f"compression[{i}]") for i, c in enumerate(spec.compression)]
     learned = [b.is_learned for b in boundaries]
@@ -266,16 +260,16 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
                 else None,
                 calibration_tokens=t.calibration_tokens,
             )
-            emit("calibrated", tokens=seen)
+            emit(Calibrated(tokens=seen))
         if t.eval_batches and compressed:
             evaluate("calibrated_boundary", True)
 
     def on_step(m) -> None:
-        emit("step", **m.as_dict())
+        emit(m)
         done = m.step + 1
         if spec.snapshot_dir and t.checkpoint_every and done % t.checkpoint_every == 0:
             path = save_snapshot(spec.snapshot_dir, bundle, optimizer, step=done, scaler=scaler)
-            emit("snapshot", step=done, path=str(path))
+            emit(SnapshotSaved(step=done, path=str(path)))
 
     steps_left = max(0, t.steps - start)
     if trains and steps_left:
@@ -283,7 +277,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
         batches = (train_batch(spec, s, vocab, tokens) for s in range(start, t.steps))
         train_stage(
             bundle,
-            TrainSettings(**{**_fields(settings), "steps": steps_left}),
+            dataclasses.replace(t, steps=steps_left),
             ops,
             prev=prev,
             next=nxt,
@@ -314,8 +308,8 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             base_is_quantized=spec.quantization is not None
             and spec.quantization.get("bits") in (4, 8),
         )
-        emit("exported", manifest=str(manifest))
-    emit("done", steps=t.steps if trains else 0)
+        emit(Exported(manifest=str(manifest)))
+    emit(Done(steps=t.steps if trains else 0))
 
 
 def _finite(value):
@@ -323,10 +317,6 @@ def _finite(value):
     import math
 
     return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _fields(settings) -> dict:
-    return {k: getattr(settings, k) for k in settings.__slots__}
 
 
 def _say_goodbye(prev, nxt, time) -> None:
@@ -338,7 +328,7 @@ def _say_goodbye(prev, nxt, time) -> None:
         nxt.send_control("bye")
         time.sleep(0.05)  # the link drops queued messages on close; let this one leave
     if prev is not None:
-        old, prev.timeout = prev.timeout, min(prev.timeout, BYE_WAIT_S)
+        old, prev.timeout = prev.timeout, min(prev.timeout, WORKER_TIMINGS.stage_bye_s)
         try:
             prev.recv_control("bye")
         except LinkTimeout:

@@ -26,12 +26,11 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
+from swarmp2p.plan.worker_spec import StageTraining
 from swarmp2p.runtime.torch.train.boundary import (
     ACT,
     GRAD,
@@ -52,82 +51,10 @@ from swarmp2p.runtime.torch.train.precision import (
     decide,
     make_loss_scaler,
 )
+from swarmp2p.worker_events import StepDone
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainSettings:
-    """How a stage trains; every stage of a job gets the same one."""
-
-    steps: int
-    """Optimizer steps to run."""
-    micro_batches: int = 1
-    """M: each step's batch is split into this many micro-batches (the batch size must divide)."""
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    recompute: bool = False
-    """Activation checkpointing per block: keep block inputs only, recompute in backward."""
-    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
-    """The last stage scores this many tokens at a time."""
-    loss_scale: float | None = None
-    """A float16 pipeline's first loss scale (None: ``precision.INIT_LOSS_SCALE``)."""
-    inject_nan_step: int | None = None
-    """Test knob: from this step on, this stage's gradients hold a NaN."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps!r}")
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens!r}")
-        if self.loss_scale is not None and not (
-            math.isfinite(self.loss_scale) and self.loss_scale > 0
-        ):
-            raise ValueError(f"loss_scale must be a finite number > 0, got {self.loss_scale!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepMetrics:
-    """What a stage reports after each step."""
-
-    step: int
-    loss: float
-    """The step's mean token loss, as computed by the last stage."""
-    tokens: int
-    tokens_per_s: float
-    act_bytes: int
-    """Bytes this stage sent forward this step."""
-    grad_bytes: int
-    """Bytes this stage sent backward this step."""
-    step_s: float
-    peak_memory_bytes: int
-    """Peak accelerator memory (CUDA) or peak resident set of the process (CPU)."""
-    loss_scale: float | None = None
-    """The loss scale this step's backward ran under (float16 only)."""
-    skipped: bool = False
-    """The step was not applied: a float16 gradient overflowed on some stage."""
-    forward_s: float = 0.0
-    """Seconds computing its forwards (waits on the neighbours excluded)."""
-    backward_s: float = 0.0
-    """Seconds computing its backwards (waits on the neighbours excluded)."""
-    optimizer_s: float = 0.0
-    """Seconds checking the gradients and stepping the optimizer (waits excluded)."""
-    wait_s: float = 0.0
-    """Seconds blocked on its links: waiting for a neighbour (the pipeline's bubble and any
-    imbalance show here)."""
-    at: float = 0.0
-    """Wall-clock time (``time.time()``) the step ended: the pipeline's pace from one step to
-    the next, whatever happens between steps (data, events, snapshots)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-def make_optimizer(bundle: StageBundle, settings: TrainSettings) -> StageOptimizer:
+def make_optimizer(bundle: StageBundle, settings: StageTraining) -> StageOptimizer:
     """AdamW over exactly the bundle's trainable parameters (float32 master copies of the half
     precision ones)."""
     if not bundle.trainable_parameters:
@@ -183,7 +110,7 @@ class _Step:
 
 def run_step(
     bundle: StageBundle,
-    settings: TrainSettings,
+    settings: StageTraining,
     optimizer: StageOptimizer | None,
     ops: Sequence[Any],
     *,
@@ -192,7 +119,7 @@ def run_step(
     next: Channel | None,
     tokens: torch.Tensor | None = None,
     scaler: LossScaler | None = None,
-) -> StepMetrics:
+) -> StepDone:
     """One training step of one stage: the op list, the verdict, then one optimizer step (or
     none, when a float16 gradient overflowed somewhere). ``scaler``: a float16 pipeline's loss
     scale, the same on every stage. Raises ``NonFiniteError`` when the step cannot be fixed."""
@@ -239,7 +166,7 @@ def run_step(
     ended = time.perf_counter()
     optimizer_s = ended - began - (_waited(prev, next) - waited)
     elapsed = ended - started
-    return StepMetrics(
+    return StepDone(
         step=step,
         loss=sum(state.loss_values.values()),
         tokens=state.tokens,
@@ -339,7 +266,7 @@ def _backward(bundle, state, step, micro, prev) -> None:
 
 def train_stage(
     bundle: StageBundle,
-    settings: TrainSettings,
+    settings: StageTraining,
     ops: Sequence[Any],
     *,
     prev: Channel | None = None,
@@ -347,9 +274,9 @@ def train_stage(
     batches: Iterator[torch.Tensor] | None = None,
     optimizer: StageOptimizer | None = None,
     start_step: int = 0,
-    on_step: Callable[[StepMetrics], None] | None = None,
+    on_step: Callable[[StepDone], None] | None = None,
     scaler: LossScaler | None = None,
-) -> list[StepMetrics]:
+) -> list[StepDone]:
     """Run ``settings.steps`` steps (from ``start_step``) of one stage; return each step's metrics.
 
     ``ops`` is this stage's op list for one step (``plan.schedule.stage_schedule``: items with

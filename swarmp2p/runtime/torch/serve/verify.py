@@ -1,0 +1,76 @@
+"""Speculative decoding's verification at the last stage: which drafted tokens to keep.
+
+One lap computed the model's next-token distribution after the prefix and after each drafted
+token (``k + 1`` rows). Greedy: keep the drafts that equal the model's argmax, then the argmax
+after them: the plain decoding's tokens exactly. Sampling: the standard rejection rule
+(Leviathan et al. 2023, Chen et al. 2023): draft ``x`` drawn from ``q`` is kept with
+probability ``min(1, p(x) / q(x))``; at the first rejection the token is drawn from the
+residual ``max(0, p - q)`` renormalised; if all are kept, one more from the last row. The kept
+tokens are distributed exactly as plain sampling from ``p``. A prompt-lookup draft is
+deterministic: ``q`` is one-hot at ``x``, so ``x`` is kept with probability ``p(x)`` and the
+residual is ``p`` without ``x``. Draws come from the session's seeded generator, so a seed
+reproduces a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from swarmp2p.serve.speculate import accepted_prefix
+
+
+def verify_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
+    """``scores``: ``[len(draft) + 1, vocab]`` (logits after the session's processors).
+    Returns ``(kept, token)``: how many drafts the argmax confirms, and the argmax after them."""
+    _check(scores, draft)
+    choices = torch.argmax(scores, dim=-1).tolist()
+    kept = accepted_prefix(draft, choices)
+    return kept, int(choices[kept])
+
+
+def verify_sampled(
+    probs: torch.Tensor,
+    draft: Sequence[int],
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """``probs``: ``[len(draft) + 1, vocab]``, the model's sampling distribution at each row
+    (after temperature, top-k/p); ``draft_probs``: ``[len(draft), vocab]``, the drafter's
+    (None: a deterministic draft, one-hot). Returns ``(kept, token)``."""
+    _check(probs, draft)
+    if draft_probs is not None and draft_probs.shape != (len(draft), probs.shape[1]):
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)}, not {(len(draft), probs.shape[1])}"
+        )
+    for i, token in enumerate(draft):
+        p = float(probs[i, token])
+        q = float(draft_probs[i, token]) if draft_probs is not None else 1.0
+        u = float(torch.rand((), generator=generator))
+        if q > 0 and u < min(1.0, p / q):
+            continue
+        residual = probs[i].clone()
+        if draft_probs is None:
+            residual[token] = 0.0
+        else:
+            residual = torch.clamp(residual - draft_probs[i], min=0.0)
+        total = float(residual.sum())
+        if total <= 0.0:  # p == q: a rejection cannot happen; guard against round-off
+            residual, total = probs[i].clone(), float(probs[i].sum())
+        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+    last = probs[len(draft)]
+    return len(draft), int(torch.multinomial(last / last.sum(), 1, generator=generator))
+
+
+def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
+    if rows.dim() != 2 or rows.shape[0] != len(draft) + 1:
+        raise ValueError(
+            f"verification needs {len(draft) + 1} rows (the drafts + 1), got shape "
+            f"{tuple(rows.shape)}"
+        )
+    if any(not 0 <= t < rows.shape[1] for t in draft):
+        raise ValueError(f"a drafted id is outside the vocabulary of {rows.shape[1]}")
+
+
+__all__ = ["verify_greedy", "verify_sampled"]

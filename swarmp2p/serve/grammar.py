@@ -1,0 +1,230 @@
+"""Structured outputs: what a reply must match, as a grammar matched token by token.
+
+``response_format`` ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
+{"schema": ...}}``, and a tool call that ``tool_choice`` forces, become an llguidance grammar
+(:func:`grammar_for`). A session's :class:`Matcher` gives, before each step, the bitmask of the
+token ids the grammar allows next (:meth:`Matcher.mask`); the stage that samples masks its
+logits with it (every other id gets probability 0), and the sampled id advances the matcher.
+So the reply is valid by construction, even from a 135M model, and the cost is one mask a token
+(llguidance computes one in tens of microseconds for JSON; it is the library vLLM and
+llama.cpp offer for the same job).
+
+Why llguidance (not xgrammar): it has no dependency (xgrammar needs torch and transformers,
+which the light plane that drives sessions never imports), ships abi3 wheels for every Python
+the project supports, compiles JSON schemas lazily (no per-schema warm-up), and handles the
+tokenizers of any Hugging Face fast tokenizer from its ``tokenizer.json``.
+
+The matcher runs where the session is driven (the issuing node), so the mask travels with the
+step that needs it and the stages stay free of grammar state. Light plane: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SCHEMA_BYTES = 64 * 1024
+"""A ``json_schema`` larger than this is refused (a grammar costs memory per session)."""
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+"""The common tool-call format of chat templates that take tools (Qwen, SmolLM3, Hermes)."""
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON as ``json.dumps`` writes it: no run of whitespace for a model to wander into."""
+
+
+class GrammarError(ValueError):
+    """A response format or tool the server cannot turn into a grammar, named."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled grammar: llguidance's JSON form and what it came from (for messages)."""
+
+    text: str
+    what: str
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise GrammarError(
+            "structured outputs need the llguidance package (pip install llguidance)"
+        ) from exc
+    return llguidance
+
+
+def json_grammar(schema: Mapping[str, Any] | None, what: str) -> Grammar:
+    """The grammar of JSON text matching ``schema`` (None: any JSON object)."""
+    llg = _llg()
+    schema = {"type": "object"} if schema is None else dict(schema)
+    body = json.dumps(schema)  # property order is the order they are generated in
+    if len(body) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"{what}: the schema is {len(body)} bytes, above {MAX_SCHEMA_BYTES}")
+    try:
+        text = llg.LLMatcher.grammar_from_json_schema(body, defaults=dict(JSON_LAYOUT))
+    except ValueError as exc:
+        raise GrammarError(f"{what}: {exc}") from None
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        raise GrammarError(f"{what}: {messages[0] if messages else 'not a valid schema'}")
+    return Grammar(text=text, what=what)
+
+
+def grammar_for(response_format: Mapping[str, Any] | None) -> Grammar | None:
+    """The grammar an OpenAI ``response_format`` asks for; None for ``text`` or none."""
+    if not response_format or response_format.get("type", "text") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return json_grammar(None, "response_format json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise GrammarError(
+                "response_format json_schema: json_schema must be an object with a schema object"
+            )
+        name = spec.get("name") or "schema"
+        return json_grammar(spec.get("schema") or {}, f"response_format json_schema {name!r}")
+    raise GrammarError(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema"
+    )
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> Grammar:
+    """A forced tool call: ``<tool_call>{"name": N, "arguments": {...}}</tool_call>`` with
+    the arguments matching the named function's parameters (``name`` None: any of ``tools``,
+    as ``tool_choice: "required"`` asks)."""
+    functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
+    chosen = [f for f in functions if name is None or f.get("name") == name]
+    if not chosen:
+        known = ", ".join(repr(f.get("name")) for f in functions) or "none"
+        raise GrammarError(f"tool_choice names function {name!r}, not one of the tools ({known})")
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    what = f"tool_choice {name or 'required'}"
+    llg = _llg()
+    layout = {**schema, "x-guidance": JSON_LAYOUT}
+    lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(layout)}\n'
+    text = llg.LLMatcher.grammar_from_lark(lark)
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        raise GrammarError(f"{what}: {messages[0] if messages else 'not a valid schema'}")
+    return Grammar(text=text, what=what)
+
+
+_TOKENIZERS: dict[int, Any] = {}
+
+
+def ll_tokenizer(tokenizer: Any, *, vocab_size: int, eos_ids: Iterable[int]):
+    """llguidance's view of a ``tokenizers.Tokenizer`` whose model emits ``vocab_size``
+    logits (cached per tokenizer object: building one takes ~1 s for a 50k vocabulary)."""
+    key = id(tokenizer)
+    got = _TOKENIZERS.get(key)
+    if got is not None and got[0] is tokenizer:
+        return got[1]
+    llg = _llg()
+    made = llg.LLTokenizer(
+        tokenizer.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_ids) or None
+    )
+    _TOKENIZERS[key] = (tokenizer, made)
+    return made
+
+
+class Matcher:
+    """One session's place in its grammar."""
+
+    def __init__(self, tokenizer: Any, grammar: Grammar) -> None:
+        llg = _llg()
+        self.grammar = grammar
+        self._m = llg.LLMatcher(tokenizer, grammar.text, log_level=0)
+        self._check()
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise GrammarError(f"{self.grammar.what}: {self._m.get_error()}")
+
+    def mask(self) -> bytes:
+        """The allowed next ids as a little-endian bitmask, 32 ids per 4 bytes (id i is bit
+        ``i % 8`` of byte ``i // 8``); the end-of-sequence ids are set once it may end."""
+        mask = self._m.compute_bitmask()
+        self._check()
+        return mask
+
+    def advance(self, token: int) -> None:
+        """Take the sampled id; GrammarError if the grammar did not allow it."""
+        if not self._m.consume_token(token):
+            raise GrammarError(f"{self.grammar.what}: token {token} does not follow the grammar")
+        self._check()
+
+    @property
+    def done(self) -> bool:
+        """The reply is complete: nothing but an end-of-sequence id may follow."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The reply so far is a whole match (an end-of-sequence id may come now)."""
+        return self._m.is_accepting()
+
+
+def allowed(mask: bytes, token: int) -> bool:
+    """Whether ``mask`` (:meth:`Matcher.mask`) allows ``token``."""
+    return bool(mask[token // 8] >> (token % 8) & 1)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The reply's text without its ``<tool_call>`` blocks, and the calls they hold as
+    OpenAI ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    arguments as a JSON string). A block that is not a JSON object with a name stays text."""
+    calls, kept, last = [], [], 0
+    for match in TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        args = call.get("arguments", call.get("parameters", {}))
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(
+            {
+                "id": f"call_{len(calls)}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
+    kept.append(text[last:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+__all__ = [
+    "Grammar",
+    "GrammarError",
+    "Matcher",
+    "allowed",
+    "grammar_for",
+    "json_grammar",
+    "ll_tokenizer",
+    "parse_tool_calls",
+    "tool_call_grammar",
+]
