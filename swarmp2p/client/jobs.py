@@ -40,10 +40,6 @@ def submit_job(
 JOB_FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
-def _api(state_dir: Path, op: str, timeout: float = 10.0, **fields: Any) -> Any:
-    return api.request(StateDir(root=state_dir).api_socket, op, timeout=timeout, **fields)
-
-
 def _send(state_dir: Path, req: rq.ApiRequest, timeout: float = 10.0) -> Any:
     return api.send(StateDir(root=state_dir).api_socket, req, timeout=timeout)
 
@@ -187,17 +183,17 @@ def format_models(rows: list[dict[str, Any]]) -> str:
 def serve(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """Ask the local daemon to serve a model across the swarm; its ``{"model", "url",
     "stages", ...}`` once every stage serves and the HTTP API listens."""
-    return _api(state_dir, "serve", timeout=TIMINGS.serve_start_s, **request)
+    return _send(state_dir, rq.ServeStartRequest(request=request), TIMINGS.serve_start_s)
 
 
 def serve_stop(state_dir: Path, model: str) -> dict[str, Any]:
-    return _api(state_dir, "serve_stop", timeout=60.0, model=model)
+    return _send(state_dir, rq.ServeStopRequest(model=model), timeout=60.0)
 
 
 def served(state_dir: Path) -> list[dict[str, Any]]:
-    return _api(state_dir, "served")
+    return _send(state_dir, rq.ServedRequest())
 
 
 def serve_endpoint(state_dir: Path, model: str) -> dict[str, Any]:
     """``{"model", "url", "api_key"}`` of a model the local daemon serves."""
-    return _api(state_dir, "serve_endpoint", model=model)
+    return _send(state_dir, rq.ServeEndpointRequest(model=model))

@@ -3,7 +3,7 @@
 The client builds one (``api.send``) and the daemon's :class:`~swarmp2p.node.api.ApiServer`
 parses the JSON line back into it through ``swarmp2p.schema`` before its handler runs, so a
 bad field is refused once, naming it (``bad request 'logs': stage: must be an integer >= 0``).
-An op without a record here (``swarm serve``'s, for now) reaches its handler as plain data.
+An op without a record here would reach its handler as plain data (every op has one now).
 Standard library only: ``swarm status`` imports this.
 """
 
@@ -130,6 +130,33 @@ class ExportRequest(ApiRequest):
     dest: str = field(min_len=1, max_len=MAX_PATH)
 
 
+@request("serve")
+class ServeStartRequest(ApiRequest):
+    """`swarm serve MODEL`: serve a model across the swarm (``request``: its ServeRequest data;
+    the daemon parses it as one, naming every bad field)."""
+
+    request: dict
+
+
+@request("serve_stop")
+class ServeStopRequest(ApiRequest):
+    """`swarm serve --stop NAME`: stop the model served from this node as ``model``."""
+
+    model: str = field(min_len=1, max_len=MAX_PATH)
+
+
+@request("served")
+class ServedRequest(ApiRequest):
+    """The models served from this node."""
+
+
+@request("serve_endpoint")
+class ServeEndpointRequest(ApiRequest):
+    """`swarm generate`/`swarm chat`: where ``model`` answers and its API key."""
+
+    model: str = field(min_len=1, max_len=MAX_PATH)
+
+
 def parse_request(op: str, fields: dict[str, object]) -> ApiRequest | None:
     """``fields`` as op ``op``'s request record (None: the op has none); SchemaError titled
     with the op, naming every bad field."""
@@ -158,6 +185,10 @@ __all__ = [
     "PeersRequest",
     "RemoveRequest",
     "RotateRequest",
+    "ServeEndpointRequest",
+    "ServeStartRequest",
+    "ServeStopRequest",
+    "ServedRequest",
     "StatusRequest",
     "SubmitRequest",
     "parse_request",

@@ -127,6 +127,41 @@ class Timings:
     """How long a started one-process serving worker may take to dial the next stage and
     report ``serving``."""
 
+    # --- serving on the daemon (node/serving) ------------------------------------------------
+    serve_plan_s: float = 30.0
+    """How long the issuing node waits for the leader's plan of a ring (``serve.plan``: the
+    planner runs in milliseconds; a forwarded call crosses the LAN twice)."""
+    serve_stage_start_s: float = 3500.0
+    """How long the issuing node waits for a stage to start: fetching the model's files or a
+    trained shard to that node first (chunks time out on their own), then loading. Below
+    ``serve_start_s`` so the daemon answers `swarm serve` with the reason before it gives up."""
+    serve_stage_load_s: float = 120.0
+    """How long a stage's node may take to load its slice and bind its link once its files are
+    local (a 135M model loads in seconds on a CPU; a 7B slice in tens of seconds)."""
+    serve_stage_connect_s: float = 30.0
+    """How long a started stage worker may take to dial the next stage and report
+    ``serving`` (one CURVE handshake on a LAN; the next stage may still be binding)."""
+    serve_step_s: float = 60.0
+    """A session of a served ring that gets no token for this long fails (covers a
+    re-placement's reload of one stage)."""
+    serve_restore_for_s: float = 600.0
+    """How long a restarted daemon keeps trying to serve its models in the table again (its
+    peers may come back minutes later)."""
+    serve_restore_every_s: float = 5.0
+    """Between two tries to serve one such model again (a plan and a ring start each)."""
+    serve_note_s: float = 10.0
+    """How long the leader may take to write one serving event (``serve.note``: a commit by a
+    majority, ``commit_s`` at most, is usually milliseconds)."""
+    serve_note_retry_s: float = 0.2
+    """After a failed ``serve.note`` send, the wait before the next one while `swarm serve
+    --stop` waits for its event to be written."""
+    file_chunk_s: float = 30.0
+    """How long one chunk of a copied model file or shard may take to arrive: a stalled copy
+    fails at this (a few MB over 1 GbE take well under a second)."""
+    standby_copy_s: float = 3600.0
+    """How long one file of a served model's standby copy may take (tens of GB over 1 GbE take
+    minutes; chunks time out on their own, ``file_chunk_s``)."""
+
     # --- the serving front end (serve/) -----------------------------------------------------
     generation_idle_s: float = 600.0
     """A request whose ring sends nothing for this long fails (the ring's own step timeout is
@@ -182,6 +217,11 @@ class Timings:
             raise ValueError(
                 f"heartbeat interval {self.heartbeat_s} s must be > 0 and below the failure "
                 f"timeout {self.failure_timeout_s} s"
+            )
+        if not self.serve_stage_start_s < self.serve_start_s:
+            raise ValueError(
+                f"a served stage's start ({self.serve_stage_start_s} s) must end before "
+                f"`swarm serve` stops waiting ({self.serve_start_s} s)"
             )
 
 

@@ -36,7 +36,7 @@ TEMPLATES = [
     {"op": "export", "model": "m", "dest": "/nonexistent/out"},
     {"op": "served"},
     {"op": "serve_stop", "model": "m"},
-    {"op": "serve", "model": "/nonexistent-model", "stages": 2, "max_sessions": 1},
+    {"op": "serve", "request": {"model": "/nonexistent-model", "stages": 2, "max_sessions": 1}},
     {"op": "invite", "minutes": 5},
     {"op": "remove", "node_id": "zz"},
     {

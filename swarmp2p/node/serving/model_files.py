@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p.plan.inputs import MODEL_FILE as _MODEL_FILE
+from swarmp2p.timings import TIMINGS
 
 if TYPE_CHECKING:
     from swarmp2p.wire.messages import Message
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 MODEL_FILE = re.compile(rf"^(?:{_MODEL_FILE.pattern})$")
 """The files of a model folder a stage loads or a tokenizer reads (``plan.inputs``)."""
 HEADER_LIMIT = 100 * 2**20
-CHUNK_TIMEOUT_S = 30.0
-"""How long one chunk of a file may take to arrive: a stalled copy fails at this."""
 _BLOCK_TENSOR = re.compile(r"\.\d+\.")
 """A tensor name with a numeric path component belongs to a block (``model.layers.3.…``)."""
 
@@ -315,11 +314,14 @@ def rpc_reader(
     call: Callable[[str, Message, float], Awaitable[Message]],
     endpoint: str,
     request: Callable[[str, int, int], Message],
-    timeout: float = CHUNK_TIMEOUT_S,
+    timeout: float | None = None,
 ) -> Reader:
     """A Reader over the swarm's RPC: ``request(file, offset, size)`` is the message sent to
-    ``endpoint`` with ``call``; the answer must be a ``job.shard_chunk``."""
+    ``endpoint`` with ``call``, waiting ``timeout`` (None: ``TIMINGS.file_chunk_s``) for each
+    chunk; the answer must be a ``job.shard_chunk``."""
     from swarmp2p.node.messages import ShardChunk
+
+    timeout = TIMINGS.file_chunk_s if timeout is None else timeout
 
     async def read(file: str, offset: int, size: int) -> tuple[bytes, int]:
         reply = await call(endpoint, request(file, offset, size), timeout)

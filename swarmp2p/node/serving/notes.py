@@ -27,9 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.serving.notes")
 
-NOTE_TIMEOUT_S = 10.0
-"""How long the leader may take to write one serving event."""
-
 
 class ServeNotes:
     """Serving events this node decided, in order: queued (unsent) and sent (the leader
@@ -51,15 +48,17 @@ class ServeNotes:
         if self._queued and (self._sending is None or self._sending.done()):
             self._sending = self.ctx.spawn(self._send_all(), "serve-notes")
 
-    async def flush(self, timeout: float = NOTE_TIMEOUT_S) -> bool:
-        """Wait until every queued event was written by the leader; False when not in time
-        (they stay queued)."""
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued event was written by the leader (None: for one
+        ``serve_note_s``); False when not in time (they stay queued)."""
+        timings = self.ctx.config.timings
+        timeout = timings.serve_note_s if timeout is None else timeout
         self.kick()
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
         while self._queued and loop.time() < until:
             if self._sending is None or self._sending.done():
-                await asyncio.sleep(0.2)  # the last send failed: the next one, soon
+                await asyncio.sleep(timings.serve_note_retry_s)  # the last send failed: soon again
                 self.kick()
                 continue
             with_time = max(0.0, until - loop.time())
@@ -89,7 +88,7 @@ class ServeNotes:
             event = self._queued[0]
             note = ServeNote(issuer=self.ctx.node_id, event=ev.event_to_data(event))
             try:
-                reply = await self.ctx.to_leader(note, NOTE_TIMEOUT_S)
+                reply = await self.ctx.to_leader(note, self.ctx.config.timings.serve_note_s)
             except (Unavailable, OSError) as exc:
                 log.info("serving event %s waits for a leader: %s", event.NAME, exc)
                 return
@@ -108,4 +107,4 @@ class ServeNotes:
         self._queued = [e for e in self._queued if e is not event]
 
 
-__all__ = ["NOTE_TIMEOUT_S", "ServeNotes"]
+__all__ = ["ServeNotes"]

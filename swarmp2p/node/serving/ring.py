@@ -23,7 +23,6 @@ from swarmp2p.node.messages import (
     ServeStageStart,
     ServeStageStop,
 )
-from swarmp2p.node.serving.stages import CONNECT_TIMEOUT_S
 from swarmp2p.node.training.jobs import blocked_note, cluster_records
 from swarmp2p.plan.serve import ServeInputs, ServePlan, ServeRequest
 from swarmp2p.plan.split import Compression
@@ -44,11 +43,6 @@ if TYPE_CHECKING:
     from swarmp2p.serve.sessions import RingClient
 
 log = logging.getLogger("swarmp2p.node.serving.service")
-
-START_TIMEOUT_S = 3500.0
-"""How long the issuing node waits for a stage to start: fetching the model's files or a
-trained shard to that node first (chunks time out on their own), then loading."""
-PLAN_TIMEOUT_S = 30.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -234,10 +228,10 @@ async def plan_ring(ctx: NodeContext, served: Served) -> tuple[ServeInputs, Serv
         reply = place(ctx, ask)
     else:
         try:
-            reply = await ctx.to_leader(ask, PLAN_TIMEOUT_S)
+            reply = await ctx.to_leader(ask, ctx.config.timings.serve_plan_s)
         except RpcTimeout:
             raise Unavailable(
-                f"the leader {ctx.leader} did not answer serve.plan in {PLAN_TIMEOUT_S:g} s",
+                f"the leader {ctx.leader} did not answer serve.plan in {ctx.config.timings.serve_plan_s:g} s",
                 code="no_leader",
             ) from None
     if not isinstance(reply, ServePlaced):
@@ -318,7 +312,7 @@ async def build(
             files=served.files,
             shard=shard_ask(served, alive, i, n) if served.trained else None,
         )
-        reply = await call_node(ctx, node, msg, START_TIMEOUT_S)
+        reply = await call_node(ctx, node, msg, ctx.config.timings.serve_stage_start_s)
         if not isinstance(reply, ServeStage) or not reply.endpoint:
             raise Failed(
                 f"node {node} answered serve.stage_start without an endpoint", code="stage_failed"
@@ -329,7 +323,7 @@ async def build(
 
     async def connect(i: int, after: str) -> None:
         msg = ServeStageConnect(serve_id=served.serve_id, attempt=attempt, stage=i, next=after)
-        await call_node(ctx, plan.stages[i].node_id, msg, CONNECT_TIMEOUT_S)
+        await call_node(ctx, plan.stages[i].node_id, msg, ctx.config.timings.serve_stage_connect_s)
 
     async def stop() -> None:
         await stop_stages(ctx, served.serve_id, attempt, nodes)
@@ -425,7 +419,6 @@ def check_request(req: ServeRequest) -> None:
 
 
 __all__ = [
-    "START_TIMEOUT_S",
     "Served",
     "alive_holders",
     "build",

@@ -41,11 +41,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.node import requests as rq
+from swarmp2p.node.api import ApiHandler
 from swarmp2p.node.messages import (
     ServeFileRead,
     ServeNote,
@@ -80,14 +82,6 @@ log = logging.getLogger("swarmp2p.node.serving.service")
 
 MAX_CRASH_REBUILDS = 3
 """Rings rebuilt after worker crashes (not node losses) before the model is left degraded."""
-STEP_TIMEOUT_S = 60.0
-"""A session that gets no token for this long fails (covers a re-placement's reload)."""
-RESTORE_FOR_S = 600.0
-"""How long a restarted daemon keeps trying to serve its saved models again."""
-RESTORE_EVERY_S = 5.0
-
-Request = Mapping[str, object]
-"""A local-API request (``{"op": ..., **fields}``), as ``node/api.py`` hands it over."""
 
 
 class Serving:
@@ -117,7 +111,7 @@ class Serving:
         self._serving_lock = asyncio.Lock()
         started = wall()
         self._restore_from = started + 2 * ctx.config.failure_timeout_s  # peers meet first
-        self._restore_until = started + RESTORE_FOR_S
+        self._restore_until = started + ctx.config.timings.serve_restore_for_s
 
     # --- the table's served models, as this node sees them ------------------------------------
 
@@ -161,7 +155,7 @@ class Serving:
         here = self.live.get(serve_id)
         return here is None or here.client is None
 
-    def api_handlers(self) -> dict[str, Callable[[Request], Awaitable[object]]]:
+    def api_handlers(self) -> dict[str, ApiHandler]:
         return {
             "serve": self._api_serve,
             "serve_stop": self._api_stop,
@@ -169,10 +163,10 @@ class Serving:
             "serve_endpoint": self._api_endpoint,
         }
 
-    async def _api_list(self, req: Request) -> list[dict[str, Any]]:
+    async def _api_list(self, req: rq.ServedRequest) -> list[dict[str, Any]]:
         return self.status()
 
-    def _by_name(self, name: object) -> tuple[Served | None, ServedModel | None]:
+    def _by_name(self, name: str) -> tuple[Served | None, ServedModel | None]:
         """This node's handle and table record of the model it serves as ``name``."""
         here = next((s for s in self.live.values() if s.name == name), None)
         record = next((m for m in self.mine().values() if m.name == name), None)
@@ -182,20 +176,20 @@ class Serving:
         names = {s.name for s in self.live.values()} | {m.name for m in self.mine().values()}
         return ", ".join(sorted(names)) or "none"
 
-    async def _api_endpoint(self, req: Request) -> dict[str, str | None]:
+    async def _api_endpoint(self, req: rq.ServeEndpointRequest) -> dict[str, str | None]:
         """Where a model served from this node answers, and its API key (for `swarm generate`
         and `swarm chat`: the local socket is its owner's alone)."""
-        here, _ = self._by_name(req.get("model"))
+        here, _ = self._by_name(req.model)
         if here is None or not here.url:
             known = ", ".join(sorted(s.name for s in self.live.values() if s.url)) or "none"
             raise UserError(
-                f"model {req.get('model')!r} is not served from this node (served: {known})",
+                f"model {req.model!r} is not served from this node (served: {known})",
                 code="not_served",
             )
         return {"model": here.name, "url": here.url, "api_key": here.request.api_key}
 
-    async def _api_stop(self, req: Request) -> dict[str, object]:
-        name = req.get("model")
+    async def _api_stop(self, req: rq.ServeStopRequest) -> dict[str, object]:
+        name = req.model
         here, record = self._by_name(name)
         if here is None and record is None:
             raise UserError(
@@ -224,9 +218,9 @@ class Serving:
         log.info("stopped serving %s", name)
         return out
 
-    async def _api_serve(self, req: Request) -> dict[str, Any]:
+    async def _api_serve(self, req: rq.ServeStartRequest) -> dict[str, Any]:
         try:
-            request = parse_serve_request({k: v for k, v in req.items() if k != "op"})
+            request = parse_serve_request(req.request)
         except SchemaError as exc:
             raise UserError(str(exc), code="bad_field") from None
         serve_id = f"s{int(time.time() * 1000) % 10**10}-{os.getpid() % 1000}"
@@ -302,7 +296,9 @@ class Serving:
     # --- opening and closing a served model ----------------------------------------------------
 
     async def _open(self, served: Served) -> tuple[ServePlan, RingEnds]:
-        return await serve_ring.open_served(self.ctx, served, self._on_copy(served), STEP_TIMEOUT_S)
+        return await serve_ring.open_served(
+            self.ctx, served, self._on_copy(served), self.ctx.config.timings.serve_step_s
+        )
 
     def _on_copy(self, served: Served) -> Callable[[int, str], None]:
         return lambda stage, node: self.standby.note_copy(served, stage, node)
@@ -449,7 +445,9 @@ class Serving:
                 with contextlib.suppress(Exception):
                     await self._teardown(served)
                 self.live.pop(record.serve_id, None)
-            self._retry_at[record.serve_id] = self.wall() + RESTORE_EVERY_S
+            self._retry_at[record.serve_id] = (
+                self.wall() + self.ctx.config.timings.serve_restore_every_s
+            )
             reason = f"waiting to serve it again after a restart: {exc}"
             if record.reason != reason:
                 log.info("serving %s: %s", record.name, reason)

@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarmp2p.node.serving.stages")
 
 SERVE_WORKER_MODULE = "swarmp2p.runtime.serve_worker"
-LOAD_TIMEOUT_S = 120.0
-"""How long a stage's node may take to load its slice and bind its link."""
-CONNECT_TIMEOUT_S = 30.0
-"""How long a started worker may take to dial the next stage and report ``serving``."""
 
 
 def check_serve_plan(inputs: ServeInputs, plan_json: str, *, node_id: str) -> ServePlan:
@@ -159,7 +155,7 @@ class ServeStages:
             worker = self._worker(msg.serve_id, msg.attempt, msg.stage)
             try:
                 await worker.send_line({"op": "connect", "next": msg.next})
-                await worker.wait_event("serving", CONNECT_TIMEOUT_S)
+                await worker.wait_event("serving", self.ctx.config.timings.serve_stage_connect_s)
             except (RuntimeError, OSError) as exc:
                 raise Failed(f"node {self.ctx.node_id}: {exc}", code="stage_failed") from None
             return ServeStage(
@@ -205,7 +201,7 @@ class ServeStages:
 
     async def _report_exit(self, issuer: str, msg: ServeStageExit) -> None:
         try:
-            await self.ctx.call(issuer, msg, CONNECT_TIMEOUT_S)
+            await self.ctx.call(issuer, msg, self.ctx.config.timings.serve_stage_connect_s)
         except SwarmError as exc:
             log.info("could not tell %s that a serve worker died: %s", issuer, exc)
 
@@ -467,7 +463,7 @@ class ServeStages:
         self._held[key] = (device_key(planned.device), int(planned.memory.peak))
         try:
             await worker.start()
-            ready = await worker.wait_event("ready", LOAD_TIMEOUT_S)
+            ready = await worker.wait_event("ready", self.ctx.config.timings.serve_stage_load_s)
         except (RuntimeError, OSError) as exc:
             self.workers.pop(key, None)
             await worker.stop()
@@ -522,4 +518,4 @@ class ServeStages:
         self.workers.clear()
 
 
-__all__ = ["CONNECT_TIMEOUT_S", "ServeStages", "check_serve_plan"]
+__all__ = ["ServeStages", "check_serve_plan"]

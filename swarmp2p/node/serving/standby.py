@@ -21,9 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarmp2p.node.serving.service")
 
-COPY_TIMEOUT_S = 3600.0
-"""How long one file of a standby copy may take (chunks time out on their own)."""
-
 
 class Standby:
     """Copies of trained shards, made by the issuing node for the models it serves."""
@@ -58,7 +55,7 @@ class Standby:
             }
             hold = ServeShardHold(stage=copy.stage, shard=ask)
             try:
-                await self.ctx.call(copy.target, hold, COPY_TIMEOUT_S)
+                await self.ctx.call(copy.target, hold, self.ctx.config.timings.standby_copy_s)
             except (SwarmError, OSError, ValueError) as exc:
                 log.warning(
                     "serving %s: no standby copy of stage %d on %s: %s",
@@ -77,4 +74,4 @@ class Standby:
             )
 
 
-__all__ = ["COPY_TIMEOUT_S", "Standby"]
+__all__ = ["Standby"]

@@ -27,8 +27,8 @@ def test_answers_and_refusals(tmp_path):
     async def status(req):
         return {"node_id": "a"}
 
-    async def serve(req):  # an op without a request record: its handler takes the fields
-        if req.get("record") == "boom":
+    async def serve(req):
+        if req.request.get("record") == "boom":
             raise RuntimeError("kaput")
         raise ApiError("saved on the leader only", code="not_durable")
 
@@ -41,14 +41,14 @@ def test_answers_and_refusals(tmp_path):
                 "ok": True,
                 "result": {"node_id": "a"},
             }
-            refused = await _ask(path, b'{"op": "serve"}\n')
+            refused = await _ask(path, b'{"op": "serve", "request": {}}\n')
             assert refused == {
                 "ok": False,
                 "error": "saved on the leader only",
                 "code": "not_durable",
                 "kind": "failed",
             }
-            internal = await _ask(path, b'{"op": "serve", "record": "boom"}\n')
+            internal = await _ask(path, b'{"op": "serve", "request": {"record": "boom"}}\n')
             assert internal["ok"] is False and internal["kind"] == "internal"
             assert "internal error: RuntimeError: kaput" in internal["error"]
             for bad in (b"not json\n", b'{"op": "down"}\n', b"[1]\n"):
@@ -86,7 +86,9 @@ def test_typed_requests_reach_their_handler_as_records_and_bad_fields_are_named(
         return {"seconds": req.minutes * 60}
 
     async def scenario():
-        server = ApiServer(path, {"logs": logs, "invite": invite})
+        server = ApiServer(
+            path, {"logs": logs, "invite": invite, "serve_stop": logs, "serve": logs}
+        )
         await server.start()
         try:
             ok = await _ask(path, b'{"op": "logs", "job_id": "j1", "stage": 2}\n')
@@ -102,6 +104,10 @@ def test_typed_requests_reach_their_handler_as_records_and_bad_fields_are_named(
                 (b'{"op": "logs", "job_id": "j", "stages": 1}', "stages: unknown key"),
                 (b'{"op": "invite", "minutes": 9999}', "minutes: must be a number > 0 and <= 1440"),
                 (b'{"op": "invite", "minutes": true}', "minutes: must be a number"),
+                (b'{"op": "serve_stop"}', "model: required"),
+                (b'{"op": "serve_stop", "model": ""}', "model: must be a non-empty"),
+                (b'{"op": "serve", "model": "m"}', "model: unknown key"),
+                (b'{"op": "serve", "request": "m"}', "request: must be"),
             ):
                 reply = await _ask(path, line + b"\n")
                 assert reply["ok"] is False and reply["code"] == "bad_field", line
@@ -113,6 +119,6 @@ def test_typed_requests_reach_their_handler_as_records_and_bad_fields_are_named(
     asyncio.run(scenario())
     with pytest.raises(SchemaError, match="stage: must be an integer >= 0, got -3"):
         request(path, "logs", job_id="j1", stage=-3)  # the client checks before it sends
-    assert rq.LogsRequest(job_id="j1").OP == "logs" and set(rq.REQUESTS) <= set(API_OPS)
+    assert rq.LogsRequest(job_id="j1").OP == "logs" and set(rq.REQUESTS) == set(API_OPS)
     with pytest.raises(Exception, match="no swarm daemon is running"):
         send(path, rq.StatusRequest())

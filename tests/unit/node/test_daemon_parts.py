@@ -42,6 +42,7 @@ def test_parse_peer():
         ({"port": 70000}, "--port 70000"),
         ({"timings": {"heartbeat_s": 3.0, "failure_timeout_s": 2.0}}, "must be > 0 and below the"),
         ({"timings": {"heartbeat_s": 0.0}}, "must be > 0"),
+        ({"timings": {"serve_stage_start_s": 3600.0}}, "must end before `swarm serve` stops"),
         ({"peers": ("nope",)}, "--peer 'nope'"),
     ],
 )

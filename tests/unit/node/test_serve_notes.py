@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import serving
@@ -14,14 +15,16 @@ from _tables import serving
 from swarmp2p.errors import Unavailable
 from swarmp2p.node.serving.notes import ServeNotes
 from swarmp2p.node.table import events as ev
+from swarmp2p.timings import Timings
 
 
 class Node:
-    """What ServeNotes needs of a node: its replica, its id, tasks, and a leader that is
-    unreachable (``answer`` None) or writes each event into ``log``."""
+    """What ServeNotes needs of a node: its replica, its id, its timings, tasks, and a leader
+    that is unreachable (``answer`` None) or writes each event into ``log``."""
 
     def __init__(self, log, answer=None):
         self.log, self.node_id, self.answer = log, "a", answer
+        self.config = SimpleNamespace(timings=Timings(serve_note_s=0.5, serve_note_retry_s=0.05))
         self.tasks: list[asyncio.Task] = []
 
     @property
@@ -54,6 +57,10 @@ def test_unsent_events_are_decided_on_and_one_that_no_longer_follows_is_dropped(
         assert (view["s1"].state, view["s1"].lost) == ("replacing", (1,))
         assert len(notes._queued) == 1  # the stale attempt's event was dropped
         assert not await notes.flush(timeout=0.3)  # no leader: it waits
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert not await notes.flush()  # for one serve_note_s: 0.5 s here (10 s by default)
+        assert 0.5 <= loop.time() - started < 5.0
 
     asyncio.run(main())
 
