@@ -142,9 +142,25 @@ def _print_plan(plan) -> None:
         f"{s.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
         f"eval batches {plan.eval_batches}"
     )
+    if s.predicted:
+        console.print(_schedules_line(s), markup=False)
     console.print("features: " + (", ".join(plan.features) or "none"), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def _schedules_line(s) -> str:
+    """How the schedule was chosen: each one priced, its predicted bubble (and step)."""
+    how = "chosen (auto)" if s.requested == "auto" else f"forced ({s.requested})"
+    parts = []
+    for p in s.predicted:
+        text = f"{p.kind} bubble {p.bubble:.3f}"
+        if p.step_s is not None:
+            text += f" step {p.step_s:.3g} s"
+        if not p.fits:
+            text += " (does not fit)"
+        parts.append(text + (" <- chosen" if p.kind == s.kind else ""))
+    return f"schedule {how}; predicted: " + "; ".join(parts)
 
 
 def _predicted(stage: dict | None, bottleneck: bool) -> str:

@@ -208,7 +208,17 @@ def _bundles(model, n, dtype=torch.float32, mode="full"):
     ]
 
 
-def _train(bundles, settings, batches, *, per_stage=None, start=0, optimizers=None, scalers=None):
+def _train(
+    bundles,
+    settings,
+    batches,
+    *,
+    per_stage=None,
+    start=0,
+    optimizers=None,
+    scalers=None,
+    schedule="1f1b",
+):
     """Train the stages as threads; per stage its metrics, or the exception it raised."""
     n = len(bundles)
     links = [InProcLink.pair() for _ in range(n - 1)]
@@ -219,7 +229,7 @@ def _train(bundles, settings, batches, *, per_stage=None, start=0, optimizers=No
             out[i] = train_stage(
                 bundles[i],
                 (per_stage or {}).get(i, settings),
-                stage_schedule("1f1b", i, n, settings.micro_batches),
+                stage_schedule(schedule, i, n, settings.micro_batches),
                 prev=Channel(links[i - 1][1], timeout=30) if i > 0 else None,
                 next=Channel(links[i][0], timeout=30) if i < n - 1 else None,
                 batches=iter(batches[start:]) if i == 0 else None,
@@ -254,12 +264,13 @@ def test_one_stage_trains_exactly_like_a_single_process():
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), atol=1e-5, rtol=0)
 
 
-def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale(schedule):
     model = build_model("llama")
     bundles = _bundles(model, 3, torch.float16)
     before = [[p.detach().clone() for p in b.trainable_parameters] for b in bundles]
     settings = TrainSettings(steps=3, micro_batches=2, lr=1e-3, loss_scale=2.0**40)
-    results = _train(bundles, settings, token_batches(3, 4, 9))
+    results = _train(bundles, settings, token_batches(3, 4, 9), schedule=schedule)
     for stage_metrics in results:
         assert not isinstance(stage_metrics, Exception), stage_metrics
         assert [m.skipped for m in stage_metrics][:2] == [True, True]
