@@ -303,20 +303,21 @@ def test_an_injected_nan_fails_every_stage_naming_the_stage_and_step(dtype):
         assert all(torch.isfinite(p).all() for p in b.trainable_parameters)
 
 
-def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path, schedule):
     """The snapshot holds the float32 master copies and the loss scale: rebuilding the masters
     from the float16 weights, or restarting at the default scale, would change the run."""
     model = build_model("llama")
     batches = token_batches(4, 4, 9)
     settings = TrainSettings(steps=4, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     whole = _bundles(model, 2, torch.float16)
-    full = _train(whole, settings, batches)
+    full = _train(whole, settings, batches, schedule=schedule)
 
     half = TrainSettings(steps=2, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     first = _bundles(model, 2, torch.float16)
     opts = [make_optimizer(b, half) for b in first]
     scalers = [LossScaler(scale=2.0**10) for _ in first]
-    _train(first, half, batches, optimizers=opts, scalers=scalers)
+    _train(first, half, batches, optimizers=opts, scalers=scalers, schedule=schedule)
     for i, b in enumerate(first):
         save_snapshot(tmp_path, b, opts[i], step=2, scaler=scalers[i])
 
@@ -327,7 +328,9 @@ def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path):
         path = tmp_path / f"stage-{i}" / "step-00000002.pt"
         assert load_snapshot(path, b, opts[i], scaler=scalers[i]) == 2
         assert (scalers[i].scale, scalers[i].good_steps) == (2.0**10, 2)
-    again = _train(resumed, half, batches, start=2, optimizers=opts, scalers=scalers)
+    again = _train(
+        resumed, half, batches, start=2, optimizers=opts, scalers=scalers, schedule=schedule
+    )
     assert [m.loss for m in again[1]] == [m.loss for m in full[1]][2:]
     for a, b in zip(whole, resumed):
         for p, q in zip(a.trainable_parameters, b.trainable_parameters):
