@@ -131,8 +131,9 @@ def test_each_training_default_is_the_jobs():
             defaults.batch_size,
             defaults.seq_len,
             defaults.micro_batches,
-            defaults.schedule,
+            "1f1b",  # the default "auto", as the planner resolves it for a LoRA job
         )
+        assert defaults.schedule == "auto"
         assert t.eval_batches == defaults.eval_batches
         assert t.calibration_tokens == job.split.calibration_tokens
         assert (t.weight_decay, t.loss_chunk_tokens, t.loss_scale) == (
