@@ -11,7 +11,11 @@
 - ``precision``: the 2-worker job in float16 beside float32 (loss at the last step on a
   learnable corpus, tokens/s);
 - ``bytes``: bytes per step per boundary for each compression;
-- ``quality``: top-1 kept through a middle boundary, before and after compressor-only steps.
+- ``quality``: top-1 kept through a middle boundary, before and after compressor-only steps;
+- ``zb``: the zero-bubble schedule (``zb-h1``) beside 1F1B, two workers driven directly (one
+  thread each), M = 4 and 8 (batch 4 x 128 and 8 x 64: M must divide the batch), beside
+  torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble with the same
+  cut and the same oneDNN products (its ZBV schedule needs two chunks per rank, another cut).
 
     python bench/train_pipeline.py [--quick] [--repeats N] [--sections a,b]
 
@@ -162,6 +166,7 @@ def run_swarm(
     lr: float = 1e-5,
     losses: list | None = None,
     wall: bool = False,
+    schedule: str = "1f1b",
 ) -> list[float]:
     """Step seconds of the last stage of 2 worker processes (1F1B over CURVE ZmqLinks); the
     last stage's step events are appended to ``losses`` when given. ``wall``: the wall time
@@ -180,7 +185,7 @@ def run_swarm(
                 "batch_size": args.batch,
                 "seq_len": args.seq,
                 "micro_batches": args.micro,
-                "schedule": "1f1b",
+                "schedule": schedule,
                 "lr": lr,
                 "eval_batches": 0,
                 "recompute": False,
@@ -245,9 +250,11 @@ def _pp_rank(
     onednn: bool = False,
     device: str = "cpu",
     dtype: str = "float32",
+    schedule_name: str = "Schedule1F1B",
 ) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -267,7 +274,11 @@ def _pp_rank(
         def loss_fn(logits, target):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
-        schedule = Schedule1F1B(stage, n_microbatches=args.micro, loss_fn=loss_fn)
+        cls = getattr(pipelining, schedule_name)
+        if schedule_name == "Schedule1F1B":
+            schedule = cls(stage, n_microbatches=args.micro, loss_fn=loss_fn)
+        else:  # the multi-stage schedules take a list of this rank's stages
+            schedule = cls([stage], n_microbatches=args.micro, loss_fn=loss_fn)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-5)
         vocab = module.config.vocab_size
         times = []
@@ -299,6 +310,7 @@ def run_torch_pipelining(
     onednn: bool = False,
     device: str = "cpu",
     dtype: str = "float32",
+    schedule_name: str = "Schedule1F1B",
 ) -> list[float]:
     """Step seconds of torch.distributed.pipelining's Schedule1F1B on 2 gloo ranks cut at
     ``cut`` (the middle by default); rank r runs in cgroup ``groups[r]`` when given; with
@@ -316,7 +328,12 @@ def run_torch_pipelining(
         ctx.Process(
             target=_pp_rank,
             args=(r, str(folder), n_layers, args, port, threads, out, cut or n_layers // 2),
-            kwargs={"onednn": onednn, "device": device, "dtype": dtype},
+            kwargs={
+                "onednn": onednn,
+                "device": device,
+                "dtype": dtype,
+                "schedule_name": schedule_name,
+            },
         )
         for r in range(2)
     ]
@@ -724,7 +741,37 @@ def quality(model, train_windows, eval_windows, args) -> dict[str, dict[str, flo
 # --- main -------------------------------------------------------------------------------------
 
 
-SECTIONS = ("workers", "daemons", "hetero", "precision", "bytes", "quality")
+SECTIONS = ("workers", "daemons", "hetero", "precision", "bytes", "quality", "zb")
+ZB_SHAPES = {4: (4, 128), 8: (8, 64)}
+"""Zero-bubble section: micro-batches -> (batch, seq), 512 tokens a step either way."""
+TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble")
+
+
+def zb_case(folder: Path, n_layers: int, args, micro: int) -> dict:
+    """Our zb-h1 and 1F1B (two workers, one thread each) beside torch pipelining's schedules
+    with the same cut and oneDNN products: step seconds, medians over alternating repeats."""
+    batch, seq = ZB_SHAPES[micro] if not args.quick else (8, 64)
+    zargs = argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq, "micro": micro})
+    runs: dict[str, list[float]] = {"1f1b": [], "zb-h1": []}
+    runs.update({k: [] for k in TORCH_SCHEDULES})
+    failed: dict[str, str] = {}
+    for _ in range(args.repeats):
+        for kind in ("1f1b", "zb-h1"):
+            runs[kind] += run_swarm(folder, n_layers, zargs, 1, schedule=kind, wall=True)
+        for name in TORCH_SCHEDULES:
+            if name in failed:
+                continue
+            try:
+                runs[name] += run_torch_pipelining(
+                    folder, n_layers, zargs, 1, onednn=True, schedule_name=name
+                )
+            except Exception as exc:  # report it: torch's schedule may refuse this shape
+                failed[name] = f"{type(exc).__name__}: {exc}"
+    tokens = batch * seq
+    tok_s = {k: tokens / statistics.median(v) for k, v in runs.items() if v}
+    return {"shape": f"{batch} x {seq}", "micro": micro, "tok_s": tok_s, "failed": failed}
+
+
 HETERO_CPUS = {"a": 1.0, "b": 0.35}
 """The mismatched machines: cgroup CPU quotas of the two daemons (a full core, 35% of one)."""
 
@@ -934,6 +981,33 @@ def main(argv: list[str] | None = None) -> dict:
             top1_kept_untrained={k: table[k]["untrained"] for k in COMPRESSIONS},
             top1_kept_trained={k: table[k]["trained"] for k in COMPRESSIONS},
             base_top1=table["_base_top1"]["untrained"],
+        )
+    if "zb" in sections:
+        rows = [zb_case(folder, n_layers, args, m) for m in (4, 8)]
+        print(
+            f"\n## Zero-bubble beside 1F1B: {name}, 2 workers driven directly, one thread each, "
+            f"full fine-tune, float32, wall time between the last stage's step ends\n"
+        )
+        print(
+            "| M | batch | ours 1F1B tok/s | ours zb-h1 tok/s | zb-h1 / 1F1B | torch 1F1B | "
+            "torch InterleavedZB | zb-h1 / best torch |\n|---|---|---|---|---|---|---|---|"
+        )
+        for row in rows:
+            t = row["tok_s"]
+            best = max((t[k] for k in TORCH_SCHEDULES if k in t), default=float("nan"))
+            torch_cells = " | ".join(f"{t[k]:.1f}" if k in t else "failed" for k in TORCH_SCHEDULES)
+            print(
+                f"| {row['micro']} | {row['shape']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
+                f"{t['zb-h1'] / t['1f1b']:.2f}x | {torch_cells} | {t['zb-h1'] / best:.2f}x |"
+            )
+            for k, why in row["failed"].items():
+                print(f"\n{k} did not run at M = {row['micro']}: {why}")
+        result["zb"] = rows
+        result.update(
+            {
+                f"zb_h1_over_1f1b_m{r['micro']}": r["tok_s"]["zb-h1"] / r["tok_s"]["1f1b"]
+                for r in rows
+            }
         )
     print(json.dumps(result))
     return result

@@ -143,7 +143,7 @@ def _print_live_plan(result: dict) -> None:
     t = Table(
         title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split"
     )
-    from swarmp2p.cli._plan import _predicted, _timing_line
+    from swarmp2p.cli._plan import _predicted, _timing_line, schedules_line
 
     timing = result.get("timing") or {}
     times = timing.get("stages") or []
@@ -171,6 +171,8 @@ def _print_live_plan(result: dict) -> None:
     console.print(t)
     if timing:
         console.print(_timing_line(timing), markup=False)
+    if result.get("schedule"):
+        console.print(schedules_line(result["schedule"]), markup=False)
     for note in result.get("notes") or []:
         console.print(f"note: {note}", markup=False)
     console.print("features: " + (", ".join(result["features"]) or "none"), markup=False)

@@ -142,9 +142,28 @@ def _print_plan(plan) -> None:
         f"{s.bubble_fraction:.3f} · recompute {'on' if plan.recompute else 'off'} · "
         f"eval batches {plan.eval_batches}"
     )
+    if s.predicted:
+        from swarmp2p.schema import to_data
+
+        console.print(schedules_line(to_data(s)), markup=False)
     console.print("features: " + (", ".join(plan.features) or "none"), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def schedules_line(s: dict) -> str:
+    """How the schedule was chosen (a plan's ``schedule`` as data): each one priced, with its
+    predicted bubble and step."""
+    how = "chosen (auto)" if s.get("requested", "auto") == "auto" else f"forced ({s['requested']})"
+    parts = []
+    for p in s.get("predicted") or []:
+        text = f"{p['kind']} bubble {p['bubble']:.3f}"
+        if p.get("step_s") is not None:
+            text += f" step {p['step_s']:.3g} s"
+        if not p.get("fits", True):
+            text += " (does not fit)"
+        parts.append(text + (" <- chosen" if p["kind"] == s["kind"] else ""))
+    return f"schedule {s['kind']} {how}; predicted: " + "; ".join(parts)
 
 
 def _predicted(stage: dict | None, bottleneck: bool) -> str:

@@ -59,6 +59,7 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict
             "predicted_step_s": timing.step_s if timing is not None else None,
             "bottleneck": timing.bottleneck if timing is not None else None,
             "dtype": plan.dtype if plan is not None else None,
+            "schedule": plan.schedule.kind if plan is not None else None,
             "finetune_mode": plan.finetune_mode if plan is not None else None,
             "features": list(plan.features) if plan is not None else [],
         },

@@ -41,6 +41,7 @@ CAPABILITIES: frozenset[str] = frozenset(
         "long-context",
         "serve-codec",
         "swarm-sdpa",
+        "zero-bubble",
     }
 )
 """Features this version implements; a plan enables one only when every assigned node has it."""

@@ -183,7 +183,9 @@ class TrainConfig:
     lr: float = field(default=2e-4, gt=0)
     micro_batches: int = field(default=DEFAULT_MICRO_BATCHES, ge=1, le=MAX_MICRO_BATCHES)
     """The default adapts to a small batch (the largest divisor of batch_size up to 4)."""
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Literal["auto", "gpipe", "1f1b", "zb-h1", "zb-h2"] = "auto"
+    """"auto": the planner prices every schedule the nodes run at their measured speeds and
+    picks the fastest that fits (``plan.schedule``); a name forces that schedule."""
     recompute: Literal[True, False, "auto"] = "auto"
     """True, False, or "auto": on only when the job fits only with it."""
     eval_batches: int = field(default=16, ge=0)

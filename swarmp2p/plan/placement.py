@@ -14,6 +14,11 @@ serving:
   the `cost` FLOPs at each device's measured speed, the bytes it sends over the link); by free
   memory (`weighted`) when a device has no measured speed.
 
+The schedule (`train.schedule`, "auto" by default) is chosen with the split: each schedule the
+nodes run is split and priced in turn (its memory per stage, its op lists run against each
+stage's per-op costs: `schedule.price`), and the fastest that fits wins, the one holding less
+memory on a tie (`schedule.PREFERENCE`). A named schedule is the only one tried.
+
 A stage must fit its device's free memory (less DEVICE_RESERVE); a node's download share
 (its stages' layers, the embeddings on the first stage, the head on the last) plus
 DISK_HEADROOM must fit its free disk.
@@ -22,7 +27,7 @@ DISK_HEADROOM must fit its free disk.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from swarmp2p.plan import model_shape as _model_shape
 from swarmp2p.plan.hardware import CAPABILITIES, Node
@@ -45,8 +50,25 @@ from swarmp2p.plan.placer import (
     usable_memory,
 )
 from swarmp2p.plan.precision import SWARM_SDPA_CAPABILITY, resolve_dtype, training_kernel
-from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedSchedule, PlannedStage
-from swarmp2p.plan.schedule import bubble_fraction, in_flight, ops_text, stage_schedule
+from swarmp2p.plan.result import (
+    Blocked,
+    Plan,
+    PlannedBoundary,
+    PlannedSchedule,
+    PlannedStage,
+    SchedulePrediction,
+)
+from swarmp2p.plan.schedule import (
+    PREFERENCE,
+    SPLIT_BACKWARD,
+    ZERO_BUBBLE_CAPABILITY,
+    OpCosts,
+    in_flight,
+    loss_held,
+    ops_text,
+    stage_schedule,
+)
+from swarmp2p.plan.schedule import price as price_schedule
 from swarmp2p.plan.split import Compression
 
 DISK_HEADROOM = 512 * 2**20
@@ -95,7 +117,20 @@ def _required_features(job: Job, n_stages: int, compression: tuple[Compression, 
     needs = bottleneck_needs(n_stages, compression)
     if job.model.weight_dtype is not None and job.finetune_mode != "full":
         needs["half-weights"] = "model.weight_dtype stores the frozen backbone narrow"
+    if job.train.schedule in SPLIT_BACKWARD:
+        needs[ZERO_BUBBLE_CAPABILITY] = f"train.schedule {job.train.schedule} splits the backward"
     return needs
+
+
+def _schedules(job: Job, features: set[str], n_stages: int) -> tuple[str, ...]:
+    """The schedules to price: the one the job names, or (auto) every one the nodes run."""
+    if job.train.schedule != "auto":
+        return (job.train.schedule,)
+    if n_stages == 1:  # no pipeline, no bubble to fill
+        return ("1f1b",)
+    return tuple(
+        k for k in PREFERENCE if k not in SPLIT_BACKWARD or ZERO_BUBBLE_CAPABILITY in features
+    )
 
 
 def _weight_storage(job: Job, dtype: str) -> str:
@@ -347,20 +382,25 @@ def _plan_on(
             efficient_attention=long_context,
             chunked_loss=long_context,
         )
-        placer = Placer(
-            shape,
-            devices,
-            StagePricer(shape, pricing, workload),
-            attention_scores=scores,
-            mode=job.split.mode,
-            compression=compression,
-            in_flight=[in_flight(job.train.schedule, i, n, micro) for i in range(n)],
-            tokens=job.train.batch_size * job.train.seq_len,
-            update_trained=job.finetune_mode == "full",
-            wire_v2="wire-v2" in features,
-        )
-        attempt = placer.split(cuts)
-        if attempt.ranges is None:
+        tried: list[tuple[str, Placer, SplitAttempt]] = []
+        for kind in _schedules(job, features, n):
+            placer = Placer(
+                shape,
+                devices,
+                StagePricer(shape, pricing, workload),
+                attention_scores=scores,
+                mode=job.split.mode,
+                compression=compression,
+                in_flight=[in_flight(kind, i, n, micro) for i in range(n)],
+                losses_held=loss_held(kind, n, micro),
+                tokens=job.train.batch_size * job.train.seq_len,
+                update_trained=job.finetune_mode == "full",
+                wire_v2="wire-v2" in features,
+            )
+            tried.append((kind, placer, placer.split(cuts)))
+        fitting = [(k, p, a) for k, p, a in tried if a.ranges is not None]
+        if not fitting:
+            _, placer, attempt = tried[0]  # the least memory's shortfall
             blocked = Blocked(
                 reason=_memory_reason(job, placer, attempt, dtype, recompute),
                 dtype=dtype,
@@ -368,6 +408,9 @@ def _plan_on(
                 placed=sum(p.peak <= f for p, f in zip(attempt.prices, placer.free)),
             )
             continue
+        predicted = _predictions(tried, micro)
+        steps = {p.kind: p.step for p in predicted if p.fits}
+        kind, placer, attempt = min(fitting, key=lambda t: steps[t[0]])  # the first on a tie
         if recompute and job.train.recompute == "auto":
             notes.append("recompute turned on: the job fits only with it")
         disk, bad, short = _disk_reason(placer, attempt.ranges)
@@ -375,12 +418,47 @@ def _plan_on(
             return Blocked(reason=disk, dtype=dtype, required=n, placed=n - bad), False, short
         if micro != job.train.micro_batches:
             notes.append("micro_batches 1: not every node declares microbatch")
+        schedule = PlannedSchedule(
+            kind=kind,
+            micro_batches=micro,
+            bubble_fraction=round(price_schedule(kind, [_UNIT] * n, micro).bubble, 6),
+            requested=job.train.schedule,
+            predicted=tuple(_prediction(p, placer.clock.measured) for p in predicted),
+        )
         plan = _build_plan(
-            job, shape, placer, attempt.ranges, dtype, recompute, features, notes, micro
+            job, shape, placer, attempt.ranges, dtype, recompute, features, notes, schedule
         )
         return plan, False, frozenset()
     assert blocked is not None
     return blocked, True, frozenset()
+
+
+_UNIT = OpCosts(forward=1.0, input_grad=1.0, weight_grad=1.0)
+"""Equal op costs: what ``bubble_fraction`` is quoted at."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Priced:
+    kind: str
+    step: float
+    bubble: float
+    fits: bool
+
+
+def _predictions(tried: list, micro: int) -> list[_Priced]:
+    """Every schedule tried, priced on its own split (the closest one when it does not fit)."""
+    out = []
+    for kind, placer, attempt in tried:
+        ranges = attempt.ranges if attempt.ranges is not None else attempt.tried
+        got = price_schedule(kind, placer.clock.op_costs(ranges), micro)
+        step = float(f"{got.step:.6g}")  # as the plan records it: ties go by preference
+        out.append(_Priced(kind, step, got.bubble, attempt.ranges is not None))
+    return out
+
+
+def _prediction(p: _Priced, measured: bool) -> SchedulePrediction:
+    step = p.step if measured else None
+    return SchedulePrediction(kind=p.kind, step_s=step, bubble=round(p.bubble, 6), fits=p.fits)
 
 
 def _disk_reason(
@@ -426,9 +504,9 @@ def _build_plan(
     recompute: bool,
     features: set[str],
     notes: list[str],
-    micro: int,
+    schedule: PlannedSchedule,
 ) -> Plan:
-    n, kind = placer.n, job.train.schedule
+    n, kind, micro = placer.n, schedule.kind, schedule.micro_batches
     stages = []
     for i, ((node, dev), (a, b)) in enumerate(zip(placer.devices, ranges)):
         files = _model_shape.stage_files(shape, a, b, i == 0, i == n - 1)
@@ -468,9 +546,7 @@ def _build_plan(
         split_mode=job.split.mode,
         stages=tuple(stages),
         boundaries=tuple(boundaries),
-        schedule=PlannedSchedule(
-            kind=kind, micro_batches=micro, bubble_fraction=round(bubble_fraction(n, micro), 6)
-        ),
+        schedule=schedule,
         recompute=recompute,
         eval_batches=_eval_batches(job, features),
         weight_storage=_weight_storage(job, dtype),

@@ -172,6 +172,7 @@ class Placer:
         mode: str,
         compression: tuple[Compression, ...] = (),
         in_flight: Sequence[int] | None = None,
+        losses_held: int | None = None,
         tokens: int = 1,
         flops_per_param_token: int = TRAIN_FLOPS_PER_PARAM_TOKEN,
         update_trained: bool = False,
@@ -179,7 +180,9 @@ class Placer:
         wire_v2: bool = True,
     ) -> None:
         """``attention_scores``: per device slot, whether its card holds the seq x seq
-        attention scores (None: the pricer's workload decides for every slot)."""
+        attention scores (None: the pricer's workload decides for every slot).
+        ``losses_held``: the most losses the last stage holds between a forward and its
+        backward (``schedule.loss_held``; None: its ``in_flight``)."""
         self.shape, self.devices, self.pricer, self.mode = shape, devices, pricer, mode
         self.scores = list(attention_scores) if attention_scores is not None else None
         self.wire_v2 = wire_v2
@@ -187,6 +190,8 @@ class Placer:
         self.n = len(devices)
         self.compression = compression
         self.flight = list(in_flight) if in_flight is not None else [1] * self.n
+        self.losses_held = self.flight[-1] if losses_held is None else losses_held
+        self.update_trained = update_trained
         self._tokens, self._flops, self._update = tokens, flops_per_param_token, update_trained
         keys = [device_key(node, dev) for node, dev in devices]
         self.usable = {k: usable_memory(dev) for k, (_, dev) in zip(keys, devices)}

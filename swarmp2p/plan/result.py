@@ -78,12 +78,30 @@ class PlannedBoundary:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulePrediction:
+    """One schedule as the planner priced it for this placement."""
+
+    kind: str = field(max_len=16)
+    step_s: float | None = None
+    """The predicted step (seconds, optimizer excluded; None without measured speeds)."""
+    bubble: float = field(ge=0, le=1)
+    """The predicted idle share of the step, at the stages' predicted op costs."""
+    fits: bool = True
+    """Whether its memory fits every device (a schedule that does not is never chosen)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedSchedule:
     """The pipeline schedule every stage runs."""
 
-    kind: Literal["gpipe", "1f1b"]
+    kind: Literal["gpipe", "1f1b", "zb-h1", "zb-h2"]
     micro_batches: int = field(ge=1)
     bubble_fraction: float = field(ge=0, le=1)
+    """The idle share at equal op costs on every stage (``(N-1)/(M+N-1)`` for GPipe, 1F1B)."""
+    requested: str = field(default="auto", max_len=16)
+    """``train.schedule``: "auto" (the planner chose) or the name the job forced."""
+    predicted: tuple[SchedulePrediction, ...] = ()
+    """Every schedule priced, the chosen one among them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

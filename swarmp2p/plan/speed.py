@@ -32,6 +32,7 @@ from typing import Any
 from swarmp2p.plan.hardware import Device, Node
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.plan.schedule import OpCosts
 from swarmp2p.schema import field
 
 FLOPS_PER_PARAM_TOKEN = 6
@@ -130,7 +131,9 @@ class StageClock:
         for p in shape.layer_active_params:
             self._active.append(self._active[-1] + p)
         self._head = shape.head_compute_params
-        self.head_again = placer.flight[-1] > 1 or workload.micro_tokens > DEFAULT_LOSS_CHUNK_TOKENS
+        self.head_again = (
+            placer.losses_held > 1 or workload.micro_tokens > DEFAULT_LOSS_CHUNK_TOKENS
+        )
         """Whether the chunked loss runs the head again in backward (``chunked_head_loss``:
         not for one chunk whose backward comes next, as on 1F1B's last stage)."""
         self.speeds = [device_speed(d, self.dtype) for _, d in placer.devices]
@@ -191,6 +194,39 @@ class StageClock:
         if not self.measured:
             return self.flops(i, start, end)
         return self.flops(i, start, end) / self.speeds[i] + self.link_s[i]
+
+    def op_costs(self, ranges: Sequence[tuple[int, int]]) -> tuple[OpCosts, ...]:
+        """Each stage's cost per micro-batch of F, B and W and of its sends, in seconds (FLOPs at
+        equal speeds, no links, unless every speed is measured): F is 2 of the 6 FLOPs per
+        parameter and token, W the weight gradients of its blocks when they train in full (2;
+        adapters' are negligible), B the rest of the backward (a frozen base's input gradient,
+        the head's, a recompute); the optimizer's update runs after the op list."""
+        m, out = self.micro_batches, []
+        for i, (a, b) in enumerate(ranges):
+            blocks = self._active[b] - self._active[a]
+            head = self._head if i == self.n - 1 else 0
+            forward = 2.0 * self.tokens * (blocks + head)
+            weights = 2.0 * self.tokens * blocks if self.placer.update_trained else 0.0
+            update = self.placer.compute_cost(i, a, b) - 3 * forward
+            backward = self.flops(i, a, b) - forward - weights - update
+            rate = self.speeds[i] if self.measured else 1.0
+            send = [0.0, 0.0]
+            if self.measured:
+                for j, at in ((i + 1, 0), (i - 1, 1)):
+                    if 0 <= j < self.n:
+                        speed = link_speed(self.placer.devices[i][0], self.placer.devices[j][0])
+                        sent = self._forward_bytes(i) if at == 0 else self._backward_bytes(i)
+                        send[at] = sent / speed / m if speed else 0.0
+            out.append(
+                OpCosts(
+                    forward=forward / rate / m,
+                    input_grad=backward / rate / m,
+                    weight_grad=weights / rate / m,
+                    send_forward=send[0],
+                    send_backward=send[1],
+                )
+            )
+        return tuple(out)
 
     def timing(self, ranges: Sequence[tuple[int, int]], micro_batches: int) -> PlannedTiming:
         """The predicted timing of a split."""

@@ -103,7 +103,8 @@ class StageTraining:
             "batch_size": train.batch_size,
             "seq_len": train.seq_len,
             "micro_batches": train.micro_batches,
-            "schedule": train.schedule,
+            # "auto" is the planner's to resolve; a run without a plan takes 1F1B
+            "schedule": "1f1b" if train.schedule == "auto" else train.schedule,
             "lr": train.lr,
             "recompute": train.recompute is True,  # "auto" is the planner's to resolve
             "eval_batches": train.eval_batches,

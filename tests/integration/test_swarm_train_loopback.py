@@ -4,6 +4,7 @@ export; and a bad job refused with every error listed."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -309,6 +310,28 @@ def test_a_bfloat16_job_on_fake_ampere_gpus_trains_with_falling_loss(loopback_sw
     assert len(curve) == 20 and all(isinstance(x, float) for x in curve)
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5, curve
     assert view["evaluation"]["trained"]["loss"] < view["evaluation"]["base"]["loss"]
+
+
+def test_a_zero_bubble_job_trains_through_swarm_train(loopback_swarm, tmp_path):
+    """Issue 28: ``"schedule": "zb-h1"`` through the daemons: the plan runs it (B and W ops on
+    every stage), both stages step, the loss is finite, the job completes."""
+    model = _tiny_llama(tmp_path / "tiny-llama")
+    a, b = _two_nodes(loopback_swarm)
+    job = _job(model, schedule="zb-h1", micro_batches=2, steps=3, eval_batches=0)
+    del job["model"]["lora"]  # a full fine-tune: every block's weights have a W pass
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    planned = swarm(b, "train", str(tmp_path / "job.json"), "--plan")
+    assert planned.returncode == 0, planned.stderr
+    assert "schedule zb-h1" in planned.stdout and "forced (zb-h1)" in planned.stdout
+    live = json.loads(swarm(b, "train", str(tmp_path / "job.json"), "--plan", "--json").stdout)
+    assert live["schedule"]["kind"] == "zb-h1"
+    assert all("W1" in s["ops"] for s in live["stages"])  # every stage runs W ops
+    out, final = _train_json(a, tmp_path / "job.json")
+    assert out.returncode == 0, out.stdout + out.stderr + dump([a, b])
+    assert final["state"] == "COMPLETED" and final["step"] == 3
+    assert final["plan"]["schedule"] == "zb-h1"
+    curve = [loss for _attempt, _step, loss in final["metrics"]["losses"]]
+    assert len(curve) == 3 and all(math.isfinite(x) for x in curve)
 
 
 def test_a_one_stage_job_on_one_node_completes(loopback_swarm, tmp_path):

@@ -229,7 +229,12 @@ def _snapshot_params(snap_dir: Path, i: int, step: int, layer_start: int) -> dic
 
 @pytest.mark.parametrize(
     ("family", "n", "schedule", "m"),
-    [("llama", 2, "1f1b", 4), ("llama", 3, "gpipe", 4), ("gpt2", 4, "1f1b", 1)],
+    [
+        ("llama", 2, "1f1b", 4),
+        ("llama", 3, "gpipe", 4),
+        ("gpt2", 4, "1f1b", 1),
+        ("llama", 3, "zb-h1", 4),  # the workers' oneDNN layers split their backward too
+    ],
 )
 def test_workers_match_a_single_process(checkpoint, token, tmp_path, family, n, schedule, m):
     folder = checkpoint(family)

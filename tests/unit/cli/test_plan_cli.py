@@ -115,7 +115,7 @@ def test_invalid_job_lists_every_error_and_exits_2(tmp_path):
     assert "invalid: 3 error(s)" in out.stderr
     assert "train.steps: must be an integer >= 1, got -3" in out.stderr
     assert "model.lora.enabeld: unknown key" in out.stderr
-    assert 'train.schedule: must be one of "gpipe", "1f1b"' in out.stderr
+    assert 'train.schedule: must be one of "auto", "gpipe", "1f1b", "zb-h1"' in out.stderr
     as_json = json.loads(
         swarm(
             "plan", job, "--cluster", "examples/cluster-mixed.json", "--json", tmp_path=tmp_path

@@ -33,7 +33,7 @@ def test_defaults():
     t = job.train
     assert (t.steps, t.batch_size, t.seq_len, t.lr, t.micro_batches) == (100, 4, 128, 2e-4, 4)
     assert (t.schedule, t.recompute, t.eval_batches, t.seed, t.checkpoint_every) == (
-        "1f1b",
+        "auto",
         "auto",
         16,
         0,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from _plan_factories import A5000, GTX1660S, GiB, gpu, job, llama_config, mixed_pair, node
 
 from swarmp2p.plan import (
+    DEVICE_RESERVE,
     Blocked,
     JobError,
     Plan,
@@ -253,12 +256,62 @@ def test_min_max_partition_is_optimal_on_a_small_case():
 
 
 def test_stage_records_memory_and_schedule():
-    plan = plan_job(job(), mixed_pair(), shape=SMOL)
+    plan = plan_job(job(train={"schedule": "1f1b"}), mixed_pair(), shape=SMOL)
     first, last = plan.stages
     assert first.ops == "F0 F1 B0 F2 B1 F3 B2 B3"
     assert last.memory.loss > 0 and first.memory.loss == 0
     assert plan.schedule.bubble_fraction == pytest.approx(1 / 5)
     assert first.device_free == int(23 * GiB)
+    assert plan.schedule.requested == "1f1b"
+    assert [p.kind for p in plan.schedule.predicted] == ["1f1b"]
+
+
+def _fast_pair(free_b: float = 23.0):
+    speed = {"float16": 4e13, "bfloat16": 4e13, "float32": 2e13}
+    pair = [node("n1", gpu(*A5000, 23.0)), node("n2", gpu(*A5000, free_b))]
+    return [replace(n, devices=tuple(replace(d, speed=speed) for d in n.devices)) for n in pair]
+
+
+def test_auto_prices_every_schedule_and_picks_the_fastest_that_fits():
+    def full(schedule="auto"):
+        split = {"mode": "equal", "stages": 2}
+        return job(split=split, train={"recompute": False, "schedule": schedule})
+
+    plan = plan_job(full(), _fast_pair(), shape=SMOL)
+    s = plan.schedule
+    assert s.requested == "auto"
+    assert [p.kind for p in s.predicted] == ["1f1b", "zb-h1", "zb-h2"]
+    steps = {p.kind: p.step_s for p in s.predicted}
+    assert all(p.fits and p.step_s > 0 for p in s.predicted)
+    assert steps["zb-h1"] < steps["1f1b"]  # a full fine-tune's W fills the bubble
+    assert s.kind == min(steps, key=lambda k: (steps[k], ["1f1b", "zb-h1", "zb-h2"].index(k)))
+    assert "W0" in plan.stages[0].ops
+    # where the last stage's device holds 1F1B's one micro-batch and not zero-bubble's two,
+    # only 1F1B fits: auto takes it, and says the others do not fit
+    need = {
+        k: plan_job(full(k), _fast_pair(), shape=SMOL).stages[1].memory.peak
+        for k in ("1f1b", "zb-h1")
+    }
+    assert need["1f1b"] < need["zb-h1"]
+    free_b = (need["1f1b"] + need["zb-h1"]) / 2 + DEVICE_RESERVE["cuda"]
+    tight = plan_job(full(), _fast_pair(free_b / GiB), shape=SMOL)
+    assert tight.schedule.kind == "1f1b"
+    assert {p.kind: p.fits for p in tight.schedule.predicted} == {
+        "1f1b": True,
+        "zb-h1": False,
+        "zb-h2": False,
+    }
+    forced = plan_job(full("zb-h1"), _fast_pair(free_b / GiB), shape=SMOL)
+    assert isinstance(forced, Blocked) and "do not fit" in forced.reason
+
+
+def test_a_node_without_zero_bubble_runs_1f1b_and_a_forced_zb_names_it():
+    pair = _fast_pair()
+    old = replace(pair[1], capabilities=pair[1].capabilities - {"zero-bubble"})
+    plan = plan_job(job(), [pair[0], old], shape=SMOL)
+    assert plan.schedule.kind == "1f1b" and [p.kind for p in plan.schedule.predicted] == ["1f1b"]
+    forced = plan_job(job(train={"schedule": "zb-h1"}), [pair[0], old], shape=SMOL)
+    assert isinstance(forced, Blocked) and "lacks zero-bubble" in forced.reason
 
 
 def test_plan_gives_the_stage_specs():

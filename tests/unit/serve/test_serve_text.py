@@ -9,9 +9,25 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-from conftest import CORPUS
 
 from swarmp2p.serve.text import TextCodec, TextStream
+
+
+def _corpus() -> list[str]:
+    """The serve tests' corpus, from this folder's conftest by path (a bare ``import conftest``
+    finds whichever conftest another folder put first on sys.path)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_serve_conftest", Path(__file__).with_name("conftest.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CORPUS
+
+
+CORPUS = _corpus()
 
 
 @pytest.fixture

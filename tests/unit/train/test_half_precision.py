@@ -210,7 +210,17 @@ def _bundles(model, n, dtype=torch.float32, mode="full"):
     ]
 
 
-def _train(bundles, settings, batches, *, per_stage=None, start=0, optimizers=None, scalers=None):
+def _train(
+    bundles,
+    settings,
+    batches,
+    *,
+    per_stage=None,
+    start=0,
+    optimizers=None,
+    scalers=None,
+    schedule="1f1b",
+):
     """Train the stages as threads; per stage its metrics, or the exception it raised."""
     n = len(bundles)
     links = [InProcLink.pair() for _ in range(n - 1)]
@@ -221,7 +231,7 @@ def _train(bundles, settings, batches, *, per_stage=None, start=0, optimizers=No
             out[i] = train_stage(
                 bundles[i],
                 (per_stage or {}).get(i, settings),
-                stage_schedule("1f1b", i, n, settings.micro_batches),
+                stage_schedule(schedule, i, n, settings.micro_batches),
                 prev=Channel(links[i - 1][1], timeout=30) if i > 0 else None,
                 next=Channel(links[i][0], timeout=30) if i < n - 1 else None,
                 batches=iter(batches[start:]) if i == 0 else None,
@@ -256,12 +266,13 @@ def test_one_stage_trains_exactly_like_a_single_process():
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), atol=1e-5, rtol=0)
 
 
-def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale(schedule):
     model = build_model("llama")
     bundles = _bundles(model, 3, torch.float16)
     before = [[p.detach().clone() for p in b.trainable_parameters] for b in bundles]
     settings = StageTraining.of(steps=3, micro_batches=2, lr=1e-3, loss_scale=2.0**40)
-    results = _train(bundles, settings, token_batches(3, 4, 9))
+    results = _train(bundles, settings, token_batches(3, 4, 9), schedule=schedule)
     for stage_metrics in results:
         assert not isinstance(stage_metrics, Exception), stage_metrics
         assert [m.skipped for m in stage_metrics][:2] == [True, True]
@@ -296,20 +307,21 @@ def test_an_injected_nan_fails_every_stage_naming_the_stage_and_step(dtype):
         assert all(torch.isfinite(p).all() for p in b.trainable_parameters)
 
 
-def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path, schedule):
     """The snapshot holds the float32 master copies and the loss scale: rebuilding the masters
     from the float16 weights, or restarting at the default scale, would change the run."""
     model = build_model("llama")
     batches = token_batches(4, 4, 9)
     settings = StageTraining.of(steps=4, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     whole = _bundles(model, 2, torch.float16)
-    full = _train(whole, settings, batches)
+    full = _train(whole, settings, batches, schedule=schedule)
 
     half = StageTraining.of(steps=2, micro_batches=2, lr=1e-3, loss_scale=2.0**10)
     first = _bundles(model, 2, torch.float16)
     opts = [make_optimizer(b, half) for b in first]
     scalers = [LossScaler(scale=2.0**10) for _ in first]
-    _train(first, half, batches, optimizers=opts, scalers=scalers)
+    _train(first, half, batches, optimizers=opts, scalers=scalers, schedule=schedule)
     for i, b in enumerate(first):
         save_snapshot(tmp_path, b, opts[i], step=2, scaler=scalers[i])
 
@@ -320,7 +332,9 @@ def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path):
         path = tmp_path / f"stage-{i}" / "step-00000002.pt"
         assert load_snapshot(path, b, opts[i], scaler=scalers[i]) == 2
         assert (scalers[i].scale, scalers[i].good_steps) == (2.0**10, 2)
-    again = _train(resumed, half, batches, start=2, optimizers=opts, scalers=scalers)
+    again = _train(
+        resumed, half, batches, start=2, optimizers=opts, scalers=scalers, schedule=schedule
+    )
     assert [m.loss for m in again[1]] == [m.loss for m in full[1]][2:]
     for a, b in zip(whole, resumed):
         for p, q in zip(a.trainable_parameters, b.trainable_parameters):

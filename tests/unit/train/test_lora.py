@@ -103,8 +103,10 @@ def test_stage_without_adapters_fails_clearly():
         )
 
 
-@pytest.mark.parametrize(("family", "n"), [("llama", 2), ("gpt2", 3)])
-def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n):
+@pytest.mark.parametrize(
+    ("family", "n", "schedule"), [("llama", 2, "1f1b"), ("gpt2", 3, "1f1b"), ("llama", 3, "zb-h1")]
+)
+def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n, schedule):
     model = build_model(family)
     apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
     with torch.no_grad():  # a non-zero B so that A's gradient is not zero either
@@ -114,7 +116,7 @@ def test_lora_pipeline_trains_only_adapters_and_matches_single_process(family, n
     settings = StageTraining.of(steps=2, micro_batches=2, lr=1e-3)
     batches = token_batches(2, 4, 9)
     ref_losses, ref_params = _reference_lora(model, batches, settings)
-    metrics, bundles = run_pipeline(model, n, batches, settings, "1f1b", mode="lora")
+    metrics, bundles = run_pipeline(model, n, batches, settings, schedule, mode="lora")
     assert [m.loss for m in metrics[-1]] == pytest.approx(ref_losses, abs=1e-5)
     before = dict(model.named_parameters())
     for bundle, names in bundles:

@@ -1,5 +1,6 @@
 """N-stage training in one process (stages as threads over in-process links) equals a single
-process: loss and every parameter's gradient, GPipe and 1F1B, M in {1, 4}."""
+process: loss and every parameter's gradient, GPipe, 1F1B and the zero-bubble schedules, M in
+{1, 2, 4}."""
 
 from __future__ import annotations
 
@@ -151,6 +152,14 @@ def models():
         ("gpt2", 2, "gpipe", 4),
         ("gpt2", 3, "1f1b", 4),
         ("mixtral", 3, "1f1b", 4),
+        ("llama", 2, "zb-h1", 1),
+        ("llama", 2, "zb-h1", 2),
+        ("llama", 2, "zb-h1", 4),
+        ("llama", 3, "zb-h1", 1),
+        ("llama", 3, "zb-h1", 4),
+        ("llama", 4, "zb-h1", 4),
+        ("llama", 3, "zb-h2", 4),
+        ("gpt2", 3, "zb-h1", 4),
     ],
 )
 def test_pipeline_matches_single_process(models, family, n, schedule, m):

@@ -69,7 +69,7 @@ def test_a_good_spec_round_trips_and_reads_the_job_and_plan():
         ({"next": "udp://x"}, "next: "),
         (
             {"job": {**JOB, "train": {"schedule": "zigzag"}}},
-            'job.train.schedule: must be one of "gpipe", "1f1b", got "zigzag"',
+            'job.train.schedule: must be one of "auto", "gpipe", "1f1b", "zb-h1", "zb-h2", got "zigzag"',
         ),
         ({"job": {**JOB, "train": {"lr": 0}}}, "job.train.lr: must be a number > 0, got 0"),
         ({"job": {**JOB, "name": "other"}}, "plan.job: 'spec-test' is not the job's name 'other'"),
@@ -131,8 +131,9 @@ def test_each_training_default_is_the_jobs():
             defaults.batch_size,
             defaults.seq_len,
             defaults.micro_batches,
-            defaults.schedule,
+            "1f1b",  # the default "auto", as the planner resolves it for a LoRA job
         )
+        assert defaults.schedule == "auto"
         assert t.eval_batches == defaults.eval_batches
         assert t.calibration_tokens == job.split.calibration_tokens
         assert (t.weight_decay, t.loss_chunk_tokens, t.loss_scale) == (

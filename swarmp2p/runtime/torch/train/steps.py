@@ -2,7 +2,7 @@
 
 A stage of an N-stage pipeline (any N >= 1; one stage embeds, runs every block and scores)
 runs between up to two channels. Per step it splits
-the batch into M micro-batches and runs its op list (GPipe or 1F1B, from ``plan.schedule``):
+the batch into M micro-batches and runs its op list (``plan.schedule``):
 
 - ``F m``: the first stage embeds micro-batch m's ids; the others receive its payload and labels
   from the stage before and run the receiver. Then the blocks; the last stage computes the
@@ -11,6 +11,9 @@ the batch into M micro-batches and runs its op list (GPipe or 1F1B, from ``plan.
 - ``B m``: the last stage backpropagates the loss; the others wait for the next stage's reply and
   backpropagate its gradient. A stage with a stage before it answers with the loss and the
   gradient of what it received.
+- ``W m`` (the zero-bubble schedules): the weight gradients micro-batch m's ``B`` deferred
+  (``weight_grad``); a list with W ops defers them in every B, so its B sends the gradient
+  before the weight products run.
 
 One AdamW step per step: the accumulated gradient equals the full batch's (reference,
 "Micro-batched schedules"). A float16 or bfloat16 stage steps float32 master copies; a float16
@@ -25,6 +28,7 @@ import itertools
 import math
 import resource
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,7 +55,11 @@ from swarmp2p.runtime.torch.train.precision import (
     decide,
     make_loss_scaler,
 )
+from swarmp2p.runtime.torch.train.weight_grad import WeightGradStore, split_linears
 from swarmp2p.worker_events import StepDone
+
+_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each bundle's deferred weight products, made the first time it runs a list with W ops."""
 
 
 def make_optimizer(bundle: StageBundle, settings: StageTraining) -> StageOptimizer:
@@ -136,8 +144,11 @@ def run_step(
         state.backward_next = {
             mi for (k, mi), after in itertools.pairwise(kinds) if k == "F" and after == ("B", mi)
         }
+    store = _weight_store(bundle) if any(_op(op)[0] == "W" for op in ops) else None
+    if store is not None:
+        store.clear()
     bundle.stage.train()
-    spent = {"F": 0.0, "B": 0.0}
+    spent = {"F": 0.0, "B": 0.0, "W": 0.0}
     wait0 = _waited(prev, next)
     for op in ops:
         kind, micro = _op(op)
@@ -145,12 +156,16 @@ def run_step(
         if kind == "F":
             _forward(bundle, settings, state, step, micro, prev, next, micro_inputs)
         elif kind == "B":
-            _backward(bundle, state, step, micro, prev)
+            _backward(bundle, state, step, micro, prev, store)
+        elif kind == "W" and store is not None:
+            store.apply(micro)
         else:
-            raise ValueError(f"unknown schedule op {kind!r}; ops are F and B")
+            raise ValueError(f"unknown schedule op {kind!r}; ops are F, B and W")
         spent[kind] += time.perf_counter() - began - (_waited(prev, next) - waited)
     if len(state.loss_values) != m:
         raise ValueError(f"the op list answered {len(state.loss_values)} of {m} micro-batches")
+    if store is not None and store.pending():
+        raise ValueError(f"the op list ran no W for micro-batch(es) {store.pending()}")
     began, waited = time.perf_counter(), _waited(prev, next)
     verdict = _verdict(bundle, settings, optimizer, scaler, state, step, prev, next)
     if verdict.failure is not None:
@@ -178,7 +193,7 @@ def run_step(
         loss_scale=state.scale if scaler is not None else None,
         skipped=verdict.skip,
         forward_s=spent["F"],
-        backward_s=spent["B"],
+        backward_s=spent["B"] + spent["W"],
         optimizer_s=optimizer_s,
         wait_s=_waited(prev, next) - wait0,
         at=time.time(),
@@ -247,21 +262,38 @@ def _forward(bundle, settings, state, step, micro, prev, next, micro_inputs) -> 
     )
 
 
-def _backward(bundle, state, step, micro, prev) -> None:
+def _weight_store(bundle: StageBundle) -> WeightGradStore:
+    store = _STORES.get(bundle)
+    if store is None:
+        store = _STORES[bundle] = WeightGradStore()
+        split_linears(bundle.stage.blocks, store)
+    return store
+
+
+def _backward(bundle, state, step, micro, prev, store=None) -> None:
     if bundle.is_last:
         loss = state.losses.pop(micro)
         if loss.requires_grad:
-            (loss * state.scale if state.scale != 1.0 else loss).backward()
+            scaled = loss * state.scale if state.scale != 1.0 else loss
+            _run_backward(store, micro, scaled.backward)
         value = float(loss.detach())
     else:
         sent = state.sent.pop(micro)
-        sent.backward()
+        _run_backward(store, micro, sent.backward)
         value = sent.loss
     state.loss_values[micro] = value
     if prev is not None:
         x = state.inputs.pop(micro)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         prev.send_reply(step, micro, grad, value)
+
+
+def _run_backward(store, micro, backward) -> None:
+    """B: the whole backward, or (a split schedule) its input part, the weights' queued."""
+    if store is None:
+        backward()
+    else:
+        store.collect(micro, backward)
 
 
 def train_stage(
@@ -280,7 +312,7 @@ def train_stage(
     """Run ``settings.steps`` steps (from ``start_step``) of one stage; return each step's metrics.
 
     ``ops`` is this stage's op list for one step (``plan.schedule.stage_schedule``: items with
-    ``kind`` "F"/"B" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
+    ``kind`` "F"/"B"/"W" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
     ``[B, T + 1]`` token batch per step from ``batches``. A float16 stage scales its loss with
     ``scaler`` (made from ``settings.loss_scale`` when not given; pass the one a snapshot
     restored). A step that fails tells the neighbours before the error propagates.
