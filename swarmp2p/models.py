@@ -119,7 +119,7 @@ def verify_embedded(folder: Path | None = None) -> Path:
     if marker is None:
         raise ValueError(
             f"{folder} is not a complete conversion of the embedded model; resolve the model "
-            f"{EMBEDDED!r} (or run `python -m swarmp2p.models`) to convert it"
+            f"{EMBEDDED!r} (or run `python -m swarmp2p.runtime.convert_embedded`) to convert it"
         )
     bad = []
     for name, entry in sorted(marker["files"].items()):
@@ -153,7 +153,7 @@ def ensure_embedded(python: str | None = None, timeout: float = TIMINGS.embedded
     if read_marker(folder) is not None:
         return folder
     embedded_gguf()  # a missing package is reported before anything starts
-    command = [python or sys.executable, "-m", "swarmp2p.models"]
+    command = [python or sys.executable, "-m", "swarmp2p.runtime.convert_embedded"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -204,16 +204,3 @@ def resolve_model_ref(ref: str) -> str:
         )
     return ref
 
-
-def main() -> None:
-    """``python -m swarmp2p.models``: convert the embedded model now if it is not yet, and
-    print ``{"path", "converted", "seconds"}`` as one JSON line (the converted folder). The
-    command users and the installer run: ``-m`` on the converting module itself would warn,
-    since its package imports it first."""
-    from swarmp2p.runtime.torch.model.embedded import main as convert
-
-    convert()
-
-
-if __name__ == "__main__":
-    main()

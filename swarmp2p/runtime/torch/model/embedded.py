@@ -6,7 +6,7 @@ completion marker last and moves the folder into place with one `os.replace`; th
 on the lock and then find the marker. Once converted, a call only reads the marker and stats
 the files it lists (see `swarmp2p.models.read_marker`).
 
-    python -m swarmp2p.models      # convert now; prints one JSON line
+    python -m swarmp2p.runtime.convert_embedded      # convert now; prints one JSON line
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def portable_base(ref: str) -> tuple[str, dict[str, Any]]:
             f"({EMBEDDED_INSTALL.rsplit(' ', 1)[-1]}), Q4_1 dequantized to float32 safetensors",
             "note": "the swarm trained on those dequantized weights; on the Hub's original "
             "weights an adapter's text is close to, not exactly, the swarm's. Load the base from "
-            "the converted folder (`python -m swarmp2p.models` prints it) for the "
+            "the converted folder (`python -m swarmp2p.runtime.convert_embedded` prints it) for the "
             "swarm's exact text",
         }
     parts = Path(ref).parts
