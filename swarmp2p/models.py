@@ -203,4 +203,3 @@ def resolve_model_ref(ref: str) -> str:
             "('org/name'); check the spelling or the path"
         )
     return ref
-

@@ -25,7 +25,8 @@ from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.timings import TIMINGS
-from swarmp2p.worker_events import (
+from swarmp2p.workers import exit_message
+from swarmp2p.workers.events import (
     Done,
     Evaluated,
     Exited,
@@ -34,7 +35,6 @@ from swarmp2p.worker_events import (
     StepDone,
     WorkerEvent,
 )
-from swarmp2p.workers import exit_message
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmp2p.plan.worker_spec import WorkerSpec
-from swarmp2p.worker_events import Ready, WorkerEvent
+from swarmp2p.workers.events import Ready, WorkerEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 It reads a worker spec (one JSON object) on stdin, validates it (a bad field exits with code 2
 and an ``error`` event naming it), binds the link to the stage before it (port 0: any free
 port) and dials the stage after it, then writes its events on stdout, one JSON line each: the records of
-``swarmp2p.worker_events`` (``ready`` once its link is bound, ``built``, ``eval``, ``step``,
+``swarmp2p.workers.events`` (``ready`` once its link is bound, ``built``, ``eval``, ``step``,
 ``snapshot``, ``exported``, then ``done`` and exit code 0, or ``error`` and exit code 1; a spec
 refused names every bad field in an ``error`` and exits 2).
 
@@ -21,7 +21,7 @@ from typing import TextIO
 
 from swarmp2p.plan.worker_spec import WorkerSpec, WorkerSpecError, parse_worker_spec
 from swarmp2p.runtime._process import exit_now, keep_bitsandbytes_out
-from swarmp2p.worker_events import Failure, WorkerEvent, encode
+from swarmp2p.workers.events import Failure, WorkerEvent, encode
 
 EXIT_BAD_SPEC = 2
 EXIT_FAILED = 1

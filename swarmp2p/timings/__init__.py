@@ -115,7 +115,7 @@ class Timings:
     mdns_resolve_ms: int = 3000
     """How long resolving one mDNS advert's service info may take."""
 
-    # --- workers as the daemon and LocalRing see them (workers.py, serve/local.py) ------------
+    # --- workers as the daemon and LocalRing see them (swarmp2p/workers, serve/local.py) ------------
     worker_ready_s: float = 60.0
     """How long a training worker may take to start and say ``ready``."""
     worker_stop_grace_s: float = 3.0

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from swarm_harness import direct_plan, direct_spec  # noqa: E402
 
-from swarmp2p.worker_events import decode  # noqa: E402
+from swarmp2p.workers.events import decode  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

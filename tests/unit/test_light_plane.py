@@ -28,7 +28,7 @@ LIGHT_MODULES = [
     "swarmp2p.runtime._process",
     "swarmp2p.runtime.stage_links",
     "swarmp2p.runtime.worker",
-    "swarmp2p.worker_events",
+    "swarmp2p.workers.events",
     "swarmp2p.workers",
 ]
 HEAVY = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors.torch"]

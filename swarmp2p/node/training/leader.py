@@ -42,7 +42,7 @@ from swarmp2p.node.training import jobs
 from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.schema import Data, SchemaError
-from swarmp2p.worker_events import SnapshotSaved, WorkerEvent, decode
+from swarmp2p.workers.events import SnapshotSaved, WorkerEvent, decode
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext

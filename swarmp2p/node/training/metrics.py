@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from swarmp2p.worker_events import StepDone, WorkerEvent
+from swarmp2p.workers.events import StepDone, WorkerEvent
 
 CURVE_POINTS = 500
 """Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``

@@ -37,8 +37,8 @@ from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
 from swarmp2p.schema import SchemaError
-from swarmp2p.worker_events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 from swarmp2p.workers import WorkerProcess
+from swarmp2p.workers.events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext

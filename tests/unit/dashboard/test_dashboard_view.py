@@ -235,7 +235,7 @@ def test_ten_steps_of_the_leaders_metrics_draw_ten_points_of_each_curve():
     """What the leader folds from ten steps (MetricsStore, as the daemon keeps it) gives ten
     loss and ten tokens/s points over steps 1..10, the numbers "step 10 of 10" counts."""
     from swarmp2p.node.training.metrics import MetricsStore
-    from swarmp2p.worker_events import StepDone
+    from swarmp2p.workers.events import StepDone
 
     store = MetricsStore()
     events = [

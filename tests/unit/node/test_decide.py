@@ -17,7 +17,7 @@ from swarmp2p.node.table import events as ev
 from swarmp2p.plan import Blocked
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.schema import to_data
-from swarmp2p.worker_events import decode, encode
+from swarmp2p.workers.events import decode, encode
 
 
 def view(*alive, me="a", busy=()):

@@ -172,7 +172,7 @@ _STEP_FIELDS = {
 def _steps(*events):
     """Step events as the leader reads them from a report (the fields a test leaves out
     filled in)."""
-    from swarmp2p.worker_events import decode
+    from swarmp2p.workers.events import decode
 
     return [decode({**_STEP_FIELDS, **e}) for e in events]
 
@@ -216,7 +216,7 @@ def test_metrics_fold_loss_from_the_last_stage_and_traffic_per_boundary():
 def test_the_leader_refuses_a_malformed_event_naming_its_field_and_keeps_the_rest(caplog):
     from swarmp2p.node.messages import StageReport
     from swarmp2p.node.training.leader import JobsLeader
-    from swarmp2p.worker_events import Done, StepDone
+    from swarmp2p.workers.events import Done, StepDone
 
     good = {**_STEP_FIELDS, "step": 4}
     report = StageReport(

@@ -178,7 +178,11 @@ def converted(tmp_path_factory):
     models_dir = cache / "swarmp2p" / "models"
     folder = models_dir / "smollm2-135m-instruct"
     env = os.environ | {"XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "swarmp2p.runtime.convert_embedded"]  # what install.sh and the docs run
+    command = [
+        sys.executable,
+        "-m",
+        "swarmp2p.runtime.convert_embedded",
+    ]  # what install.sh and the docs run
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

@@ -15,7 +15,7 @@ import torch
 
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.runtime.torch.train.bundle import StageBundle
-from swarmp2p.worker_events import Evaluated
+from swarmp2p.workers.events import Evaluated
 
 EVAL_PASSES = ("base", "calibrated_boundary", "trained")
 

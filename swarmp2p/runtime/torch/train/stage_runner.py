@@ -12,7 +12,7 @@ from swarmp2p.plan.worker_spec import WorkerSpec, reads_data
 from swarmp2p.runtime.stage_links import StageLinks, open_stage_links
 from swarmp2p.schema import to_data
 from swarmp2p.timings.workers import WORKER_TIMINGS
-from swarmp2p.worker_events import (
+from swarmp2p.workers.events import (
     Built,
     Calibrated,
     Done,

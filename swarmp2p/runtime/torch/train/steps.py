@@ -56,7 +56,7 @@ from swarmp2p.runtime.torch.train.precision import (
     make_loss_scaler,
 )
 from swarmp2p.runtime.torch.train.weight_grad import WeightGradStore, split_linears
-from swarmp2p.worker_events import StepDone
+from swarmp2p.workers.events import StepDone
 
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Each bundle's deferred weight products, made the first time it runs a list with W ops."""

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from swarmp2p import worker_events as we
+from swarmp2p.workers import events as we
 from swarmp2p.schema import SchemaError
 
 STEP = we.StepDone(
