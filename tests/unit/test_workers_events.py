@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from swarmp2p.workers import events as we
 from swarmp2p.schema import SchemaError
+from swarmp2p.workers import events as we
 
 STEP = we.StepDone(
     step=3,

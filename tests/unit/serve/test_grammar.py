@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from swarmp2p.plan.model_shape import embedded_dir
-from swarmp2p.serve import grammar as g
+from swarmp2p.serve.decoding import grammar as g
 
 PERSON = {
     "type": "object",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmp2p.serve.prefix import BLOCK_TOKENS, PrefixIndex, block_hashes
+from swarmp2p.serve.decoding.prefix import BLOCK_TOKENS, PrefixIndex, block_hashes
 
 B = BLOCK_TOKENS
 SYSTEM = list(range(100, 100 + 3 * B))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swarmp2p.serve.speculate import (
+from swarmp2p.serve.decoding.speculate import (
     DraftLength,
     NgramIndex,
     accepted_prefix,

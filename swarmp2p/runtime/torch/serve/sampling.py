@@ -136,7 +136,7 @@ class SessionSampler:
         """The next token from a ``[vocab]`` logits row, and its log-probabilities (under the
         model's own distribution, before any processor) when the session asked for them.
         ``allowed``: a structured output's bitmask of the ids its grammar allows next
-        (``serve.grammar``): every other id is excluded before the choice, greedy or not."""
+        (``serve.decoding.grammar``): every other id is excluded before the choice, greedy or not."""
         if logits.dim() != 1:
             raise ValueError(f"pick takes one [vocab] row, got shape {tuple(logits.shape)}")
         logprobs = None

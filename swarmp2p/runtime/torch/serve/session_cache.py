@@ -345,7 +345,7 @@ def _grown(need: int, capacity: int) -> int:
 
 
 class PrefixStore:
-    """A stage's cached prompt blocks by name (``serve.prefix``), as the issuing node's index
+    """A stage's cached prompt blocks by name (``serve.decoding.prefix``), as the issuing node's index
     says: it stores, hands out and drops exactly the blocks each prefill names, so every stage
     holds the same ones. ``nbytes`` is what they take."""
 

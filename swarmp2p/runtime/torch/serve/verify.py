@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmp2p.serve.speculate import accepted_prefix
+from swarmp2p.serve.decoding.speculate import accepted_prefix
 
 
 def verify_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
