@@ -20,6 +20,7 @@ from swarmp2p.serve.protocol import (
 )
 from swarmp2p.serve.request import ApiError, GenerationRequest, ServedModel, parse_request
 from swarmp2p.serve.ring import RingEnds, build_ring
+from swarmp2p.serve.scheduler import Outcome, Scheduler, SessionState, next_stage_work
 from swarmp2p.serve.session import GenerationError, RingBusy, Session
 from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.spec import (
@@ -43,16 +44,19 @@ __all__ = [
     "GenerationError",
     "GenerationRequest",
     "LocalRing",
+    "Outcome",
     "Prefill",
     "RingBusy",
     "RingClient",
     "RingEnds",
     "RingMessage",
     "SamplingParams",
+    "Scheduler",
     "ServeMetrics",
     "ServeSpec",
     "ServedModel",
     "Session",
+    "SessionState",
     "TextCodec",
     "TextStream",
     "TokenLogprobs",
@@ -65,6 +69,7 @@ __all__ = [
     "decode_message",
     "even_bounds",
     "local_serve_plan",
+    "next_stage_work",
     "parse_request",
     "parse_serve_spec",
     "serve_local",

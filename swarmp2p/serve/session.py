@@ -1,7 +1,8 @@
 """One generation request's session: its prompt, limits and stop rules, the tokens (and
 log-probabilities) it has so far, and its events, read from a thread (``result``, ``stream``) or
 awaited on an asyncio loop (``aevents``); and the two ways a request fails (GenerationError,
-RingBusy). :class:`~swarmp2p.serve.sessions.RingClient` makes and drives sessions.
+RingBusy). :class:`~swarmp2p.serve.sessions.RingClient` makes sessions and delivers their events;
+:class:`~swarmp2p.serve.scheduler.Scheduler` decides them.
 """
 
 from __future__ import annotations
@@ -9,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from swarmp2p.serve.protocol import SamplingParams, TokenLogprobs
+from swarmp2p.serve.scheduler import SessionState
 
 EventHook = Callable[[str, object], None]
 """``hook(kind, value)``: ("token", id), ("done", finish_reason) or ("error", message)."""
@@ -33,42 +33,17 @@ class RingBusy(RuntimeError):
 
 
 @dataclass(eq=False, kw_only=True)
-class Session:
-    """One request going round the ring. Its events arrive in ``events`` (and the hook, and
-    ``aevents()`` when submitted with a loop)."""
+class Session(SessionState):
+    """One request going round the ring: what the scheduler knows of it (its
+    :class:`~swarmp2p.serve.scheduler.SessionState`) and how its events reach the caller. They
+    arrive in ``events`` (and the hook, and ``aevents()`` when submitted with a loop)."""
 
-    sid: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    stop: Callable[[list[int]], bool] | None
-    hook: EventHook | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    """Per generated token, when the sampling asked for log-probabilities."""
-    finish_reason: str | None = None
-    """"stop" (an end-of-sequence id or a stop rule), "length", or None while running."""
-    error: str | None = None
-    busy: bool = False
-    """It failed waiting for a session slot (the ring is full), not in the ring."""
-    retry_after: int = 1
-    state: str = "queued"
-    """"queued", "prefill" (its prompt is in the ring), "decode" (in a group), "done"."""
-    group: int | None = None
+    hook: EventHook | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
-    started: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_activity: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    """Set with its last event ("done" or "error")."""
     _loop: asyncio.AbstractEventLoop | None = None
     _aqueue: asyncio.Queue | None = None
-
-    @property
-    def expect(self) -> int:
-        """The position of the next token (tokens before it)."""
-        return len(self.prompt) + len(self.tokens)
 
     def on_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Also deliver the events on ``loop`` (for ``aevents``); call before the first event."""

@@ -132,6 +132,34 @@ def test_a_failing_stop_rule_fails_its_session_only():
     del stage0_in
 
 
+def test_the_next_step_leaves_before_the_session_hears_of_its_token():
+    """The receiver hands the scheduler's messages to the sender before it delivers the
+    sessions' events: a consumer's hook (detokenizing, an event loop's wake-up) is off the path
+    of the ring's next step. The hook here waits for that step at stage 0."""
+    from swarmp2p.serve import Decode, Tokens
+
+    to_stage0, stage0_in = InProcLink.pair()
+    from_last, manager_in = InProcLink.pair()
+    arrived: list = []
+
+    def hook(kind, value):
+        if kind == "token":
+            arrived.append(decode_message(stage0_in.recv(2.0)[0]))
+
+    with RingClient(to_stage0, manager_in, max_context=64) as client:
+        session = client.submit(PROMPT, max_tokens=2, hook=hook)
+        assert decode_message(stage0_in.recv(5)[0]).op == "prefill"
+        reply = Tokens(group=-1, step=0, sids=(session.sid,), positions=(3,), tokens=(9,))
+        from_last.send([reply.encode()])
+        deadline = time.monotonic() + 5
+        while not arrived and session.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert session.error is None
+        assert arrived == [
+            Decode(group=0, step=1, sids=(session.sid,), positions=(3,), tokens=(9,))
+        ]
+
+
 def _served(client, folder) -> ServedModel:
     return ServedModel(name="m", client=client, codec=TextCodec.from_folder(folder), max_context=64)
 

@@ -44,6 +44,7 @@ from swarmp2p.serve.protocol import (
     Tokens,
     decode_message,
 )
+from swarmp2p.serve.scheduler import next_stage_work
 from swarmp2p.serve.spec import boundary_codec
 from swarmp2p.wire import CODECS, TensorFrame, WireError, encode_tensor
 
@@ -224,12 +225,16 @@ class StageServer:
         return out
 
     def _work(self) -> list[list]:
-        """Run one unit of queued work: a decode step or a prefill chunk, taking turns."""
-        if self._decodes and (self._decode_turn or not self._chunks):
-            self._decode_turn = False
+        """Run one unit of queued work: a decode step or a prefill chunk, taking turns
+        (:func:`~swarmp2p.serve.scheduler.next_stage_work` decides which)."""
+        kind, self._decode_turn = next_stage_work(
+            decodes=len(self._decodes), prefills=len(self._chunks), decode_turn=self._decode_turn
+        )
+        if kind == "decode":
             msg, payload = self._decodes.popleft()
             return self._guard(msg.sids, self._decode, msg, payload)
-        self._decode_turn = True
+        if kind is None:
+            return []
         chunks = self._chunks.take()
         return self._guard(tuple(c.sid for c in chunks), self._prefill, chunks)
 
