@@ -212,9 +212,8 @@ def check_worker_torch(
 
 
 def check_dtypes(devices: Sequence[Mapping[str, Any]]) -> Check:
-    """Which dtypes each device trains in (``swarmp2p.plan.precision``)."""
-    from swarmp2p.plan.hardware import Device
-    from swarmp2p.plan.precision import supported_dtypes
+    """Which dtypes each device trains in (``swarmp2p.plan.hardware``)."""
+    from swarmp2p.plan.hardware import Device, supported_dtypes
 
     name = "compute capability -> dtypes"
     parts, old, unknown = [], [], []

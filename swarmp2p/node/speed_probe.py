@@ -140,7 +140,7 @@ def link_speed(interfaces: list[str], sys_net: Path = Path("/sys/class/net")) ->
 
 
 def _device_dtypes(device: Device) -> tuple[str, ...]:
-    from swarmp2p.plan.precision import supported_dtypes
+    from swarmp2p.plan.hardware import supported_dtypes
 
     return supported_dtypes(device, explicit="bfloat16" if device.kind == "cpu" else None)
 

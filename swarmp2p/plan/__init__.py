@@ -6,12 +6,17 @@ Every peer runs `plan_job(job, cluster)` (training) or `plan_serve(shape, cluste
 
 from swarmp2p.plan.hardware import (
     CAPABILITIES,
+    DTYPES,
     ClusterError,
     Device,
+    DtypeChoice,
     Node,
+    can_run,
     cluster_to_json,
     load_cluster,
     parse_cluster,
+    resolve_dtype,
+    supported_dtypes,
 )
 from swarmp2p.plan.job import (
     FINETUNE_MODES,
@@ -37,7 +42,6 @@ from swarmp2p.plan.placement import (
     plan_job,
     usable_memory,
 )
-from swarmp2p.plan.precision import DTYPES, DtypeChoice, can_run, resolve_dtype, supported_dtypes
 from swarmp2p.plan.quantization import QuantSpec, bytes_per_param, estimate_weights_gb
 from swarmp2p.plan.quantization import normalize as normalize_quantization
 from swarmp2p.plan.result import Blocked, Plan, PlannedBoundary, PlannedStage

@@ -21,7 +21,7 @@ checks before anything is downloaded. Sources:
   parallelism: s b h (34 + 5 a s / h) bytes at 16 bits; the 19 s b h of the MLP scales with
   the MLP's width against GPT's 4 h (MoE: the experts a token is routed to), the 5 a s^2 b
   attention scores vanish with efficient attention (Flash / memory-efficient SDPA; which one a
-  card runs is ``plan/precision.training_kernel``'s rule, priced per card), and
+  card runs is ``plan/hardware.training_kernel``'s rule, priced per card), and
   float32 doubles it all. With recompute a layer keeps only its input (s b h values) and one
   block is recomputed at a time (the transient, paid once per device).
 - loss: the last stage's float32 logits and their gradient, 2 x tokens x vocab x 4 B, or the
@@ -39,8 +39,8 @@ from dataclasses import field as dataclass_field
 from itertools import accumulate
 from typing import Any
 
+from swarmp2p.plan.hardware import DTYPE_BYTES
 from swarmp2p.plan.model_shape import ModelShape
-from swarmp2p.plan.precision import DTYPE_BYTES
 from swarmp2p.plan.quantization import QuantSpec, bytes_per_param
 from swarmp2p.plan.split import Compression
 from swarmp2p.schema import to_data
@@ -226,7 +226,7 @@ class StagePricer:
     ) -> StageMemory:
         """The memory of the stage holding layers [start, end). ``scores``: whether its card
         holds the seq x seq attention scores (None: unless the workload's efficient_attention;
-        ``plan/precision.training_kernel`` decides it per card)."""
+        ``plan/hardware.training_kernel`` decides it per card)."""
         scores = self._scores if scores is None else scores
         s, p, w = self.shape, self.pricing, self.workload
         layer_params = self._params[end] - self._params[start]

@@ -30,7 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from swarmp2p.plan import model_shape as _model_shape
-from swarmp2p.plan.hardware import CAPABILITIES, Node
+from swarmp2p.plan.hardware import (
+    CAPABILITIES,
+    SWARM_SDPA_CAPABILITY,
+    Node,
+    resolve_dtype,
+    training_kernel,
+)
 from swarmp2p.plan.job import FieldError, Job, JobError
 from swarmp2p.plan.memory import Pricing, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
@@ -49,7 +55,6 @@ from swarmp2p.plan.placer import (
     torch_device,
     usable_memory,
 )
-from swarmp2p.plan.precision import SWARM_SDPA_CAPABILITY, resolve_dtype, training_kernel
 from swarmp2p.plan.result import (
     Blocked,
     Plan,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from swarmp2p.plan.precision import DTYPE_BYTES
+from swarmp2p.plan.hardware import DTYPE_BYTES
 from swarmp2p.schema import FieldError, SchemaError, field, parse, replace_errors, show
 
 GB = 2**30

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
-from swarmp2p.plan.hardware import CAPABILITIES, Node
+from swarmp2p.plan.hardware import CAPABILITIES, Node, resolve_dtype
 from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placer import (
@@ -54,7 +54,6 @@ from swarmp2p.plan.placer import (
     torch_device,
     usable_memory,
 )
-from swarmp2p.plan.precision import resolve_dtype
 from swarmp2p.plan.quantization import QuantSpec, parse_quantization
 from swarmp2p.plan.result import Blocked
 from swarmp2p.plan.split import Compression

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-from swarmp2p.plan.hardware import Device, Node
+from swarmp2p.plan.hardware import DTYPE_BYTES, Device, Node
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
-from swarmp2p.plan.precision import DTYPE_BYTES
 from swarmp2p.plan.schedule import OpCosts
 from swarmp2p.schema import field
 

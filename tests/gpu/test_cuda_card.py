@@ -1,5 +1,5 @@
 """The card itself: the daemon's NVML probe reads it and the planner picks its dtype; the SDPA
-kernels ``plan/precision.py`` reasons about, at 4096 tokens, run where it says and hold what it
+kernels ``plan/hardware.py`` reasons about, at 4096 tokens, run where it says and hold what it
 prices (Flash takes grouped-query heads on 8.0+, the memory-efficient kernel refuses them and
 runs once ``swarm_sdpa`` expands keys and values, the math kernel holds seq x seq scores)."""
 
@@ -12,8 +12,12 @@ from _gpu import MARKS, tiny_model
 
 from swarmp2p.node.hardware import probe
 from swarmp2p.plan import Plan, parse_job, plan_job
-from swarmp2p.plan.hardware import CAPABILITIES
-from swarmp2p.plan.precision import SWARM_SDPA_CAPABILITY, expands_grouped_kv, training_kernel
+from swarmp2p.plan.hardware import (
+    CAPABILITIES,
+    SWARM_SDPA_CAPABILITY,
+    expands_grouped_kv,
+    training_kernel,
+)
 
 pytestmark = MARKS
 

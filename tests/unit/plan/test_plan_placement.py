@@ -346,7 +346,7 @@ def test_a_list_of_compressions_fixes_the_stage_count_under_auto():
 
 def test_attention_is_priced_by_the_kernel_each_card_runs():
     # SmolLM2's 9 query heads share 3 key/value heads: below compute 8.0 only swarm_sdpa's
-    # expansion keeps SDPA off its math kernel (plan/precision.py)
+    # expansion keeps SDPA off its math kernel (plan/hardware.py)
     from swarmp2p.plan.hardware import CAPABILITIES
 
     assert SMOL.n_kv_heads < SMOL.n_heads

@@ -5,7 +5,7 @@ On CUDA where Flash Attention cannot run a grouped-query call (compute capabilit
 or float32), transformers' SDPA path passes ``enable_gqa`` and CUDA runs the math kernel,
 which holds seq x seq scores. There ``swarm_sdpa`` expands keys and values to the query heads
 and calls SDPA without ``enable_gqa``, so the memory-efficient kernel runs. Everywhere else it
-is transformers' own ``sdpa`` path, unchanged. The rule is ``plan/precision.expands_grouped_kv``,
+is transformers' own ``sdpa`` path, unchanged. The rule is ``plan/hardware.expands_grouped_kv``,
 the one the planner prices each card by.
 
 The mask: the layers get what ``sdpa`` would (``sdpa_mask``: none for plain causal attention,
@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from swarmp2p.plan.precision import expands_grouped_kv
+from swarmp2p.plan.hardware import expands_grouped_kv
 from swarmp2p.runtime.torch.model.hf_compat import attn_implementation, set_attn_implementation
 
 SWARM_SDPA = "swarm_sdpa"
