@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from swarmp2p.errors import NotApplied, Unavailable
+from swarmp2p.errors import Failed, NotApplied, Unavailable
 from swarmp2p.net.auth import ClientKeys
 from swarmp2p.net.rpc import RpcClient
 from swarmp2p.node.cluster.election import eligible_leader
@@ -219,6 +219,17 @@ class NodeContext:
         self._retired.clear()
 
     # --- tasks -----------------------------------------------------------------------------
+
+    def member_key(self, node_id: str, what: str = "node", *, code: str = "stage_failed") -> str:
+        """The public key of member ``node_id`` (the plan names it ``what``); Failed with
+        ``code`` when this node knows none (not a member, or removed)."""
+        found = self.keyring.key_of(node_id)
+        if not found:
+            raise Failed(
+                f"{what} {node_id} has no key node {self.node_id} knows (not a member?)",
+                code=code,
+            )
+        return found
 
     def spawn(self, coro: Awaitable[object], name: str) -> asyncio.Task:
         """Run ``coro`` as a task the daemon cancels when it stops; failures are logged."""

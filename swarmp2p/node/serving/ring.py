@@ -151,17 +151,6 @@ async def call_node(ctx: NodeContext, node_id: str, msg: Message, timeout: float
         raise from_code(exc.code, f"node {node_id}: {exc.message}") from None
 
 
-def key_of(ctx: NodeContext, node_id: str) -> str:
-    """The public key of a stage's node; Failed when this node knows none for it."""
-    key = ctx.keyring.key_of(node_id)
-    if not key:
-        raise Failed(
-            f"node {node_id} has no key node {ctx.node_id} knows (not a member?)",
-            code="stage_failed",
-        )
-    return key
-
-
 def alive_holders(served: Served, alive: frozenset[str]) -> list[list[str]]:
     """Per stage, the live holders of its shard; Unavailable when a stage has none."""
     out = [[h for h in held if h in alive] for held in served.holders]
@@ -287,7 +276,8 @@ async def build(
     nodes = {s.node_id for s in plan.stages}
     # the ring's links are keyed per node: the return link admits only the last stage's
     # node, and the first stage's node is the only one the issuer dials
-    first_key, last_key = key_of(ctx, plan.stages[0].node_id), key_of(ctx, plan.stages[-1].node_id)
+    first_key = ctx.member_key(plan.stages[0].node_id)
+    last_key = ctx.member_key(plan.stages[-1].node_id)
     mine = ctx.key
     back_keys = ServerKeys(
         public=mine.public,
@@ -426,7 +416,6 @@ __all__ = [
     "check_request",
     "close_served",
     "inputs_of",
-    "key_of",
     "open_served",
     "place",
     "plan_ring",

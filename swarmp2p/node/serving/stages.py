@@ -488,13 +488,7 @@ class ServeStages:
                 if 0 <= i < len(plan.stages)
                 else (issuer, "the issuing node")
             )
-            found = self.ctx.keyring.key_of(node_id)
-            if not found:
-                raise Failed(
-                    f"{what} {node_id} has no key node {self.ctx.node_id} knows (not a member?)",
-                    code="plan_mismatch",
-                )
-            return found
+            return self.ctx.member_key(node_id, what, code="plan_mismatch")
 
         return {
             "public": self.ctx.key.public,

@@ -263,14 +263,9 @@ class StageHost:
         links admit only the members the plan puts next to it (issue 15)."""
 
         def key(i: int) -> str:
-            node_id = plan.stages[i].node_id
-            found = self.ctx.keyring.key_of(node_id)
-            if not found:
-                raise Failed(
-                    f"stage {i}'s node {node_id} has no key this node knows (not a member?)",
-                    code="plan_mismatch",
-                )
-            return found
+            return self.ctx.member_key(
+                plan.stages[i].node_id, f"stage {i}'s node", code="plan_mismatch"
+            )
 
         last = len(plan.stages) - 1
         return {
