@@ -51,12 +51,10 @@ from swarmp2p.serve.protocol import (
     TokenLogprobs,
     Tokens,
 )
+from swarmp2p.timings import TIMINGS
 
 QUEUE_PER_SLOT = 4
 """Requests that may wait per session slot (``max_queue`` defaults to this x max_sessions)."""
-RETRY_AFTER_MAX_S = 60
-"""The longest Retry-After (seconds) a busy answer gives: past a minute the estimate (the mean
-session time scaled by the queue) says little, and a client polling sooner costs nothing."""
 
 TOKEN, DONE, ERROR = "token", "done", "error"
 """The kinds of a session's events: a token id, finished (with its finish reason), failed (with
@@ -214,7 +212,7 @@ class Scheduler:
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the mean session time, scaled by the queue."""
         waits = (len(self._waiting) + 1) / self.max_sessions
-        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(self._mean_session_s * waits)))
+        return max(1, min(int(TIMINGS.retry_after_max_s), math.ceil(self._mean_session_s * waits)))
 
     # -- events in, outcomes out ------------------------------------------------------------------
 

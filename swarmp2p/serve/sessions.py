@@ -4,7 +4,7 @@ What to send and what each session sees is decided by a pure
 :class:`~swarmp2p.serve.scheduler.Scheduler` (admission, groups, deadlines, finish rules,
 failover replays: see there); this module only carries its outcomes out, with two threads that
 own the sockets. The *receiver* reads what the last stage sends, hands it to the scheduler and,
-every ``POLL_S``, asks it about the deadlines; the *sender* writes the messages the scheduler
+every ``Timings.ring_poll_s``, asks it about the deadlines; the *sender* writes the messages the scheduler
 returns to stage 0, in order. Both act under one lock, held while the scheduler decides and the
 sessions get their events, never across a socket call. Callers — an asyncio event loop included
 — never touch a socket: ``submit`` queues and returns at once, and a session's events can be
@@ -24,25 +24,16 @@ from swarmp2p.net import Link, LinkClosed, LinkTimeout
 from swarmp2p.serve.protocol import GREEDY, MAX_SID, SamplingParams, decode_message
 from swarmp2p.serve.scheduler import (
     QUEUE_PER_SLOT,
-    RETRY_AFTER_MAX_S,
     TOKEN,
     Outcome,
     Scheduler,
     check_request,
 )
 from swarmp2p.serve.session import EventHook, GenerationError, RingBusy, Session
+from swarmp2p.timings import TIMINGS
 from swarmp2p.wire import WireError
 
-POLL_S = 0.05
-"""How often the threads check their stop flag, the step deadlines and the queue's waits."""
-STEP_TIMEOUT_S = 60.0
-"""A session that gets no token for this long fails with an error naming the ring."""
-SEND_TIMEOUT_S = 10.0
-"""How long the sender waits for stage 0 to take a message before failing its sessions."""
-QUEUE_TIMEOUT_S = 30.0
-"""How long a request waits for a session slot before it fails as busy (HTTP 503)."""
-
-__all__ = ["QUEUE_PER_SLOT", "RETRY_AFTER_MAX_S", "RingClient"]
+__all__ = ["QUEUE_PER_SLOT", "RingClient"]
 
 
 class RingClient:
@@ -56,9 +47,9 @@ class RingClient:
         *,
         max_context: int,
         max_sessions: int = 16,
-        step_timeout: float = STEP_TIMEOUT_S,
+        step_timeout: float = TIMINGS.serve_step_s,
         max_queue: int | None = None,
-        queue_timeout: float = QUEUE_TIMEOUT_S,
+        queue_timeout: float = TIMINGS.ring_queue_s,
         groups: int | None = None,
         min_group_rows: int = 1,
     ) -> None:
@@ -227,7 +218,7 @@ class RingClient:
             self._carry_out(self._scheduler.fail_all(reason, now, notify=notify), now)
 
     def reroute(
-        self, first: Link, last: Link, timeout: float = 2 * SEND_TIMEOUT_S
+        self, first: Link, last: Link, timeout: float = 2 * TIMINGS.ring_send_s
     ) -> tuple[Link, Link]:
         """Drive a rebuilt ring from now on (a stage was re-placed): every running session
         replays its prompt and the tokens generated so far as one ``prefill``, rebuilding every
@@ -276,7 +267,7 @@ class RingClient:
         """The only writer of the link to stage 0."""
         while not self._stop.is_set():
             try:
-                item = self._outbox.get(timeout=POLL_S)
+                item = self._outbox.get(timeout=TIMINGS.ring_poll_s)
             except queue.Empty:
                 continue
             if item[0] == "swap":
@@ -288,7 +279,7 @@ class RingClient:
             if sessions and all(s.state == "done" for s in sessions):
                 continue  # every session of it ended while it waited
             try:
-                self._first.send([message.encode()], timeout=SEND_TIMEOUT_S)
+                self._first.send([message.encode()], timeout=TIMINGS.ring_send_s)
             except (LinkTimeout, LinkClosed) as e:
                 with self._lock:
                     now = time.monotonic()
@@ -305,13 +296,13 @@ class RingClient:
 
     def _receive(self) -> None:
         """The only reader of the link from the last stage."""
-        next_check = time.monotonic() + POLL_S
+        next_check = time.monotonic() + TIMINGS.ring_poll_s
         while not self._stop.is_set():
             if self._reroute is not None:
                 with self._lock:
                     self._switch_links()
             try:
-                parts = self._last.recv(POLL_S)
+                parts = self._last.recv(TIMINGS.ring_poll_s)
             except LinkTimeout:
                 parts = None
             except LinkClosed:
@@ -328,4 +319,4 @@ class RingClient:
                     self._carry_out(self._scheduler.on_message(msg, now), now)
                 if now >= next_check:
                     self._carry_out(self._scheduler.tick(now), now)
-                    next_check = now + POLL_S
+                    next_check = now + TIMINGS.ring_poll_s

@@ -166,6 +166,18 @@ class Timings:
     generation_idle_s: float = 600.0
     """A request whose ring sends nothing for this long fails (the ring's own step timeout is
     usually shorter)."""
+    ring_poll_s: float = 0.05
+    """How often a serving ring client's threads check their stop flag, the step deadlines
+    and the queue's waits."""
+    ring_send_s: float = 10.0
+    """How long a ring client's sender waits for stage 0 to take a message before failing
+    its sessions."""
+    retry_after_max_s: float = 60.0
+    """The longest Retry-After a busy answer gives: past a minute the estimate (the mean
+    session time scaled by the queue) says little, and a client polling sooner costs nothing."""
+    ring_queue_s: float = 30.0
+    """How long a request waits for a session slot of its ring before it fails as busy
+    (HTTP 503)."""
     generation_watch_s: float = 0.25
     """How often a waiting request looks whether its client left or the server is stopping."""
     api_shutdown_s: float = 5.0

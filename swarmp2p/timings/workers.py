@@ -23,6 +23,10 @@ class WorkerTimings:
     the other stages of the ring, each loading its model)."""
     serve_stats_every_s: float = 5.0
     """How often a working serve stage reports its batch size and load (nothing while idle)."""
+    stage_poll_s: float = 0.1
+    """How often an idle serve stage looks at its stop event."""
+    stage_session_idle_s: float = 300.0
+    """A full serve stage evicts a session idle this long to admit a new one."""
     stage_bye_s: float = 5.0
     """How long a training stage waits for the stage before it to confirm the end before
     closing anyway."""

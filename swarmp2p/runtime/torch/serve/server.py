@@ -46,12 +46,9 @@ from swarmp2p.serve.protocol import (
 )
 from swarmp2p.serve.scheduler import next_stage_work
 from swarmp2p.serve.spec import boundary_codec
+from swarmp2p.timings.workers import WORKER_TIMINGS
 from swarmp2p.wire import CODECS, TensorFrame, WireError, encode_tensor
 
-POLL_S = 0.1
-"""How often an idle server looks at its stop event."""
-SESSION_IDLE_S = 300.0
-"""A full stage evicts a session idle this long to admit a new one."""
 PREFILL_CHUNK_TOKENS = 64
 """Prompt tokens one prefill forward takes at most. A chunk runs between two decode steps, so
 it bounds how long a new prompt delays the running sessions' next tokens (64 tokens of the
@@ -172,8 +169,10 @@ class StageServer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def serve_forever(self, stop: threading.Event, poll_s: float = POLL_S) -> None:
-        """Handle messages until ``stop`` is set."""
+    def serve_forever(self, stop: threading.Event, poll_s: float | None = None) -> None:
+        """Handle messages until ``stop`` is set (idle, it looks every ``poll_s``; default
+        ``WorkerTimings.stage_poll_s``)."""
+        poll_s = WORKER_TIMINGS.stage_poll_s if poll_s is None else poll_s
         while not stop.is_set():
             self._send(self._drain(0.0 if self.pending else poll_s))
             if self.pending:
@@ -329,10 +328,10 @@ class StageServer:
         )
 
     def _evict_idle(self) -> None:
-        """Drop the least recently used session if it has been idle past SESSION_IDLE_S (its
+        """Drop the least recently used session if it has been idle past WorkerTimings.stage_session_idle_s (its
         manager went away without an ``end``)."""
         sid, session = min(self.sessions.items(), key=lambda item: item[1].last_used)
-        if time.monotonic() - session.last_used > SESSION_IDLE_S:
+        if time.monotonic() - session.last_used > WORKER_TIMINGS.stage_session_idle_s:
             self._drop(sid)
 
     # -- one prefill chunk ----------------------------------------------------------------------
