@@ -22,7 +22,22 @@ COUNT = 10_000
 BATCH = 200
 
 
+def _record(node_id: str) -> dict:
+    """A well-formed node record for ``node_id`` (an empty one is refused as a bad field
+    before the checks these requests are aimed at)."""
+    from swarmp2p.node.records import NodeRecord
+    from swarmp2p.plan import Node
+    from swarmp2p.schema import to_data
+
+    try:
+        node = Node(node_id=node_id, name="bad", ram=0, disk_free=0, devices=())
+    except ValueError:  # an invalid id: the record cannot name it; the id field is refused
+        node = Node(node_id="zz-bad", name="bad", ram=0, disk_free=0, devices=())
+    return to_data(NodeRecord(node=node))
+
+
 def _hello(**change):
+    node_id = change.get("node_id", "zz-bad")
     body = {
         "node_id": "zz-bad",
         "name": "bad",
@@ -31,7 +46,7 @@ def _hello(**change):
         "swarm_id": SECRET.swarm_id,
         "control_port": 9,
         "addresses": ["127.0.0.9"],
-        "record": {},
+        "record": _record(node_id),
         "host": {},
         "term": 0,
         "version": 0,

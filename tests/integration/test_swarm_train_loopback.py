@@ -330,7 +330,7 @@ def test_a_zero_bubble_job_trains_through_swarm_train(loopback_swarm, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr + dump([a, b])
     assert final["state"] == "COMPLETED" and final["step"] == 3
     assert final["plan"]["schedule"] == "zb-h1"
-    curve = [loss for _attempt, _step, loss in final["metrics"]["losses"]]
+    curve = [row[2] for row in final["metrics"]["losses"]]
     assert len(curve) == 3 and all(math.isfinite(x) for x in curve)
 
 

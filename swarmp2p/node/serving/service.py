@@ -197,6 +197,8 @@ class Serving:
                 code="not_served",
             )
         serve_id = here.serve_id if here is not None else record.serve_id
+        if record is not None:  # first: while the ring closes, no round may serve it again
+            self.notes.add(ev.ServeStopped(serve_id=serve_id, at=self.wall()))
         await cancel_all(self._busy.pop(serve_id, None))
         if here is not None:
             await self._teardown(here)
@@ -208,13 +210,11 @@ class Serving:
         self._retry_at.pop(serve_id, None)
         self.keys.remove(serve_id)
         out: dict[str, object] = {"model": name, "stopped": True}
-        if record is not None:
-            self.notes.add(ev.ServeStopped(serve_id=serve_id, at=self.wall()))
-            if not await self.notes.flush():
-                out["warning"] = (
-                    "no leader wrote the stop yet: the swarm's table still lists the model "
-                    "until one does (this node keeps sending it)"
-                )
+        if record is not None and not await self.notes.flush():
+            out["warning"] = (
+                "no leader wrote the stop yet: the swarm's table still lists the model "
+                "until one does (this node keeps sending it)"
+            )
         log.info("stopped serving %s", name)
         return out
 
