@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from contextlib import contextmanager
 
@@ -313,6 +314,9 @@ def _scripted_ring(generated, max_context=64):
             tokens = tuple(tokens)
             sids, positions = zip(*rows, strict=True)
             reply = Tokens(group=group, step=step, sids=sids, positions=positions, tokens=tokens)
+            # a lap of a real ring takes time; with none, every token may arrive before the
+            # stream is read, and one chunk rightly carries them all
+            time.sleep(0.02)
             from_last.send([reply.encode()])
 
     thread = threading.Thread(target=answer, daemon=True)

@@ -233,7 +233,8 @@ def test_each_step_says_where_its_time_went(models):
     first, last = metrics[0][-1], metrics[1][-1]
     for m in (first, last):
         parts = m.forward_s + m.backward_s + m.optimizer_s + m.wait_s
-        assert parts == pytest.approx(m.step_s, rel=0.05, abs=0.005)
+        # the parts cover the step but for bookkeeping between ops (more of it under load)
+        assert 0.85 * m.step_s - 0.005 <= parts <= m.step_s + 0.005, (parts, m.step_s)
         assert m.at > 0
     assert first.forward_s >= 2 * 0.05  # two micro-batches through the slowed block
     assert last.wait_s > first.wait_s  # the last stage waits for the slow one
