@@ -1,11 +1,8 @@
-"""The job table across the members: votes, the leader's log, deltas, acks, quorum. No torch.
+"""The job table across the members: the leader's log, deltas, acks, commit, roll-back. No torch.
 
-- **Election.** The leader is the lowest live node id in a node's view; it leads only once a
-  majority of the table's members voted for it in a new term (``node.lead_request``). A member
-  votes once per term, and only for the node its own view says should lead. The candidate then
-  continues from the newest table among its voters: every committed version is held by a
-  majority, and any two majorities meet, so nothing committed is lost. Its first event,
-  ``LeaderElected``, commits like any other; until then it is not ready.
+A term's election (votes, takeover) is ``election.py``'s, its rules ``votes.py``'s; here the
+leader it elected writes, and the followers take what it writes.
+
 - **Writes.** Only the ready leader appends events. Each is applied (validated) and persisted
   here, then shipped to every live peer as a delta (``node.table_events``: the entries after
   the follower's version, checked against the version and term it holds) or, when a follower
@@ -20,17 +17,12 @@
   keeps its stages running, accepts no writes, and says why (``why_not_ready``). A leader that
   loses its majority steps down and rolls its table back to the newest committed version: the
   entries it wrote since are dropped, logged, and listed in ``swarm status`` (``dropped``).
-- **Who may lead** (``election.eligible_leader``): a member of the table, never a node that
-  holds no table while another does; a node with an empty table never founds a swarm while
-  it sees a peer that holds one.
 - **Followers** take events only from the leader of the newest term they know, never from an
   older term, and only from a member their own view names as leader. The sender is the node
   the request's key is bound to (``authz``), never a name the message claims (issue 15).
 
-Brand-new swarm: when no table has members yet, the first leader founds it with itself and
-every live peer that voted with an empty table. Later nodes join by ``MemberJoined``; a node
-that stops cleanly is marked down by ``MemberLeft`` (so the rest keep their majority, and its
-id stays its own).
+Later nodes join by ``MemberJoined``; a node that stops cleanly is marked down by
+``MemberLeft`` (so the rest keep their majority, and its id stays its own).
 """
 
 from __future__ import annotations
@@ -38,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,7 +45,8 @@ from swarmp2p.node.messages import (
     TablePush,
 )
 from swarmp2p.node.table import events as ev
-from swarmp2p.node.table import jobtable, store
+from swarmp2p.node.table import jobtable, store, votes
+from swarmp2p.node.table.election import Election, rpc_timeout
 from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.node.table.store import TableStore
 from swarmp2p.schema import SchemaError
@@ -82,9 +74,7 @@ class Replication:
         self._unsaved: list[ev.Entry] | None = []
         """The entries that lead from the table on disk to ``self.table``; None when it does
         not follow that table by entries (it is written whole then)."""
-        self.voted_term, self.voted_for, self.met = store.load_vote(vote_file)
-        """``met``: this node has seen a peer that holds the swarm's table (it joined a swarm,
-        it did not start one): it never founds a history of its own, even cut off."""
+        self.election = Election(ctx, self, vote_file)
         self.ready = False
         self.commit = 0
         """The newest version known to be held by a majority."""
@@ -95,16 +85,16 @@ class Replication:
         """Leader: version -> the table after it, for the versions not committed yet."""
         self.dropped: collections.deque[dict[str, Any]] = collections.deque(maxlen=DROPPED_KEPT)
         """Uncommitted writes this node rolled back (``swarm status``)."""
-        self._reason = "starting"
+        self.reason = "starting"
+        """Why this node is not ready (``why_not_ready``)."""
         self._log: collections.deque[ev.Entry] = collections.deque(maxlen=LOG_KEEP)
         self._match: dict[str, int] = {}
         """Leader: node id -> the version it acknowledged holding."""
         self._pushing: set[str] = set()
         self._waiters: list[tuple[int, asyncio.Future]] = []
-        self._write_lock = asyncio.Lock()
+        self.write_lock = asyncio.Lock()
         self._saved = self.table.version
         self._save_lock = asyncio.Lock()
-        self._takeover: asyncio.Task | None = None
         self._catching_up: asyncio.Task | None = None
         self._behind: tuple[str, int] | None = None
         """A member that held a newer table than this node's at the last heartbeat round."""
@@ -112,22 +102,13 @@ class Replication:
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
 
-    # --- votes on disk ------------------------------------------------------------------------
-
-    def _vote(self, term: int, candidate: str) -> None:
-        self.voted_term, self.voted_for = term, candidate
-        self._save_vote()
-
-    def _save_vote(self) -> None:
-        store.save_vote(self.vote_file, self.voted_term, self.voted_for, self.met)
+    # --- the heartbeat round's view -------------------------------------------------------------
 
     def note_view(self) -> None:
         """Each heartbeat round: remember (on disk) that a peer holds the swarm's table, and
         pull a newer one a member holds when nobody brought it here since the last round."""
         held = self.ctx.members.held_view()
-        if not self.met and any(v > 0 for v in held.values()):
-            self.met = True
-            self._save_vote()
+        self.election.note_held(held)
         self._pull_if_behind(held)
 
     def _pull_if_behind(self, held: dict[str, int]) -> None:
@@ -147,7 +128,7 @@ class Replication:
             return
         version, source = max(ahead)
         if self._behind is not None and self._behind[1] > self.table.version:
-            self._fetch_from(self._behind[0])
+            self.fetch_from(self._behind[0])
         self._behind = (source, version)
 
     # --- status ---------------------------------------------------------------------------
@@ -169,43 +150,23 @@ class Replication:
 
     def sees_majority(self) -> bool:
         """Whether this node's view holds a majority of the configuration's voters."""
-        config = self.config()
-        live = self.ctx.live_nodes()
-        return len(config & live) >= len(config) // 2 + 1
+        return votes.sees_majority(self.config(), self.ctx.live_nodes())
 
     def why_not_ready(self) -> str:
-        return "" if self.ready else self._reason
+        return "" if self.ready else self.reason
 
     def quorum(self) -> dict[str, Any]:
         """What `swarm status` says about the majority, from this node's view."""
-        members = sorted(self.table.member_ids)
-        voters = sorted(self.config()) if self.table.members else []
-        live = self.ctx.live_nodes()
-        reachable = [m for m in voters if m in live]
-        need = len(voters) // 2 + 1
-        ok = not voters or len(reachable) >= need
-        reason = ""
-        if not ok:
-            reason = (
-                f"this node sees {len(reachable)} of {len(voters)} voting member(s) "
-                f"({', '.join(reachable) or 'none'}); the swarm accepts new jobs only on a side "
-                f"that sees {need}; stages already running keep running"
-            )
-        elif self.table.members and self.ctx.node_id not in self.table.member_ids:
-            reason = "this node is not a member yet: the leader lists it once it has met it"
-        elif self.ctx.leader == self.ctx.node_id and not self.ready:
-            reason = self._reason
-        return {
-            "members": members,
-            "voters": voters,
-            "down": sorted(m.node_id for m in self.table.members if m.down),
-            "reachable": reachable,
-            "majority": need,
-            "ok": ok,
-            "commit": self.commit,
-            "reason": reason,
-            "dropped": list(self.dropped),
-        }
+        return votes.quorum_report(
+            self.table,
+            self.config(),
+            self.ctx.live_nodes(),
+            me=self.ctx.node_id,
+            leader=self.ctx.leader,
+            reason=self.why_not_ready(),
+            commit=self.commit,
+            dropped=self.dropped,
+        )
 
     # --- leading ---------------------------------------------------------------------------
 
@@ -214,7 +175,7 @@ class Replication:
         if self.ready:
             log.info("no longer leading (term %d)", self.table.term)
         self.ready = False
-        self._reason = f"{self.ctx.leader} leads in this node's view"
+        self.reason = f"{self.ctx.leader} leads in this node's view"
         self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
 
     def step_down(self, why: str) -> None:
@@ -223,18 +184,14 @@ class Replication:
         if self.ready:
             log.warning("stepping down (term %d): %s", self.table.term, why)
         self.ready = False
-        self._reason = why
+        self.reason = why
         self._fail_waiters(Unavailable(f"the leader stepped down: {why}", code="no_quorum"))
         self._roll_back(why)
 
     def check_quorum(self) -> None:
         """Each heartbeat round, on the leader: step down when the view lost the majority."""
         if self.ready and not self.sees_majority():
-            live = sorted(self.config() & self.ctx.live_nodes())
-            self.step_down(
-                f"this node sees {len(live)} of {len(self.config())} voting member(s) "
-                f"({', '.join(live)}): no majority"
-            )
+            self.step_down(f"{votes.sees(self.config(), self.ctx.live_nodes())}: no majority")
 
     def _roll_back(self, why: str) -> None:
         """Drop the entries after the committed table (this node wrote them as leader and no
@@ -270,121 +227,23 @@ class Replication:
         self.store.snapshot(base)  # at once: a write in flight then writes nothing
         self._unsaved, self._saved = [], base.version
 
-    def start_takeover(self) -> None:
-        if self._takeover is None or self._takeover.done():
-            self._takeover = self.ctx.spawn(self._take_over(), "takeover")
+    def start_takeover(self) -> asyncio.Task:
+        """Take over as leader (this node's view names it): ``election.py``."""
+        return self.election.start()
 
-    async def _take_over(self) -> None:
-        grace = self.ctx.started_at + self.ctx.config.failure_timeout_s - self.ctx.clock()
-        if grace > 0:  # a restarted node first meets its swarm, never leads from a stale table
-            self._reason = "meeting the swarm before leading"
-            await asyncio.sleep(grace)
-        if self.ctx.leader != self.ctx.node_id or self.ready:
-            return
-        async with self._write_lock:
-            await self._elect()
-
-    async def _elect(self, again: bool = True) -> None:
-        """Ask the live peers for their votes in a new term (``again``: once more, above the
-        newest term a refusal named, as a node that sat out a partition is behind)."""
+    async def lead(
+        self, base: JobTable, term: int, events: list[ev.Event], acked: dict[str, int]
+    ) -> None:
+        """An election won in ``term``: continue from ``base`` (this node's table or the newest
+        of its voters', ``acked``: voter -> the version it is counted as holding) with a fresh
+        log, write ``events`` (``LeaderElected`` first) and ship them; ready once a majority
+        holds them. The caller holds ``write_lock``."""
         me = self.ctx.node_id
-        if self.table.members and not self.sees_majority():  # no term spent on a lost cause
-            live = sorted(self.config() & self.ctx.live_nodes())
-            self._reason = (
-                f"no quorum: this node sees {len(live)} of {len(self.config())} voting "
-                f"member(s) ({', '.join(live) or 'none'})"
-            )
-            return
-        if not self.table.version:
-            self.note_view()
-            holders = sorted(n for n, v in self.ctx.members.held_view().items() if v > 0)
-            if self.met and not holders:
-                self._reason = (
-                    "this node joined a swarm that holds a table and holds none itself: it "
-                    "waits for that swarm's members (it never founds a history of its own)"
-                )
-                return
-            if holders:
-                self._reason = (
-                    f"this node holds no table and {', '.join(holders)} hold(s) the swarm's: it "
-                    "waits to be listed by the swarm's leader"
-                )
-                return
-        term = max(self.table.term, self.voted_term) + 1
-        self._vote(term, me)
-        peers = [p for p in self.ctx.members.alive_peers()]
-        ask = LeadRequest(candidate=me, term=term)
-        replies = await asyncio.gather(
-            *(self.ctx.call_endpoint(p.endpoint, ask, self._rpc_timeout) for p in peers),
-            return_exceptions=True,
-        )
-        votes: dict[str, LeadVote] = {}
-        refusals = []
-        ahead: list[tuple[int, int, str]] = []
-        """Refusing voters that hold a newer table of this history than this node's."""
-        newer = False
-        founded = sorted(
-            p.node_id
-            for p, r in zip(peers, replies)
-            if isinstance(r, LeadVote) and r.node_id == p.node_id and (r.members or r.version)
-        )
-        for peer, reply in zip(peers, replies):
-            if isinstance(reply, LeadVote) and reply.node_id == peer.node_id:
-                if reply.granted:
-                    votes[peer.node_id] = reply
-                else:
-                    refusals.append(f"{peer.node_id}: {reply.reason}")
-                    if reply.epoch == self.table.epoch and (reply.term, reply.version) > (
-                        self.table.key
-                    ):
-                        ahead.append((reply.term, reply.version, peer.node_id))
-                    if reply.term >= term:  # a newer term is about: start above it
-                        self.voted_term, newer = max(self.voted_term, reply.term), True
-        if self.ctx.leader != me:
-            return
-        base = await self._newest_of(votes)
-        if base is None:
-            return
-        founding = not base.members
-        if founding and founded:  # granted or not: never a new history beside a held one
-            self._reason = (
-                f"this node holds no table and {', '.join(founded)} hold(s) the swarm's: it "
-                "waits to be listed by the swarm's leader"
-            )
-            return
-        members = (
-            {me, *(n for n, v in votes.items() if v.members == 0)} if founding else base.voters
-        )
-        granted = {me, *votes} & members
-        need = len(members) // 2 + 1
-        if len(granted) < need:
-            self._reason = (
-                f"no quorum: {len(granted)} of {len(members)} member(s) voted for {me} (needs "
-                f"{need}); reachable: {', '.join(sorted(granted))}"
-                + (f"; refused by {'; '.join(refusals)}" if refusals else "")
-            )
-            log.info("cannot lead yet: %s", self._reason)
-            if ahead:  # they follow a leader this node's older table may not list: catch up
-                self._fetch_from(max(ahead)[2])
-            if newer and again and self.ctx.leader == me:
-                await self._elect(again=False)
-            return
         if base is not self.table:
             self._replace(base)
         self._log = collections.deque(maxlen=LOG_KEEP)
         self.committed, self._after = base, {}
-        epoch = base.epoch or secrets.token_hex(8)
-        events: list[ev.Event] = [ev.LeaderElected(leader=me, epoch=epoch)]
-        if founding:
-            names = {p.node_id: p.name for p in peers}
-            names[me] = self.ctx.me.name
-            secret = self.ctx.secret
-            events.append(ev.AdmissionChanged(swarm_id=secret.swarm_id, key=secret.admission_key))
-            for n in sorted(members):
-                key = self.ctx.keyring.key_of(n)
-                if key is not None:
-                    events.append(ev.MemberJoined(node_id=n, name=names.get(n, ""), key=key))
-        self._match = {n: (v.version if v.term == base.term else 0) for n, v in votes.items()}
+        self._match = dict(acked)
         version = self._apply_local(events, term)
         await self._persist()
         log.info(
@@ -396,49 +255,19 @@ class Replication:
             len(self.table.members),
         )
         self._push_all()
-        self._reason = "waiting for a majority to hold the new term"
+        self.reason = "waiting for a majority to hold the new term"
         if await self._wait_commit(version, self.commit_timeout):
             self.ready = self.ctx.leader == me
-            self._reason = ""
+            self.reason = ""
         else:
-            self._reason = "a majority did not acknowledge the new term in time"
+            self.reason = "a majority did not acknowledge the new term in time"
 
-    async def _newest_of(self, votes: dict[str, LeadVote]) -> JobTable | None:
-        """The newest table among this node's and its voters' (of the history most of them
-        share), fetched when a voter holds a newer one."""
-        mine = (self.table.epoch, self.table.key)
-        epochs = collections.Counter([self.table.epoch, *(v.epoch for v in votes.values())])
-        best_epoch = max(epochs, key=lambda e: (bool(e), epochs[e]))
-        candidates = [(v.term, v.version, n) for n, v in votes.items() if v.epoch == best_epoch]
-        if self.table.epoch == best_epoch:
-            candidates.append((*self.table.key, self.ctx.node_id))
-        if not candidates:
-            return self.table
-        term, version, holder = max(candidates)
-        if holder == self.ctx.node_id or (best_epoch, (term, version)) == mine:
-            return self.table
-        try:
-            table = await self._fetch_table(holder)
-        except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
-            self._reason = f"could not fetch the newest table from {holder}: {exc}"
-            return None
-        if table is None or table.key < (term, version):
-            self._reason = f"{holder} did not send the table it voted with"
-            return None
-        if table.epoch != self.table.epoch and self.table.jobs:
-            self._set_aside(self.table, "another history won the election")
-        return table
-
-    async def _fetch_table(self, node_id: str) -> JobTable | None:
+    async def fetch_table(self, node_id: str) -> JobTable | None:
         """``node_id``'s whole table (None when it answers with something else)."""
         reply = await self.ctx.call(
-            node_id, TableFetch(node_id=self.ctx.node_id), self._rpc_timeout * 4
+            node_id, TableFetch(node_id=self.ctx.node_id), rpc_timeout(self.ctx) * 4
         )
         return JobTable.from_dict(reply.table) if isinstance(reply, TablePush) else None
-
-    @property
-    def _rpc_timeout(self) -> float:
-        return max(self.ctx.config.heartbeat_s * 2, 0.2)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -466,7 +295,7 @@ class Replication:
         ``wait``: return only once a majority holds them (Unavailable if not in time)."""
         if not self.ready:
             raise Unavailable(
-                f"node {self.ctx.node_id} cannot write the table: {self._reason or 'not the leader'}",
+                f"node {self.ctx.node_id} cannot write the table: {self.reason or 'not the leader'}",
                 code="not_ready",
             )
         changes = [e for e in events if isinstance(e, ev.MEMBERSHIP_EVENTS)]
@@ -481,7 +310,7 @@ class Replication:
         if not self.sees_majority():
             self.check_quorum()
             raise Unavailable(
-                f"node {self.ctx.node_id} cannot write the table: {self._reason}", code="no_quorum"
+                f"node {self.ctx.node_id} cannot write the table: {self.reason}", code="no_quorum"
             )
         version = self._apply_local(events, self.table.term)
         await self._persist()
@@ -608,7 +437,7 @@ class Replication:
                     self.table.term,
                 )
                 self.ready = False
-                self._reason = f"node {node_id} holds a newer term ({have[0]})"
+                self.reason = f"node {node_id} holds a newer term ({have[0]})"
                 self._fail_waiters(Unavailable("the leader changed; retry", code="not_leader"))
                 self.start_takeover()
             return
@@ -658,7 +487,7 @@ class Replication:
                 self.stats["deltas"] += 1
                 self.stats["events"] += len(msg.entries)
             self.stats["bytes_sent"] += _size(msg)
-            reply = await self.ctx.call_endpoint(endpoint, msg, self._rpc_timeout * 4)
+            reply = await self.ctx.call_endpoint(endpoint, msg, rpc_timeout(self.ctx) * 4)
             if isinstance(reply, TableAck):
                 if reply.ok:
                     self._match[node_id] = max(self._match.get(node_id, 0), reply.version)
@@ -708,28 +537,7 @@ class Replication:
     # --- the requests this node answers ------------------------------------------------------
 
     def on_vote_request(self, msg: LeadRequest) -> LeadVote:
-        newest = max(self.table.term, self.voted_term)
-        reason = ""
-        if msg.term <= newest and not (
-            msg.term == self.voted_term and self.voted_for == msg.candidate
-        ):
-            reason = f"term {msg.term} is not newer than {newest}"
-        elif self.ctx.leader != msg.candidate:
-            reason = f"this node's view says {self.ctx.leader} should lead"
-        granted = not reason
-        if granted:
-            self._vote(msg.term, msg.candidate)
-            if self.ready and self.ctx.node_id != msg.candidate:
-                self.lost_lead()
-        return LeadVote(
-            node_id=self.ctx.node_id,
-            granted=granted,
-            reason=reason,
-            term=self.table.term,
-            version=self.table.version,
-            epoch=self.table.epoch,
-            members=len(self.table.members),
-        )
+        return self.election.on_vote_request(msg)
 
     def on_fetch(self, msg: TableFetch) -> TablePush:
         return TablePush(
@@ -749,7 +557,7 @@ class Replication:
             return self._ack(False, "need the whole table")
         if msg.prev_version == 0 and self.table.version:
             return self._ack(False, "need the whole table")
-        async with self._write_lock:
+        async with self.write_lock:
             table, entries = self.table, []
             try:
                 for data in msg.entries:
@@ -774,9 +582,9 @@ class Replication:
         except SchemaError as exc:
             log.warning("refused a table from %s: %s", msg.node_id, exc)
             return self._ack(False, f"bad table: {exc}")
-        async with self._write_lock:
+        async with self.write_lock:
             if table.epoch != self.table.epoch and self.table.jobs:
-                self._set_aside(self.table, f"node {msg.node_id} leads another history")
+                self.set_aside(self.table, f"node {msg.node_id} leads another history")
             elif table.epoch == self.table.epoch and table.key < self.table.key:
                 return self._ack(False, "older than this node's table")
             self._replace(table)
@@ -788,7 +596,7 @@ class Replication:
         """Why a write from ``sender`` (the authenticated node) at ``term`` is refused (""
         when it is accepted): only a member this node's view names as leader, at the newest
         term this node knows, and the one that leads it."""
-        newest = max(self.table.term, self.voted_term)
+        newest = self.election.newest_term()
         if sender == self.ctx.node_id:
             return "a node does not write its own table over the wire"
         if term < newest:
@@ -813,9 +621,9 @@ class Replication:
         source = self.ctx.leader
         if source in (self.ctx.node_id, writer) or source not in self.table.member_ids:
             return
-        self._fetch_from(source, writer)
+        self.fetch_from(source, writer)
 
-    def _fetch_from(self, source: str, writer: str | None = None) -> None:
+    def fetch_from(self, source: str, writer: str | None = None) -> None:
         """Fetch ``source``'s table (a member of this node's) and take it if it is newer, of
         this history, and still lists this node (and ``writer``, when one is named)."""
         try:
@@ -827,7 +635,7 @@ class Replication:
 
     async def _fetch_newer(self, source: str, writer: str | None) -> None:
         try:
-            table = await self._fetch_table(source)
+            table = await self.fetch_table(source)
         except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
             log.debug("could not fetch the newer table from %s: %s", source, exc)
             return
@@ -837,7 +645,7 @@ class Replication:
             writer is None or writer in table.member_ids
         ):
             return  # it no longer lists this node, or does not explain the writer
-        async with self._write_lock:
+        async with self.write_lock:
             if self.ready or table.key <= self.table.key:
                 return
             log.info(
@@ -863,20 +671,20 @@ class Replication:
     def _ack(self, ok: bool, reason: str) -> TableAck:
         return TableAck(
             node_id=self.ctx.node_id,
-            term=max(self.table.term, self.voted_term),
+            term=self.election.newest_term(),
             version=self._saved,
             ok=ok,
             reason=reason,
         )
 
-    def _set_aside(self, table: JobTable, why: str) -> None:
+    def set_aside(self, table: JobTable, why: str) -> None:
         aside = store.set_aside(self.table_file, table)
         log.warning("kept this node's table of %d job(s) as %s: %s", len(table.jobs), aside, why)
 
     def require_ready(self) -> None:
         if not self.ready:
             raise Unavailable(
-                f"node {self.ctx.node_id} is not leading: {self._reason}", code="not_ready"
+                f"node {self.ctx.node_id} is not leading: {self.reason}", code="not_ready"
             )
 
 

@@ -59,6 +59,8 @@ DAEMON = {
     "swarmp2p.node.cluster.pairing",
     "swarmp2p.node.table.registry",
     "swarmp2p.node.table.replication",
+    "swarmp2p.node.table.election",
+    "swarmp2p.node.table.votes",
     "swarmp2p.node.table.served",
     "swarmp2p.node.serving.decide",
     "swarmp2p.node.serving.keys",

@@ -198,8 +198,7 @@ def swarm(tmp_path, *ids) -> dict[str, FakeNode]:
 
 
 async def lead(node: FakeNode) -> None:
-    node.rep.start_takeover()
-    await node.rep._takeover
+    await node.rep.start_takeover()
 
 
 async def settle(nodes) -> None:

@@ -254,7 +254,7 @@ def test_a_newcomer_with_an_empty_table_never_leads_a_swarm_that_has_one(tmp_pat
         assert newcomer.ctx.leader == "a" and a.ctx.leader == "a"
         await lead(newcomer)
         assert not newcomer.rep.ready and "a leads" in newcomer.rep.why_not_ready()
-        await newcomer.rep._elect()  # even asked to, it founds nothing beside a's table
+        await newcomer.rep.election.elect()  # even asked to, it founds nothing beside a's table
         assert not newcomer.rep.ready and newcomer.rep.table.version == 0
         assert "waits to be listed" in newcomer.rep.why_not_ready()
         await lead(a)

@@ -247,9 +247,8 @@ class SwarmMachine(RuleBasedStateMachine):
 
         async def main():
             candidates = [n for n in self.up() if n.ctx.leader == n.node_id and not n.rep.ready]
-            for n in candidates:
-                n.rep.start_takeover()
-            await asyncio.gather(*(n.rep._takeover for n in candidates), return_exceptions=True)
+            takeovers = [n.rep.start_takeover() for n in candidates]
+            await asyncio.gather(*takeovers, return_exceptions=True)
             await settle(self.up())
 
         self.run(main())
@@ -523,7 +522,7 @@ def test_a_newcomer_that_sorts_lowest_does_not_found_a_new_history(tmp_path):
         # "0" holds no table: a member leads in every view, "0" included
         assert zero.ctx.leader == "a" and a.ctx.leader == "a"
         await lead(zero)
-        await zero.rep._elect()  # even asked to, it founds nothing beside a held table
+        await zero.rep.election.elect()  # even asked to, it founds nothing beside a held table
         await settle(nodes.values())
         assert zero.rep.table.epoch in ("", epoch)  # no second history
         assert not (zero.rep.ready and zero.rep.table.term <= term)  # no second leader of term 1
