@@ -1,7 +1,9 @@
 """The job table across the members: the leader's log, deltas, acks, commit, roll-back. No torch.
 
-A term's election (votes, takeover) is ``election.py``'s, its rules ``votes.py``'s; here the
-leader it elected writes, and the followers take what it writes.
+A term's election (votes, takeover) is ``election.py``'s, its rules ``votes.py``'s; a
+follower's side (whose writes it takes, catching up) is ``follower.py``'s. Here the leader
+writes, ships and commits, and the table changes (entries that follow, a whole table, a
+roll-back) and is saved.
 
 - **Writes.** Only the ready leader appends events. Each is applied (validated) and persisted
   here, then shipped to every live peer as a delta (``node.table_events``: the entries after
@@ -17,9 +19,8 @@ leader it elected writes, and the followers take what it writes.
   keeps its stages running, accepts no writes, and says why (``why_not_ready``). A leader that
   loses its majority steps down and rolls its table back to the newest committed version: the
   entries it wrote since are dropped, logged, and listed in ``swarm status`` (``dropped``).
-- **Followers** take events only from the leader of the newest term they know, never from an
-  older term, and only from a member their own view names as leader. The sender is the node
-  the request's key is bound to (``authz``), never a name the message claims (issue 15).
+- **Followers** take events only from the leader of the newest term they know, and only
+  from a member their own view names as leader (``follower.py``).
 
 Later nodes join by ``MemberJoined``; a node that stops cleanly is marked down by
 ``MemberLeft`` (so the rest keep their majority, and its id stays its own).
@@ -47,9 +48,9 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table import jobtable, store, votes
 from swarmp2p.node.table.election import Election, rpc_timeout
+from swarmp2p.node.table.follower import Follower
 from swarmp2p.node.table.jobtable import JobTable
 from swarmp2p.node.table.store import TableStore
-from swarmp2p.schema import SchemaError
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -75,6 +76,7 @@ class Replication:
         """The entries that lead from the table on disk to ``self.table``; None when it does
         not follow that table by entries (it is written whole then)."""
         self.election = Election(ctx, self, vote_file)
+        self.follower = Follower(ctx, self)
         self.ready = False
         self.commit = 0
         """The newest version known to be held by a majority."""
@@ -95,9 +97,6 @@ class Replication:
         self.write_lock = asyncio.Lock()
         self._saved = self.table.version
         self._save_lock = asyncio.Lock()
-        self._catching_up: asyncio.Task | None = None
-        self._behind: tuple[str, int] | None = None
-        """A member that held a newer table than this node's at the last heartbeat round."""
         self.commit_timeout = self.ctx.config.timings.commit_s
         self.stats = {"bytes_sent": 0, "deltas": 0, "snapshots": 0, "events": 0}
         """Bytes and messages this node sent to replicate the table (``swarm status --json``)."""
@@ -109,27 +108,7 @@ class Replication:
         pull a newer one a member holds when nobody brought it here since the last round."""
         held = self.ctx.members.held_view()
         self.election.note_held(held)
-        self._pull_if_behind(held)
-
-    def _pull_if_behind(self, held: dict[str, int]) -> None:
-        """Anti-entropy for a follower the leader does not write to: its view (over its own,
-        older members) names a node that does not lead, or the leader is one its table does
-        not list. A member that has held a newer version for two heartbeat rounds running
-        (a leader that writes here brings this node up within one) is asked for its table
-        (``_fetch_from`` takes it only if it is newer, of this history, and lists this node)."""
-        if self.ready or not self.table.members:
-            self._behind = None
-            return
-        ahead = [
-            (v, n) for n, v in held.items() if n in self.table.member_ids and v > self.table.version
-        ]
-        if not ahead:
-            self._behind = None
-            return
-        version, source = max(ahead)
-        if self._behind is not None and self._behind[1] > self.table.version:
-            self.fetch_from(self._behind[0])
-        self._behind = (source, version)
+        self.follower.pull_if_behind(held)
 
     # --- status ---------------------------------------------------------------------------
 
@@ -240,7 +219,7 @@ class Replication:
         holds them. The caller holds ``write_lock``."""
         me = self.ctx.node_id
         if base is not self.table:
-            self._replace(base)
+            self.replace(base)
         self._log = collections.deque(maxlen=LOG_KEEP)
         self.committed, self._after = base, {}
         self._match = dict(acked)
@@ -285,7 +264,7 @@ class Replication:
                 ) from None
             entries.append(entry)
             after[entry.version] = table
-        self._advance(table, entries)
+        self.advance(table, entries)
         self._log.extend(entries)
         self._after.update(after)
         return table.version
@@ -347,13 +326,13 @@ class Replication:
         await self._write_table()
         self._advance_commit()
 
-    def _advance(self, table: JobTable, entries: list[ev.Entry]) -> None:
+    def advance(self, table: JobTable, entries: list[ev.Entry]) -> None:
         """``self.table`` becomes ``table``, which ``entries`` lead to from it."""
         self.table = table
         if self._unsaved is not None:
             self._unsaved.extend(entries)
 
-    def _replace(self, table: JobTable) -> None:
+    def replace(self, table: JobTable) -> None:
         """``self.table`` becomes ``table``, which does not follow it by entries."""
         self.table, self._unsaved = table, None
 
@@ -375,7 +354,7 @@ class Replication:
         held = dict(self._match)
         held[self.ctx.node_id] = self._saved
         config = self.config()
-        need = len(config) // 2 + 1
+        need = votes.majority(len(config))
         versions = sorted((held.get(m, 0) for m in config), reverse=True)
         commit = min(versions[need - 1] if len(versions) >= need else 0, self.table.version)
         if commit > self.commit:
@@ -540,142 +519,24 @@ class Replication:
         return self.election.on_vote_request(msg)
 
     def on_fetch(self, msg: TableFetch) -> TablePush:
-        return TablePush(
-            node_id=self.ctx.node_id,
-            term=self.table.term,
-            table=self.table.to_dict(),
-            commit=self.commit,
-        )
+        return self.follower.on_fetch(msg)
 
     async def on_events(self, msg: TableEvents, sender: str) -> TableAck:
-        """A delta from the leader ``sender``: applied when it follows what this node holds."""
-        refusal = self._refuse_writer(sender, msg.term)
-        if refusal:
-            return self._ack(False, refusal)
-        held = (self.table.epoch, self.table.version, self.table.term if self.table.version else 0)
-        if held != (msg.epoch, msg.prev_version, msg.prev_term) and msg.prev_version:
-            return self._ack(False, "need the whole table")
-        if msg.prev_version == 0 and self.table.version:
-            return self._ack(False, "need the whole table")
-        async with self.write_lock:
-            table, entries = self.table, []
-            try:
-                for data in msg.entries:
-                    entries.append(ev.entry_from_data(data))
-                    table = jobtable.apply(table, entries[-1])
-            except (SchemaError, ValueError) as exc:
-                log.warning("refused a delta from %s: %s", msg.leader, exc)
-                return self._ack(False, f"bad delta: {exc}")
-            self._advance(table, entries)
-            self._writer_holds(sender)
-            await self._persist_follower(msg.commit)
-        return self._ack(True, "")
+        return await self.follower.on_events(msg, sender)
 
     async def on_table(self, msg: TablePush, sender: str) -> TableAck:
-        """A whole table from the leader ``sender`` (a follower that was behind, or of another
-        history)."""
-        refusal = self._refuse_writer(sender, msg.term)
-        if refusal:
-            return self._ack(False, refusal)
-        try:
-            table = JobTable.from_dict(msg.table)
-        except SchemaError as exc:
-            log.warning("refused a table from %s: %s", msg.node_id, exc)
-            return self._ack(False, f"bad table: {exc}")
-        async with self.write_lock:
-            if table.epoch != self.table.epoch and self.table.jobs:
-                self.set_aside(self.table, f"node {msg.node_id} leads another history")
-            elif table.epoch == self.table.epoch and table.key < self.table.key:
-                return self._ack(False, "older than this node's table")
-            self._replace(table)
-            self._writer_holds(sender)
-            await self._persist_follower(msg.commit)
-        return self._ack(True, "")
+        return await self.follower.on_table(msg, sender)
 
-    def _refuse_writer(self, sender: str, term: int) -> str:
-        """Why a write from ``sender`` (the authenticated node) at ``term`` is refused (""
-        when it is accepted): only a member this node's view names as leader, at the newest
-        term this node knows, and the one that leads it."""
-        newest = self.election.newest_term()
-        if sender == self.ctx.node_id:
-            return "a node does not write its own table over the wire"
-        if term < newest:
-            return f"term {term} is older than {newest}"
-        if term == self.table.term and self.table.leader and self.table.leader != sender:
-            return f"{self.table.leader} leads term {term}, not {sender}"
-        if self.table.members and sender not in self.table.member_ids:
-            if term > self.table.term:  # it may have joined after this node's table
-                self._catch_up(sender)
-            return f"{sender} is not a member"
-        if self.ctx.leader != sender and self.table.version:  # an empty table has nothing to lose
-            return f"this node's view says {self.ctx.leader} leads, not {sender}"
-        if self.ready:
-            self.lost_lead()
-        return ""
+    def fetch_from(self, source: str) -> None:
+        self.follower.fetch_from(source)
 
-    def _catch_up(self, writer: str) -> None:
-        """``writer`` leads a newer term than this node's table, yet this table does not list
-        it: it joined while this node was away, and this node's view (over its own, older
-        members) names a member that follows it. Fetch the newer table from that member,
-        which this table lists, so the view moves to the leader and its writes are taken."""
-        source = self.ctx.leader
-        if source in (self.ctx.node_id, writer) or source not in self.table.member_ids:
-            return
-        self.fetch_from(source, writer)
-
-    def fetch_from(self, source: str, writer: str | None = None) -> None:
-        """Fetch ``source``'s table (a member of this node's) and take it if it is newer, of
-        this history, and still lists this node (and ``writer``, when one is named)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # a view round outside the loop: the next round fetches
-            return
-        if self._catching_up is None or self._catching_up.done():
-            self._catching_up = self.ctx.spawn(self._fetch_newer(source, writer), "catch up")
-
-    async def _fetch_newer(self, source: str, writer: str | None) -> None:
-        try:
-            table = await self.fetch_table(source)
-        except (RpcError, RpcTimeout, SchemaError, Unavailable) as exc:
-            log.debug("could not fetch the newer table from %s: %s", source, exc)
-            return
-        if table is None or table.epoch != self.table.epoch or table.key <= self.table.key:
-            return
-        if self.ctx.node_id not in table.member_ids or not (
-            writer is None or writer in table.member_ids
-        ):
-            return  # it no longer lists this node, or does not explain the writer
-        async with self.write_lock:
-            if self.ready or table.key <= self.table.key:
-                return
-            log.info(
-                "caught up from %s: table version %d of term %d", source, table.version, table.term
-            )
-            self._replace(table)
-            await self._persist_follower(self.commit)
-
-    def _writer_holds(self, sender: str) -> None:
-        """The leader that wrote to this node holds the table (whatever its last hello said)."""
-        peer = self.ctx.members.peers.get(sender)
-        if peer is not None:
-            peer.held = max(peer.held, self.table.version)
-
-    async def _persist_follower(self, commit: int) -> None:
+    async def persist_follower(self, commit: int) -> None:
         """A follower saves what its leader sent; it reasons with the latest configuration
         there (Raft's followers do), so its status and its next election count those voters."""
         self.committed, self._after = self.table, {}
         if self.table is not self.store.table:  # a table of another term at one version, too
             await self._write_table()
         self.commit = min(max(self.commit, commit), self.table.version)
-
-    def _ack(self, ok: bool, reason: str) -> TableAck:
-        return TableAck(
-            node_id=self.ctx.node_id,
-            term=self.election.newest_term(),
-            version=self._saved,
-            ok=ok,
-            reason=reason,
-        )
 
     def set_aside(self, table: JobTable, why: str) -> None:
         aside = store.set_aside(self.table_file, table)

@@ -60,6 +60,7 @@ DAEMON = {
     "swarmp2p.node.table.registry",
     "swarmp2p.node.table.replication",
     "swarmp2p.node.table.election",
+    "swarmp2p.node.table.follower",
     "swarmp2p.node.table.votes",
     "swarmp2p.node.table.served",
     "swarmp2p.node.serving.decide",
