@@ -189,12 +189,11 @@ def test_a_cut_off_leader_cannot_remove_the_others_or_write_alone(netns_lab_of):
         assert sorted(sa["quorum"]["voters"]) == ["na", "nb", "nc"] and not sa["quorum"]["ok"]
         # the first removal was written and rolled back (or, had the view already lost the
         # others, refused before any write): either way nothing of it is left. What the
-        # scheduler noted meanwhile (the waiting job's reason, now one worker short) went
+        # scheduler noted meanwhile (the waiting job's reason: its first one may land just
+        # before the cut, unacknowledged, so before the removal; then one worker short) went
         # with it; the refused submission was never written
         for d in sa["quorum"]["dropped"]:
-            assert (
-                d["events"][0] == "member_removed" and d["events"].count("member_removed") == 1
-            ), d
+            assert d["events"].count("member_removed") == 1, d
             assert set(d["events"]) <= {"member_removed", "job_pending"}, d
 
         wait_until(lambda: agreed_on([b, c], "nb", 2), 30, "b and c to agree without a")
