@@ -154,10 +154,17 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
     sessions = b.status()["served"][0]["sessions"]  # the last step went through all 3 stages
     assert sessions == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
-    elsewhere = swarm(a, "generate", "tiny", PROMPT)
-    assert elsewhere.returncode == 1
-    assert "'tiny' is not served from this node (served: none)" in elsewhere.stderr
-    assert "--url" in elsewhere.stderr
+    # a serves nothing: its daemon relays to b over the swarm's CURVE links, streamed or not
+    for mode in ("--stream", "--no-stream"):
+        relayed = swarm(
+            a, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0", mode
+        )
+        assert relayed.returncode == 0, relayed.stderr + dump([a, b, c])
+        assert relayed.stdout.rstrip("\n") == expected, mode
+    nowhere = swarm(c, "generate", "no-such-model", PROMPT)
+    assert nowhere.returncode == 1
+    assert "'no-such-model' is not served in the swarm (served: tiny (node b))" in nowhere.stderr
+    assert "`swarm serve no-such-model`" in nowhere.stderr
 
     stopped = swarm(b, "serve", "--stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr
