@@ -28,7 +28,8 @@ def _api_options(fn):
         show_envvar=True,
         default=None,
         help="Where the API answers (default: where the local daemon serves MODEL, with its "
-        f"API key; without a daemon, {DEFAULT_URL}, as `python -m swarmp2p.serve` listens).",
+        "API key, or, served by another member, through the swarm's links to it; without a "
+        f"daemon, {DEFAULT_URL}, as `python -m swarmp2p.serve` listens).",
     )(fn)
     return _STATE_DIR_OPTION(fn)
 
