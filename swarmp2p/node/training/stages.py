@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarmp2p._tasks import cancel_all
 from swarmp2p.errors import Failed, SwarmError, UserError
 from swarmp2p.node.decide import stale_workers
 from swarmp2p.node.messages import (
@@ -39,15 +38,8 @@ from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
 from swarmp2p.schema import SchemaError
 from swarmp2p.workers import WorkerProcess
-from swarmp2p.workers.events import (
-    Exited,
-    Exported,
-    Phase,
-    SnapshotSaved,
-    WorkerEvent,
-    decode,
-    encode,
-)
+from swarmp2p.workers import events as we
+from swarmp2p.workers.events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
@@ -192,16 +184,7 @@ class StageHost:
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
         key = (msg.job_id, msg.attempt, msg.stage)
-        watch = None
-        if msg.inputs is not None and not msg.prepare:
-            watch = self.ctx.spawn(
-                self._report_fetch(key, f"job {msg.job_id} stage {msg.stage}"),
-                f"job-fetch-phase:{msg.job_id}:{msg.stage}",
-            )
-        try:
-            model, data = await self._local_inputs(msg, stage.files)
-        finally:
-            await cancel_all(watch)
+        model, data = await self._local_inputs(msg, stage.files)
         if msg.prepare:
             return JobAck(job_id=msg.job_id)
         await self.stop_job(msg.job_id, -1, keep_attempt=msg.attempt)
@@ -217,7 +200,8 @@ class StageHost:
         tokens = None
         if msg.stage == 0 and needs_tokens(msg.job):
             source = msg.job.data
-            self._phase(key, Phase(name="tokenizing"))
+            self._queue(key, we.Phase(name="tokenizing"))  # the leader hears it: nothing runs yet
+            self._ensure_sender()
             try:
                 tokens = await prepare_tokens(
                     model or msg.job.model.pretrained,
@@ -307,10 +291,15 @@ class StageHost:
             names = stage_files(inputs.model, planned_files)
         except ValueError as exc:
             raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
-        model = await self.inputs.model_folder(inputs.model, names, what=what)
-        data = None
-        if msg.stage == 0 and inputs.data is not None and reads_data(msg.job):
-            data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        key = (msg.job_id, msg.attempt, msg.stage)
+        watch = self.ctx.spawn(self._report_fetch(key, what), f"fetch-phase:{what}")
+        try:
+            model = await self.inputs.model_folder(inputs.model, names, what=what)
+            data = None
+            if msg.stage == 0 and inputs.data is not None and reads_data(msg.job):
+                data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        finally:
+            watch.cancel()
         return model, data
 
     async def _resplit_snapshot(
@@ -444,20 +433,14 @@ class StageHost:
         error = worker.last_error if worker is not None else None
         self._queue(key, Exited(code=code, stderr_tail=tuple(tail), error=error))
 
-    def _phase(self, key: tuple[str, int, int], phase: Phase) -> None:
-        """Tell the leader what stage ``key`` does now, before its worker runs."""
-        self._queue(key, phase)
-        self._ensure_sender()
-
     async def _report_fetch(self, key: tuple[str, int, int], what: str) -> None:
         """While stage ``key``'s files are fetched: its bytes so far, each report round."""
         said = None
         while True:
-            fetch = self.inputs.fetching.get(what)
-            now = (fetch.done, fetch.total) if fetch is not None else None
-            if now is not None and now != said:
-                said = now
-                self._phase(key, Phase(name="fetching", done=now[0], total=now[1]))
+            if (fetch := self.inputs.fetching.get(what)) and (fetch.done, fetch.total) != said:
+                said = fetch.done, fetch.total
+                self._queue(key, we.Phase(name="fetching", done=fetch.done, total=fetch.total))
+                self._ensure_sender()
             await asyncio.sleep(self.ctx.config.timings.report_every_s)
 
     def _ensure_sender(self) -> None:
