@@ -8,13 +8,15 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmp2p.node import requests as rq
 from swarmp2p.node.api import ApiError, send
 from swarmp2p.node.state import StateDir
-from swarmp2p.serve.client import ApiClientError, Post, error_message
 from swarmp2p.timings import TIMINGS
+
+if TYPE_CHECKING:  # the serve package's __init__ loads the API server (aiohttp): not at import
+    from swarmp2p.serve.client import Post
 
 
 class _Relayed:
@@ -27,6 +29,8 @@ class _Relayed:
         self.done = False
 
     def _ask(self, close: bool = False) -> dict[str, Any]:
+        from swarmp2p.serve.client import ApiClientError
+
         req = rq.RelayNextRequest(node=self.node, relay=self.relay, close=close)
         try:  # the daemon's own ask to the issuer times out first, with the reason
             return send(self.socket, req, timeout=TIMINGS.relay_call_s + 5)
@@ -41,6 +45,8 @@ class _Relayed:
                 yield int(reply["status"]), reply["text"]
 
     def __iter__(self) -> Iterator[bytes]:
+        from swarmp2p.serve.client import error_message
+
         partial = ""
         for status, text in self._texts():
             if status != 200:  # the API's error answer: all of it, then its message
@@ -57,6 +63,8 @@ class _Relayed:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        from swarmp2p.serve.client import ApiClientError
+
         if not self.done:
             self.done = True
             with contextlib.suppress(ApiClientError):
@@ -67,6 +75,8 @@ def relay_post(state_dir: Path, model: str) -> Post:
     """A :data:`~swarmp2p.serve.client.Post` reaching ``model`` through the local daemon."""
 
     def post(path: str, body: dict[str, Any]) -> _Relayed:
+        from swarmp2p.serve.client import ApiClientError
+
         req = rq.RelayOpenRequest(model=model, path=path, body=json.dumps(body))
         try:
             opened = send(
