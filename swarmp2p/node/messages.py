@@ -442,9 +442,9 @@ class ServeFileRead(Message):
 
 RELAY_PATHS = ("/v1/completions", "/v1/chat/completions")
 """The API routes a member may reach through ``serve.relay_open``."""
-RELAY_TEXT_CHARS = 1 << 20
-"""Characters of a request body, or of one ``serve.relay`` reply's text, at most (a 4 MB
-message holds them whatever their UTF-8 width)."""
+RELAY_TEXT_CHARS = 1 << 19
+"""Characters of a request body, or of one ``serve.relay`` reply's text, at most: 2 MB at
+UTF-8's widest, well inside a 4 MB message."""
 
 
 @message("serve.relay_open")

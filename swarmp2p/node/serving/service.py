@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._tasks import cancel_all
-from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.node import requests as rq
 from swarmp2p.node.api import ApiHandler
 from swarmp2p.node.messages import (
@@ -188,7 +188,9 @@ class Serving:
         if here is not None and here.url:
             return {"model": here.name, "url": here.url, "api_key": here.request.api_key}
         node = self.relays.issuer_of(req.model)
-        if node is None or node == self.ctx.node_id:
+        if here is not None or node == self.ctx.node_id:
+            raise Unavailable(f"model {req.model!r} is starting on this node", code="not_ready")
+        if node is None:
             raise UserError(
                 f"model {req.model!r} is not served in the swarm (served: "
                 f"{self.relays.served_names()}); `swarm serve {req.model}` serves it",
