@@ -28,18 +28,20 @@ def _api_options(fn):
         show_envvar=True,
         default=None,
         help="Where the API answers (default: where the local daemon serves MODEL, with its "
-        f"API key; without a daemon, {DEFAULT_URL}, as `python -m swarmp2p.serve` listens).",
+        "API key, or, served by another member, through the swarm's links to it; without a "
+        f"daemon, {DEFAULT_URL}, as `python -m swarmp2p.serve` listens).",
     )(fn)
     return _STATE_DIR_OPTION(fn)
 
 
 def _endpoint(
     model: str, url: str | None, api_key: str | None, api_key_file: str | None, state_dir
-) -> tuple[str, str | None]:
-    """The API's base URL and key: ``--url`` as given, else the local daemon's answer for
-    MODEL (a key given with --api-key -, --api-key-file or $SWARM_API_KEY wins over the key it
-    served with), else DEFAULT_URL when no daemon runs. A daemon that does not serve MODEL is
-    an error naming what it serves."""
+):
+    """The API's base URL (or the relay to it) and key: ``--url`` as given, else the local
+    daemon's answer for MODEL: its own API (a key given with --api-key -, --api-key-file or
+    $SWARM_API_KEY wins over the key it served with), or, served by another member, the relay
+    through the swarm's links (``client/relay.py``); else DEFAULT_URL when no daemon runs. A
+    model served nowhere in the swarm is an error naming what is served."""
     api_key = _read_api_key(api_key, api_key_file)
     if url:
         return url, api_key
@@ -51,7 +53,11 @@ def _endpoint(
     except NoDaemon:
         return DEFAULT_URL, api_key
     except ApiError as e:
-        raise click.ClickException(f"{e}; give --url where it is served") from None
+        raise click.ClickException(str(e)) from None
+    if found.get("node"):
+        from swarmp2p.client.relay import relay_post
+
+        return relay_post(_state_dir(state_dir), model), None
     return found["url"], api_key if api_key is not None else found["api_key"]
 
 

@@ -244,6 +244,8 @@ def progress_fields(view: dict) -> dict:
         info.append(f"b{b} {r['act_mb_s']:.2f}/{r['grad_mb_s']:.2f} MB/s")
     if view.get("reason") and view["state"] in ("PENDING", "RESUMING"):
         info.append(view["reason"].splitlines()[0])
+    if view["state"] in ("PLACED", "RUNNING") and not m.get("tokens_per_s"):
+        info += phase_words(m.get("phases"), view.get("attempt"))
     steps = view.get("steps")
     step = view.get("step") or 0
     eta = eta_s(step, steps or 0, m.get("step_s"))
@@ -252,6 +254,23 @@ def progress_fields(view: dict) -> dict:
         "eta": f"ETA {eta:.0f}s" if eta is not None else "",
         "info": " · ".join(info),
     }
+
+
+def phase_words(phases: dict | None, attempt: int | None) -> list[str]:
+    """What each stage of the attempt does before its first step (the leader's
+    ``metrics["phases"]``), one word each: ``s0 fetching 12/48 MB``, ``s1 loading weights``;
+    a stage that trains already says nothing."""
+    if not isinstance(phases, dict) or phases.get("attempt") != attempt:
+        return []
+    out = []
+    for stage, p in sorted((phases.get("stages") or {}).items(), key=lambda kv: int(kv[0])):
+        if p.get("phase") == "training":
+            continue
+        word = f"s{stage} {p.get('phase')}"
+        if p.get("total"):
+            word += f" {p['done'] / 1e6:.0f}/{p['total'] / 1e6:.0f} MB"
+        out.append(word)
+    return out
 
 
 def _follow(sd, job_id: str, as_json: bool) -> dict:

@@ -51,6 +51,8 @@ API_OPS = (
     "serve_stop",
     "served",
     "serve_endpoint",
+    "relay_open",
+    "relay_next",
 )
 
 

@@ -440,6 +440,44 @@ class ServeFileRead(Message):
     size: int
 
 
+RELAY_PATHS = ("/v1/completions", "/v1/chat/completions")
+"""The API routes a member may reach through ``serve.relay_open``."""
+RELAY_TEXT_CHARS = 1 << 19
+"""Characters of a request body, or of one ``serve.relay`` reply's text, at most: 2 MB at
+UTF-8's widest, well inside a 4 MB message."""
+
+
+@message("serve.relay_open")
+class ServeRelayOpen(Message):
+    """A member to the issuing node of a served model: post ``body`` (JSON text) to route
+    ``path`` of the API that serves ``model`` here (``swarm generate``/``swarm chat`` on a
+    node that does not serve it). Answered with ``serve.relay`` (its ``relay`` id)."""
+
+    model: str = field(min_len=1, max_len=256)
+    path: str = field(pattern="|".join(RELAY_PATHS))
+    body: str = field(min_len=2, max_len=RELAY_TEXT_CHARS)
+
+
+@message("serve.relay_next")
+class ServeRelayNext(Message):
+    """The opener of relay ``relay``: what its response has written since the last ask
+    (waits a little for more); ``close``: the client left, cancel it."""
+
+    relay: int = field(ge=1)
+    close: bool = False
+
+
+@message("serve.relay")
+class ServeRelay(Message):
+    """A relayed response so far: its HTTP ``status`` (0 until known), the ``text`` written
+    since the last ask, ``done`` once all of it was sent."""
+
+    relay: int = field(ge=1)
+    status: int = field(default=0, ge=0, le=599)
+    text: str = field(default="", max_len=RELAY_TEXT_CHARS)
+    done: bool = False
+
+
 @message("model.shard_copy")
 class ShardCopy(Message):
     """To the leader: ``node_id`` now holds an intact copy of stage ``stage``'s shard of the
@@ -453,6 +491,8 @@ class ShardCopy(Message):
 
 SERVE_MESSAGES = (
     ServeFileRead,
+    ServeRelayOpen,
+    ServeRelayNext,
     ServeNote,
     ServePlace,
     ServeStageStart,

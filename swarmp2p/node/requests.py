@@ -157,6 +157,26 @@ class ServeEndpointRequest(ApiRequest):
     model: str = field(min_len=1, max_len=MAX_PATH)
 
 
+@request("relay_open")
+class RelayOpenRequest(ApiRequest):
+    """`swarm generate`/`swarm chat` for a model another member serves: post ``body`` (JSON
+    text) to ``path`` of its API through the issuing node (``node/serving/relay.py``)."""
+
+    model: str = field(min_len=1, max_len=256)
+    path: str = field(pattern="/v1/completions|/v1/chat/completions")
+    body: str = field(min_len=2, max_len=1 << 18)
+    """At most 256 Ki characters: escaped into a JSON line, under the socket's 1 MiB line."""
+
+
+@request("relay_next")
+class RelayNextRequest(ApiRequest):
+    """The next piece of relayed request ``relay`` on node ``node`` (``close``: cancel it)."""
+
+    node: str = field(min_len=1, max_len=64)
+    relay: int = field(ge=1)
+    close: bool = False
+
+
 def parse_request(op: str, fields: dict[str, object]) -> ApiRequest | None:
     """``fields`` as op ``op``'s request record (None: the op has none); SchemaError titled
     with the op, naming every bad field."""
@@ -183,6 +203,8 @@ __all__ = [
     "LogsRequest",
     "ModelsRequest",
     "PeersRequest",
+    "RelayNextRequest",
+    "RelayOpenRequest",
     "RemoveRequest",
     "RotateRequest",
     "ServeEndpointRequest",

@@ -183,6 +183,16 @@ class Timings:
     api_shutdown_s: float = 5.0
     """How long closing the API server waits for requests to finish (they are cancelled at
     once)."""
+    relay_wait_s: float = 5.0
+    """How long the issuing node holds a member's ``serve.relay_next`` open waiting for more of
+    the response (an answer goes back at once when text arrives, so this only bounds an idle
+    ask: a few per second of CPU prefill cost nothing)."""
+    relay_call_s: float = 20.0
+    """How long a member waits for the issuing node to answer one relay ask: the hold above
+    plus a loaded daemon's round trip over CURVE."""
+    relay_idle_s: float = 30.0
+    """A relayed request nobody asked about for this long is cancelled on the issuing node (the
+    member's client died): its sessions stop, its buffer is freed."""
     api_client_s: float = 600.0
     """How long `swarm generate`/`swarm chat` wait for the API to answer one request (a long
     generation on CPUs)."""
@@ -229,6 +239,12 @@ class Timings:
             raise ValueError(
                 f"heartbeat interval {self.heartbeat_s} s must be > 0 and below the failure "
                 f"timeout {self.failure_timeout_s} s"
+            )
+        if not self.relay_wait_s < self.relay_call_s < self.relay_idle_s:
+            raise ValueError(
+                f"a relay's hold ({self.relay_wait_s} s) must end before its ask times out "
+                f"({self.relay_call_s} s), and that before the relay is dropped as idle "
+                f"({self.relay_idle_s} s)"
             )
         if not self.serve_stage_start_s < self.serve_start_s:
             raise ValueError(

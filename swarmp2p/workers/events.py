@@ -31,6 +31,30 @@ class Ready:
     """The bound port; None on the first stage, which binds none."""
 
 
+PHASES = (
+    "fetching",
+    "tokenizing",
+    "loading weights",
+    "evaluating the base model",
+    "calibrating",
+    "evaluating the boundary",
+)
+"""What a stage of a placed job does before its first step, in order (a phase may be left
+out: files already here, no learned boundary, no held-out evaluation)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Phase:
+    """The stage starts ``name`` (``PHASES``); ``done``/``total``: its progress so far, in
+    bytes while fetching (0/0: unknown). The stage's daemon reports the first two, before the
+    worker runs; the worker the rest."""
+
+    KIND: ClassVar[str] = "phase"
+    name: str = field(pattern="|".join(PHASES))
+    done: int = field(default=0, ge=0)
+    total: int = field(default=0, ge=0)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Built:
     """The stage's layers are loaded, adapters and compressors attached."""
@@ -173,6 +197,7 @@ class Exited:
 
 WorkerEvent = (
     Ready
+    | Phase
     | Built
     | Resumed
     | Evaluated
@@ -224,6 +249,7 @@ def decode(data: Any) -> WorkerEvent:
 
 __all__ = [
     "KINDS",
+    "PHASES",
     "Built",
     "Calibrated",
     "Done",
@@ -231,6 +257,7 @@ __all__ = [
     "Exited",
     "Exported",
     "Failure",
+    "Phase",
     "Ready",
     "Resumed",
     "SnapshotSaved",

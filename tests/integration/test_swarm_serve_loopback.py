@@ -154,10 +154,17 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
     sessions = b.status()["served"][0]["sessions"]  # the last step went through all 3 stages
     assert sessions == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
-    elsewhere = swarm(a, "generate", "tiny", PROMPT)
-    assert elsewhere.returncode == 1
-    assert "'tiny' is not served from this node (served: none)" in elsewhere.stderr
-    assert "--url" in elsewhere.stderr
+    # a serves nothing: its daemon relays to b over the swarm's CURVE links, streamed or not
+    for mode in ("--stream", "--no-stream"):
+        relayed = swarm(
+            a, "generate", "tiny", PROMPT, "--max-tokens", "24", "--temperature", "0", mode
+        )
+        assert relayed.returncode == 0, relayed.stderr + dump([a, b, c])
+        assert relayed.stdout.rstrip("\n") == expected, mode
+    nowhere = swarm(c, "generate", "no-such-model", PROMPT)
+    assert nowhere.returncode == 1
+    assert "'no-such-model' is not served in the swarm (served: tiny (node b))" in nowhere.stderr
+    assert "`swarm serve no-such-model`" in nowhere.stderr
 
     stopped = swarm(b, "serve", "--stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr
@@ -242,16 +249,25 @@ def test_one_node_refuses_bad_requests_with_the_reason_and_serves_one_stage(
         (["serve", str(tiny), "--stages", "9"], "stages: 9 is not in [1, 4]"),
         (["serve", str(tiny), "--max-sessions", "2000000"], "max_sessions: must be an integer"),
         (["serve"], "name a MODEL"),
+        (["serve", "no-such-model"], "no model 'no-such-model': not a trained model"),
     ]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        # the ring loads, then the API cannot listen: the workers are stopped again
-        cases.append((["serve", str(tiny), "--port", port], f"cannot listen on 127.0.0.1:{port}"))
+        # refused before any stage loads (it took the ring's load, 6-9 s, before)
+        taken_port = f"cannot listen on 127.0.0.1:{port}: in use"
+        cases.append((["serve", str(tiny), "--port", port], taken_port))
         for args, message in cases:
+            began = time.monotonic()
             out = swarm(a, *args)
             assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
+            if message == taken_port:
+                assert "pass --port N" in out.stderr and time.monotonic() - began < 4, out.stderr
+        # said once, pointing to the list of trained models
+        unknown = swarm(a, "serve", "no-such-model")
+        assert unknown.stderr.count("no-such-model") == 1 and "`swarm models`" in unknown.stderr
+        assert unknown.returncode == 2, unknown.stderr
     assert a.status()["served"] == []
     assert _workers(a) == 0
 
@@ -465,6 +481,9 @@ def test_an_issuer_restart_reaps_its_old_workers_and_serves_again(loopback_swarm
     # `swarm generate` finds the URL and the API key from b's daemon, as it restored them
     said = swarm(b, "generate", "tiny", PROMPT, "--max-tokens", "12", "--temperature", "0")
     assert said.stdout.rstrip("\n") == expected, said.stderr
+    # a member reaches it without the key: membership admits over CURVE, b adds its own key
+    relayed = swarm(a, "generate", "tiny", PROMPT, "--max-tokens", "12", "--temperature", "0")
+    assert relayed.stdout.rstrip("\n") == expected, relayed.stderr
 
     # stopped for good: forgotten, and a's worker stops
     stopped = swarm(b, "serve", "--stop", "tiny")

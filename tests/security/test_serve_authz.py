@@ -31,6 +31,8 @@ from swarm_harness import (
 
 from swarmp2p.net import ClientKeys, NodeKey, RpcError, SwarmSecret
 from swarmp2p.node.messages import (
+    ServeRelayNext,
+    ServeRelayOpen,
     ServeStage,
     ServeStageConnect,
     ServeStageExit,
@@ -212,6 +214,34 @@ def test_a_member_cannot_stop_reconnect_start_into_or_fake_the_exit_of_anothers_
     assert (after["state"], after["failovers"], after["reason"]) == ("serving", 0, ""), after
     assert after["stages"] == before["stages"]
     assert ring.complete() == expected
+
+
+def test_a_relayed_request_answers_only_the_member_that_opened_it(ring):
+    expected = ring.complete()
+    as_a = ring.keys_of("a", "b")
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    opened = member_request(
+        ring.endpoint("b"),
+        ring.token,
+        ServeRelayOpen(model="tiny", path="/v1/completions", body=body),
+        keys=as_a,
+    )
+    refused = _refused(ring, "b", ServeRelayNext(relay=opened.relay))  # zmallory asks
+    assert f"holds no relayed request {opened.relay} of node zmallory" in refused.detail
+    text, status, done = "", 0, False
+    while not done:
+        reply = member_request(
+            ring.endpoint("b"), ring.token, ServeRelayNext(relay=opened.relay), keys=as_a
+        )
+        text, status, done = text + reply.text, reply.status or status, reply.done
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == expected
+    # only the API's two generation routes, only a model b serves
+    other_route = _refused(
+        ring, "b", ServeRelayOpen(model="tiny", path="/v1/completions", body="{}"), path="/metrics"
+    )
+    assert "path" in other_route.detail, other_route
+    unknown = _refused(ring, "b", ServeRelayOpen(model="nope", path="/v1/completions", body="{}"))
+    assert unknown.code == "not_served" and "'nope' is not served from node b" in unknown.detail
 
 
 def test_the_leaders_stop_of_a_stage_mid_stream_is_failed_over_within_seconds(ring):

@@ -357,3 +357,22 @@ class Lab:
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
         shutil.rmtree(self.disks, ignore_errors=True)
+
+
+def start_swarm(hosts: Sequence[Host], env: dict[str, str] | None = None) -> list[HostNode]:
+    """A daemon on each host (node ids a, b, c, ...; one new swarm's token), started; once
+    they agree that a leads and its table is ready (else AssertionError with their logs)."""
+    from swarm_harness import agreed_on, dump, wait_until
+
+    from swarmp2p.net.security import SwarmSecret
+
+    token = SwarmSecret.generate().token
+    nodes = [h.swarm_up(chr(ord("a") + i), token, env=env) for i, h in enumerate(hosts)]
+    for node in nodes:
+        node.start()
+    try:
+        wait_until(lambda: agreed_on(nodes, "a", len(nodes)), 30, "the hosts to agree")
+        wait_until(lambda: nodes[0].status()["leader_ready"], 15, "the leader to be ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
+    return nodes

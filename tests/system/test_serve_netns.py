@@ -12,11 +12,10 @@ import sys
 import time
 
 import pytest
-from hosts import HOME, STATE
-from swarm_harness import agreed_on, dump, swarm, wait_until
+from hosts import HOME, STATE, start_swarm
+from swarm_harness import dump, swarm
 from test_swarm_serve_loopback import PROMPT, greedy_text, tiny_llama_with_tokenizer
 
-from swarmp2p.net.security import SwarmSecret
 from swarmp2p.plan import model_shape
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.torch]
@@ -33,17 +32,9 @@ def tiny(tmp_path_factory):
 
 def test_serve_across_three_hosts_sigkill_a_stage_host_mid_stream(netns_lab, tiny):
     hosts = netns_lab(3)
-    token = SwarmSecret.generate().token
-    nodes = [h.swarm_up(i, token, env=ENV) for h, i in zip(hosts, "abc")]
-    for node in nodes:
-        node.start()
+    nodes = start_swarm(hosts, ENV)
     a, b, c = nodes
     model = hosts[1].put(tiny, f"{HOME}/models/tiny")
-    try:
-        wait_until(lambda: agreed_on(nodes, "a", 3), 30, "the hosts to agree")
-        wait_until(lambda: a.status()["leader_ready"], 15, "the leader to be ready")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{dump(nodes)}") from None
 
     serve = swarm(
         b,

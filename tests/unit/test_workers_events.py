@@ -29,6 +29,8 @@ STEP = we.StepDone(
     at=1.5e9,
 )
 EVERY_KIND = [
+    we.Phase(name="fetching", done=1 << 20, total=48 << 20),
+    we.Phase(name="calibrating"),
     we.Ready(port=5555),
     we.Ready(),
     we.Built(trainable_parameters=12, finetune_mode="lora", lora_fingerprint="ab12"),

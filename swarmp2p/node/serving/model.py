@@ -99,6 +99,26 @@ def resolve_model(model: str, trained: TrainedEntry | None = None) -> str:
         raise UserError(str(exc), code="no_model") from None
 
 
+def _a_bare_name(model: str) -> bool:
+    """A MODEL that names no folder here and is no 'org/name' Hub id: a trained model's
+    name mistyped, most likely."""
+    return model != EMBEDDED and "/" not in model and not os.path.exists(model)
+
+
+def unknown_model(table: JobTable, model: str) -> UserError:
+    """One line for a MODEL that names nothing, with the names it could have meant."""
+    from swarmp2p.node.table.registry import models as registry_models
+
+    names = sorted(str(m["id"]) for m in registry_models(table.jobs))
+    trained = f"trained: {', '.join(names)}" if names else "none trained yet"
+    return UserError(
+        f"no model {model!r}: not a trained model of this swarm ({trained}; `swarm models` "
+        f"lists them), not a folder on this node, and not a Hub id 'org/name'; or serve "
+        f"{EMBEDDED!r}",
+        code="no_model",
+    )
+
+
 async def resolve_served(
     ctx: NodeContext, stage_host: StageHost, request: ServeRequest, serve_id: str
 ) -> Served:
@@ -119,11 +139,16 @@ async def resolve_served(
         dtype, quantization = trained_settings(trained, request.stages, dtype, quantization)
     job = ctx.table.jobs.get(str(trained["job_id"])) if trained else None
     # a Hub model, or a trained model's base this node lacks, is read from elsewhere
-    here = await stage_host.inputs.serve_model(
-        trained["base"] if trained else model_arg,
-        trained=job.inputs if job is not None else None,
-        local=lambda ref: resolve_model(ref, trained),
-    )
+    try:
+        here = await stage_host.inputs.serve_model(
+            trained["base"] if trained else model_arg,
+            trained=job.inputs if job is not None else None,
+            local=lambda ref: resolve_model(ref, trained),
+        )
+    except UserError as exc:
+        if trained is None and exc.code in ("bad_model", "no_model") and _a_bare_name(model_arg):
+            raise unknown_model(ctx.table, model) from None
+        raise
     folder, shape = here.folder, here.shape
     return serve_ring.Served(
         request=request,

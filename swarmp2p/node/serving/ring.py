@@ -7,6 +7,7 @@ Never imports torch."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -399,13 +400,40 @@ async def close_served(ctx: NodeContext, served: Served) -> None:
 
 
 def check_request(req: ServeRequest) -> None:
-    """The API's bind rule (beyond loopback only with an API key), as a UserError."""
+    """The API's bind rule (beyond loopback only with an API key) and its port free, as a
+    UserError: before any stage loads, not once the ring runs."""
     from swarmp2p.serve.api import check_bind
 
     try:
         check_bind(req.host, req.api_key)
     except ValueError as exc:
         raise UserError(str(exc), code="bad_field") from None
+    if req.port:
+        _check_port(req.host, req.port)
+
+
+def _check_port(host: str, port: int) -> None:
+    """UserError naming the port and the flag when nothing can listen on ``host:port`` now
+    (bound as aiohttp binds it, SO_REUSEADDR, so a closed server's TIME_WAIT is no conflict)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise UserError(f"host: cannot listen on {host!r}: {exc}", code="bad_field") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            taken = "in use (another `swarm serve` or program listens there)"
+            why = taken if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise UserError(
+                f"port: cannot listen on {host}:{port}: {why}; pass --port N for another "
+                "port (--port 0: any free one)",
+                code="bad_field",
+            ) from None
 
 
 __all__ = [

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarmp2p._tasks import cancel_all
-from swarmp2p.errors import Failed, SwarmError, UserError
+from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
 from swarmp2p.node import requests as rq
 from swarmp2p.node.api import ApiHandler
 from swarmp2p.node.messages import (
@@ -53,6 +53,8 @@ from swarmp2p.node.messages import (
     ServeNote,
     ServeNoted,
     ServePlace,
+    ServeRelayNext,
+    ServeRelayOpen,
     ServeStage,
     ServeStageExit,
     ShardChunk,
@@ -62,6 +64,7 @@ from swarmp2p.node.serving import ring as serve_ring
 from swarmp2p.node.serving.keys import ApiKeys, key_digest
 from swarmp2p.node.serving.model import resolve_served
 from swarmp2p.node.serving.notes import ServeNotes
+from swarmp2p.node.serving.relay import Relays
 from swarmp2p.node.serving.ring import Served, served_view
 from swarmp2p.node.serving.stages import ServeStages
 from swarmp2p.node.serving.standby import Standby
@@ -108,6 +111,7 @@ class Serving:
         self.keys = ApiKeys(ctx.state.root / "serve")
         self.stages = ServeStages(ctx, stage_host)
         self.standby = Standby(ctx, stage_host)
+        self.relays = Relays(ctx, self._relay_target)
         self._serving_lock = asyncio.Lock()
         started = wall()
         self._restore_from = started + 2 * ctx.config.failure_timeout_s  # peers meet first
@@ -161,6 +165,7 @@ class Serving:
             "serve_stop": self._api_stop,
             "served": self._api_list,
             "serve_endpoint": self._api_endpoint,
+            **self.relays.api_handlers(),
         }
 
     async def _api_list(self, req: rq.ServedRequest) -> list[dict[str, Any]]:
@@ -180,13 +185,25 @@ class Serving:
         """Where a model served from this node answers, and its API key (for `swarm generate`
         and `swarm chat`: the local socket is its owner's alone)."""
         here, _ = self._by_name(req.model)
-        if here is None or not here.url:
-            known = ", ".join(sorted(s.name for s in self.live.values() if s.url)) or "none"
+        if here is not None and here.url:
+            return {"model": here.name, "url": here.url, "api_key": here.request.api_key}
+        node = self.relays.issuer_of(req.model)
+        if here is not None or node == self.ctx.node_id:
+            raise Unavailable(f"model {req.model!r} is starting on this node", code="not_ready")
+        if node is None:
             raise UserError(
-                f"model {req.model!r} is not served from this node (served: {known})",
+                f"model {req.model!r} is not served in the swarm (served: "
+                f"{self.relays.served_names()}); `swarm serve {req.model}` serves it",
                 code="not_served",
             )
-        return {"model": here.name, "url": here.url, "api_key": here.request.api_key}
+        return {"model": req.model, "url": "", "api_key": None, "node": node}
+
+    def _relay_target(self, name: str) -> tuple[str, str | None] | None:
+        """Where this node's API answers for ``name`` and its key (None: not running here)."""
+        here, _ = self._by_name(name)
+        if here is None or not here.url or here.client is None:
+            return None
+        return here.url, here.request.api_key
 
     async def _api_stop(self, req: rq.ServeStopRequest) -> dict[str, object]:
         name = req.model
@@ -311,6 +328,7 @@ class Serving:
         start serves them again)."""
         await cancel_all(*self._busy.values())
         self._busy.clear()
+        await self.relays.close()
         for served in list(self.live.values()):
             with contextlib.suppress(Exception):
                 await self._teardown(served)
@@ -324,6 +342,7 @@ class Serving:
         events that wait for a leader, and carry out what ``decide_serving`` says."""
         alive = self.ctx.live_nodes()
         self.stages.reap(set(alive), set(self.issued()), self.ctx.clock())
+        self.relays.reap()
         self.notes.kick()
         self._decide(alive)
 
@@ -481,6 +500,8 @@ class Serving:
             return await self._noted(msg, sender or self.ctx.node_id)
         if isinstance(msg, ServeFileRead):
             return await self._read_file(msg)
+        if isinstance(msg, (ServeRelayOpen, ServeRelayNext)):
+            return await self.relays.handle(msg, sender or self.ctx.node_id)
         if isinstance(msg, ServeStageExit):
             return self._stage_exited(msg)
         if isinstance(msg, ServeStages.HANDLES):

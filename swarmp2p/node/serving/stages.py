@@ -117,9 +117,7 @@ class ServeStages:
             if why is not None:
                 log.warning("stopping the serve workers of %s: %s", serve_id, why)
                 victims = [self.workers.pop(k) for k in list(self.workers) if k[0] == serve_id]
-                self.ctx.spawn(
-                    asyncio.gather(*(w.stop() for w in victims)), f"serve-reap:{serve_id}"
-                )
+                self.ctx.spawn(_stop_all(victims), f"serve-reap:{serve_id}")
         running = {k[0] for k in self.workers}
         for serve_id in [s for s in self._issuers if s not in running]:
             del self._issuers[serve_id]
@@ -510,6 +508,12 @@ class ServeStages:
     async def close(self) -> None:
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
         self.workers.clear()
+
+
+async def _stop_all(workers: list) -> None:
+    """Stop ``workers`` at once (a coroutine: ``ctx.spawn`` names a task, not a gather's
+    future, whose missing ``set_name`` failed the heartbeat round that reaped them)."""
+    await asyncio.gather(*(w.stop() for w in workers))
 
 
 __all__ = ["ServeStages", "check_serve_plan"]

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from swarmp2p.workers.events import StepDone, WorkerEvent
+from swarmp2p.workers.events import Phase, Ready, StepDone, WorkerEvent
 
 CURVE_POINTS = 500
 """Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``
@@ -58,6 +58,25 @@ def fold(
         losses = metrics.setdefault("losses", [])
         losses.append([attempt, event.step, loss, tokens_per_s])
         del losses[:-CURVE_POINTS]
+
+
+def fold_phase(metrics: dict[str, Any], *, attempt: int, stage: int, event: WorkerEvent) -> None:
+    """What stage ``stage`` does before its first step: ``metrics["phases"]`` is ``{"attempt",
+    "stages": {stage: {"phase", "done", "total"}}}``, from a ``phase`` event, ``loading
+    weights`` once the worker is up (``ready``), ``training`` from its first step on. A new
+    attempt starts afresh."""
+    phases = metrics.get("phases")
+    if not isinstance(phases, dict) or phases.get("attempt") != attempt:
+        phases = metrics["phases"] = {"attempt": attempt, "stages": {}}
+    if isinstance(event, Phase):
+        now = {"phase": event.name, "done": event.done, "total": event.total}
+    elif isinstance(event, Ready):
+        now = {"phase": "loading weights", "done": 0, "total": 0}
+    elif isinstance(event, StepDone):
+        now = {"phase": "training", "done": 0, "total": 0}
+    else:
+        return
+    phases["stages"][str(stage)] = now
 
 
 def _fold_compute(metrics: dict[str, Any], attempt: int, stage: int, event: StepDone) -> None:
@@ -115,6 +134,7 @@ class MetricsStore:
         for event in events:
             if isinstance(event, StepDone):
                 fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
+            fold_phase(metrics, attempt=attempt, stage=stage, event=event)
 
     def compute(self, job_id: str) -> dict[str, Any] | None:
         """The job's compute seconds per step and stage (read only; ``fold``'s ``compute``)."""

@@ -38,6 +38,7 @@ from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
 from swarmp2p.schema import SchemaError
 from swarmp2p.workers import WorkerProcess
+from swarmp2p.workers import events as we
 from swarmp2p.workers.events import Exited, Exported, SnapshotSaved, WorkerEvent, decode, encode
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ class StageHost:
         stage = plan.stages[msg.stage]
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
+        key = (msg.job_id, msg.attempt, msg.stage)
         model, data = await self._local_inputs(msg, stage.files)
         if msg.prepare:
             return JobAck(job_id=msg.job_id)
@@ -198,6 +200,8 @@ class StageHost:
         tokens = None
         if msg.stage == 0 and needs_tokens(msg.job):
             source = msg.job.data
+            self._queue(key, we.Phase(name="tokenizing"))  # the leader hears it: nothing runs yet
+            self._ensure_sender()
             try:
                 tokens = await prepare_tokens(
                     model or msg.job.model.pretrained,
@@ -227,8 +231,7 @@ class StageHost:
         )
         folder.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.ctx, plan, device, visible)
-        key = (msg.job_id, msg.attempt, msg.stage)
-        self._outbox[key] = []
+        self._outbox.setdefault(key, [])
         worker = WorkerProcess(
             job_id=msg.job_id,
             attempt=msg.attempt,
@@ -288,10 +291,15 @@ class StageHost:
             names = stage_files(inputs.model, planned_files)
         except ValueError as exc:
             raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
-        model = await self.inputs.model_folder(inputs.model, names, what=what)
-        data = None
-        if msg.stage == 0 and inputs.data is not None and reads_data(msg.job):
-            data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        key = (msg.job_id, msg.attempt, msg.stage)
+        watch = self.ctx.spawn(self._report_fetch(key, what), f"fetch-phase:{what}")
+        try:
+            model = await self.inputs.model_folder(inputs.model, names, what=what)
+            data = None
+            if msg.stage == 0 and inputs.data is not None and reads_data(msg.job):
+                data = await self.inputs.data_file(inputs.data, what=f"{what} data")
+        finally:
+            watch.cancel()
         return model, data
 
     async def _resplit_snapshot(
@@ -424,6 +432,16 @@ class StageHost:
         worker = self.workers.get(key)
         error = worker.last_error if worker is not None else None
         self._queue(key, Exited(code=code, stderr_tail=tuple(tail), error=error))
+
+    async def _report_fetch(self, key: tuple[str, int, int], what: str) -> None:
+        """While stage ``key``'s files are fetched: its bytes so far, each report round."""
+        said = None
+        while True:
+            if (fetch := self.inputs.fetching.get(what)) and (fetch.done, fetch.total) != said:
+                said = fetch.done, fetch.total
+                self._queue(key, we.Phase(name="fetching", done=fetch.done, total=fetch.total))
+                self._ensure_sender()
+            await asyncio.sleep(self.ctx.config.timings.report_every_s)
 
     def _ensure_sender(self) -> None:
         if not self.ctx.running("job-reports"):

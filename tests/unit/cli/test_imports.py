@@ -27,6 +27,7 @@ CLIENT = {
     "swarmp2p.client.control",
     "swarmp2p.node.cluster.election",
     "swarmp2p.client.jobs",
+    "swarmp2p.client.relay",
     "swarmp2p.node.state",
 }
 """What of ``swarmp2p.node`` and ``swarmp2p.client`` the CLI's client side may load."""
@@ -71,6 +72,7 @@ DAEMON = {
     "swarmp2p.node.serving.ring",
     "swarmp2p.node.serving.stages",
     "swarmp2p.node.serving.standby",
+    "swarmp2p.node.serving.relay",
     "swarmp2p.node.serving.service",
     "swarmp2p.node.speed_probe",
     "swarmp2p.node.training.stages",
@@ -232,6 +234,7 @@ def test_the_cli_and_the_api_client_import_no_daemon(tmp_path):
             "swarmp2p.node.api",
             "swarmp2p.client.control",
             "swarmp2p.client.jobs",
+            "swarmp2p.client.relay",
         ],
     )
     loaded = set(result["modules"])

@@ -78,3 +78,56 @@ def test_the_plan_names_each_stage_its_node_layers_and_the_slowest():
     assert "plan: dtype float32, lora, predicted 0.50 s/step" in text
     assert "box-a" in text and "n2" in text  # a node's name, its id where none is known
     assert "0-14" in text and "15-29" in text and "0.250 (slowest)" in text
+
+
+def test_a_placed_job_says_what_each_stage_does_before_its_first_step():
+    from swarmp2p.node.training.metrics import MetricsStore
+    from swarmp2p.workers.events import Phase, Ready, StepDone
+
+    store = MetricsStore()
+    fold = store.fold
+    fold("j", attempt=1, stage=0, n_stages=3, events=[Phase(name="fetching", total=48_000_000)])
+    fold(
+        "j",
+        attempt=1,
+        stage=0,
+        n_stages=3,
+        events=[Phase(name="fetching", done=12_000_000, total=48_000_000)],
+    )
+    fold("j", attempt=1, stage=1, n_stages=3, events=[Ready(port=5000)])
+    fold("j", attempt=1, stage=2, n_stages=3, events=[Ready(port=5001), Phase(name="calibrating")])
+    placed = _view(state="PLACED", step=0, attempt=1, metrics=store.get("j"))
+    assert progress_fields(placed)["info"] == (
+        "PLACED · s0 fetching 12/48 MB · s1 loading weights · s2 calibrating"
+    )
+    # another attempt's phases are not this one's; a stage that trains says nothing more
+    assert progress_fields({**placed, "attempt": 2})["info"] == "PLACED"
+    step = StepDone(
+        step=0,
+        loss=2.5,
+        tokens=64,
+        tokens_per_s=None,
+        act_bytes=0,
+        grad_bytes=0,
+        step_s=0.5,
+        peak_memory_bytes=0,
+    )
+    for stage in range(3):
+        fold("j", attempt=1, stage=stage, n_stages=3, events=[step])
+    running = _view(state="RUNNING", step=1, attempt=1, metrics=store.get("j"))
+    info = progress_fields(running)["info"]
+    assert info.startswith("RUNNING · loss 2.5000 · b0") and " s0 " not in info, info
+    # a new attempt (a node lost) starts its phases afresh
+    fold("j", attempt=2, stage=1, n_stages=3, events=[Phase(name="tokenizing")])
+    again = _view(state="PLACED", step=1, attempt=2, metrics=store.get("j"))
+    assert progress_fields(again)["info"].endswith("s1 tokenizing")
+
+
+def test_a_phase_outside_the_known_ones_is_refused_naming_it():
+    import pytest
+
+    from swarmp2p.schema import SchemaError
+    from swarmp2p.workers.events import decode
+
+    with pytest.raises(SchemaError, match="name"):
+        decode({"event": "phase", "stage": 0, "name": "mining bitcoin"})

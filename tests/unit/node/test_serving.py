@@ -13,6 +13,8 @@ from swarmp2p.node.messages import (
     ServeNote,
     ServePlace,
     ServePlaced,
+    ServeRelayNext,
+    ServeRelayOpen,
     ServeShardHold,
     ServeStage,
     ServeStageConnect,
@@ -171,6 +173,8 @@ def test_the_daemon_routes_exactly_the_serve_requests():
         ServeFileRead,
         ServeShardHold,
         ServeNote,
+        ServeRelayOpen,
+        ServeRelayNext,
     }
 
 

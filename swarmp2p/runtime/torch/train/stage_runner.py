@@ -17,6 +17,7 @@ from swarmp2p.workers.events import (
     Calibrated,
     Done,
     Exported,
+    Phase,
     Resumed,
     SnapshotSaved,
     WorkerEvent,
@@ -248,8 +249,10 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     compressed = any(b.method != "none" for b in boundaries)
     if not spec.resume and reads:
         if t.eval_batches:
+            emit(Phase(name="evaluating the base model"))
             evaluate("base", False)
         if any(learned):
+            emit(Phase(name="calibrating"))
             seen = calibrate_stage(
                 bundle,
                 learned=learned,
@@ -262,6 +265,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             )
             emit(Calibrated(tokens=seen))
         if t.eval_batches and compressed:
+            emit(Phase(name="evaluating the boundary"))
             evaluate("calibrated_boundary", True)
 
     def on_step(m) -> None:
