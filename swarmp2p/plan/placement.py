@@ -42,6 +42,7 @@ from swarmp2p.plan.memory import Pricing, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placer import (
     DEVICE_RESERVE,
+    REPLICAS_CAPABILITY,
     Placed,
     Placer,
     SplitAttempt,
@@ -51,6 +52,7 @@ from swarmp2p.plan.placer import (
     gb,
     lacking_capabilities,
     min_max_partition,
+    plan_replicas,
     select_devices,
     torch_device,
     usable_memory,
@@ -199,6 +201,21 @@ def plan_job(
     own = CAPABILITIES if capabilities is None else frozenset(capabilities)
     if shape is None:
         shape = _model_shape.load(job.model.pretrained)
+    replicas = job.split.replicas
+    can = REPLICAS_CAPABILITY in own and all(REPLICAS_CAPABILITY in n.capabilities for n in cluster)
+    if replicas == 1 or (replicas == "auto" and not can):
+        return _plan_pipeline(job, cluster, own, shape, cuts)
+    return plan_replicas(job, cluster, own, shape, cuts, _plan_pipeline)
+
+
+def _plan_pipeline(
+    job: Job,
+    cluster: Sequence[Node],
+    own: frozenset[str],
+    shape: ModelShape,
+    cuts: Sequence[int] | None,
+) -> Plan | Blocked:
+    """One pipeline: the plan of a job without replicas."""
     candidates = candidate_devices(cluster)
     if not candidates:
         return Blocked(
