@@ -1,4 +1,4 @@
-"""DiLoCo's outer step (runtime/torch/train/diloco.py): the algebra, the shared int8 scale."""
+"""DiLoCo's outer step (runtime/torch/train/replicas.py): the algebra, the shared int8 scale."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from swarmp2p.runtime.torch.train.diloco import (  # noqa: E402
+from swarmp2p.runtime.torch.train.replicas import (  # noqa: E402
     OuterStep,
     decode,
     encode,

@@ -1,4 +1,4 @@
-"""The replicas' ring all-reduce (runtime/torch/train/allreduce.py) over real CURVE links."""
+"""The replicas' ring all-reduce (runtime/torch/train/replicas.py) over real CURVE links."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from swarmp2p.net import SecureContext, SwarmSecret  # noqa: E402
 from swarmp2p.net.links import ZmqLink  # noqa: E402
 from swarmp2p.plan.speed import ring_sync_bytes  # noqa: E402
-from swarmp2p.runtime.torch.train.allreduce import SyncError, ring_all_reduce  # noqa: E402
+from swarmp2p.runtime.torch.train.replicas import SyncError, ring_all_reduce  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
