@@ -42,7 +42,6 @@ from swarmp2p.plan.memory import Pricing, StagePricer, Workload
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placer import (
     DEVICE_RESERVE,
-    REPLICAS_CAPABILITY,
     Placed,
     Placer,
     SplitAttempt,
@@ -192,20 +191,17 @@ def plan_job(
 ) -> Plan | Blocked:
     """Place `job` on `cluster`: a Plan, or Blocked naming every rejected device or node.
 
-    Pure and deterministic given `shape` (loaded from `job.model.pretrained` when None).
-    `capabilities` are the planning peer's own (default: this version's CAPABILITIES).
-    `cuts` fixes the split (the first block of every stage after the first): a trained model's
-    split, the cuts snapshots were taken at. Raises JobError when the job cannot fit this model
-    at all (more stages than layers, cuts out of order).
+    Pure and deterministic given `shape` (from `job.model.pretrained` when None). `capabilities`
+    are the planning peer's own (default: CAPABILITIES). `cuts` fixes the split (each stage's
+    first block but the first's): a trained model's, a snapshot's. Raises JobError when the job
+    cannot fit this model at all (more stages than layers, cuts out of order).
     """
     own = CAPABILITIES if capabilities is None else frozenset(capabilities)
     if shape is None:
         shape = _model_shape.load(job.model.pretrained)
-    replicas = job.split.replicas
-    can = REPLICAS_CAPABILITY in own and all(REPLICAS_CAPABILITY in n.capabilities for n in cluster)
-    if replicas == 1 or (replicas == "auto" and not can):
-        return _plan_pipeline(job, cluster, own, shape, cuts)
-    return plan_replicas(job, cluster, own, shape, cuts, _plan_pipeline)
+    if job.split.replicas != 1:  # or "auto": placer.plan_replicas decides
+        return plan_replicas(job, cluster, own, shape, cuts, _plan_pipeline)
+    return _plan_pipeline(job, cluster, own, shape, cuts)
 
 
 def _plan_pipeline(
@@ -215,7 +211,6 @@ def _plan_pipeline(
     shape: ModelShape,
     cuts: Sequence[int] | None,
 ) -> Plan | Blocked:
-    """One pipeline: the plan of a job without replicas."""
     candidates = candidate_devices(cluster)
     if not candidates:
         return Blocked(
@@ -336,9 +331,7 @@ def _place_on(
 
 
 def _with_note(plan: Plan, note: str) -> Plan:
-    fields = {name: getattr(plan, name) for name in Plan.__dataclass_fields__}
-    fields["notes"] = (*plan.notes, note)
-    return Plan(**fields)
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def _plan_on(

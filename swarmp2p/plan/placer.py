@@ -375,6 +375,9 @@ def plan_replicas(
 ) -> Plan | Blocked:
     """``split.replicas`` N (or "auto": the count predicted fastest, if it pays), each replica
     planned by ``plan_pipeline`` (placement's one-pipeline planner) on its own devices."""
+    capable = all(REPLICAS_CAPABILITY in n.capabilities for n in cluster)
+    if job.split.replicas == "auto" and not (capable and REPLICAS_CAPABILITY in own):
+        return plan_pipeline(job, cluster, own, shape, cuts)  # one pipeline, as before replicas
     if job.split.replicas != "auto":
         lacking = lacking_capabilities(
             list(cluster), {REPLICAS_CAPABILITY: f"split.replicas {job.split.replicas}"}, own
