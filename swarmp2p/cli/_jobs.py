@@ -143,7 +143,7 @@ def _print_live_plan(result: dict) -> None:
     t = Table(
         title=f"live plan: dtype {result['dtype']}, {result['finetune_mode']}, {result['split_mode']} split"
     )
-    from swarmp2p.cli._plan import _predicted, _timing_line, schedules_line
+    from swarmp2p.cli._plan import _predicted, _timing_line, replica_lines, schedules_line
 
     timing = result.get("timing") or {}
     times = timing.get("stages") or []
@@ -169,6 +169,8 @@ def _print_live_plan(result: dict) -> None:
             _predicted(times[i] if i < len(times) else None, i == timing.get("bottleneck")),
         )
     console.print(t)
+    for line in replica_lines(result):
+        console.print(line, markup=False)
     if timing:
         console.print(_timing_line(timing), markup=False)
     if result.get("schedule"):

@@ -126,6 +126,8 @@ def _print_plan(plan) -> None:
             ),
         )
     console.print(stages)
+    for line in replica_lines(plan.to_dict()):
+        console.print(line, markup=False)
     if timing:
         console.print(_timing_line(timing), markup=False)
     if plan.boundaries:
@@ -149,6 +151,23 @@ def _print_plan(plan) -> None:
     console.print("features: " + (", ".join(plan.features) or "none"), markup=False)
     for note in plan.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def replica_lines(plan: dict) -> list[str]:
+    """One line per replica of a replicated plan (as data; none for one pipeline): its
+    stages' nodes and devices and its predicted step."""
+    replicas = plan.get("replicas") or []
+    if not replicas:
+        return []
+    rows = [{"index": 0, "stages": plan["stages"], "timing": plan.get("timing")}, *replicas]
+    out = [f"replicas: {len(rows)} (stage i of each holds the same layers)"]
+    for r in rows:
+        where = ", ".join(
+            f"{s['index']}: {s['node']} {'/'.join(s['devices'])}" for s in r["stages"]
+        )
+        step = (r.get("timing") or {}).get("step_s")
+        out.append(f"  replica {r['index']}: {where}" + (f" · {step:.3f} s/step" if step else ""))
+    return out
 
 
 def schedules_line(s: dict) -> str:

@@ -26,6 +26,15 @@ SPLIT_MODES = ("speed", "equal", "weighted", "cost")
 LORA_EXPORTS = ("merged", "adapters")
 MAX_MICRO_BATCHES = 32
 DEFAULT_MICRO_BATCHES = 4
+MAX_REPLICAS = 256
+DILOCO_EVERY = 50
+"""Inner steps between DiLoCo syncs. The paper (Douillard et al. 2023, table 4) trains with H from
+50 to 1000 and loses least at the smallest; a LAN job runs hundreds of steps, not 88k."""
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.9
+"""The outer Nesterov step of DiLoCo's paper (section 3: SGD, lr 0.7, momentum 0.9)."""
+DILOCO_BITS = 8
+"""The parameter change crosses as int8 with one shared scale (INTELLECT-1's all-reduce)."""
 
 
 class JobError(SchemaError):
@@ -111,6 +120,10 @@ class SplitConfig:
     device has no measurement); "equal" layers; "weighted" by free memory; "cost" by FLOPs."""
     compression: Compressions = _NO_COMPRESSION
     """One spec (applied to every boundary) or one per boundary."""
+    replicas: Literal["auto"] | int = field(default="auto", ge=1, le=MAX_REPLICAS)
+    """Copies of the pipeline that train side by side on other devices, every copy's stage i
+    holding the same layers (``train.sync`` keeps them equal). "auto": as many as fit and pay
+    by the measured speeds (one without measured speeds, or where a node lacks ``replicas``)."""
 
     def __post_init__(self) -> None:
         learned = [
@@ -174,6 +187,71 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    """``train.sync``: how the replicas of a job (``split.replicas`` above 1) stay equal.
+
+    "step": every optimizer step averages each stage's gradients over its replicas (float32),
+    so N replicas train like one pipeline with N times the batch. "diloco" (Douillard et al.
+    2023): each replica takes ``every`` inner steps alone, then the replicas average their
+    parameter change (``bits`` wide, one shared scale) and apply one outer Nesterov step.
+    """
+
+    mode: Literal["step", "diloco"] = "step"
+    every: int | None = field(default=None, ge=1)
+    """Inner steps between syncs (diloco only; default DILOCO_EVERY)."""
+    outer_lr: float | None = field(default=None, gt=0, le=10)
+    """The outer step's learning rate (diloco only; default DILOCO_OUTER_LR)."""
+    outer_momentum: float | None = field(default=None, ge=0, lt=1)
+    """The outer Nesterov momentum (diloco only; default DILOCO_OUTER_MOMENTUM)."""
+    bits: Literal[8, 16, 32] | None = None
+    """Width of what crosses between replicas: 32 (float32), 16 (bfloat16) or 8 (int8, one
+    shared scale). Default: 32 in step mode, DILOCO_BITS in diloco."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.mode == "step":
+            for name in ("every", "outer_lr", "outer_momentum"):
+                if getattr(self, name) is not None:
+                    errors.append(
+                        FieldError(
+                            path=name,
+                            message="is a diloco setting; step mode syncs every step (drop it or "
+                            'set mode "diloco")',
+                        )
+                    )
+            if self.bits not in (None, 32):
+                errors.append(
+                    FieldError(
+                        path="bits",
+                        message=f"step mode averages float32 gradients; {self.bits}-bit "
+                        "gradients (with error feedback) are not built yet: drop bits or use "
+                        'mode "diloco"',
+                    )
+                )
+        if errors:
+            raise SchemaError(errors)
+
+    @property
+    def inner_steps(self) -> int:
+        """Steps between syncs: 1 in step mode."""
+        return 1 if self.mode == "step" else (self.every or DILOCO_EVERY)
+
+    @property
+    def lr(self) -> float:
+        return DILOCO_OUTER_LR if self.outer_lr is None else self.outer_lr
+
+    @property
+    def momentum(self) -> float:
+        return DILOCO_OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+
+    @property
+    def wire_bits(self) -> int:
+        if self.bits is not None:
+            return self.bits
+        return 32 if self.mode == "step" else DILOCO_BITS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """``train``: the schedule and optimiser every stage of the job shares."""
 
@@ -192,6 +270,8 @@ class TrainConfig:
     seed: int = field(default=0, ge=0)
     checkpoint_every: int = field(default=25, ge=0)
     """Snapshot every this many steps; 0 switches snapshots off."""
+    sync: SyncConfig = dataclass_field(default_factory=SyncConfig)
+    """How replicas (``split.replicas``) stay equal; one pipeline ignores it."""
 
     @staticmethod
     def __schema_prepare__(data: dict[str, Any]) -> dict[str, Any]:

@@ -166,6 +166,24 @@ def lora_params_per_layer(shape: ModelShape, r: int, targets: tuple[str, ...] | 
     return total
 
 
+def trained_params(
+    shape: ModelShape, pricing: Pricing, start: int, end: int, *, first: bool, last: bool
+) -> int:
+    """Parameters a stage of layers [start, end) trains (its optimizer steps them; replicas sync
+    them): every one in a full job, the adapters in a LoRA job, none otherwise (a learned
+    bottleneck's few are left out)."""
+    if pricing.finetune_mode == "full":
+        outer = shape.embed_params if first else 0
+        if last:
+            outer += shape.head_params + (
+                shape.embed_params if shape.tie_embeddings and not first else 0
+            )
+        return sum(shape.layer_params[start:end]) + outer
+    if pricing.finetune_mode == "lora":
+        return lora_params_per_layer(shape, pricing.lora_r, pricing.lora_targets) * (end - start)
+    return 0
+
+
 class StagePricer:
     """Prices any layer range of one model and job in O(1) (prefix sums per layer)."""
 

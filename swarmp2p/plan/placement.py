@@ -51,6 +51,7 @@ from swarmp2p.plan.placer import (
     gb,
     lacking_capabilities,
     min_max_partition,
+    plan_replicas,
     select_devices,
     torch_device,
     usable_memory,
@@ -190,15 +191,26 @@ def plan_job(
 ) -> Plan | Blocked:
     """Place `job` on `cluster`: a Plan, or Blocked naming every rejected device or node.
 
-    Pure and deterministic given `shape` (loaded from `job.model.pretrained` when None).
-    `capabilities` are the planning peer's own (default: this version's CAPABILITIES).
-    `cuts` fixes the split (the first block of every stage after the first): a trained model's
-    split, the cuts snapshots were taken at. Raises JobError when the job cannot fit this model
-    at all (more stages than layers, cuts out of order).
+    Pure and deterministic given `shape` (from `job.model.pretrained` when None). `capabilities`
+    are the planning peer's own (default: CAPABILITIES). `cuts` fixes the split (each stage's
+    first block but the first's): a trained model's, a snapshot's. Raises JobError when the job
+    cannot fit this model at all (more stages than layers, cuts out of order).
     """
     own = CAPABILITIES if capabilities is None else frozenset(capabilities)
     if shape is None:
         shape = _model_shape.load(job.model.pretrained)
+    if job.split.replicas != 1:  # or "auto": placer.plan_replicas decides
+        return plan_replicas(job, cluster, own, shape, cuts, _plan_pipeline)
+    return _plan_pipeline(job, cluster, own, shape, cuts)
+
+
+def _plan_pipeline(
+    job: Job,
+    cluster: Sequence[Node],
+    own: frozenset[str],
+    shape: ModelShape,
+    cuts: Sequence[int] | None,
+) -> Plan | Blocked:
     candidates = candidate_devices(cluster)
     if not candidates:
         return Blocked(
@@ -319,9 +331,7 @@ def _place_on(
 
 
 def _with_note(plan: Plan, note: str) -> Plan:
-    fields = {name: getattr(plan, name) for name in Plan.__dataclass_fields__}
-    fields["notes"] = (*plan.notes, note)
-    return Plan(**fields)
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def _plan_on(

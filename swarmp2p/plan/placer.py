@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarmp2p.plan import speed as _speed
-from swarmp2p.plan.hardware import Device, Node
-from swarmp2p.plan.memory import StageMemory, StagePricer
+from swarmp2p.plan.hardware import Device, Node, resolve_dtype
+from swarmp2p.plan.job import Job
+from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, trained_params
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.quantization import GB
+from swarmp2p.plan.result import Blocked, Plan, PlannedReplica
 from swarmp2p.plan.split import Compression, SplitSpec
 
 DEVICE_RESERVE = {"cuda": 512 * 2**20, "mps": 512 * 2**20, "cpu": 2**30}
@@ -39,6 +41,17 @@ _ADAMW_FLOPS_PER_PARAM = 12
 _BISECT_STEPS = 48
 
 Placed = tuple[Node, Device]
+PipelinePlanner = Callable[
+    [Job, Sequence[Node], frozenset[str], ModelShape, Sequence[int] | None], "Plan | Blocked"
+]
+"""Placement's one-pipeline planner, as ``plan_replicas`` calls it for each replica."""
+
+REPLICAS_CAPABILITY = "replicas"
+"""What a node declares once its stages sync replicas (``train.sync``)."""
+REPLICAS_PAY = 1.2
+"""``split.replicas`` "auto" takes more replicas only where they are predicted this much faster
+in tokens/s than one pipeline on the same devices: a prediction errs by more than a few percent,
+and every replica is one more set of machines a sync waits for."""
 
 
 BOTTLENECK_CAPABILITY = "calibrated-bottleneck"
@@ -326,8 +339,221 @@ def device_attempts(selected: list[Placed], auto: bool) -> list[list[Placed]]:
     return attempts
 
 
+def replica_groups(
+    devices: list[Placed], replicas: int, stages: int, dtype: str
+) -> list[list[Placed]]:
+    """``replicas`` groups of ``stages`` devices each, as alike as can be: the ``replicas x
+    stages`` roomiest devices ranked by measured speed in ``dtype`` (then free memory) and
+    dealt out snake-wise (0 1 1 0 ...), so no replica gets every fast device; each group
+    in pipeline order."""
+    chosen = select_devices(devices, replicas * stages)
+    rank = sorted(
+        range(len(chosen)),
+        key=lambda i: (
+            -(chosen[i][1].speed.get(dtype) or 0.0),
+            -chosen[i][1].memory_free,
+            i,
+        ),
+    )
+    groups: list[list[int]] = [[] for _ in range(replicas)]
+    for k, i in enumerate(rank):
+        turn, at = divmod(k, replicas)
+        groups[at if turn % 2 == 0 else replicas - 1 - at].append(i)
+    return [[chosen[i] for i in sorted(g)] for g in groups]
+
+
+# --- replicas: N copies of one split, each on its own devices ----------------------------------
+
+
+def plan_replicas(
+    job: Job,
+    cluster: Sequence[Node],
+    own: frozenset[str],
+    shape: ModelShape,
+    cuts: Sequence[int] | None,
+    plan_pipeline: PipelinePlanner,
+) -> Plan | Blocked:
+    """``split.replicas`` N (or "auto": the count predicted fastest, if it pays), each replica
+    planned by ``plan_pipeline`` (placement's one-pipeline planner) on its own devices."""
+    capable = all(REPLICAS_CAPABILITY in n.capabilities for n in cluster)
+    if job.split.replicas == "auto" and not (capable and REPLICAS_CAPABILITY in own):
+        return plan_pipeline(job, cluster, own, shape, cuts)  # one pipeline, as before replicas
+    if job.split.replicas != "auto":
+        lacking = lacking_capabilities(
+            list(cluster), {REPLICAS_CAPABILITY: f"split.replicas {job.split.replicas}"}, own
+        )
+        if lacking:
+            return Blocked(
+                reason=f"placed 0 of {job.split.replicas} replicas; "
+                f"{len(lacking)} node(s) cannot sync replicas:\n"
+                + "\n".join(lacking)
+                + "\nor set split.replicas 1",
+                required=int(job.split.replicas),
+            )
+        n = int(job.split.replicas)
+        return _replicated(job, cluster, own, shape, cuts, n, plan_pipeline)[0]
+    one = plan_pipeline(job, cluster, own, shape, cuts)
+    if not isinstance(one, Plan) or one.timing is None or one.timing.step_s is None:
+        return one  # unmeasured: nothing tells whether replicas pay
+    tokens = job.train.batch_size * job.train.seq_len
+    base = tokens / one.timing.step_s
+    best, best_rate = one, base
+    for n in range(2, len(candidate_devices(cluster)) + 1):
+        plan, step_s = _replicated(job, cluster, own, shape, cuts, n, plan_pipeline)
+        if isinstance(plan, Plan) and step_s and n * tokens / step_s > best_rate:
+            best, best_rate = plan, n * tokens / step_s
+    if best is one or best_rate < REPLICAS_PAY * base:
+        return one
+    stages = len(best.stages)
+    note = (
+        f"{best.n_replicas} replicas x {stages} stages: predicted {best_rate:.6g} tokens/s "
+        f"against {base:.6g} for one pipeline of {len(one.stages)} stages"
+    )
+    return replace(best, notes=(*best.notes, note))
+
+
+def _replicated(
+    job: Job,
+    cluster: Sequence[Node],
+    own: frozenset[str],
+    shape: ModelShape,
+    cuts: Sequence[int] | None,
+    n: int,
+    plan_pipeline: PipelinePlanner,
+) -> tuple[Plan | Blocked, float | None]:
+    """N replicas of one split on their own devices, and the predicted seconds of a step of all
+    of them, sync included (None without measured speeds). Every replica is split on its own
+    first; the split shared is the one whose slowest replica is fastest on it."""
+    candidates = candidate_devices(cluster)
+    dtype = resolve_dtype(candidates, job.model.dtype)
+    if cuts is not None:
+        stages = len(cuts) + 1
+    elif len(job.split.compression) > 1:
+        stages = len(job.split.compression) + 1
+    elif job.split.stages != "auto":
+        stages = int(job.split.stages)
+    else:
+        stages = min(len(candidates) // n, shape.n_layers)
+    usable = [p for p in candidates if p not in dtype.excluded]
+    if stages < 1 or n * stages > len(usable):
+        names = ", ".join(f"{nd.name} {d.label}" for nd, d in usable)
+        return Blocked(
+            reason=f"placed 0 of {n} replicas; split.replicas {n} x {max(stages, 1)} stages "
+            f"needs {n * max(stages, 1)} devices running {dtype.dtype}, the cluster has "
+            f"{len(usable)}: {names or 'none'}; add nodes or lower split.replicas",
+            dtype=dtype.dtype,
+            required=n * max(stages, 1),
+            placed=len(usable),
+        ), None
+    one = replace(
+        job,
+        model=replace(job.model, dtype=dtype.dtype),
+        split=replace(job.split, stages=stages, replicas=1),
+    )
+    groups = [_cluster_of(g) for g in replica_groups(usable, n, stages, dtype.dtype)]
+
+    def on_all(split_cuts: Sequence[int] | None) -> list[Plan | Blocked]:
+        first = plan_pipeline(one, groups[0], own, shape, split_cuts)
+        if not isinstance(first, Plan):
+            return [first]
+        same = replace(one, train=replace(one.train, schedule=first.schedule.kind))
+        fixed = split_cuts or [s.layer_start for s in first.stages[1:]]
+        return [first] + [plan_pipeline(same, g, own, shape, fixed) for g in groups[1:]]
+
+    if cuts is not None:
+        options = [tuple(cuts)]
+    else:
+        alone = [plan_pipeline(one, g, own, shape, None) for g in groups]
+        options = sorted(
+            {tuple(s.layer_start for s in p.stages[1:]) for p in alone if isinstance(p, Plan)}
+        )
+        if not options:
+            return _replica_blocked(alone, n), None
+    tried = [on_all(c) for c in options]
+    fitting = [t for t in tried if all(isinstance(p, Plan) for p in t)]
+    if not fitting:
+        return _replica_blocked(tried[0], n), None
+    plans: list[Plan] = min(fitting, key=lambda t: _slowest(t) or 0.0)  # type: ignore[assignment]
+    sync = _sync_s(job, shape, plans, {nd.node_id: nd for nd in cluster})
+    step = _slowest(plans)
+    plan = plans[0]
+    idle = len(usable) - n * stages
+    notes = [f"{n} replicas x {stages} stages, synced {_sync_text(job)}"]
+    if step is not None:
+        notes.append(f"predicted sync {sync:.3g} s/step on top of the slowest replica's {step:.6g}")
+    if idle:
+        notes.append(
+            f"{idle} device(s) left idle: {n} replicas of {stages} stages use {n * stages}"
+        )
+    replicas = tuple(
+        PlannedReplica(index=r, stages=p.stages, timing=p.timing)
+        for r, p in enumerate(plans[1:], start=1)
+    )
+    plan = replace(plan, replicas=replicas, notes=(*plan.notes, *notes))
+    return plan, (None if step is None else step + sync)
+
+
+def _sync_text(job: Job) -> str:
+    s = job.train.sync
+    if s.mode == "step":
+        return "every step (float32 gradients)"
+    return (
+        f"by DiLoCo every {s.inner_steps} steps (outer lr {s.lr:g}, momentum {s.momentum:g}, "
+        f"{s.wire_bits}-bit changes)"
+    )
+
+
+def _cluster_of(group: list[Placed]) -> list[Node]:
+    """The nodes of one replica, each holding only the devices the replica uses."""
+    by_node: dict[str, list] = {}
+    nodes: dict[str, Node] = {}
+    for node, dev in group:
+        by_node.setdefault(node.node_id, []).append(dev)
+        nodes[node.node_id] = node
+    return [replace(nodes[k], devices=tuple(v)) for k, v in by_node.items()]
+
+
+def _slowest(plans: Sequence[Plan]) -> float | None:
+    steps = [p.timing.step_s if p.timing else None for p in plans]
+    return None if any(s is None for s in steps) else max(steps)  # type: ignore[type-var]
+
+
+def _sync_s(job: Job, shape: ModelShape, plans: Sequence[Plan], nodes: dict[str, Node]) -> float:
+    """Seconds a step spends syncing: the slowest stage's ring (stages sync side by side)."""
+    sync = job.train.sync
+    pricing = Pricing(
+        dtype=plans[0].dtype,
+        finetune_mode=job.finetune_mode,
+        lora_r=job.model.lora.r,
+        lora_targets=job.model.lora.target_modules,
+    )
+    worst = 0.0
+    for i, stage in enumerate(plans[0].stages):
+        a, b = stage.layers
+        params = trained_params(
+            shape, pricing, a, b, first=i == 0, last=i == len(plans[0].stages) - 1
+        )
+        peers = [nodes[p.stages[i].node_id] for p in plans]
+        worst = max(
+            worst, _speed.sync_s(params, len(plans), sync.wire_bits, sync.inner_steps, peers)
+        )
+    return worst
+
+
+def _replica_blocked(plans: Sequence[Plan | Blocked], n: int) -> Blocked:
+    blocked = [(r, p) for r, p in enumerate(plans) if isinstance(p, Blocked)]
+    r, first = blocked[0]
+    return Blocked(
+        reason=f"replica {r} of {n}: {first.reason}",
+        dtype=first.dtype,
+        required=first.required,
+        placed=first.placed,
+    )
+
+
 __all__ = [
     "DEVICE_RESERVE",
+    "REPLICAS_CAPABILITY",
     "SERVE_FLOPS_PER_PARAM_TOKEN",
     "TRAIN_FLOPS_PER_PARAM_TOKEN",
     "Placed",
@@ -338,6 +564,8 @@ __all__ = [
     "device_key",
     "gb",
     "min_max_partition",
+    "plan_replicas",
+    "replica_groups",
     "select_devices",
     "torch_device",
     "usable_memory",

@@ -105,6 +105,17 @@ class PlannedSchedule:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedReplica:
+    """Another copy of the pipeline (``split.replicas``): its own devices, the same layers on
+    every stage as the plan's ``stages`` (replica 0), the same schedule."""
+
+    index: int = field(ge=1)
+    stages: tuple[PlannedStage, ...] = field(min_len=1)
+    timing: PlannedTiming | None = None
+    """This replica's predicted step on its devices (``plan/speed.py``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A placed job. Same inputs, same `to_json()` bytes on every peer; `Plan.from_json` reads
     them back (a peer's, the job table's) through the one validator."""
@@ -133,8 +144,36 @@ class Plan:
     timing: PlannedTiming | None = None
     """Each stage's predicted time per step and the bottleneck (``plan/speed.py``); None in a
     plan made before speeds were priced."""
+    replicas: tuple[PlannedReplica, ...] = ()
+    """The pipeline's other copies (replica 0 is ``stages``); empty for one pipeline, whose
+    JSON then has no ``replicas`` key at all (a one-replica plan is byte for byte the plan of a
+    version without replicas)."""
 
     def __post_init__(self) -> None:
+        self._check_stages()
+        for r, replica in enumerate(self.replicas, start=1):
+            if replica.index != r:
+                raise ValueError(f"replicas[{r - 1}].index is {replica.index}, not {r}")
+            layers = [s.layers for s in replica.stages]
+            if layers != [s.layers for s in self.stages]:
+                raise ValueError(
+                    f"replica {r}'s stages hold layers {layers}, replica 0's "
+                    f"{[list(s.layers) for s in self.stages]}: every replica's stage i must hold "
+                    "the same layers"
+                )
+            for i, stage in enumerate(replica.stages):
+                if stage.index != i:
+                    raise ValueError(f"replicas[{r - 1}].stages[{i}].index is {stage.index}")
+
+    @property
+    def n_replicas(self) -> int:
+        return 1 + len(self.replicas)
+
+    def replica_stages(self, replica: int) -> tuple[PlannedStage, ...]:
+        """Replica ``replica``'s stages (0: ``stages``)."""
+        return self.stages if replica == 0 else self.replicas[replica - 1].stages
+
+    def _check_stages(self) -> None:
         if len(self.boundaries) != len(self.stages) - 1:
             raise ValueError(
                 f"{len(self.stages)} stages need {len(self.stages) - 1} boundaries, got {len(self.boundaries)}"
@@ -154,7 +193,10 @@ class Plan:
         return self.stages[-1].layer_end
 
     def to_dict(self) -> dict[str, Any]:
-        return to_data(self)
+        data = to_data(self)
+        if not self.replicas:
+            del data["replicas"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:

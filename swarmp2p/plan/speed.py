@@ -23,6 +23,7 @@ a measurement (``swarm doctor --bench`` on that node takes one).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,6 +107,25 @@ def link_speed(a: Node, b: Node) -> float | None:
     if a.node_id == b.node_id or not a.link_speed or not b.link_speed:
         return None
     return float(min(a.link_speed, b.link_speed))
+
+
+def ring_sync_bytes(payload_bytes: int, replicas: int) -> int:
+    """Bytes each member of a ring all-reduce sends: ``2 (N - 1) / N`` of the payload
+    (reduce-scatter, then all-gather; Patarasuk and Yuan 2009)."""
+    if replicas < 2:
+        return 0
+    return 2 * (replicas - 1) * payload_bytes // replicas
+
+
+def sync_s(params: int, replicas: int, bits: int, every: int, nodes: Sequence[Node]) -> float:
+    """A stage's seconds per step spent averaging ``params`` over its ``replicas`` (on
+    ``nodes``), ``bits`` wide, once every ``every`` steps: its ring's bytes at the slowest link
+    among them; 0 when a link speed is unknown or the replicas share one node."""
+    speeds = [link_speed(a, b) for a, b in itertools.pairwise(nodes)]
+    if not speeds or any(s is None for s in speeds):
+        return 0.0
+    sent = ring_sync_bytes(params * bits // 8, replicas)
+    return sent / min(s for s in speeds if s is not None) / every
 
 
 class StageClock:
