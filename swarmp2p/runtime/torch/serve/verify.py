@@ -45,22 +45,37 @@ def verify_sampled(
             f"draft_probs has shape {tuple(draft_probs.shape)}, not {(len(draft), probs.shape[1])}"
         )
     for i, token in enumerate(draft):
-        p = float(probs[i, token])
-        q = float(draft_probs[i, token]) if draft_probs is not None else 1.0
-        u = float(torch.rand((), generator=generator))
-        if q > 0 and u < min(1.0, p / q):
-            continue
-        residual = probs[i].clone()
-        if draft_probs is None:
-            residual[token] = 0.0
-        else:
-            residual = torch.clamp(residual - draft_probs[i], min=0.0)
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q: a rejection cannot happen; guard against round-off
-            residual, total = probs[i].clone(), float(probs[i].sum())
-        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+        q_row = draft_probs[i] if draft_probs is not None else None
+        resampled = reject_or_keep(probs[i], token, generator, q_row)
+        if resampled is not None:
+            return i, resampled
     last = probs[len(draft)]
     return len(draft), int(torch.multinomial(last / last.sum(), 1, generator=generator))
+
+
+def reject_or_keep(
+    p: torch.Tensor,
+    token: int,
+    generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
+) -> int | None:
+    """One drafted ``token`` under the model's distribution ``p`` (``[vocab]``) and the
+    drafter's ``q`` (None: a deterministic draft): None when it is kept (probability
+    ``min(1, p/q)``), else the token drawn from the residual ``max(0, p - q)`` in its place."""
+    p_x = float(p[token])
+    q_x = float(q[token]) if q is not None else 1.0
+    u = float(torch.rand((), generator=generator))
+    if q_x > 0 and u < min(1.0, p_x / q_x):
+        return None
+    residual = p.clone()
+    if q is None:
+        residual[token] = 0.0
+    else:
+        residual = torch.clamp(residual - q, min=0.0)
+    total = float(residual.sum())
+    if total <= 0.0:  # p == q: a rejection cannot happen; guard against round-off
+        residual, total = p.clone(), float(p.sum())
+    return int(torch.multinomial(residual / total, 1, generator=generator))
 
 
 def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
@@ -73,4 +88,4 @@ def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
         raise ValueError(f"a drafted id is outside the vocabulary of {rows.shape[1]}")
 
 
-__all__ = ["verify_greedy", "verify_sampled"]
+__all__ = ["reject_or_keep", "verify_greedy", "verify_sampled"]
