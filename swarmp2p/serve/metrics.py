@@ -141,36 +141,31 @@ class ServeMetrics:
             family(name, "gauge", help_)
             for m in models:
                 out.append(f"{name}{{{_labels(model=m.name)}}} {getattr(m.client, attr)}")
-        family(
-            "swarm_speculative_acceptance_ratio",
-            "gauge",
-            "share of drafted tokens the last stage accepted (speculative decoding)",
+        speculation = (
+            (
+                "swarm_speculative_acceptance_ratio",
+                "gauge",
+                "share of drafted tokens the last stage accepted (speculative decoding)",
+                "acceptance",
+            ),
+            (
+                "swarm_speculative_tokens_per_lap",
+                "gauge",
+                "mean tokens a decode lap of the ring gave a session (1 without speculation)",
+                "tokens_per_lap",
+            ),
+            (
+                "swarm_speculative_drafted_tokens_total",
+                "counter",
+                "tokens drafted for verification",
+                "drafted",
+            ),
         )
-        for m in models:
-            stats = m.client.spec_stats()
-            out.append(
-                f"swarm_speculative_acceptance_ratio{{{_labels(model=m.name)}}} "
-                f"{stats['acceptance']}"
-            )
-        family(
-            "swarm_speculative_tokens_per_lap",
-            "gauge",
-            "mean tokens a decode lap of the ring gave a session (1 without speculation)",
-        )
-        for m in models:
-            stats = m.client.spec_stats()
-            out.append(
-                f"swarm_speculative_tokens_per_lap{{{_labels(model=m.name)}}} "
-                f"{stats['tokens_per_lap']}"
-            )
-        family(
-            "swarm_speculative_drafted_tokens_total", "counter", "tokens drafted for verification"
-        )
-        for m in models:
-            out.append(
-                f"swarm_speculative_drafted_tokens_total{{{_labels(model=m.name)}}} "
-                f"{m.client.spec_stats()['drafted']}"
-            )
+        stats = {m.name: m.client.spec_stats() for m in models}
+        for name, kind, help_, key in speculation:
+            family(name, kind, help_)
+            for m in models:
+                out.append(f"{name}{{{_labels(model=m.name)}}} {stats[m.name][key]}")
         family("swarm_stage_batch_size", "gauge", "rows of the latest decode step at a stage")
         for m in models:
             for stage, size in enumerate(m.client.stage_batch_sizes):

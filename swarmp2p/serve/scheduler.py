@@ -25,22 +25,15 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
 - **Failover** (``reroute``): every running session replays its prompt and the tokens
   generated so far as one ``prefill`` on the rebuilt ring (which starts cold), and goes on.
 
-- **Speculative decoding** (``speculate``: "auto", "ngram" or "none"): once in a group a
-  session drafts by prompt lookup (:class:`~swarmp2p.serve.decoding.speculate.NgramIndex` over
-  its prompt and tokens); :meth:`Scheduler._step` adds each row's draft to the ``decode`` (``k``
-  from the session's :class:`~swarmp2p.serve.decoding.speculate.DraftLength` under "auto", which
-  stops drafting where it does not pay; :data:`MAX_DRAFT` under "ngram"), bounded so that no
-  row of the step passes its ``max_tokens`` or the context. The answer's accepted drafts and
-  the token after them are each taken by :meth:`Scheduler._take` in turn (as vLLM's
-  ``update_from_output`` runs ``check_stop`` on each generated id), stopping at the first that
-  finishes. Speculation is per session: ``SessionState.speculate`` False (a structured output's
-  grammar, or a caller's choice) and sessions that ask for log-probabilities never draft. A
-  ring that answers ``spec_off`` (a stage with recurrent blocks) stops drafting, with the
-  reason in :attr:`Scheduler.spec_off`.
+- **Speculative decoding** (``speculate``: "auto", "ngram", "none"): a session in a group
+  drafts by prompt lookup (``serve.decoding.speculate``; ``k`` adaptive under "auto",
+  MAX_DRAFT under "ngram"), bounded by every row's max_tokens and context; the accepted drafts
+  and the token after them are each taken by :meth:`Scheduler._take` (vLLM's ``check_stop``
+  per id). Per session: ``SessionState.speculate`` False (a grammar) or log-probabilities
+  asked: no drafts. A ring answering ``spec_off`` stops drafting (:attr:`Scheduler.spec_off`).
 
-Seam for prefix caching (issue 27), not built here: a prefix cache would tell
-:meth:`Scheduler._admit` how many of a prompt's tokens every stage already holds, and the
-``prefill`` would start there.
+Seam for prefix caching (issue 27): a prefix cache would tell :meth:`Scheduler._admit` how
+many of a prompt's tokens every stage already holds, and the ``prefill`` would start there.
 """
 
 from __future__ import annotations
@@ -50,7 +43,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from swarmp2p.serve.decoding.speculate import MAX_DRAFT, DraftLength, NgramIndex
+from swarmp2p.serve.decoding.speculate import MAX_DRAFT, DraftLength, NgramIndex, SpecStats
 from swarmp2p.serve.protocol import (
     MAX_TOKEN_ID,
     Decode,
@@ -134,37 +127,6 @@ class Outcome:
     sends: list[Send] = field(default_factory=list)
     events: list[SessionEvent] = field(default_factory=list)
     refused: str | None = None
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Speculative decoding of one ring so far: decode laps answered (a row each), tokens they
-    gave, tokens drafted and accepted."""
-
-    laps: int = 0
-    tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """The share of drafted tokens the last stage kept (0 before any draft)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_lap(self) -> float:
-        """Mean tokens a decode lap gave a session (1 without speculation)."""
-        return self.tokens / self.laps if self.laps else 0.0
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {
-            "laps": self.laps,
-            "tokens": self.tokens,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance": round(self.acceptance, 4),
-            "tokens_per_lap": round(self.tokens_per_lap, 4),
-        }
 
 
 @dataclass(eq=False, kw_only=True)
@@ -499,38 +461,26 @@ class Scheduler:
         return tuple(s.draft for s in members)
 
     def _take_lap(
-        self,
-        session: SessionState,
-        msg: Tokens,
-        row: int,
-        logprob: TokenLogprobs | None,
-        now: float,
-        out: Outcome,
-    ) -> bool:
+        self, session: SessionState, msg: Tokens, row: int, logprob, now: float, out: Outcome
+    ) -> None:
         """A decode step's answer for one row: its accepted drafts, then the last stage's
-        token, each through the finish rules; False when the session finished (or failed)."""
+        token, each through the finish rules (the first that finishes the session ends it)."""
         draft, session.draft = session.draft, ()
         kept = msg.kept[row] if msg.kept else 0
         if kept > len(draft):
-            self._fail(
-                session,
-                f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent",
-                now,
-                out,
-            )
-            return False
+            message = f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent"
+            self._fail(session, message, now, out)
+            return
         if draft and session.draft_len is not None:
             session.draft_len.record(len(draft), kept)
         stats = self.spec
         stats.laps += 1
         stats.drafted += len(draft)
         stats.accepted += kept
-        for token in draft[:kept]:
+        for token, lp in (*((t, None) for t in draft[:kept]), (msg.tokens[row], logprob)):
             stats.tokens += 1
-            if self._take(session, token, None, now, out):
-                return False
-        stats.tokens += 1
-        return not self._take(session, msg.tokens[row], logprob, now, out)
+            if self._take(session, token, lp, now, out):
+                return
 
     def _stop_speculating(self, reason: str) -> None:
         """A stage cannot verify drafts: no session drafts from now on."""

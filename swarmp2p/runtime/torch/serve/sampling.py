@@ -158,15 +158,9 @@ class SessionSampler:
         sampling's), drawing from the session's generator. Each row is scored with the
         processors after the drafts before it (a penalty sees them), and the kept drafts are
         observed; the caller observes ``token``, as after :meth:`pick`."""
-        from swarmp2p.runtime.torch.serve.verify import reject_or_keep
+        from swarmp2p.runtime.torch.serve.verify import check_rows, reject_or_keep
 
-        if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
-            raise ValueError(
-                f"verifying {len(draft)} drafts takes {len(draft) + 1} logits rows, got shape "
-                f"{tuple(logits.shape)}"
-            )
-        if any(not 0 <= t < logits.shape[1] for t in draft):
-            raise ValueError(f"a drafted id is outside the vocabulary of {logits.shape[1]}")
+        check_rows(logits, draft)
         for i, drafted in enumerate(draft):
             scores = self._scores(logits[i], None)
             if self.params.greedy:

@@ -36,6 +36,12 @@ from swarmp2p.runtime.torch.model.stage import Stage
 from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
 from swarmp2p.runtime.torch.serve.sampling import SessionSampler
 from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.runtime.torch.serve.speculative import (
+    draft_ids,
+    no_speculation,
+    take_back,
+    verify_rows,
+)
 from swarmp2p.runtime.torch.train.boundary import (
     BoundaryError,
     apply_boundary,
@@ -167,14 +173,7 @@ class StageServer:
             one_width=LINEAR_ATTENTION in stage.block_types,
         )
         self._decodes: collections.deque[tuple[Decode, list]] = collections.deque()
-        self._no_spec = ""
-        """Why this stage cannot run drafts (empty: it can)."""
-        if LINEAR_ATTENTION in stage.block_types:
-            self._no_spec = (
-                f"stage [{stage.layer_start}, {stage.layer_end}) has linear-attention "
-                "(recurrent) blocks, whose state cannot take rejected drafts back: speculative "
-                "decoding is off for this model"
-            )
+        self._no_spec = no_speculation(stage)
         self.drafted = 0
         """Drafted positions this stage ran."""
         self._decode_turn = True
@@ -461,7 +460,7 @@ class StageServer:
         keep: list[int] = []
         refused: dict[str, list[int]] = {}
         for i, sid in enumerate(msg.sids):
-            self._take_back(sid, msg.positions[i])
+            take_back(self.sessions.get(sid), msg.positions[i])
             why = self._refusal(sid, msg.positions[i], msg.tokens[i] if msg.tokens else None, width)
             if why is None:
                 keep.append(i)
@@ -507,20 +506,8 @@ class StageServer:
                 spec_off=spec_off,
             )
             return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
-        picked, logprobs, kept = [], [], []
-        for row, sid in enumerate(sids):
-            session = self.sessions[sid]
-            draft = drafts[row] if drafts else ()
-            if draft:
-                n, token, lp = session.sampler.verify(hidden[row, : len(draft) + 1], draft)
-            else:
-                n, (token, lp) = 0, session.sampler.pick(hidden[row, 0])
-            session.sampler.observe((token,))
-            if width > 1:  # the rejected drafts (and a shorter row's padding) leave the cache
-                batch.rollback(row, positions[row] + 1 + n)
-            picked.append(token)
-            logprobs.append(lp)
-            kept.append(n)
+        samplers = [self.sessions[sid].sampler for sid in sids]
+        picked, logprobs, kept = verify_rows(samplers, hidden, drafts, positions, batch, width)
         reply = Tokens(
             group=msg.group,
             step=msg.step,
@@ -533,16 +520,6 @@ class StageServer:
             spec_off=spec_off,
         )
         return [*out, [reply.encode()]]
-
-    def _take_back(self, sid: int, pos: int) -> None:
-        """A row's step after a speculative one here: its position says how many of the
-        tokens that step wrote the last stage kept; drop the rest (no further than the floor)."""
-        session = self.sessions.get(sid)
-        if session is None or session.floor is None:
-            return
-        floor, session.floor = session.floor, None
-        if session.batch is not None and floor <= pos < session.length:
-            session.batch.rollback(session.row, pos)
 
     def _refusal(self, sid: int, pos: int, token: int | None, width: int = 1) -> str | None:
         """Why this stage cannot step a row of ``width`` positions (None: it can); a refused
@@ -581,12 +558,7 @@ class StageServer:
             return x
         if not drafts:
             return self._input(tokens, payload, rows=rows, length=1)
-        wide = 1 + max(len(d) for d in drafts)
-        ids = [[t, *d, *([t] * (wide - 1 - len(d)))] for t, d in zip(tokens, drafts)]
-        top = max(max(row) for row in ids)
-        if self._vocab is not None and top >= self._vocab:
-            raise ValueError(f"token id {top} is outside the vocabulary ({self._vocab} ids)")
-        return torch.tensor(ids, dtype=torch.long, device=self._device)
+        return draft_ids(tokens, drafts, self._vocab, self._device)
 
     def _regroup(self, sids: tuple[int, ...]) -> SessionBatch:
         """The batch holding exactly ``sids`` as its rows, in order (rows copied on a change)."""

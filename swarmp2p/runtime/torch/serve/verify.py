@@ -24,7 +24,7 @@ from swarmp2p.serve.decoding.speculate import accepted_prefix
 def verify_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
     """``scores``: ``[len(draft) + 1, vocab]`` (logits after the session's processors).
     Returns ``(kept, token)``: how many drafts the argmax confirms, and the argmax after them."""
-    _check(scores, draft)
+    check_rows(scores, draft)
     choices = torch.argmax(scores, dim=-1).tolist()
     kept = accepted_prefix(draft, choices)
     return kept, int(choices[kept])
@@ -39,7 +39,7 @@ def verify_sampled(
     """``probs``: ``[len(draft) + 1, vocab]``, the model's sampling distribution at each row
     (after temperature, top-k/p); ``draft_probs``: ``[len(draft), vocab]``, the drafter's
     (None: a deterministic draft, one-hot). Returns ``(kept, token)``."""
-    _check(probs, draft)
+    check_rows(probs, draft)
     if draft_probs is not None and draft_probs.shape != (len(draft), probs.shape[1]):
         raise ValueError(
             f"draft_probs has shape {tuple(draft_probs.shape)}, not {(len(draft), probs.shape[1])}"
@@ -78,7 +78,8 @@ def reject_or_keep(
     return int(torch.multinomial(residual / total, 1, generator=generator))
 
 
-def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
+def check_rows(rows: torch.Tensor, draft: Sequence[int]) -> None:
+    """ValueError unless ``rows`` is ``[len(draft) + 1, vocab]`` and every draft is an id."""
     if rows.dim() != 2 or rows.shape[0] != len(draft) + 1:
         raise ValueError(
             f"verification needs {len(draft) + 1} rows (the drafts + 1), got shape "
@@ -88,4 +89,4 @@ def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
         raise ValueError(f"a drafted id is outside the vocabulary of {rows.shape[1]}")
 
 
-__all__ = ["reject_or_keep", "verify_greedy", "verify_sampled"]
+__all__ = ["check_rows", "reject_or_keep", "verify_greedy", "verify_sampled"]
