@@ -61,6 +61,15 @@ from swarmp2p.cli import (
     "on 7.x, float32 below and on CPUs), or the dtype a trained model was trained in.",
 )
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
+@click.option(
+    "--speculate",
+    type=click.Choice(["auto", "ngram", "none"]),
+    default="auto",
+    show_default=True,
+    help="Speculative decoding: the issuing node drafts tokens by prompt lookup and the ring "
+    "verifies them in one lap (greedy output unchanged, sampling's distribution unchanged); "
+    "auto adapts the draft length and stops drafting where it does not pay, ngram drafts 10.",
+)
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
 @_api_key_options("Require an API key from API clients (Authorization: Bearer)")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

@@ -76,6 +76,8 @@ BoundaryCompression = Literal[
     "fixed_int8",
 ]
 Dtype = Literal["float32", "bfloat16", "float16"]
+Speculate = Literal["auto", "ngram", "none"]
+"""Speculative decoding of a served model (``serve.scheduler.SPECULATE_MODES``)."""
 SplitMode = Literal["equal", "weighted", "cost"]
 PlannedSplit = Literal["equal", "weighted", "cost", "fixed"]
 
@@ -131,6 +133,9 @@ class ServeRequest:
     dtype: Dtype | None = None
     """None: the best dtype every stage's device runs (a trained model: its training dtype)."""
     quantization: QuantSpec | None = None
+    speculate: Speculate = "auto"
+    """Speculative decoding: "auto" (prompt lookup with an adaptive draft length that stops
+    drafting where it does not pay), "ngram" (prompt lookup, 10 tokens a lap), "none"."""
     api_key: str | None = field(default=None, min_len=1, max_len=4096)
     cwd: str | None = field(default=None, min_len=1, max_len=4096)
     """The CLI's folder: a relative MODEL folder is read from there."""

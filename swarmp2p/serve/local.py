@@ -102,6 +102,7 @@ class LocalRing:
         shards: Sequence[str | None] = (),
         tied_head: str | None = None,
         groups: int | None = None,
+        speculate: str = "auto",
     ) -> None:
         if plan is None:
             if not bounds:
@@ -161,7 +162,11 @@ class LocalRing:
             # CPU stages on this machine share its cores and memory bandwidth
             cpu = all(stage.device == "cpu" for stage in plan.stages)
             self.client = ends.open_client(
-                plan, step_timeout=step_timeout, groups=groups, shared=n > 1 and cpu
+                plan,
+                step_timeout=step_timeout,
+                groups=groups,
+                shared=n > 1 and cpu,
+                speculate=speculate,
             )
         except BaseException:
             self.close()

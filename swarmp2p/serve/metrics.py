@@ -1,7 +1,8 @@
 """What the HTTP API counts, rendered in the Prometheus text format (version 0.0.4) for
 ``GET /metrics``: requests by status, prompt and generated tokens, time-to-first-token and
-inter-token histograms, and per served model its queue depth, running sessions, and the batch
-size of the latest decode step at each stage.
+inter-token histograms, and per served model its queue depth, running sessions, the batch
+size of the latest decode step at each stage, and its speculative decoding's acceptance rate
+and mean tokens per lap.
 
 Written here rather than with ``prometheus_client``: it is a few counters and two histograms
 with fixed buckets, the daemon (which will mount this API) takes no new dependency for it, and
@@ -140,6 +141,31 @@ class ServeMetrics:
             family(name, "gauge", help_)
             for m in models:
                 out.append(f"{name}{{{_labels(model=m.name)}}} {getattr(m.client, attr)}")
+        speculation = (
+            (
+                "swarm_speculative_acceptance_ratio",
+                "gauge",
+                "share of drafted tokens the last stage accepted (speculative decoding)",
+                "acceptance",
+            ),
+            (
+                "swarm_speculative_tokens_per_lap",
+                "gauge",
+                "mean tokens a decode lap of the ring gave a session (1 without speculation)",
+                "tokens_per_lap",
+            ),
+            (
+                "swarm_speculative_drafted_tokens_total",
+                "counter",
+                "tokens drafted for verification",
+                "drafted",
+            ),
+        )
+        stats = {m.name: m.client.spec_stats() for m in models}
+        for name, kind, help_, key in speculation:
+            family(name, kind, help_)
+            for m in models:
+                out.append(f"{name}{{{_labels(model=m.name)}}} {stats[m.name][key]}")
         family("swarm_stage_batch_size", "gauge", "rows of the latest decode step at a stage")
         for m in models:
             for stage, size in enumerate(m.client.stage_batch_sizes):

@@ -5,9 +5,9 @@ A ring is the session manager, then stage 0 .. stage N-1, then the manager again
 | op        | from -> to                  | fields                                   | tensor after it |
 |-----------|-----------------------------|------------------------------------------|-----------------|
 | `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len* | hidden [1, T, H] (stage > 0) |
-| `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes | hidden [B, 1, H] (stage > 0) |
+| `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes, drafts*, spec_off* | hidden [B, 1 + k, H] (stage > 0) |
 | `end`     | manager -> every stage      | sid                                      | none            |
-| `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs | none |
+| `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs, kept*, spec_off* | none |
 | `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
 (*) only with ``pos == 0``, the first chunk of a session. A ``prefill`` carries the token ids of
@@ -25,6 +25,19 @@ Every stage runs the group as one batched forward and appends its batch size to 
 ``tokens`` answers a group's step (or a prefill's last chunk, with ``group == -1``) with each
 row's next token at ``positions[i]`` (the number of tokens before it). A stage that cannot run
 a row drops it from the step and sends an ``error`` naming that row's session instead.
+
+Speculative decoding (``serve.decoding.speculate``): a ``decode`` may carry ``drafts``, per
+row the token ids the manager guesses follow its newest token (empty: none). Every stage runs
+``1 + k`` positions per row (``k`` the longest draft; shorter rows are padded, their padding
+rejected like a wrong draft), and the drafts travel to the last stage, which verifies them and
+answers with ``kept[i]`` (how many of row i's drafts it accepted) and ``tokens[i]``, its own
+token after them: row i's tokens at ``positions[i]`` on are ``drafts[i][:kept[i]] +
+[tokens[i]]``. The last stage drops the rejected positions from its caches at once; an earlier
+stage learns how many were kept from the row's next ``decode``, whose position lies inside the
+positions the speculative step wrote (a stage rolls a row back only that far, never further).
+A stage with recurrent (linear-attention) blocks cannot take tokens back: it runs the first
+position only, drops the drafts and says why in ``spec_off``, which the stages after it pass
+on and the last stage returns in ``tokens``, so the manager stops drafting for the ring.
 """
 
 from __future__ import annotations
@@ -49,6 +62,10 @@ MAX_BATCH = 4096
 """Rows one decode step may carry."""
 MAX_TOP_LOGPROBS = 20
 """OpenAI's limit on ``top_logprobs``."""
+MAX_DRAFT_TOKENS = 64
+"""Drafted tokens one row of a decode step may carry (the drafter sends at most 10)."""
+MAX_REASON_CHARS = 1000
+"""Longest ``spec_off`` reason."""
 MAX_LOGIT_BIAS = 1024
 """Entries of ``logit_bias`` one request may set."""
 GREEDY_BELOW = 1e-5
@@ -255,9 +272,12 @@ class _Step:
     one sampled next (required there)."""
     sizes: tuple[int, ...] = ()
     """The batch size each stage so far ran this step with."""
+    spec_off: str = ""
+    """Why a stage of the ring cannot verify drafts (it dropped them, and says so to the
+    stages after it and, in Tokens, to the manager); empty when none could not."""
 
     def body(self) -> dict[str, Any]:
-        return {
+        body = {
             "group": self.group,
             "step": self.step,
             "sids": list(self.sids),
@@ -265,6 +285,9 @@ class _Step:
             "tokens": list(self.tokens),
             "sizes": list(self.sizes),
         }
+        if self.spec_off:
+            body["spec_off"] = self.spec_off
+        return body
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,12 +295,25 @@ class Decode(_Step):
     """One decode step of a group of sessions (a row each), run as one batched forward."""
 
     op: ClassVar[str] = "decode"
+    drafts: tuple[tuple[int, ...], ...] = ()
+    """Per row, the drafted tokens after its newest one (speculative decoding); empty when no
+    row drafts, else one entry (maybe empty) per row."""
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens or self.sids)
+        if self.drafts and len(self.drafts) != len(self.sids):
+            raise ValueError(f"drafts: {len(self.drafts)} entries for {len(self.sids)} rows")
+
+    @property
+    def width(self) -> int:
+        """Positions every row runs this step: its newest token and the longest draft."""
+        return 1 + max((len(d) for d in self.drafts), default=0)
 
     def encode(self) -> bytes:
-        return _pack(self.op, self.body())
+        body = self.body()
+        if self.drafts:
+            body["drafts"] = [list(d) for d in self.drafts]
+        return _pack(self.op, body)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,14 +335,20 @@ class Tokens(_Step):
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] = ()
     """Empty when no row asked for log-probabilities, else one entry (or None) per row."""
+    kept: tuple[int, ...] = ()
+    """Per row, how many of its drafts the last stage accepted (empty: the step had none)."""
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens)
         if self.logprobs and len(self.logprobs) != len(self.sids):
             raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.sids)} rows")
+        if self.kept and len(self.kept) != len(self.sids):
+            raise ValueError(f"kept: {len(self.kept)} entries for {len(self.sids)} rows")
 
     def encode(self) -> bytes:
         body = self.body()
+        if self.kept:
+            body["kept"] = list(self.kept)
         if self.logprobs:
             body["logprobs"] = [
                 None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
@@ -346,9 +388,12 @@ def _pack(op: str, body: dict[str, Any]) -> bytes:
 
 _ALLOWED = {
     "prefill": ({"sid", "pos", "tokens"}, {"more", "sampling", "prompt_len"}),
-    "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, set()),
+    "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"drafts", "spec_off"}),
     "end": ({"sid"}, set()),
-    "tokens": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"logprobs"}),
+    "tokens": (
+        {"group", "step", "sids", "positions", "tokens", "sizes"},
+        {"logprobs", "kept", "spec_off"},
+    ),
     "error": ({"sids", "message"}, set()),
 }
 
@@ -404,6 +449,24 @@ def _logprobs(value: Any, rows: int) -> tuple[TokenLogprobs | None, ...]:
     return tuple(out)
 
 
+def _drafts(value: Any, rows: int) -> tuple[tuple[int, ...], ...]:
+    if type(value) is not list or len(value) != rows:
+        raise _bad("drafts", f"must be a list of one draft per row ({rows})")
+    out = []
+    for draft in value:
+        if (
+            type(draft) is not list
+            or len(draft) > MAX_DRAFT_TOKENS
+            or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in draft)
+        ):
+            raise _bad(
+                "drafts",
+                f"a draft is a list of at most {MAX_DRAFT_TOKENS} token ids in [0, {MAX_TOKEN_ID}]",
+            )
+        out.append(tuple(draft))
+    return tuple(out)
+
+
 def decode_message(data: bytes | memoryview) -> RingMessage:
     """Parse one control map; WireError naming the field on anything wrong."""
     obj = unpack_plain(bytes(data), MAX_CONTROL_BYTES)
@@ -435,11 +498,20 @@ def decode_message(data: bytes | memoryview) -> RingMessage:
             "positions": _ints(obj, "positions", 0, MAX_POSITION, MAX_BATCH),
             "tokens": _ints(obj, "tokens", 0, MAX_TOKEN_ID, MAX_BATCH),
             "sizes": _ints(obj, "sizes", 0, MAX_BATCH, 256),
+            "spec_off": obj.get("spec_off", ""),
         }
+        if type(rows["spec_off"]) is not str or len(rows["spec_off"]) > MAX_REASON_CHARS:
+            raise _bad("spec_off", f"must be a string of at most {MAX_REASON_CHARS} characters")
         if op == "decode":
-            return Decode(**rows)
+            drafts = _drafts(obj["drafts"], len(rows["sids"])) if "drafts" in obj else ()
+            return Decode(**rows, drafts=drafts)
         logprobs = _logprobs(obj["logprobs"], len(rows["sids"])) if "logprobs" in obj else ()
-        return Tokens(**rows, logprobs=logprobs)
+        kept = ()
+        if "kept" in obj:
+            kept = _ints(obj, "kept", 0, MAX_DRAFT_TOKENS, MAX_BATCH)
+            if len(kept) != len(rows["sids"]):
+                raise _bad("kept", f"must be a list of one count per row ({len(rows['sids'])})")
+        return Tokens(**rows, logprobs=logprobs, kept=kept)
     except ValueError as e:
         if isinstance(e, WireError):
             raise

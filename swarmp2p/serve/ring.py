@@ -48,10 +48,11 @@ class RingEnds:
         step_timeout: float,
         groups: int | None = None,
         shared: bool = False,
+        speculate: str = "auto",
     ) -> RingClient:
         """A started RingClient driving this ring within ``plan``'s context and session slots;
         its groups fill to SHARED_MIN_GROUP_ROWS first when two stages share a device (two of
-        the plan's, or all of them: ``shared``)."""
+        the plan's, or all of them: ``shared``); ``speculate``: its speculative decoding."""
         places = {(stage.node_id, stage.device) for stage in plan.stages}
         shared = shared or len(places) < len(plan.stages)
         min_group_rows = SHARED_MIN_GROUP_ROWS if shared else 1
@@ -63,6 +64,7 @@ class RingEnds:
             step_timeout=step_timeout,
             groups=groups,
             min_group_rows=min_group_rows,
+            speculate=speculate,
         ).start()
 
 

@@ -25,12 +25,15 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
 - **Failover** (``reroute``): every running session replays its prompt and the tokens
   generated so far as one ``prefill`` on the rebuilt ring (which starts cold), and goes on.
 
-Seams for speculative decoding and prefix caching (issue 27), not built: a verified lap would
-answer a row with several accepted tokens, each taken by :meth:`Scheduler._take` in turn (as
-vLLM's ``update_from_output`` runs ``check_stop`` on each generated id) and stopping at the
-first that finishes; a drafter would add a row's drafted ids where :meth:`Scheduler._step`
-builds its ``decode``; a prefix cache would tell :meth:`Scheduler._admit` how many of a
-prompt's tokens every stage already holds, and the ``prefill`` would start there.
+- **Speculative decoding** (``speculate``: "auto", "ngram", "none"): a session in a group
+  drafts by prompt lookup (``serve.decoding.speculate``; ``k`` adaptive under "auto",
+  MAX_DRAFT under "ngram"), bounded by every row's max_tokens and context; the accepted drafts
+  and the token after them are each taken by :meth:`Scheduler._take` (vLLM's ``check_stop``
+  per id). Per session: ``SessionState.speculate`` False (a grammar) or log-probabilities
+  asked: no drafts. A ring answering ``spec_off`` stops drafting (:attr:`Scheduler.spec_off`).
+
+Seam for prefix caching (issue 27): a prefix cache would tell :meth:`Scheduler._admit` how
+many of a prompt's tokens every stage already holds, and the ``prefill`` would start there.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from swarmp2p.serve.decoding.speculate import MAX_DRAFT, DraftLength, NgramIndex, SpecStats
 from swarmp2p.serve.protocol import (
     MAX_TOKEN_ID,
     Decode,
@@ -55,6 +59,9 @@ from swarmp2p.timings import TIMINGS
 
 QUEUE_PER_SLOT = 4
 """Requests that may wait per session slot (``max_queue`` defaults to this x max_sessions)."""
+
+SPECULATE_MODES = ("auto", "ngram", "none")
+"""``--speculate``: adaptive prompt lookup, prompt lookup of MAX_DRAFT tokens a lap, or none."""
 
 TOKEN, DONE, ERROR = "token", "done", "error"
 """The kinds of a session's events: a token id, finished (with its finish reason), failed (with
@@ -89,6 +96,15 @@ class SessionState:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_activity: float = 0.0
+    speculate: bool = True
+    """Whether this session may draft when the ring speculates (off: a grammar constrains its
+    tokens, or the caller said so)."""
+    drafter: NgramIndex | None = None
+    """Its prompt lookup over prompt + tokens, while it drafts."""
+    draft_len: DraftLength | None = None
+    """How many tokens it drafts a lap (adaptive under "auto"; None: MAX_DRAFT)."""
+    draft: tuple[int, ...] = ()
+    """The draft of its step in the ring."""
 
     @property
     def expect(self) -> int:
@@ -159,7 +175,10 @@ class Scheduler:
         max_queue: int | None = None,
         groups: int | None = None,
         min_group_rows: int = 1,
+        speculate: str = "none",
     ) -> None:
+        if speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate: {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
         if type(max_sessions) is not int or max_sessions < 1:
             raise ValueError(f"max_sessions: {max_sessions!r} is not an integer >= 1")
         if groups is not None and (type(groups) is not int or groups < 1):
@@ -173,6 +192,10 @@ class Scheduler:
         self.max_queue = QUEUE_PER_SLOT * max_sessions if max_queue is None else max_queue
         self.min_group_rows = min_group_rows
         self._fixed_groups = groups
+        self.speculate = speculate
+        self.spec_off = ""
+        """Why the ring does not speculate though asked to (a stage said so); empty otherwise."""
+        self.spec = SpecStats()
         self.closed = False
         """No admissions any more (the ring client is closing)."""
         self.sessions: dict[int, SessionState] = {}
@@ -262,6 +285,8 @@ class Scheduler:
             if msg.sizes:
                 self._stages, self._sizes = len(msg.sizes), msg.sizes
                 self._grow_groups()
+            if msg.spec_off and not self.spec_off:
+                self._stop_speculating(msg.spec_off)
         joined = []
         running = self._running
         for i, sid in enumerate(msg.sids):
@@ -277,7 +302,9 @@ class Scheduler:
             if session.first_token_at is None:
                 session.first_token_at = now
             logprob = msg.logprobs[i] if msg.logprobs else None
-            if not self._take(session, msg.tokens[i], logprob, now, out) and group is None:
+            if group is not None:
+                self._take_lap(session, msg, i, logprob, now, out)
+            elif not self._take(session, msg.tokens[i], logprob, now, out):
                 joined.append(session)
         if group is not None:
             self._step(group, out)
@@ -344,7 +371,7 @@ class Scheduler:
             group.members, group.joining, group.in_flight = [], [], False
         for session in self._running.values():
             session.last_activity = now
-            session.state, session.group = "prefill", None
+            session.state, session.group, session.draft = "prefill", None, ()
             replay = Prefill(
                 sid=session.sid,
                 pos=0,
@@ -378,6 +405,15 @@ class Scheduler:
         filling = [g for g in self._groups if 0 < g.size < self.min_group_rows]
         group = min(filling or self._groups, key=lambda g: (g.size, g.in_flight))
         session.state, session.group = "decode", group.index
+        if (
+            self.speculate != "none"
+            and not self.spec_off
+            and session.speculate
+            and session.sampling.logprobs is None
+            and session.drafter is None
+        ):
+            session.drafter = NgramIndex((*session.prompt, *session.tokens))
+            session.draft_len = DraftLength() if self.speculate == "auto" else None
         group.joining.append(session)
         if not group.in_flight:
             self._step(group, out)
@@ -399,8 +435,58 @@ class Scheduler:
             sids=tuple(s.sid for s in members),
             positions=tuple(s.expect - 1 for s in members),
             tokens=tuple(s.tokens[-1] for s in members),
+            drafts=self._drafts(members),
         )
         out.sends.append((step, tuple(members)))
+
+    def _drafts(self, members: list[SessionState]) -> tuple[tuple[int, ...], ...]:
+        """Each row's draft for the next step (() when none drafts). Every row of a step runs
+        as many positions as the longest draft, so each is bounded by the room of the row with
+        the least: no row may pass its max_tokens or the context."""
+        drafting = [s for s in members if s.drafter is not None]
+        for s in members:
+            s.draft = ()
+        if not drafting:
+            return ()
+        room = min(
+            min(s.max_tokens - len(s.tokens) - 1, self.max_context - s.expect) for s in members
+        )
+        if room <= 0:
+            return ()
+        for s in drafting:
+            k = s.draft_len.next_k() if s.draft_len is not None else MAX_DRAFT
+            s.draft = tuple(s.drafter.draft(min(k, room)))
+        if not any(s.draft for s in members):
+            return ()
+        return tuple(s.draft for s in members)
+
+    def _take_lap(
+        self, session: SessionState, msg: Tokens, row: int, logprob, now: float, out: Outcome
+    ) -> None:
+        """A decode step's answer for one row: its accepted drafts, then the last stage's
+        token, each through the finish rules (the first that finishes the session ends it)."""
+        draft, session.draft = session.draft, ()
+        kept = msg.kept[row] if msg.kept else 0
+        if kept > len(draft):
+            message = f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent"
+            self._fail(session, message, now, out)
+            return
+        if draft and session.draft_len is not None:
+            session.draft_len.record(len(draft), kept)
+        stats = self.spec
+        stats.laps += 1
+        stats.drafted += len(draft)
+        stats.accepted += kept
+        for token, lp in (*((t, None) for t in draft[:kept]), (msg.tokens[row], logprob)):
+            stats.tokens += 1
+            if self._take(session, token, lp, now, out):
+                return
+
+    def _stop_speculating(self, reason: str) -> None:
+        """A stage cannot verify drafts: no session drafts from now on."""
+        self.spec_off = reason
+        for session in self._running.values():
+            session.drafter = session.draft_len = None
 
     def _take(
         self,
@@ -414,6 +500,8 @@ class Scheduler:
         finished (or failed) with it."""
         session.tokens.append(token)
         session.logprobs.append(logprob)
+        if session.drafter is not None:
+            session.drafter.extend((token,))
         reason = None
         if token in session.stop_ids:
             reason = "stop"

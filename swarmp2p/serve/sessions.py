@@ -52,6 +52,7 @@ class RingClient:
         queue_timeout: float = TIMINGS.ring_queue_s,
         groups: int | None = None,
         min_group_rows: int = 1,
+        speculate: str = "none",
     ) -> None:
         self._scheduler = Scheduler(
             max_context=max_context,
@@ -61,6 +62,7 @@ class RingClient:
             max_queue=max_queue,
             groups=groups,
             min_group_rows=min_group_rows,
+            speculate=speculate,
         )
         self._first = first
         self._last = last
@@ -133,6 +135,22 @@ class RingClient:
         with self._lock:
             return self._scheduler.group_sizes
 
+    @property
+    def speculate(self) -> str:
+        """The ring's speculative decoding: "auto", "ngram" or "none"."""
+        return self._scheduler.speculate
+
+    @property
+    def spec_off(self) -> str:
+        """Why the ring stopped speculating though asked to (empty: it did not)."""
+        return self._scheduler.spec_off
+
+    def spec_stats(self) -> dict[str, float | int]:
+        """Speculative decoding so far: laps, tokens, drafted, accepted, acceptance rate,
+        mean tokens per lap."""
+        with self._lock:
+            return self._scheduler.spec.to_dict()
+
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the mean session time, scaled by the queue."""
         return self._scheduler.retry_after()
@@ -171,12 +189,14 @@ class RingClient:
         stop: Callable[[list[int]], bool] | None = None,
         hook: EventHook | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        speculate: bool = True,
     ) -> Session:
         """Start generating after ``prompt``; returns at once (the session may wait for a
         slot). ``stop_ids`` end the session when sampled (the id is kept as its last token);
         ``stop(tokens)`` is asked after every other token, the last one ``max_tokens`` allows
         included. Greedy unless ``sampling`` says otherwise. With ``loop``, the events can be
-        awaited there (``aevents``). RingBusy when the queue is full too."""
+        awaited there (``aevents``). ``speculate`` False: this session never drafts (a
+        grammar-constrained one). RingBusy when the queue is full too."""
         prompt = check_request(prompt, max_tokens, self._scheduler.max_context)
         if not self._threads:
             raise RuntimeError("RingClient.start() first")
@@ -188,6 +208,7 @@ class RingClient:
             stop_ids=frozenset(stop_ids),
             stop=stop,
             hook=hook,
+            speculate=speculate,
         )
         if loop is not None:
             session.on_loop(loop)

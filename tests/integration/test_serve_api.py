@@ -77,6 +77,35 @@ def test_chat_says_paris_and_equals_generate_in_one_process(client, served):
     assert text == model.codec.decode(new)
 
 
+def test_speculation_through_the_api_gives_generates_tokens(client, served):
+    """The ring speculates by default (auto): a prompt that asks for a passage again is
+    answered with plain greedy decoding's tokens exactly, and drafts were accepted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, model, folder = served
+    passage = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun."
+    messages = [{"role": "user", "content": f"Repeat exactly: {passage}"}]
+    before = model.client.spec_stats()
+    reply = client.chat.completions.create(
+        model="embedded", messages=messages, temperature=0, max_tokens=32
+    )
+    after = model.client.spec_stats()
+    assert model.client.speculate == "auto"
+    assert after["accepted"] > before["accepted"], (before, after)
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = model.codec.encode_chat(messages)
+    with torch.no_grad():
+        out = whole.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    assert reply.choices[0].message.content == model.codec.decode(out[0, len(prompt) :].tolist())
+
+
 def test_completion_usage_length_and_streaming_agree(client, served):
     _, model, _ = served
     prompt = "The three primary colors are"
@@ -410,6 +439,8 @@ def test_health_and_prometheus_metrics(client, served):
     assert 'swarm_inter_token_latency_seconds_count{model="embedded"}' in text
     assert 'swarm_queue_depth{model="embedded"} 0' in text
     assert 'swarm_stage_batch_size{model="embedded",stage="1"}' in text
+    assert 'swarm_speculative_acceptance_ratio{model="embedded"}' in text
+    assert 'swarm_speculative_tokens_per_lap{model="embedded"}' in text
     generated = [line for line in text.splitlines() if line.startswith("swarm_generation_tokens")]
     assert int(generated[0].split()[-1]) >= 3
 

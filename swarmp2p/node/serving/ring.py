@@ -127,9 +127,10 @@ def served_view(record: ServedModel | None, here: Served | None, restoring: bool
     }
 
 
-def _sessions(client: RingClient | None) -> dict[str, int | list[int]] | None:
-    """The ring's sessions now: running, queued for a slot, the bound, and the rows of the
-    latest decode step at each stage (None before the ring runs)."""
+def _sessions(client: RingClient | None) -> dict[str, object] | None:
+    """The ring's sessions now: running, queued for a slot, the bound, the rows of the
+    latest decode step at each stage, and its speculative decoding (the mode, why it is off
+    where a stage declined, acceptance and tokens per lap; None before the ring runs)."""
     if client is None:
         return None
     return {
@@ -137,6 +138,9 @@ def _sessions(client: RingClient | None) -> dict[str, int | list[int]] | None:
         "queued": client.queue_depth,
         "max": client.max_sessions,
         "stage_batch": list(client.stage_batch_sizes),
+        "speculate": client.speculate,
+        "speculate_off": client.spec_off,
+        "speculation": client.spec_stats(),
     }
 
 
@@ -361,7 +365,7 @@ async def open_served(
         except (OSError, ValueError) as exc:
             raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
     plan, ends = await build(ctx, served, on_copy)
-    client = ends.open_client(plan, step_timeout=step_timeout)
+    client = ends.open_client(plan, step_timeout=step_timeout, speculate=served.request.speculate)
     served.client = client
     model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
     req = served.request

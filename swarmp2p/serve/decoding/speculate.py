@@ -131,6 +131,37 @@ class DraftLength:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding of one ring so far: decode laps answered (a row each), tokens they
+    gave, tokens drafted and accepted."""
+
+    laps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The share of drafted tokens the last stage kept (0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_lap(self) -> float:
+        """Mean tokens a decode lap gave a session (1 without speculation)."""
+        return self.tokens / self.laps if self.laps else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "laps": self.laps,
+            "tokens": self.tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": round(self.acceptance, 4),
+            "tokens_per_lap": round(self.tokens_per_lap, 4),
+        }
+
+
 def expected_accepted(rate: float, k: int) -> float:
     """Drafts kept in a lap of ``k`` when each is kept with ``rate`` once its predecessors
     were: ``rate + rate^2 + ... + rate^k``."""
@@ -180,6 +211,7 @@ __all__ = [
     "MIN_NGRAM",
     "DraftLength",
     "NgramIndex",
+    "SpecStats",
     "accepted_prefix",
     "best_k",
     "expected_accepted",

@@ -275,6 +275,22 @@ def test_status_table():
     ]
 
 
+def test_status_shows_each_served_models_speculation():
+    from swarmp2p.client.control import speculation_line
+
+    stats = {"drafted": 410, "accepted": 254, "acceptance": 0.6195, "tokens_per_lap": 2.314}
+    base = {"speculate": "auto", "speculate_off": "", "speculation": stats}
+    assert speculation_line(base) == (
+        "speculate auto: 62% of 410 drafted tokens accepted, 2.31 tokens a lap"
+    )
+    off = base | {"speculate_off": "stage [0, 2) has linear-attention blocks"}
+    assert speculation_line(off) == "speculate auto: off, stage [0, 2) has linear-attention blocks"
+    assert speculation_line(base | {"speculation": {"drafted": 0}}) == (
+        "speculate auto: nothing drafted yet"
+    )
+    assert speculation_line(base | {"speculate": "none"}) == "speculate none"
+
+
 def test_status_names_down_members_and_the_writes_this_node_rolled_back():
     from swarmp2p.client.control import _quorum_lines
 

@@ -49,7 +49,15 @@ ROUND_TRIPS = [
         logprobs=(TokenLogprobs(logprob=-0.5, top=((0, -0.5), (3, -1.25))), None),
     ),
     Failed(sids=(4, 9), message="stage [0, 2): boom"),
+    Decode(group=0, step=3, sids=(4, 5), positions=(9, 3), tokens=(1, 2), drafts=((7, 8), ())),
+    Decode(group=0, step=3, sids=(4,), positions=(9,), spec_off="stage [0, 2): recurrent"),
+    Tokens(group=0, step=3, sids=(4, 5), positions=(10, 4), tokens=(3, 6), kept=(2, 0)),
+    Tokens(group=0, step=3, sids=(4,), positions=(10,), tokens=(3,), spec_off="recurrent"),
 ]
+
+
+def test_a_decode_steps_width_is_its_longest_draft_plus_one():
+    assert ROUND_TRIPS[-4].width == 3 and ROUND_TRIPS[-3].width == 1
 
 
 @pytest.mark.parametrize("msg", ROUND_TRIPS, ids=lambda m: m.op)
@@ -81,6 +89,14 @@ REFUSALS = [
     (_packed(op="prefill", sid=1, pos=0, tokens=[1], more=1), "more: 1"),
     (_packed(op="tokens", **ROWS, logprobs=[[1, []]]), "logprobs"),
     (_packed(op="error", sids=[1], message=3), "message: must be a string"),
+    (_packed(op="decode", **ROWS, drafts=[[1], [2]]), "drafts: must be a list of one draft per"),
+    (_packed(op="decode", **ROWS, drafts=[[-1]]), "drafts: a draft is a list of at most 64"),
+    (_packed(op="decode", **ROWS, drafts=[list(range(65))]), "drafts: a draft is a list"),
+    (_packed(op="decode", **ROWS, drafts=5), "drafts: must be a list"),
+    (_packed(op="tokens", **ROWS, kept=[65]), "kept: must be a list of integers in"),
+    (_packed(op="tokens", **ROWS, kept=[1, 1]), "kept: must be a list of one count per row"),
+    (_packed(op="tokens", **ROWS, spec_off=3), "spec_off: must be a string"),
+    (_packed(op="decode", **ROWS, spec_off="x" * 1001), "spec_off: must be a string of at most"),
     (msgpack.packb([1, 2]), "is a map"),
 ]
 

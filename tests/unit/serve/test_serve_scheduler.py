@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from swarmp2p.serve.protocol import GREEDY, Decode, End, Failed, Prefill, TokenLogprobs, Tokens
+from swarmp2p.serve.protocol import (
+    GREEDY,
+    Decode,
+    End,
+    Failed,
+    Prefill,
+    SamplingParams,
+    TokenLogprobs,
+    Tokens,
+)
 from swarmp2p.serve.scheduler import (
     Outcome,
     Scheduler,
@@ -451,3 +460,121 @@ def test_taking_turns_a_prompt_never_waits_behind_more_than_one_step():
         ran.append(kind)
         decodes, prefills = decodes - (kind == "decode"), prefills - (kind == "prefill")
     assert ran == ["decode", "prefill", "decode", "prefill", "decode"]
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+
+LOOPED = (5, 6, 7, 8, 5, 6, 7, 8, 5, 6)
+"""A prompt whose suffix (5, 6) occurred before, followed by 7, 8, 5, 6."""
+
+
+def _decoding(sched, session, first=7):
+    """Submit ``session`` and answer its prefill with ``first``: the decode step it joins."""
+    sched.submit(session, 0.0)
+    out = sched.on_tokens(
+        Tokens(group=-1, step=0, sids=(session.sid,), positions=(session.expect,), tokens=(first,)),
+        0.0,
+    )
+    (step,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    return step
+
+
+def test_a_speculating_session_drafts_what_followed_its_suffix_and_takes_the_kept_tokens():
+    sched = _scheduler(speculate="ngram")
+    session = _session(1, prompt=LOOPED, max_tokens=20)
+    step = _decoding(sched, session)
+    assert step.drafts == ((8, 5, 6, 7),)  # what followed (8, 5, 6, 7) last time: 7 taken now
+    answer = Tokens(
+        group=0, step=step.step, sids=(1,), positions=(len(LOOPED) + 1,), tokens=(9,), kept=(3,)
+    )
+    out = sched.on_tokens(answer, 1.0)
+    assert session.tokens == [7, 8, 5, 6, 9]
+    assert [v for _, kind, v in out.events if kind == "token"] == [8, 5, 6, 9]
+    assert sched.spec.to_dict() | {} == {
+        "laps": 1,
+        "tokens": 4,
+        "drafted": 4,
+        "accepted": 3,
+        "acceptance": 0.75,
+        "tokens_per_lap": 4.0,
+    }
+    (nxt,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert nxt.positions == (len(LOOPED) + 4,) and nxt.tokens == (9,)
+
+
+def test_drafts_never_pass_max_tokens_or_the_context_and_a_stop_ends_the_lap():
+    sched = _scheduler(speculate="ngram", max_context=len(LOOPED) + 4)
+    session = _session(1, prompt=LOOPED, max_tokens=20, stop_ids=frozenset({5}))
+    step = _decoding(sched, session)
+    assert step.drafts == ((8, 5, 6),)  # the context holds 3 more tokens after 7
+    out = sched.on_tokens(
+        Tokens(
+            group=0, step=step.step, sids=(1,), positions=(len(LOOPED) + 1,), tokens=(9,), kept=(3,)
+        ),
+        1.0,
+    )
+    assert session.tokens == [7, 8, 5] and session.finish_reason == "stop"
+    assert ("end", 1) in _sends(out)
+    short = _scheduler(speculate="ngram")
+    assert _decoding(short, _session(2, prompt=LOOPED, max_tokens=3)).drafts == ((8,),)
+    assert (
+        _decoding(_scheduler(speculate="ngram"), _session(3, prompt=LOOPED, max_tokens=2)).drafts
+        == ()
+    )
+
+
+def test_a_last_stage_that_keeps_more_than_was_drafted_fails_the_session():
+    sched = _scheduler(speculate="ngram")
+    session = _session(1, prompt=LOOPED, max_tokens=20)
+    step = _decoding(sched, session)
+    sched.on_tokens(
+        Tokens(
+            group=0, step=step.step, sids=(1,), positions=(len(LOOPED) + 1,), tokens=(9,), kept=(9,)
+        ),
+        1.0,
+    )
+    assert "accepted 9 drafted tokens of the 4 sent" in session.error
+
+
+def test_a_ring_that_declines_stops_every_sessions_drafting_and_says_why():
+    sched = _scheduler(speculate="auto")
+    session = _session(1, prompt=LOOPED, max_tokens=20)
+    step = _decoding(sched, session)
+    assert step.drafts
+    out = sched.on_tokens(
+        Tokens(
+            group=0,
+            step=step.step,
+            sids=(1,),
+            positions=(len(LOOPED) + 1,),
+            tokens=(8,),
+            spec_off="stage [0, 2) has linear-attention blocks",
+        ),
+        1.0,
+    )
+    assert sched.spec_off == "stage [0, 2) has linear-attention blocks"
+    (nxt,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert nxt.drafts == ()
+    later = _session(2, prompt=LOOPED, max_tokens=9)
+    sched.submit(later, 2.0)
+    sched.on_tokens(Tokens(group=-1, step=0, sids=(2,), positions=(len(LOOPED),), tokens=(7,)), 2.0)
+    assert later.state == "decode" and later.drafter is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "session_kw"),
+    [
+        ("none", {}),
+        ("ngram", {"speculate": False}),
+        ("ngram", {"sampling": SamplingParams(temperature=0, logprobs=1)}),
+    ],
+    ids=["ring-off", "session-off", "logprobs"],
+)
+def test_speculation_is_off_per_ring_and_per_session(mode, session_kw):
+    sched = _scheduler(speculate=mode)
+    assert _decoding(sched, _session(1, prompt=LOOPED, max_tokens=20, **session_kw)).drafts == ()
+
+
+def test_an_unknown_speculation_mode_is_refused():
+    with pytest.raises(ValueError, match="speculate: 'draft' is not one of auto, ngram, none"):
+        _scheduler(speculate="draft")

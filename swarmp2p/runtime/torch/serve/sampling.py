@@ -139,34 +139,76 @@ class SessionSampler:
         (``serve.decoding.grammar``): every other id is excluded before the choice, greedy or not."""
         if logits.dim() != 1:
             raise ValueError(f"pick takes one [vocab] row, got shape {tuple(logits.shape)}")
-        logprobs = None
-        if self.params.logprobs is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores = self._scores(logits, allowed)
+        if self.params.greedy:
+            token = int(torch.argmax(scores[0]))
+        else:
+            probs = self._probs(scores)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        return token, self._logprobs(logits, token)
+
+    def verify(
+        self, logits: torch.Tensor, draft: Sequence[int]
+    ) -> tuple[int, int, TokenLogprobs | None]:
+        """Speculative decoding's check of ``draft`` against ``logits``, ``[len(draft) + 1,
+        vocab]`` (row i: after the session's tokens and ``draft[:i]``): ``(kept, token,
+        logprobs)``, the drafts kept and the token after them. Greedy keeps the drafts the
+        argmax agrees with (plain decoding's tokens exactly); sampling keeps each with the
+        rejection rule (``verify.reject_or_keep``: the tokens are distributed as plain
+        sampling's), drawing from the session's generator. Each row is scored with the
+        processors after the drafts before it (a penalty sees them), and the kept drafts are
+        observed; the caller observes ``token``, as after :meth:`pick`."""
+        from swarmp2p.runtime.torch.serve.verify import check_rows, reject_or_keep
+
+        check_rows(logits, draft)
+        for i, drafted in enumerate(draft):
+            scores = self._scores(logits[i], None)
+            if self.params.greedy:
+                token = int(torch.argmax(scores[0]))
+                rejected = None if token == drafted else token
+            else:
+                rejected = reject_or_keep(self._probs(scores).cpu(), drafted, self.generator)
+            if rejected is not None:
+                return i, rejected, self._logprobs(logits[i], rejected)
+            self.observe((drafted,))
+        token, logprobs = self.pick(logits[len(draft)])
+        return len(draft), token, logprobs
+
+    def _scores(self, logits: torch.Tensor, allowed: bytes | None) -> torch.Tensor:
+        """``[1, vocab]`` float32 scores of one logits row after the processors (bias,
+        penalties over the tokens observed so far) and a grammar's ``allowed`` mask."""
         scores = logits.float()[None]
         ids = self._ids[:, : self.seen] if self._ids is not None else None
         for processor in self._processors:
             scores = processor(ids, scores)
         if allowed is not None:
             scores = scores.masked_fill(~allowed_ids(allowed, scores.shape[-1]), float("-inf"))
-        if self.params.greedy:
-            token = int(torch.argmax(scores[0]))
-        else:
-            for warper in self._warpers:
-                scores = warper(ids, scores)
-            probs = scores[0].softmax(dim=-1)
-            if not torch.isfinite(probs).all():
-                raise ValueError(
-                    f"sampling with {self.params} gave probabilities that are not finite; "
-                    "use a larger temperature or smaller penalties and biases"
-                )
-            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
-        if logprobs is None:
-            return token, None
+        return scores
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution ``[vocab]`` of processed ``scores`` (the warpers, then
+        softmax); ValueError when it is not finite."""
+        for warper in self._warpers:
+            scores = warper(None, scores)
+        probs = scores[0].softmax(dim=-1)
+        if not torch.isfinite(probs).all():
+            raise ValueError(
+                f"sampling with {self.params} gave probabilities that are not finite; "
+                "use a larger temperature or smaller penalties and biases"
+            )
+        return probs
+
+    def _logprobs(self, logits: torch.Tensor, token: int) -> TokenLogprobs | None:
+        """``token``'s log-probability under the model's own distribution (and the top ones'),
+        when the session asked for them."""
+        if self.params.logprobs is None:
+            return None
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         top: tuple[tuple[int, float], ...] = ()
         if self.params.logprobs:
             values, indices = torch.topk(logprobs, self.params.logprobs)
             top = tuple(zip(indices.tolist(), values.tolist()))
-        return token, TokenLogprobs(logprob=float(logprobs[token]), top=top)
+        return TokenLogprobs(logprob=float(logprobs[token]), top=top)
 
 
 def allowed_ids(mask: bytes, vocab: int) -> torch.Tensor:

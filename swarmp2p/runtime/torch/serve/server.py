@@ -11,6 +11,13 @@ what leaves, so only the k-dim code crosses, as its codes when ``send_codes``). 
 samples each row's next token with its own sampler (parameters, seed, penalties), so only
 token ids go back to the session manager. Groups interleave: while stage 1 runs group A's
 step, stage 0 runs group B's.
+
+Speculative decoding (``serve.protocol``): a decode step with drafts runs ``1 + k`` positions
+per row in the same one forward; the last stage verifies each row's drafts
+(:meth:`~swarmp2p.runtime.torch.serve.sampling.SessionSampler.verify`) and rolls its caches
+back past the rejected ones at once; an earlier stage rolls a row back when its next step
+arrives at a position inside the ones the speculative step wrote (``_Session.floor``). A stage
+with recurrent blocks runs the first position only and drops the drafts (``spec_off``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from swarmp2p.runtime.torch.model.stage import Stage
 from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
 from swarmp2p.runtime.torch.serve.sampling import SessionSampler
 from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.runtime.torch.serve.speculative import (
+    draft_ids,
+    no_speculation,
+    take_back,
+    verify_rows,
+)
 from swarmp2p.runtime.torch.train.boundary import (
     BoundaryError,
     apply_boundary,
@@ -75,6 +88,9 @@ class _Session:
     """Until its last prefill chunk has run here."""
     batch: SessionBatch | None = None
     row: int = 0
+    floor: int | None = None
+    """After a speculative step here: the fewest tokens the row may be rolled back to (its
+    newest token kept, its drafts not yet known to be); None: no rollback allowed."""
 
     @property
     def length(self) -> int:
@@ -157,6 +173,9 @@ class StageServer:
             one_width=LINEAR_ATTENTION in stage.block_types,
         )
         self._decodes: collections.deque[tuple[Decode, list]] = collections.deque()
+        self._no_spec = no_speculation(stage)
+        self.drafted = 0
+        """Drafted positions this stage ran."""
         self._decode_turn = True
         self._dtype = next(
             (p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32
@@ -199,6 +218,7 @@ class StageServer:
             "peak_batch": self.peak_batch,
             "peak_prefill_rows": self.peak_prefill_rows,
             "steps": self.steps,
+            "drafted": self.drafted,
             "busy_s": round(self.busy_s, 3),
             "waiting": len(self._chunks) + len(self._decodes),
         }
@@ -434,10 +454,14 @@ class StageServer:
     # -- one decode step of a group -------------------------------------------------------------
 
     def _decode(self, msg: Decode, payload: list) -> list[list]:
+        width, spec_off = msg.width, msg.spec_off
+        if width > 1 and self._no_spec:  # the first position only; the drafts go no further
+            width, spec_off = 1, spec_off or self._no_spec
         keep: list[int] = []
         refused: dict[str, list[int]] = {}
         for i, sid in enumerate(msg.sids):
-            why = self._refusal(sid, msg.positions[i], msg.tokens[i] if msg.tokens else None)
+            take_back(self.sessions.get(sid), msg.positions[i])
+            why = self._refusal(sid, msg.positions[i], msg.tokens[i] if msg.tokens else None, width)
             if why is None:
                 keep.append(i)
             else:
@@ -450,34 +474,40 @@ class StageServer:
         sids = tuple(msg.sids[i] for i in keep)
         positions = tuple(msg.positions[i] for i in keep)
         tokens = tuple(msg.tokens[i] for i in keep) if msg.tokens else ()
-        x = self._input(tokens, payload, rows=len(msg.sids), length=1)
+        drafts = tuple(msg.drafts[i] for i in keep) if width > 1 else ()
+        x = self._step_input(tokens, drafts, payload, rows=len(msg.sids), width=msg.width)
         if len(keep) < len(msg.sids) and not self.stage.is_first_stage:
             x = x[torch.tensor(keep, device=x.device)]
+        x = x[:, :width]
         batch = self._regroup(sids)
         now = time.monotonic()
         for sid in sids:
             self.sessions[sid].last_used = now
         try:
-            hidden = self._forward(x, batch)
+            hidden = self._forward(x, batch, width=width)
         except Exception as e:  # every row of the step fails with the forward's reason
             return out + self._error(sids, f"{type(e).__name__}: {e}")
         self.steps += 1
+        self.drafted += sum(len(d) for d in drafts)
         self.last_batch = len(sids)
         self.peak_batch = max(self.peak_batch, len(sids))
         sizes = (*msg.sizes, len(sids))
         if not self.stage.is_last_stage:
+            for sid, pos in zip(sids, positions):  # its drafts are kept or not at the last stage
+                self.sessions[sid].floor = pos + 1 if width > 1 else None
             # only stage 0 reads the ids (the last stage picked them itself)
             step = Decode(
-                group=msg.group, step=msg.step, sids=sids, positions=positions, sizes=sizes
+                group=msg.group,
+                step=msg.step,
+                sids=sids,
+                positions=positions,
+                sizes=sizes,
+                drafts=drafts,
+                spec_off=spec_off,
             )
             return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
-        picked, logprobs = [], []
-        for row, sid in enumerate(sids):
-            sampler = self.sessions[sid].sampler
-            token, lp = sampler.pick(hidden[row, -1])
-            sampler.observe((token,))
-            picked.append(token)
-            logprobs.append(lp)
+        samplers = [self.sessions[sid].sampler for sid in sids]
+        picked, logprobs, kept = verify_rows(samplers, hidden, drafts, positions, batch, width)
         reply = Tokens(
             group=msg.group,
             step=msg.step,
@@ -486,11 +516,14 @@ class StageServer:
             tokens=tuple(picked),
             sizes=sizes,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
+            kept=tuple(kept) if drafts else (),
+            spec_off=spec_off,
         )
         return [*out, [reply.encode()]]
 
-    def _refusal(self, sid: int, pos: int, token: int | None) -> str | None:
-        """Why this stage cannot step a row (None: it can); a refused session is dropped."""
+    def _refusal(self, sid: int, pos: int, token: int | None, width: int = 1) -> str | None:
+        """Why this stage cannot step a row of ``width`` positions (None: it can); a refused
+        session is dropped."""
         session = self.sessions.get(sid)
         if session is None:
             return f"session {sid} is not open here (no prefill, or it ended)"
@@ -501,13 +534,31 @@ class StageServer:
                 f"session {sid} step at position {pos}, but the cache holds "
                 f"{session.length} tokens (a message was lost)"
             )
-        if pos + 1 > self.max_context:
-            return f"session {sid} would hold {pos + 1} tokens, over max_context {self.max_context}"
+        if pos + width > self.max_context:
+            return (
+                f"session {sid} would hold {pos + width} tokens, over max_context "
+                f"{self.max_context}"
+            )
         if self.stage.is_first_stage and token is None:
             return f"session {sid}: a decode step without its token id reached the first stage"
         if self.stage.is_first_stage and self._vocab is not None and token >= self._vocab:
             return f"token id {token} is outside the vocabulary ({self._vocab} ids)"
         return None
+
+    def _step_input(self, tokens, drafts, payload: list, *, rows: int, width: int):
+        """A decode step's input: stage 0 the ids ``[rows, width]`` (each row's newest token,
+        its draft, and its newest token again as padding to the longest draft); later stages
+        the hidden state, ``[rows, width, H]``."""
+        if not self.stage.is_first_stage:
+            x = self._input(tokens, payload, rows=rows, length=None)
+            if x.shape[1] != width:
+                raise ValueError(
+                    f"hidden state of shape {tuple(x.shape)} is not {width} position(s) wide"
+                )
+            return x
+        if not drafts:
+            return self._input(tokens, payload, rows=rows, length=1)
+        return draft_ids(tokens, drafts, self._vocab, self._device)
 
     def _regroup(self, sids: tuple[int, ...]) -> SessionBatch:
         """The batch holding exactly ``sids`` as its rows, in order (rows copied on a change)."""
@@ -560,10 +611,13 @@ class StageServer:
         batch: SessionBatch,
         counts: list[int] | None = None,
         heads: list[int] | None = None,
+        *,
+        width: int = 1,
     ) -> torch.Tensor:
         """The stage over ``x`` on ``batch``. Not last: what crosses the boundary after it. Last:
-        the logits of each row's last position (generate's ``logits_to_keep=1``: a long prompt
-        skips T-1 rows of the vocabulary-wide matmul), ``[rows, 1, V]``; for a prefill padded
+        the logits of each row's last ``width`` positions (generate's ``logits_to_keep``: a long
+        prompt skips T-1 rows of the vocabulary-wide matmul; a speculative step keeps them
+        all), ``[rows, width, V]``; for a prefill padded
         on the right, the rows ``heads`` only, at their last real position (``counts``)."""
         started = time.perf_counter()
         try:
@@ -574,7 +628,7 @@ class StageServer:
                 if not self.stage.is_last_stage:
                     return self._boundary(hidden)
                 if heads is None:
-                    return self.stage.logits(hidden[:, -1:])
+                    return self.stage.logits(hidden[:, -width:])
                 if not heads:  # no row's prompt ends in this chunk
                     return hidden[:0]
                 rows = torch.tensor(heads, device=hidden.device)

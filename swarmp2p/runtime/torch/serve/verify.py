@@ -24,7 +24,7 @@ from swarmp2p.serve.decoding.speculate import accepted_prefix
 def verify_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
     """``scores``: ``[len(draft) + 1, vocab]`` (logits after the session's processors).
     Returns ``(kept, token)``: how many drafts the argmax confirms, and the argmax after them."""
-    _check(scores, draft)
+    check_rows(scores, draft)
     choices = torch.argmax(scores, dim=-1).tolist()
     kept = accepted_prefix(draft, choices)
     return kept, int(choices[kept])
@@ -39,31 +39,47 @@ def verify_sampled(
     """``probs``: ``[len(draft) + 1, vocab]``, the model's sampling distribution at each row
     (after temperature, top-k/p); ``draft_probs``: ``[len(draft), vocab]``, the drafter's
     (None: a deterministic draft, one-hot). Returns ``(kept, token)``."""
-    _check(probs, draft)
+    check_rows(probs, draft)
     if draft_probs is not None and draft_probs.shape != (len(draft), probs.shape[1]):
         raise ValueError(
             f"draft_probs has shape {tuple(draft_probs.shape)}, not {(len(draft), probs.shape[1])}"
         )
     for i, token in enumerate(draft):
-        p = float(probs[i, token])
-        q = float(draft_probs[i, token]) if draft_probs is not None else 1.0
-        u = float(torch.rand((), generator=generator))
-        if q > 0 and u < min(1.0, p / q):
-            continue
-        residual = probs[i].clone()
-        if draft_probs is None:
-            residual[token] = 0.0
-        else:
-            residual = torch.clamp(residual - draft_probs[i], min=0.0)
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q: a rejection cannot happen; guard against round-off
-            residual, total = probs[i].clone(), float(probs[i].sum())
-        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+        q_row = draft_probs[i] if draft_probs is not None else None
+        resampled = reject_or_keep(probs[i], token, generator, q_row)
+        if resampled is not None:
+            return i, resampled
     last = probs[len(draft)]
     return len(draft), int(torch.multinomial(last / last.sum(), 1, generator=generator))
 
 
-def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
+def reject_or_keep(
+    p: torch.Tensor,
+    token: int,
+    generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
+) -> int | None:
+    """One drafted ``token`` under the model's distribution ``p`` (``[vocab]``) and the
+    drafter's ``q`` (None: a deterministic draft): None when it is kept (probability
+    ``min(1, p/q)``), else the token drawn from the residual ``max(0, p - q)`` in its place."""
+    p_x = float(p[token])
+    q_x = float(q[token]) if q is not None else 1.0
+    u = float(torch.rand((), generator=generator))
+    if q_x > 0 and u < min(1.0, p_x / q_x):
+        return None
+    residual = p.clone()
+    if q is None:
+        residual[token] = 0.0
+    else:
+        residual = torch.clamp(residual - q, min=0.0)
+    total = float(residual.sum())
+    if total <= 0.0:  # p == q: a rejection cannot happen; guard against round-off
+        residual, total = p.clone(), float(p.sum())
+    return int(torch.multinomial(residual / total, 1, generator=generator))
+
+
+def check_rows(rows: torch.Tensor, draft: Sequence[int]) -> None:
+    """ValueError unless ``rows`` is ``[len(draft) + 1, vocab]`` and every draft is an id."""
     if rows.dim() != 2 or rows.shape[0] != len(draft) + 1:
         raise ValueError(
             f"verification needs {len(draft) + 1} rows (the drafts + 1), got shape "
@@ -73,4 +89,4 @@ def _check(rows: torch.Tensor, draft: Sequence[int]) -> None:
         raise ValueError(f"a drafted id is outside the vocabulary of {rows.shape[1]}")
 
 
-__all__ = ["verify_greedy", "verify_sampled"]
+__all__ = ["check_rows", "reject_or_keep", "verify_greedy", "verify_sampled"]

@@ -1,0 +1,70 @@
+"""A stage server's half of speculative decoding (``serve.protocol``, "Speculative decoding"):
+stage 0's input of a step with drafts, the last stage's verification of each row, and the
+rollback an earlier stage makes when the row's next step says how many drafts were kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
+from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+
+
+def no_speculation(stage) -> str:
+    """Why ``stage`` cannot run drafts (empty: it can): a recurrent block's state cannot take
+    rejected tokens back."""
+    if LINEAR_ATTENTION not in stage.block_types:
+        return ""
+    return (
+        f"stage [{stage.layer_start}, {stage.layer_end}) has linear-attention (recurrent) "
+        "blocks, whose state cannot take rejected drafts back: speculative decoding is off "
+        "for this model"
+    )
+
+
+def draft_ids(
+    tokens: Sequence[int], drafts: Sequence[Sequence[int]], vocab: int | None, device
+) -> torch.Tensor:
+    """Stage 0's ids of a step with drafts, ``[rows, 1 + longest draft]``: each row's newest
+    token, its draft, then its newest token again as padding (rejected like a wrong draft)."""
+    wide = 1 + max(len(d) for d in drafts)
+    ids = [[t, *d, *([t] * (wide - 1 - len(d)))] for t, d in zip(tokens, drafts)]
+    top = max(max(row) for row in ids)
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"token id {top} is outside the vocabulary ({vocab} ids)")
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def verify_rows(samplers, logits: torch.Tensor, drafts, positions, batch: SessionBatch, width):
+    """The last stage: each row's token after its kept drafts (``logits``: ``[rows, width,
+    V]``), as ``(tokens, logprobs, kept)``; the rows' caches keep only the kept positions."""
+    picked, logprobs, kept = [], [], []
+    for row, sampler in enumerate(samplers):
+        draft = drafts[row] if drafts else ()
+        if draft:
+            n, token, lp = sampler.verify(logits[row, : len(draft) + 1], draft)
+        else:
+            n, (token, lp) = 0, sampler.pick(logits[row, 0])
+        sampler.observe((token,))
+        if width > 1:  # the rejected drafts (and a shorter row's padding) leave the cache
+            batch.rollback(row, positions[row] + 1 + n)
+        picked.append(token)
+        logprobs.append(lp)
+        kept.append(n)
+    return picked, logprobs, kept
+
+
+def take_back(session, pos: int) -> None:
+    """A row's step after a speculative one at an earlier stage: its position says how many of
+    the tokens that step wrote the last stage kept; drop the rest, never past the floor (the
+    row's newest token then)."""
+    if session is None or session.floor is None:
+        return
+    floor, session.floor = session.floor, None
+    if session.batch is not None and floor <= pos < session.length:
+        session.batch.rollback(session.row, pos)
+
+
+__all__ = ["draft_ids", "no_speculation", "take_back", "verify_rows"]
