@@ -72,6 +72,9 @@ class SessionState:
     sampling: SamplingParams
     stop_ids: frozenset[int] = frozenset()
     stop: Callable[[list[int]], bool] | None = None
+    grammar: str | None = None
+    """A structured output's grammar text: it rides the session's prefill (and a replay's) to
+    the last stage, which masks every token the session samples with it."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """Per generated token, when the sampling asked for log-probabilities."""
@@ -89,6 +92,14 @@ class SessionState:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_activity: float = 0.0
+
+    @property
+    def speculate(self) -> bool:
+        """Whether a decode step may carry drafted tokens for this session. A grammar session
+        does not speculate: its last stage masks one sampled token at a time with the grammar's
+        state, and a draft's tokens would be verified against logits its mask never saw (a
+        drafter honours this flag; see docs/serving.md)."""
+        return self.grammar is None
 
     @property
     def expect(self) -> int:
@@ -351,6 +362,7 @@ class Scheduler:
                 tokens=session.prompt + tuple(session.tokens),
                 sampling=session.sampling,
                 prompt_len=len(session.prompt),
+                grammar=session.grammar,
             )
             out.sends.append((replay, (session,)))
         return out
@@ -365,7 +377,13 @@ class Scheduler:
         self._running[session.sid] = session
         session.state = "prefill"
         session.admitted_at = session.last_activity = now
-        prefill = Prefill(sid=session.sid, pos=0, tokens=session.prompt, sampling=session.sampling)
+        prefill = Prefill(
+            sid=session.sid,
+            pos=0,
+            tokens=session.prompt,
+            sampling=session.sampling,
+            grammar=session.grammar,
+        )
         out.sends.append((prefill, (session,)))
 
     def _admit_waiting(self, now: float, out: Outcome) -> None:
