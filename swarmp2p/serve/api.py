@@ -124,8 +124,7 @@ class _Api:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         raw = await request.read()
-        # a large body's tokenizing and a grammar's compiling do not run on the loop
-        if len(raw) > OFF_LOOP_BYTES or b'"response_format"' in raw or b'"tools"' in raw:
+        if len(raw) > OFF_LOOP_BYTES:  # parsing and tokenizing a large body: not on the loop
             req = await asyncio.to_thread(parse_body, raw, self.models, chat)
         else:
             req = parse_body(raw, self.models, chat)
