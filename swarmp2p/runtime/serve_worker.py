@@ -96,6 +96,24 @@ def _load_trained(spec):
     return trained
 
 
+def _grammar_tokenizer(spec, stage):
+    """A last stage's tokenizer for structured outputs, from the model folder it loaded (a Hub
+    model's cached snapshot): made on a thread now; a folder without one fails only the
+    grammar sessions, naming why."""
+    from pathlib import Path
+
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.runtime.torch.serve.sampling import GrammarTokenizer
+
+    folder = resolve_model_ref(spec.model)
+    if not Path(folder).is_dir():  # a Hub id: the stage's files are in the local cache
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(folder, "tokenizer.json")
+        folder = Path(cached).parent if isinstance(cached, str) else Path(folder)
+    return GrammarTokenizer(folder, getattr(stage.config, "vocab_size", 0) or 0)
+
+
 def run() -> int:
     from swarmp2p.serve.spec import parse_serve_spec
 
@@ -159,6 +177,7 @@ def run() -> int:
             **halves,
             max_sessions=spec.plan.max_sessions,
             max_context=spec.plan.max_context,
+            grammar_tokenizer=_grammar_tokenizer(spec, stage) if spec.is_last else None,
         )
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)

@@ -167,9 +167,12 @@ class _Api:
         for choice in generation.choices:
             text = "".join(texts[choice.index])
             indices = list(range(len(choice.session.tokens)))
-            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.reply_reason}
             if req.chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                content, calls = choice.split(text, final=True)
+                entry["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    entry["message"].update(content=content.strip() or None, tool_calls=calls)
                 content = generation.chat_logprobs(choice, indices)
                 entry["logprobs"] = None if content is None else {"content": content}
             else:
@@ -186,11 +189,17 @@ class _Api:
         extra = {"usage": None} if req.include_usage else {}
         offsets = [0] * req.n
 
-        def chunk(choice: Choice, content: str | None, tokens: list[int], finish=None) -> dict:
+        def chunk(
+            choice: Choice, content: str | None, tokens: list[int], finish=None, calls=()
+        ) -> dict:
             if req.chat:
                 delta: dict[str, Any] = {}
                 if content:
                     delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [
+                        {"index": choice.tools.calls.index(c), **c} for c in calls
+                    ]
                 logprobs = generation.chat_logprobs(choice, tokens)
                 body = {
                     "index": choice.index,
@@ -230,11 +239,12 @@ class _Api:
             done = 0
             while True:
                 choice, kind, _ = event
-                if piece or (tokens and req.logprobs is not None):
-                    await response.write(_sse(chunk(choice, piece, tokens)))
+                piece, calls = choice.split(piece, final=kind == "done")
+                if piece or calls or (tokens and req.logprobs is not None):
+                    await response.write(_sse(chunk(choice, piece, tokens, calls=calls)))
                 if kind == "done":
                     done += 1
-                    await response.write(_sse(chunk(choice, None, [], choice.finish_reason)))
+                    await response.write(_sse(chunk(choice, None, [], choice.reply_reason)))
                     if done == req.n:
                         break
                 event = await generation.next()

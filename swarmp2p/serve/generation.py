@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from swarmp2p.serve.decoding.grammar import ToolCallStream
 from swarmp2p.serve.metrics import ServeMetrics
 from swarmp2p.serve.request import ApiError, GenerationRequest
 from swarmp2p.serve.session import GenerationError, RingBusy, Session
@@ -42,6 +43,23 @@ class Choice:
     """Tokens whose events were handled (their logprobs reported)."""
     last_token_at: float | None = None
     finish_reason: str | None = None
+    tools: ToolCallStream | None = None
+    """Where a reply that may call tools is split into content and calls."""
+
+    def split(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """``text`` as content and the tool calls it completed (all content without tools);
+        ``final``: the reply ended, and what was held back is content."""
+        if self.tools is None:
+            return text, []
+        content, calls = self.tools.push(text)
+        return (content + self.tools.finish(), calls) if final else (content, calls)
+
+    @property
+    def reply_reason(self) -> str | None:
+        """The finish reason the reply reports: "tool_calls" once it called a tool."""
+        if self.tools is not None and self.tools.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
 
 class ClientGone(Exception):
@@ -82,6 +100,7 @@ class Generation:
                     sampling=sampling,
                     stop_ids=req.model.codec.eos_ids,
                     stop=text.push,
+                    grammar=req.grammar,
                     loop=loop,
                 )
             except RingBusy as e:
@@ -93,7 +112,8 @@ class Generation:
             except ValueError as e:
                 self.close()
                 raise ApiError(400, str(e)) from None
-            choice = Choice(index=index, session=session, text=text)
+            tools = ToolCallStream() if req.tool_calls else None
+            choice = Choice(index=index, session=session, text=text, tools=tools)
             self.choices.append(choice)
             self._tasks.append(asyncio.ensure_future(self._pump(choice)))
 

@@ -4,15 +4,18 @@ A ring is the session manager, then stage 0 .. stage N-1, then the manager again
 
 | op        | from -> to                  | fields                                   | tensor after it |
 |-----------|-----------------------------|------------------------------------------|-----------------|
-| `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len* | hidden [1, T, H] (stage > 0) |
+| `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len*, grammar* | hidden [1, T, H] (stage > 0) |
 | `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes, drafts*, spec_off* | hidden [B, 1 + k, H] (stage > 0) |
 | `end`     | manager -> every stage      | sid                                      | none            |
 | `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs, kept*, spec_off* | none |
 | `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
-(*) only with ``pos == 0``, the first chunk of a session. A ``prefill`` carries the token ids of
+(*) only with ``pos == 0``, the first chunk of a session. ``grammar`` is a structured output's
+llguidance grammar (``serve.decoding.grammar``): the last stage masks every token it samples for
+the session with it. A ``prefill`` carries the token ids of
 its chunk (stage 0 embeds them; they go on to the last stage only when a penalty of the session
-needs them, else only their count, the hidden state's length, does); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
+needs them, or a grammar session's replay, whose generated tokens advance its grammar, else only
+their count, the hidden state's length, does); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
 chunks (``more`` is true on all but the last), so a long prompt never stalls other sessions'
 decode steps for long. A ``prefill`` at ``pos == 0`` of a session a stage already holds starts
 it over (failover replays a session's tokens this way).
@@ -48,6 +51,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from swarmp2p.serve.decoding.grammar import MAX_GRAMMAR_BYTES
 from swarmp2p.wire import WireError, unpack_plain
 
 OPS = ("prefill", "decode", "end", "tokens", "error")
@@ -242,6 +246,9 @@ class Prefill:
     prompt_len: int | None = None
     """With pos 0: how many of the session's tokens are its prompt (the rest were generated
     before a failover replayed them); None: all of them."""
+    grammar: str | None = None
+    """With pos 0: the llguidance grammar every token of the session must follow (a
+    structured output or a forced tool call); None: unconstrained."""
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"sid": self.sid, "pos": self.pos, "tokens": list(self.tokens)}
@@ -251,6 +258,8 @@ class Prefill:
             body["sampling"] = self.sampling.to_dict()
         if self.prompt_len is not None:
             body["prompt_len"] = self.prompt_len
+        if self.grammar is not None:
+            body["grammar"] = self.grammar
         return body
 
     def encode(self) -> bytes:
@@ -387,7 +396,7 @@ def _pack(op: str, body: dict[str, Any]) -> bytes:
 # --- parsing ----------------------------------------------------------------------------------
 
 _ALLOWED = {
-    "prefill": ({"sid", "pos", "tokens"}, {"more", "sampling", "prompt_len"}),
+    "prefill": ({"sid", "pos", "tokens"}, {"more", "sampling", "prompt_len", "grammar"}),
     "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"drafts", "spec_off"}),
     "end": ({"sid"}, set()),
     "tokens": (
@@ -531,6 +540,14 @@ def _parse_prefill(obj: dict) -> Prefill:
         prompt_len = _int(obj, "prompt_len", 0, MAX_POSITION)
     if pos != 0 and (sampling is not None or prompt_len is not None):
         raise _bad("sampling", "sampling and prompt_len go with the first chunk (pos 0) only")
+    grammar = obj.get("grammar")
+    if grammar is not None:
+        if type(grammar) is not str or not grammar or len(grammar) > MAX_GRAMMAR_BYTES:
+            raise _bad(
+                "grammar", f"must be a grammar's text of 1 to {MAX_GRAMMAR_BYTES} characters"
+            )
+        if pos != 0:
+            raise _bad("grammar", "a grammar goes with the first chunk (pos 0) only")
     return Prefill(
         sid=_int(obj, "sid", 0, MAX_SID),
         pos=pos,
@@ -538,4 +555,5 @@ def _parse_prefill(obj: dict) -> Prefill:
         more=more,
         sampling=sampling,
         prompt_len=prompt_len,
+        grammar=grammar,
     )

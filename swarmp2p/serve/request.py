@@ -4,8 +4,12 @@ names the parameter.
 
 The body's shape is two records, :class:`CompletionBody` and :class:`ChatBody`, under OpenAI's
 own parameter names, checked by ``swarmp2p.schema`` (every bad parameter named with its path);
-``parse_request`` then applies what needs the served model (its vocabulary, its context) and
-refuses what this server does not do. As OpenAI-compatible servers do, a ``null`` parameter is
+``parse_request`` then applies what needs the served model (its vocabulary, its context, its
+chat template) and refuses what this server does not do. ``response_format`` json_object and
+json_schema, and a tool call that ``tool_choice`` forces, become a grammar
+(``serve.decoding.grammar``) the last stage constrains every token with; ``tools`` reach the
+chat template, and with tool_choice auto the reply's ``<tool_call>`` blocks become its
+``tool_calls``. As OpenAI-compatible servers do, a ``null`` parameter is
 an absent one and a parameter this server does not know is ignored.
 """
 
@@ -20,6 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from aiohttp import web
 
 from swarmp2p.schema import Bounds, FieldError, SchemaError, field, parse, show
+from swarmp2p.serve.decoding.grammar import GrammarError, grammar_for, tool_call_grammar
 from swarmp2p.serve.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.text import MAX_STOP_STRINGS, TextCodec
@@ -30,6 +35,10 @@ MAX_N = 16
 """Choices one request may ask for (each is a session of the batch)."""
 MAX_STOP_LENGTH = 1024
 """Characters one stop string may hold."""
+MAX_TOOLS = 128
+"""Tools one request may offer (OpenAI's limit)."""
+FUNCTION_NAME = r"[A-Za-z0-9_.\-]{1,64}"
+"""OpenAI's rule for a function's name."""
 
 
 class ApiError(Exception):
@@ -113,6 +122,11 @@ class GenerationRequest:
     logprobs: int | None
     """Top alternatives per token to report (0: the chosen token's only); None: no logprobs."""
     chat: bool
+    grammar: str | None = None
+    """The llguidance grammar every generated token must follow (response_format, a forced
+    tool call); None: unconstrained."""
+    tool_calls: bool = False
+    """The reply's ``<tool_call>`` blocks are parsed into ``tool_calls`` (tools were offered)."""
 
 
 # --- the bodies' shape: records under OpenAI's names -------------------------------------------
@@ -224,11 +238,14 @@ _NO_CONTENT, _NO_STOP = MessageContent(""), StopStrings()
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChatMessage(_OpenAI):
-    """One message of ``messages``."""
+    """One message of ``messages`` (an assistant's earlier ``tool_calls``, a ``tool`` message's
+    ``tool_call_id``: a tool-calling conversation goes on)."""
 
     role: str
     content: MessageContent = _NO_CONTENT
     name: str | None = None
+    tool_calls: Annotated[list[dict], Bounds(max_len=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = field(default=None, max_len=256)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,10 +257,47 @@ class StreamOptions(_OpenAI):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class JsonSchema(_OpenAI):
+    """``response_format.json_schema``: the schema the reply's JSON must match."""
+
+    name: str = field(default="schema", pattern=FUNCTION_NAME)
+    schema: dict = dataclasses.field(default_factory=dict)
+    """A JSON Schema; ``{}``: any JSON value."""
+    strict: bool = False
+    """Always kept here: the output is constrained to the schema whether or not it is set."""
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ResponseFormat(_OpenAI):
-    """``response_format``: only ``text`` is served (see ``parse_request``)."""
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise SchemaError(
+                [FieldError(path="json_schema", message="required with type json_schema")]
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FunctionDef(_OpenAI):
+    """A tool's ``function``: its name and its parameters' JSON Schema."""
+
+    name: str = field(pattern=FUNCTION_NAME)
+    description: str = ""
+    parameters: dict = dataclasses.field(default_factory=dict)
+    strict: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tool(_OpenAI):
+    """One of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 Bias = Annotated[float, Bounds(ge=-100, le=100)]
@@ -274,13 +328,18 @@ class _Body(_OpenAI):
     )
     """Token id (a decimal string) to a bias added to its logit."""
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Bounds(max_len=MAX_TOOLS)] = dataclasses.field(
+        default_factory=list
+    )
+    tool_choice: str | dict | None = None
+    """"none", "auto" (the default with tools), "required", or ``{"type": "function",
+    "function": {"name": N}}``."""
+    parallel_tool_calls: bool = True
     # asked for, refused by parse_request (this server does not do them)
     echo: bool = False
     suffix: str = ""
     best_of: int | None = field(default=None, ge=1)
-    tools: list = dataclasses.field(default_factory=list)
     functions: list = dataclasses.field(default_factory=list)
-    tool_choice: str | dict = "none"
     function_call: str | dict = "none"
 
     def __post_init__(self) -> None:
@@ -355,22 +414,117 @@ def _refuse_unsupported(body: _Body) -> None:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.best_of not in (None, body.n):
         raise ApiError(400, "best_of is not supported (beyond best_of == n)", param="best_of")
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name}: tool calling is not supported by this server", param=name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) != "none":
-            raise ApiError(400, f"{name}: tool calling is not supported by this server", param=name)
-    kind = body.response_format.type if body.response_format is not None else "text"
-    if kind != "text":
+    if body.functions or body.function_call != "none":
+        name = "functions" if body.functions else "function_call"
         raise ApiError(
             400,
-            f"response_format {kind} is not supported: this server cannot constrain its output "
-            "to JSON (it would be ignored, so it is refused); ask for JSON in the prompt and "
-            "validate the reply, or leave response_format out",
-            param="response_format",
-            code="unsupported_response_format",
+            f"{name}: the deprecated functions API is not supported; use tools and tool_choice",
+            param=name,
         )
+
+
+def _tool_choice(body: _Body) -> str | None:
+    """What ``tool_choice`` asks: "none", "auto", "required", or the name of the function to
+    call; ApiError naming it when it is not one of those, or names no offered tool."""
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if body.tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(
+                400,
+                f"tool_choice: {show(choice)} is not none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        name = None if choice == "none" else choice
+    else:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(
+                400,
+                'tool_choice: an object is {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+    if name is not None and not body.tools:
+        raise ApiError(400, f"tool_choice {name}: needs tools", param="tool_choice")
+    known = [t.function.name for t in body.tools]
+    if name not in (None, "auto", "required") and name not in known:
+        raise ApiError(
+            400,
+            f"tool_choice names function {name!r}, not one of the tools ({', '.join(known)})",
+            param="tool_choice",
+        )
+    return "none" if name is None else name
+
+
+def _constraint(body: _Body, model: ServedModel, tools: str) -> str | None:
+    """The grammar text the request asks for (response_format, or a forced tool call), or
+    None; ApiError naming the parameter when it cannot be one."""
+    kind = body.response_format.type if body.response_format is not None else "text"
+    if tools != "none" and kind != "text":
+        raise ApiError(
+            400,
+            f"response_format {kind} and tools cannot be asked for together (a reply is either "
+            'a tool call or JSON); leave one out, or send tool_choice "none"',
+            param="response_format",
+        )
+    if kind == "text" and tools in ("none", "auto"):
+        return None
+    param = "response_format" if kind != "text" else "tool_choice"
+    if not model.codec.eos_ids:
+        raise ApiError(
+            400,
+            f"{param}: the model names no end-of-sequence id, so a constrained reply could not "
+            "end; give its generation_config.json an eos_token_id",
+            param=param,
+        )
+    try:
+        if kind != "text":
+            fmt = body.response_format
+            return grammar_for(
+                {"type": kind, "json_schema": fmt.json_schema and _schema_spec(fmt.json_schema)}
+            ).text
+        functions = [{"type": "function", "function": _function(t.function)} for t in body.tools]
+        return tool_call_grammar(functions, None if tools == "required" else tools).text
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=param, code="invalid_schema") from None
+
+
+def _schema_spec(spec: JsonSchema) -> dict[str, Any]:
+    return {"name": spec.name, "schema": spec.schema, "strict": spec.strict}
+
+
+def _function(function: FunctionDef) -> dict[str, Any]:
+    return {"name": function.name, "parameters": function.parameters or {"type": "object"}}
+
+
+def _chat_messages(req: ChatBody) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: a tool call's arguments as an object, as
+    templates take them (they arrive as a JSON string, OpenAI's shape)."""
+    out = []
+    for m in req.messages:
+        message: dict[str, Any] = {"role": m.role, "content": str(m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+        out.append(message)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _logit_bias(body: _Body, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -412,17 +566,27 @@ def parse_request(body: object, models: dict[str, ServedModel], *, chat: bool) -
     req = _body(ChatBody, body) if chat else _body(CompletionBody, body)
     model = models[req.model]
     _refuse_unsupported(req)
+    tools = _tool_choice(req)
+    if tools != "none" and not chat:
+        raise ApiError(400, "tools: tool calls go with /v1/chat/completions", param="tools")
+    if tools != "none" and not model.codec.takes_tools:
+        raise ApiError(
+            400,
+            f"tools: the chat template of {model.name} does not take tools (it never reads "
+            "them), so the model would not see them; serve a model whose template renders "
+            'tools, or send tool_choice "none"',
+            param="tools",
+            code="unsupported_tools",
+        )
+    grammar = _constraint(req, model, tools)
     if isinstance(req, ChatBody):
-        messages = [
-            {
-                "role": m.role,
-                "content": str(m.content),
-                **({"name": m.name} if m.name is not None else {}),
-            }
-            for m in req.messages
-        ]
+        variables = {}
+        if tools != "none":
+            variables["tools"] = [
+                {"type": "function", "function": dataclasses.asdict(t.function)} for t in req.tools
+            ]
         try:
-            prompt = model.codec.encode_chat(messages)
+            prompt = model.codec.encode_chat(_chat_messages(req), **variables)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         where, verb = "messages", "have"
@@ -470,6 +634,8 @@ def parse_request(body: object, models: dict[str, ServedModel], *, chat: bool) -
         include_usage=req.stream_options.include_usage,
         logprobs=logprobs,
         chat=chat,
+        grammar=grammar,
+        tool_calls=tools != "none",
     )
 
 

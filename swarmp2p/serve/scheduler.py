@@ -79,6 +79,9 @@ class SessionState:
     sampling: SamplingParams
     stop_ids: frozenset[int] = frozenset()
     stop: Callable[[list[int]], bool] | None = None
+    grammar: str | None = None
+    """A structured output's grammar text: it rides the session's prefill (and a replay's) to
+    the last stage, which masks every token the session samples with it."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """Per generated token, when the sampling asked for log-probabilities."""
@@ -97,8 +100,10 @@ class SessionState:
     first_token_at: float | None = None
     last_activity: float = 0.0
     speculate: bool = True
-    """Whether this session may draft when the ring speculates (off: a grammar constrains its
-    tokens, or the caller said so)."""
+    """Whether this session may draft when the ring speculates (off: the caller said so). A
+    grammar session never drafts whatever this says: its last stage masks one sampled token at a
+    time with the grammar's state, and a draft's tokens would be verified against logits its
+    mask never saw (docs/serving.md)."""
     drafter: NgramIndex | None = None
     """Its prompt lookup over prompt + tokens, while it drafts."""
     draft_len: DraftLength | None = None
@@ -378,6 +383,7 @@ class Scheduler:
                 tokens=session.prompt + tuple(session.tokens),
                 sampling=session.sampling,
                 prompt_len=len(session.prompt),
+                grammar=session.grammar,
             )
             out.sends.append((replay, (session,)))
         return out
@@ -392,7 +398,13 @@ class Scheduler:
         self._running[session.sid] = session
         session.state = "prefill"
         session.admitted_at = session.last_activity = now
-        prefill = Prefill(sid=session.sid, pos=0, tokens=session.prompt, sampling=session.sampling)
+        prefill = Prefill(
+            sid=session.sid,
+            pos=0,
+            tokens=session.prompt,
+            sampling=session.sampling,
+            grammar=session.grammar,
+        )
         out.sends.append((prefill, (session,)))
 
     def _admit_waiting(self, now: float, out: Outcome) -> None:
@@ -409,6 +421,7 @@ class Scheduler:
             self.speculate != "none"
             and not self.spec_off
             and session.speculate
+            and session.grammar is None
             and session.sampling.logprobs is None
             and session.drafter is None
         ):

@@ -187,6 +187,7 @@ class RingClient:
         sampling: SamplingParams | None = None,
         stop_ids: Iterable[int] = (),
         stop: Callable[[list[int]], bool] | None = None,
+        grammar: str | None = None,
         hook: EventHook | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         speculate: bool = True,
@@ -194,9 +195,10 @@ class RingClient:
         """Start generating after ``prompt``; returns at once (the session may wait for a
         slot). ``stop_ids`` end the session when sampled (the id is kept as its last token);
         ``stop(tokens)`` is asked after every other token, the last one ``max_tokens`` allows
-        included. Greedy unless ``sampling`` says otherwise. With ``loop``, the events can be
-        awaited there (``aevents``). ``speculate`` False: this session never drafts (a
-        grammar-constrained one). RingBusy when the queue is full too."""
+        included. Greedy unless ``sampling`` says otherwise; ``grammar`` (a structured output's,
+        ``serve.decoding.grammar``) constrains every token at the last stage. With ``loop``, the
+        events can be awaited there (``aevents``). ``speculate`` False: this session never
+        drafts (a grammar session never does). RingBusy when the queue is full too."""
         prompt = check_request(prompt, max_tokens, self._scheduler.max_context)
         if not self._threads:
             raise RuntimeError("RingClient.start() first")
@@ -207,6 +209,7 @@ class RingClient:
             sampling=sampling or GREEDY,
             stop_ids=frozenset(stop_ids),
             stop=stop,
+            grammar=grammar,
             hook=hook,
             speculate=speculate,
         )

@@ -130,14 +130,34 @@ class TextCodec:
         except TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
         # the template writes the special tokens itself; the tokenizer must not add more
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        text = self.render_chat(messages, **variables)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (it reads the variable at all): one that
+        does not would drop a request's tools without a word."""
+        if self.chat_template is None:
+            return False
+        from jinja2 import TemplateSyntaxError, meta
+
+        try:
+            parsed = chat_environment().parse(self.chat_template)
+        except TemplateSyntaxError:
+            return False
+        return "tools" in meta.find_undeclared_variables(parsed)
 
 
 def compile_chat_template(source: str):
     """A chat template compiled in the jinja2 environment transformers renders them in
     (``transformers.utils.chat_template_utils._compile_jinja_template``)."""
+    return chat_environment().from_string(source)
+
+
+def chat_environment():
+    """The jinja2 environment transformers renders chat templates in."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -207,7 +227,7 @@ def compile_chat_template(source: str):
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    return env.from_string(source)
+    return env
 
 
 def _read_json(path: Path) -> dict:

@@ -401,21 +401,58 @@ def test_penalties_bias_and_min_p_change_the_output(client, served):
     assert forced.usage.completion_tokens == 8
 
 
-def test_response_format_is_enforced_or_refused_never_ignored(client):
-    for fmt in (
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-    ):
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(
-                model="embedded", messages=FRANCE, max_tokens=4, response_format=fmt
-            )
-        assert refused.value.body["param"] == "response_format"
-        assert "cannot constrain its output to JSON" in refused.value.body["message"]
-    ok = client.chat.completions.create(
-        model="embedded", messages=FRANCE, max_tokens=2, response_format={"type": "text"}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "address"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_is_enforced_on_every_seeded_reply(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model="embedded",
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,
+        )
+        text = reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    whole = client.chat.completions.create(
+        model="embedded",
+        messages=FRANCE,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
     )
-    assert ok.choices[0].finish_reason == "length"
+    assert isinstance(json.loads(whole.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="embedded",
+            messages=FRANCE,
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "x"}},
+            },
+        )
+    assert bad.value.body["param"] == "response_format"
 
 
 def _get(url, headers=None):

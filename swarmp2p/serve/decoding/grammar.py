@@ -14,8 +14,12 @@ which the light plane that drives sessions never imports), ships abi3 wheels for
 the project supports, compiles JSON schemas lazily (no per-schema warm-up), and handles the
 tokenizers of any Hugging Face fast tokenizer from its ``tokenizer.json``.
 
-The matcher runs where the session is driven (the issuing node), so the mask travels with the
-step that needs it and the stages stay free of grammar state. Light plane: no torch.
+The grammar is compiled where the request arrives (the issuing node: a bad schema is a 400
+there) and its text travels once, in the session's first ``prefill``, to the ring's last stage,
+which runs the session's :class:`Matcher` over the model's own tokenizer (read from the model
+folder the stage loaded, never sent) and masks every token it samples: no per-token mask crosses
+the ring, and no lap waits for the issuing node. A replay after a failover advances a new
+matcher over the tokens generated before it. Light plane: no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SCHEMA_BYTES = 64 * 1024
-"""A ``json_schema`` larger than this is refused (a grammar costs memory per session)."""
+"""A ``json_schema`` (or all of a request's ``tools``) larger than this is refused (a grammar
+costs memory per session)."""
+MAX_GRAMMAR_BYTES = 256 * 1024
+"""The longest grammar text a ``prefill`` carries (a schema's grammar is about its size)."""
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 """The common tool-call format of chat templates that take tools (Qwen, SmolLM3, Hermes)."""
 
@@ -46,6 +54,16 @@ class Grammar:
 
     text: str
     what: str
+
+
+def _checked(text: str, what: str) -> Grammar:
+    """The grammar ``text`` once llguidance accepts it and it fits a prefill."""
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what}: the grammar is {len(text)} bytes, above {MAX_GRAMMAR_BYTES}")
+    failed, messages = _llg().LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        raise GrammarError(f"{what}: {messages[0] if messages else 'not a valid schema'}")
+    return Grammar(text=text, what=what)
 
 
 def _llg():
@@ -69,10 +87,7 @@ def json_grammar(schema: Mapping[str, Any] | None, what: str) -> Grammar:
         text = llg.LLMatcher.grammar_from_json_schema(body, defaults=dict(JSON_LAYOUT))
     except ValueError as exc:
         raise GrammarError(f"{what}: {exc}") from None
-    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
-    if failed:
-        raise GrammarError(f"{what}: {messages[0] if messages else 'not a valid schema'}")
-    return Grammar(text=text, what=what)
+    return _checked(text, what)
 
 
 def grammar_for(response_format: Mapping[str, Any] | None) -> Grammar | None:
@@ -118,14 +133,17 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> G
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     what = f"tool_choice {name or 'required'}"
-    llg = _llg()
-    layout = {**schema, "x-guidance": JSON_LAYOUT}
-    lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(layout)}\n'
-    text = llg.LLMatcher.grammar_from_lark(lark)
-    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
-    if failed:
-        raise GrammarError(f"{what}: {messages[0] if messages else 'not a valid schema'}")
-    return Grammar(text=text, what=what)
+    body = json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    if len(body) > MAX_SCHEMA_BYTES:
+        raise GrammarError(
+            f"{what}: the tools' schemas are {len(body)} bytes, above {MAX_SCHEMA_BYTES}"
+        )
+    lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {body}\n'
+    try:
+        text = _llg().LLMatcher.grammar_from_lark(lark)
+    except ValueError as exc:
+        raise GrammarError(f"{what}: {exc}") from None
+    return _checked(text, what)
 
 
 _TOKENIZERS: dict[int, Any] = {}
@@ -217,10 +235,66 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return "".join(kept).strip() if calls else text, calls
 
 
+def _open_prefix(text: str) -> int:
+    """How many characters at the end of ``text`` could begin a ``<tool_call>`` block."""
+    for keep in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+class ToolCallStream:
+    """A streamed reply split as it comes into content and tool calls (``delta.tool_calls``):
+    text that may begin a ``<tool_call>`` block is held back until the block closes (a call, as
+    :func:`parse_tool_calls` reads it) or cannot be one (text). O(1) a piece but for a block
+    being written, which is held whole."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self.calls: list[dict[str, Any]] = []
+        """Every call so far, numbered in order (``call_0``, ...)."""
+
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content ready after ``text``, and the calls completed by it."""
+        held, out, calls = self._held + text, [], []
+        while True:
+            start = held.find(TOOL_CALL_OPEN)
+            if start < 0:
+                keep = _open_prefix(held)
+                out.append(held[: len(held) - keep])
+                held = held[len(held) - keep :]
+                break
+            end = held.find(TOOL_CALL_CLOSE, start)
+            if end < 0:
+                out.append(held[:start])
+                held = held[start:]
+                break
+            end += len(TOOL_CALL_CLOSE)
+            _, found = parse_tool_calls(held[start:end])
+            if found:
+                out.append(held[:start])
+                for call in found:
+                    call["id"] = f"call_{len(self.calls)}"
+                    self.calls.append(call)
+                    calls.append(call)
+            else:
+                out.append(held[:end])
+            held = held[end:]
+        self._held = held
+        return "".join(out), calls
+
+    def finish(self) -> str:
+        """What was held back at the end: an unclosed block is text."""
+        rest, self._held = self._held, ""
+        return rest
+
+
 __all__ = [
+    "MAX_GRAMMAR_BYTES",
     "Grammar",
     "GrammarError",
     "Matcher",
+    "ToolCallStream",
     "allowed",
     "grammar_for",
     "json_grammar",

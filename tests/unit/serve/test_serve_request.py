@@ -15,6 +15,7 @@ from swarmp2p.serve.text import TextCodec
 
 CONTEXT = 32
 HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,26 @@ def _refused(models, body, chat=False) -> ApiError:
         ({"prompt": "hi", "stop": ["a"] * 5}, "stop", "a list of up to 4 strings"),
         ({"prompt": "hi", "echo": True}, "echo", "echo is not supported by this server"),
         ({"prompt": "hi", "best_of": 2}, "best_of", "best_of is not supported"),
-        ({"prompt": "hi", "tools": [{}]}, "tools", "tool calling is not supported"),
-        ({"prompt": "hi", "tool_choice": "auto"}, "tool_choice", "tool calling is not supported"),
+        ({"prompt": "hi", "tools": [{}]}, "tools[0]", "tools[0].type: required"),
+        ({"prompt": "hi", "tool_choice": "auto"}, "tool_choice", "tool_choice auto: needs tools"),
+        ({"prompt": "hi", "tool_choice": "any"}, "tool_choice", "is not none, auto, required"),
+        ({"prompt": "hi", "tools": [TOOL]}, "tools", "tool calls go with /v1/chat/completions"),
+        (
+            {"prompt": "hi", "response_format": {"type": "json_schema"}},
+            "response_format",
+            "json_schema: required with type json_schema",
+        ),
+        (
+            {
+                "prompt": "hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "integer", "minimum": "x"}},
+                },
+            },
+            "response_format",
+            "response_format json_schema 's'",
+        ),
         ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format", '"json_object"'),
         ({"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias", "key 'a' is not a token id"),
         ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
@@ -128,8 +147,25 @@ def test_the_context_length_message_names_what_is_too_long(models):
     assert f"maximum context length is {CONTEXT} tokens, but the prompt has " in long.message
     chat = _refused(models, {"messages": [{"role": "user", "content": "word " * 40}]}, chat=True)
     assert "but the messages have " in chat.message and chat.param == "messages"
-    json_ = _refused(models, {"prompt": "hi", "response_format": {"type": "json_object"}})
-    assert json_.code == "unsupported_response_format"
+
+
+def test_structured_outputs_become_a_grammar_and_tools_need_a_template_that_takes_them(models):
+    plain = parse_request({"model": "m", "prompt": "hi"}, models, chat=False)
+    assert plain.grammar is None and not plain.tool_calls
+    json_ = parse_request(
+        {"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}},
+        models,
+        chat=False,
+    )
+    assert json_.grammar and not json_.tool_calls
+    # the test template never reads tools: offering them is refused, not silently dropped
+    refused = _refused(models, {"messages": HI, "tools": [TOOL]}, chat=True)
+    assert (refused.param, refused.code) == ("tools", "unsupported_tools")
+    assert "does not take tools" in refused.message
+    none = parse_request(
+        {"model": "m", "messages": HI, "tools": [TOOL], "tool_choice": "none"}, models, chat=True
+    )
+    assert none.grammar is None and not none.tool_calls
 
 
 def test_good_bodies_read_as_before(models):

@@ -1,17 +1,21 @@
 """Pick the next token from the last position's logits with transformers' logits processors:
-logit bias, repetition penalty, OpenAI's presence/frequency penalties, then (when sampling)
-temperature, top-k, top-p and min-p; greedy is the argmax of the penalised logits, as in
-``model.generate``. Each session has its own :class:`SessionSampler` (parameters, seeded
-generator, and the token counts a penalty needs, kept incrementally)."""
+logit bias, repetition penalty, OpenAI's presence/frequency penalties, a structured output's
+grammar mask, then (when sampling) temperature, top-k, top-p and min-p; greedy is the argmax of
+the penalised logits, as in ``model.generate``. Each session has its own :class:`SessionSampler`
+(parameters, seeded generator, the token counts a penalty needs, kept incrementally, and its
+grammar's matcher, advanced by every token it generates)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from swarmp2p.serve.decoding.grammar import Grammar, GrammarError, Matcher, ll_tokenizer
 from swarmp2p.serve.protocol import SamplingParams, TokenLogprobs
 
 
@@ -72,8 +76,17 @@ class SessionSampler:
     tokens as they become known (prompt chunks, then each sampled token); ``pick`` returns the
     next token (and its log-probabilities when asked)."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt_len: int | None = None):
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt_len: int | None = None,
+        matcher: Matcher | None = None,
+    ):
         self.params = params
+        self.matcher = matcher
+        """The session's grammar (None: unconstrained): every pick is masked with it, and
+        every generated token it observes advances it (a replay's included)."""
         self.generator = new_generator(params)
         self.prompt_len = prompt_len
         """Tokens of the session that are prompt (penalties of OpenAI's kind skip them)."""
@@ -109,8 +122,15 @@ class SessionSampler:
         if not tokens and count:
             if self._ids is not None or self._counts is not None:
                 raise ValueError("a penalty needs the session's token ids, and they did not come")
+            if self.matcher is not None and self.prompt_len is not None:
+                raise ValueError(
+                    "a replayed grammar session needs its token ids, they did not come"
+                )
             self.seen += count
             return
+        if self.matcher is not None and self.prompt_len is not None:
+            for token in tokens[max(0, self.prompt_len - self.seen) :]:
+                self.matcher.advance(token)
         if self._ids is not None:
             need = self.seen + len(tokens)
             if need > self._ids.shape[1]:  # doubling: O(1) amortised per token
@@ -130,15 +150,24 @@ class SessionSampler:
         if self.prompt_len is None:
             self.prompt_len = self.seen
 
+    def next(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        """:meth:`pick` the session's next token, then :meth:`observe` it."""
+        token, logprobs = self.pick(logits)
+        self.observe((token,))
+        return token, logprobs
+
     def pick(
         self, logits: torch.Tensor, allowed: bytes | None = None
     ) -> tuple[int, TokenLogprobs | None]:
         """The next token from a ``[vocab]`` logits row, and its log-probabilities (under the
         model's own distribution, before any processor) when the session asked for them.
         ``allowed``: a structured output's bitmask of the ids its grammar allows next
-        (``serve.decoding.grammar``): every other id is excluded before the choice, greedy or not."""
+        (``serve.decoding.grammar``; the session's matcher's when None): every other id is
+        excluded before the choice, greedy or not."""
         if logits.dim() != 1:
             raise ValueError(f"pick takes one [vocab] row, got shape {tuple(logits.shape)}")
+        if allowed is None and self.matcher is not None:
+            allowed = self.matcher.mask()
         scores = self._scores(logits, allowed)
         if self.params.greedy:
             token = int(torch.argmax(scores[0]))
@@ -220,3 +249,46 @@ def allowed_ids(mask: bytes, vocab: int) -> torch.Tensor:
     if not bool(out.any()):
         raise ValueError("the structured output's grammar allows no token of this vocabulary")
     return out
+
+
+class GrammarTokenizer:
+    """The model's tokenizer as llguidance reads it, for a last stage's grammars: made from the
+    model folder's own ``tokenizer.json`` and end-of-sequence ids (``TextCodec.from_folder``, as
+    the issuing node reads them), on a thread from the start (~1 s for a 50k vocabulary), so the
+    first grammar session does not stall the stage's loop."""
+
+    def __init__(self, folder: str | Path, vocab_size: int) -> None:
+        self.folder, self.vocab_size = Path(folder), vocab_size
+        self._made, self._error = None, None
+        self._thread = threading.Thread(target=self._make, name="grammar-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _make(self) -> None:
+        from swarmp2p.serve.text import TextCodec
+
+        try:
+            codec = TextCodec.from_folder(self.folder)
+            if not codec.eos_ids:
+                raise ValueError(f"{self.folder} names no end-of-sequence id")
+            self._made = ll_tokenizer(
+                codec.tokenizer, vocab_size=self.vocab_size, eos_ids=codec.eos_ids
+            )
+        except Exception as e:  # reported to every grammar session that asks
+            self._error = f"{type(e).__name__}: {e}"
+
+    def matcher(self, text: str, what: str) -> Matcher:
+        """A new matcher of grammar ``text``; GrammarError naming ``what`` when there is none."""
+        self._thread.join()
+        if self._made is None:
+            raise GrammarError(f"{what}: this stage cannot run grammars: {self._error}")
+        return Matcher(self._made, Grammar(text=text, what=what))
+
+
+def session_matcher(tokenizer: GrammarTokenizer | None, grammar: str | None, sid: int):
+    """Session ``sid``'s matcher of ``grammar`` (None without one); GrammarError when this
+    stage cannot run it."""
+    if grammar is None:
+        return None
+    if tokenizer is None:
+        raise GrammarError(f"session {sid}: this stage was started without a grammar tokenizer")
+    return tokenizer.matcher(grammar, f"session {sid}'s grammar")

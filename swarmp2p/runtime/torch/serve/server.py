@@ -8,9 +8,9 @@ prompt is prefilled chunk by chunk, a chunk between two decode steps, so a long 
 stall the others. It sends the hidden state on, through the boundary's compression, to the link
 after it (a trained learned bottleneck: the receive half runs on what arrives, the send half on
 what leaves, so only the k-dim code crosses, as its codes when ``send_codes``). The last stage
-samples each row's next token with its own sampler (parameters, seed, penalties), so only
-token ids go back to the session manager. Groups interleave: while stage 1 runs group A's
-step, stage 0 runs group B's.
+samples each row's next token with its own sampler (parameters, seed, penalties, a structured
+output's grammar mask), so only token ids go back to the session manager. Groups interleave:
+while stage 1 runs group A's step, stage 0 runs group B's.
 
 Speculative decoding (``serve.protocol``): a decode step with drafts runs ``1 + k`` positions
 per row in the same one forward; the last stage verifies each row's drafts
@@ -34,7 +34,11 @@ from swarmp2p.net import Link, LinkTimeout
 from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 from swarmp2p.runtime.torch.model.stage import Stage
 from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
-from swarmp2p.runtime.torch.serve.sampling import SessionSampler
+from swarmp2p.runtime.torch.serve.sampling import (
+    GrammarTokenizer,
+    SessionSampler,
+    session_matcher,
+)
 from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
 from swarmp2p.runtime.torch.serve.speculative import (
     draft_ids,
@@ -83,6 +87,7 @@ class _Session:
     """The last stage's token picker (None elsewhere)."""
     sampling: SamplingParams | None
     prompt_len: int | None
+    grammar: str | None
     last_used: float
     prefilling: bool = True
     """Until its last prefill chunk has run here."""
@@ -124,6 +129,7 @@ class StageServer:
         send_codec: str = "none",
         prefill_chunk: int = PREFILL_CHUNK_TOKENS,
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
+        grammar_tokenizer: GrammarTokenizer | None = None,
     ) -> None:
         if receiver is not None and stage.is_first_stage:
             raise ValueError(
@@ -155,6 +161,8 @@ class StageServer:
         self.max_context = max_context
         self.send_timeout = send_timeout
         self.prefill_chunk = prefill_chunk
+        self.grammar_tokenizer = grammar_tokenizer
+        """The last stage's tokenizer for grammar sessions (None: they are refused)."""
         self.sessions: dict[int, _Session] = {}
         self.steps = 0
         """Forwards run (a decode step of a whole group counts once)."""
@@ -339,11 +347,16 @@ class StageServer:
         sampler = None
         if self.stage.is_last_stage:
             vocab = getattr(self.stage.config, "vocab_size", None) or 0
-            sampler = SessionSampler(params, vocab, prompt_len=msg.prompt_len)
+            try:
+                matcher = session_matcher(self.grammar_tokenizer, msg.grammar, msg.sid)
+            except ValueError as e:
+                raise SessionRefused(str(e)) from None
+            sampler = SessionSampler(params, vocab, prompt_len=msg.prompt_len, matcher=matcher)
         self.sessions[msg.sid] = _Session(
             sampler=sampler,
             sampling=msg.sampling,
             prompt_len=msg.prompt_len,
+            grammar=msg.grammar,
             last_used=time.monotonic(),
         )
 
@@ -427,8 +440,7 @@ class StageServer:
                 return []
             session.sampler.end_of_prompt()
             session.prefilling = False
-            token, logprobs = session.sampler.pick(out)
-            session.sampler.observe((token,))
+            token, logprobs = session.sampler.next(out)
             reply = Tokens(
                 group=-1,
                 step=0,
@@ -439,15 +451,20 @@ class StageServer:
             )
             return [[reply.encode()]]
         session.prefilling = chunk.more
-        # the ids go on only when the last stage needs them for a penalty (it counts the rest)
-        keep_ids = session.sampling is not None and session.sampling.needs_history
+        # the ids go on only when the last stage needs them, for a penalty or a replayed
+        # grammar (it counts the rest)
+        keep_ids = (session.sampling is not None and session.sampling.needs_history) or (
+            session.grammar is not None and session.prompt_len is not None
+        )
+        first = chunk.pos == 0
         forward = Prefill(
             sid=chunk.sid,
             pos=chunk.pos,
             tokens=chunk.tokens if keep_ids else (),
             more=chunk.more,
-            sampling=session.sampling if chunk.pos == 0 else None,
-            prompt_len=session.prompt_len if chunk.pos == 0 else None,
+            sampling=session.sampling if first else None,
+            prompt_len=session.prompt_len if first else None,
+            grammar=session.grammar if first else None,
         )
         return [[forward.encode(), *self._frame(out).to_parts()]]
 
@@ -507,16 +524,19 @@ class StageServer:
             )
             return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
         samplers = [self.sessions[sid].sampler for sid in sids]
-        picked, logprobs, kept = verify_rows(samplers, hidden, drafts, positions, batch, width)
+        rows, failed = verify_rows(samplers, hidden, drafts, positions, batch, width)
+        for row, message in failed:  # a row whose pick fails (its grammar) fails alone
+            out.extend(self._error((sids[row],), message))
+        logprobs = [lp for _, _, lp, _ in rows]
         reply = Tokens(
             group=msg.group,
             step=msg.step,
-            sids=sids,
-            positions=tuple(p + 1 for p in positions),
-            tokens=tuple(picked),
+            sids=tuple(sids[r] for r, _, _, _ in rows),
+            positions=tuple(positions[r] + 1 for r, _, _, _ in rows),
+            tokens=tuple(t for _, t, _, _ in rows),
             sizes=sizes,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
-            kept=tuple(kept) if drafts else (),
+            kept=tuple(n for _, _, _, n in rows) if drafts else (),
             spec_off=spec_off,
         )
         return [*out, [reply.encode()]]

@@ -39,21 +39,26 @@ def draft_ids(
 
 def verify_rows(samplers, logits: torch.Tensor, drafts, positions, batch: SessionBatch, width):
     """The last stage: each row's token after its kept drafts (``logits``: ``[rows, width,
-    V]``), as ``(tokens, logprobs, kept)``; the rows' caches keep only the kept positions."""
-    picked, logprobs, kept = [], [], []
+    V]``), as ``(rows, failed)``: ``(row, token, logprobs, kept)`` per row that picked, and
+    ``(row, message)`` per row whose pick failed (its grammar allowed nothing, its sampling
+    was not finite): such a row fails alone, not its group. The rows' caches keep only the
+    kept positions."""
+    rows, failed = [], []
     for row, sampler in enumerate(samplers):
         draft = drafts[row] if drafts else ()
-        if draft:
-            n, token, lp = sampler.verify(logits[row, : len(draft) + 1], draft)
-        else:
-            n, (token, lp) = 0, sampler.pick(logits[row, 0])
-        sampler.observe((token,))
+        try:
+            if draft:
+                n, token, lp = sampler.verify(logits[row, : len(draft) + 1], draft)
+            else:
+                n, (token, lp) = 0, sampler.pick(logits[row, 0])
+            sampler.observe((token,))
+        except ValueError as e:
+            failed.append((row, str(e)))
+            continue
         if width > 1:  # the rejected drafts (and a shorter row's padding) leave the cache
             batch.rollback(row, positions[row] + 1 + n)
-        picked.append(token)
-        logprobs.append(lp)
-        kept.append(n)
-    return picked, logprobs, kept
+        rows.append((row, token, lp, n))
+    return rows, failed
 
 
 def take_back(session, pos: int) -> None:
