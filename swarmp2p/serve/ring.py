@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,10 +49,12 @@ class RingEnds:
         step_timeout: float,
         groups: int | None = None,
         shared: bool = False,
+        salt: str = "",
     ) -> RingClient:
-        """A started RingClient driving this ring within ``plan``'s context and session slots;
-        its groups fill to SHARED_MIN_GROUP_ROWS first when two stages share a device (two of
-        the plan's, or all of them: ``shared``)."""
+        """A started RingClient driving this ring within ``plan``'s context, session slots and
+        prefix cache (its blocks named under ``salt`` and the plan: another model, adapter or
+        dtype shares none); its groups fill to SHARED_MIN_GROUP_ROWS first when two stages
+        share a device (two of the plan's, or all of them: ``shared``)."""
         places = {(stage.node_id, stage.device) for stage in plan.stages}
         shared = shared or len(places) < len(plan.stages)
         min_group_rows = SHARED_MIN_GROUP_ROWS if shared else 1
@@ -63,6 +66,8 @@ class RingEnds:
             step_timeout=step_timeout,
             groups=groups,
             min_group_rows=min_group_rows,
+            prefix_blocks=plan.prefix_blocks,
+            prefix_salt=hashlib.sha256(f"{salt}\0{plan.to_json()}".encode()).digest(),
         ).start()
 
 

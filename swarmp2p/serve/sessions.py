@@ -52,6 +52,8 @@ class RingClient:
         queue_timeout: float = TIMINGS.ring_queue_s,
         groups: int | None = None,
         min_group_rows: int = 1,
+        prefix_blocks: int = 0,
+        prefix_salt: bytes = b"",
     ) -> None:
         self._scheduler = Scheduler(
             max_context=max_context,
@@ -61,6 +63,8 @@ class RingClient:
             max_queue=max_queue,
             groups=groups,
             min_group_rows=min_group_rows,
+            prefix_blocks=prefix_blocks,
+            prefix_salt=prefix_salt,
         )
         self._first = first
         self._last = last
@@ -132,6 +136,13 @@ class RingClient:
         """Sessions in each group (a group is one batched step in the ring)."""
         with self._lock:
             return self._scheduler.group_sizes
+
+    @property
+    def prefix_stats(self) -> dict[str, int | float] | None:
+        """The prefix cache's blocks, lookups, hits, hit rate and reused tokens (None: off)."""
+        with self._lock:
+            index = self._scheduler.prefix
+            return None if index is None else index.stats()
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the mean session time, scaled by the queue."""

@@ -136,6 +136,7 @@ def _sessions(client: RingClient | None) -> dict[str, int | list[int]] | None:
         "queued": client.queue_depth,
         "max": client.max_sessions,
         "stage_batch": list(client.stage_batch_sizes),
+        "prefix_cache": client.prefix_stats,
     }
 
 
@@ -178,6 +179,7 @@ def inputs_of(served: Served, alive: frozenset[str]) -> ServeInputs:
         quantization=served.quantization,
         max_sessions=req.max_sessions,
         max_context=req.max_context,
+        prefix_cache_mb=req.prefix_cache_mb,
         bounds=tuple(tuple(b) for b in trained["manifest"]["split"]) if trained else None,
         holders=tuple(tuple(h) for h in alive_holders(served, alive)) if trained else None,
         trained_compression=tuple(
@@ -360,7 +362,8 @@ async def open_served(
         except (OSError, ValueError) as exc:
             raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
     plan, ends = await build(ctx, served, on_copy)
-    client = ends.open_client(plan, step_timeout=step_timeout)
+    trained = served.trained["id"] if served.trained else served.folder
+    client = ends.open_client(plan, step_timeout=step_timeout, salt=f"{served.name}\0{trained}")
     served.client = client
     model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
     req = served.request

@@ -28,13 +28,14 @@ from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 from swarmp2p.runtime.torch.model.stage import Stage
 from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
 from swarmp2p.runtime.torch.serve.sampling import SessionSampler
-from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.runtime.torch.serve.session_cache import PrefixStore, SessionBatch
 from swarmp2p.runtime.torch.train.boundary import (
     BoundaryError,
     apply_boundary,
     from_frame,
     to_frame,
 )
+from swarmp2p.serve.decoding.prefix import BLOCK_TOKENS, PrefixPlan
 from swarmp2p.serve.protocol import (
     Decode,
     End,
@@ -75,10 +76,19 @@ class _Session:
     """Until its last prefill chunk has run here."""
     batch: SessionBatch | None = None
     row: int = 0
+    prefix: PrefixPlan | None = None
+    """The prefix cache's plan for it (its first chunk forwards it to the next stage)."""
+    cached: list | None = None
+    """The reused blocks, copied into its row when its first chunk runs."""
+
+    @property
+    def reused(self) -> int:
+        return 0 if self.prefix is None else self.prefix.reused_tokens
 
     @property
     def length(self) -> int:
-        return 0 if self.batch is None else self.batch.lengths[self.row]
+        """Tokens its caches hold (before its first chunk: the reused ones)."""
+        return self.reused if self.batch is None else self.batch.lengths[self.row]
 
 
 class SessionRefused(RuntimeError):
@@ -140,6 +150,8 @@ class StageServer:
         self.send_timeout = send_timeout
         self.prefill_chunk = prefill_chunk
         self.sessions: dict[int, _Session] = {}
+        self.prefix = PrefixStore()
+        """The prompt blocks the issuing node's prefix index says this stage holds."""
         self.steps = 0
         """Forwards run (a decode step of a whole group counts once)."""
         self.last_batch = 0
@@ -201,6 +213,8 @@ class StageServer:
             "steps": self.steps,
             "busy_s": round(self.busy_s, 3),
             "waiting": len(self._chunks) + len(self._decodes),
+            "prefix_blocks": len(self.prefix.blocks),
+            "prefix_bytes": self.prefix.nbytes,
         }
 
     def _send(self, replies: list[list]) -> None:
@@ -299,7 +313,7 @@ class StageServer:
 
     def _open(self, msg: Prefill) -> None:
         """Start (or restart) a session on its first chunk; check a later chunk's session."""
-        if msg.pos != 0:
+        if not msg.first:
             session = self.sessions.get(msg.sid)
             if session is None or not session.prefilling:
                 raise SessionRefused(
@@ -316,16 +330,38 @@ class StageServer:
                 f"{self.max_sessions}); retry when one ends"
             )
         params = msg.sampling if msg.sampling is not None else SamplingParams()
+        cached = self._cached(msg.sid, msg.prefix) if msg.prefix is not None else None
         sampler = None
         if self.stage.is_last_stage:
             vocab = getattr(self.stage.config, "vocab_size", None) or 0
             sampler = SessionSampler(params, vocab, prompt_len=msg.prompt_len)
+            if msg.pos:
+                try:  # the reused positions are the prompt's too
+                    sampler.observe((), count=msg.pos)
+                except ValueError as e:
+                    raise SessionRefused(f"session {msg.sid}: prefix: {e}") from None
         self.sessions[msg.sid] = _Session(
             sampler=sampler,
             sampling=msg.sampling,
             prompt_len=msg.prompt_len,
             last_used=time.monotonic(),
+            prefix=msg.prefix,
+            cached=cached,
         )
+
+    def _cached(self, sid: int, plan: PrefixPlan) -> list:
+        """Carry out a prefix plan's drops; the blocks it reuses (SessionRefused naming one
+        this stage does not hold, or a stage whose recurrent state no block holds)."""
+        self.prefix.drop(plan.drop)
+        if (plan.reuse or plan.keep) and LINEAR_ATTENTION in self.stage.block_types:
+            raise SessionRefused(
+                f"session {sid}: prefix: a recurrent (linear-attention) block's state cannot be "
+                "cached by prompt blocks; serve this model with --prefix-cache-mb 0"
+            )
+        try:
+            return self.prefix.get(plan.reuse)
+        except KeyError as e:
+            raise SessionRefused(f"session {sid}: {e.args[0]}") from None
 
     def _evict_idle(self) -> None:
         """Drop the least recently used session if it has been idle past WorkerTimings.stage_session_idle_s (its
@@ -347,7 +383,7 @@ class StageServer:
             if session is None:
                 continue  # ended while the chunk waited
             try:
-                if session.length != chunk.pos:
+                if session.length != chunk.pos:  # (a warm session's reused tokens first)
                     raise SessionRefused(
                         f"session {chunk.sid} prefill chunk at position {chunk.pos}, but the "
                         f"cache holds {session.length} tokens (a message was lost)"
@@ -369,11 +405,14 @@ class StageServer:
         else:
             x = pad_right([x for _, _, x in ready])
             batch = self.stage.new_batch(sids, max_context=self.max_context)
-            batch.expect(counts)
             for row, (_, session, _) in enumerate(ready):
                 if session.batch is not None:
                     session.batch.sids[session.row] = None
                 session.batch, session.row = batch, row
+                if session.cached:  # a warm session: its reused blocks first
+                    batch.load_prefix(row, session.cached)
+                session.cached = None
+            batch.expect(counts)
         now = time.monotonic()
         for _, session, _ in ready:
             session.last_used = now
@@ -400,7 +439,18 @@ class StageServer:
     def _prefilled(self, chunk: Chunk, session: _Session, count: int, out) -> list[list]:
         """What a session's prefill chunk sends on once it ran: on the last stage, its first
         token (``out``: the logits of its last position; None before the last chunk), else the
-        chunk with its hidden state ``out`` (``[1, count, H]``) for the next stage."""
+        chunk with its hidden state ``out`` (``[1, count, H]``) for the next stage. After its
+        last chunk the blocks its prefix plan keeps are stored."""
+        first = chunk.pos == session.reused
+        if not chunk.more and session.prefix is not None and session.prefix.keep:
+            keep = session.prefix.keep
+            try:
+                blocks = session.batch.read_blocks(
+                    session.row, session.reused, len(keep), BLOCK_TOKENS
+                )
+            except ValueError as e:
+                return self._error((chunk.sid,), f"prefix.keep: {e}")
+            self.prefix.put(keep, blocks)
         if self.stage.is_last_stage:
             session.sampler.observe(chunk.tokens, count=count)
             if out is None:
@@ -426,8 +476,9 @@ class StageServer:
             pos=chunk.pos,
             tokens=chunk.tokens if keep_ids else (),
             more=chunk.more,
-            sampling=session.sampling if chunk.pos == 0 else None,
-            prompt_len=session.prompt_len if chunk.pos == 0 else None,
+            sampling=session.sampling if first else None,
+            prompt_len=session.prompt_len if first else None,
+            prefix=session.prefix if first else None,
         )
         return [[forward.encode(), *self._frame(out).to_parts()]]
 
