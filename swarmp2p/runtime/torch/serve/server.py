@@ -330,7 +330,12 @@ class StageServer:
                 f"{self.max_sessions}); retry when one ends"
             )
         params = msg.sampling if msg.sampling is not None else SamplingParams()
-        cached = self._cached(msg.sid, msg.prefix) if msg.prefix is not None else None
+        cached = None
+        if msg.prefix is not None:
+            try:
+                cached = self.prefix.open(msg.prefix, LINEAR_ATTENTION in self.stage.block_types)
+            except (KeyError, ValueError) as e:
+                raise SessionRefused(f"session {msg.sid}: {e.args[0]}") from None
         sampler = None
         if self.stage.is_last_stage:
             vocab = getattr(self.stage.config, "vocab_size", None) or 0
@@ -348,20 +353,6 @@ class StageServer:
             prefix=msg.prefix,
             cached=cached,
         )
-
-    def _cached(self, sid: int, plan: PrefixPlan) -> list:
-        """Carry out a prefix plan's drops; the blocks it reuses (SessionRefused naming one
-        this stage does not hold, or a stage whose recurrent state no block holds)."""
-        self.prefix.drop(plan.drop)
-        if (plan.reuse or plan.keep) and LINEAR_ATTENTION in self.stage.block_types:
-            raise SessionRefused(
-                f"session {sid}: prefix: a recurrent (linear-attention) block's state cannot be "
-                "cached by prompt blocks; serve this model with --prefix-cache-mb 0"
-            )
-        try:
-            return self.prefix.get(plan.reuse)
-        except KeyError as e:
-            raise SessionRefused(f"session {sid}: {e.args[0]}") from None
 
     def _evict_idle(self) -> None:
         """Drop the least recently used session if it has been idle past WorkerTimings.stage_session_idle_s (its
@@ -443,14 +434,10 @@ class StageServer:
         last chunk the blocks its prefix plan keeps are stored."""
         first = chunk.pos == session.reused
         if not chunk.more and session.prefix is not None and session.prefix.keep:
-            keep = session.prefix.keep
             try:
-                blocks = session.batch.read_blocks(
-                    session.row, session.reused, len(keep), BLOCK_TOKENS
-                )
+                self.prefix.keep(session.prefix, session.batch, session.row, BLOCK_TOKENS)
             except ValueError as e:
                 return self._error((chunk.sid,), f"prefix.keep: {e}")
-            self.prefix.put(keep, blocks)
         if self.stage.is_last_stage:
             session.sampler.observe(chunk.tokens, count=count)
             if out is None:
