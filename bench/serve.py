@@ -649,6 +649,119 @@ def daemons(args) -> dict:
     }
 
 
+SYSTEM_RULES = 66
+"""Rules in the prefix section's system prompt: about 1,000 tokens of the embedded tokenizer
+(``--quick``: 20, within the tiny model's 512 positions)."""
+
+
+def _system_prompt(nonce: int, rules: int = SYSTEM_RULES) -> str:
+    """A long system prompt; ``nonce`` first, so two nonces share no cached block."""
+    rules = " ".join(
+        f"Rule {i}: answer politely and precisely about topic {i}." for i in range(rules)
+    )
+    return f"Session {nonce}. You are a careful assistant. {rules}"
+
+
+def _first_token_s(client, model: str, system: str, question: str) -> float:
+    """Seconds from a streamed greedy chat request to its first content chunk."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=2,
+        stream=True,
+    )
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+    return first if first is not None else time.perf_counter() - started
+
+
+def prefix(args) -> dict:
+    """Time to first token of a session sharing a ~1,000-token system prompt with the one before
+    it (warm: the prefix cache holds the prompt's blocks on both stages) over a session whose
+    system prompt no earlier one had (cold), through ``swarm serve --stages 2`` on two
+    loopback daemons; cold and warm alternate in one run."""
+    import openai
+    from _swarm import LoopbackSwarm, free_port
+    from _swarm import wait as wait_for
+
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.net.security import SwarmSecret
+    from swarmp2p.serve.text import TextCodec
+
+    repeats = args.repeats or (2 if args.quick else 5)
+    rules = 20 if args.quick else SYSTEM_RULES
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _tiny_served_folder(str(Path(tmp) / "tiny")) if args.quick else "embedded"
+        folder = resolve_model_ref(ref)
+        system_tokens = len(
+            TextCodec.from_folder(folder).encode_chat(
+                [{"role": "system", "content": _system_prompt(0, rules)}]
+            )
+        )
+        root = str(Path(__file__).resolve().parents[1])
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SWARM_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        }
+        env.update(
+            PYTHONPATH=root, SWARM_TOKEN=SwarmSecret.generate().token, SWARM_DASHBOARD_PORT="off"
+        )
+        cold: list[float] = []
+        warm: list[float] = []
+        with LoopbackSwarm("ab", Path(tmp), env=env, heartbeat=0.5, failure_timeout=3.0) as sw:
+            try:
+                wait_for(lambda: sw.ready("a") and sw.ready("b"), 90, "the swarm")
+                port = free_port()
+                out = sw.cli(
+                    "b", "serve", folder, "--name", "bench", "--stages", "2",
+                    "--port", str(port), *args.serve_flags, "--json", timeout=600,
+                )  # fmt: skip
+                if out.returncode != 0:
+                    raise SystemExit(f"swarm serve failed: {out.stderr}\n{sw.log_tail()}")
+                view = json.loads(out.stdout)
+                client = openai.OpenAI(
+                    base_url=view["url"].rstrip("/") + "/v1", api_key="unused", max_retries=0,
+                    timeout=600,
+                )  # fmt: skip
+                _first_token_s(client, "bench", _system_prompt(-1, rules), "Hello?")  # warm-up
+                for i in range(repeats):
+                    system = _system_prompt(i, rules)
+                    cold.append(_first_token_s(client, "bench", system, "What is topic 3?"))
+                    warm.append(_first_token_s(client, "bench", system, "And topic 7?"))
+                status = sw.cli("b", "status", "--json", timeout=60)
+                served = json.loads(status.stdout).get("served") or [{}]
+                stats = (served[0].get("sessions") or {}).get("prefix_cache")
+            except BaseException:
+                print(sw.log_tail(), file=sys.stderr)
+                raise
+    c, w = statistics.median(cold), statistics.median(warm)
+    name = "tiny random Llama (embedded tokenizer)" if args.quick else "embedded SmolLM2-135M"
+    print()
+    print(
+        f"{name}: time to first token of a chat whose {system_tokens}-token system prompt an "
+        f"earlier session had (warm) against one whose system prompt is new (cold), through "
+        f"`swarm serve --stages 2` on two loopback daemons; median of {repeats}, alternated"
+    )
+    print()
+    print("| session | TTFT (ms) | x cold |")
+    print("|---|---|---|")
+    print(f"| cold | {c * 1e3:.0f} | 1.00 |")
+    print(f"| warm (prefix cached) | {w * 1e3:.0f} | {w / c:.2f} |")
+    print(f"\nprefix cache after the run: {stats}")
+    return {
+        "prefix_system_tokens": system_tokens,
+        "prefix_cold_ttft_s": round(c, 4),
+        "prefix_warm_ttft_s": round(w, 4),
+        "prefix_ttft_ratio": round(w / c, 3),
+        "prefix_cache": stats,
+    }
+
+
 def _stage_threads(sw) -> list[int]:
     """The intra-op threads of each serve stage worker the daemons started (its
     ``OMP_NUM_THREADS``, read from /proc: what the daemon gave it)."""
@@ -677,7 +790,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     parser.add_argument("--conc-tokens", type=int, default=None, help="tokens per HTTP request")
     parser.add_argument("--conc-repeats", type=int, default=None)
-    parser.add_argument("--only", choices=("single", "http", "daemons"), default=None)
+    parser.add_argument("--only", choices=("single", "http", "daemons", "prefix"), default=None)
     parser.add_argument(
         "--serve-flags",
         nargs="*",
@@ -697,6 +810,8 @@ def main() -> None:
         summary.update(http(args))
     if args.only in (None, "daemons"):
         summary.update(daemons(args))
+    if args.only in (None, "prefix"):
+        summary.update(prefix(args))
     print(json.dumps(summary))
 
 

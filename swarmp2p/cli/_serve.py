@@ -54,6 +54,14 @@ from swarmp2p.cli import (
     help="Tokens of prompt and answer per session (0: the model's maximum).",
 )
 @click.option(
+    "--prefix-cache-mb",
+    type=click.IntRange(min=0),
+    default=None,
+    help="MiB of cached prompt blocks each stage keeps, so a new session whose prompt starts "
+    "like an earlier one's (a system prompt) prefills only the rest; priced in the plan "
+    "(0: off; default 64).",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16", "float16"]),
     default=None,

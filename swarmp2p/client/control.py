@@ -500,6 +500,12 @@ def format_status(s: dict[str, Any]) -> str:
         why = f"; {m['reason']}" if m.get("reason") else ""
         n = m.get("sessions")
         load = f", {n['active']}/{n['max']} sessions, {n['queued']} queued" if n else ""
+        cache = (n or {}).get("prefix_cache")
+        if cache:
+            load += (
+                f", prefix cache {cache['hit_rate']:.0%} hits, "
+                f"{cache['reused_tokens']} tokens reused"
+            )
         lines.append(f"served  {m['model']}{where} ({m['state']}{load}): {stages or '-'}{why}")
         if n and n.get("speculate"):
             lines.append(f"        {speculation_line(n)}")

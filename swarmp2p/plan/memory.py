@@ -27,7 +27,8 @@ checks before anything is downloaded. Sources:
 - loss: the last stage's float32 logits and their gradient, 2 x tokens x vocab x 4 B, or the
   same over `loss_chunk_tokens(vocab)` tokens with chunked loss.
 - KV cache for serving: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes per token,
-  times sessions x tokens.
+  times sessions x tokens; the prefix cache (``swarm serve --prefix-cache-mb``) is its budget
+  on every stage, which holds at most that many bytes of cached prompt blocks.
 - transient: one block run again under recompute, or one layer's checkpoint tensors held in
   full precision while a quantized stage loads (the reference quantizes one tensor at a time).
 """
@@ -50,6 +51,10 @@ LOSS_CHUNK_BYTES = 64 * 2**20
 DEFAULT_LOSS_CHUNK_TOKENS = 2048
 """Tokens whose float32 logits a training job's last stage holds at once while scoring
 (reference, "Long sequences"): the worker spec's default ``loss_chunk_tokens``."""
+
+PREFIX_BLOCK_TOKENS = 16
+"""Tokens per block of the serving prefix cache (vLLM's default block size): a block is cached,
+reused and dropped whole (``serve.decoding.prefix``)."""
 
 _MOMENTS_AND_GRAD_BYTES = 12
 """AdamW's two float32 moments and the float32 gradient of one trainable parameter."""
@@ -77,6 +82,8 @@ class Workload:
     serving_sessions: int = 0
     serving_tokens: int = 0
     """Tokens of context each serving session keeps in its KV cache."""
+    prefix_cache_bytes: int = 0
+    """A serving stage's budget for cached prompt blocks (the prefix cache)."""
 
     @property
     def micro_tokens(self) -> int:
@@ -122,6 +129,8 @@ class StageMemory:
     loss: int
     kv_cache: int
     transient: int
+    prefix_cache: int = 0
+    """Serving: the cached prompt blocks' budget on this stage."""
     peak: int = dataclass_field(init=False)
     """The sum of the above: what the stage's device must have free (derived)."""
 
@@ -133,6 +142,7 @@ class StageMemory:
             + self.loss
             + self.kv_cache
             + self.transient
+            + self.prefix_cache
         )
         object.__setattr__(self, "peak", total)
 
@@ -296,7 +306,12 @@ class StagePricer:
             loss=int(loss),
             kv_cache=int(kv),
             transient=int(transient),
+            prefix_cache=int(w.prefix_cache_bytes) if w.serving_sessions else 0,
         )
+
+    def prefix_block_bytes(self, start: int, end: int) -> int:
+        """What one cached prompt block of layers [start, end) takes (keys and values)."""
+        return self._kv_layer * (end - start) * PREFIX_BLOCK_TOKENS
 
     def _max_act_in(self, start: int, end: int, scores: bool) -> float:
         if end - start == len(self._full_act):

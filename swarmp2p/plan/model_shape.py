@@ -96,6 +96,9 @@ class ModelShape:
     """Checkpoint files holding each layer's tensors (empty when unknown)."""
     embed_files: tuple[str, ...] = ()
     head_files: tuple[str, ...] = ()
+    recurrent: bool = False
+    """Some layer keeps a recurrent state (linear attention) instead of keys and values per
+    token: a serving prefix cache cannot hold its prompts."""
 
     @property
     def total_params(self) -> int:
@@ -315,6 +318,7 @@ def from_config(
         layer_files=tuple(tuple(sorted(f)) for f in layer_files) if any(layer_files) else (),
         embed_files=tuple(sorted(embed_files)),
         head_files=tuple(sorted(head_files)),
+        recurrent="linear_attention" in (cfg.get("layer_types") or ()),
     )
 
 

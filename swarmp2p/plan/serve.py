@@ -13,8 +13,11 @@ mismatch, as it does for training. The rules are training's (``placement``, ``pl
   7.x, float32 below and on CPUs; an explicit dtype is checked against every device, one that
   cannot run it is left out when as many others remain, else Blocked names it.
 - memory: a stage's blocks (the embeddings on the first, the head on the last) in the dtype or
-  the quantization, plus the KV cache of ``max_sessions`` x ``max_context`` tokens
-  (``memory.StagePricer``), within the device's usable memory (``DEVICE_RESERVE`` kept back).
+  the quantization, plus the KV cache of ``max_sessions`` x ``max_context`` tokens and the
+  prefix cache's budget ``prefix_cache_mb`` (``memory.StagePricer``), within the device's
+  usable memory (``DEVICE_RESERVE`` kept back). The prefix cache holds ``prefix_blocks``
+  prompt blocks on every stage: as many as the budget holds on the stage whose blocks are
+  largest (0 for a model with recurrent layers, whose state no block can hold).
 - split: ``cost`` by default: a decode step is as slow as its slowest stage, so the split
   balances forward FLOPs, the head's matmul priced on the last stage; ``equal`` and
   ``weighted`` as for training. One split implementation: ``placer.Placer``. Training's
@@ -39,7 +42,13 @@ from typing import Any, Literal
 
 from swarmp2p import PROTOCOL_VERSION
 from swarmp2p.plan.hardware import CAPABILITIES, Node, resolve_dtype
-from swarmp2p.plan.memory import Pricing, StageMemory, StagePricer, Workload
+from swarmp2p.plan.memory import (
+    PREFIX_BLOCK_TOKENS,
+    Pricing,
+    StageMemory,
+    StagePricer,
+    Workload,
+)
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placer import (
     SERVE_FLOPS_PER_PARAM_TOKEN,
@@ -88,7 +97,11 @@ NAME_PATTERN = r"[\w./:@+-]{1,200}"
 MAX_STAGES = 4096
 MAX_SESSIONS = 1 << 20
 MAX_CONTEXT = 1 << 24
+MAX_PREFIX_CACHE_MB = 1 << 20
 """Bounds of a request's numbers (a model has fewer blocks, no device holds more)."""
+PREFIX_CACHE_MB = 64
+"""The prefix cache's default budget per stage (MiB): on the embedded model in float32 over
+two stages, about 2,900 tokens of cached prompts (a long system prompt and then some)."""
 
 
 def boundary_codec(compression: str, send_codes: bool) -> str:
@@ -136,6 +149,8 @@ class ServeRequest:
     speculate: Speculate = "auto"
     """Speculative decoding: "auto" (prompt lookup with an adaptive draft length that stops
     drafting where it does not pay), "ngram" (prompt lookup, 10 tokens a lap), "none"."""
+    prefix_cache_mb: int = field(default=PREFIX_CACHE_MB, ge=0, le=MAX_PREFIX_CACHE_MB)
+    """MiB of cached prompt blocks each stage keeps for new sessions to reuse; 0: off."""
     api_key: str | None = field(default=None, min_len=1, max_len=4096)
     cwd: str | None = field(default=None, min_len=1, max_len=4096)
     """The CLI's folder: a relative MODEL folder is read from there."""
@@ -206,6 +221,9 @@ class ServePlan:
     max_sessions: int = field(ge=1, le=MAX_SESSIONS)
     max_context: int = field(ge=1, le=MAX_CONTEXT)
     """Tokens each session may hold in every stage's KV cache."""
+    prefix_blocks: int = field(default=0, ge=0)
+    """Prompt blocks (``memory.PREFIX_BLOCK_TOKENS`` tokens each) the prefix cache holds on
+    every stage; 0: no prefix cache."""
     split_mode: PlannedSplit
     """How the blocks were shared out; "fixed": a trained model's split."""
     stages: tuple[ServeStagePlan, ...] = field(min_len=1)
@@ -343,6 +361,7 @@ def plan_serve(
     split: SplitMode = SERVE_SPLIT,
     trained_compression: Sequence[Compression] = (),
     capabilities: frozenset[str] | None = None,
+    prefix_cache_mb: int = 0,
 ) -> ServePlan | Blocked:
     """Place a serving ring of ``shape`` on ``cluster_nodes``: a ServePlan, or Blocked naming
     every device that cannot take its stage (the node, the device and the bytes).
@@ -352,7 +371,8 @@ def plan_serve(
     model. ``compression``: one per boundary (default none); ``codes``: send them as codes
     (default: where both nodes declare the serve codec). ``trained_compression``: a trained
     model's boundaries, one per boundary of ``bounds`` (its manifest's ``compression``).
-    ``capabilities`` are the planning peer's own (default: this version's CAPABILITIES). Raises
+    ``capabilities`` are the planning peer's own (default: this version's CAPABILITIES).
+    ``prefix_cache_mb``: the prefix cache's budget per stage (0: none). Raises
     SchemaError for a request no cluster could meet (more stages than blocks, bounds that do
     not cover the model).
     """
@@ -416,7 +436,25 @@ def plan_serve(
         if lacking:
             notes.append("left out: " + "; ".join(lacking))
         candidates = ok
-    ask = _Ask(shape, quant, max_sessions, context, compression, codes, split, bounds, trained)
+    if not 0 <= prefix_cache_mb <= MAX_PREFIX_CACHE_MB:
+        raise _bad(
+            "prefix_cache_mb", f"must be in [0, {MAX_PREFIX_CACHE_MB}], got {prefix_cache_mb}"
+        )
+    if prefix_cache_mb and shape.recurrent:
+        notes.append("prefix cache off: the model's linear-attention layers keep a recurrent state")
+        prefix_cache_mb = 0
+    ask = _Ask(
+        shape,
+        quant,
+        max_sessions,
+        context,
+        compression,
+        codes,
+        split,
+        bounds,
+        trained,
+        prefix_cache_mb * 2**20,
+    )
     if holders is not None:
         dtype_now = resolve_dtype(candidates, dtype).dtype
         return _place(ask, _by_holders(ask, candidates, dtype_now, holders), dtype_now, notes)
@@ -450,12 +488,18 @@ class _Ask:
     split: str
     bounds: Sequence[Sequence[int]] | None
     trained: tuple[Compression, ...] = ()
+    prefix_bytes: int = 0
 
     def pricer(self, dtype: str) -> StagePricer:
         return StagePricer(
             self.shape,
             Pricing(dtype=dtype, finetune_mode="none", quantization=self.quant),
-            Workload(training=False, serving_sessions=self.sessions, serving_tokens=self.context),
+            Workload(
+                training=False,
+                serving_sessions=self.sessions,
+                serving_tokens=self.context,
+                prefix_cache_bytes=self.prefix_bytes,
+            ),
         )
 
     def sides(self, i: int, n: int) -> tuple[Compression | None, Compression | None]:
@@ -532,12 +576,22 @@ def _place(ask: _Ask, devices: list[Placed], dtype: str, notes: list[str]) -> Se
                 send_codes=codes,
             )
         )
+    pricer = ask.pricer(dtype)
+    largest = max(pricer.prefix_block_bytes(a, b) for a, b in attempt.ranges)
+    blocks = ask.prefix_bytes // largest if largest else 0
+    if ask.prefix_bytes and not blocks:
+        notes = [
+            *notes,
+            f"prefix cache off: one block of {PREFIX_BLOCK_TOKENS} tokens takes "
+            f"{_size(largest)} on a stage, more than its budget",
+        ]
     return ServePlan(
         model=ask.shape.name,
         dtype=dtype,
         quantization=ask.quant,
         max_sessions=ask.sessions,
         max_context=ask.context,
+        prefix_blocks=blocks,
         split_mode="fixed" if ask.cuts is not None else ask.split,
         stages=tuple(stages),
         notes=tuple(notes),
@@ -569,6 +623,8 @@ def _memory_blocked(
             f"{_size(usable_memory(dev))} usable"
         )
     hints = ["lower --max-sessions or --max-context", "add a node"]
+    if ask.prefix_bytes:
+        hints[0] += f" (or --prefix-cache-mb, {ask.prefix_bytes // 2**20} MiB a stage)"
     if ask.quant is None or ask.quant.bits == 8:
         hints.insert(1, """quantize (--quantization '{"bits": 4}')""")
     n = placer.n
@@ -616,6 +672,8 @@ class ServeInputs:
     codes: bool | None = None
     trained_compression: tuple[Compression, ...] = ()
     """A trained model's boundaries (its manifest's ``compression``), one per boundary."""
+    prefix_cache_mb: int = field(default=0, ge=0, le=MAX_PREFIX_CACHE_MB)
+    """The prefix cache's budget per stage (MiB; 0: none)."""
 
     def nodes(self) -> list[Node]:
         return list(self.cluster)
@@ -635,12 +693,14 @@ class ServeInputs:
             compression=self.compression,
             codes=self.codes,
             trained_compression=self.trained_compression,
+            prefix_cache_mb=self.prefix_cache_mb,
         )
 
 
 __all__ = [
     "BOUNDARY_COMPRESSIONS",
     "NAME_PATTERN",
+    "PREFIX_CACHE_MB",
     "SERVE_SPLIT",
     "ServeInputs",
     "ServePlan",

@@ -48,9 +48,11 @@ def local_serve_plan(
     dtype: str | None = "float32",
     max_sessions: int = 16,
     max_context: int = 2048,
+    prefix_cache_mb: int = 0,
 ) -> ServePlan:
     """The serve plan of ``model`` over one local device per stage with room for anything:
-    the given ``bounds`` (else ``stages`` cut as plan_serve cuts them), in ``dtype`` (a half
+    the given ``bounds`` (else ``stages`` cut as plan_serve cuts them), with a prefix cache of
+    ``prefix_cache_mb`` per stage (0: none), in ``dtype`` (a half
     dtype plans on fake GPUs of unknown capability, as a CPU does not run float16).
     ValueError when it cannot be planned."""
     from swarmp2p.plan import model_shape
@@ -69,6 +71,7 @@ def local_serve_plan(
         bounds=bounds,
         compression=compression,
         codes=codes,
+        prefix_cache_mb=prefix_cache_mb,
     )
     if not isinstance(result, ServePlan):
         raise ValueError(f"cannot plan {model} on {n} local stage(s): {result.reason}")

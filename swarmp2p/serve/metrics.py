@@ -1,8 +1,8 @@
 """What the HTTP API counts, rendered in the Prometheus text format (version 0.0.4) for
 ``GET /metrics``: requests by status, prompt and generated tokens, time-to-first-token and
-inter-token histograms, and per served model its queue depth, running sessions, the batch
-size of the latest decode step at each stage, and its speculative decoding's acceptance rate
-and mean tokens per lap.
+inter-token histograms, and per served model its queue depth, running sessions, the prefix
+cache's lookups, hits, hit rate and reused prompt tokens, the batch size of the latest decode
+step at each stage, and its speculative decoding's acceptance rate and mean tokens per lap.
 
 Written here rather than with ``prometheus_client``: it is a few counters and two histograms
 with fixed buckets, the daemon (which will mount this API) takes no new dependency for it, and
@@ -166,6 +166,24 @@ class ServeMetrics:
             family(name, kind, help_)
             for m in models:
                 out.append(f"{name}{{{_labels(model=m.name)}}} {stats[m.name][key]}")
+        prefix = (
+            ("swarm_prefix_cache_lookups_total", "counter", "prompts looked up", "lookups"),
+            ("swarm_prefix_cache_hits_total", "counter", "prompts reusing cached blocks", "hits"),
+            ("swarm_prefix_cache_hit_rate", "gauge", "hits over lookups", "hit_rate"),
+            (
+                "swarm_prefix_cache_reused_tokens_total",
+                "counter",
+                "prompt tokens not prefilled again",
+                "reused_tokens",
+            ),
+            ("swarm_prefix_cache_blocks", "gauge", "prompt blocks every stage holds", "blocks"),
+        )
+        stats = {m.name: getattr(m.client, "prefix_stats", None) for m in models}
+        for name, kind, help_, key in prefix:
+            family(name, kind, help_)
+            for model, values in stats.items():
+                if values is not None:
+                    out.append(f"{name}{{{_labels(model=model)}}} {values[key]}")
         family("swarm_stage_batch_size", "gauge", "rows of the latest decode step at a stage")
         for m in models:
             for stage, size in enumerate(m.client.stage_batch_sizes):

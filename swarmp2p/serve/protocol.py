@@ -4,15 +4,17 @@ A ring is the session manager, then stage 0 .. stage N-1, then the manager again
 
 | op        | from -> to                  | fields                                   | tensor after it |
 |-----------|-----------------------------|------------------------------------------|-----------------|
-| `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len*, grammar* | hidden [1, T, H] (stage > 0) |
+| `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len*, grammar*, prefix* | hidden [1, T, H] (stage > 0) |
 | `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes, drafts*, spec_off* | hidden [B, 1 + k, H] (stage > 0) |
 | `end`     | manager -> every stage      | sid                                      | none            |
 | `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs, kept*, spec_off* | none |
 | `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
-(*) only with ``pos == 0``, the first chunk of a session. ``grammar`` is a structured output's
-llguidance grammar (``serve.decoding.grammar``): the last stage masks every token it samples for
-the session with it. A ``prefill`` carries the token ids of
+(*) only on the first chunk of a session: ``pos == 0``, or with ``prefix`` (the prefix cache's
+plan, :class:`~swarmp2p.serve.decoding.prefix.PrefixPlan`) at ``pos`` = its reused tokens, the
+positions every stage copies in from its cached blocks instead of computing them. ``grammar`` is
+a structured output's llguidance grammar (``serve.decoding.grammar``): the last stage masks
+every token it samples for the session with it. A ``prefill`` carries the token ids of
 its chunk (stage 0 embeds them; they go on to the last stage only when a penalty of the session
 needs them, or a grammar session's replay, whose generated tokens advance its grammar, else only
 their count, the hidden state's length, does); the manager sends a session's whole prompt as one prefill, and stage 0 cuts it into
@@ -52,6 +54,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from swarmp2p.serve.decoding.grammar import MAX_GRAMMAR_BYTES
+from swarmp2p.serve.decoding.prefix import BLOCK_NAME_BYTES, BLOCK_TOKENS, PrefixPlan
 from swarmp2p.wire import WireError, unpack_plain
 
 OPS = ("prefill", "decode", "end", "tokens", "error")
@@ -72,6 +75,8 @@ MAX_REASON_CHARS = 1000
 """Longest ``spec_off`` reason."""
 MAX_LOGIT_BIAS = 1024
 """Entries of ``logit_bias`` one request may set."""
+MAX_PREFIX_BLOCKS = 1 << 16
+"""Block names one list of a prefix plan may carry (a million tokens of 16-token blocks)."""
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy: dividing logits by less overflows float32 (vLLM's
 ``_SAMPLING_EPS``)."""
@@ -247,8 +252,23 @@ class Prefill:
     """With pos 0: how many of the session's tokens are its prompt (the rest were generated
     before a failover replayed them); None: all of them."""
     grammar: str | None = None
-    """With pos 0: the llguidance grammar every token of the session must follow (a
+    """With the first chunk: the llguidance grammar every token of the session must follow (a
     structured output or a forced tool call); None: unconstrained."""
+    prefix: PrefixPlan | None = None
+    """The prefix cache's part in this session (its first chunk only, at ``pos`` = the reused
+    tokens): the cached blocks every stage copies in, keeps once the prompt ran, drops first."""
+
+    def __post_init__(self) -> None:
+        if self.prefix is not None and self.pos != self.prefix.reused_tokens:
+            raise ValueError(
+                f"prefix: a plan reusing {len(self.prefix.reuse)} block(s) goes with the chunk at "
+                f"position {self.prefix.reused_tokens}, not {self.pos}"
+            )
+
+    @property
+    def first(self) -> bool:
+        """The session's first chunk (it opens the session at a stage)."""
+        return self.pos == 0 or self.prefix is not None
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"sid": self.sid, "pos": self.pos, "tokens": list(self.tokens)}
@@ -260,6 +280,9 @@ class Prefill:
             body["prompt_len"] = self.prompt_len
         if self.grammar is not None:
             body["grammar"] = self.grammar
+        if self.prefix is not None:
+            p = self.prefix
+            body["prefix"] = {"reuse": list(p.reuse), "keep": list(p.keep), "drop": list(p.drop)}
         return body
 
     def encode(self) -> bytes:
@@ -396,7 +419,10 @@ def _pack(op: str, body: dict[str, Any]) -> bytes:
 # --- parsing ----------------------------------------------------------------------------------
 
 _ALLOWED = {
-    "prefill": ({"sid", "pos", "tokens"}, {"more", "sampling", "prompt_len", "grammar"}),
+    "prefill": (
+        {"sid", "pos", "tokens"},
+        {"more", "sampling", "prompt_len", "grammar", "prefix"},
+    ),
     "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"drafts", "spec_off"}),
     "end": ({"sid"}, set()),
     "tokens": (
@@ -538,7 +564,15 @@ def _parse_prefill(obj: dict) -> Prefill:
     prompt_len = obj.get("prompt_len")
     if prompt_len is not None:
         prompt_len = _int(obj, "prompt_len", 0, MAX_POSITION)
-    if pos != 0 and (sampling is not None or prompt_len is not None):
+    prefix = _prefix(obj["prefix"]) if "prefix" in obj else None
+    first = pos == 0 if prefix is None else pos == prefix.reused_tokens
+    if prefix is not None and not first:
+        raise _bad(
+            "prefix",
+            f"reuses {prefix.reused_tokens} tokens, so it goes with the chunk at that position, "
+            f"not {pos}",
+        )
+    if not first and (sampling is not None or prompt_len is not None):
         raise _bad("sampling", "sampling and prompt_len go with the first chunk (pos 0) only")
     grammar = obj.get("grammar")
     if grammar is not None:
@@ -546,8 +580,8 @@ def _parse_prefill(obj: dict) -> Prefill:
             raise _bad(
                 "grammar", f"must be a grammar's text of 1 to {MAX_GRAMMAR_BYTES} characters"
             )
-        if pos != 0:
-            raise _bad("grammar", "a grammar goes with the first chunk (pos 0) only")
+        if not first:
+            raise _bad("grammar", "a grammar goes with the session's first chunk only")
     return Prefill(
         sid=_int(obj, "sid", 0, MAX_SID),
         pos=pos,
@@ -556,4 +590,30 @@ def _parse_prefill(obj: dict) -> Prefill:
         sampling=sampling,
         prompt_len=prompt_len,
         grammar=grammar,
+        prefix=prefix,
     )
+
+
+def _prefix(value: Any) -> PrefixPlan:
+    """A prefix plan from ``{"reuse", "keep", "drop"}``: lists of block names, each name of
+    BLOCK_NAME_BYTES bytes; WireError naming the list that is wrong."""
+    if type(value) is not dict:
+        raise _bad("prefix", f"must be a map of reuse, keep and drop, got {type(value).__name__}")
+    extra = sorted(map(str, set(value) - {"reuse", "keep", "drop"}))
+    if extra:
+        raise _bad("prefix", f"unexpected field(s) {', '.join(extra)}")
+    lists = {}
+    for key in ("reuse", "keep", "drop"):
+        names = value.get(key, [])
+        if type(names) is not list or len(names) > MAX_PREFIX_BLOCKS:
+            raise _bad(f"prefix.{key}", f"must be a list of at most {MAX_PREFIX_BLOCKS} names")
+        if not all(type(n) is bytes and len(n) == BLOCK_NAME_BYTES for n in names):
+            raise _bad(f"prefix.{key}", f"every block name is {BLOCK_NAME_BYTES} bytes")
+        if len(set(names)) != len(names):
+            raise _bad(f"prefix.{key}", "names a block twice")
+        lists[key] = tuple(names)
+    if set(lists["reuse"]) & set(lists["keep"]):
+        raise _bad("prefix.keep", "keeps a block it reuses")
+    if len(lists["reuse"]) * BLOCK_TOKENS > MAX_POSITION:
+        raise _bad("prefix.reuse", "reuses more positions than any context holds")
+    return PrefixPlan(**lists)

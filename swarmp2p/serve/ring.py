@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,10 +50,13 @@ class RingEnds:
         groups: int | None = None,
         shared: bool = False,
         speculate: str = "auto",
+        salt: str = "",
     ) -> RingClient:
-        """A started RingClient driving this ring within ``plan``'s context and session slots;
-        its groups fill to SHARED_MIN_GROUP_ROWS first when two stages share a device (two of
-        the plan's, or all of them: ``shared``); ``speculate``: its speculative decoding."""
+        """A started RingClient driving this ring within ``plan``'s context, session slots and
+        prefix cache (its blocks named under ``salt`` and the plan: another model, adapter or
+        dtype shares none); its groups fill to SHARED_MIN_GROUP_ROWS first when two stages
+        share a device (two of the plan's, or all of them: ``shared``); ``speculate``: its
+        speculative decoding."""
         places = {(stage.node_id, stage.device) for stage in plan.stages}
         shared = shared or len(places) < len(plan.stages)
         min_group_rows = SHARED_MIN_GROUP_ROWS if shared else 1
@@ -65,6 +69,8 @@ class RingEnds:
             groups=groups,
             min_group_rows=min_group_rows,
             speculate=speculate,
+            prefix_blocks=plan.prefix_blocks,
+            prefix_salt=hashlib.sha256(f"{salt}\0{plan.to_json()}".encode()).digest(),
         ).start()
 
 

@@ -11,6 +11,12 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
 - **Admission.** ``max_sessions`` sessions run at once (the batch bound); more wait in a queue
   of ``max_queue`` for ``queue_timeout`` s, then fail as busy; beyond the queue a request is
   refused (``Outcome.refused``). A session's prompt goes to stage 0 as one ``prefill``.
+- **Prefix cache** (``prefix_blocks`` > 0): a :class:`~swarmp2p.serve.decoding.prefix.PrefixIndex`
+  of the blocks every stage holds gives each admitted session a plan (the cached blocks it
+  reuses, the ones it keeps, the ones to drop first), and its ``prefill`` starts after the
+  reused tokens. A session's kept blocks are reusable once its first token is back (its
+  prompt ran on every stage); a rebuilt ring starts with an empty index. Sessions whose
+  sampling penalises repeats (the last stage needs every prompt id) skip the cache.
 - **Groups.** Once its first token is back a session joins a *group*; every group goes round the
   ring as one batched ``decode`` step per token. There are as many groups as stages (learned
   from the ``sizes`` each stage appends to a step) unless ``groups`` fixes it, so while stage i
@@ -43,6 +49,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from swarmp2p.serve.decoding.prefix import PrefixIndex
 from swarmp2p.serve.decoding.speculate import MAX_DRAFT, DraftLength, NgramIndex, SpecStats
 from swarmp2p.serve.protocol import (
     MAX_TOKEN_ID,
@@ -181,6 +188,8 @@ class Scheduler:
         groups: int | None = None,
         min_group_rows: int = 1,
         speculate: str = "none",
+        prefix_blocks: int = 0,
+        prefix_salt: bytes = b"",
     ) -> None:
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate: {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
@@ -211,6 +220,8 @@ class Scheduler:
         self._stages = 0
         self._sizes: tuple[int, ...] = ()
         self._mean_session_s = 0.0
+        self.prefix = PrefixIndex(prefix_blocks, salt=prefix_salt) if prefix_blocks else None
+        """The prompt blocks the ring's stages hold (None: no prefix cache)."""
 
     # -- what it holds ----------------------------------------------------------------------------
 
@@ -306,6 +317,8 @@ class Scheduler:
             session.last_activity = now
             if session.first_token_at is None:
                 session.first_token_at = now
+            if group is None and self.prefix is not None:
+                self.prefix.stored(sid)  # its prompt ran on every stage: its blocks are there
             logprob = msg.logprobs[i] if msg.logprobs else None
             if group is not None:
                 self._take_lap(session, msg, i, logprob, now, out)
@@ -372,6 +385,8 @@ class Scheduler:
         """The ring was rebuilt (its caches are empty): every running session replays its
         prompt and generated tokens as one prefill and goes on; groups start empty."""
         out = Outcome()
+        if self.prefix is not None:
+            self.prefix.clear()  # the new stages hold no blocks: cold, never wrong
         for group in self._groups:
             group.members, group.joining, group.in_flight = [], [], False
         for session in self._running.values():
@@ -398,12 +413,19 @@ class Scheduler:
         self._running[session.sid] = session
         session.state = "prefill"
         session.admitted_at = session.last_activity = now
+        plan = None
+        if self.prefix is not None and not session.sampling.needs_history:
+            plan = self.prefix.plan(session.sid, session.prompt)
+            if not (plan.reuse or plan.keep or plan.drop):
+                plan = None
+        start = plan.reused_tokens if plan is not None else 0
         prefill = Prefill(
             sid=session.sid,
-            pos=0,
-            tokens=session.prompt,
+            pos=start,
+            tokens=session.prompt[start:],
             sampling=session.sampling,
             grammar=session.grammar,
+            prefix=plan,
         )
         out.sends.append((prefill, (session,)))
 
@@ -583,6 +605,8 @@ class Scheduler:
                 pass
         session.state = "done"
         self._leave_group(session, out)
+        if was_running and self.prefix is not None:
+            self.prefix.release(session.sid)
         if was_running:
             if session.admitted_at is not None:
                 took = now - session.admitted_at

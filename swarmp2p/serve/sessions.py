@@ -53,6 +53,8 @@ class RingClient:
         groups: int | None = None,
         min_group_rows: int = 1,
         speculate: str = "none",
+        prefix_blocks: int = 0,
+        prefix_salt: bytes = b"",
     ) -> None:
         self._scheduler = Scheduler(
             max_context=max_context,
@@ -63,6 +65,8 @@ class RingClient:
             groups=groups,
             min_group_rows=min_group_rows,
             speculate=speculate,
+            prefix_blocks=prefix_blocks,
+            prefix_salt=prefix_salt,
         )
         self._first = first
         self._last = last
@@ -150,6 +154,13 @@ class RingClient:
         mean tokens per lap."""
         with self._lock:
             return self._scheduler.spec.to_dict()
+
+    @property
+    def prefix_stats(self) -> dict[str, int | float] | None:
+        """The prefix cache's blocks, lookups, hits, hit rate and reused tokens (None: off)."""
+        with self._lock:
+            index = self._scheduler.prefix
+            return None if index is None else index.stats()
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the mean session time, scaled by the queue."""

@@ -141,6 +141,7 @@ def _sessions(client: RingClient | None) -> dict[str, object] | None:
         "speculate": client.speculate,
         "speculate_off": client.spec_off,
         "speculation": client.spec_stats(),
+        "prefix_cache": client.prefix_stats,
     }
 
 
@@ -183,6 +184,7 @@ def inputs_of(served: Served, alive: frozenset[str]) -> ServeInputs:
         quantization=served.quantization,
         max_sessions=req.max_sessions,
         max_context=req.max_context,
+        prefix_cache_mb=req.prefix_cache_mb,
         bounds=tuple(tuple(b) for b in trained["manifest"]["split"]) if trained else None,
         holders=tuple(tuple(h) for h in alive_holders(served, alive)) if trained else None,
         trained_compression=tuple(
@@ -365,7 +367,13 @@ async def open_served(
         except (OSError, ValueError) as exc:
             raise Failed(f"model {served.name!r}: {exc}", code="no_file") from None
     plan, ends = await build(ctx, served, on_copy)
-    client = ends.open_client(plan, step_timeout=step_timeout, speculate=served.request.speculate)
+    trained = served.trained["id"] if served.trained else served.folder
+    client = ends.open_client(
+        plan,
+        step_timeout=step_timeout,
+        speculate=served.request.speculate,
+        salt=f"{served.name}\0{trained}",
+    )
     served.client = client
     model = ApiModel(name=served.name, client=client, codec=codec, max_context=plan.max_context)
     req = served.request

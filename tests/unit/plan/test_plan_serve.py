@@ -379,3 +379,53 @@ def test_the_inputs_cross_the_wire_and_plan_the_same_bytes():
     assert back.plan().to_json() == inputs.plan().to_json()
     with pytest.raises(SchemaError, match="invalid serve plan"):
         ServePlan.from_json(inputs.plan().to_json().replace('"dtype":"bfloat16"', '"dtype":"x"'))
+
+
+def test_the_prefix_cache_is_priced_per_stage_and_sized_in_blocks():
+    cluster = [cpu_gb("a", 4), cpu_gb("b", 4)]
+    off = serve(cluster, stages=2)
+    on = serve(cluster, stages=2, prefix_cache_mb=1)
+    assert off.prefix_blocks == 0 and all(s.memory.prefix_cache == 0 for s in off.stages)
+    assert all(s.memory.prefix_cache == MIB for s in on.stages)
+    assert [s.memory.peak - MIB for s in on.stages] == [s.memory.peak for s in off.stages]
+    # float32, as many blocks as the budget holds on the stage with the most layers
+    most = max(s.layers[1] - s.layers[0] for s in on.stages)
+    assert on.prefix_blocks == MIB // (KV_PER_TOKEN_LAYER * 4 * most * 16)
+    assert ServePlan.from_json(on.to_json()) == on
+
+
+def test_a_prefix_cache_over_the_memory_is_named_in_the_blocked_reason():
+    blocked = serve([cpu_gb("a", 0.01)], stages=1, prefix_cache_mb=64)
+    assert isinstance(blocked, Blocked) and "--prefix-cache-mb, 64 MiB a stage" in blocked.reason
+    assert not isinstance(serve([cpu_gb("a", 0.01)], stages=1), Blocked)
+
+
+def test_a_recurrent_model_plans_no_prefix_cache_and_says_why():
+    hybrid = from_config(
+        {
+            "model_type": "qwen3_5_text",
+            "vocab_size": 1000,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+        }
+    )
+    assert hybrid.recurrent
+    plan = serve([cpu_gb("a", 4)], shape=hybrid, prefix_cache_mb=8)
+    assert plan.prefix_blocks == 0 and any("prefix cache off" in n for n in plan.notes)
+
+
+def test_the_serve_request_carries_the_prefix_cache_size():
+    assert parse_serve_request({"model": "m"}).prefix_cache_mb == 64
+    assert parse_serve_request({"model": "m", "prefix_cache_mb": 0}).prefix_cache_mb == 0
+    with pytest.raises(SchemaError, match="prefix_cache_mb"):
+        parse_serve_request({"model": "m", "prefix_cache_mb": -1})

@@ -39,7 +39,7 @@ from swarmp2p.runtime.torch.serve.sampling import (
     SessionSampler,
     session_matcher,
 )
-from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.runtime.torch.serve.session_cache import PrefixStore, SessionBatch
 from swarmp2p.runtime.torch.serve.speculative import (
     draft_ids,
     no_speculation,
@@ -52,6 +52,7 @@ from swarmp2p.runtime.torch.train.boundary import (
     from_frame,
     to_frame,
 )
+from swarmp2p.serve.decoding.prefix import BLOCK_TOKENS, PrefixPlan
 from swarmp2p.serve.protocol import (
     Decode,
     End,
@@ -96,10 +97,19 @@ class _Session:
     floor: int | None = None
     """After a speculative step here: the fewest tokens the row may be rolled back to (its
     newest token kept, its drafts not yet known to be); None: no rollback allowed."""
+    prefix: PrefixPlan | None = None
+    """The prefix cache's plan for it (its first chunk forwards it to the next stage)."""
+    cached: list | None = None
+    """The reused blocks, copied into its row when its first chunk runs."""
+
+    @property
+    def reused(self) -> int:
+        return 0 if self.prefix is None else self.prefix.reused_tokens
 
     @property
     def length(self) -> int:
-        return 0 if self.batch is None else self.batch.lengths[self.row]
+        """Tokens its caches hold (before its first chunk: the reused ones)."""
+        return self.reused if self.batch is None else self.batch.lengths[self.row]
 
 
 class SessionRefused(RuntimeError):
@@ -164,6 +174,8 @@ class StageServer:
         self.grammar_tokenizer = grammar_tokenizer
         """The last stage's tokenizer for grammar sessions (None: they are refused)."""
         self.sessions: dict[int, _Session] = {}
+        self.prefix = PrefixStore()
+        """The prompt blocks the issuing node's prefix index says this stage holds."""
         self.steps = 0
         """Forwards run (a decode step of a whole group counts once)."""
         self.last_batch = 0
@@ -229,6 +241,8 @@ class StageServer:
             "drafted": self.drafted,
             "busy_s": round(self.busy_s, 3),
             "waiting": len(self._chunks) + len(self._decodes),
+            "prefix_blocks": len(self.prefix.blocks),
+            "prefix_bytes": self.prefix.nbytes,
         }
 
     def _send(self, replies: list[list]) -> None:
@@ -327,7 +341,7 @@ class StageServer:
 
     def _open(self, msg: Prefill) -> None:
         """Start (or restart) a session on its first chunk; check a later chunk's session."""
-        if msg.pos != 0:
+        if not msg.first:
             session = self.sessions.get(msg.sid)
             if session is None or not session.prefilling:
                 raise SessionRefused(
@@ -344,6 +358,12 @@ class StageServer:
                 f"{self.max_sessions}); retry when one ends"
             )
         params = msg.sampling if msg.sampling is not None else SamplingParams()
+        cached = None
+        if msg.prefix is not None:
+            try:
+                cached = self.prefix.open(msg.prefix, LINEAR_ATTENTION in self.stage.block_types)
+            except (KeyError, ValueError) as e:
+                raise SessionRefused(f"session {msg.sid}: {e.args[0]}") from None
         sampler = None
         if self.stage.is_last_stage:
             vocab = getattr(self.stage.config, "vocab_size", None) or 0
@@ -352,12 +372,19 @@ class StageServer:
             except ValueError as e:
                 raise SessionRefused(str(e)) from None
             sampler = SessionSampler(params, vocab, prompt_len=msg.prompt_len, matcher=matcher)
+            if msg.pos:
+                try:  # the reused positions are the prompt's too
+                    sampler.observe((), count=msg.pos)
+                except ValueError as e:
+                    raise SessionRefused(f"session {msg.sid}: prefix: {e}") from None
         self.sessions[msg.sid] = _Session(
             sampler=sampler,
             sampling=msg.sampling,
             prompt_len=msg.prompt_len,
             grammar=msg.grammar,
             last_used=time.monotonic(),
+            prefix=msg.prefix,
+            cached=cached,
         )
 
     def _evict_idle(self) -> None:
@@ -380,7 +407,7 @@ class StageServer:
             if session is None:
                 continue  # ended while the chunk waited
             try:
-                if session.length != chunk.pos:
+                if session.length != chunk.pos:  # (a warm session's reused tokens first)
                     raise SessionRefused(
                         f"session {chunk.sid} prefill chunk at position {chunk.pos}, but the "
                         f"cache holds {session.length} tokens (a message was lost)"
@@ -402,11 +429,14 @@ class StageServer:
         else:
             x = pad_right([x for _, _, x in ready])
             batch = self.stage.new_batch(sids, max_context=self.max_context)
-            batch.expect(counts)
             for row, (_, session, _) in enumerate(ready):
                 if session.batch is not None:
                     session.batch.sids[session.row] = None
                 session.batch, session.row = batch, row
+                if session.cached:  # a warm session: its reused blocks first
+                    batch.load_prefix(row, session.cached)
+                session.cached = None
+            batch.expect(counts)
         now = time.monotonic()
         for _, session, _ in ready:
             session.last_used = now
@@ -433,7 +463,14 @@ class StageServer:
     def _prefilled(self, chunk: Chunk, session: _Session, count: int, out) -> list[list]:
         """What a session's prefill chunk sends on once it ran: on the last stage, its first
         token (``out``: the logits of its last position; None before the last chunk), else the
-        chunk with its hidden state ``out`` (``[1, count, H]``) for the next stage."""
+        chunk with its hidden state ``out`` (``[1, count, H]``) for the next stage. After its
+        last chunk the blocks its prefix plan keeps are stored."""
+        first = chunk.pos == session.reused
+        if not chunk.more and session.prefix is not None and session.prefix.keep:
+            try:
+                self.prefix.keep(session.prefix, session.batch, session.row, BLOCK_TOKENS)
+            except ValueError as e:
+                return self._error((chunk.sid,), f"prefix.keep: {e}")
         if self.stage.is_last_stage:
             session.sampler.observe(chunk.tokens, count=count)
             if out is None:
@@ -456,7 +493,6 @@ class StageServer:
         keep_ids = (session.sampling is not None and session.sampling.needs_history) or (
             session.grammar is not None and session.prompt_len is not None
         )
-        first = chunk.pos == 0
         forward = Prefill(
             sid=chunk.sid,
             pos=chunk.pos,
@@ -465,6 +501,7 @@ class StageServer:
             sampling=session.sampling if first else None,
             prompt_len=session.prompt_len if first else None,
             grammar=session.grammar if first else None,
+            prefix=session.prefix if first else None,
         )
         return [[forward.encode(), *self._frame(out).to_parts()]]
 

@@ -360,6 +360,24 @@ class PrefixStore:
             raise KeyError(f"prefix block {missing[0].hex()} is not cached on this stage")
         return [self.blocks[n] for n in names]
 
+    def open(self, plan, recurrent: bool) -> list[KVBlock]:
+        """Carry out a new session's prefix plan (``serve.decoding.prefix.PrefixPlan``) as it
+        arrives: its drops, then the blocks it reuses (KeyError naming one not held here;
+        ValueError for a stage with recurrent blocks, whose state no block holds)."""
+        self.drop(plan.drop)
+        if recurrent and (plan.reuse or plan.keep):
+            raise ValueError(
+                "prefix: a recurrent (linear-attention) block's state cannot be cached by "
+                "prompt blocks; serve this model with --prefix-cache-mb 0"
+            )
+        return self.get(plan.reuse)
+
+    def keep(self, plan, batch: SessionBatch, row: int, block: int) -> None:
+        """Store the blocks ``plan`` keeps, read from row ``row`` of ``batch`` (its prompt
+        ran): they follow its reused ones."""
+        start = len(plan.reuse) * block
+        self.put(plan.keep, batch.read_blocks(row, start, len(plan.keep), block))
+
     def put(self, names: Sequence[bytes], blocks: Sequence[KVBlock]) -> None:
         for name, kv in zip(names, blocks, strict=True):
             if name not in self.blocks:
