@@ -381,7 +381,7 @@ def run_single(folder: Path, args, threads: int) -> list[float]:
 # --- through the daemons: `swarm train` on two loopback daemons ---------------------------------
 
 
-def _daemon_job(folder: Path, args, mode: str | None, steps: int) -> dict:
+def _daemon_job(folder: Path, args, mode: str | None, steps: int, schedule: str = "1f1b") -> dict:
     split = {"stages": 2} if mode is None else {"stages": 2, "mode": mode}
     return {
         "name": "bench-daemons",
@@ -393,7 +393,7 @@ def _daemon_job(folder: Path, args, mode: str | None, steps: int) -> dict:
             "batch_size": args.batch,
             "seq_len": args.seq,
             "micro_batches": args.micro,
-            "schedule": "1f1b",
+            "schedule": schedule,
             "lr": 1e-5,
             "eval_batches": 0,
             "recompute": False,
@@ -420,7 +420,8 @@ def run_daemons(
 ) -> dict:
     """``swarm train`` of a 2-stage full fine-tune on two loopback daemons (``OMP_NUM_THREADS``
     ``threads``; each under a cgroup CPU quota when ``quotas`` maps node -> CPUs), once per
-    split mode in ``modes`` (None: the default, by measured speed), the daemons kept between
+    split mode in ``modes`` (None: the default, by measured speed; "auto": the default split
+    with ``train.schedule`` "auto", the planner's own choice; the others run 1F1B), the daemons kept between
     jobs. Per mode: the daemons' steady tokens/s (the last stage's tokens over the wall time
     between its step ends, the first 2 steps left out) and the layers each stage held.
     ``probe`` False: no speed probe, for splits that need no measured speed (``equal``)."""
@@ -454,8 +455,12 @@ def run_daemons(
                 )
                 for mode in modes:
                     job = tmp / f"job-{mode}.json"
+                    schedule = "auto" if mode == "auto" else "1f1b"
+                    split = None if mode == "auto" else mode
                     job.write_text(
-                        json.dumps(_daemon_job(folder, args, mode, steps or args.daemon_steps))
+                        json.dumps(
+                            _daemon_job(folder, args, split, steps or args.daemon_steps, schedule)
+                        )
                     )
                     sub = sw.cli("b", "train", str(job), "--detach", "--json")
                     if sub.returncode:
@@ -474,6 +479,7 @@ def run_daemons(
                     out[key] = {
                         "tok_s": view["metrics"]["steady_tokens_per_s"],
                         "layers": [s["layers"] for s in stages],
+                        "schedule": view["plan"]["schedule"],
                         "node_stages": [{"node": s["node"], "layers": s["layers"]} for s in stages],
                         "measured_s": [s.get("measured_s") for s in stages],
                         "predicted_s": [s.get("predicted_s") for s in stages],
@@ -534,7 +540,7 @@ def hetero_case(folder: Path, n_layers: int, args, cpus: dict[str, float]) -> di
     """Mismatched machines: daemon a under a cgroup quota of ``cpus["a"]`` CPUs, b of
     ``cpus["b"]``: the equal split, the default (measured-speed) split, and torch pipelining
     with the equal cut, each rank under the quota of the node that held its stage."""
-    got = run_daemons(folder, args, modes=("equal", None), quotas=cpus)
+    got = run_daemons(folder, args, modes=("equal", None, "auto"), quotas=cpus)
     nodes = [s["node"] for s in got["equal"]["node_stages"]]
     pp = run_torch_pipelining_quota(folder, n_layers, args, n_layers // 2, [cpus[n] for n in nodes])
     tokens = args.batch * args.seq
@@ -544,10 +550,22 @@ def hetero_case(folder: Path, n_layers: int, args, cpus: dict[str, float]) -> di
         "tok_s": {
             "equal": got["equal"]["tok_s"],
             "speed": got["default"]["tok_s"],
+            "auto": got["auto"]["tok_s"],
             "torch_pipelining_equal": tokens / statistics.median(pp),
         },
-        "layers": {"equal": got["equal"]["layers"], "speed": got["default"]["layers"]},
-        "nodes": {"equal": nodes, "speed": [s["node"] for s in got["default"]["node_stages"]]},
+        "layers": {
+            k: got[m]["layers"]
+            for k, m in (("equal", "equal"), ("speed", "default"), ("auto", "auto"))
+        },
+        "schedule": {
+            k: got[m]["schedule"]
+            for k, m in (("equal", "equal"), ("speed", "default"), ("auto", "auto"))
+        },
+        "nodes": {
+            "equal": nodes,
+            "speed": [s["node"] for s in got["default"]["node_stages"]],
+            "auto": [s["node"] for s in got["auto"]["node_stages"]],
+        },
         "throttled_us": got.get("throttled_us"),
     }
 
@@ -900,8 +918,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
             print("| run | stages (node: layers) | tokens/s | vs equal |\n|---|---|---|---|")
             for key, label in (
-                ("equal", "split.mode equal"),
-                ("speed", "default split (measured speed)"),
+                ("equal", "split.mode equal, 1F1B"),
+                ("speed", "default split (measured speed), 1F1B"),
+                ("auto", f"default split, schedule auto ({got['schedule']['auto']})"),
             ):
                 where = ", ".join(
                     f"{n}: {lay}" for n, lay in zip(got["nodes"][key], got["layers"][key])
@@ -914,6 +933,7 @@ def main(argv: list[str] | None = None) -> dict:
             result.update(
                 hetero=got,
                 hetero_speed_over_equal=t["speed"] / t["equal"],
+                hetero_auto_over_equal=t["auto"] / t["equal"],
                 hetero_speed_over_torch_pipelining=t["speed"] / t["torch_pipelining_equal"],
             )
 

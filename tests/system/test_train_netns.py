@@ -239,7 +239,9 @@ STEPS = 60
 snapshot and runs to the end (300 steps ran ~250 of them after the resume, for nothing)."""
 
 
-def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=False):
+def _kill_mid_run(
+    netns_lab, tiny_llama, ids, stages, victim_is_leader, full=False, schedule="auto"
+):
     hosts = netns_lab(len(ids))
     nodes = _start(hosts, ids, SwarmSecret.generate().token)
     by_id = {n.node_id: n for n in nodes}
@@ -252,6 +254,7 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
         eval_batches=0,
         batch_size=8,
         seq_len=32,
+        schedule=schedule,
     )
     if full:
         job["model"]["lora"] = {"enabled": False}
@@ -308,6 +311,8 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
         assert "resuming" not in states and final["attempt"] == 1
         return by_id, victim, final
     assert "resuming" in states and final["attempt"] == 2
+    if schedule != "auto":  # the resumed attempt runs the schedule the job named
+        assert final["plan"]["schedule"] == schedule
     losses = {}
     for attempt, step, loss, _tokens_per_s in final["metrics"]["losses"]:
         losses.setdefault(attempt, {})[step] = loss
@@ -323,8 +328,9 @@ def _kill_mid_run(netns_lab, tiny_llama, ids, stages, victim_is_leader, full=Fal
     return by_id, victim, final
 
 
-def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama):
-    _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c", "d"], 3, False)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sigkill_a_stage_host_resumes_from_the_last_snapshot(netns_lab, tiny_llama, schedule):
+    _kill_mid_run(netns_lab, tiny_llama, ["a", "b", "c", "d"], 3, False, schedule=schedule)
 
 
 def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llama):
@@ -332,13 +338,14 @@ def test_sigkill_the_leader_the_new_leader_finishes_the_job(netns_lab, tiny_llam
     assert by_id["c"].status()["leader"] == "b"
 
 
+@pytest.mark.parametrize("schedule", ["auto", "zb-h2"])
 def test_sigkill_a_stage_host_of_a_full_fine_tune_re_splits_it_over_the_two_left(
-    netns_lab, tiny_llama
+    netns_lab, tiny_llama, schedule
 ):
     """3 stages on 3 hosts, one killed: the 2 left hold the model, so the job goes on in 2
     stages, from the newest snapshot re-sliced by global block index (its loss continues)."""
     by_id, victim, final = _kill_mid_run(
-        netns_lab, tiny_llama, ["a", "b", "c"], "auto", False, full=True
+        netns_lab, tiny_llama, ["a", "b", "c"], "auto", False, full=True, schedule=schedule
     )
     assert victim == "b" and [s["node"] for s in final["plan"]["stages"]] == ["a", "c"]
     assert [s["layers"] for s in final["plan"]["stages"]] == [[0, 3], [3, 6]]

@@ -266,7 +266,7 @@ def test_one_stage_trains_exactly_like_a_single_process():
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
 def test_an_overflow_skips_the_step_on_every_stage_and_lowers_every_scale(schedule):
     model = build_model("llama")
     bundles = _bundles(model, 3, torch.float16)
@@ -307,7 +307,7 @@ def test_an_injected_nan_fails_every_stage_naming_the_stage_and_step(dtype):
         assert all(torch.isfinite(p).all() for p in b.trainable_parameters)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
 def test_a_resumed_float16_run_equals_the_uninterrupted_one(tmp_path, schedule):
     """The snapshot holds the float32 master copies and the loss scale: rebuilding the masters
     from the float16 weights, or restarting at the default scale, would change the run."""
