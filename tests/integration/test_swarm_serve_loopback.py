@@ -153,7 +153,9 @@ def test_serve_across_three_daemons_generate_equals_model_generate_and_stop(loop
     )
     assert streamed.stdout.rstrip("\n") == expected, streamed.stderr
     sessions = b.status()["served"][0]["sessions"]  # the last step went through all 3 stages
-    assert sessions == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
+    base = {k: sessions[k] for k in ("active", "queued", "max", "stage_batch")}
+    assert base == {"active": 0, "queued": 0, "max": sessions["max"], "stage_batch": [1, 1, 1]}
+    assert sessions["speculate"] == "auto" and sessions["prefix_cache"]["lookups"] >= 1
     # a serves nothing: its daemon relays to b over the swarm's CURVE links, streamed or not
     for mode in ("--stream", "--no-stream"):
         relayed = swarm(
@@ -300,7 +302,7 @@ def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bou
 ):
     # each node: one fake Ampere GPU with ~51 MiB usable, so the plan serves bfloat16 (on the
     # CPU); 600 sessions of 512 tokens fit one stage per node, but not two stages on one node
-    # once a node is gone
+    # once a node is gone (no prefix cache: its 64 MiB would not fit beside them)
     env = {**ENV, "SWARM_FAKE_DEVICES": "fake:0.55:8.6"}
     a, b = _swarm(loopback_swarm, "ab", env=env)
     done = swarm(
@@ -317,6 +319,8 @@ def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bou
         "512",
         "--max-sessions",
         "600",
+        "--prefix-cache-mb",
+        "0",
         "--json",
     )
     assert done.returncode == 0, done.stderr + dump([a, b])
