@@ -530,6 +530,24 @@ USERS = 4
 default (``--max-sessions``)."""
 
 
+def _daemons_env() -> dict[str, str]:
+    """The loopback daemons' environment: this checkout on the path, a fresh swarm token, no
+    dashboard, and none of the caller's SWARM_ or thread settings (the daemons choose)."""
+    from swarmp2p.net.security import SwarmSecret
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SWARM_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        SWARM_TOKEN=SwarmSecret.generate().token,
+        SWARM_DASHBOARD_PORT="off",
+    )
+    return env
+
+
 def daemons(args) -> dict:
     """One user's streamed chat through ``swarm serve`` on two loopback daemons (the user's own
     path: the issuing daemon's API, its ring client, stage workers its daemons started, with the
@@ -555,18 +573,7 @@ def daemons(args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         packed = copy.deepcopy(model)
         pack_linears(packed)
-        root = str(Path(__file__).resolve().parents[1])
-        from swarmp2p.net.security import SwarmSecret
-
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("SWARM_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-        }
-        # the daemons choose their stages' threads as they do for a user
-        env.update(
-            PYTHONPATH=root, SWARM_TOKEN=SwarmSecret.generate().token, SWARM_DASHBOARD_PORT="off"
-        )
+        env = _daemons_env()  # the daemons choose their stages' threads as for a user
         ring: list[float] = []
         gen: list[float] = []
         gen_packed: list[float] = []
@@ -689,7 +696,6 @@ def prefix(args) -> dict:
     from _swarm import wait as wait_for
 
     from swarmp2p.models import resolve_model_ref
-    from swarmp2p.net.security import SwarmSecret
     from swarmp2p.serve.text import TextCodec
 
     repeats = args.repeats or (2 if args.quick else 5)
@@ -702,15 +708,7 @@ def prefix(args) -> dict:
                 [{"role": "system", "content": _system_prompt(0, rules)}]
             )
         )
-        root = str(Path(__file__).resolve().parents[1])
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("SWARM_") and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-        }
-        env.update(
-            PYTHONPATH=root, SWARM_TOKEN=SwarmSecret.generate().token, SWARM_DASHBOARD_PORT="off"
-        )
+        env = _daemons_env()
         cold: list[float] = []
         warm: list[float] = []
         with LoopbackSwarm("ab", Path(tmp), env=env, heartbeat=0.5, failure_timeout=3.0) as sw:
