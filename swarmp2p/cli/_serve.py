@@ -59,7 +59,8 @@ from swarmp2p.cli import (
     default=None,
     help="MiB of cached prompt blocks each stage keeps, so a new session whose prompt starts "
     "like an earlier one's (a system prompt) prefills only the rest; priced in the plan "
-    "(0: off; default 64).",
+    "(0: off; default: up to 64, as much as the devices have room for beside the sessions; an "
+    "explicit size that does not fit fails the plan).",
 )
 @click.option(
     "--dtype",

@@ -101,7 +101,9 @@ MAX_PREFIX_CACHE_MB = 1 << 20
 """Bounds of a request's numbers (a model has fewer blocks, no device holds more)."""
 PREFIX_CACHE_MB = 64
 """The prefix cache's default budget per stage (MiB): on the embedded model in float32 over
-two stages, about 2,900 tokens of cached prompts (a long system prompt and then some)."""
+two stages, about 2,900 tokens of cached prompts (a long system prompt and then some). Left to
+its default (None) the budget is the largest of 64, 32, ... 1 MiB that the devices have room
+for beside the stages and their sessions; an explicit budget is priced as asked."""
 
 
 def boundary_codec(compression: str, send_codes: bool) -> str:
@@ -149,8 +151,9 @@ class ServeRequest:
     speculate: Speculate = "auto"
     """Speculative decoding: "auto" (prompt lookup with an adaptive draft length that stops
     drafting where it does not pay), "ngram" (prompt lookup, 10 tokens a lap), "none"."""
-    prefix_cache_mb: int = field(default=PREFIX_CACHE_MB, ge=0, le=MAX_PREFIX_CACHE_MB)
-    """MiB of cached prompt blocks each stage keeps for new sessions to reuse; 0: off."""
+    prefix_cache_mb: int | None = field(default=None, ge=0, le=MAX_PREFIX_CACHE_MB)
+    """MiB of cached prompt blocks each stage keeps for new sessions to reuse; 0: off; None:
+    up to PREFIX_CACHE_MB, as much as the devices have room for (never a reason to fail)."""
     api_key: str | None = field(default=None, min_len=1, max_len=4096)
     cwd: str | None = field(default=None, min_len=1, max_len=4096)
     """The CLI's folder: a relative MODEL folder is read from there."""
@@ -361,7 +364,7 @@ def plan_serve(
     split: SplitMode = SERVE_SPLIT,
     trained_compression: Sequence[Compression] = (),
     capabilities: frozenset[str] | None = None,
-    prefix_cache_mb: int = 0,
+    prefix_cache_mb: int | None = 0,
 ) -> ServePlan | Blocked:
     """Place a serving ring of ``shape`` on ``cluster_nodes``: a ServePlan, or Blocked naming
     every device that cannot take its stage (the node, the device and the bytes).
@@ -372,10 +375,59 @@ def plan_serve(
     (default: where both nodes declare the serve codec). ``trained_compression``: a trained
     model's boundaries, one per boundary of ``bounds`` (its manifest's ``compression``).
     ``capabilities`` are the planning peer's own (default: this version's CAPABILITIES).
-    ``prefix_cache_mb``: the prefix cache's budget per stage (0: none). Raises
+    ``prefix_cache_mb``: the prefix cache's budget per stage (0: none; None: the largest of
+    PREFIX_CACHE_MB, half that, ... 1 MiB with which the ring still places on as many stages as
+    without a cache, else none, with a note saying so). Raises
     SchemaError for a request no cluster could meet (more stages than blocks, bounds that do
     not cover the model).
     """
+    args = (shape, cluster_nodes, stages, dtype, quantization, max_sessions, max_context)
+    rest = (bounds, holders, compression, codes, split, trained_compression, capabilities)
+    if prefix_cache_mb is not None:
+        return _plan_serve(*args, *rest, prefix_cache_mb)
+    # the default budget: what fits beside the ring (the ring placed without a cache first,
+    # then the largest budget that places it on as many stages)
+    if shape.recurrent:  # no cache, and a note that says why
+        return _plan_serve(*args, *rest, PREFIX_CACHE_MB)
+    bare = _plan_serve(*args, *rest, 0)
+    if not isinstance(bare, ServePlan):
+        return bare
+    mb = PREFIX_CACHE_MB
+    while mb >= 1:
+        plan = _plan_serve(*args, *rest, mb)
+        if isinstance(plan, ServePlan) and len(plan.stages) >= len(bare.stages):
+            if mb < PREFIX_CACHE_MB:
+                plan = _with_notes(
+                    plan,
+                    f"prefix cache {mb} MiB a stage (of the default {PREFIX_CACHE_MB}: the "
+                    "devices have no room for more beside the sessions)",
+                )
+            return plan
+        mb //= 2
+    return _with_notes(
+        bare,
+        "prefix cache off: the devices have no room for a MiB of it beside the sessions "
+        "(ask for one with --prefix-cache-mb N)",
+    )
+
+
+def _plan_serve(
+    shape: ModelShape,
+    cluster_nodes: Sequence[Node],
+    stages: int,
+    dtype: str | None,
+    quantization: QuantSpec | dict | None,
+    max_sessions: int,
+    max_context: int,
+    bounds: Sequence[Sequence[int]] | None,
+    holders: Sequence[Sequence[str]] | None,
+    compression: Sequence[str],
+    codes: bool | Sequence[bool] | None,
+    split: SplitMode,
+    trained_compression: Sequence[Compression],
+    capabilities: frozenset[str] | None,
+    prefix_cache_mb: int,
+) -> ServePlan | Blocked:
     n = _check_request(shape, stages, bounds, holders, compression, codes)
     trained = tuple(trained_compression)
     if trained and (bounds is None or len(trained) != len(bounds) - 1):
@@ -672,8 +724,9 @@ class ServeInputs:
     codes: bool | None = None
     trained_compression: tuple[Compression, ...] = ()
     """A trained model's boundaries (its manifest's ``compression``), one per boundary."""
-    prefix_cache_mb: int = field(default=0, ge=0, le=MAX_PREFIX_CACHE_MB)
-    """The prefix cache's budget per stage (MiB; 0: none)."""
+    prefix_cache_mb: int | None = field(default=0, ge=0, le=MAX_PREFIX_CACHE_MB)
+    """The prefix cache's budget per stage (MiB; 0: none; None: as much as fits, up to
+    PREFIX_CACHE_MB)."""
 
     def nodes(self) -> list[Node]:
         return list(self.cluster)

@@ -424,8 +424,34 @@ def test_a_recurrent_model_plans_no_prefix_cache_and_says_why():
     assert plan.prefix_blocks == 0 and any("prefix cache off" in n for n in plan.notes)
 
 
+def test_the_default_prefix_cache_takes_what_room_is_left_and_never_blocks_the_ring():
+    bare = serve([cpu_gb("a", 4)], stages=1, prefix_cache_mb=0).stages[0].memory.peak
+    # room for the ring and 40 MiB: the default budget halves from 64 to 32 MiB, and says so
+    tight = serve([cpu_gb("a", (bare + 40 * MIB) / GIB)], stages=1, prefix_cache_mb=None)
+    assert tight.stages[0].memory.prefix_cache == 32 * MIB and tight.prefix_blocks > 0
+    assert any("prefix cache 32 MiB a stage" in n for n in tight.notes), tight.notes
+    # no room for one MiB: the ring places without a cache, with a note
+    full = serve([cpu_gb("a", (bare + MIB // 2) / GIB)], stages=1, prefix_cache_mb=None)
+    assert full.prefix_blocks == 0 and full.stages[0].memory.prefix_cache == 0
+    assert any("prefix cache off" in n for n in full.notes), full.notes
+    # room to spare: the whole default, no note; an explicit budget is priced as asked
+    roomy = serve([cpu_gb("a", 4)], stages=1, prefix_cache_mb=None)
+    assert roomy.stages[0].memory.prefix_cache == 64 * MIB
+    assert not any("prefix cache" in n for n in roomy.notes)
+    asked = serve([cpu_gb("a", (bare + 40 * MIB) / GIB)], stages=1, prefix_cache_mb=64)
+    assert isinstance(asked, Blocked) and "--prefix-cache-mb, 64 MiB a stage" in asked.reason
+    # a cache never costs a stage: the budget that keeps both devices is chosen over 64 MiB on one
+    two = [cpu_gb("a", (bare + 40 * MIB) / GIB), cpu_gb("b", (bare + 40 * MIB) / GIB)]
+    both = serve(two, prefix_cache_mb=None)
+    assert len(both.stages) == len(serve(two, prefix_cache_mb=0).stages) == 2
+    assert all(0 < s.memory.prefix_cache <= 64 * MIB for s in both.stages)
+    # every stage node plans the same from the request's inputs
+    inputs = ServeInputs(shape=SHAPE, cluster=tuple(two), max_context=256, prefix_cache_mb=None)
+    assert parse(ServeInputs, to_data(inputs)).plan().to_json() == both.to_json()
+
+
 def test_the_serve_request_carries_the_prefix_cache_size():
-    assert parse_serve_request({"model": "m"}).prefix_cache_mb == 64
+    assert parse_serve_request({"model": "m"}).prefix_cache_mb is None  # as much as fits
     assert parse_serve_request({"model": "m", "prefix_cache_mb": 0}).prefix_cache_mb == 0
     with pytest.raises(SchemaError, match="prefix_cache_mb"):
         parse_serve_request({"model": "m", "prefix_cache_mb": -1})

@@ -291,6 +291,15 @@ class SessionBatch:
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """No intermediate recurrent states (transformers >= 5.25 asks): a recurrent row never
+        drafts, so it never rolls back inside a step."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers >= 5.25 counts a fused one-token conv update here; the rows' lengths
+        are kept by ``begin``/``commit``, so there is nothing to count."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.conv.get(layer_idx)
 
@@ -328,6 +337,10 @@ class SessionBatch:
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
     ) -> torch.Tensor:
+        if isinstance(recurrent_states, (list, tuple)):
+            # transformers >= 5.25 passes the intermediate states it was asked to keep; with
+            # none kept (get_recurrent_states_to_keep) a list holds the last one only
+            recurrent_states = recurrent_states[-1]
         state = self.recurrent.get(layer_idx)
         if state is None:
             self.recurrent[layer_idx] = state = recurrent_states.clone()

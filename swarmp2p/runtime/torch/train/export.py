@@ -349,11 +349,13 @@ def write_export(
     name, provenance = portable_base(model["base"])
     base = base_dir or resolve_model_ref(model["base"])
     # Third-party chatter is not the user's business: bitsandbytes (imported by PEFT) logs a
-    # hint to `pip install kernels` on CPUs with AVX512-BF16, transformers draws a loading bar,
+    # hint to `pip install kernels` on CPUs with AVX512-BF16 (and, with `kernels` installed, as
+    # transformers >= 5.25 has it, kernels warns that it skips a trust check offline),
+    # transformers draws a loading bar,
     # and deprecations arrive as FutureWarnings. Errors still show.
     from transformers.utils import logging as hf_logging
 
-    quiet = ("transformers", "peft", "accelerate", "huggingface_hub", "bitsandbytes")
+    quiet = ("transformers", "peft", "accelerate", "huggingface_hub", "bitsandbytes", "kernels")
     levels = {n: logging.getLogger(n).level for n in quiet}
     bars = hf_logging.is_progress_bar_enabled()
     with warnings.catch_warnings():
