@@ -53,11 +53,42 @@ def test_temperature_sharpens_and_flattens():
 def test_draws_follow_the_distribution_and_repeat_with_the_seed():
     params = SamplingParams(seed=123)
     sampler = SessionSampler(params, vocab_size=5)
-    draws = [sampler.pick(LOGITS)[0] for _ in range(4000)]
+    draws = [sampler.next(LOGITS)[0] for _ in range(4000)]
     share = draws.count(1) / len(draws)
     assert 0.46 < share < 0.54  # p = 0.5
     again = SessionSampler(params, vocab_size=5)
-    assert [again.pick(LOGITS)[0] for _ in range(4000)] == draws
+    assert [again.next(LOGITS)[0] for _ in range(4000)] == draws
+    # the draw belongs to the position: asking again at the same one gives the same token
+    assert len({sampler.pick(LOGITS)[0] for _ in range(50)}) == 1
+    other = SessionSampler(SamplingParams(seed=124), vocab_size=5)
+    assert [other.next(LOGITS)[0] for _ in range(4000)] != draws
+
+
+def test_a_seed_gives_plain_samplings_tokens_whatever_is_drafted_or_replayed():
+    """Position-keyed draws: verifying drafts (right, wrong, of any length) keeps exactly the
+    tokens plain sampling picks, and a sampler replayed from the tokens so far goes on alike."""
+    rng = np.random.default_rng(0)
+    rows = torch.tensor(rng.normal(size=(60, 5)) * 1.5, dtype=torch.float32)
+    params = SamplingParams(temperature=0.9, seed=5)
+    plain = SessionSampler(params, vocab_size=5, prompt_len=0)
+    want = [plain.next(rows[t])[0] for t in range(len(rows))]
+
+    spec = SessionSampler(params, vocab_size=5, prompt_len=0)
+    got: list[int] = []
+    while len(got) < len(rows) - 4:
+        t = len(got)
+        k = int(rng.integers(0, 4))
+        # half right (the plain tokens ahead), half guessed
+        draft = [want[t + i] if rng.random() < 0.6 else int(rng.integers(0, 5)) for i in range(k)]
+        kept, token, _ = spec.verify(rows[t : t + k + 1], draft)
+        spec.observe((token,))
+        got += [*draft[:kept], token]
+    assert got == want[: len(got)]
+
+    replayed = SessionSampler(params, vocab_size=5)
+    replayed.observe(want[:30])
+    replayed.end_of_prompt()
+    assert [replayed.next(rows[t])[0] for t in range(30, 60)] == want[30:]
 
 
 def test_greedy_needs_no_generator_and_picks_one_row():
@@ -135,7 +166,10 @@ def test_a_grammars_mask_limits_the_pick_to_the_ids_it_allows(temperature):
     logits = torch.arange(vocab, dtype=torch.float32)  # the argmax, 49, is not allowed
     allowed = {3, 17, 20}
     sampler = SessionSampler(SamplingParams(temperature=temperature, seed=7), vocab)
-    picks = {sampler.pick(logits, _mask(allowed, vocab))[0] for _ in range(40)}
+    picks = set()
+    for _ in range(200):  # a position each (a sampled draw belongs to its position)
+        picks.add(sampler.pick(logits, _mask(allowed, vocab))[0])
+        sampler.observe((0,))
     assert picks <= allowed and (picks == {20} if temperature == 0 else len(picks) > 1)
     assert SessionSampler(SamplingParams(temperature=0.0), vocab).pick(logits)[0] == 49
     with pytest.raises(ValueError, match="allows no token"):

@@ -158,6 +158,10 @@ def test_sampled_tokens_keep_their_distribution_and_their_seed(tiny_whole):
     plain, _ = sample("none")
     spec, stats = sample("ngram")
     assert stats["drafted"] > stats["accepted"] >= 20, stats
+    # position-keyed draws: a seed's tokens are plain sampling's, drafts or none (a session
+    # may differ only where a k+1-row forward's round-off moves a draw across a boundary)
+    differ = [seed for seed, (a, b) in enumerate(zip(plain, spec)) if a != b]
+    assert len(differ) <= runs // 200, differ
     for pos in range(1, positions):  # the first token comes from the prefill: never drafted
         stat, df = _chi_square(
             collections.Counter(t[pos] for t in plain), collections.Counter(t[pos] for t in spec)

@@ -3,7 +3,13 @@ logit bias, repetition penalty, OpenAI's presence/frequency penalties, a structu
 grammar mask, then (when sampling) temperature, top-k, top-p and min-p; greedy is the argmax of
 the penalised logits, as in ``model.generate``. Each session has its own :class:`SessionSampler`
 (parameters, seeded generator, the token counts a penalty needs, kept incrementally, and its
-grammar's matcher, advanced by every token it generates)."""
+grammar's matcher, advanced by every token it generates).
+
+A sampled session's draw for position ``t`` comes from its generator seeded afresh with
+``(seed, t)`` (:func:`position_seed`), not from one stream: the token at ``t`` is a function of
+the seed, the logits and ``t`` alone. So a seed gives the same tokens however the session was
+batched or drafted (a draft's length depends on the rows beside it), and a session replayed
+onto a new ring after a failover goes on with the very tokens it would have had."""
 
 from __future__ import annotations
 
@@ -24,8 +30,24 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
     greedy, which draws nothing."""
     if params.greedy:
         return None
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    return torch.Generator(device="cpu").manual_seed(seed)
+    return torch.Generator(device="cpu").manual_seed(session_seed(params))
+
+
+def session_seed(params: SamplingParams) -> int:
+    """``params.seed``, or a fresh random one when None."""
+    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw at ``position`` of a session seeded ``seed``: splitmix64
+    of the pair (neighbouring positions get unrelated streams), 63 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def _warpers(params: SamplingParams) -> list:
@@ -88,6 +110,7 @@ class SessionSampler:
         """The session's grammar (None: unconstrained): every pick is masked with it, and
         every generated token it observes advances it (a replay's included)."""
         self.generator = new_generator(params)
+        self._seed = None if self.generator is None else self.generator.initial_seed()
         self.prompt_len = prompt_len
         """Tokens of the session that are prompt (penalties of OpenAI's kind skip them)."""
         self.seen = 0
@@ -172,9 +195,14 @@ class SessionSampler:
         if self.params.greedy:
             token = int(torch.argmax(scores[0]))
         else:
-            probs = self._probs(scores)
-            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+            token = self._draw(self._probs(scores))
         return token, self._logprobs(logits, token)
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        """A token from ``probs`` with the draw of the position after the tokens seen."""
+        assert self.generator is not None and self._seed is not None
+        self.generator.manual_seed(position_seed(self._seed, self.seen))
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
 
     def verify(
         self, logits: torch.Tensor, draft: Sequence[int]
@@ -182,12 +210,14 @@ class SessionSampler:
         """Speculative decoding's check of ``draft`` against ``logits``, ``[len(draft) + 1,
         vocab]`` (row i: after the session's tokens and ``draft[:i]``): ``(kept, token,
         logprobs)``, the drafts kept and the token after them. Greedy keeps the drafts the
-        argmax agrees with (plain decoding's tokens exactly); sampling keeps each with the
-        rejection rule (``verify.reject_or_keep``: the tokens are distributed as plain
-        sampling's), drawing from the session's generator. Each row is scored with the
-        processors after the drafts before it (a penalty sees them), and the kept drafts are
-        observed; the caller observes ``token``, as after :meth:`pick`."""
-        from swarmp2p.runtime.torch.serve.verify import check_rows, reject_or_keep
+        argmax agrees with (plain decoding's tokens exactly); sampling draws each row's token
+        as plain sampling would at that position and keeps the draft where they agree. For a
+        deterministic draft ``x`` that is the rejection rule exactly (``verify``: kept with
+        probability ``p(x)``, else a token from ``p`` without ``x``), and with position-keyed
+        draws the tokens are plain sampling's token for token, drafts or none. Each row is
+        scored with the processors after the drafts before it (a penalty sees them), and the
+        kept drafts are observed; the caller observes ``token``, as after :meth:`pick`."""
+        from swarmp2p.runtime.torch.serve.verify import check_rows
 
         check_rows(logits, draft)
         for i, drafted in enumerate(draft):
@@ -196,7 +226,8 @@ class SessionSampler:
                 token = int(torch.argmax(scores[0]))
                 rejected = None if token == drafted else token
             else:
-                rejected = reject_or_keep(self._probs(scores).cpu(), drafted, self.generator)
+                token = self._draw(self._probs(scores))
+                rejected = None if token == drafted else token
             if rejected is not None:
                 return i, rejected, self._logprobs(logits[i], rejected)
             self.observe((drafted,))
