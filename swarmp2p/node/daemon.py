@@ -381,9 +381,12 @@ class Daemon:
             ctx.spawn(self._refresh_metrics(), "metrics")
 
     def _drop_revoked(self) -> None:
-        """Forget the peers whose key this node no longer admits (`swarm remove`)."""
+        """Forget the peers whose key this node no longer admits (`swarm remove`), once the
+        removal is committed: a leader cut off from its majority rolls an uncommitted one back,
+        and must not have forgotten the peer meanwhile (a follower's committed table is the
+        latest it holds, as Raft's followers reason with the latest configuration)."""
         ctx = self.ctx
-        revoked = set(ctx.table.revoked)
+        revoked = set(self.rep.committed.revoked)
         if ctx.key.public in revoked and not self._removed:
             self._removed = True
             log.error(
