@@ -75,9 +75,10 @@ def main(
             raise
         run_stage(spec, emit, links)
     except Exception as exc:
-        import traceback
+        if not getattr(exc, "cause_printed", False):  # the stage printed it before its abort
+            import traceback
 
-        traceback.print_exc(file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
         extra = getattr(exc, "event_fields", None)
         emit(Failure(type=type(exc).__name__, message=str(exc), **(extra or {})))
         return EXIT_FAILED

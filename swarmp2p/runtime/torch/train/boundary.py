@@ -26,7 +26,9 @@ the reason, so the whole pipeline stops at once instead of after the link timeou
 from __future__ import annotations
 
 import json
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,6 +284,15 @@ class Channel:
         return header, tensors
 
 
+def print_cause(exc: BaseException) -> None:
+    """The traceback of ``exc`` on stderr (the stage's log), once."""
+    if getattr(exc, "cause_printed", False):
+        return
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+    exc.cause_printed = True
+
+
 def tell_neighbours(
     exc: BaseException, *, stage: int, step: int | None, prev: Channel | None, next: Channel | None
 ) -> None:
@@ -293,6 +304,9 @@ def tell_neighbours(
     if getattr(exc, "neighbours_told", False):
         return
     exc.neighbours_told = True
+    # the stage's log gets the cause first: once a neighbour reports the abort, the job may
+    # fail and this worker be stopped before its exit would have printed it
+    print_cause(exc)
     if all(hasattr(exc, k) for k in ("stage", "step", "reason")):  # its own stage and step
         stage, step, reason = exc.stage, exc.step, exc.reason
     else:
