@@ -436,6 +436,8 @@ def run_daemons(
         SWARM_TOKEN=SwarmSecret.generate().token,
         OMP_NUM_THREADS=str(threads),
         SWARM_SPEED_PROBE="on" if probe else "off",
+        # measured in this run, under these quotas: never a speed cached by an earlier one
+        XDG_CACHE_HOME=str(tmp / "cache"),
     )
     groups, prefixes = {}, {}
     if quotas:
@@ -453,6 +455,11 @@ def run_daemons(
                     300,
                     "both daemons up" + (", measured" if probe else ""),
                 )
+                if probe:  # what the default split was planned by
+                    out["speeds"] = {
+                        p["name"]: [d.get("speed") for d in p["devices"]]
+                        for p in sw.status("a")["peers"]
+                    }
                 for mode in modes:
                     job = tmp / f"job-{mode}.json"
                     schedule = "auto" if mode == "auto" else "1f1b"
@@ -567,6 +574,7 @@ def hetero_case(folder: Path, n_layers: int, args, cpus: dict[str, float]) -> di
             "auto": [s["node"] for s in got["auto"]["node_stages"]],
         },
         "throttled_us": got.get("throttled_us"),
+        "speeds": got.get("speeds"),
     }
 
 

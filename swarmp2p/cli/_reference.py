@@ -48,7 +48,7 @@ ENVIRONMENT = (
         "SWARM_SPEED_PROBE",
         "`swarm up`",
         "`off`: never measure this node's training speed (the "
-        "`speed` split then falls back to free memory); measured once per hardware and version, "
+        "`speed` split then falls back to free memory); measured once per hardware and version and again after a day, "
         "cached in `$XDG_CACHE_HOME/swarmp2p/speed`",
     ),
     ("CUDA_VISIBLE_DEVICES", "`swarm up`", "the GPUs the daemon and its stage workers see"),

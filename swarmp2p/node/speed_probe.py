@@ -3,7 +3,8 @@
 The daemon runs ``python -m swarmp2p.runtime.probe`` (a subprocess: torch lives there) once per
 hardware and software version: its result is cached in ``$XDG_CACHE_HOME/swarmp2p/speed/``
 under a key made of the devices, the CPU model and share, the thread count, this version and
-torch's; ``swarm doctor --bench`` measures again. The speeds go into the node's hardware record
+torch's, for a day (``TIMINGS.speed_cache_s``: a probe taken while the machine was busy would
+otherwise split every job by it for good); ``swarm doctor --bench`` measures again. The speeds go into the node's hardware record
 (``devices[i]["speed"]``, FLOP/s per dtype), which its hello advertises and the planner reads
 (``swarmp2p.plan.speed``).
 
@@ -345,11 +346,16 @@ def measure(
         return speeds
 
 
-def _cached(path: Path) -> dict[str, dict[str, float]] | None:
+def _cached(path: Path, now: float | None = None) -> dict[str, dict[str, float]] | None:
+    """The speeds cached in ``path``; None when there are none, or they are older than
+    ``TIMINGS.speed_cache_s`` (or dated in the future: a clock set back)."""
     try:
         data = json.loads(path.read_text())
-        speeds = data["speeds"]
+        speeds, at = data["speeds"], float(data["at"])
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    age = (time.time() if now is None else now) - at
+    if not 0 <= age <= TIMINGS.speed_cache_s:
         return None
     return speeds if isinstance(speeds, dict) else None
 

@@ -87,6 +87,9 @@ class Timings:
     speed_probe_s: float = 600.0
     """A speed probe that takes longer than this (a wedged GPU) is given up; the node stays
     unmeasured."""
+    speed_cache_s: float = 86400.0
+    """A cached speed older than this is measured again at the daemon's next start: one probe
+    taken while the machine was busy would otherwise split every job by it for good."""
     resource_errors_every_s: float = 10.0
     """At most one log line (without its traceback) per this many seconds about running out
     of descriptors or buffers; the ones in between are counted in the next line."""

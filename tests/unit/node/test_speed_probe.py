@@ -4,6 +4,7 @@ its cache, and the records it fills (node/speed_probe.py); the probe itself runs
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from swarmp2p.node.training import jobs
 from swarmp2p.plan import Node, Plan, parse_job
 from swarmp2p.plan.worker_spec import local_plan
 from swarmp2p.schema import to_data
+from swarmp2p.timings import TIMINGS
 
 V1 = "12:cpu,cpuacct:/lab/hostb\n0::/lab/hostb\n"
 
@@ -153,6 +155,13 @@ def test_the_probe_runs_in_a_subprocess_and_is_cached(tmp_path, monkeypatch):
     assert json.loads(cached.read_text())["at"] == at  # the cache answered
     speed_probe.measure(record, threads=1, env=env, fresh=True)
     assert json.loads(cached.read_text())["at"] > at  # measured again
+    # a day old (or dated ahead of the clock): measured again at the next start
+    for age in (TIMINGS.speed_cache_s + 60, -3600):
+        data = json.loads(cached.read_text())
+        cached.write_text(json.dumps({**data, "at": time.time() - age}))
+        before = time.time()
+        speed_probe.measure(record, threads=1, env=env)
+        assert json.loads(cached.read_text())["at"] >= before, age
     assert not speed_probe.can_probe({"SWARM_SPEED_PROBE": "off"})
 
 
