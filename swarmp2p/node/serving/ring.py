@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from swarmp2p.node.serving.model import TrainedEntry
     from swarmp2p.node.serving.model_files import FileListing
     from swarmp2p.node.table.served import ServedModel
-    from swarmp2p.node.training.inputs import LocalModel
+    from swarmp2p.node.training.resolve import LocalModel
     from swarmp2p.plan.model_shape import ModelShape
     from swarmp2p.plan.quantization import QuantSpec
     from swarmp2p.serve.api import ApiServer

@@ -67,7 +67,7 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
         except JobError as exc:
             raise UserError(str(exc), code="invalid_job") from None
         from swarmp2p.node.decide import available_memory
-        from swarmp2p.node.training.inputs import resolve_model
+        from swarmp2p.node.training.resolve import resolve_model
 
         records = available_memory(ctx.live_records(), ctx.table)
         cluster = jobs.cluster_records(records)

@@ -47,6 +47,7 @@ DAEMON = {
     "swarmp2p.node.cluster.hellos",
     "swarmp2p.node.hub",
     "swarmp2p.node.training.inputs",
+    "swarmp2p.node.training.resolve",
     "swarmp2p.node.training.jobs",
     "swarmp2p.node.training.api",
     "swarmp2p.node.training.leader",

@@ -478,7 +478,7 @@ def _shape():
 def test_a_none_job_is_submitted_without_its_data_file_being_opened(tmp_path):
     """Finetune mode none reads no data: not even the sha256 of its data file at submission."""
     from swarmp2p.errors import UserError
-    from swarmp2p.node.training.inputs import resolve
+    from swarmp2p.node.training.resolve import resolve
 
     missing = str(tmp_path / "never-read.jsonl")
     frozen = {"pretrained": "embedded", "freeze_backbone": True}
