@@ -173,6 +173,33 @@ function sessions(m) {
   return box;
 }
 
+// speculative decoding and the prefix cache of a served model (absent: off)
+function decoding(m) {
+  const n = m.sessions;
+  if (!n || (!n.speculation && !n.prefix_cache)) return null;
+  const parts = [];
+  const sp = n.speculation;
+  if (sp) {
+    const spec = el("span", {class: "speculation", "data-mode": sp.mode, "data-off": sp.off,
+                             "data-laps": String(sp.laps), "data-drafted": String(sp.drafted),
+                             "data-acceptance": String(sp.acceptance)});
+    spec.textContent = sp.off ? `speculation ${sp.mode}: off (${sp.off})`
+      : `speculation ${sp.mode}: ${(sp.acceptance * 100).toFixed(0)}% of ${sp.drafted} drafted kept, ` +
+        `${sp.tokens_per_lap.toFixed(2)} tokens a lap`;
+    parts.push(spec);
+  }
+  const pc = n.prefix_cache;
+  if (pc) {
+    if (parts.length) parts.push(" \u00b7 ");
+    parts.push(el("span", {class: "prefix-cache", "data-blocks": String(pc.blocks),
+                           "data-capacity": String(pc.capacity), "data-lookups": String(pc.lookups),
+                           "data-hits": String(pc.hits),
+                           text: `prefix cache ${pc.blocks}/${pc.capacity} blocks, ` +
+                                 `${pc.hits} of ${pc.lookups} prompts reused ${pc.reused_tokens} tokens`}));
+  }
+  return el("div", {class: "mut decoding"}, ...parts);
+}
+
 function renderServed(s) {
   const box = document.getElementById("served");
   if (!s.served.length) { box.replaceChildren(el("p", {class: "mut", text: "none"})); return; }
@@ -181,6 +208,7 @@ function renderServed(s) {
        m.url ? el("code", {text: m.url}) : null),
     m.reason ? el("div", {class: "mut", text: m.reason}) : null,
     m.url || m.sessions ? sessions(m) : null,
+    decoding(m),
     m.stages.length ? planChart({job_id: m.job_id || m.model, stages: m.stages}) : null)));
 }
 

@@ -16,7 +16,8 @@ their records are opaque to the daemon, so this reads them defensively:
 - ``record["step"]``, ``record["job"]["train"]["steps"]``, ``record["attempt"]`` and
   ``record["error"]["message"]`` when present;
 - served models: ``status["served"]`` (a list of ``{"model", "url", "state", "reason",
-  "stages", "sessions"}``, ``sessions`` as ``{"active", "max", "queued"}`` or null) and jobs
+  "stages", "sessions"}``, ``sessions`` as ``{"active", "max", "queued", "speculation",
+  "prefix_cache"}`` or null: the last two as ``speculation_view``/``prefix_cache_view``) and jobs
   whose record has ``"kind": "serve"``.
 
 Stages name their node by the name the peers list gives it (``status["peers"]``), so served
@@ -232,7 +233,49 @@ def sessions_view(raw: Any) -> dict[str, int] | None:
     if not isinstance(raw, Mapping):
         return None
     view = {k: _count(raw.get(k)) for k in ("active", "max", "queued")}
-    return view if all(v is not None for v in view.values()) else None
+    if any(v is None for v in view.values()):
+        return None
+    return {
+        **view,
+        "speculation": speculation_view(raw),
+        "prefix_cache": prefix_cache_view(raw.get("prefix_cache")),
+    }
+
+
+def speculation_view(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A served model's speculative decoding: ``{"mode", "off", "laps", "drafted",
+    "acceptance", "tokens_per_lap"}`` (``off``: why a stage declined; None: not asked)."""
+    mode = raw.get("speculate")
+    if not isinstance(mode, str) or not mode or mode == "none":
+        return None
+    stats = raw.get("speculation") if isinstance(raw.get("speculation"), Mapping) else {}
+    return {
+        "mode": mode,
+        "off": str(raw.get("speculate_off") or ""),
+        "laps": _count(stats.get("laps")) or 0,
+        "drafted": _count(stats.get("drafted")) or 0,
+        "acceptance": _rate(stats.get("acceptance")),
+        "tokens_per_lap": _rate(stats.get("tokens_per_lap"), top=1e6),
+    }
+
+
+def prefix_cache_view(raw: Any) -> dict[str, Any] | None:
+    """A served model's prefix cache: ``{"blocks", "capacity", "lookups", "hits", "hit_rate",
+    "reused_tokens"}`` (None: off)."""
+    if not isinstance(raw, Mapping):
+        return None
+    view = {
+        k: _count(raw.get(k)) or 0
+        for k in ("blocks", "capacity", "lookups", "hits", "reused_tokens")
+    }
+    return {**view, "hit_rate": _rate(raw.get("hit_rate"))}
+
+
+def _rate(value: Any, top: float = 1.0) -> float:
+    """A finite number in [0, top] (0 for anything else)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+        return 0.0
+    return float(value)
 
 
 def _served(model: str, **fields: Any) -> dict[str, Any]:

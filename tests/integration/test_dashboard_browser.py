@@ -241,5 +241,17 @@ def _served_model_shows_names_and_live_sessions(nodes, browser, tmp_path):
         thread.join(300)
     assert len(texts) == 3 and all(texts), texts
     wait_until(lambda: _js(browser, sessions)[:3] == ["0", "1", "0"], 20, "the sessions done")
+    # speculation (on by default: "auto") and the prefix cache (each prompt looked up)
+    decoding = (
+        "const m = document.querySelector('div.served[data-model=tiny]');"
+        "const s = m && m.querySelector('.speculation'), p = m && m.querySelector('.prefix-cache');"
+        "return s && p ? [s.dataset.mode, +s.dataset.laps, +p.dataset.lookups, +p.dataset.capacity,"
+        " m.querySelector('.decoding').textContent] : []"
+    )
+    mode, laps, lookups, capacity, text = wait_until(
+        lambda: (got := _js(browser, decoding)) and got[2] >= 3 and got, 20, "decoding stats"
+    )
+    assert mode == "auto" and laps >= 3 * 399 // 11 and capacity > 0, (mode, laps, capacity)
+    assert "speculation auto" in text and "prefix cache" in text and "prompts reused" in text
     stop = swarm(nodes[0], "serve", "--stop", "tiny")
     assert stop.returncode == 0, stop.stderr

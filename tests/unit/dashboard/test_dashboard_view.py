@@ -311,9 +311,77 @@ def test_served_models_name_their_nodes_and_count_their_sessions():
     tiny, old = view["served"]
     assert [s["node"] for s in tiny["stages"]] == ["host-a", "host-z", "y"]
     assert [s["node_id"] for s in tiny["stages"]] == ["a", "z", "y"]
-    assert tiny["sessions"] == {"active": 2, "max": 4, "queued": 3}
+    assert tiny["sessions"] == {
+        "active": 2,
+        "max": 4,
+        "queued": 3,
+        "speculation": None,
+        "prefix_cache": None,
+    }
     assert (tiny["state"], old["state"], old["reason"]) == ("serving", "restoring", "waiting for b")
     assert old["sessions"] is None
+
+
+def test_served_models_show_speculation_and_the_prefix_cache():
+    """What `swarm status` says of a ring's speculative decoding and prefix cache reaches the
+    page: acceptance and tokens a lap, why a stage declined, the cache's blocks and hits."""
+    sessions = {
+        "active": 0,
+        "max": 4,
+        "queued": 0,
+        "speculate": "auto",
+        "speculate_off": "",
+        "speculation": {
+            "laps": 40,
+            "tokens": 70,
+            "drafted": 60,
+            "accepted": 30,
+            "acceptance": 0.5,
+            "tokens_per_lap": 1.75,
+        },
+        "prefix_cache": {
+            "blocks": 12,
+            "capacity": 180,
+            "lookups": 5,
+            "hits": 2,
+            "hit_rate": 0.4,
+            "reused_tokens": 128,
+            "prompt_tokens": 900,
+        },
+    }
+    off = {**sessions, "speculate_off": "stage 0 keeps a recurrent state", "prefix_cache": None}
+    bad = {**sessions, "speculation": {"acceptance": float("nan"), "laps": -3}}
+    none = {**sessions, "speculate": "none"}
+    view = dashboard_view(
+        _status(
+            served=[
+                {"model": m, "sessions": s}
+                for m, s in (("a", sessions), ("b", off), ("c", bad), ("d", none))
+            ]
+        ),
+        now=0.0,
+    )
+    a, b, c, d = (m["sessions"] for m in view["served"])
+    assert a["speculation"] == {
+        "mode": "auto",
+        "off": "",
+        "laps": 40,
+        "drafted": 60,
+        "acceptance": 0.5,
+        "tokens_per_lap": 1.75,
+    }
+    assert a["prefix_cache"] == {
+        "blocks": 12,
+        "capacity": 180,
+        "lookups": 5,
+        "hits": 2,
+        "hit_rate": 0.4,
+        "reused_tokens": 128,
+    }
+    assert b["speculation"]["off"] == "stage 0 keeps a recurrent state"
+    assert b["prefix_cache"] is None
+    assert (c["speculation"]["acceptance"], c["speculation"]["laps"]) == (0.0, 0)
+    assert d["speculation"] is None
 
 
 @pytest.mark.parametrize(
