@@ -248,10 +248,10 @@ def _served_model_shows_names_and_live_sessions(nodes, browser, tmp_path):
         "return s && p ? [s.dataset.mode, +s.dataset.laps, +p.dataset.lookups, +p.dataset.capacity,"
         " m.querySelector('.decoding').textContent] : []"
     )
-    mode, laps, lookups, capacity, text = wait_until(
+    mode, laps, lookups, capacity, text = wait_until(  # lookups >= 3: each prompt
         lambda: (got := _js(browser, decoding)) and got[2] >= 3 and got, 20, "decoding stats"
     )
-    assert mode == "auto" and laps >= 3 * 399 // 11 and capacity > 0, (mode, laps, capacity)
+    assert mode == "auto" and laps >= 3 * 399 // 11 and capacity > 0, (mode, laps, lookups)
     assert "speculation auto" in text and "prefix cache" in text and "prompts reused" in text
     stop = swarm(nodes[0], "serve", "--stop", "tiny")
     assert stop.returncode == 0, stop.stderr
