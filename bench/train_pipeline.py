@@ -15,7 +15,9 @@
 - ``zb``: the zero-bubble schedule (``zb-h1``) beside 1F1B, two workers driven directly (one
   thread each), M = 4 and 8 (batch 4 x 128 and 8 x 64: M must divide the batch), beside
   torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble with the same
-  cut and the same oneDNN products (its ZBV schedule needs two chunks per rank, another cut).
+  cut and the same oneDNN products (its ZBV schedule needs two chunks per rank, another cut);
+- ``zb_daemons``: 1F1B, zb-h1 and zb-h2 through ``swarm train`` on two loopback daemons (one
+  thread each), the equal split, M = 4 and 8, alternated runs.
 
     python bench/train_pipeline.py [--quick] [--repeats N] [--sections a,b]
 
@@ -464,6 +466,8 @@ def run_daemons(
                     job = tmp / f"job-{mode}.json"
                     schedule = "auto" if mode == "auto" else "1f1b"
                     split = None if mode == "auto" else mode
+                    if mode and "@" in mode:  # "SPLIT@SCHEDULE": that split, that schedule
+                        split, schedule = mode.split("@")
                     job.write_text(
                         json.dumps(
                             _daemon_job(folder, args, split, steps or args.daemon_steps, schedule)
@@ -767,7 +771,7 @@ def quality(model, train_windows, eval_windows, args) -> dict[str, dict[str, flo
 # --- main -------------------------------------------------------------------------------------
 
 
-SECTIONS = ("workers", "daemons", "hetero", "precision", "bytes", "quality", "zb")
+SECTIONS = ("workers", "daemons", "hetero", "precision", "bytes", "quality", "zb", "zb_daemons")
 ZB_SHAPES = {4: (4, 128), 8: (8, 64)}
 """Zero-bubble section: micro-batches -> (batch, seq), 512 tokens a step either way."""
 TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble")
@@ -798,6 +802,25 @@ def zb_case(folder: Path, n_layers: int, args, micro: int) -> dict:
     return {"shape": f"{batch} x {seq}", "micro": micro, "tok_s": tok_s, "failed": failed}
 
 
+ZB_DAEMON_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+
+
+def zb_daemons_case(folder: Path, args, micro: int) -> dict:
+    """Through ``swarm train`` on two loopback daemons (one thread each), the equal split:
+    each schedule in ZB_DAEMON_SCHEDULES, alternated ``args.repeats`` times on the same
+    daemons; the daemons' steady tokens/s, medians."""
+    batch, seq = ZB_SHAPES[micro] if not args.quick else (8, 64)
+    zargs = argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq, "micro": micro})
+    runs: dict[str, list[float]] = {k: [] for k in ZB_DAEMON_SCHEDULES}
+    for _ in range(args.repeats):
+        modes = tuple(f"equal@{k}" for k in ZB_DAEMON_SCHEDULES)
+        got = run_daemons(folder, zargs, modes=modes, probe=False)
+        for k in ZB_DAEMON_SCHEDULES:
+            runs[k].append(got[f"equal@{k}"]["tok_s"])
+    tok_s = {k: statistics.median(v) for k, v in runs.items()}
+    return {"shape": f"{batch} x {seq}", "micro": micro, "tok_s": tok_s, "runs": runs}
+
+
 HETERO_CPUS = {"a": 1.0, "b": 0.35}
 """The mismatched machines: cgroup CPU quotas of the two daemons (a full core, 35% of one)."""
 
@@ -810,10 +833,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--sections",
         default=None,
         help=f"comma-separated, of {', '.join(SECTIONS)} (default: all; with "
-        "--quick all but daemons and hetero)",
+        "--quick all but daemons, hetero and zb_daemons)",
     )
     args = parser.parse_args(argv)
-    default = [x for x in SECTIONS if not (args.quick and x in ("daemons", "hetero"))]
+    default = [x for x in SECTIONS if not (args.quick and x in ("daemons", "hetero", "zb_daemons"))]
     sections = [x for x in args.sections.split(",") if x] if args.sections else default
     if bad := [x for x in sections if x not in SECTIONS]:
         parser.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
@@ -1037,6 +1060,28 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in rows
             }
         )
+    if "zb_daemons" in sections:
+        rows = [zb_daemons_case(folder, args, m) for m in (4, 8)]
+        print(
+            f"\n## Zero-bubble through `swarm train`: {name}, two loopback daemons, "
+            f"OMP_NUM_THREADS=1 each, the equal split, full fine-tune, float32, steady tokens/s "
+            f"(steps 3 on), median of {args.repeats} alternated runs\n"
+        )
+        print(
+            "| M | batch | 1F1B tok/s | zb-h1 tok/s | zb-h2 tok/s | zb-h1 / 1F1B | zb-h2 / 1F1B |"
+            "\n|---|---|---|---|---|---|---|"
+        )
+        for row in rows:
+            t = row["tok_s"]
+            print(
+                f"| {row['micro']} | {row['shape']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
+                f"{t['zb-h2']:.1f} | {t['zb-h1'] / t['1f1b']:.2f}x | {t['zb-h2'] / t['1f1b']:.2f}x |"
+            )
+        result["zb_daemons"] = rows
+        for r in rows:
+            for k in ("zb-h1", "zb-h2"):
+                key = f"daemons_{k.replace('-', '_')}_over_1f1b_m{r['micro']}"
+                result[key] = r["tok_s"][k] / r["tok_s"]["1f1b"]
     print(json.dumps(result))
     return result
 
