@@ -17,7 +17,7 @@
   torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble with the same
   cut and the same oneDNN products (its ZBV schedule needs two chunks per rank, another cut);
 - ``zb_daemons``: 1F1B, zb-h1 and zb-h2 through ``swarm train`` on two loopback daemons (one
-  thread each), the equal split, M = 4 and 8, alternated runs.
+  thread each), the default split, M = 4 and 8, alternated runs.
 
     python bench/train_pipeline.py [--quick] [--repeats N] [--sections a,b]
 
@@ -466,8 +466,9 @@ def run_daemons(
                     job = tmp / f"job-{mode}.json"
                     schedule = "auto" if mode == "auto" else "1f1b"
                     split = None if mode == "auto" else mode
-                    if mode and "@" in mode:  # "SPLIT@SCHEDULE": that split, that schedule
+                    if mode and "@" in mode:  # "SPLIT@SCHEDULE" ("@S": the default split)
                         split, schedule = mode.split("@")
+                        split = split or None
                     job.write_text(
                         json.dumps(
                             _daemon_job(folder, args, split, steps or args.daemon_steps, schedule)
@@ -806,19 +807,27 @@ ZB_DAEMON_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 
 
 def zb_daemons_case(folder: Path, args, micro: int) -> dict:
-    """Through ``swarm train`` on two loopback daemons (one thread each), the equal split:
-    each schedule in ZB_DAEMON_SCHEDULES, alternated ``args.repeats`` times on the same
-    daemons; the daemons' steady tokens/s, medians."""
+    """Through ``swarm train`` on two loopback daemons (one thread each), the default split
+    (by measured speed: balanced stages, where a bubble is left to fill; on the equal split
+    the last stage, with the head, is the bottleneck and no schedule can beat its work): each
+    schedule in ZB_DAEMON_SCHEDULES, alternated ``args.repeats`` times on the same daemons;
+    the daemons' steady tokens/s, medians, and the layers the split gave each stage."""
     batch, seq = ZB_SHAPES[micro] if not args.quick else (8, 64)
     zargs = argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq, "micro": micro})
     runs: dict[str, list[float]] = {k: [] for k in ZB_DAEMON_SCHEDULES}
     for _ in range(args.repeats):
-        modes = tuple(f"equal@{k}" for k in ZB_DAEMON_SCHEDULES)
-        got = run_daemons(folder, zargs, modes=modes, probe=False)
+        got = run_daemons(folder, zargs, modes=tuple(f"@{k}" for k in ZB_DAEMON_SCHEDULES))
         for k in ZB_DAEMON_SCHEDULES:
-            runs[k].append(got[f"equal@{k}"]["tok_s"])
+            runs[k].append(got[f"@{k}"]["tok_s"])
     tok_s = {k: statistics.median(v) for k, v in runs.items()}
-    return {"shape": f"{batch} x {seq}", "micro": micro, "tok_s": tok_s, "runs": runs}
+    layers = got[f"@{ZB_DAEMON_SCHEDULES[0]}"]["layers"]
+    return {
+        "shape": f"{batch} x {seq}",
+        "micro": micro,
+        "tok_s": tok_s,
+        "runs": runs,
+        "layers": layers,
+    }
 
 
 HETERO_CPUS = {"a": 1.0, "b": 0.35}
@@ -1048,7 +1057,7 @@ def main(argv: list[str] | None = None) -> dict:
             best = max((t[k] for k in TORCH_SCHEDULES if k in t), default=float("nan"))
             torch_cells = " | ".join(f"{t[k]:.1f}" if k in t else "failed" for k in TORCH_SCHEDULES)
             print(
-                f"| {row['micro']} | {row['shape']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
+                f"| {row['micro']} | {row['shape']} | {row['layers']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
                 f"{t['zb-h1'] / t['1f1b']:.2f}x | {torch_cells} | {t['zb-h1'] / best:.2f}x |"
             )
             for k, why in row["failed"].items():
@@ -1064,17 +1073,17 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [zb_daemons_case(folder, args, m) for m in (4, 8)]
         print(
             f"\n## Zero-bubble through `swarm train`: {name}, two loopback daemons, "
-            f"OMP_NUM_THREADS=1 each, the equal split, full fine-tune, float32, steady tokens/s "
+            f"OMP_NUM_THREADS=1 each, the default split (measured speed), full fine-tune, float32, steady tokens/s "
             f"(steps 3 on), median of {args.repeats} alternated runs\n"
         )
         print(
-            "| M | batch | 1F1B tok/s | zb-h1 tok/s | zb-h2 tok/s | zb-h1 / 1F1B | zb-h2 / 1F1B |"
-            "\n|---|---|---|---|---|---|---|"
+            "| M | batch | layers | 1F1B tok/s | zb-h1 tok/s | zb-h2 tok/s | zb-h1 / 1F1B | "
+            "zb-h2 / 1F1B |\n|---|---|---|---|---|---|---|---|"
         )
         for row in rows:
             t = row["tok_s"]
             print(
-                f"| {row['micro']} | {row['shape']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
+                f"| {row['micro']} | {row['shape']} | {row['layers']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
                 f"{t['zb-h2']:.1f} | {t['zb-h1'] / t['1f1b']:.2f}x | {t['zb-h2'] / t['1f1b']:.2f}x |"
             )
         result["zb_daemons"] = rows
