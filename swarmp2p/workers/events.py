@@ -132,6 +132,11 @@ class StepDone:
     at: float = 0.0
     """Wall-clock time (``time.time()``) the step ended: the pipeline's pace from one step to
     the next, whatever happens between steps (data, events, snapshots)."""
+    sync_bytes: int = field(default=0, ge=0)
+    """Bytes this stage sent its replicas this step (``train.sync``; 0 with one replica or
+    between DiLoCo syncs)."""
+    sync_s: float = 0.0
+    """Seconds this step spent syncing with the replicas (waits on them included)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

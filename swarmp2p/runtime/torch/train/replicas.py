@@ -28,6 +28,10 @@ from swarmp2p.wire import TensorFrame, decode_tensor, encode_tensor
 
 SYNC_FLAG = 1 << 8
 """``TensorFrame.flags`` of a replica sync frame (the stage links' own flags sit below)."""
+GATHER_FLAG = SYNC_FLAG | 1 << 9
+"""``TensorFrame.flags`` of an all-gather frame (DiLoCo's codes, each member's own)."""
+BROADCAST_FLAG = SYNC_FLAG | 1 << 10
+"""``TensorFrame.flags`` of a broadcast frame (replica 0's weights at the start)."""
 
 
 class SyncError(RuntimeError):
@@ -44,19 +48,44 @@ def _bounds(numel: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _send(link: Link, chunk: np.ndarray, step: int, k: int, timeout: float) -> None:
-    frame = encode_tensor(chunk, "none", step=step, micro=k, flags=SYNC_FLAG)
+def _send(
+    link: Link,
+    chunk: np.ndarray,
+    step: int,
+    k: int,
+    timeout: float,
+    flags: int = SYNC_FLAG,
+    dtype: str | None = None,
+) -> None:
+    frame = encode_tensor(chunk, "none", step=step, micro=k, flags=flags, dtype=dtype)
     link.send(frame.to_parts(), timeout=timeout)
 
 
-def _recv(link: Link, step: int, k: int, size: int, timeout: float) -> np.ndarray:
+def _recv(
+    link: Link,
+    step: int,
+    k: int,
+    size: int,
+    timeout: float,
+    flags: int = SYNC_FLAG,
+    dtype: str = "float32",
+) -> np.ndarray:
     frame = TensorFrame.from_parts(link.recv(timeout))
-    if (frame.step, frame.micro, frame.flags) != (step, k, SYNC_FLAG) or frame.shape != (size,):
+    got = (frame.step, frame.micro, frame.flags, frame.shape, frame.dtype)
+    if got != (step, k, flags, (size,), dtype):
         raise SyncError(
-            f"replica sync of step {step}: expected chunk {k} of {size} values, got step "
-            f"{frame.step} chunk {frame.micro} shape {list(frame.shape)} flags {frame.flags}"
+            f"replica sync of step {step}: expected chunk {k} of {size} {dtype} values (flags "
+            f"{flags}), got step {frame.step} chunk {frame.micro} shape {list(frame.shape)} "
+            f"{frame.dtype} flags {frame.flags}"
         )
     return decode_tensor(frame)
+
+
+def _check_ring(rank: int, n: int, to_next: Link | None, from_prev: Link | None) -> None:
+    if not 0 <= rank < n:
+        raise SyncError(f"rank {rank} outside a ring of {n}")
+    if n > 1 and (to_next is None or from_prev is None):
+        raise SyncError(f"a ring of {n} needs links to the next and from the previous member")
 
 
 def ring_all_reduce(
@@ -75,12 +104,9 @@ def ring_all_reduce(
     bits."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu":
         raise SyncError(f"ring all-reduce takes a 1-D float32 CPU tensor, got {flat.dtype}")
-    if not 0 <= rank < n:
-        raise SyncError(f"rank {rank} outside a ring of {n}")
+    _check_ring(rank, n, to_next, from_prev)
     if n == 1:
         return flat
-    if to_next is None or from_prev is None:
-        raise SyncError(f"a ring of {n} needs links to the next and from the previous member")
     data = flat.numpy()
     bounds = _bounds(data.size, n)
     for s in range(n - 1):  # reduce-scatter: chunk (rank - s - 1) gathers one more addend
@@ -98,6 +124,56 @@ def ring_all_reduce(
         _send(to_next, data[a:b], step, k_out, timeout)
         a, b = bounds[k_in]
         data[a:b] = _recv(from_prev, step, k_in, b - a, timeout)
+    return flat
+
+
+def ring_all_gather(
+    mine: np.ndarray,
+    rank: int,
+    n: int,
+    to_next: Link | None,
+    from_prev: Link | None,
+    *,
+    dtype: str,
+    step: int,
+    timeout: float,
+) -> list[np.ndarray]:
+    """Every member's ``mine`` (1-D, the same size on each), in rank order, on every member:
+    each sends ``N - 1`` payloads round the ring. What cannot be summed in its own width
+    (int8 codes, bfloat16) crosses this way, and each member then sums the same values in the
+    same order. ``dtype``: the wire dtype ("int8", "bfloat16" for a uint16 view, "float32")."""
+    _check_ring(rank, n, to_next, from_prev)
+    mine = np.ascontiguousarray(mine).reshape(-1)
+    out: list[np.ndarray] = [mine] * n
+    for s in range(n - 1):  # pass on what came in last round: member (rank - s)'s payload
+        k_out, k_in = (rank - s) % n, (rank - s - 1) % n
+        _send(to_next, out[k_out], step, k_out, timeout, GATHER_FLAG, dtype)
+        out[k_in] = _recv(from_prev, step, k_in, mine.size, timeout, GATHER_FLAG, dtype)
+    return out
+
+
+def ring_broadcast(
+    flat: torch.Tensor,
+    rank: int,
+    n: int,
+    to_next: Link | None,
+    from_prev: Link | None,
+    *,
+    step: int,
+    timeout: float,
+) -> torch.Tensor:
+    """Member 0's ``flat`` (1-D float32, on the CPU) copied into every member's, in place: it
+    goes once round the ring (so replicas start from the same weights, whatever each loaded)."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu":
+        raise SyncError(f"a ring broadcast takes a 1-D float32 CPU tensor, got {flat.dtype}")
+    _check_ring(rank, n, to_next, from_prev)
+    if n == 1:
+        return flat
+    data = flat.numpy()
+    if rank > 0:
+        data[:] = _recv(from_prev, step, 0, data.size, timeout, BROADCAST_FLAG)
+    if rank < n - 1:
+        _send(to_next, data, step, 0, timeout, BROADCAST_FLAG)
     return flat
 
 
@@ -195,6 +271,8 @@ def sync_replicas(
 
 
 __all__ = [
+    "BROADCAST_FLAG",
+    "GATHER_FLAG",
     "SYNC_FLAG",
     "WIRE_BITS",
     "OuterStep",
@@ -202,7 +280,9 @@ __all__ = [
     "decode",
     "encode",
     "mean_change",
+    "ring_all_gather",
     "ring_all_reduce",
+    "ring_broadcast",
     "shared_scale",
     "sync_replicas",
 ]
