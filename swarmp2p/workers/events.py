@@ -29,6 +29,11 @@ class Ready:
     KIND: ClassVar[str] = "ready"
     port: int | None = field(default=None, ge=0, le=65535)
     """The bound port; None on the first stage, which binds none."""
+    ring_next_port: int | None = field(default=None, ge=0, le=65535)
+    """The replica ring's bound link to the next replica (``WorkerSpec.ring_next`` None)."""
+    ring_prev_port: int | None = field(default=None, ge=0, le=65535)
+    """The replica ring's bound link from the previous replica (``WorkerSpec.ring_prev``
+    None)."""
 
 
 PHASES = (

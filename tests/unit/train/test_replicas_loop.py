@@ -126,8 +126,8 @@ class _Watched(ReplicaSync):
     """A real ReplicaSync that keeps its weights before every outer step (its own inner steps'
     result, by step), and an ``OuterStep`` of its own for the in-process algebra."""
 
-    def align(self, params, step):
-        super().align(params, step)
+    def align(self, params, step, end=None):
+        super().align(params, step, end)
         self.before = {}
         self.shadow = OuterStep(params, lr=self.sync.lr, momentum=self.sync.momentum)
 

@@ -92,6 +92,9 @@ class ReplicaSync:
         self.last_s = 0.0
         self.syncs = 0
         self.outer: OuterStep | None = None
+        self.end: int | None = None
+        """The step count the run ends at: DiLoCo syncs after the last step too, so what is
+        exported and evaluated is the synchronised weights."""
 
     # --- bookkeeping ------------------------------------------------------------------------
 
@@ -112,8 +115,10 @@ class ReplicaSync:
 
     # --- the three moments ------------------------------------------------------------------
 
-    def align(self, params: Sequence[torch.Tensor], step: int) -> None:
-        """Replica 0's ``params`` into every member's (in place), and the DiLoCo anchor."""
+    def align(self, params: Sequence[torch.Tensor], step: int, end: int | None = None) -> None:
+        """Replica 0's ``params`` into every member's (in place), and the DiLoCo anchor;
+        ``end``: the step count the run ends at (a last outer step there)."""
+        self.end = end
         if self.ring.size > 1:
             r = self.ring
             flat = _flat(params)
@@ -134,7 +139,9 @@ class ReplicaSync:
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (0-based) ends DiLoCo's inner steps."""
-        return self.mode == "diloco" and (step + 1) % self.sync.inner_steps == 0
+        if self.mode != "diloco":
+            return False
+        return (step + 1) % self.sync.inner_steps == 0 or step + 1 == self.end
 
     def after_step(self, params: Sequence[torch.Tensor], step: int) -> bool:
         """DiLoCo: at the end of every ``every``-th step, the outer step; ``params`` (the float32

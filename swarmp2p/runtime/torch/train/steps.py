@@ -338,7 +338,8 @@ def train_stage(
     ``[B, T + 1]`` token batch per step from ``batches``. A float16 stage scales its loss with
     ``scaler`` (made from ``settings.loss_scale`` when not given; pass the one a snapshot
     restored). ``replicas``: this stage's ring among the job's replicas (``replica_sync``):
-    replica 0's trained weights are copied into every replica first. A step that fails tells
+    replica 0's trained weights are copied into every replica first, and DiLoCo syncs after the
+    last step as well as every ``every`` steps. A step that fails tells
     the neighbours before the error propagates.
     """
     if bundle.is_first != (prev is None) or bundle.is_last != (next is None):
@@ -354,7 +355,7 @@ def train_stage(
         scaler = make_loss_scaler(bundle.dtype, settings.loss_scale)
     set_recompute(bundle.stage, settings.recompute)
     if replicas is not None and optimizer is not None:
-        replicas.align(optimizer.masters, start_step)
+        replicas.align(optimizer.masters, start_step, end=start_step + settings.steps)
         optimizer.masters_to_params()
     metrics = []
     for step in range(start_step, start_step + settings.steps):
