@@ -47,8 +47,10 @@ def _model(mode: str, seed: int):
 
 def run_replicas(models, batches, settings, mode, sync, make_sync=ReplicaSync):
     """Train ``len(models)`` replicas of a STAGES-stage pipeline at once, replica r on
-    ``batches[r]``; (metrics[r][i], bundles[r], trained[(r, i, step)]: the stage's trained
-    parameters after each step)."""
+    ``batches[r]`` (with ``settings``, or ``settings[r]``); (metrics[r][i], bundles[r],
+    trained[(r, i, step)]: the stage's trained parameters after each step, syncs[(r, i)])."""
+    if not isinstance(settings, list):
+        settings = [settings] * len(models)
     trained, targets, bundles = {}, [], []
 
     def record(r):
@@ -69,7 +71,7 @@ def run_replicas(models, batches, settings, mode, sync, make_sync=ReplicaSync):
                 return syncs[(r, i)]
 
             run, built = build_pipeline(
-                model, STAGES, batches[r], settings, "1f1b", mode=mode, replicas=replicas,
+                model, STAGES, batches[r], settings[r], "1f1b", mode=mode, replicas=replicas,
                 on_step=record(r),
             )  # fmt: skip
             targets += run
@@ -192,3 +194,29 @@ def test_diloco_over_the_ring_is_the_in_process_algebra_bit_for_bit(bits):
             else:
                 assert codes <= done.sync_bytes < codes + 2 * HEADERS, done
         _report(f"diloco H=2 {bits}-bit lora", i, values, metrics[0][i])
+
+
+@pytest.mark.slow  # float16 matmuls are emulated on the CPU
+def test_one_replicas_overflow_skips_the_step_on_every_replica_and_halves_every_scale():
+    """Loss scaling sees the averaged gradient: replica 1's NaN from step 1 on makes the
+    average non-finite on both replicas, so both skip steps 1 and 2 and halve their scales
+    alike (a replica that checked its own gradient alone would step and drift apart)."""
+    good = StageTraining.of(steps=STEPS, micro_batches=2, lr=1e-3, loss_scale=256.0)
+    bad = StageTraining.of(
+        steps=STEPS, micro_batches=2, lr=1e-3, loss_scale=256.0, inject_nan_step=1
+    )
+    batches = token_batches(STEPS, 8, 9)
+    halves = [[b[:4] for b in batches], [b[4:] for b in batches]]
+    models = [_model("full", 0).to(torch.float16) for _ in range(REPLICAS)]
+    metrics, _, trained, _ = run_replicas(
+        models, halves, [good, bad], "full", SyncConfig(mode="step")
+    )
+    for r in range(REPLICAS):
+        for i in range(STAGES):
+            assert [m.skipped for m in metrics[r][i]] == [False, True, True], (r, i)
+            assert [m.loss_scale for m in metrics[r][i]] == [256.0, 256.0, 128.0], (r, i)
+            for step in range(STEPS):
+                for a, b in zip(trained[(0, i, step)], trained[(r, i, step)]):
+                    assert torch.equal(a, b), (r, i, step)
+            for a, b in zip(trained[(r, i, 0)], trained[(r, i, STEPS - 1)]):
+                assert torch.equal(a, b)  # nothing stepped on the thrown-away gradients
