@@ -80,22 +80,10 @@ def _reference_lora(model, batches, settings):
     return losses, {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def run_pipeline(
-    model,
-    n,
-    batches,
-    settings,
-    schedule,
-    compression="none",
-    mode="full",
-    wire_v2=True,
-    prepare=None,
-):
-    """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)]).
-    ``prepare(bundles)`` runs before the threads start."""
-    targets, bundles = build_pipeline(
-        model, n, batches, settings, schedule, compression, mode, wire_v2
-    )
+def run_pipeline(model, n, batches, settings, schedule, *options, prepare=None, **named):
+    """Train ``n`` stages as threads (``build_pipeline``'s ``options``); return (metrics per
+    stage, [(bundle, names)]). ``prepare(bundles)`` runs before the threads start."""
+    targets, bundles = build_pipeline(model, n, batches, settings, schedule, *options, **named)
     if prepare is not None:
         prepare([b for b, _ in bundles])
     return run_threads(targets), bundles

@@ -90,8 +90,12 @@ def test_a_gather_and_a_broadcast_reach_every_member_and_a_ring_without_links_is
     import numpy as np
 
     from swarmp2p.plan.job import SyncConfig
-    from swarmp2p.runtime.torch.train.replica_sync import ReplicaRing, ReplicaSync
-    from swarmp2p.runtime.torch.train.replicas import ring_all_gather, ring_broadcast
+    from swarmp2p.runtime.torch.train.replicas import (
+        ReplicaRing,
+        ReplicaSync,
+        ring_all_gather,
+        ring_broadcast,
+    )
 
     links = ring(3)
     mine = [np.full(5, k - 1, dtype=np.int8) for k in range(3)]

@@ -1,6 +1,6 @@
 """Replicas synchronised inside the training loop (issue 29): 2 replicas x 2 stages as threads,
 each replica a pipeline over in-process links, each stage's replicas a ring over real CURVE
-links (``runtime/torch/train/replica_sync.py`` driven by ``steps.train_stage``)."""
+links (``runtime/torch/train/replicas/sync.py`` driven by ``steps.train_stage``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from test_pipeline import build_pipeline, run_pipeline  # noqa: E402
 from train_models import build_model, curve_rings, run_threads, token_batches  # noqa: E402
 
 from swarmp2p.plan.job import LoraConfig, SyncConfig  # noqa: E402
-from swarmp2p.plan.speed import ring_sync_bytes  # noqa: E402
+from swarmp2p.plan.speed import ring_sync_bytes, sync_bytes  # noqa: E402
 from swarmp2p.plan.worker_spec import StageTraining  # noqa: E402
 from swarmp2p.runtime.torch.model.lora import apply_lora  # noqa: E402
-from swarmp2p.runtime.torch.train.replica_sync import ReplicaRing, ReplicaSync  # noqa: E402
-from swarmp2p.runtime.torch.train.replicas import OuterStep, sync_replicas  # noqa: E402
+from swarmp2p.runtime.torch.train.replicas import OuterStep, ReplicaRing, ReplicaSync, sync_replicas  # noqa: E402
 
 pytestmark = pytest.mark.torch
 STAGES, REPLICAS, STEPS = 2, 2, 3
@@ -187,7 +186,8 @@ def test_diloco_over_the_ring_is_the_in_process_algebra_bit_for_bit(bits):
                     assert torch.equal(got, w), (bits, i, step, r)
         values = sum(p.numel() for p in bundles[0][i][0].trainable_parameters)
         n_params = len(bundles[0][i][0].trainable_parameters)
-        codes = values * bits // 8 + n_params * 4  # each member's codes and peaks, once round
+        # what the planner prices (the codes, N - 1 payloads) and a peak per parameter
+        codes = sync_bytes(values, REPLICAS, bits) + (REPLICAS - 1) * n_params * 4
         for done in metrics[0][i]:
             if (done.step + 1) % 2:
                 assert done.sync_bytes == 0, done

@@ -193,7 +193,7 @@ def _run(spec: WorkerSpec, emit, links: StageLinks) -> None:
     nxt = Channel(links.next, timeout=timeout) if links.next is not None else None
     replicas = None
     if spec.n_replicas > 1:
-        from swarmp2p.runtime.torch.train.replica_sync import ReplicaRing, ReplicaSync
+        from swarmp2p.runtime.torch.train.replicas import ReplicaRing, ReplicaSync
 
         ring = ReplicaRing(rank=spec.replica, size=spec.n_replicas, to_next=links.ring_next,
                            from_prev=links.ring_prev, timeout=timeout)  # fmt: skip

@@ -56,7 +56,7 @@ from swarmp2p.runtime.torch.train.precision import (
     decide,
     make_loss_scaler,
 )
-from swarmp2p.runtime.torch.train.replica_sync import ReplicaSync
+from swarmp2p.runtime.torch.train.replicas.sync import ReplicaSync
 from swarmp2p.runtime.torch.train.weight_grad import WeightGradStore, split_linears
 from swarmp2p.workers.events import StepDone
 
@@ -337,7 +337,7 @@ def train_stage(
     ``kind`` "F"/"B"/"W" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
     ``[B, T + 1]`` token batch per step from ``batches``. A float16 stage scales its loss with
     ``scaler`` (made from ``settings.loss_scale`` when not given; pass the one a snapshot
-    restored). ``replicas``: this stage's ring among the job's replicas (``replica_sync``):
+    restored). ``replicas``: this stage's ring among the job's replicas (``replicas.sync``):
     replica 0's trained weights are copied into every replica first, and DiLoCo syncs after the
     last step as well as every ``every`` steps. A step that fails tells
     the neighbours before the error propagates.

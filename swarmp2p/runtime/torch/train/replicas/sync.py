@@ -31,15 +31,12 @@ import torch
 
 from swarmp2p.net.links import Link
 from swarmp2p.plan.job import SyncConfig
-from swarmp2p.runtime.torch.train.replicas import (
-    OuterStep,
+from swarmp2p.runtime.torch.train.replicas.diloco import OuterStep, decode, encode, shared_scale
+from swarmp2p.runtime.torch.train.replicas.ring import (
     SyncError,
-    decode,
-    encode,
     ring_all_gather,
     ring_all_reduce,
     ring_broadcast,
-    shared_scale,
 )
 
 
