@@ -104,11 +104,17 @@ class ReplicaSync:
         self.syncs += 1
         return out
 
-    def _reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, step: int, timeout: float | None = None) -> torch.Tensor:
         r = self.ring
         return ring_all_reduce(
-            flat, r.rank, r.size, r.to_next, r.from_prev, step=step, timeout=r.timeout
+            flat, r.rank, r.size, r.to_next, r.from_prev, step=step, timeout=timeout or r.timeout
         )
+
+    @property
+    def _outer_wait(self) -> float:
+        """How long an outer step's first message may take: replicas run their H inner steps
+        alone, so a slower one may arrive up to H steps' worth of link timeouts later."""
+        return self.ring.timeout * self.sync.inner_steps
 
     # --- the three moments ------------------------------------------------------------------
 
@@ -159,14 +165,14 @@ class ReplicaSync:
         if self.ring.size == 1:
             return self.outer.apply(changes)
         if self.bits == 32:
-            flat = self._reduce(_flat(changes), step)
+            flat = self._reduce(_flat(changes), step, self._outer_wait)
             averaged = [torch.empty_like(c) for c in changes]
             _unflat(flat, averaged)
             return self.outer.apply(averaged)
         r = self.ring
         mine = np.array([float(c.abs().max()) if c.numel() else 0.0 for c in changes], np.float32)
         peaks = ring_all_gather(mine, r.rank, r.size, r.to_next, r.from_prev, dtype="float32",
-                                step=step, timeout=r.timeout)  # fmt: skip
+                                step=step, timeout=self._outer_wait)  # fmt: skip
         column = torch.from_numpy(np.stack(peaks))  # [replica, parameter]
         scales = [shared_scale([column[:, i]], self.bits) for i in range(len(changes))]
         flat = torch.cat(
