@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_pipeline import ROOT, learnable_tokens, tiny_folder
+from train_pipeline import ROOT, learnable_tokens, start_worker, tiny_folder
 
 from swarmp2p.net import SwarmSecret
 from swarmp2p.plan import load_model_shape, parse_job
@@ -82,18 +82,7 @@ def run(folder: Path, tokens: Path, args, replicas: int, sync: dict) -> dict:
             data_path = str(tokens) if i == 0 else None
             spec = worker_spec(job, plan, i, token=token, next_endpoint=nxt,
                                tokens_path=data_path, **local).to_dict()  # fmt: skip
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "swarmp2p.runtime.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                env=env,
-                cwd=ROOT,
-            )
-            proc.stdin.write(json.dumps(spec))
-            proc.stdin.close()
-            procs[(r, i)] = proc
+            procs[(r, i)] = proc = start_worker(spec, env)
             ready[(r, i)] = _read_until_ready(proc)
             port = ready[(r, i)]["port"]
     events: dict[tuple[int, int], list[dict]] = {}
