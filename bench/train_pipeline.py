@@ -156,6 +156,22 @@ def random_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> 
 # --- speed: swarmp2p workers, torch pipelining, single process --------------------------------
 
 
+def start_worker(spec: dict, env: dict[str, str]) -> subprocess.Popen:
+    """A stage worker process reading ``spec``; its events on its stdout, stderr dropped."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmp2p.runtime.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    return proc
+
+
 def run_swarm(
     folder: Path,
     n_layers: int,
@@ -199,18 +215,7 @@ def run_swarm(
     for i in (1, 0):
         nxt = f"tcp://127.0.0.1:{port}" if port is not None else None
         spec = worker_spec(job, plan, i, token=token, next_endpoint=nxt, link_timeout_s=300)
-        spec = spec.to_dict()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmp2p.runtime.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        proc.stdin.write(json.dumps(spec))
-        proc.stdin.close()
+        proc = start_worker(spec.to_dict(), env)
         procs.append(proc)
         for line in proc.stdout:
             event = json.loads(line)

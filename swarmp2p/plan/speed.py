@@ -117,14 +117,25 @@ def ring_sync_bytes(payload_bytes: int, replicas: int) -> int:
     return 2 * (replicas - 1) * payload_bytes // replicas
 
 
+def sync_bytes(params: int, replicas: int, bits: int) -> int:
+    """Bytes each member sends to sync ``params`` once, ``bits`` wide: float32 by the ring
+    all-reduce (``ring_sync_bytes``); int8 codes and bfloat16 cannot be summed in their own
+    width on the way, so they go round whole (an all-gather: ``N - 1`` payloads each,
+    ``runtime/torch/train/replicas/sync.py``), the same bytes as the ring at N = 2."""
+    if replicas < 2:
+        return 0
+    payload = params * bits // 8
+    return ring_sync_bytes(payload, replicas) if bits == 32 else (replicas - 1) * payload
+
+
 def sync_s(params: int, replicas: int, bits: int, every: int, nodes: Sequence[Node]) -> float:
     """A stage's seconds per step spent averaging ``params`` over its ``replicas`` (on
-    ``nodes``), ``bits`` wide, once every ``every`` steps: its ring's bytes at the slowest link
-    among them; 0 when a link speed is unknown or the replicas share one node."""
+    ``nodes``), ``bits`` wide, once every ``every`` steps: its ``sync_bytes`` at the slowest
+    link among them; 0 when a link speed is unknown or the replicas share one node."""
     speeds = [link_speed(a, b) for a, b in itertools.pairwise(nodes)]
     if not speeds or any(s is None for s in speeds):
         return 0.0
-    sent = ring_sync_bytes(params * bits // 8, replicas)
+    sent = sync_bytes(params, replicas, bits)
     return sent / min(s for s in speeds if s is not None) / every
 
 

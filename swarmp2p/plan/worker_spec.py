@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from swarmp2p.plan.hardware import CAPABILITIES, Device, Node
-from swarmp2p.plan.job import Job, LoraConfig, SplitConfig, TrainConfig
+from swarmp2p.plan.job import Job, LoraConfig, SplitConfig, SyncConfig, TrainConfig
 from swarmp2p.plan.memory import DEFAULT_LOSS_CHUNK_TOKENS
 from swarmp2p.plan.model_shape import ModelShape
 from swarmp2p.plan.placement import plan_job
+from swarmp2p.plan.placer import REPLICAS_CAPABILITY
 from swarmp2p.plan.result import Plan
 from swarmp2p.plan.split import StageOfPlan
 from swarmp2p.schema import FieldError, SchemaError, field, parse, to_data
@@ -160,10 +161,56 @@ class WorkerSpec(StageOfPlan):
     """A float16 job's first loss scale (None: 2**16, torch.amp.GradScaler's default)."""
     inject_nan_step: int | None = field(default=None, ge=0)
     """Test knob: from this step on, this stage's gradients hold a NaN."""
+    replica: int = field(default=0, ge=0)
+    """Which of the plan's replicas (``split.replicas``) this stage belongs to; it reads that
+    replica's share of each step's data and syncs with this stage of the other replicas."""
+    ring_next: str | None = field(default=None, pattern=r"tcp://[^\s]+:\d{1,5}")
+    """The replica ring (issue 29): the endpoint of the next replica's member to dial (what
+    this member sends to); None: this member binds that link (``ready`` says its port).
+    Replicas start in order, so replica r dials replica r - 1's bound ends, and the last
+    replica also dials replica 0's."""
+    ring_prev: str | None = field(default=None, pattern=r"tcp://[^\s]+:\d{1,5}")
+    """The endpoint of the previous replica's member to dial (what this member receives from);
+    None: this member binds that link."""
+    ring_keys: dict | None = None
+    """The ring's link keys, z85: this node's ``{"public", "secret"}``, ``"prev"`` and
+    ``"next"`` the previous and next replica's nodes' public keys. None: the token's keys."""
 
     def __post_init__(self) -> None:
         errors = self.stage_errors()
         n = len(self.plan.stages)
+        replicas = self.plan.n_replicas
+        if self.replica >= replicas:
+            errors.append(
+                FieldError(
+                    path="replica",
+                    message=f"must be < the plan's {replicas} replica(s), got {self.replica}",
+                )
+            )
+        elif replicas > 1 and self.replica > 0 and self.ring_prev is None:
+            errors.append(
+                FieldError(
+                    path="ring_prev",
+                    message=f"replica {self.replica} dials the replica before it: its bound "
+                    "endpoint is required",
+                )
+            )
+        if replicas > 1 and self.replica == replicas - 1 and self.ring_next is None:
+            errors.append(
+                FieldError(
+                    path="ring_next",
+                    message=f"the last replica ({self.replica}) closes the ring: replica 0's "
+                    "bound endpoint is required",
+                )
+            )
+        if replicas > 1 and self.export_dir is not None and self.replica != 0:
+            errors.append(
+                FieldError(
+                    path="export_dir",
+                    message=f"replica {self.replica} exports nothing: replica 0 exports the "
+                    "synchronised weights",
+                )
+            )
         if not errors and self.stage < n - 1 and self.next is None:
             errors.append(
                 FieldError(
@@ -243,6 +290,15 @@ class WorkerSpec(StageOfPlan):
     @property
     def wire_v2(self) -> bool:
         return "wire-v2" in self.plan.features
+
+    @property
+    def n_replicas(self) -> int:
+        return self.plan.n_replicas
+
+    @property
+    def sync(self) -> SyncConfig:
+        """How this stage's replicas stay equal (``train.sync``)."""
+        return self.job.train.sync
 
     @property
     def train(self) -> StageTraining:
@@ -368,12 +424,19 @@ def local_plan(
     dtype: str | None = None,
 ) -> Plan:
     """The plan of ``job`` over ``stages`` local CPU stages (or the given ``cuts``), in
-    ``dtype`` (default: the job's, else float32). ValueError when it cannot be placed."""
+    ``dtype`` (default: the job's, else float32), times the job's ``split.replicas`` (the local
+    stages' workers sync replicas). ValueError when it cannot be placed."""
     n = len(cuts) + 1 if cuts is not None else stages or 1
     if dtype is not None and job.model.dtype != dtype:
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, dtype=dtype))
     kind = "cpu" if job.model.dtype in (None, "float32") else "cuda"
-    result = plan_job(job, local_cluster(n, kind=kind), shape=shape, cuts=cuts)
+    replicas = job.split.replicas if isinstance(job.split.replicas, int) else 1
+    cluster = local_cluster(n * replicas, kind=kind)
+    own = CAPABILITIES
+    if replicas > 1:
+        own = CAPABILITIES | {REPLICAS_CAPABILITY}
+        cluster = [dataclasses.replace(node, capabilities=own) for node in cluster]
+    result = plan_job(job, cluster, own, shape=shape, cuts=cuts)
     if not isinstance(result, Plan):
         raise ValueError(f"cannot plan {job.name} on {n} local stage(s): {result.reason}")
     return result

@@ -29,6 +29,11 @@ class Ready:
     KIND: ClassVar[str] = "ready"
     port: int | None = field(default=None, ge=0, le=65535)
     """The bound port; None on the first stage, which binds none."""
+    ring_next_port: int | None = field(default=None, ge=0, le=65535)
+    """The replica ring's bound link to the next replica (``WorkerSpec.ring_next`` None)."""
+    ring_prev_port: int | None = field(default=None, ge=0, le=65535)
+    """The replica ring's bound link from the previous replica (``WorkerSpec.ring_prev``
+    None)."""
 
 
 PHASES = (
@@ -132,6 +137,11 @@ class StepDone:
     at: float = 0.0
     """Wall-clock time (``time.time()``) the step ended: the pipeline's pace from one step to
     the next, whatever happens between steps (data, events, snapshots)."""
+    sync_bytes: int = field(default=0, ge=0)
+    """Bytes this stage sent its replicas this step (``train.sync``; 0 with one replica or
+    between DiLoCo syncs)."""
+    sync_s: float = 0.0
+    """Seconds this step spent syncing with the replicas (waits on them included)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

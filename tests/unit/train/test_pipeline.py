@@ -80,7 +80,16 @@ def _reference_lora(model, batches, settings):
     return losses, {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def run_pipeline(
+def run_pipeline(model, n, batches, settings, schedule, *options, prepare=None, **named):
+    """Train ``n`` stages as threads (``build_pipeline``'s ``options``); return (metrics per
+    stage, [(bundle, names)]). ``prepare(bundles)`` runs before the threads start."""
+    targets, bundles = build_pipeline(model, n, batches, settings, schedule, *options, **named)
+    if prepare is not None:
+        prepare([b for b, _ in bundles])
+    return run_threads(targets), bundles
+
+
+def build_pipeline(
     model,
     n,
     batches,
@@ -89,10 +98,12 @@ def run_pipeline(
     compression="none",
     mode="full",
     wire_v2=True,
-    prepare=None,
+    replicas=None,
+    on_step=None,
 ):
-    """Train ``n`` stages as threads; return (metrics per stage, [(bundle, names)]).
-    ``prepare(bundles)`` runs before the threads start."""
+    """``n`` stages over in-process links: (one callable per stage that trains it, [(bundle,
+    names)]). ``replicas(i)``: stage i's ``ReplicaSync`` (or None); ``on_step(i, bundle,
+    step)`` after each of stage i's steps."""
     links = [InProcLink.pair() for _ in range(n - 1)]
     hidden = model.config.get_text_config().hidden_size
     bundles = []
@@ -120,13 +131,17 @@ def run_pipeline(
         nxt = Channel(links[i][0], timeout=30) if i < n - 1 else None
         ops = stage_schedule(schedule, i, n, settings.micro_batches)
         return train_stage(
-            bundle, settings, ops, prev=prev, next=nxt, batches=iter(batches) if i == 0 else None
+            bundle,
+            settings,
+            ops,
+            prev=prev,
+            next=nxt,
+            batches=iter(batches) if i == 0 else None,
+            replicas=replicas(i) if replicas is not None else None,
+            on_step=(lambda done: on_step(i, bundle, done.step)) if on_step else None,
         )
 
-    if prepare is not None:
-        prepare([b for b, _ in bundles])
-    metrics = run_threads([lambda i=i: target(i) for i in range(n)])
-    return metrics, bundles
+    return [lambda i=i: target(i) for i in range(n)], bundles
 
 
 @pytest.fixture(scope="module")

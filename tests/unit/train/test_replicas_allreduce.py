@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmp2p.net import SecureContext, SwarmSecret  # noqa: E402
-from swarmp2p.net.links import ZmqLink  # noqa: E402
+from train_models import curve_rings  # noqa: E402
+
 from swarmp2p.plan.speed import ring_sync_bytes  # noqa: E402
 from swarmp2p.runtime.torch.train.replicas import SyncError, ring_all_reduce  # noqa: E402
 
@@ -18,20 +18,9 @@ pytestmark = pytest.mark.torch
 
 @pytest.fixture
 def ring():
-    """Links of a ring of 3 (member i dials member i + 1's bound end), closed after."""
-    ctx, secret = SecureContext(), SwarmSecret.generate()
-    made = []
-
-    def make(n: int):
-        bound = [ZmqLink.bind(ctx, secret, "127.0.0.1", 0) for _ in range(n)]
-        dialed = [ZmqLink.dial(ctx, secret, bound[(i + 1) % n].endpoint) for i in range(n)]
-        made.extend(bound + dialed)
-        return [(dialed[i], bound[i]) for i in range(n)]  # (to next, from previous)
-
-    yield make
-    for link in made:
-        link.close()
-    ctx.destroy(linger=0)
+    """Links of a ring (member i dials member i + 1's bound end), closed after."""
+    with curve_rings() as make:
+        yield make
 
 
 def _run(links, tensors, step: int):
@@ -95,3 +84,43 @@ def test_one_member_is_its_own_mean_and_bad_input_is_named():
         ring_all_reduce(t.double(), 0, 2, None, None, step=0, timeout=1.0)
     with pytest.raises(SyncError, match="needs links"):
         ring_all_reduce(t, 0, 2, None, None, step=0, timeout=1.0)
+
+
+def test_a_gather_and_a_broadcast_reach_every_member_and_a_ring_without_links_is_refused(ring):
+    import numpy as np
+
+    from swarmp2p.plan.job import SyncConfig
+    from swarmp2p.runtime.torch.train.replicas import (
+        ReplicaRing,
+        ReplicaSync,
+        ring_all_gather,
+        ring_broadcast,
+    )
+
+    links = ring(3)
+    mine = [np.full(5, k - 1, dtype=np.int8) for k in range(3)]
+    flats = [torch.full((4,), float(k)) for k in range(3)]
+    got, errors = [None] * 3, []
+
+    def member(i):
+        try:
+            got[i] = ring_all_gather(mine[i], i, 3, *links[i], dtype="int8", step=2, timeout=10)
+            ring_broadcast(flats[i], i, 3, *links[i], step=2, timeout=10)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for g in got:  # every member holds every member's payload, in rank order
+        assert [list(x) for x in g] == [list(m) for m in mine]
+    assert all(torch.equal(f, torch.zeros(4)) for f in flats)  # member 0's values everywhere
+    with pytest.raises(SyncError, match="need links"):
+        ReplicaRing(rank=0, size=2, to_next=None, from_prev=None)
+    lone = ReplicaSync(ReplicaRing(rank=0, size=1, to_next=None, from_prev=None),
+                       SyncConfig(mode="diloco", every=1))  # fmt: skip
+    with pytest.raises(SyncError, match="before align"):
+        lone.after_step([torch.zeros(2)], step=0)

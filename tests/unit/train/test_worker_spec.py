@@ -13,6 +13,7 @@ import pytest
 from swarmp2p.plan import from_config, parse_job
 from swarmp2p.plan.worker_spec import local_plan, worker_spec
 from swarmp2p.runtime.worker import EXIT_BAD_SPEC, WorkerSpecError, main, parse_worker_spec
+from swarmp2p.schema import SchemaError
 
 CONFIG = {
     "model_type": "llama",
@@ -292,3 +293,51 @@ def test_a_text_corpus_reaches_stage_0_as_its_row_split_corpus_file():
     assert stage_data(text, 0, "/job/data/corpus.npz").source == "corpus"
     ids = parse_job({**JOB, "data": {"source": "/ids.npy"}})
     assert stage_data(ids, 0, None).source == "tokens"  # token ids: no rows to count
+
+
+def _replicated(stage: int, replica: int, **local):
+    """A spec of stage ``stage`` of replica ``replica`` of a 2 replicas x 3 stages plan."""
+    job = parse_job({**JOB, "split": {"replicas": 2}})
+    plan = local_plan(job, from_config(CONFIG), cuts=[2, 4])
+    assert plan.n_replicas == 2
+    nxt = "tcp://127.0.0.1:5000" if stage < 2 else None
+    return worker_spec(job, plan, stage, token="t", next_endpoint=nxt, replica=replica, **local)
+
+
+def test_a_replicas_ring_fields_are_required_where_it_dials_and_named():
+    ring = {"ring_prev": "tcp://h:1", "ring_next": "tcp://h:2"}
+    assert _replicated(0, 0).n_replicas == 2  # replica 0 binds both ends
+    assert _replicated(1, 1, **ring).sync.mode == "step"
+    for replica, local, path, words in [
+        (2, ring, "replica", "must be < the plan's 2 replica(s)"),
+        (1, {"ring_next": "tcp://h:2"}, "ring_prev", "dials the replica before it"),
+        (1, {"ring_prev": "tcp://h:1"}, "ring_next", "closes the ring"),
+        (1, {**ring, "export_dir": "/x"}, "export_dir", "replica 0 exports"),
+    ]:
+        with pytest.raises(SchemaError) as err:
+            _replicated(1, replica, **local)
+        assert any(e.path == path and words in e.message for e in err.value.errors), err.value
+
+
+@pytest.mark.torch
+def test_each_replica_reads_its_share_of_a_batch_n_times_as_large(tmp_path):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    from swarmp2p.runtime.torch.train.stage_runner import _load_tokens, train_batch
+
+    ring = {"ring_prev": "tcp://h:1", "ring_next": "tcp://h:2"}
+    specs = [_replicated(0, 0), _replicated(0, 1, **ring)]
+    one = worker_spec(_job(batch_size=8), local_plan(_job(batch_size=8), from_config(CONFIG),
+                      cuts=[2, 4]), 0, token="t", next_endpoint="tcp://h:1")  # fmt: skip
+    for step in (0, 3):  # random rows: the halves of the 8-row batch one pipeline would read
+        whole = train_batch(one, step, 100)
+        assert torch.equal(torch.cat([train_batch(s, step, 100) for s in specs]), whole)
+    path = tmp_path / "ids.npy"
+    np.save(path, np.arange(9 * 200))
+    data = {"data": {"source": "tokens", "path": str(path)}}
+    specs = [parse_worker_spec({**s.to_dict(), **data}) for s in specs]
+    one = parse_worker_spec({**one.to_dict(), **data})
+    tokens = _load_tokens(one)
+    for step in (0, 5):
+        whole = train_batch(one, step, 100, tokens)
+        assert torch.equal(torch.cat([train_batch(s, step, 100, tokens) for s in specs]), whole)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
@@ -88,3 +89,28 @@ def run_threads(targets):
     if errors:
         raise errors[0]
     return results
+
+
+@contextlib.contextmanager
+def curve_rings():
+    """``make(n)``: the links of a ring of ``n`` members over real CURVE ZmqLinks, as
+    ``[(to_next, from_prev)]`` per member (member i dials member i + 1's bound end); every link
+    made is closed after."""
+    from swarmp2p.net import SecureContext, SwarmSecret
+    from swarmp2p.net.links import ZmqLink
+
+    ctx, secret = SecureContext(), SwarmSecret.generate()
+    made = []
+
+    def make(n: int):
+        bound = [ZmqLink.bind(ctx, secret, "127.0.0.1", 0) for _ in range(n)]
+        dialed = [ZmqLink.dial(ctx, secret, bound[(i + 1) % n].endpoint) for i in range(n)]
+        made.extend(bound + dialed)
+        return [(dialed[i], bound[i]) for i in range(n)]
+
+    try:
+        yield make
+    finally:
+        for link in made:
+            link.close()
+        ctx.destroy(linger=0)

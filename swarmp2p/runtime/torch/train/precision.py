@@ -329,9 +329,22 @@ class StageOptimizer:
             finite = finite and not bool(found.item())
         return finite
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The float32 gradient of every master copy, after ``gradients_finite`` (a parameter
+        that got none gets zeros: a replica average needs every one)."""
+        for m in self.masters:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        return [m.grad for m in self.masters]
+
     def step(self) -> None:
         """One AdamW step of the masters, rounded back into the stage's parameters."""
         self.optimizer.step()
+        self.masters_to_params()
+
+    def masters_to_params(self) -> None:
+        """Round the float32 masters into the stage's half-precision parameters (after a step,
+        or after a replica sync wrote the masters)."""
         if self._half:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self._half], [m for _, m in self._half])

@@ -24,22 +24,27 @@ from swarmp2p.workers.events import (
 )
 
 
-def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None):
+def train_batch(spec: WorkerSpec, step: int, vocab: int, tokens=None, replica: int | None = None):
     """The ``[batch, seq_len + 1]`` token batch of ``step``: a pure function of the spec and the
-    step, so a resumed run reads exactly what the uninterrupted one would."""
+    step, so a resumed run reads exactly what the uninterrupted one would. With N replicas
+    each step reads N batches' rows and ``replica`` (default: the spec's) takes its share, so
+    the replicas together train on what one pipeline with N times the batch would."""
     import torch
 
     t = spec.train
+    n, r = spec.n_replicas, spec.replica if replica is None else replica
+    size = t.batch_size * n
     if spec.data.source == "random":
         gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
-        return torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen)
+        rows = torch.randint(0, vocab, (size, t.seq_len + 1), generator=gen)
+        return rows[r * t.batch_size : (r + 1) * t.batch_size]
     windows = tokens["train"]
-    if len(windows) < t.batch_size:
+    if len(windows) < size:
         raise ValueError(
             f"data.path {spec.data.path} holds {len(windows)} training windows of "
-            f"{t.seq_len + 1} tokens; train.batch_size needs {t.batch_size}"
+            f"{t.seq_len + 1} tokens; train.batch_size x {n} replica(s) needs {size}"
         )
-    start = (step * t.batch_size) % (len(windows) - t.batch_size + 1)
+    start = (step * size) % (len(windows) - size + 1) + r * t.batch_size
     return windows[start : start + t.batch_size]
 
 
@@ -175,24 +180,32 @@ def run_stage(
     closed at the end either way."""
     links = links if links is not None else open_stage_links(spec, emit)
     try:
-        _run(spec, emit, links.prev, links.next)
+        _run(spec, emit, links)
     finally:
         links.close()
 
 
-def _run(spec: WorkerSpec, emit, prev_link, next_link) -> None:
+def _run(spec: WorkerSpec, emit, links: StageLinks) -> None:
     from swarmp2p.runtime.torch.train.boundary import Channel, tell_neighbours
 
-    prev = Channel(prev_link, timeout=spec.link_timeout_s) if prev_link is not None else None
-    nxt = Channel(next_link, timeout=spec.link_timeout_s) if next_link is not None else None
+    timeout = spec.link_timeout_s
+    prev = Channel(links.prev, timeout=timeout) if links.prev is not None else None
+    nxt = Channel(links.next, timeout=timeout) if links.next is not None else None
+    replicas = None
+    if spec.n_replicas > 1:
+        from swarmp2p.runtime.torch.train.replicas import ReplicaRing, ReplicaSync
+
+        ring = ReplicaRing(rank=spec.replica, size=spec.n_replicas, to_next=links.ring_next,
+                           from_prev=links.ring_prev, timeout=timeout)  # fmt: skip
+        replicas = ReplicaSync(ring, spec.sync)
     try:
-        _run_on(spec, emit, prev, nxt)
+        _run_on(spec, emit, prev, nxt, replicas)
     except Exception as exc:  # the neighbours stop now, not at their link timeout
         tell_neighbours(exc, stage=spec.stage, step=None, prev=prev, next=nxt)
         raise
 
 
-def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
+def _run_on(spec: WorkerSpec, emit, prev, nxt, replicas=None) -> None:
     import time
 
     from swarmp2p.plan.schedule import stage_schedule
@@ -258,7 +271,9 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
                 learned=learned,
                 prev=prev,
                 next=nxt,
-                batches=(train_batch(spec, s, vocab, tokens) for s in range(10**9))
+                # every replica calibrates on the same rows (replica 0's), so their frozen
+                # projections agree
+                batches=(train_batch(spec, s, vocab, tokens, 0) for s in range(10**9))
                 if spec.is_first
                 else None,
                 calibration_tokens=t.calibration_tokens,
@@ -271,7 +286,8 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
     def on_step(m) -> None:
         emit(m)
         done = m.step + 1
-        if spec.snapshot_dir and t.checkpoint_every and done % t.checkpoint_every == 0:
+        snapshots = spec.snapshot_dir and t.checkpoint_every and spec.replica == 0
+        if snapshots and done % t.checkpoint_every == 0:  # replica 0 holds the synced weights
             path = save_snapshot(spec.snapshot_dir, bundle, optimizer, step=done, scaler=scaler)
             emit(SnapshotSaved(step=done, path=str(path)))
 
@@ -290,6 +306,7 @@ def _run_on(spec: WorkerSpec, emit, prev, nxt) -> None:
             start_step=start,
             on_step=on_step,
             scaler=scaler,
+            replicas=replicas,
         )
     if t.eval_batches and reads:
         evaluate("trained", True)

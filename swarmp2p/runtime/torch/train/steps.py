@@ -52,9 +52,11 @@ from swarmp2p.runtime.torch.train.precision import (
     StepHealth,
     Verdict,
     agree,
+    any_non_finite,
     decide,
     make_loss_scaler,
 )
+from swarmp2p.runtime.torch.train.replicas.sync import ReplicaSync
 from swarmp2p.runtime.torch.train.weight_grad import WeightGradStore, split_linears
 from swarmp2p.workers.events import StepDone
 
@@ -127,11 +129,17 @@ def run_step(
     next: Channel | None,
     tokens: torch.Tensor | None = None,
     scaler: LossScaler | None = None,
+    replicas: ReplicaSync | None = None,
 ) -> StepDone:
     """One training step of one stage: the op list, the verdict, then one optimizer step (or
     none, when a float16 gradient overflowed somewhere). ``scaler``: a float16 pipeline's loss
-    scale, the same on every stage. Raises ``NonFiniteError`` when the step cannot be fixed."""
+    scale, the same on every stage. ``replicas``: this stage's ring among the job's replicas
+    (step mode averages the gradients before the verdict, DiLoCo runs its outer step after
+    every ``every``-th optimizer step). Raises ``NonFiniteError`` when the step cannot be
+    fixed."""
     m = settings.micro_batches
+    sync_bytes0 = replicas.bytes_sent if replicas is not None else 0
+    sync_s0 = replicas.sync_s if replicas is not None else 0.0
     started = time.perf_counter()
     act0 = next.sent_bytes[ACT] if next is not None else 0
     grad0 = prev.sent_bytes[GRAD] if prev is not None else 0
@@ -167,7 +175,7 @@ def run_step(
     if store is not None and store.pending():
         raise ValueError(f"the op list ran no W for micro-batch(es) {store.pending()}")
     began, waited = time.perf_counter(), _waited(prev, next)
-    verdict = _verdict(bundle, settings, optimizer, scaler, state, step, prev, next)
+    verdict = _verdict(bundle, settings, optimizer, scaler, state, step, prev, next, replicas)
     if verdict.failure is not None:
         failed = bundle.index if verdict.failed_stage is None else verdict.failed_stage
         raise NonFiniteError(stage=failed, step=step, reason=verdict.failure)
@@ -176,6 +184,8 @@ def run_step(
             optimizer.zero_grad()
         else:
             optimizer.step()
+        if replicas is not None and replicas.after_step(optimizer.masters, step):
+            optimizer.masters_to_params()
     if scaler is not None:
         scaler.adopt(verdict)
     ended = time.perf_counter()
@@ -197,6 +207,8 @@ def run_step(
         optimizer_s=optimizer_s,
         wait_s=_waited(prev, next) - wait0,
         at=time.time(),
+        sync_bytes=(replicas.bytes_sent - sync_bytes0) if replicas is not None else 0,
+        sync_s=(replicas.sync_s - sync_s0) if replicas is not None else 0.0,
     )
 
 
@@ -205,8 +217,11 @@ def _waited(prev: Channel | None, next: Channel | None) -> float:
     return (prev.wait_s if prev is not None else 0.0) + (next.wait_s if next is not None else 0.0)
 
 
-def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next) -> Verdict:
-    """What this stage found in the step, and what every stage does with it."""
+def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next, replicas) -> Verdict:
+    """What this stage found in the step, and what every stage does with it. With replicas in
+    step mode the gradients are averaged first (unscaled, float32), so the overflow check and
+    the verdict see the average: a replica's non-finite gradient makes every replica's
+    non-finite, and all of them skip (or fail) together."""
     dense_gradients(bundle.trainable_parameters)
     health = StepHealth()
     if bundle.is_last:
@@ -218,8 +233,14 @@ def _verdict(bundle, settings, optimizer, scaler, state, step, prev, next) -> Ve
             health = StepHealth(fatal=why, stage=bundle.index)
     if settings.inject_nan_step is not None and step >= settings.inject_nan_step:
         _inject_nan(bundle)
-    if optimizer is not None and not optimizer.gradients_finite(state.scale):
-        health = StepHealth(overflow=True, fatal=health.fatal, stage=bundle.index)
+    if optimizer is not None:
+        finite = optimizer.gradients_finite(state.scale)
+        if replicas is not None and replicas.mode == "step":
+            grads = optimizer.gradients()
+            replicas.average_gradients(grads, step)
+            finite = not any_non_finite(grads)
+        if not finite:
+            health = StepHealth(overflow=True, fatal=health.fatal, stage=bundle.index)
     if scaler is None:  # nothing to agree on: no step is skipped, a failure is this stage's own
         return decide(health, None)
     return agree(health, scaler, step=step, prev=prev, next=next)
@@ -308,6 +329,7 @@ def train_stage(
     start_step: int = 0,
     on_step: Callable[[StepDone], None] | None = None,
     scaler: LossScaler | None = None,
+    replicas: ReplicaSync | None = None,
 ) -> list[StepDone]:
     """Run ``settings.steps`` steps (from ``start_step``) of one stage; return each step's metrics.
 
@@ -315,7 +337,10 @@ def train_stage(
     ``kind`` "F"/"B"/"W" and ``micro``, or ``(kind, micro)`` tuples). The first stage takes one
     ``[B, T + 1]`` token batch per step from ``batches``. A float16 stage scales its loss with
     ``scaler`` (made from ``settings.loss_scale`` when not given; pass the one a snapshot
-    restored). A step that fails tells the neighbours before the error propagates.
+    restored). ``replicas``: this stage's ring among the job's replicas (``replicas.sync``):
+    replica 0's trained weights are copied into every replica first, and DiLoCo syncs after the
+    last step as well as every ``every`` steps. A step that fails tells
+    the neighbours before the error propagates.
     """
     if bundle.is_first != (prev is None) or bundle.is_last != (next is None):
         raise ValueError(
@@ -329,6 +354,9 @@ def train_stage(
     if scaler is None:
         scaler = make_loss_scaler(bundle.dtype, settings.loss_scale)
     set_recompute(bundle.stage, settings.recompute)
+    if replicas is not None and optimizer is not None:
+        replicas.align(optimizer.masters, start_step, end=start_step + settings.steps)
+        optimizer.masters_to_params()
     metrics = []
     for step in range(start_step, start_step + settings.steps):
         try:
@@ -343,6 +371,7 @@ def train_stage(
                 next=next,
                 tokens=tokens,
                 scaler=scaler,
+                replicas=replicas,
             )
         except Exception as exc:
             tell_neighbours(exc, stage=bundle.index, step=step, prev=prev, next=next)
