@@ -167,9 +167,9 @@ class _Api:
         for choice in generation.choices:
             text = "".join(texts[choice.index])
             indices = list(range(len(choice.session.tokens)))
-            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.reply_reason}
+            entry: dict[str, Any] = {"index": choice.index}
             if req.chat:
-                content, calls = choice.split(text, final=True)
+                content, calls = choice.split(text, final=True)  # before its reply_reason
                 entry["message"] = {"role": "assistant", "content": content}
                 if calls:
                     entry["message"].update(content=content.strip() or None, tool_calls=calls)
@@ -178,7 +178,7 @@ class _Api:
             else:
                 entry["text"] = text
                 entry["logprobs"] = generation.completion_logprobs(choice, indices, 0)
-            choices.append(entry)
+            choices.append({**entry, "finish_reason": choice.reply_reason})
         return web.json_response({**head, "choices": choices, "usage": generation.usage()})
 
     async def _stream(

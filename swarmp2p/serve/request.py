@@ -24,7 +24,12 @@ from typing import Annotated, Any, Literal, TypeVar
 from aiohttp import web
 
 from swarmp2p.schema import Bounds, FieldError, SchemaError, field, parse, show
-from swarmp2p.serve.decoding.grammar import GrammarError, grammar_for, tool_call_grammar
+from swarmp2p.serve.decoding.grammar import (
+    GrammarError,
+    grammar_for,
+    tag_tokens,
+    tool_call_grammar,
+)
 from swarmp2p.serve.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from swarmp2p.serve.sessions import RingClient
 from swarmp2p.serve.text import MAX_STOP_STRINGS, TextCodec
@@ -487,7 +492,8 @@ def _constraint(body: _Body, model: ServedModel, tools: str) -> str | None:
                 {"type": kind, "json_schema": fmt.json_schema and _schema_spec(fmt.json_schema)}
             ).text
         functions = [{"type": "function", "function": _function(t.function)} for t in body.tools]
-        return tool_call_grammar(functions, None if tools == "required" else tools).text
+        name = None if tools == "required" else tools
+        return tool_call_grammar(functions, name, tag_tokens(model.codec.tokenizer)).text
     except GrammarError as e:
         raise ApiError(400, str(e), param=param, code="invalid_schema") from None
 

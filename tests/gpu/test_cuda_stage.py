@@ -122,3 +122,26 @@ def test_nothing_synchronises_the_card_per_block(tmp_path):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) < 8, syncs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_mask_limits_a_pick_from_card_logits(temperature):
+    """A GPU last stage's logits are on the card and a grammar's mask is made on the CPU: the
+    pick takes only allowed ids (greedy and sampled), not a device mismatch."""
+    import numpy as np
+    import torch
+
+    from swarmp2p.runtime.torch.serve.sampling import SessionSampler
+    from swarmp2p.serve.protocol import SamplingParams
+
+    vocab, allowed = 50, {3, 17, 20}
+    bits = np.zeros(64, dtype=np.uint8)
+    bits[list(allowed)] = 1
+    mask = np.packbits(bits, bitorder="little").tobytes()
+    logits = torch.arange(vocab, dtype=torch.float32, device="cuda")  # argmax 49: not allowed
+    sampler = SessionSampler(SamplingParams(temperature=temperature, seed=7), vocab)
+    picks = set()
+    for _ in range(50):
+        picks.add(sampler.pick(logits, mask)[0])
+        sampler.observe((0,))
+    assert picks <= allowed and (picks == {20} if temperature == 0 else len(picks) > 1)

@@ -36,7 +36,7 @@ costs memory per session)."""
 MAX_GRAMMAR_BYTES = 256 * 1024
 """The longest grammar text a ``prefill`` carries (a schema's grammar is about its size)."""
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 """The common tool-call format of chat templates that take tools (Qwen, SmolLM3, Hermes)."""
 
 
@@ -110,10 +110,21 @@ def grammar_for(response_format: Mapping[str, Any] | None) -> Grammar | None:
     )
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> Grammar:
+def tag_tokens(tokenizer: Any) -> frozenset[str]:
+    """The tool-call tags that ``tokenizer`` (a ``tokenizers.Tokenizer``) has as added tokens,
+    as Qwen's and Hermes' have ``<tool_call>``: llguidance reads every added token as a special
+    one, matched by its id only, so a grammar must name such a tag as a token, not as text."""
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    return frozenset(tag for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if tag in added)
+
+
+def tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]], name: str | None, tokens: Iterable[str] = ()
+) -> Grammar:
     """A forced tool call: ``<tool_call>{"name": N, "arguments": {...}}</tool_call>`` with
     the arguments matching the named function's parameters (``name`` None: any of ``tools``,
-    as ``tool_choice: "required"`` asks)."""
+    as ``tool_choice: "required"`` asks); the tags in ``tokens`` (:func:`tag_tokens`) are
+    written as the model's tokens of that name."""
     functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
     chosen = [f for f in functions if name is None or f.get("name") == name]
     if not chosen:
@@ -138,7 +149,12 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> G
         raise GrammarError(
             f"{what}: the tools' schemas are {len(body)} bytes, above {MAX_SCHEMA_BYTES}"
         )
-    lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {body}\n'
+    tokens = frozenset(tokens)
+    tag = {t: t if t in tokens else json.dumps(t) for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)}
+    lark = (
+        f'start: {tag[TOOL_CALL_OPEN]} "\\n" call "\\n" {tag[TOOL_CALL_CLOSE]}\n'
+        f"call: %json {body}\n"
+    )
     try:
         text = _llg().LLMatcher.grammar_from_lark(lark)
     except ValueError as exc:
@@ -206,31 +222,39 @@ def allowed(mask: bytes, token: int) -> bool:
     return bool(mask[token // 8] >> (token % 8) & 1)
 
 
+def _call(body: str) -> dict[str, Any] | None:
+    """The ``{"name", "arguments"}`` of one block's JSON, arguments as a JSON object's text;
+    None when the block is not that (not JSON, no string name, arguments not an object)."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):  # some templates write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """The reply's text without its ``<tool_call>`` blocks, and the calls they hold as
     OpenAI ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
-    arguments as a JSON string). A block that is not a JSON object with a name stays text."""
+    arguments as a JSON object's text). A block (``<tool_call>`` to the first ``</tool_call>``)
+    that is not a JSON object with a string name and object arguments stays text, whole."""
     calls, kept, last = [], [], 0
     for match in TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
+        function = _call(match.group(1))
+        if function is None:
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", call.get("parameters", {}))
         kept.append(text[last : match.start()])
         last = match.end()
-        calls.append(
-            {
-                "id": f"call_{len(calls)}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+        calls.append({"id": f"call_{len(calls)}", "type": "function", "function": function})
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
 
@@ -270,13 +294,12 @@ class ToolCallStream:
                 held = held[start:]
                 break
             end += len(TOOL_CALL_CLOSE)
-            _, found = parse_tool_calls(held[start:end])
-            if found:
+            function = _call(held[start + len(TOOL_CALL_OPEN) : end - len(TOOL_CALL_CLOSE)])
+            if function is not None:
                 out.append(held[:start])
-                for call in found:
-                    call["id"] = f"call_{len(self.calls)}"
-                    self.calls.append(call)
-                    calls.append(call)
+                call = {"id": f"call_{len(self.calls)}", "type": "function", "function": function}
+                self.calls.append(call)
+                calls.append(call)
             else:
                 out.append(held[:end])
             held = held[end:]
@@ -300,5 +323,6 @@ __all__ = [
     "json_grammar",
     "ll_tokenizer",
     "parse_tool_calls",
+    "tag_tokens",
     "tool_call_grammar",
 ]

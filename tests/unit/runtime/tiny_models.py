@@ -153,3 +153,20 @@ def load_whole(folder: Path, dtype=None):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32).eval()
+
+
+def byte_bpe(corpus, vocab_size: int = 400):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus`` (ids 0-2: <unk>, <s>,
+    </s>): any text encodes, as with the byte-level tokenizers of real models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok

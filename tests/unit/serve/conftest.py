@@ -30,17 +30,9 @@ def tokenizer_folder(tmp_path_factory):
     0-2 are <unk>, <s>, </s>), a chat template, end-of-sequence ids 2 and 7."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tiny_models import byte_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = byte_bpe(CORPUS)
     out = tmp_path_factory.mktemp("tok")
     tok.save(str(out / "tokenizer.json"))
     (out / "chat_template.jinja").write_text(TEMPLATE)

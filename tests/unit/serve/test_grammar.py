@@ -71,14 +71,16 @@ def tokenizers():
     return tok, g.ll_tokenizer(tok, vocab_size=49152, eos_ids=[EOS])
 
 
-def _sample(matcher: g.Matcher, seed: int, closers=(), limit: int = 400) -> list[int]:
+def _sample(
+    matcher: g.Matcher, seed: int, closers=(), limit: int = 400, vocab: int = 49152
+) -> list[int]:
     """Random allowed ids until the grammar is done or the sampler picks end-of-sequence;
     ``closers`` (ids of ``}`` and the like) are taken a third of the time they are allowed,
     so an open-ended grammar ends well within ``limit``."""
     rng, out = random.Random(seed), []
     while not matcher.done and len(out) < limit:
         bits = np.unpackbits(np.frombuffer(matcher.mask(), dtype=np.uint8), bitorder="little")
-        ids = np.flatnonzero(bits[:49152]).tolist()
+        ids = np.flatnonzero(bits[:vocab]).tolist()
         assert ids, "the mask allows nothing"
         if EOS in ids and matcher.accepting and rng.random() < 0.5:
             break
@@ -155,3 +157,36 @@ def test_tool_call_blocks_that_are_not_calls_stay_text():
         {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
     ]
     assert g.parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def test_tool_call_tags_that_are_added_tokens_are_matched_as_those_tokens(tokenizers):
+    """Qwen's and Hermes' tokenizers have ``<tool_call>`` as an added token, which llguidance
+    reads as special: a grammar that spelled the tag as text would mask in the token and then
+    refuse it ("token ... does not follow the grammar"), so the tag is named as the token."""
+    from tokenizers import AddedToken
+
+    tok, _ = tokenizers
+    assert g.tag_tokens(tok) == frozenset()
+    qwen_like = Tokenizer.from_str(tok.to_str())
+    qwen_like.add_tokens([AddedToken("<tool_call>"), AddedToken("</tool_call>")])
+    tags = g.tag_tokens(qwen_like)
+    assert tags == {"<tool_call>", "</tool_call>"}
+    vocab = 49152 + 2
+    llt = g.ll_tokenizer(qwen_like, vocab_size=vocab, eos_ids=[EOS])
+    opener = qwen_like.token_to_id("<tool_call>")
+    unit = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["c", "f"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "units", "parameters": unit}}]
+    m = g.Matcher(llt, g.tool_call_grammar(tools, "units", tags))
+    bits = np.unpackbits(np.frombuffer(m.mask(), dtype=np.uint8), bitorder="little")
+    assert np.flatnonzero(bits[:vocab]).tolist() == [opener]
+    m.advance(opener)
+    out = [opener, *_sample(m, 1, vocab=vocab)]
+    assert m.accepting and out[-1] == qwen_like.token_to_id("</tool_call>")
+    _, calls = g.parse_tool_calls(qwen_like.decode(out))
+    assert calls[0]["function"]["name"] == "units"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), unit)

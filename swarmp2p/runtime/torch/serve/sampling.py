@@ -242,7 +242,8 @@ class SessionSampler:
         for processor in self._processors:
             scores = processor(ids, scores)
         if allowed is not None:
-            scores = scores.masked_fill(~allowed_ids(allowed, scores.shape[-1]), float("-inf"))
+            keep = allowed_ids(allowed, scores.shape[-1]).to(scores.device)  # a GPU stage's logits
+            scores = torch.where(keep, scores, float("-inf"))
         return scores
 
     def _probs(self, scores: torch.Tensor) -> torch.Tensor:
@@ -274,12 +275,15 @@ class SessionSampler:
 def allowed_ids(mask: bytes, vocab: int) -> torch.Tensor:
     """A ``[vocab]`` bool tensor of the ids a little-endian bitmask allows (id i: bit i % 8 of
     byte i // 8); ids past the mask's end are not allowed. ValueError when it allows none."""
-    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
-    out = torch.zeros(vocab, dtype=torch.bool)
-    out[: bits.shape[0]] = torch.from_numpy(bits.astype(np.bool_))
-    if not bool(out.any()):
+    # numpy end to end, one view into torch: a torch.zeros + slice copy cost ~10x (51 us
+    # against 4.5 us a token for 49k ids, one thread; bench/grammar.py)
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    if bits.shape[0] < vocab:
+        bits = np.concatenate([bits, np.zeros(vocab - bits.shape[0], dtype=np.uint8)])
+    bits = bits[:vocab]
+    if not bits.any():
         raise ValueError("the structured output's grammar allows no token of this vocabulary")
-    return out
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 class GrammarTokenizer:
