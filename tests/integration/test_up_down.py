@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -202,6 +203,37 @@ def test_a_port_in_use_is_named_with_the_flag_that_moves_it(tmp_path, taken, for
     assert f"port {busy} is in use by another process" in out.stderr, out.stderr
     assert "--port" in out.stderr and "Traceback" not in out.stderr
     assert StateDir(root=state_dir).read_pid() is None
+
+
+def test_a_taken_dashboard_port_is_said_at_start_and_the_node_runs_without_it(state):
+    """`swarm up` with SWARM_DASHBOARD_PORT taken: the node starts (the dashboard is not the
+    swarm), and the start says why there is no dashboard and what moves it; no traceback."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    try:
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "swarmp2p", "up", "--state-dir", str(state.root)),
+                *("--port", str(free_port()), "--interface", "127.0.0.1", "--no-mdns"),
+            ],
+            capture_output=True,
+            text=True,
+            env=swarm_env({"SWARM_DASHBOARD_PORT": str(taken)}),
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"no dashboard: port {taken} on 127.0.0.1 is taken" in out.stderr, out.stderr
+        assert "SWARM_DASHBOARD_PORT" in out.stderr and "Traceback" not in out.stderr
+        status = _swarm("status", "--state-dir", str(state.root), "--json")
+        assert f"port {taken}" in json.loads(status.stdout)["dashboard_note"]
+    finally:
+        holder.close()
+        _swarm("down", "--state-dir", str(state.root), check=False)
 
 
 def test_a_port_taken_between_the_check_and_the_bind_stops_the_daemon_naming_it(
