@@ -24,6 +24,9 @@ MIN_NGRAM = 2
 """The shortest: one token matches too often to predict anything."""
 MAX_DRAFT = 10
 """At most this many tokens drafted a lap (transformers' default is 10)."""
+DRAFT_LAP_COST = 0.25
+"""A token drafted by stage 0's draft model, in plain laps: its own forward (one per drafted
+token, greedy) plus the extra row in every stage's forward (measured by bench/speculate.py)."""
 
 
 class NgramIndex:
@@ -206,6 +209,7 @@ def accepted_prefix(draft: Sequence[int], verified: Sequence[int]) -> int:
 
 
 __all__ = [
+    "DRAFT_LAP_COST",
     "MAX_DRAFT",
     "MAX_NGRAM",
     "MIN_NGRAM",
