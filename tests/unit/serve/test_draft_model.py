@@ -174,7 +174,7 @@ def _folder(tmp_path, name, vocab, words):
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused_by_name(tmp_path):
-    from swarmp2p.runtime.torch.serve.draft import check_draft_compatible
+    from swarmp2p.serve.decoding.draft import check_draft_compatible
 
     target = _folder(tmp_path, "target", 4, ["a", "b", "c", "d"])
     same = _folder(tmp_path, "same", 4, ["a", "b", "c", "d"])

@@ -15,13 +15,13 @@ are kept here beside the stage's keys and values, by the same names, dropped wit
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from swarmp2p.serve.decoding.draft import check_draft_compatible
 from swarmp2p.serve.decoding.prefix import BLOCK_TOKENS
 
 
@@ -158,47 +158,6 @@ def _crop(cache, *, keep: int, have: int) -> None:
         cache.crop(keep - have)
 
 
-def _vocab_of(folder: Path) -> tuple[dict | None, int | None]:
-    """A model folder's tokenizer vocabulary (tokenizer.json; None without one) and its
-    config's vocab_size."""
-    vocab = None
-    tok = folder / "tokenizer.json"
-    if tok.is_file():
-        data = json.loads(tok.read_text())
-        model = data.get("model") or {}
-        vocab = dict(model.get("vocab") or {})
-        for added in data.get("added_tokens") or ():
-            vocab[added.get("content")] = added.get("id")
-    size = None
-    cfg = folder / "config.json"
-    if cfg.is_file():
-        config = json.loads(cfg.read_text())
-        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return vocab, size
-
-
-def check_draft_compatible(target: str | Path, draft: str | Path) -> None:
-    """ValueError naming both models unless ``draft`` tokenizes as ``target`` does: the same
-    tokenizer vocabulary (tokenizer.json, ids included) where both have one, else the same
-    vocab_size. A draft's ids are the target's ids, so any other tokenizer drafts nonsense."""
-    target, draft = Path(target), Path(draft)
-    (tv, ts), (dv, ds) = _vocab_of(target), _vocab_of(draft)
-    if tv is not None and dv is not None:
-        if tv != dv:
-            only = sorted(set(dv.items()) ^ set(tv.items()), key=str)[:3]
-            raise ValueError(
-                f"draft model {draft} does not share the tokenizer of {target}: their "
-                f"vocabularies differ ({len(dv)} against {len(tv)} tokens; e.g. {only}); a draft "
-                "model must use the served model's tokenizer"
-            )
-        return
-    if ts is None or ds is None or ts != ds:
-        raise ValueError(
-            f"draft model {draft} (vocab_size {ds}) does not share the vocabulary of {target} "
-            f"(vocab_size {ts}); a draft model must use the served model's tokenizer"
-        )
-
-
 def load_draft_model(
     folder: str | Path, *, target: str | Path, device: str = "cpu", dtype=torch.float32
 ) -> DraftModel:
@@ -234,4 +193,4 @@ def truncated_copy(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     return draft.eval()
 
 
-__all__ = ["DraftModel", "check_draft_compatible", "load_draft_model", "truncated_copy"]
+__all__ = ["DraftModel", "load_draft_model", "truncated_copy"]
