@@ -233,7 +233,7 @@ class ServePlan:
     prefix_blocks: int = field(default=0, ge=0)
     """Prompt blocks (``memory.PREFIX_BLOCK_TOKENS`` tokens each) the prefix cache holds on
     every stage; 0: no prefix cache."""
-    draft: str | None = field(default=None, max_len=256)
+    draft: str | None = field(default=None, max_len=4096)
     """The draft model stage 0 holds (its shape's name; priced in its ``memory.draft``);
     None: none."""
     split_mode: PlannedSplit
