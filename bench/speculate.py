@@ -16,7 +16,8 @@ packed; open-ended >= 0.95x the plain ring.
 There is no second real model offline, so the embedded model drafts for itself (every greedy
 draft kept: the mechanism's upper bound, at a drafter as costly as the target) and a truncated
 copy of it (its first ``--draft-layers`` blocks, its norm and head: a realistic weaker drafter)
-drafts too, each against the same ring with ``none``; the table gives acceptance, tokens/lap,
+drafts too (``draft``: 10 a lap; and ``auto``: adaptive), each against the same ring with
+``none``; the table gives acceptance, tokens/lap,
 tok/s over ``none`` and the measured cost of a drafted token in plain laps (the lap's time
 over a plain lap's, less one, per drafted token: what ``DRAFT_LAP_COST`` prices).
 
@@ -100,6 +101,26 @@ def _truncated_folder(source: str, folder: str, layers: int) -> str:
     return folder
 
 
+def _draft_seconds(folder: str, ids: list[int], k: int = 8, runs: int = 3) -> float:
+    """Seconds one drafted token takes the draft model in ``folder`` in this process (its
+    cache warm: the prompt fed first), the median of ``runs`` drafts of ``k``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from swarmp2p.runtime.torch.serve.draft import DraftModel
+
+    drafter = DraftModel(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    drafter.open(1, None)
+    drafter.extend(1, 0, ids[:-1])
+    drafter.propose(1, len(ids) - 1, ids[-1], 1)  # the prompt into its cache
+    took = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        drafter.propose(1, len(ids) - 1, ids[-1], k)  # rolled back to the prompt each time
+        took.append((time.perf_counter() - start) / k)
+    return statistics.median(took)
+
+
 def _draft_main(args, tokens: int, repeats: int) -> None:
     """``--draft``: the self-drafting and the truncated-drafter rings against ``none``."""
     import torch
@@ -123,7 +144,9 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
     blocks = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
     layers = min(args.draft_layers, blocks)
     drafts = {"self": folder, "truncated": _truncated_folder(folder, tmp + "/draft", layers)}
-    setups = ("self", "truncated", "none")
+    drafts["truncated_auto"] = drafts["truncated"]
+    setups = ("self", "truncated", "truncated_auto", "none")
+    modes = {"self": "draft", "truncated": "draft", "truncated_auto": "auto", "none": "none"}
     rings: dict = {}
     tok_s: dict = {}
     spec: dict = {}
@@ -137,7 +160,7 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
                 threads=args.threads,
                 max_context=longest + tokens + 16,
                 max_sessions=2,
-                speculate="none" if setup == "none" else "draft",
+                speculate=modes[setup],
                 draft=drafts.get(setup),
             )
         for ring in rings.values():  # warm-up, not counted
@@ -158,6 +181,9 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
                             spec[kind, setup][k] += v
                         reference = got if reference is None else reference
                         same = same and got == reference
+        forward_s = {
+            s: _draft_seconds(drafts[s], prompts["open"][0]) for s in ("self", "truncated")
+        }
     finally:
         for ring in rings.values():
             ring.close()
@@ -165,6 +191,7 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
 
     med = {key: statistics.median(v) for key, v in tok_s.items()}
     lap = {key: statistics.median(v) for key, v in lap_s.items()}
+    plain_lap = statistics.median(lap[kind, "none"] for kind in prompts)
     summary: dict = {
         "model": "tiny random Llama" if args.quick else "embedded SmolLM2-135M",
         "mode": "draft",
@@ -189,7 +216,7 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for kind in prompts:
         summary[kind] = {"none_tok_s": round(med[kind, "none"], 2)}
-        for setup in ("self", "truncated"):
+        for setup in ("self", "truncated", "truncated_auto"):
             s = spec[kind, setup]
             acceptance = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
             per_lap = s["tokens"] / s["laps"] if s["laps"] else 0.0
@@ -209,6 +236,13 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
                 f"{acceptance:.0%} | {per_lap:.2f} | {drafted_lap:.2f} | {cost:.3f} |"
             )
     print()
+    for setup, seconds in forward_s.items():
+        summary[f"draft_forward_{setup}_s"] = round(seconds, 5)
+        summary[f"draft_forward_{setup}_laps"] = round(seconds / plain_lap, 3)
+        print(
+            f"the {setup} drafter's forward per drafted token, in this process: "
+            f"{seconds * 1000:.1f} ms = {seconds / plain_lap:.3f} plain laps"
+        )
     print(f"greedy tokens of the draft rings and the none ring equal: {same}")
     print(json.dumps(summary))
 

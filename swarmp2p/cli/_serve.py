@@ -77,9 +77,9 @@ from swarmp2p.cli import (
     show_default=True,
     help="Speculative decoding: tokens are drafted and the ring verifies them in one lap "
     "(greedy output unchanged, sampling's distribution unchanged); ngram drafts 10 by prompt "
-    "lookup on the issuing node, draft drafts with the --draft model on stage 0, auto uses the "
-    "draft model when one is given (else prompt lookup), adapts the draft length and stops "
-    "drafting where it does not pay.",
+    "lookup on the issuing node, draft drafts 10 with the --draft model on stage 0, auto uses "
+    "the draft model when one is given (else prompt lookup), adapts the draft length to the "
+    "acceptance and the drafter's cost and stops drafting where it does not pay.",
 )
 @click.option(
     "--draft",

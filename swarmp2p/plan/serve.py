@@ -153,7 +153,7 @@ class ServeRequest:
     speculate: Speculate = "auto"
     """Speculative decoding: "auto" (the draft model when one is given, else prompt lookup,
     with an adaptive draft length that stops drafting where it does not pay), "ngram" (prompt
-    lookup, 10 tokens a lap), "draft" (the draft model, adaptive), "none"."""
+    lookup, 10 tokens a lap), "draft" (the draft model, 10 tokens a lap), "none"."""
     draft: str | None = field(default=None, min_len=1, max_len=4096)
     """A draft model for speculative decoding (a folder or "embedded"; the served model's
     tokenizer): stage 0 holds it beside its blocks and drafts with it."""
@@ -236,6 +236,9 @@ class ServePlan:
     draft: str | None = field(default=None, max_len=4096)
     """The draft model stage 0 holds (its shape's name; priced in its ``memory.draft``);
     None: none."""
+    draft_compute: float = field(default=0.0, ge=0.0)
+    """The draft model's multiply-adds a token over the served model's (its blocks' active
+    weights and its head's matmul): what a drafted token costs is priced from it."""
     split_mode: PlannedSplit
     """How the blocks were shared out; "fixed": a trained model's split."""
     stages: tuple[ServeStagePlan, ...] = field(min_len=1)
@@ -678,6 +681,9 @@ def _place(ask: _Ask, devices: list[Placed], dtype: str, notes: list[str]) -> Se
         max_context=ask.context,
         prefix_blocks=blocks,
         draft=None if ask.draft is None else ask.draft.name,
+        draft_compute=0.0
+        if ask.draft is None
+        else round(_compute(ask.draft) / _compute(ask.shape), 6),
         split_mode="fixed" if ask.cuts is not None else ask.split,
         stages=tuple(stages),
         notes=tuple(notes),
@@ -729,6 +735,11 @@ def _memory_blocked(
         required=n,
         placed=n - bad,
     )
+
+
+def _compute(shape: ModelShape) -> int:
+    """Weights one token's forward multiplies: every block's active ones and the head's."""
+    return sum(shape.layer_active_params) + shape.head_compute_params
 
 
 def _with_notes(plan: ServePlan, note: str) -> ServePlan:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from swarmp2p.serve.decoding.speculate import draft_lap_cost
 from swarmp2p.serve.sessions import RingClient
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class RingEnds:
             min_group_rows=min_group_rows,
             speculate=speculate,
             draft_model=plan.draft is not None,
+            draft_cost=draft_lap_cost(plan.draft_compute) if plan.draft is not None else None,
             prefix_blocks=plan.prefix_blocks,
             prefix_salt=hashlib.sha256(f"{salt}\0{plan.to_json()}".encode()).digest(),
         ).start()

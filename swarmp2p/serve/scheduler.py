@@ -34,8 +34,9 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
 - **Speculative decoding** (``speculate``: "auto", "ngram", "draft", "none"): a session in a
   group drafts by prompt lookup (``serve.decoding.speculate``; ``k`` adaptive under "auto",
   MAX_DRAFT under "ngram"), or, with a draft model at stage 0 (``draft_model``; "draft", and
-  "auto" when one is loaded), asks stage 0 to draft ``k`` tokens (adaptive, priced at
-  ``draft_cost`` plain laps a drafted token), learning them from the answer's ``accepted``;
+  "auto" when one is loaded), asks stage 0 to draft ``k`` tokens (MAX_DRAFT under "draft";
+  adaptive under "auto", a drafted token priced at ``draft_cost`` plain laps), learning them
+  from the answer's ``accepted``;
   either way bounded by every row's max_tokens and context; the accepted drafts
   and the token after them are each taken by :meth:`Scheduler._take` (vLLM's ``check_stop``
   per id). Per session: ``SessionState.speculate`` False (a grammar) or log-probabilities
@@ -78,7 +79,7 @@ QUEUE_PER_SLOT = 4
 
 SPECULATE_MODES = ("auto", "ngram", "draft", "none")
 """``--speculate``: adaptive (the draft model when one is loaded, else prompt lookup), prompt
-lookup of MAX_DRAFT tokens a lap, the draft model (adaptive), or none."""
+lookup of MAX_DRAFT tokens a lap, the draft model's MAX_DRAFT a lap, or none."""
 
 TOKEN, DONE, ERROR = "token", "done", "error"
 """The kinds of a session's events: a token id, finished (with its finish reason), failed (with
@@ -471,7 +472,8 @@ class Scheduler:
         ):
             if self.model_drafts:
                 session.model_drafts = True
-                session.draft_len = DraftLength(lap_cost=self.draft_cost)
+                adaptive = self.speculate == "auto"
+                session.draft_len = DraftLength(lap_cost=self.draft_cost) if adaptive else None
             else:
                 session.drafter = NgramIndex((*session.prompt, *session.tokens))
                 session.draft_len = DraftLength() if self.speculate == "auto" else None

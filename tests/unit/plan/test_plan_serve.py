@@ -491,6 +491,12 @@ def test_a_draft_model_is_priced_on_stage_0_only_with_the_sessions_kv_cache():
         second.memory.peak,
     ]
     assert on.draft == DRAFT.name and off.draft is None
+    # its share of the multiply-adds a token: blocks and head, against the served model's
+    share = (sum(DRAFT.layer_active_params) + DRAFT.head_compute_params) / (
+        sum(SHAPE.layer_active_params) + SHAPE.head_compute_params
+    )
+    assert on.draft_compute == pytest.approx(share, abs=1e-6) and 0 < share < 1
+    assert off.draft_compute == 0
     assert ServePlan.from_json(on.to_json()) == on
 
 

@@ -188,3 +188,25 @@ def test_a_draft_model_with_another_vocabulary_is_refused_by_name(tmp_path):
     (bare_d / "config.json").write_text(json.dumps({"vocab_size": 256}))
     with pytest.raises(ValueError, match=r"vocab_size 256.*bare_t.*vocab_size 128"):
         check_draft_compatible(bare_t, bare_d)
+
+
+def test_a_warm_prefix_cache_session_drafts_from_its_reused_blocks_ids(tiny_whole):
+    """A session whose prompt starts with cached blocks prefills only the rest, yet the draft
+    model sees its whole prompt (the blocks' ids are kept beside the stage's keys and values,
+    by name): every draft kept (the model drafts for itself), tokens plain decoding's; the
+    ids leave with the blocks."""
+    model = tiny_whole("llama")
+    system = [(7 * i + 3) % 120 + 3 for i in range(2 * 16)]  # two whole 16-token blocks
+    drafter = _drafter(copy.deepcopy(model))
+    with thread_ring(
+        model, [2], speculate="draft", drafter=drafter, max_context=128, prefix_blocks=64
+    ) as ring:
+        for ask in ([9, 4, 33], [12, 13, 14, 15]):
+            prompt = system + ask
+            got = ring.generate(prompt, max_tokens=NEW, timeout=60)
+            assert got == reference_generate(model, prompt, NEW)
+        assert ring.prefix_stats["hits"] == 1
+        stats = ring.spec_stats()
+        blocks = set(ring.servers[0].prefix.blocks)
+    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"], stats
+    assert set(drafter.block_ids) == blocks and len(blocks) == 2
