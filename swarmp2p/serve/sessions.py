@@ -149,6 +149,11 @@ class RingClient:
         return self._scheduler.speculate
 
     @property
+    def draft_model(self) -> bool:
+        """Whether sessions draft with stage 0's draft model (else by prompt lookup)."""
+        return self._scheduler.model_drafts
+
+    @property
     def spec_off(self) -> str:
         """Why the ring stopped speculating though asked to (empty: it did not)."""
         return self._scheduler.spec_off

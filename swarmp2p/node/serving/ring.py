@@ -142,6 +142,7 @@ def _sessions(client: RingClient | None) -> dict[str, object] | None:
         "max": client.max_sessions,
         "stage_batch": list(client.stage_batch_sizes),
         "speculate": client.speculate,
+        "draft_model": client.draft_model,
         "speculate_off": client.spec_off,
         "speculation": client.spec_stats(),
         "prefix_cache": client.prefix_stats,
