@@ -85,6 +85,39 @@ def _ring(ring, ids: list[int], tokens: int) -> tuple[float, list[int], dict]:
     return tokens / took, got, delta
 
 
+def _local_ring(ref: str, args, blocks: int, context: int, speculate: str, draft=None):
+    """A ring of ``args.stages`` worker processes of ``ref`` (two session slots)."""
+    from swarmp2p.serve.local import LocalRing, even_bounds
+
+    return LocalRing(
+        ref,
+        bounds=even_bounds(blocks, args.stages),
+        threads=args.threads,
+        max_context=context,
+        max_sessions=2,
+        speculate=speculate,
+        draft=draft,
+    )
+
+
+def _workloads(ref: str) -> tuple[str, dict[str, list[list[int]]], int, int]:
+    """The model's folder, the prompts of each workload as token ids (chat-templated), the
+    longest prompt's length and the model's block count."""
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.serve.text import TextCodec
+
+    folder = resolve_model_ref(ref)
+    codec = TextCodec.from_folder(folder)
+    workloads = json.loads(PROMPTS.read_text())
+    prompts = {
+        kind: [codec.encode_chat(p["messages"]) for p in entries]
+        for kind, entries in workloads.items()
+    }
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    blocks = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+    return folder, prompts, longest, blocks
+
+
 def _truncated_folder(source: str, folder: str, layers: int) -> str:
     """A copy of the model in ``source`` keeping its first ``layers`` blocks, norm and head,
     saved in ``folder`` with the source's tokenizer files."""
@@ -126,22 +159,10 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
     import torch
     from serve import _tiny_served_folder
 
-    from swarmp2p.models import resolve_model_ref
-    from swarmp2p.serve.local import LocalRing, even_bounds
-    from swarmp2p.serve.text import TextCodec
-
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp()
     ref = _tiny_served_folder(tmp + "/model") if args.quick else "embedded"
-    folder = resolve_model_ref(ref)
-    codec = TextCodec.from_folder(folder)
-    workloads = json.loads(PROMPTS.read_text())
-    prompts = {
-        kind: [codec.encode_chat(p["messages"]) for p in entries]
-        for kind, entries in workloads.items()
-    }
-    longest = max(len(p) for ps in prompts.values() for p in ps)
-    blocks = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+    folder, prompts, longest, blocks = _workloads(ref)
     layers = min(args.draft_layers, blocks)
     drafts = {"self": folder, "truncated": _truncated_folder(folder, tmp + "/draft", layers)}
     drafts["truncated_auto"] = drafts["truncated"]
@@ -154,15 +175,8 @@ def _draft_main(args, tokens: int, repeats: int) -> None:
     same = True
     try:
         for setup in setups:
-            rings[setup] = LocalRing(
-                ref,
-                bounds=even_bounds(blocks, args.stages),
-                threads=args.threads,
-                max_context=longest + tokens + 16,
-                max_sessions=2,
-                speculate=modes[setup],
-                draft=drafts.get(setup),
-            )
+            context = longest + tokens + 16
+            rings[setup] = _local_ring(ref, args, blocks, context, modes[setup], drafts.get(setup))
         for ring in rings.values():  # warm-up, not counted
             _ring(ring, prompts["open"][0], 4)
         for kind, ps in prompts.items():
@@ -269,23 +283,12 @@ def main() -> None:
     from serve import _tiny_served_folder
     from transformers import AutoModelForCausalLM
 
-    from swarmp2p.models import resolve_model_ref
     from swarmp2p.runtime.torch.model.packed import pack_linears
-    from swarmp2p.serve.local import LocalRing, even_bounds
-    from swarmp2p.serve.text import TextCodec
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp() if args.quick else None
     ref = _tiny_served_folder(tmp) if tmp else "embedded"
-    folder = resolve_model_ref(ref)
-    codec = TextCodec.from_folder(folder)
-    workloads = json.loads(PROMPTS.read_text())
-    prompts = {
-        kind: [codec.encode_chat(p["messages"]) for p in entries]
-        for kind, entries in workloads.items()
-    }
-    longest = max(len(p) for ps in prompts.values() for p in ps)
-    blocks = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+    folder, prompts, longest, blocks = _workloads(ref)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     packed = copy.deepcopy(model)
     pack_linears(packed)
@@ -295,14 +298,7 @@ def main() -> None:
     same = True
     try:
         for mode in RINGS:
-            rings[mode] = LocalRing(
-                ref,
-                bounds=even_bounds(blocks, args.stages),
-                threads=args.threads,
-                max_context=longest + tokens + 16,
-                max_sessions=2,
-                speculate=mode,
-            )
+            rings[mode] = _local_ring(ref, args, blocks, longest + tokens + 16, mode)
         for ring in rings.values():  # warm-up, not counted
             _ring(ring, prompts["open"][0], 4)
         _generate(packed, prompts["open"][0], 4, None)

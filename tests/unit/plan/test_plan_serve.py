@@ -457,19 +457,18 @@ def test_the_serve_request_carries_the_prefix_cache_size():
         parse_serve_request({"model": "m", "prefix_cache_mb": -1})
 
 
-DRAFT = from_config(
-    {
-        "model_type": "llama",
-        "vocab_size": 1000,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-    }
-)
+DRAFT_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+DRAFT = from_config(DRAFT_CONFIG)
 
 
 def test_a_draft_model_is_priced_on_stage_0_only_with_the_sessions_kv_cache():
@@ -510,17 +509,6 @@ def test_a_draft_model_that_does_not_fit_beside_stage_0_blocks_the_plan_naming_i
 
 
 def test_a_draft_model_with_a_shorter_context_is_refused_by_name():
-    short = from_config(
-        {
-            "model_type": "llama",
-            "vocab_size": 1000,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128,
-        }
-    )
+    short = from_config({**DRAFT_CONFIG, "max_position_embeddings": 128})
     with pytest.raises(SchemaError, match="holds 128 positions, fewer than the 256"):
         serve([cpu_gb("a", 4)], stages=1, max_context=256, draft=short)

@@ -584,6 +584,21 @@ def test_an_unknown_speculation_mode_is_refused():
         _scheduler(speculate="draft")
 
 
+def _drafted_answer(sched, step, kept, accepted):
+    """The last stage's answer to a one-row step stage 0 drafted for: ``kept`` of its drafts
+    (``accepted``, their ids), then token 9."""
+    reply = Tokens(
+        group=0,
+        step=step.step,
+        sids=(1,),
+        positions=(len(PROMPT) + 1,),
+        tokens=(9,),
+        kept=(kept,),
+        accepted=(accepted,),
+    )
+    return sched.on_tokens(reply, 1.0)
+
+
 @pytest.mark.parametrize("mode", ["draft", "auto"])
 def test_with_a_draft_model_a_step_asks_stage_0_and_takes_the_accepted_ids(mode):
     """A ring with a draft model at stage 0 (draft, or auto with one loaded): a step carries
@@ -595,18 +610,7 @@ def test_with_a_draft_model_a_step_asks_stage_0_and_takes_the_accepted_ids(mode)
     assert step.drafts == () and len(step.asks) == 1 and step.asks[0] >= 1
     k = step.asks[0]
     kept = min(2, k)
-    out = sched.on_tokens(
-        Tokens(
-            group=0,
-            step=step.step,
-            sids=(1,),
-            positions=(len(PROMPT) + 1,),
-            tokens=(9,),
-            kept=(kept,),
-            accepted=((11, 12)[:kept],),
-        ),
-        1.0,
-    )
+    out = _drafted_answer(sched, step, kept, (11, 12)[:kept])
     assert session.tokens == [7, *(11, 12)[:kept], 9]
     if mode == "auto":  # adaptive, priced at the draft cost; "draft" asks MAX_DRAFT
         assert session.draft_len.drafted == k and session.draft_len.accepted == kept
@@ -623,18 +627,7 @@ def test_an_answer_whose_accepted_ids_disagree_with_its_kept_count_fails_the_ses
     session = _session(1, prompt=PROMPT, max_tokens=20)
     step = _decoding(sched, session)
     k = step.asks[0]
-    sched.on_tokens(
-        Tokens(
-            group=0,
-            step=step.step,
-            sids=(1,),
-            positions=(len(PROMPT) + 1,),
-            tokens=(9,),
-            kept=(k + 1,),
-            accepted=(tuple(range(k + 1)),),
-        ),
-        1.0,
-    )
+    _drafted_answer(sched, step, k + 1, tuple(range(k + 1)))
     assert f"accepted {k + 1} drafted tokens ({k + 1} ids) of the {k}" in session.error
 
 
