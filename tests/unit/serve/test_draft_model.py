@@ -210,3 +210,42 @@ def test_a_warm_prefix_cache_session_drafts_from_its_reused_blocks_ids(tiny_whol
         blocks = set(ring.servers[0].prefix.blocks)
     assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"], stats
     assert set(drafter.block_ids) == blocks and len(blocks) == 2
+
+
+def test_a_row_its_draft_model_cannot_draft_fails_alone(tiny_whole):
+    """A step asking drafts for two rows, one of which the draft model does not hold (its
+    state was lost): that session fails with the draft model's reason, the other row's step
+    runs and gets plain decoding's token."""
+    from swarmp2p.net import InProcLink
+    from swarmp2p.runtime.torch import build_stage
+    from swarmp2p.runtime.torch.serve.server import StageServer
+    from swarmp2p.serve import GREEDY, Decode, Prefill, decode_message
+
+    model = tiny_whole("llama")
+    drafter = _drafter(copy.deepcopy(model))
+    server = StageServer(
+        build_stage(model, 0, 4),
+        inbound=InProcLink.pair()[1],
+        outbound=InProcLink.pair()[0],
+        max_context=64,
+        drafter=drafter,
+    )
+    firsts = {}
+    for sid in (1, 2):
+        (reply,) = server.handle(
+            [Prefill(sid=sid, pos=0, tokens=tuple(PROMPT), sampling=GREEDY).encode()]
+        )
+        firsts[sid] = decode_message(reply[0]).tokens[0]
+    drafter.rows[2].ids.clear()  # the draft model lost session 2
+    p = len(PROMPT)
+    step = Decode(
+        group=0, step=1, sids=(1, 2), positions=(p, p), tokens=(firsts[1], firsts[2]), asks=(3, 3)
+    )
+    replies = [decode_message(r[0]) for r in server.handle([step.encode()])]
+    (failed,) = [r for r in replies if r.op == "error"]
+    (tokens,) = [r for r in replies if r.op == "tokens"]
+    assert failed.sids == (2,) and "session 2 drafts at position" in failed.message
+    assert tokens.sids == (1,) and tokens.kept == (3,)
+    want = reference_generate(model, PROMPT, 5)
+    assert [firsts[1], *tokens.accepted[0], *tokens.tokens] == want
+    assert 2 not in server.sessions and 1 in server.sessions

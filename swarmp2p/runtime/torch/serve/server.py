@@ -529,8 +529,13 @@ class StageServer:
     # -- one decode step of a group -------------------------------------------------------------
 
     def _decode(self, msg: Decode, payload: list) -> list[list]:
+        out: list[list] = []
         if msg.asks:
-            msg = self._draft(msg)
+            msg, failed = self._draft(msg)
+            for sid, why in failed:  # a row its draft model cannot draft fails alone
+                out.extend(self._error((sid,), why))
+            if not msg.sids:
+                return out
         elif self.drafter is not None:
             for sid, pos, token in zip(msg.sids, msg.positions, msg.tokens):
                 self.drafter.observe(sid, pos, token)
@@ -546,7 +551,6 @@ class StageServer:
                 keep.append(i)
             else:
                 refused.setdefault(why, []).append(sid)
-        out: list[list] = []
         for why, sids in refused.items():
             out.extend(self._error(sids, why))
         if not keep:
@@ -605,20 +609,39 @@ class StageServer:
         )
         return [*out, [reply.encode()]]
 
-    def _draft(self, msg: Decode) -> Decode:
+    def _draft(self, msg: Decode) -> tuple[Decode, list[tuple[int, str]]]:
         """Stage 0: the step with the draft model's drafts in place of its asks (each row's
-        ``asks[i]`` tokens, greedily); without a draft model, the step without drafts and the
-        reason in ``spec_off``. A row the draft model cannot draft fails the step's forward."""
+        ``asks[i]`` tokens, greedily), and ``(sid, why)`` for each row the draft model could
+        not draft (left out of the step); without a draft model, the step without drafts and
+        the reason in ``spec_off``."""
         if self.drafter is None or not self.stage.is_first_stage:
-            return replace(msg, asks=(), spec_off=msg.spec_off or "no draft model at stage 0")
-        drafts = []
-        for sid, pos, token, k in zip(msg.sids, msg.positions, msg.tokens, msg.asks):
+            off = msg.spec_off or "no draft model at stage 0"
+            return replace(msg, asks=(), spec_off=off), []
+        rows, drafts, failed = [], [], []
+        for i, (sid, pos, token, k) in enumerate(
+            zip(msg.sids, msg.positions, msg.tokens, msg.asks)
+        ):
             session = self.sessions.get(sid)
-            if session is None or session.prefilling:
-                drafts.append(())  # refused below with its reason
+            try:
+                if session is None or session.prefilling:
+                    draft: tuple[int, ...] = ()  # refused below with its reason
+                else:
+                    draft = self.drafter.propose(sid, pos, token, k)
+            except ValueError as e:
+                self._drop(sid)
+                failed.append((sid, str(e)))
                 continue
-            drafts.append(self.drafter.propose(sid, pos, token, k))
-        return replace(msg, asks=(), drafts=tuple(drafts))
+            rows.append(i)
+            drafts.append(draft)
+        kept = replace(
+            msg,
+            sids=tuple(msg.sids[i] for i in rows),
+            positions=tuple(msg.positions[i] for i in rows),
+            tokens=tuple(msg.tokens[i] for i in rows),
+            asks=(),
+            drafts=tuple(drafts) if rows else (),
+        )
+        return kept, failed
 
     def _refusal(self, sid: int, pos: int, token: int | None, width: int = 1) -> str | None:
         """Why this stage cannot step a row of ``width`` positions (None: it can); a refused
