@@ -46,6 +46,7 @@ from swarmp2p.runtime.torch.serve.sampling import (
 from swarmp2p.runtime.torch.serve.session_cache import PrefixStore, SessionBatch
 from swarmp2p.runtime.torch.serve.speculative import (
     draft_ids,
+    draft_step,
     no_speculation,
     take_back,
     verify_rows,
@@ -610,38 +611,15 @@ class StageServer:
         return [*out, [reply.encode()]]
 
     def _draft(self, msg: Decode) -> tuple[Decode, list[tuple[int, str]]]:
-        """Stage 0: the step with the draft model's drafts in place of its asks (each row's
-        ``asks[i]`` tokens, greedily), and ``(sid, why)`` for each row the draft model could
-        not draft (left out of the step); without a draft model, the step without drafts and
-        the reason in ``spec_off``."""
+        """Stage 0: the step with its draft model's drafts (``speculative.draft_step``); each
+        row it could not draft is dropped here and named with its reason."""
         if self.drafter is None or not self.stage.is_first_stage:
             off = msg.spec_off or "no draft model at stage 0"
             return replace(msg, asks=(), spec_off=off), []
-        rows, drafts, failed = [], [], []
-        for i, (sid, pos, token, k) in enumerate(
-            zip(msg.sids, msg.positions, msg.tokens, msg.asks)
-        ):
-            session = self.sessions.get(sid)
-            try:
-                if session is None or session.prefilling:
-                    draft: tuple[int, ...] = ()  # refused below with its reason
-                else:
-                    draft = self.drafter.propose(sid, pos, token, k)
-            except ValueError as e:
-                self._drop(sid)
-                failed.append((sid, str(e)))
-                continue
-            rows.append(i)
-            drafts.append(draft)
-        kept = replace(
-            msg,
-            sids=tuple(msg.sids[i] for i in rows),
-            positions=tuple(msg.positions[i] for i in rows),
-            tokens=tuple(msg.tokens[i] for i in rows),
-            asks=(),
-            drafts=tuple(drafts) if rows else (),
-        )
-        return kept, failed
+        step, failed = draft_step(self.drafter, self.sessions, msg)
+        for sid, _ in failed:
+            self._drop(sid)
+        return step, failed
 
     def _refusal(self, sid: int, pos: int, token: int | None, width: int = 1) -> str | None:
         """Why this stage cannot step a row of ``width`` positions (None: it can); a refused
