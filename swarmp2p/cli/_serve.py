@@ -72,12 +72,22 @@ from swarmp2p.cli import (
 @click.option("--quantization", default=None, help='Quantized base, JSON: {"bits": 4}.')
 @click.option(
     "--speculate",
-    type=click.Choice(["auto", "ngram", "none"]),
+    type=click.Choice(["auto", "ngram", "draft", "none"]),
     default="auto",
     show_default=True,
-    help="Speculative decoding: the issuing node drafts tokens by prompt lookup and the ring "
-    "verifies them in one lap (greedy output unchanged, sampling's distribution unchanged); "
-    "auto adapts the draft length and stops drafting where it does not pay, ngram drafts 10.",
+    help="Speculative decoding: tokens are drafted and the ring verifies them in one lap "
+    "(greedy output unchanged, sampling's distribution unchanged); ngram drafts 10 by prompt "
+    "lookup on the issuing node, draft drafts 10 with the --draft model on stage 0, auto uses "
+    "the draft model when one is given (else prompt lookup), adapts the draft length to the "
+    "acceptance and the drafter's cost and stops drafting where it does not pay.",
+)
+@click.option(
+    "--draft",
+    default=None,
+    metavar="DRAFT",
+    help='A draft model for speculative decoding (a folder or "embedded"; the same tokenizer '
+    "as MODEL, or it is refused naming both): stage 0 holds it beside its blocks (priced in "
+    "the plan) and drafts with it greedily.",
 )
 @click.option("--name", default=None, help="The model name the API answers to (default MODEL).")
 @_api_key_options("Require an API key from API clients (Authorization: Bearer)")

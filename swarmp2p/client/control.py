@@ -519,6 +519,8 @@ def speculation_line(sessions: dict[str, Any]) -> str:
     mode = sessions["speculate"]
     if mode == "none":
         return "speculate none"
+    if sessions.get("draft_model"):
+        mode += " (draft model at stage 0)"
     if sessions.get("speculate_off"):
         return f"speculate {mode}: off, {sessions['speculate_off']}"
     stats = sessions.get("speculation") or {}

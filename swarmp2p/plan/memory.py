@@ -84,6 +84,8 @@ class Workload:
     """Tokens of context each serving session keeps in its KV cache."""
     prefix_cache_bytes: int = 0
     """A serving stage's budget for cached prompt blocks (the prefix cache)."""
+    draft_bytes: int = 0
+    """Serving: the draft model the first stage holds (its weights and KV cache)."""
 
     @property
     def micro_tokens(self) -> int:
@@ -131,6 +133,8 @@ class StageMemory:
     transient: int
     prefix_cache: int = 0
     """Serving: the cached prompt blocks' budget on this stage."""
+    draft: int = 0
+    """Serving, the first stage: the draft model of speculative decoding (weights, KV cache)."""
     peak: int = dataclass_field(init=False)
     """The sum of the above: what the stage's device must have free (derived)."""
 
@@ -143,6 +147,7 @@ class StageMemory:
             + self.kv_cache
             + self.transient
             + self.prefix_cache
+            + self.draft
         )
         object.__setattr__(self, "peak", total)
 
@@ -307,6 +312,7 @@ class StagePricer:
             kv_cache=int(kv),
             transient=int(transient),
             prefix_cache=int(w.prefix_cache_bytes) if w.serving_sessions else 0,
+            draft=int(w.draft_bytes) if w.serving_sessions and first else 0,
         )
 
     def prefix_block_bytes(self, start: int, end: int) -> int:

@@ -14,7 +14,9 @@ mismatch, as it does for training. The rules are training's (``placement``, ``pl
   cannot run it is left out when as many others remain, else Blocked names it.
 - memory: a stage's blocks (the embeddings on the first, the head on the last) in the dtype or
   the quantization, plus the KV cache of ``max_sessions`` x ``max_context`` tokens and the
-  prefix cache's budget ``prefix_cache_mb`` (``memory.StagePricer``), within the device's
+  prefix cache's budget ``prefix_cache_mb`` (``memory.StagePricer``), and on the first stage
+  a draft model's weights and KV cache (``draft``: the same sessions, context and dtype),
+  within the device's
   usable memory (``DEVICE_RESERVE`` kept back). The prefix cache holds ``prefix_blocks``
   prompt blocks on every stage: as many as the budget holds on the stage whose blocks are
   largest (0 for a model with recurrent layers, whose state no block can hold).
@@ -85,7 +87,7 @@ BoundaryCompression = Literal[
     "fixed_int8",
 ]
 Dtype = Literal["float32", "bfloat16", "float16"]
-Speculate = Literal["auto", "ngram", "none"]
+Speculate = Literal["auto", "ngram", "draft", "none"]
 """Speculative decoding of a served model (``serve.scheduler.SPECULATE_MODES``)."""
 SplitMode = Literal["equal", "weighted", "cost"]
 PlannedSplit = Literal["equal", "weighted", "cost", "fixed"]
@@ -149,8 +151,12 @@ class ServeRequest:
     """None: the best dtype every stage's device runs (a trained model: its training dtype)."""
     quantization: QuantSpec | None = None
     speculate: Speculate = "auto"
-    """Speculative decoding: "auto" (prompt lookup with an adaptive draft length that stops
-    drafting where it does not pay), "ngram" (prompt lookup, 10 tokens a lap), "none"."""
+    """Speculative decoding: "auto" (the draft model when one is given, else prompt lookup,
+    with an adaptive draft length that stops drafting where it does not pay), "ngram" (prompt
+    lookup, 10 tokens a lap), "draft" (the draft model, 10 tokens a lap), "none"."""
+    draft: str | None = field(default=None, min_len=1, max_len=4096)
+    """A draft model for speculative decoding (a folder or "embedded"; the served model's
+    tokenizer): stage 0 holds it beside its blocks and drafts with it."""
     prefix_cache_mb: int | None = field(default=None, ge=0, le=MAX_PREFIX_CACHE_MB)
     """MiB of cached prompt blocks each stage keeps for new sessions to reuse; 0: off; None:
     up to PREFIX_CACHE_MB, as much as the devices have room for (never a reason to fail)."""
@@ -227,6 +233,12 @@ class ServePlan:
     prefix_blocks: int = field(default=0, ge=0)
     """Prompt blocks (``memory.PREFIX_BLOCK_TOKENS`` tokens each) the prefix cache holds on
     every stage; 0: no prefix cache."""
+    draft: str | None = field(default=None, max_len=4096)
+    """The draft model stage 0 holds (its shape's name; priced in its ``memory.draft``);
+    None: none."""
+    draft_compute: float = field(default=0.0, ge=0.0)
+    """The draft model's multiply-adds a token over the served model's (its blocks' active
+    weights and its head's matmul): what a drafted token costs is priced from it."""
     split_mode: PlannedSplit
     """How the blocks were shared out; "fixed": a trained model's split."""
     stages: tuple[ServeStagePlan, ...] = field(min_len=1)
@@ -365,6 +377,7 @@ def plan_serve(
     trained_compression: Sequence[Compression] = (),
     capabilities: frozenset[str] | None = None,
     prefix_cache_mb: int | None = 0,
+    draft: ModelShape | None = None,
 ) -> ServePlan | Blocked:
     """Place a serving ring of ``shape`` on ``cluster_nodes``: a ServePlan, or Blocked naming
     every device that cannot take its stage (the node, the device and the bytes).
@@ -377,12 +390,13 @@ def plan_serve(
     ``capabilities`` are the planning peer's own (default: this version's CAPABILITIES).
     ``prefix_cache_mb``: the prefix cache's budget per stage (0: none; None: the largest of
     PREFIX_CACHE_MB, half that, ... 1 MiB with which the ring still places on as many stages as
-    without a cache, else none, with a note saying so). Raises
+    without a cache, else none, with a note saying so). ``draft``: the shape of a draft model
+    stage 0 holds, priced there. Raises
     SchemaError for a request no cluster could meet (more stages than blocks, bounds that do
     not cover the model).
     """
     args = (shape, cluster_nodes, stages, dtype, quantization, max_sessions, max_context)
-    rest = (bounds, holders, compression, codes, split, trained_compression, capabilities)
+    rest = (bounds, holders, compression, codes, split, trained_compression, capabilities, draft)
     if prefix_cache_mb is not None:
         return _plan_serve(*args, *rest, prefix_cache_mb)
     # the default budget: what fits beside the ring (the ring placed without a cache first,
@@ -426,6 +440,7 @@ def _plan_serve(
     split: SplitMode,
     trained_compression: Sequence[Compression],
     capabilities: frozenset[str] | None,
+    draft: ModelShape | None,
     prefix_cache_mb: int,
 ) -> ServePlan | Blocked:
     n = _check_request(shape, stages, bounds, holders, compression, codes)
@@ -495,6 +510,12 @@ def _plan_serve(
     if prefix_cache_mb and shape.recurrent:
         notes.append("prefix cache off: the model's linear-attention layers keep a recurrent state")
         prefix_cache_mb = 0
+    if draft is not None and draft.max_positions < context:
+        raise _bad(
+            "draft",
+            f"the draft model {draft.name} holds {draft.max_positions} positions, fewer than "
+            f"the {context} a session may hold; serve with --max-context {draft.max_positions}",
+        )
     ask = _Ask(
         shape,
         quant,
@@ -506,6 +527,7 @@ def _plan_serve(
         bounds,
         trained,
         prefix_cache_mb * 2**20,
+        draft,
     )
     if holders is not None:
         dtype_now = resolve_dtype(candidates, dtype).dtype
@@ -541,6 +563,7 @@ class _Ask:
     bounds: Sequence[Sequence[int]] | None
     trained: tuple[Compression, ...] = ()
     prefix_bytes: int = 0
+    draft: ModelShape | None = None
 
     def pricer(self, dtype: str) -> StagePricer:
         return StagePricer(
@@ -551,8 +574,21 @@ class _Ask:
                 serving_sessions=self.sessions,
                 serving_tokens=self.context,
                 prefix_cache_bytes=self.prefix_bytes,
+                draft_bytes=self.draft_bytes(dtype),
             ),
         )
+
+    def draft_bytes(self, dtype: str) -> int:
+        """The draft model on stage 0: all its blocks, embedding and head in ``dtype`` (never
+        quantized), with the KV cache of the same sessions and context."""
+        if self.draft is None:
+            return 0
+        pricer = StagePricer(
+            self.draft,
+            Pricing(dtype=dtype, finetune_mode="none"),
+            Workload(training=False, serving_sessions=self.sessions, serving_tokens=self.context),
+        )
+        return pricer.price(0, self.draft.n_layers, first=True, last=True).peak
 
     def sides(self, i: int, n: int) -> tuple[Compression | None, Compression | None]:
         """The trained boundaries stage i of n receives from and sends to (None: none)."""
@@ -644,6 +680,10 @@ def _place(ask: _Ask, devices: list[Placed], dtype: str, notes: list[str]) -> Se
         max_sessions=ask.sessions,
         max_context=ask.context,
         prefix_blocks=blocks,
+        draft=None if ask.draft is None else ask.draft.name,
+        draft_compute=0.0
+        if ask.draft is None
+        else round(_compute(ask.draft) / _compute(ask.shape), 6),
         split_mode="fixed" if ask.cuts is not None else ask.split,
         stages=tuple(stages),
         notes=tuple(notes),
@@ -668,11 +708,13 @@ def _memory_blocked(
         mine = [j for j, p in enumerate(placer.devices) if device_key(*p) == key]
         bad += len(mine)
         kv = sum(prices[j].kv_cache for j in mine)
+        draft = sum(prices[j].draft for j in mine)
         what = ", ".join(f"{j} (layers {ranges[j][0]}-{ranges[j][1] - 1})" for j in mine)
+        also = f", draft model {_size(draft)}" if draft else ""
         lines.append(
             f"{node.name} {dev.label}: stage{'s' if len(mine) > 1 else ''} {what} "
-            f"need{'' if len(mine) > 1 else 's'} {_size(over[key])} (KV cache {_size(kv)}), "
-            f"{_size(usable_memory(dev))} usable"
+            f"need{'' if len(mine) > 1 else 's'} {_size(over[key])} (KV cache {_size(kv)}"
+            f"{also}), {_size(usable_memory(dev))} usable"
         )
     hints = ["lower --max-sessions or --max-context", "add a node"]
     if ask.prefix_bytes:
@@ -693,6 +735,11 @@ def _memory_blocked(
         required=n,
         placed=n - bad,
     )
+
+
+def _compute(shape: ModelShape) -> int:
+    """Weights one token's forward multiplies: every block's active ones and the head's."""
+    return sum(shape.layer_active_params) + shape.head_compute_params
 
 
 def _with_notes(plan: ServePlan, note: str) -> ServePlan:
@@ -727,6 +774,14 @@ class ServeInputs:
     prefix_cache_mb: int | None = field(default=0, ge=0, le=MAX_PREFIX_CACHE_MB)
     """The prefix cache's budget per stage (MiB; 0: none; None: as much as fits, up to
     PREFIX_CACHE_MB)."""
+    draft: str | None = field(default=None, min_len=1, max_len=4096)
+    """The draft model as stage 0's node finds it (a folder or "embedded"); None: none."""
+    draft_shape: ModelShape | None = None
+    """Its shape (priced on stage 0)."""
+
+    def __post_init__(self) -> None:
+        if (self.draft is None) != (self.draft_shape is None):
+            raise ValueError("draft and draft_shape: both or neither")
 
     def nodes(self) -> list[Node]:
         return list(self.cluster)
@@ -747,6 +802,7 @@ class ServeInputs:
             codes=self.codes,
             trained_compression=self.trained_compression,
             prefix_cache_mb=self.prefix_cache_mb,
+            draft=self.draft_shape,
         )
 
 

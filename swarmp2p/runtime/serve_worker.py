@@ -114,6 +114,22 @@ def _grammar_tokenizer(spec, stage):
     return GrammarTokenizer(folder, getattr(stage.config, "vocab_size", 0) or 0)
 
 
+def _draft_model(spec):
+    """Stage 0's draft model, from its folder, checked against the served model's tokenizer
+    (ValueError naming both), in the plan's dtype on the stage's device."""
+    import torch
+
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.runtime.torch.serve.draft import load_draft_model
+
+    return load_draft_model(
+        resolve_model_ref(spec.draft),
+        target=resolve_model_ref(spec.model),
+        device=spec.device,
+        dtype=getattr(torch, spec.dtype),
+    )
+
+
 def run() -> int:
     from swarmp2p.serve.spec import parse_serve_spec
 
@@ -178,6 +194,7 @@ def run() -> int:
             max_sessions=spec.plan.max_sessions,
             max_context=spec.plan.max_context,
             grammar_tokenizer=_grammar_tokenizer(spec, stage) if spec.is_last else None,
+            drafter=_draft_model(spec) if spec.draft is not None else None,
         )
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_stdin, args=(stop,), daemon=True)

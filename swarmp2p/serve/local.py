@@ -49,12 +49,14 @@ def local_serve_plan(
     max_sessions: int = 16,
     max_context: int = 2048,
     prefix_cache_mb: int = 0,
+    draft: str | None = None,
 ) -> ServePlan:
     """The serve plan of ``model`` over one local device per stage with room for anything:
     the given ``bounds`` (else ``stages`` cut as plan_serve cuts them), with a prefix cache of
     ``prefix_cache_mb`` per stage (0: none), in ``dtype`` (a half
-    dtype plans on fake GPUs of unknown capability, as a CPU does not run float16).
-    ValueError when it cannot be planned."""
+    dtype plans on fake GPUs of unknown capability, as a CPU does not run float16), with
+    the draft model ``draft`` (a folder) priced on stage 0. ValueError when it cannot be
+    planned."""
     from swarmp2p.plan import model_shape
     from swarmp2p.plan.worker_spec import local_cluster
 
@@ -72,6 +74,7 @@ def local_serve_plan(
         compression=compression,
         codes=codes,
         prefix_cache_mb=prefix_cache_mb,
+        draft=None if draft is None else model_shape.load(draft),
     )
     if not isinstance(result, ServePlan):
         raise ValueError(f"cannot plan {model} on {n} local stage(s): {result.reason}")
@@ -84,6 +87,7 @@ class LocalRing:
     ``plan`` (a ServePlan) or ``bounds`` (block ranges; planned with ``local_serve_plan``)
     says what each stage serves. ``shards`` (per stage, an exported shard folder or None) and
     ``tied_head`` (the last stage's tied head file) serve a trained model on ``model``, its base.
+    ``draft``: a draft model folder stage 0 drafts with (the same tokenizer, checked first).
     """
 
     def __init__(
@@ -106,7 +110,13 @@ class LocalRing:
         tied_head: str | None = None,
         groups: int | None = None,
         speculate: str = "auto",
+        draft: str | None = None,
     ) -> None:
+        if draft is not None:  # refused before any worker starts
+            from swarmp2p.models import resolve_model_ref
+            from swarmp2p.serve.decoding.draft import check_draft_compatible
+
+            check_draft_compatible(resolve_model_ref(model), resolve_model_ref(draft))
         if plan is None:
             if not bounds:
                 raise ValueError("bounds: at least one stage (or give a plan)")
@@ -118,6 +128,7 @@ class LocalRing:
                 dtype=dtype,
                 max_sessions=max_sessions,
                 max_context=max_context,
+                draft=draft,
             )
         n = len(plan.stages)
         threads = [threads] * n if isinstance(threads, int) else list(threads)
@@ -141,6 +152,7 @@ class LocalRing:
                 threads=threads[i],
                 shard=shards[i],
                 tied_head=tied_head if i == n - 1 else None,
+                draft=draft if i == 0 else None,
             )
             for i in range(n)
         ]

@@ -5,9 +5,9 @@ A ring is the session manager, then stage 0 .. stage N-1, then the manager again
 | op        | from -> to                  | fields                                   | tensor after it |
 |-----------|-----------------------------|------------------------------------------|-----------------|
 | `prefill` | manager -> stage 0 -> ...   | sid, pos, tokens, more, sampling*, prompt_len*, grammar*, prefix* | hidden [1, T, H] (stage > 0) |
-| `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes, drafts*, spec_off* | hidden [B, 1 + k, H] (stage > 0) |
+| `decode`  | manager -> stage 0 -> ...   | group, step, sids, positions, tokens, sizes, drafts*, asks*, spec_off* | hidden [B, 1 + k, H] (stage > 0) |
 | `end`     | manager -> every stage      | sid                                      | none            |
-| `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs, kept*, spec_off* | none |
+| `tokens`  | last stage -> manager       | group, step, sids, positions, tokens, sizes, logprobs, kept*, accepted*, spec_off* | none |
 | `error`   | any stage -> ... -> manager | sids, message                            | none            |
 
 (*) only on the first chunk of a session: ``pos == 0``, or with ``prefix`` (the prefix cache's
@@ -43,6 +43,13 @@ positions the speculative step wrote (a stage rolls a row back only that far, ne
 A stage with recurrent (linear-attention) blocks cannot take tokens back: it runs the first
 position only, drops the drafts and says why in ``spec_off``, which the stages after it pass
 on and the last stage returns in ``tokens``, so the manager stops drafting for the ring.
+
+With a draft model (``swarm serve --draft``) the drafts are made by stage 0, which holds the
+draft model beside its blocks (the manager is the light plane: no torch): the manager's
+``decode`` carries ``asks[i]``, how many tokens stage 0 drafts for row i (0: none), stage 0
+drafts exactly that many greedily and sends the step on with ``drafts`` (no ``asks``), and the
+last stage's ``tokens`` carries ``accepted[i]``, the drafted ids it kept (``kept[i]`` of them),
+so the manager learns the tokens it never saw drafted.
 """
 
 from __future__ import annotations
@@ -330,11 +337,20 @@ class Decode(_Step):
     drafts: tuple[tuple[int, ...], ...] = ()
     """Per row, the drafted tokens after its newest one (speculative decoding); empty when no
     row drafts, else one entry (maybe empty) per row."""
+    asks: tuple[int, ...] = ()
+    """Per row, how many tokens stage 0's draft model drafts (the manager's step only; empty:
+    none). A step carries ``drafts`` or ``asks``, not both."""
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens or self.sids)
         if self.drafts and len(self.drafts) != len(self.sids):
             raise ValueError(f"drafts: {len(self.drafts)} entries for {len(self.sids)} rows")
+        if self.asks and len(self.asks) != len(self.sids):
+            raise ValueError(f"asks: {len(self.asks)} entries for {len(self.sids)} rows")
+        if self.asks and self.drafts:
+            raise ValueError("a decode step carries drafts or asks, not both")
+        if any(not 0 <= a <= MAX_DRAFT_TOKENS for a in self.asks):
+            raise ValueError(f"asks: each is an integer in [0, {MAX_DRAFT_TOKENS}]")
 
     @property
     def width(self) -> int:
@@ -345,6 +361,8 @@ class Decode(_Step):
         body = self.body()
         if self.drafts:
             body["drafts"] = [list(d) for d in self.drafts]
+        if self.asks:
+            body["asks"] = list(self.asks)
         return _pack(self.op, body)
 
 
@@ -369,6 +387,9 @@ class Tokens(_Step):
     """Empty when no row asked for log-probabilities, else one entry (or None) per row."""
     kept: tuple[int, ...] = ()
     """Per row, how many of its drafts the last stage accepted (empty: the step had none)."""
+    accepted: tuple[tuple[int, ...], ...] = ()
+    """Per row, the drafted ids it accepted (``kept[i]`` of them), when stage 0's draft model
+    drafted them (empty otherwise: the manager drafted, it knows them)."""
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens)
@@ -376,11 +397,18 @@ class Tokens(_Step):
             raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.sids)} rows")
         if self.kept and len(self.kept) != len(self.sids):
             raise ValueError(f"kept: {len(self.kept)} entries for {len(self.sids)} rows")
+        if self.accepted and tuple(len(a) for a in self.accepted) != self.kept:
+            raise ValueError(
+                f"accepted: {[len(a) for a in self.accepted]} ids per row, but kept is "
+                f"{list(self.kept)}"
+            )
 
     def encode(self) -> bytes:
         body = self.body()
         if self.kept:
             body["kept"] = list(self.kept)
+        if self.accepted:
+            body["accepted"] = [list(a) for a in self.accepted]
         if self.logprobs:
             body["logprobs"] = [
                 None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
@@ -423,11 +451,14 @@ _ALLOWED = {
         {"sid", "pos", "tokens"},
         {"more", "sampling", "prompt_len", "grammar", "prefix"},
     ),
-    "decode": ({"group", "step", "sids", "positions", "tokens", "sizes"}, {"drafts", "spec_off"}),
+    "decode": (
+        {"group", "step", "sids", "positions", "tokens", "sizes"},
+        {"drafts", "asks", "spec_off"},
+    ),
     "end": ({"sid"}, set()),
     "tokens": (
         {"group", "step", "sids", "positions", "tokens", "sizes"},
-        {"logprobs", "kept", "spec_off"},
+        {"logprobs", "kept", "accepted", "spec_off"},
     ),
     "error": ({"sids", "message"}, set()),
 }
@@ -484,9 +515,9 @@ def _logprobs(value: Any, rows: int) -> tuple[TokenLogprobs | None, ...]:
     return tuple(out)
 
 
-def _drafts(value: Any, rows: int) -> tuple[tuple[int, ...], ...]:
+def _drafts(value: Any, rows: int, field: str = "drafts") -> tuple[tuple[int, ...], ...]:
     if type(value) is not list or len(value) != rows:
-        raise _bad("drafts", f"must be a list of one draft per row ({rows})")
+        raise _bad(field, f"must be a list of one draft per row ({rows})")
     out = []
     for draft in value:
         if (
@@ -495,7 +526,7 @@ def _drafts(value: Any, rows: int) -> tuple[tuple[int, ...], ...]:
             or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in draft)
         ):
             raise _bad(
-                "drafts",
+                field,
                 f"a draft is a list of at most {MAX_DRAFT_TOKENS} token ids in [0, {MAX_TOKEN_ID}]",
             )
         out.append(tuple(draft))
@@ -539,14 +570,22 @@ def decode_message(data: bytes | memoryview) -> RingMessage:
             raise _bad("spec_off", f"must be a string of at most {MAX_REASON_CHARS} characters")
         if op == "decode":
             drafts = _drafts(obj["drafts"], len(rows["sids"])) if "drafts" in obj else ()
-            return Decode(**rows, drafts=drafts)
+            asks = ()
+            if "asks" in obj:
+                asks = _ints(obj, "asks", 0, MAX_DRAFT_TOKENS, MAX_BATCH)
+                if len(asks) != len(rows["sids"]):
+                    raise _bad("asks", f"must be a list of one count per row ({len(rows['sids'])})")
+            return Decode(**rows, drafts=drafts, asks=asks)
         logprobs = _logprobs(obj["logprobs"], len(rows["sids"])) if "logprobs" in obj else ()
         kept = ()
         if "kept" in obj:
             kept = _ints(obj, "kept", 0, MAX_DRAFT_TOKENS, MAX_BATCH)
             if len(kept) != len(rows["sids"]):
                 raise _bad("kept", f"must be a list of one count per row ({len(rows['sids'])})")
-        return Tokens(**rows, logprobs=logprobs, kept=kept)
+        accepted = ()
+        if "accepted" in obj:
+            accepted = _drafts(obj["accepted"], len(rows["sids"]), "accepted")
+        return Tokens(**rows, logprobs=logprobs, kept=kept, accepted=accepted)
     except ValueError as e:
         if isinstance(e, WireError):
             raise

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from swarmp2p.serve.decoding.speculate import draft_lap_cost
 from swarmp2p.serve.sessions import RingClient
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class RingEnds:
         prefix cache (its blocks named under ``salt`` and the plan: another model, adapter or
         dtype shares none); its groups fill to SHARED_MIN_GROUP_ROWS first when two stages
         share a device (two of the plan's, or all of them: ``shared``); ``speculate``: its
-        speculative decoding."""
+        speculative decoding (with stage 0's draft model when the plan has one)."""
         places = {(stage.node_id, stage.device) for stage in plan.stages}
         shared = shared or len(places) < len(plan.stages)
         min_group_rows = SHARED_MIN_GROUP_ROWS if shared else 1
@@ -69,6 +70,8 @@ class RingEnds:
             groups=groups,
             min_group_rows=min_group_rows,
             speculate=speculate,
+            draft_model=plan.draft is not None,
+            draft_cost=draft_lap_cost(plan.draft_compute) if plan.draft is not None else None,
             prefix_blocks=plan.prefix_blocks,
             prefix_salt=hashlib.sha256(f"{salt}\0{plan.to_json()}".encode()).digest(),
         ).start()

@@ -31,9 +31,13 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
 - **Failover** (``reroute``): every running session replays its prompt and the tokens
   generated so far as one ``prefill`` on the rebuilt ring (which starts cold), and goes on.
 
-- **Speculative decoding** (``speculate``: "auto", "ngram", "none"): a session in a group
-  drafts by prompt lookup (``serve.decoding.speculate``; ``k`` adaptive under "auto",
-  MAX_DRAFT under "ngram"), bounded by every row's max_tokens and context; the accepted drafts
+- **Speculative decoding** (``speculate``: "auto", "ngram", "draft", "none"): a session in a
+  group drafts by prompt lookup (``serve.decoding.speculate``; ``k`` adaptive under "auto",
+  MAX_DRAFT under "ngram"), or, with a draft model at stage 0 (``draft_model``; "draft", and
+  "auto" when one is loaded), asks stage 0 to draft ``k`` tokens (MAX_DRAFT under "draft";
+  adaptive under "auto", a drafted token priced at ``draft_cost`` plain laps), learning them
+  from the answer's ``accepted``;
+  either way bounded by every row's max_tokens and context; the accepted drafts
   and the token after them are each taken by :meth:`Scheduler._take` (vLLM's ``check_stop``
   per id). Per session: ``SessionState.speculate`` False (a grammar) or log-probabilities
   asked: no drafts. A ring answering ``spec_off`` stops drafting (:attr:`Scheduler.spec_off`).
@@ -50,7 +54,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from swarmp2p.serve.decoding.prefix import PrefixIndex
-from swarmp2p.serve.decoding.speculate import MAX_DRAFT, DraftLength, NgramIndex, SpecStats
+from swarmp2p.serve.decoding.speculate import (
+    DRAFT_LAP_COST,
+    MAX_DRAFT,
+    DraftLength,
+    NgramIndex,
+    SpecStats,
+)
 from swarmp2p.serve.protocol import (
     MAX_TOKEN_ID,
     Decode,
@@ -67,8 +77,9 @@ from swarmp2p.timings import TIMINGS
 QUEUE_PER_SLOT = 4
 """Requests that may wait per session slot (``max_queue`` defaults to this x max_sessions)."""
 
-SPECULATE_MODES = ("auto", "ngram", "none")
-"""``--speculate``: adaptive prompt lookup, prompt lookup of MAX_DRAFT tokens a lap, or none."""
+SPECULATE_MODES = ("auto", "ngram", "draft", "none")
+"""``--speculate``: adaptive (the draft model when one is loaded, else prompt lookup), prompt
+lookup of MAX_DRAFT tokens a lap, the draft model's MAX_DRAFT a lap, or none."""
 
 TOKEN, DONE, ERROR = "token", "done", "error"
 """The kinds of a session's events: a token id, finished (with its finish reason), failed (with
@@ -117,6 +128,10 @@ class SessionState:
     """How many tokens it drafts a lap (adaptive under "auto"; None: MAX_DRAFT)."""
     draft: tuple[int, ...] = ()
     """The draft of its step in the ring."""
+    model_drafts: bool = False
+    """Stage 0's draft model drafts for it (``draft_len`` says how many a lap)."""
+    ask: int = 0
+    """The tokens its step in the ring asked stage 0's draft model for."""
 
     @property
     def expect(self) -> int:
@@ -188,11 +203,15 @@ class Scheduler:
         groups: int | None = None,
         min_group_rows: int = 1,
         speculate: str = "none",
+        draft_model: bool = False,
+        draft_cost: float | None = None,
         prefix_blocks: int = 0,
         prefix_salt: bytes = b"",
     ) -> None:
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate: {speculate!r} is not one of {', '.join(SPECULATE_MODES)}")
+        if speculate == "draft" and not draft_model:
+            raise ValueError("speculate: 'draft' needs a draft model at stage 0 (--draft MODEL)")
         if type(max_sessions) is not int or max_sessions < 1:
             raise ValueError(f"max_sessions: {max_sessions!r} is not an integer >= 1")
         if groups is not None and (type(groups) is not int or groups < 1):
@@ -207,6 +226,9 @@ class Scheduler:
         self.min_group_rows = min_group_rows
         self._fixed_groups = groups
         self.speculate = speculate
+        self.model_drafts = draft_model and speculate in ("auto", "draft")
+        """Sessions draft with stage 0's draft model (else by prompt lookup)."""
+        self.draft_cost = DRAFT_LAP_COST if draft_cost is None else draft_cost
         self.spec_off = ""
         """Why the ring does not speculate though asked to (a stage said so); empty otherwise."""
         self.spec = SpecStats()
@@ -391,7 +413,7 @@ class Scheduler:
             group.members, group.joining, group.in_flight = [], [], False
         for session in self._running.values():
             session.last_activity = now
-            session.state, session.group, session.draft = "prefill", None, ()
+            session.state, session.group, session.draft, session.ask = "prefill", None, (), 0
             replay = Prefill(
                 sid=session.sid,
                 pos=0,
@@ -446,9 +468,15 @@ class Scheduler:
             and session.grammar is None
             and session.sampling.logprobs is None
             and session.drafter is None
+            and not session.model_drafts
         ):
-            session.drafter = NgramIndex((*session.prompt, *session.tokens))
-            session.draft_len = DraftLength() if self.speculate == "auto" else None
+            if self.model_drafts:
+                session.model_drafts = True
+                adaptive = self.speculate == "auto"
+                session.draft_len = DraftLength(lap_cost=self.draft_cost) if adaptive else None
+            else:
+                session.drafter = NgramIndex((*session.prompt, *session.tokens))
+                session.draft_len = DraftLength() if self.speculate == "auto" else None
         group.joining.append(session)
         if not group.in_flight:
             self._step(group, out)
@@ -464,36 +492,46 @@ class Scheduler:
             return
         group.step += 1
         group.in_flight = True
+        drafts, asks = self._drafts(members)
         step = Decode(
             group=group.index,
             step=group.step,
             sids=tuple(s.sid for s in members),
             positions=tuple(s.expect - 1 for s in members),
             tokens=tuple(s.tokens[-1] for s in members),
-            drafts=self._drafts(members),
+            drafts=drafts,
+            asks=asks,
         )
         out.sends.append((step, tuple(members)))
 
-    def _drafts(self, members: list[SessionState]) -> tuple[tuple[int, ...], ...]:
-        """Each row's draft for the next step (() when none drafts). Every row of a step runs
-        as many positions as the longest draft, so each is bounded by the room of the row with
-        the least: no row may pass its max_tokens or the context."""
-        drafting = [s for s in members if s.drafter is not None]
+    def _drafts(
+        self, members: list[SessionState]
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """Each row's draft for the next step and, with a draft model, the tokens stage 0
+        drafts for it (each () when none drafts). Every row of a step runs as many positions as
+        the longest draft, so each is bounded by the room of the row with the least: no row
+        may pass its max_tokens or the context."""
+        drafting = [s for s in members if s.drafter is not None or s.model_drafts]
         for s in members:
-            s.draft = ()
+            s.draft, s.ask = (), 0
         if not drafting:
-            return ()
+            return (), ()
         room = min(
             min(s.max_tokens - len(s.tokens) - 1, self.max_context - s.expect) for s in members
         )
         if room <= 0:
-            return ()
+            return (), ()
         for s in drafting:
             k = s.draft_len.next_k() if s.draft_len is not None else MAX_DRAFT
-            s.draft = tuple(s.drafter.draft(min(k, room)))
+            if s.model_drafts:
+                s.ask = min(k, room)
+            else:
+                s.draft = tuple(s.drafter.draft(min(k, room)))
+        if any(s.ask for s in members):
+            return (), tuple(s.ask for s in members)
         if not any(s.draft for s in members):
-            return ()
-        return tuple(s.draft for s in members)
+            return (), ()
+        return tuple(s.draft for s in members), ()
 
     def _take_lap(
         self, session: SessionState, msg: Tokens, row: int, logprob, now: float, out: Outcome
@@ -501,16 +539,29 @@ class Scheduler:
         """A decode step's answer for one row: its accepted drafts, then the last stage's
         token, each through the finish rules (the first that finishes the session ends it)."""
         draft, session.draft = session.draft, ()
+        asked, session.ask = session.ask, 0
         kept = msg.kept[row] if msg.kept else 0
-        if kept > len(draft):
+        if not msg.kept:  # the drafts went no further than stage 0 (spec_off says why)
+            asked = 0
+        if asked:  # stage 0's draft model drafted `asked`; the answer names the kept ones
+            draft = msg.accepted[row] if msg.accepted else ()
+            if kept > asked or len(draft) != kept:
+                message = (
+                    f"the last stage accepted {kept} drafted tokens ({len(draft)} ids) of the "
+                    f"{asked} stage 0 was asked for"
+                )
+                self._fail(session, message, now, out)
+                return
+        elif kept > len(draft):
             message = f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent"
             self._fail(session, message, now, out)
             return
-        if draft and session.draft_len is not None:
-            session.draft_len.record(len(draft), kept)
+        drafted = asked or len(draft)
+        if drafted and session.draft_len is not None:
+            session.draft_len.record(drafted, kept)
         stats = self.spec
         stats.laps += 1
-        stats.drafted += len(draft)
+        stats.drafted += drafted
         stats.accepted += kept
         for token, lp in (*((t, None) for t in draft[:kept]), (msg.tokens[row], logprob)):
             stats.tokens += 1
@@ -522,6 +573,7 @@ class Scheduler:
         self.spec_off = reason
         for session in self._running.values():
             session.drafter = session.draft_len = None
+            session.model_drafts = False
 
     def _take(
         self,

@@ -53,6 +53,8 @@ class RingClient:
         groups: int | None = None,
         min_group_rows: int = 1,
         speculate: str = "none",
+        draft_model: bool = False,
+        draft_cost: float | None = None,
         prefix_blocks: int = 0,
         prefix_salt: bytes = b"",
     ) -> None:
@@ -65,6 +67,8 @@ class RingClient:
             groups=groups,
             min_group_rows=min_group_rows,
             speculate=speculate,
+            draft_model=draft_model,
+            draft_cost=draft_cost,
             prefix_blocks=prefix_blocks,
             prefix_salt=prefix_salt,
         )
@@ -141,8 +145,13 @@ class RingClient:
 
     @property
     def speculate(self) -> str:
-        """The ring's speculative decoding: "auto", "ngram" or "none"."""
+        """The ring's speculative decoding: "auto", "ngram", "draft" or "none"."""
         return self._scheduler.speculate
+
+    @property
+    def draft_model(self) -> bool:
+        """Whether sessions draft with stage 0's draft model (else by prompt lookup)."""
+        return self._scheduler.model_drafts
 
     @property
     def spec_off(self) -> str:

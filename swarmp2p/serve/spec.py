@@ -58,6 +58,8 @@ class ServeSpec(StageOfPlan):
     ``"prev"`` the public key of the node that sends into this stage (the only client its input
     link admits), ``"next"`` that of the node it sends to. None: the token's keys (one machine,
     ``LocalRing``, tests)."""
+    draft: str | None = field(default=None, min_len=1, max_len=4096)
+    """Stage 0 only, when the plan has a draft model: the folder this node loads it from."""
 
     def __post_init__(self) -> None:
         errors = self.stage_errors()
@@ -85,6 +87,12 @@ class ServeSpec(StageOfPlan):
         if self.tied_head is not None and self.stage != n - 1:
             errors.append(
                 FieldError(path="tied_head", message="only the last stage has an output head")
+            )
+        if self.draft is not None and (self.stage != 0 or self.plan.draft is None):
+            errors.append(
+                FieldError(
+                    path="draft", message="only stage 0 of a plan with a draft model loads one"
+                )
             )
         if errors:
             raise SchemaError(errors)
@@ -118,6 +126,7 @@ def serve_spec(
     shard: str | None = None,
     tied_head: str | None = None,
     link_keys: dict[str, str] | None = None,
+    draft: str | None = None,
 ) -> ServeSpec:
     """The spec of stage ``stage`` of ``plan`` on this node (the fields only it knows)."""
     return ServeSpec(
@@ -132,6 +141,7 @@ def serve_spec(
         shard=shard,
         tied_head=tied_head,
         link_keys=link_keys,
+        draft=draft,
     )
 
 

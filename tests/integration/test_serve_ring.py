@@ -90,6 +90,33 @@ def test_worker_ring_batches_eight_sessions_each_to_its_solo_output(family, boun
     assert solo[2] == reference_generate(model, prompts[2], budgets[2])
 
 
+def test_worker_ring_with_a_draft_model_at_stage_0_keeps_greedy_output(tiny, tmp_path):
+    """Stage 0's worker loads a draft model folder (the target itself: every draft kept) and
+    the ring's greedy tokens are generate's; the plan prices the draft on stage 0 only; a
+    draft folder of another vocabulary is refused, naming both, before any worker starts."""
+    import json
+
+    from ring_helpers import reference_generate
+
+    folder, model = tiny("llama")
+    want = reference_generate(model, PROMPT, NEW)
+    with LocalRing(
+        str(folder), bounds=[(0, 2), (2, 4)], threads=1, speculate="draft", draft=str(folder)
+    ) as ring:
+        got = ring.client.generate(PROMPT, max_tokens=NEW, timeout=60)
+        stats = ring.client.spec_stats()
+        memory = [s.memory.draft for s in ring.plan.stages]
+    assert got == want
+    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"], stats
+    assert memory[0] > 0 and memory[1] == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    with pytest.raises(ValueError, match=r"draft model .*other.*vocab_size 256.*vocab_size 128"):
+        LocalRing(str(folder), bounds=[(0, 4)], threads=1, speculate="draft", draft=str(other))
+
+
 def test_a_killed_stage_fails_the_request_within_the_step_timeout(tiny):
     folder, _ = tiny("llama")
     with LocalRing(str(folder), bounds=[(0, 4)], threads=1, step_timeout=2.0) as ring:

@@ -297,6 +297,56 @@ def test_one_node_refuses_bad_requests_with_the_reason_and_serves_one_stage(
     assert _workers(a) == 1
 
 
+def test_serve_with_a_draft_model_refuses_a_mismatch_and_keeps_greedy_text(
+    loopback_swarm, tiny, tmp_path
+):
+    """``swarm serve MODEL --draft DRAFT``: a draft of another tokenizer and ``--speculate
+    draft`` without a draft are refused by name before any stage loads; the model drafting for
+    itself on two stages (stage 0 holds it) gives plain greedy text, and status says so."""
+    a = loopback_swarm.node("a", token=TOKEN, env=ENV).start()
+    a.wait_up()
+    wait_until(lambda: a.status()["leader_ready"], 30, "leader ready")
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[1000:1002]  # not special (added) tokens
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    for args, message in [
+        (["--draft", str(other)], "does not share the tokenizer of"),
+        (["--speculate", "draft"], "'draft' needs a draft model (--draft MODEL)"),
+    ]:
+        out = swarm(a, "serve", str(tiny), "--stages", "1", *args)
+        assert out.returncode != 0 and message in out.stderr, (args, out.stderr)
+    assert _workers(a) == 0
+    done = swarm(
+        a,
+        "serve",
+        str(tiny),
+        "--name",
+        "tiny",
+        "--stages",
+        "2",
+        "--draft",
+        str(tiny),
+        "--speculate",
+        "draft",
+        "--port",
+        str(free_port()),
+        "--max-context",
+        "256",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr + dump([a])
+    view = json.loads(done.stdout)
+    out = generate(view["url"], PROMPT, 12)
+    assert out.returncode == 0, out.stderr + dump([a])
+    assert out.stdout.rstrip("\n") == greedy_text(tiny, PROMPT, 12)
+    status = swarm(a, "status")
+    assert "speculate draft (draft model at stage 0): 100% of" in status.stdout, status.stdout
+
+
 def test_a_lost_stage_that_fits_nowhere_fails_the_request_with_the_reason_in_bounded_time(
     loopback_swarm, tiny
 ):

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from swarmp2p.node.serving.ring import Served
     from swarmp2p.node.table.jobtable import JobTable
     from swarmp2p.node.training.stages import StageHost
+    from swarmp2p.plan.model_shape import ModelShape
     from swarmp2p.plan.serve import ServeRequest
 
 TrainedEntry = dict[str, Any]
@@ -150,6 +151,7 @@ async def resolve_served(
             raise unknown_model(ctx.table, model) from None
         raise
     folder, shape = here.folder, here.shape
+    draft, draft_shape = _draft_of(request, here.codec)
     return serve_ring.Served(
         request=request,
         serve_id=serve_id,
@@ -162,4 +164,35 @@ async def resolve_served(
         embedded=model == EMBEDDED or (trained is not None and trained["base"] == EMBEDDED),
         files=here.files,
         local=here,
+        draft=draft,
+        draft_shape=draft_shape,
     )
+
+
+def _draft_of(request: ServeRequest, codec: str) -> tuple[str | None, ModelShape | None]:
+    """The request's draft model as every node names it (a folder's absolute path, or
+    "embedded") and its shape, checked against the served model's tokenizer (in ``codec``)
+    here, before any stage loads: UserError naming both models."""
+    from swarmp2p.models import resolve_model_ref
+    from swarmp2p.plan import model_shape
+    from swarmp2p.serve.decoding.draft import check_draft_compatible
+
+    if request.draft is None:
+        if request.speculate == "draft":
+            raise UserError(
+                "speculate: 'draft' needs a draft model (--draft MODEL)", code="bad_field"
+            )
+        return None, None
+    ref = request.draft
+    if request.cwd and ref != EMBEDDED and not os.path.isabs(ref):
+        here = os.path.join(request.cwd, os.path.expanduser(ref))
+        ref = os.path.abspath(here) if os.path.isdir(here) else ref
+    try:
+        folder = resolve_model_ref(ref)
+        if not os.path.isdir(folder):
+            raise ValueError(f"draft model {ref!r}: a draft model is a folder or {EMBEDDED!r}")
+        check_draft_compatible(codec, folder)
+        shape = model_shape.load(folder)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc), code="bad_field") from None
+    return (EMBEDDED if ref == EMBEDDED else folder), shape

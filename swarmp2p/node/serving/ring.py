@@ -71,6 +71,9 @@ class Served:
     """A folder model: ``{name: [bytes, sha256]}`` of its files, for stage nodes to check or
     fetch their copy against."""
     embedded: bool = False
+    draft: str | None = None
+    """The draft model stage 0 drafts with (a folder as every node names it, or "embedded")."""
+    draft_shape: ModelShape | None = None
     local: LocalModel | None = None
     """The model as ``node.inputs.serve_model`` resolved it here (tokenizer folder, revision)."""
     attempt: int = 0
@@ -139,6 +142,7 @@ def _sessions(client: RingClient | None) -> dict[str, object] | None:
         "max": client.max_sessions,
         "stage_batch": list(client.stage_batch_sizes),
         "speculate": client.speculate,
+        "draft_model": client.draft_model,
         "speculate_off": client.spec_off,
         "speculation": client.spec_stats(),
         "prefix_cache": client.prefix_stats,
@@ -185,6 +189,8 @@ def inputs_of(served: Served, alive: frozenset[str]) -> ServeInputs:
         max_sessions=req.max_sessions,
         max_context=req.max_context,
         prefix_cache_mb=req.prefix_cache_mb,
+        draft=served.draft,
+        draft_shape=served.draft_shape,
         bounds=tuple(tuple(b) for b in trained["manifest"]["split"]) if trained else None,
         holders=tuple(tuple(h) for h in alive_holders(served, alive)) if trained else None,
         trained_compression=tuple(

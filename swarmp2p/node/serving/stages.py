@@ -423,6 +423,7 @@ class ServeStages:
             shard=shard,
             tied_head=tied,
             link_keys=link_keys,
+            draft=msg.inputs.draft if msg.stage == 0 else None,
         )
         env = worker_env(self.ctx, plan, device, visible)
         issuer, _ = self._issuers.setdefault(msg.serve_id, (msg.issuer, self.ctx.clock()))

@@ -1,3 +1,4 @@
 """What each decoding step may and may try to produce, decided on the issuing node, pure:
 structured outputs' grammars (``grammar``), speculative drafts and their length
-(``speculate``), and the prefix cache's index of prompt blocks (``prefix``)."""
+(``speculate``), a draft model's tokenizer check (``draft``), and the prefix cache's index of
+prompt blocks (``prefix``)."""

@@ -24,6 +24,30 @@ MIN_NGRAM = 2
 """The shortest: one token matches too often to predict anything."""
 MAX_DRAFT = 10
 """At most this many tokens drafted a lap (transformers' default is 10)."""
+VERIFY_ROW_LAPS = 0.2
+"""What one drafted position's extra row in every stage's forward (and the wider messages)
+costs, in plain laps: bench/speculate.py --draft measured a drafted token of the embedded
+model drafting for itself at 0.88-1.0 plain laps of the 2-stage CPU ring, its forward alone at
+0.74."""
+DRAFT_FORWARD_LAPS = 0.74
+"""The served model's own forward for one token in one process, in plain laps of its ring
+(bench/speculate.py --draft: 57.6 ms against a 78 ms lap of the embedded model on 2 stages, 1
+thread each); a draft model's forward costs this times its share of the compute."""
+
+
+def draft_lap_cost(compute_share: float) -> float:
+    """A token drafted by stage 0's draft model, in plain laps, for a draft model that
+    computes ``compute_share`` of the served model's multiply-adds a token (``ServePlan
+    .draft_compute``): its forward plus the verified row (measured: 0.42 for the embedded
+    model's first 4 blocks + head, 0.94 for the model drafting for itself)."""
+    if not compute_share >= 0:
+        raise ValueError(f"a draft model's compute share of {compute_share!r}")
+    return VERIFY_ROW_LAPS + DRAFT_FORWARD_LAPS * compute_share
+
+
+DRAFT_LAP_COST = draft_lap_cost(0.3)
+"""A drafted token's cost when the draft model's share is not known (a drafter a third the
+served model's compute: 0.42 plain laps)."""
 
 
 class NgramIndex:
@@ -206,13 +230,17 @@ def accepted_prefix(draft: Sequence[int], verified: Sequence[int]) -> int:
 
 
 __all__ = [
+    "DRAFT_FORWARD_LAPS",
+    "DRAFT_LAP_COST",
     "MAX_DRAFT",
     "MAX_NGRAM",
     "MIN_NGRAM",
+    "VERIFY_ROW_LAPS",
     "DraftLength",
     "NgramIndex",
     "SpecStats",
     "accepted_prefix",
     "best_k",
+    "draft_lap_cost",
     "expected_accepted",
 ]

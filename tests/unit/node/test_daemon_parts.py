@@ -289,6 +289,10 @@ def test_status_shows_each_served_models_speculation():
         "speculate auto: nothing drafted yet"
     )
     assert speculation_line(base | {"speculate": "none"}) == "speculate none"
+    assert speculation_line(base | {"draft_model": True}) == (
+        "speculate auto (draft model at stage 0): 62% of 410 drafted tokens accepted, "
+        "2.31 tokens a lap"
+    )
 
 
 def test_status_names_down_members_and_the_writes_this_node_rolled_back():

@@ -455,3 +455,60 @@ def test_the_serve_request_carries_the_prefix_cache_size():
     assert parse_serve_request({"model": "m", "prefix_cache_mb": 0}).prefix_cache_mb == 0
     with pytest.raises(SchemaError, match="prefix_cache_mb"):
         parse_serve_request({"model": "m", "prefix_cache_mb": -1})
+
+
+DRAFT_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+DRAFT = from_config(DRAFT_CONFIG)
+
+
+def test_a_draft_model_is_priced_on_stage_0_only_with_the_sessions_kv_cache():
+    """Its weights (all blocks, embedding and head) and the KV cache of max_sessions x the
+    context, in the plan's dtype, on the first stage; the plan names it."""
+    cluster = [cpu_gb("a", 4), cpu_gb("b", 4)]
+    off = serve(cluster, stages=2, max_sessions=4, max_context=256)
+    on = serve(cluster, stages=2, max_sessions=4, max_context=256, draft=DRAFT)
+    alone = StagePricer(
+        DRAFT,
+        Pricing(dtype="float32", finetune_mode="none"),
+        Workload(training=False, serving_sessions=4, serving_tokens=256),
+    ).price(0, 2, first=True, last=True)
+    assert alone.kv_cache > 0
+    assert [s.memory.draft for s in on.stages] == [alone.peak, 0]
+    first, second = off.stages
+    assert [s.memory.peak for s in on.stages] == [
+        first.memory.peak + alone.peak,
+        second.memory.peak,
+    ]
+    assert on.draft == DRAFT.name and off.draft is None
+    # its share of the multiply-adds a token: blocks and head, against the served model's
+    share = (sum(DRAFT.layer_active_params) + DRAFT.head_compute_params) / (
+        sum(SHAPE.layer_active_params) + SHAPE.head_compute_params
+    )
+    assert on.draft_compute == pytest.approx(share, abs=1e-6) and 0 < share < 1
+    assert off.draft_compute == 0
+    assert ServePlan.from_json(on.to_json()) == on
+
+
+def test_a_draft_model_that_does_not_fit_beside_stage_0_blocks_the_plan_naming_it():
+    bare = serve([cpu_gb("a", 4)], stages=1)
+    with_draft = serve([cpu_gb("a", 4)], stages=1, draft=DRAFT)
+    room = (bare.stages[0].memory.peak + with_draft.stages[0].memory.draft // 2) / GIB
+    assert isinstance(serve([cpu_gb("a", room)], stages=1), ServePlan)
+    blocked = serve([cpu_gb("a", room)], stages=1, draft=DRAFT)
+    assert isinstance(blocked, Blocked) and "draft model" in blocked.reason, blocked
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused_by_name():
+    short = from_config({**DRAFT_CONFIG, "max_position_embeddings": 128})
+    with pytest.raises(SchemaError, match="holds 128 positions, fewer than the 256"):
+        serve([cpu_gb("a", 4)], stages=1, max_context=256, draft=short)

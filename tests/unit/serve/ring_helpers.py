@@ -30,13 +30,15 @@ def thread_stages(
     servers=None,
     hold=None,
     pack=False,
+    drafter=None,
     **server_kw,
 ):
     """Stage servers of ``model`` cut at ``cuts``, each on its own thread; yields the manager's
     ends ``(to_stage0, from_last)`` and the links between stages (``servers``, a list, gets the
     StageServers; ``server_kw`` go to each; with ``hold``, an event, they serve once it is
     set, so messages sent before wait together; with ``pack``, the stages are a copy of the
-    model with its linear layers packed as a CPU serve worker packs them)."""
+    model with its linear layers packed as a CPU serve worker packs them; ``drafter``: stage 0's
+    draft model)."""
     if pack:
         model = copy.deepcopy(model)
     bounds = [0, *cuts, introspect(model).num_blocks]
@@ -58,6 +60,7 @@ def thread_stages(
             send_codes=codes[i] if i < n - 1 else False,
             max_context=max_context,
             max_sessions=max_sessions,
+            drafter=drafter if i == 0 else None,
             **server_kw,
         )
         if servers is not None:
@@ -91,10 +94,11 @@ def thread_ring(
     max_context=64,
     prefill_chunk=64,
     pack=False,
+    drafter=None,
     **client_kw,
 ):
     """A RingClient over stages of ``model`` cut at ``cuts``, each served on its own thread
-    (``client.servers``: the StageServers)."""
+    (``client.servers``: the StageServers; ``drafter``: stage 0's draft model)."""
     servers: list = []
     with thread_stages(
         model,
@@ -105,7 +109,9 @@ def thread_ring(
         servers=servers,
         prefill_chunk=prefill_chunk,
         pack=pack,
+        drafter=drafter,
     ) as (first, last, links):
+        client_kw.setdefault("draft_model", drafter is not None)
         client = RingClient(first, last, max_context=max_context, **client_kw)
         client.servers = servers
         client.boundary_bytes = lambda: [links[i][0].bytes_sent for i in range(1, len(links) - 1)]

@@ -53,11 +53,21 @@ ROUND_TRIPS = [
     Decode(group=0, step=3, sids=(4,), positions=(9,), spec_off="stage [0, 2): recurrent"),
     Tokens(group=0, step=3, sids=(4, 5), positions=(10, 4), tokens=(3, 6), kept=(2, 0)),
     Tokens(group=0, step=3, sids=(4,), positions=(10,), tokens=(3,), spec_off="recurrent"),
+    Decode(group=0, step=3, sids=(4, 5), positions=(9, 3), tokens=(1, 2), asks=(4, 0)),
+    Tokens(
+        group=0,
+        step=3,
+        sids=(4, 5),
+        positions=(10, 4),
+        tokens=(3, 6),
+        kept=(2, 0),
+        accepted=((7, 8), ()),
+    ),
 ]
 
 
 def test_a_decode_steps_width_is_its_longest_draft_plus_one():
-    assert ROUND_TRIPS[-4].width == 3 and ROUND_TRIPS[-3].width == 1
+    assert ROUND_TRIPS[-6].width == 3 and ROUND_TRIPS[-5].width == 1
 
 
 @pytest.mark.parametrize("msg", ROUND_TRIPS, ids=lambda m: m.op)
@@ -94,6 +104,11 @@ REFUSALS = [
     (_packed(op="decode", **ROWS, drafts=[list(range(65))]), "drafts: a draft is a list"),
     (_packed(op="decode", **ROWS, drafts=5), "drafts: must be a list"),
     (_packed(op="tokens", **ROWS, kept=[65]), "kept: must be a list of integers in"),
+    (_packed(op="decode", **ROWS, asks=[65]), "asks: must be a list of integers in"),
+    (_packed(op="decode", **ROWS, asks=[1, 1]), "asks: must be a list of one count per row"),
+    (_packed(op="decode", **ROWS, asks=[1], drafts=[[3]]), "drafts or asks, not both"),
+    (_packed(op="tokens", **ROWS, kept=[1], accepted=[[1, 2]]), "accepted: \\[2\\] ids per row"),
+    (_packed(op="tokens", **ROWS, kept=[1], accepted=[[-1]]), "accepted: a draft is a list"),
     (_packed(op="tokens", **ROWS, kept=[1, 1]), "kept: must be a list of one count per row"),
     (_packed(op="tokens", **ROWS, spec_off=3), "spec_off: must be a string"),
     (_packed(op="decode", **ROWS, spec_off="x" * 1001), "spec_off: must be a string of at most"),

@@ -111,7 +111,12 @@ def test_groups_fill_first_when_stages_share_a_device(places, shared, rows):
 
     stages = [SimpleNamespace(node_id=n, device=d) for n, d in places]
     plan = SimpleNamespace(
-        stages=stages, max_context=64, max_sessions=4, prefix_blocks=0, to_json=lambda: "{}"
+        stages=stages,
+        max_context=64,
+        max_sessions=4,
+        prefix_blocks=0,
+        draft=None,
+        to_json=lambda: "{}",
     )
     first, _ = InProcLink.pair()
     back, _ = InProcLink.pair()

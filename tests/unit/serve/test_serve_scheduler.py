@@ -576,5 +576,62 @@ def test_speculation_is_off_per_ring_and_per_session(mode, session_kw):
 
 
 def test_an_unknown_speculation_mode_is_refused():
-    with pytest.raises(ValueError, match="speculate: 'draft' is not one of auto, ngram, none"):
+    with pytest.raises(
+        ValueError, match="speculate: 'eagle' is not one of auto, ngram, draft, none"
+    ):
+        _scheduler(speculate="eagle")
+    with pytest.raises(ValueError, match="'draft' needs a draft model at stage 0"):
         _scheduler(speculate="draft")
+
+
+def _drafted_answer(sched, step, kept, accepted):
+    """The last stage's answer to a one-row step stage 0 drafted for: ``kept`` of its drafts
+    (``accepted``, their ids), then token 9."""
+    reply = Tokens(
+        group=0,
+        step=step.step,
+        sids=(1,),
+        positions=(len(PROMPT) + 1,),
+        tokens=(9,),
+        kept=(kept,),
+        accepted=(accepted,),
+    )
+    return sched.on_tokens(reply, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["draft", "auto"])
+def test_with_a_draft_model_a_step_asks_stage_0_and_takes_the_accepted_ids(mode):
+    """A ring with a draft model at stage 0 (draft, or auto with one loaded): a step carries
+    ``asks`` (no drafts of its own; an open-ended prompt), the answer's accepted ids and token
+    are the session's tokens in order, and the adaptive length records the lap."""
+    sched = _scheduler(speculate=mode, draft_model=True, draft_cost=0.1, max_context=128)
+    session = _session(1, prompt=PROMPT, max_tokens=20)
+    step = _decoding(sched, session)
+    assert step.drafts == () and len(step.asks) == 1 and step.asks[0] >= 1
+    k = step.asks[0]
+    kept = min(2, k)
+    out = _drafted_answer(sched, step, kept, (11, 12)[:kept])
+    assert session.tokens == [7, *(11, 12)[:kept], 9]
+    if mode == "auto":  # adaptive, priced at the draft cost; "draft" asks MAX_DRAFT
+        assert session.draft_len.drafted == k and session.draft_len.accepted == kept
+        assert session.draft_len.lap_cost == 0.1
+    else:
+        assert session.draft_len is None and k == 10
+    assert sched.spec.to_dict()["tokens"] == kept + 1
+    (nxt,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert nxt.positions == (session.expect - 1,) and nxt.tokens == (9,)
+
+
+def test_an_answer_whose_accepted_ids_disagree_with_its_kept_count_fails_the_session():
+    sched = _scheduler(speculate="draft", draft_model=True)
+    session = _session(1, prompt=PROMPT, max_tokens=20)
+    step = _decoding(sched, session)
+    k = step.asks[0]
+    _drafted_answer(sched, step, k + 1, tuple(range(k + 1)))
+    assert f"accepted {k + 1} drafted tokens ({k + 1} ids) of the {k}" in session.error
+
+
+def test_ngram_mode_ignores_a_loaded_draft_model():
+    sched = _scheduler(speculate="ngram", draft_model=True)
+    step = _decoding(sched, _session(1, prompt=LOOPED, max_tokens=20))
+    assert step.drafts and step.asks == ()

@@ -132,3 +132,19 @@ def test_a_seed_reproduces_a_sampled_verification():
     probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
     runs = [verify_sampled(probs, [7, 8, 9], torch.Generator().manual_seed(42)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_drafted_tokens_cost_grows_with_the_draft_models_share_of_the_compute():
+    from swarmp2p.serve.decoding.speculate import (
+        DRAFT_FORWARD_LAPS,
+        VERIFY_ROW_LAPS,
+        best_k,
+        draft_lap_cost,
+    )
+
+    assert draft_lap_cost(0.0) == VERIFY_ROW_LAPS
+    assert draft_lap_cost(1.0) == pytest.approx(VERIFY_ROW_LAPS + DRAFT_FORWARD_LAPS)
+    # a drafter as costly as the model pays only where nearly every draft is kept
+    assert best_k(0.6, draft_lap_cost(1.0), 10) == 0 < best_k(0.6, draft_lap_cost(0.05), 10)
+    with pytest.raises(ValueError, match="compute share"):
+        draft_lap_cost(float("nan"))

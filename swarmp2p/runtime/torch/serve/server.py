@@ -18,6 +18,9 @@ per row in the same one forward; the last stage verifies each row's drafts
 back past the rejected ones at once; an earlier stage rolls a row back when its next step
 arrives at a position inside the ones the speculative step wrote (``_Session.floor``). A stage
 with recurrent blocks runs the first position only and drops the drafts (``spec_off``).
+With a draft model (``drafter``, stage 0 only: ``serve.draft``) stage 0 drafts the tokens a
+step ``asks`` for each row, then runs its blocks on them, and the last stage returns the kept
+drafted ids (``Tokens.accepted``).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import collections
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from swarmp2p.net import Link, LinkTimeout
 from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 from swarmp2p.runtime.torch.model.stage import Stage
+from swarmp2p.runtime.torch.serve.draft import DraftModel
 from swarmp2p.runtime.torch.serve.prefill import Chunk, PrefillQueue, pad_right
 from swarmp2p.runtime.torch.serve.sampling import (
     GrammarTokenizer,
@@ -42,6 +46,7 @@ from swarmp2p.runtime.torch.serve.sampling import (
 from swarmp2p.runtime.torch.serve.session_cache import PrefixStore, SessionBatch
 from swarmp2p.runtime.torch.serve.speculative import (
     draft_ids,
+    draft_step,
     no_speculation,
     take_back,
     verify_rows,
@@ -140,7 +145,10 @@ class StageServer:
         prefill_chunk: int = PREFILL_CHUNK_TOKENS,
         prefill_batch_tokens: int = PREFILL_BATCH_TOKENS,
         grammar_tokenizer: GrammarTokenizer | None = None,
+        drafter: DraftModel | None = None,
     ) -> None:
+        if drafter is not None and not stage.is_first_stage:
+            raise ValueError("drafter: the draft model runs on the first stage, which reads ids")
         if receiver is not None and stage.is_first_stage:
             raise ValueError(
                 "receiver: the first stage reads token ids, it has no boundary before it"
@@ -172,6 +180,8 @@ class StageServer:
         self.send_timeout = send_timeout
         self.prefill_chunk = prefill_chunk
         self.grammar_tokenizer = grammar_tokenizer
+        self.drafter = drafter
+        """Stage 0's draft model (None: the steps' ``asks`` are declined with ``spec_off``)."""
         """The last stage's tokenizer for grammar sessions (None: they are refused)."""
         self.sessions: dict[int, _Session] = {}
         self.prefix = PrefixStore()
@@ -239,6 +249,7 @@ class StageServer:
             "peak_prefill_rows": self.peak_prefill_rows,
             "steps": self.steps,
             "drafted": self.drafted,
+            "draft_busy_s": round(self.drafter.busy_s, 3) if self.drafter is not None else 0.0,
             "busy_s": round(self.busy_s, 3),
             "waiting": len(self._chunks) + len(self._decodes),
             "prefix_blocks": len(self.prefix.blocks),
@@ -298,6 +309,8 @@ class StageServer:
         if session is not None and session.batch is not None:
             session.batch.sids[session.row] = None
         self._chunks.drop(sid)
+        if self.drafter is not None:
+            self.drafter.drop(sid)
 
     # -- arrivals ------------------------------------------------------------------------------
 
@@ -333,6 +346,8 @@ class StageServer:
         tokens, pos = msg.tokens, msg.pos
         if not tokens:
             return self._error((msg.sid,), f"prefill for session {msg.sid} carries no token ids")
+        if self.drafter is not None:
+            self.drafter.extend(msg.sid, pos, tokens)
         for start in range(0, len(tokens), self.prefill_chunk):
             piece = tokens[start : start + self.prefill_chunk]
             more = msg.more or start + self.prefill_chunk < len(tokens)
@@ -363,6 +378,11 @@ class StageServer:
             try:
                 cached = self.prefix.open(msg.prefix, LINEAR_ATTENTION in self.stage.block_types)
             except (KeyError, ValueError) as e:
+                raise SessionRefused(f"session {msg.sid}: {e.args[0]}") from None
+        if self.drafter is not None:
+            try:
+                self.drafter.open(msg.sid, msg.prefix)
+            except KeyError as e:
                 raise SessionRefused(f"session {msg.sid}: {e.args[0]}") from None
         sampler = None
         if self.stage.is_last_stage:
@@ -471,6 +491,8 @@ class StageServer:
                 self.prefix.keep(session.prefix, session.batch, session.row, BLOCK_TOKENS)
             except ValueError as e:
                 return self._error((chunk.sid,), f"prefix.keep: {e}")
+            if self.drafter is not None:
+                self.drafter.keep(chunk.sid, session.prefix)
         if self.stage.is_last_stage:
             session.sampler.observe(chunk.tokens, count=count)
             if out is None:
@@ -508,6 +530,16 @@ class StageServer:
     # -- one decode step of a group -------------------------------------------------------------
 
     def _decode(self, msg: Decode, payload: list) -> list[list]:
+        out: list[list] = []
+        if msg.asks:
+            msg, failed = self._draft(msg)
+            for sid, why in failed:  # a row its draft model cannot draft fails alone
+                out.extend(self._error((sid,), why))
+            if not msg.sids:
+                return out
+        elif self.drafter is not None:
+            for sid, pos, token in zip(msg.sids, msg.positions, msg.tokens):
+                self.drafter.observe(sid, pos, token)
         width, spec_off = msg.width, msg.spec_off
         if width > 1 and self._no_spec:  # the first position only; the drafts go no further
             width, spec_off = 1, spec_off or self._no_spec
@@ -520,7 +552,6 @@ class StageServer:
                 keep.append(i)
             else:
                 refused.setdefault(why, []).append(sid)
-        out: list[list] = []
         for why, sids in refused.items():
             out.extend(self._error(sids, why))
         if not keep:
@@ -574,9 +605,21 @@ class StageServer:
             sizes=sizes,
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             kept=tuple(n for _, _, _, n in rows) if drafts else (),
+            accepted=tuple(drafts[r][:n] for r, _, _, n in rows) if drafts else (),
             spec_off=spec_off,
         )
         return [*out, [reply.encode()]]
+
+    def _draft(self, msg: Decode) -> tuple[Decode, list[tuple[int, str]]]:
+        """Stage 0: the step with its draft model's drafts (``speculative.draft_step``); each
+        row it could not draft is dropped here and named with its reason."""
+        if self.drafter is None or not self.stage.is_first_stage:
+            off = msg.spec_off or "no draft model at stage 0"
+            return replace(msg, asks=(), spec_off=off), []
+        step, failed = draft_step(self.drafter, self.sessions, msg)
+        for sid, _ in failed:
+            self._drop(sid)
+        return step, failed
 
     def _refusal(self, sid: int, pos: int, token: int | None, width: int = 1) -> str | None:
         """Why this stage cannot step a row of ``width`` positions (None: it can); a refused

@@ -1,10 +1,12 @@
 """A stage server's half of speculative decoding (``serve.protocol``, "Speculative decoding"):
 stage 0's input of a step with drafts, the last stage's verification of each row, and the
-rollback an earlier stage makes when the row's next step says how many drafts were kept."""
+rollback an earlier stage makes when the row's next step says how many drafts were kept, and
+stage 0's draft model's drafts in place of a step's asks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -61,6 +63,34 @@ def verify_rows(samplers, logits: torch.Tensor, drafts, positions, batch: Sessio
     return rows, failed
 
 
+def draft_step(drafter, sessions, msg):
+    """Stage 0's draft model on a step that ``asks``: the step with each row's ``asks[i]``
+    greedy drafts in their place, less the rows it cannot draft, and ``(sid, why)`` for those
+    (a session not open or still prefilling drafts nothing: the stage refuses it next)."""
+    rows, drafts, failed = [], [], []
+    for i, (sid, pos, token, k) in enumerate(zip(msg.sids, msg.positions, msg.tokens, msg.asks)):
+        session = sessions.get(sid)
+        try:
+            if session is None or session.prefilling:
+                draft: tuple[int, ...] = ()
+            else:
+                draft = drafter.propose(sid, pos, token, k)
+        except ValueError as e:
+            failed.append((sid, str(e)))
+            continue
+        rows.append(i)
+        drafts.append(draft)
+    step = replace(
+        msg,
+        sids=tuple(msg.sids[i] for i in rows),
+        positions=tuple(msg.positions[i] for i in rows),
+        tokens=tuple(msg.tokens[i] for i in rows),
+        asks=(),
+        drafts=tuple(drafts) if rows else (),
+    )
+    return step, failed
+
+
 def take_back(session, pos: int) -> None:
     """A row's step after a speculative one at an earlier stage: its position says how many of
     the tokens that step wrote the last stage kept; drop the rest, never past the floor (the
@@ -72,4 +102,4 @@ def take_back(session, pos: int) -> None:
         session.batch.rollback(session.row, pos)
 
 
-__all__ = ["draft_ids", "no_speculation", "take_back", "verify_rows"]
+__all__ = ["draft_ids", "draft_step", "no_speculation", "take_back", "verify_rows"]
