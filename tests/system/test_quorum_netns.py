@@ -127,7 +127,13 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_l
         # a fresh machine joins it with the token; its new id sorts below every member's
         d = hosts[3].swarm_up("na", token, "--peer", f"{hosts[0].address}:{CONTROL_PORT}", env=ENV)
         d.start()
-        wait_until(lambda: sum(p["alive"] for p in a.status()["peers"]) == 2, 30, "a meets d")
+        # both ways: until d's hello reaches a (tens of ms after its join) d sees only itself
+        # and names itself in its view, though its start-up grace keeps it from leading
+        wait_until(
+            lambda: all(sum(p["alive"] for p in n.status()["peers"]) == 2 for n in (a, d)),
+            30,
+            "a and d meet",
+        )
         deadline = time.monotonic() + 6  # several heartbeats and a takeover grace
         while time.monotonic() < deadline:
             sa, sd = a.status(), d.status()
@@ -136,6 +142,7 @@ def test_a_newcomer_that_sorts_lowest_never_wipes_the_swarm(netns_lab_of, tiny_l
             assert _jobs(a) == [job] and _side_files(a) == []
             time.sleep(0.3)
         assert "na" not in a.status()["quorum"]["members"]  # a minority lists nobody
+        assert "leading swarm" not in d.log(), d.log()[-3000:]  # not even in its first instants
         assert _models(a) == model
 
         by_id = {"nc": b, "nd": c}

@@ -363,7 +363,9 @@ def test_a_job_no_device_can_run_waits_until_a_capable_node_joins(netns_lab, tin
     job["model"]["dtype"] = "float16"
     nodes[1].host.put(tiny_llama, MODEL)
     job_id = _submit(nodes[1], _write(nodes[1], job))
-    view = _wait_state(nodes[0], job_id, ("PENDING",), 30, nodes)
+    # PENDING from its submission, with no reason until the leader has tried to place it
+    view = wait_until(lambda: (v := _show(nodes[0], job_id))["reason"] and v, 30, "a reason")
+    assert view["state"] == "PENDING", json.dumps(view, indent=1)
     assert "dtype float16" in view["reason"] and view["plan"]["stages"] == []
     time.sleep(1.0)
     assert _show(nodes[0], job_id)["state"] == "PENDING"  # still waiting, nothing started
