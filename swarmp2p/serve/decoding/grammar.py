@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -242,6 +243,13 @@ def _call(body: str) -> dict[str, Any] | None:
     return {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
+def call_id() -> str:
+    """A tool call's id, unique across replies as OpenAI's are (``call_`` and 24 hex digits): a
+    client answers each call by its id, and a conversation holds the calls of many replies
+    (numbered from ``call_0`` in every reply, two turns' calls shared an id)."""
+    return "call_" + secrets.token_hex(12)
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """The reply's text without its ``<tool_call>`` blocks, and the calls they hold as
     OpenAI ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
@@ -254,7 +262,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
             continue
         kept.append(text[last : match.start()])
         last = match.end()
-        calls.append({"id": f"call_{len(calls)}", "type": "function", "function": function})
+        calls.append({"id": call_id(), "type": "function", "function": function})
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
 
@@ -276,7 +284,7 @@ class ToolCallStream:
     def __init__(self) -> None:
         self._held = ""
         self.calls: list[dict[str, Any]] = []
-        """Every call so far, numbered in order (``call_0``, ...)."""
+        """Every call so far, in order."""
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content ready after ``text``, and the calls completed by it."""
@@ -297,7 +305,7 @@ class ToolCallStream:
             function = _call(held[start + len(TOOL_CALL_OPEN) : end - len(TOOL_CALL_CLOSE)])
             if function is not None:
                 out.append(held[:start])
-                call = {"id": f"call_{len(self.calls)}", "type": "function", "function": function}
+                call = {"id": call_id(), "type": "function", "function": function}
                 self.calls.append(call)
                 calls.append(call)
             else:

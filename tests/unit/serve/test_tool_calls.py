@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -55,8 +56,9 @@ def test_a_call_split_across_many_pieces_comes_whole_and_only_once_it_closes(see
         assert bool(calls) == closes, (i, piece)
     assert "".join(seen) == "Let me look. " and stream.finish() == ""
     assert [c["function"] for c in stream.calls] == [_function("get_weather", city="Paris")]
-    assert stream.calls[0]["id"] == "call_0" and stream.calls[0]["type"] == "function"
-    assert (parse_tool_calls(text)[1]) == stream.calls
+    assert re.fullmatch(r"call_[0-9a-f]{24}", stream.calls[0]["id"])
+    assert stream.calls[0]["type"] == "function"
+    assert _no_ids(parse_tool_calls(text)[1]) == _no_ids(stream.calls)
 
 
 def test_text_before_a_call_is_streamed_at_once_and_a_lone_angle_bracket_is_not_held():
@@ -70,17 +72,31 @@ def test_text_before_a_call_is_streamed_at_once_and_a_lone_angle_bracket_is_not_
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_two_calls_are_numbered_in_order_with_the_text_between_them(seed):
+def test_two_calls_come_in_order_with_the_text_between_them(seed):
     text = f"First {WEATHER} then {ADD} done."
     content, calls, _ = _stream(_pieces(text, seed))
     assert "".join(content) == "First  then  done."
-    assert [c["id"] for c in calls] == ["call_0", "call_1"]
     assert [c["function"] for c in calls] == [
         _function("get_weather", city="Paris"),
         _function("add", a=1, b=2),
     ]
     whole_content, whole_calls = parse_tool_calls(text)
-    assert whole_calls == calls and whole_content == "First  then  done."
+    assert _no_ids(whole_calls) == _no_ids(calls) and whole_content == "First  then  done."
+
+
+def test_every_call_id_is_new_across_replies():
+    """A conversation carries the calls of many replies and a client answers each by its id:
+    ids numbered from call_0 in every reply made two turns' calls share one."""
+    ids = [c["id"] for _ in range(3) for c in parse_tool_calls(f"{WEATHER} {ADD}")[1]]
+    stream = ToolCallStream()
+    stream.push(f"{ADD}{ADD}")
+    ids += [c["id"] for c in stream.calls]
+    assert len(ids) == 8 and len(set(ids)) == 8, ids
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
+
+
+def _no_ids(calls):
+    return [{k: v for k, v in c.items() if k != "id"} for c in calls]
 
 
 @pytest.mark.parametrize(
@@ -111,7 +127,9 @@ def test_a_malformed_block_does_not_swallow_a_good_call_after_it():
     assert content == "<tool_call>{oops</tool_call> and"
     assert [c["function"] for c in calls] == [_function("add", a=1, b=2)]
     streamed, streamed_calls, _ = _stream(_pieces(text, 3))
-    assert "".join(streamed) == "<tool_call>{oops</tool_call> and " and streamed_calls == calls
+    assert "".join(streamed) == "<tool_call>{oops</tool_call> and " and _no_ids(
+        streamed_calls
+    ) == _no_ids(calls)
 
 
 def test_arguments_written_as_a_json_string_or_as_parameters_are_read_as_an_object():
