@@ -63,7 +63,7 @@ from swarmp2p.plan.placer import (
 )
 from swarmp2p.plan.quantization import QuantSpec, parse_quantization
 from swarmp2p.plan.result import Blocked
-from swarmp2p.plan.serve_records import (
+from swarmp2p.plan.serve.records import (
     BOUNDARY_COMPRESSIONS,
     MAX_CONTEXT,
     MAX_PREFIX_CACHE_MB,

@@ -2,7 +2,7 @@
 (the CLI's and the daemon's API's, saved for a restart), :class:`ServeStagePlan` and
 :class:`ServePlan` (where each stage of the ring runs, in which dtype, with what memory), the
 request's bounds and defaults, and the boundary codecs a ring may send. Pure, standard library
-only; ``plan.serve`` plans them (and re-exports every name here)."""
+only; ``plan.serve.planner`` plans them."""
 
 from __future__ import annotations
 
