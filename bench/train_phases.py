@@ -5,6 +5,8 @@ timed from the submission.
 
 Prints a markdown table (seconds since `swarm train`, state, each stage's phase), then one JSON
 object as the last line. Noisy box: the phases' order and shares say more than the seconds.
+
+    python bench/train_phases.py [--steps N] [--eval-batches B] [--quick]
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--eval-batches", type=int, default=2)
+    parser.add_argument(
+        "--quick", action="store_true", help="one step, no evaluation (CI: the script runs)"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.eval_batches = 1, 0
     from swarmp2p.net.security import SwarmSecret
 
     env = {
