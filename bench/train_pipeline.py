@@ -1062,7 +1062,7 @@ def main(argv: list[str] | None = None) -> dict:
             best = max((t[k] for k in TORCH_SCHEDULES if k in t), default=float("nan"))
             torch_cells = " | ".join(f"{t[k]:.1f}" if k in t else "failed" for k in TORCH_SCHEDULES)
             print(
-                f"| {row['micro']} | {row['shape']} | {row['layers']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
+                f"| {row['micro']} | {row['shape']} | {t['1f1b']:.1f} | {t['zb-h1']:.1f} | "
                 f"{t['zb-h1'] / t['1f1b']:.2f}x | {torch_cells} | {t['zb-h1'] / best:.2f}x |"
             )
             for k, why in row["failed"].items():
