@@ -4,12 +4,12 @@ embedded model (``--quick``: a tiny random Llama with the embedded tokenizer, so
 cost is all there is), and what one constrained token costs in the last stage's Python: the
 llguidance mask, its bitmask -> torch conversion, and advancing the matcher.
 
-Greedy; the constrained reply ends where its JSON does; the unconstrained one is asked for as
-many tokens (eos ignored), drafting off (``plain``: the same decoding a grammar session does;
-a grammar session never drafts) and on (``plain+spec``: what an unconstrained request gets by
-default). tok/s is tokens over the time from the request to the last token (prefill included
+Greedy; the constrained reply ends where its JSON does (drafting off, ``json_schema``, and
+on, ``json_schema+spec``: what a constrained request gets by default; the same tokens, or the
+bench fails); the unconstrained one is asked for as many tokens (eos ignored), drafting off
+(``plain``) and on (``plain+spec``: what an unconstrained request gets by default). tok/s is tokens over the time from the request to the last token (prefill included
 on every side). Setups alternate ``--repeats`` times; medians. Target: constrained >= 0.8x
-plain. On a shared machine the end-to-end ratio moves with the load, so the grammar's own work
+unconstrained (each with drafting off, and each as served by default). On a shared machine the end-to-end ratio moves with the load, so the grammar's own work
 is also measured alone and set against a plain token's time (the ratio a quiet machine gives).
 
 Prints a markdown table, then as its last line one JSON object.
@@ -60,7 +60,7 @@ ASK = [
         "name, age, email, a few tags, her address and kind.",
     }
 ]
-SETUPS = ("json_schema", "plain", "plain+spec")
+SETUPS = ("json_schema", "json_schema+spec", "plain", "plain+spec")
 
 
 def _timed(client, prompt, **kw) -> tuple[float, list[int]]:
@@ -140,9 +140,13 @@ def main() -> None:
             _timed(client, prompt, **constrained)  # warm-up (the stage's grammar tokenizer)
             _timed(client, prompt, max_tokens=8)
             for _ in range(repeats):
-                seconds, reply = _timed(client, prompt, **constrained)
-                took["json_schema"].append(seconds)
-                counts["json_schema"].append(len(reply))
+                for setup, spec in (("json_schema", False), ("json_schema+spec", True)):
+                    seconds, got = _timed(client, prompt, speculate=spec, **constrained)
+                    took[setup].append(seconds)
+                    counts[setup].append(len(got))
+                    if reply and got != reply:
+                        raise SystemExit("the constrained reply changed with drafting: a bug")
+                    reply = got
                 for setup, spec in (("plain", False), ("plain+spec", True)):
                     seconds, got = _timed(client, prompt, max_tokens=len(reply), speculate=spec)
                     took[setup].append(seconds)
@@ -176,6 +180,7 @@ def main() -> None:
         **{f"{s.replace('+', '_')}_tok_s": round(rate[s], 2) for s in SETUPS},
         "json_schema_over_plain": round(rate["json_schema"] / rate["plain"], 3),
         "json_schema_over_plain_spec": round(rate["json_schema"] / rate["plain+spec"], 3),
+        "json_schema_spec_over_plain_spec": round(rate["json_schema+spec"] / rate["plain+spec"], 3),
         "grammar_us_per_token": per_token,
         # the grammar's own work against a plain token's time: the ratio a quiet machine gives
         "grammar_share_of_a_token": round(sum(per_token.values()) * 1e-6 * rate["plain"], 4),

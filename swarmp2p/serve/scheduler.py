@@ -39,8 +39,9 @@ carries an outcome out (its sender thread writes the messages, the sessions get 
   from the answer's ``accepted``;
   either way bounded by every row's max_tokens and context; the accepted drafts
   and the token after them are each taken by :meth:`Scheduler._take` (vLLM's ``check_stop``
-  per id). Per session: ``SessionState.speculate`` False (a grammar) or log-probabilities
-  asked: no drafts. A ring answering ``spec_off`` stops drafting (:attr:`Scheduler.spec_off`).
+  per id). Per session: ``SessionState.speculate`` False or log-probabilities asked: no
+  drafts (a grammar session drafts; its last stage masks every verified row). A ring
+  answering ``spec_off`` stops drafting (:attr:`Scheduler.spec_off`).
 
 Seam for prefix caching (issue 27): a prefix cache would tell :meth:`Scheduler._admit` how
 many of a prompt's tokens every stage already holds, and the ``prefill`` would start there.
@@ -119,9 +120,8 @@ class SessionState:
     last_activity: float = 0.0
     speculate: bool = True
     """Whether this session may draft when the ring speculates (off: the caller said so). A
-    grammar session never drafts whatever this says: its last stage masks one sampled token at a
-    time with the grammar's state, and a draft's tokens would be verified against logits its
-    mask never saw (docs/serving.md)."""
+    grammar session drafts too: its last stage masks each verified row with the grammar's state
+    after the drafts before it, so a draft the grammar forbids is never kept."""
     drafter: NgramIndex | None = None
     """Its prompt lookup over prompt + tokens, while it drafts."""
     draft_len: DraftLength | None = None
@@ -465,7 +465,6 @@ class Scheduler:
             self.speculate != "none"
             and not self.spec_off
             and session.speculate
-            and session.grammar is None
             and session.sampling.logprobs is None
             and session.drafter is None
             and not session.model_drafts

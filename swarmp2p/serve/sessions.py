@@ -218,7 +218,7 @@ class RingClient:
         included. Greedy unless ``sampling`` says otherwise; ``grammar`` (a structured output's,
         ``serve.decoding.grammar``) constrains every token at the last stage. With ``loop``, the
         events can be awaited there (``aevents``). ``speculate`` False: this session never
-        drafts (a grammar session never does). RingBusy when the queue is full too."""
+        drafts. RingBusy when the queue is full too."""
         prompt = check_request(prompt, max_tokens, self._scheduler.max_context)
         if not self._threads:
             raise RuntimeError("RingClient.start() first")

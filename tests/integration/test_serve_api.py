@@ -455,6 +455,33 @@ def test_response_format_json_is_enforced_on_every_seeded_reply(client):
     assert bad.value.body["param"] == "response_format"
 
 
+def test_a_constrained_session_drafts_and_keeps_plain_decoding_s_tokens(served):
+    """A json_schema session speculates like any other: every verified row is masked with the
+    grammar's state after the drafts before it, so greedy and seeded replies equal those of the
+    same session with drafting off, token for token, and some drafts are kept."""
+    import jsonschema
+
+    from swarmp2p.serve.decoding.grammar import grammar_for
+    from swarmp2p.serve.protocol import SamplingParams
+
+    _, model, _ = served
+    client, codec = model.client, model.codec
+    grammar = grammar_for({"type": "json_schema", "json_schema": {"schema": PERSON}}).text
+    ada = '{"name": "Ada", "age": 36, "address": {"city": "London"}}'
+    ask = [{"role": "user", "content": f"Repeat this JSON exactly: {ada}"}]
+    prompt = codec.encode_chat(ask)
+    kw = dict(max_tokens=60, stop_ids=codec.eos_ids, grammar=grammar, timeout=120)
+    for sampling in (None, SamplingParams(temperature=1.0, seed=7)):
+        before = client.spec_stats()
+        drafted = client.generate(prompt, sampling=sampling, **kw)
+        after = client.spec_stats()
+        plain = client.generate(prompt, sampling=sampling, speculate=False, **kw)
+        assert drafted == plain, (codec.decode(drafted), codec.decode(plain))
+        assert after["accepted"] > before["accepted"], (before, after)
+        text = codec.decode([t for t in drafted if t not in codec.eos_ids])
+        jsonschema.validate(json.loads(text), PERSON)
+
+
 def _get(url, headers=None):
     request = urllib.request.Request(url, headers=headers or {})
     try:

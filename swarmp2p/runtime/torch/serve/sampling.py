@@ -215,13 +215,16 @@ class SessionSampler:
         deterministic draft ``x`` that is the rejection rule exactly (``verify``: kept with
         probability ``p(x)``, else a token from ``p`` without ``x``), and with position-keyed
         draws the tokens are plain sampling's token for token, drafts or none. Each row is
-        scored with the processors after the drafts before it (a penalty sees them), and the
-        kept drafts are observed; the caller observes ``token``, as after :meth:`pick`."""
+        scored with the processors after the drafts before it (a penalty sees them) and masked
+        with the grammar's state after them (a draft the grammar does not allow is never kept,
+        and a kept one advances the matcher as a picked one would), and the kept drafts are
+        observed; the caller observes ``token``, as after :meth:`pick`."""
         from swarmp2p.runtime.torch.serve.verify import check_rows
 
         check_rows(logits, draft)
         for i, drafted in enumerate(draft):
-            scores = self._scores(logits[i], None)
+            allowed = self.matcher.mask() if self.matcher is not None else None
+            scores = self._scores(logits[i], allowed)
             if self.params.greedy:
                 token = int(torch.argmax(scores[0]))
                 rejected = None if token == drafted else token
