@@ -390,9 +390,14 @@ class Tokens(_Step):
     accepted: tuple[tuple[int, ...], ...] = ()
     """Per row, the drafted ids it accepted (``kept[i]`` of them), when stage 0's draft model
     drafted them (empty otherwise: the manager drafted, it knows them)."""
+    forced: tuple[tuple[int, ...], ...] = ()
+    """Per row, the ids its grammar forces after its token (empty: no row has a grammar that
+    forces any): the manager's next draft for the row, verified as any draft is."""
 
     def __post_init__(self) -> None:
         _same_lengths(self.sids, self.positions, self.tokens)
+        if self.forced and len(self.forced) != len(self.sids):
+            raise ValueError(f"forced: {len(self.forced)} entries for {len(self.sids)} rows")
         if self.logprobs and len(self.logprobs) != len(self.sids):
             raise ValueError(f"logprobs: {len(self.logprobs)} entries for {len(self.sids)} rows")
         if self.kept and len(self.kept) != len(self.sids):
@@ -409,6 +414,8 @@ class Tokens(_Step):
             body["kept"] = list(self.kept)
         if self.accepted:
             body["accepted"] = [list(a) for a in self.accepted]
+        if self.forced:
+            body["forced"] = [list(f) for f in self.forced]
         if self.logprobs:
             body["logprobs"] = [
                 None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
@@ -458,7 +465,7 @@ _ALLOWED = {
     "end": ({"sid"}, set()),
     "tokens": (
         {"group", "step", "sids", "positions", "tokens", "sizes"},
-        {"logprobs", "kept", "accepted", "spec_off"},
+        {"logprobs", "kept", "accepted", "forced", "spec_off"},
     ),
     "error": ({"sids", "message"}, set()),
 }
@@ -585,7 +592,8 @@ def decode_message(data: bytes | memoryview) -> RingMessage:
         accepted = ()
         if "accepted" in obj:
             accepted = _drafts(obj["accepted"], len(rows["sids"]), "accepted")
-        return Tokens(**rows, logprobs=logprobs, kept=kept, accepted=accepted)
+        forced = _drafts(obj["forced"], len(rows["sids"]), "forced") if "forced" in obj else ()
+        return Tokens(**rows, logprobs=logprobs, kept=kept, accepted=accepted, forced=forced)
     except ValueError as e:
         if isinstance(e, WireError):
             raise

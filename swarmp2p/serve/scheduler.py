@@ -132,6 +132,12 @@ class SessionState:
     """Stage 0's draft model drafts for it (``draft_len`` says how many a lap)."""
     ask: int = 0
     """The tokens its step in the ring asked stage 0's draft model for."""
+    forced: tuple[int, ...] = ()
+    """The ids its grammar forces after its last token (the last stage's ``Tokens.forced``):
+    its next draft, ahead of any other drafter's, where it may draft."""
+    draft_forced: bool = False
+    """Its step's draft is ``forced`` (kept out of the adaptive length's record: it says
+    nothing of how well its drafter guesses)."""
 
     @property
     def expect(self) -> int:
@@ -346,6 +352,7 @@ class Scheduler:
                 self._take_lap(session, msg, i, logprob, now, out)
             elif not self._take(session, msg.tokens[i], logprob, now, out):
                 joined.append(session)
+            session.forced = msg.forced[i] if msg.forced else ()
         if group is not None:
             self._step(group, out)
         for session in joined:
@@ -414,6 +421,7 @@ class Scheduler:
         for session in self._running.values():
             session.last_activity = now
             session.state, session.group, session.draft, session.ask = "prefill", None, (), 0
+            session.forced = ()
             replay = Prefill(
                 sid=session.sid,
                 pos=0,
@@ -461,14 +469,7 @@ class Scheduler:
         filling = [g for g in self._groups if 0 < g.size < self.min_group_rows]
         group = min(filling or self._groups, key=lambda g: (g.size, g.in_flight))
         session.state, session.group = "decode", group.index
-        if (
-            self.speculate != "none"
-            and not self.spec_off
-            and session.speculate
-            and session.sampling.logprobs is None
-            and session.drafter is None
-            and not session.model_drafts
-        ):
+        if self._may_draft(session) and session.drafter is None and not session.model_drafts:
             if self.model_drafts:
                 session.model_drafts = True
                 adaptive = self.speculate == "auto"
@@ -509,10 +510,14 @@ class Scheduler:
         """Each row's draft for the next step and, with a draft model, the tokens stage 0
         drafts for it (each () when none drafts). Every row of a step runs as many positions as
         the longest draft, so each is bounded by the room of the row with the least: no row
-        may pass its max_tokens or the context."""
-        drafting = [s for s in members if s.drafter is not None or s.model_drafts]
+        may pass its max_tokens or the context. A row whose grammar forces ids next drafts
+        those (a draft model's rows asking in the same step win: that step sends no drafts)."""
         for s in members:
-            s.draft, s.ask = (), 0
+            s.draft, s.ask, s.draft_forced = (), 0, False
+        forced = {s.sid for s in members if s.forced and self._may_draft(s)}
+        drafting = [
+            s for s in members if s.drafter is not None or s.model_drafts or s.sid in forced
+        ]
         if not drafting:
             return (), ()
         room = min(
@@ -521,12 +526,17 @@ class Scheduler:
         if room <= 0:
             return (), ()
         for s in drafting:
+            if s.sid in forced:
+                s.draft, s.draft_forced, s.forced = s.forced[:room], True, ()
+                continue
             k = s.draft_len.next_k() if s.draft_len is not None else MAX_DRAFT
             if s.model_drafts:
                 s.ask = min(k, room)
             else:
                 s.draft = tuple(s.drafter.draft(min(k, room)))
         if any(s.ask for s in members):
+            for s in members:
+                s.draft, s.draft_forced = (), False
             return (), tuple(s.ask for s in members)
         if not any(s.draft for s in members):
             return (), ()
@@ -556,8 +566,9 @@ class Scheduler:
             self._fail(session, message, now, out)
             return
         drafted = asked or len(draft)
-        if drafted and session.draft_len is not None:
+        if drafted and session.draft_len is not None and not session.draft_forced:
             session.draft_len.record(drafted, kept)
+        session.draft_forced = False
         stats = self.spec
         stats.laps += 1
         stats.drafted += drafted
@@ -566,6 +577,16 @@ class Scheduler:
             stats.tokens += 1
             if self._take(session, token, lp, now, out):
                 return
+
+    def _may_draft(self, session: SessionState) -> bool:
+        """Whether ``session``'s steps may carry drafts: the ring speculates and can verify,
+        and the session neither turned it off nor asks for log-probabilities."""
+        return (
+            self.speculate != "none"
+            and not self.spec_off
+            and session.speculate
+            and session.sampling.logprobs is None
+        )
 
     def _stop_speculating(self, reason: str) -> None:
         """A stage cannot verify drafts: no session drafts from now on."""

@@ -207,6 +207,14 @@ class Matcher:
             raise GrammarError(f"{self.grammar.what}: token {token} does not follow the grammar")
         self._check()
 
+    def forced(self) -> list[int]:
+        """The ids that spell the bytes the grammar forces next (a key's quotes and colon, a
+        closing brace), as the tokenizer would write them: a draft that costs nothing to make
+        (not certain: the model may spell the same bytes with other ids)."""
+        ids = self._m.compute_ff_tokens()
+        self._check()
+        return list(ids)
+
     @property
     def done(self) -> bool:
         """The reply is complete: nothing but an end-of-sequence id may follow."""

@@ -189,3 +189,26 @@ def test_tool_call_tags_that_are_added_tokens_are_matched_as_those_tokens(tokeni
     _, calls = g.parse_tool_calls(qwen_like.decode(out))
     assert calls[0]["function"]["name"] == "units"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), unit)
+
+
+def test_the_ids_a_grammar_forces_spell_its_fixed_text_and_each_is_allowed_in_turn(tokenizers):
+    """A schema's keys and punctuation are forced: ``forced`` spells them (the session's next
+    draft), each id allowed by the mask where it stands; none once the grammar is done."""
+    tok, llt = tokenizers
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    m = g.Matcher(llt, g.grammar_for({"type": "json_schema", "json_schema": {"schema": schema}}))
+    forced = m.forced()
+    assert forced and tok.decode(forced).replace(" ", "").startswith('{"city":')
+    for token in forced:
+        assert g.allowed(m.mask(), token), (token, tok.decode([token]))
+        m.advance(token)
+    text = tok.decode([*forced, *_sample(m, 0)])  # the rest: random allowed ids
+    assert isinstance(json.loads(text)["city"], str), text
+    if not m.done:
+        m.advance(EOS)
+    assert m.done and m.forced() == []

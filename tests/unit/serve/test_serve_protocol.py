@@ -63,11 +63,12 @@ ROUND_TRIPS = [
         kept=(2, 0),
         accepted=((7, 8), ()),
     ),
+    Tokens(group=-1, step=0, sids=(4, 5), positions=(10, 4), tokens=(3, 6), forced=((), (1, 2))),
 ]
 
 
 def test_a_decode_steps_width_is_its_longest_draft_plus_one():
-    assert ROUND_TRIPS[-6].width == 3 and ROUND_TRIPS[-5].width == 1
+    assert ROUND_TRIPS[-7].width == 3 and ROUND_TRIPS[-6].width == 1
 
 
 @pytest.mark.parametrize("msg", ROUND_TRIPS, ids=lambda m: m.op)
@@ -110,6 +111,8 @@ REFUSALS = [
     (_packed(op="tokens", **ROWS, kept=[1], accepted=[[1, 2]]), "accepted: \\[2\\] ids per row"),
     (_packed(op="tokens", **ROWS, kept=[1], accepted=[[-1]]), "accepted: a draft is a list"),
     (_packed(op="tokens", **ROWS, kept=[1, 1]), "kept: must be a list of one count per row"),
+    (_packed(op="tokens", **ROWS, forced=[[1], [2]]), "forced: must be a list of one draft per"),
+    (_packed(op="tokens", **ROWS, forced=[list(range(65))]), "forced: a draft is a list"),
     (_packed(op="tokens", **ROWS, spec_off=3), "spec_off: must be a string"),
     (_packed(op="decode", **ROWS, spec_off="x" * 1001), "spec_off: must be a string of at most"),
     (msgpack.packb([1, 2]), "is a map"),

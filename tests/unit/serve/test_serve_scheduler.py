@@ -635,3 +635,92 @@ def test_ngram_mode_ignores_a_loaded_draft_model():
     sched = _scheduler(speculate="ngram", draft_model=True)
     step = _decoding(sched, _session(1, prompt=LOOPED, max_tokens=20))
     assert step.drafts and step.asks == ()
+
+
+def _forced_decoding(sched, session, forced=(21, 22, 23)):
+    """Submit ``session``; its prefill's answer: token 7 and the ids its grammar forces next."""
+    sched.submit(session, 0.0)
+    first = Tokens(
+        group=-1,
+        step=0,
+        sids=(session.sid,),
+        positions=(session.expect,),
+        tokens=(7,),
+        forced=(forced,),
+    )
+    out = sched.on_tokens(first, 0.0)
+    (step,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    return step
+
+
+@pytest.mark.parametrize("mode", ["auto", "ngram"])
+def test_ids_a_grammar_forces_are_the_rows_next_draft_ahead_of_prompt_lookup(mode):
+    """The last stage names the ids a row's grammar forces after its token: the next step
+    drafts exactly those (not the prompt lookup's guess), and the adaptive length does not
+    learn from a lap of them; a lap without forced ids drafts by lookup again."""
+    sched = _scheduler(speculate=mode)
+    session = _session(1, prompt=LOOPED, max_tokens=20)
+    step = _forced_decoding(sched, session)
+    assert step.drafts == ((21, 22, 23),)
+    answer = Tokens(
+        group=0, step=step.step, sids=(1,), positions=(len(LOOPED) + 1,), tokens=(24,), kept=(3,)
+    )
+    out = sched.on_tokens(answer, 1.0)
+    assert session.tokens == [7, 21, 22, 23, 24]
+    assert sched.spec.to_dict()["drafted"] == 3 and sched.spec.to_dict()["accepted"] == 3
+    if mode == "auto":
+        assert session.draft_len.drafted == 0  # learned nothing of the lookup's guessing
+    (nxt,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert nxt.drafts != ((21, 22, 23),)  # consumed: the lookup drafts (or nothing) now
+
+
+@pytest.mark.parametrize(
+    ("mode", "session_kw", "room"),
+    [
+        ("none", {}, 20),
+        ("ngram", {"speculate": False}, 20),
+        ("ngram", {"sampling": SamplingParams(temperature=0, logprobs=1)}, 20),
+        ("ngram", {}, 3),
+    ],
+    ids=["ring-off", "session-off", "logprobs", "max-tokens"],
+)
+def test_forced_ids_obey_the_same_rules_as_any_draft(mode, session_kw, room):
+    sched = _scheduler(speculate=mode)
+    session = _session(1, prompt=PROMPT, max_tokens=room, **session_kw)
+    step = _forced_decoding(sched, session)
+    assert step.drafts == (((21,),) if room == 3 else ())  # room for one: 7 taken, 1 left
+
+
+def test_a_step_that_asks_the_draft_model_sends_no_forced_ids():
+    """Drafts and stage 0's asks do not share a step: a row whose grammar forces ids drafts
+    nothing when another row asks the draft model, and is not asked itself."""
+    sched = _scheduler(speculate="draft", draft_model=True, max_context=128)
+    asking = _session(1, prompt=PROMPT, max_tokens=20)
+    sched.submit(asking, 0.0)
+    forced = _session(2, prompt=PROMPT, max_tokens=20)
+    sched.submit(forced, 0.0)
+    reply = Tokens(
+        group=-1,
+        step=0,
+        sids=(1, 2),
+        positions=(len(PROMPT), len(PROMPT)),
+        tokens=(7, 7),
+        forced=((), (21, 22)),
+    )
+    out = sched.on_tokens(reply, 0.0)
+    (first,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert first.sids == (1,)  # 2 joins the group at its next step
+    answer = Tokens(
+        group=first.group,
+        step=first.step,
+        sids=(1,),
+        positions=(len(PROMPT) + 1,),
+        tokens=(9,),
+        kept=(0,),
+        accepted=((),),
+    )
+    out = sched.on_tokens(answer, 1.0)
+    (step,) = [m for m, _ in out.sends if isinstance(m, Decode)]
+    assert step.sids == (1, 2) and step.drafts == ()
+    assert step.asks[0] >= 1 and step.asks[1] == 0
+    assert forced.draft == () and not forced.draft_forced

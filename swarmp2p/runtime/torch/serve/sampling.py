@@ -198,6 +198,13 @@ class SessionSampler:
             token = self._draw(self._probs(scores))
         return token, self._logprobs(logits, token)
 
+    def forced(self, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` ids the session's grammar forces after the tokens observed (the
+        manager drafts them next; () without a grammar, or once it is done)."""
+        if self.matcher is None or limit <= 0 or self.matcher.done:
+            return ()
+        return tuple(self.matcher.forced()[:limit])
+
     def _draw(self, probs: torch.Tensor) -> int:
         """A token from ``probs`` with the draw of the position after the tokens seen."""
         assert self.generator is not None and self._seed is not None

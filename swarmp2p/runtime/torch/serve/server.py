@@ -47,6 +47,7 @@ from swarmp2p.runtime.torch.serve.session_cache import PrefixStore, SessionBatch
 from swarmp2p.runtime.torch.serve.speculative import (
     draft_ids,
     draft_step,
+    forced_ids,
     no_speculation,
     take_back,
     verify_rows,
@@ -500,6 +501,7 @@ class StageServer:
             session.sampler.end_of_prompt()
             session.prefilling = False
             token, logprobs = session.sampler.next(out)
+            forced = forced_ids(session.sampler)
             reply = Tokens(
                 group=-1,
                 step=0,
@@ -507,6 +509,7 @@ class StageServer:
                 positions=(session.length,),
                 tokens=(token,),
                 logprobs=(logprobs,) if logprobs else (),
+                forced=(forced,) if forced else (),
             )
             return [[reply.encode()]]
         session.prefilling = chunk.more
@@ -592,7 +595,7 @@ class StageServer:
             )
             return [*out, [step.encode(), *self._frame(hidden).to_parts()]]
         samplers = [self.sessions[sid].sampler for sid in sids]
-        rows, failed = verify_rows(samplers, hidden, drafts, positions, batch, width)
+        rows, failed, forced = verify_rows(samplers, hidden, drafts, positions, batch, width)
         for row, message in failed:  # a row whose pick fails (its grammar) fails alone
             out.extend(self._error((sids[row],), message))
         logprobs = [lp for _, _, lp, _ in rows]
@@ -606,6 +609,7 @@ class StageServer:
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else (),
             kept=tuple(n for _, _, _, n in rows) if drafts else (),
             accepted=tuple(drafts[r][:n] for r, _, _, n in rows) if drafts else (),
+            forced=tuple(forced) if any(forced) else (),
             spec_off=spec_off,
         )
         return [*out, [reply.encode()]]

@@ -12,6 +12,7 @@ import torch
 
 from swarmp2p.runtime.torch.model.introspect import LINEAR_ATTENTION
 from swarmp2p.runtime.torch.serve.session_cache import SessionBatch
+from swarmp2p.serve.decoding.speculate import MAX_DRAFT
 
 
 def no_speculation(stage) -> str:
@@ -41,11 +42,11 @@ def draft_ids(
 
 def verify_rows(samplers, logits: torch.Tensor, drafts, positions, batch: SessionBatch, width):
     """The last stage: each row's token after its kept drafts (``logits``: ``[rows, width,
-    V]``), as ``(rows, failed)``: ``(row, token, logprobs, kept)`` per row that picked, and
+    V]``), as ``(rows, failed, forced)``: ``(row, token, logprobs, kept)`` per row that picked,
     ``(row, message)`` per row whose pick failed (its grammar allowed nothing, its sampling
-    was not finite): such a row fails alone, not its group. The rows' caches keep only the
-    kept positions."""
-    rows, failed = [], []
+    was not finite): such a row fails alone, not its group; and per picked row the ids its
+    grammar forces next (its next draft). The rows' caches keep only the kept positions."""
+    rows, failed, forced = [], [], []
     for row, sampler in enumerate(samplers):
         draft = drafts[row] if drafts else ()
         try:
@@ -60,7 +61,18 @@ def verify_rows(samplers, logits: torch.Tensor, drafts, positions, batch: Sessio
         if width > 1:  # the rejected drafts (and a shorter row's padding) leave the cache
             batch.rollback(row, positions[row] + 1 + n)
         rows.append((row, token, lp, n))
-    return rows, failed
+        forced.append(forced_ids(sampler))
+    return rows, failed, forced
+
+
+def forced_ids(sampler) -> tuple[int, ...]:
+    """The ids a session's grammar forces after its last token (at most a draft's worth);
+    () when it forces none or has no grammar. A matcher that cannot say forces nothing: the
+    session's next pick reports the grammar's error."""
+    try:
+        return sampler.forced(MAX_DRAFT)
+    except ValueError:
+        return ()
 
 
 def draft_step(drafter, sessions, msg):
@@ -102,4 +114,4 @@ def take_back(session, pos: int) -> None:
         session.batch.rollback(session.row, pos)
 
 
-__all__ = ["draft_ids", "draft_step", "no_speculation", "take_back", "verify_rows"]
+__all__ = ["draft_ids", "draft_step", "forced_ids", "no_speculation", "take_back", "verify_rows"]
