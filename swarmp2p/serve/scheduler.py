@@ -51,16 +51,17 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from swarmp2p.serve.decoding.prefix import PrefixIndex
 from swarmp2p.serve.decoding.speculate import (
     DRAFT_LAP_COST,
-    MAX_DRAFT,
     DraftLength,
     NgramIndex,
     SpecStats,
+    lap_drafts,
+    step_drafts,
 )
 from swarmp2p.serve.protocol import (
     MAX_TOKEN_ID,
@@ -69,10 +70,10 @@ from swarmp2p.serve.protocol import (
     Failed,
     Prefill,
     RingMessage,
-    SamplingParams,
     TokenLogprobs,
     Tokens,
 )
+from swarmp2p.serve.session import SessionState
 from swarmp2p.timings import TIMINGS
 
 QUEUE_PER_SLOT = 4
@@ -85,64 +86,6 @@ lookup of MAX_DRAFT tokens a lap, the draft model's MAX_DRAFT a lap, or none."""
 TOKEN, DONE, ERROR = "token", "done", "error"
 """The kinds of a session's events: a token id, finished (with its finish reason), failed (with
 the message)."""
-
-
-@dataclass(eq=False, kw_only=True)
-class SessionState:
-    """What the scheduler knows of one request: its prompt, limits and stop rules, the tokens
-    (and log-probabilities) it has so far, where it is in the ring and when it last moved."""
-
-    sid: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int] = frozenset()
-    stop: Callable[[list[int]], bool] | None = None
-    grammar: str | None = None
-    """A structured output's grammar text: it rides the session's prefill (and a replay's) to
-    the last stage, which masks every token the session samples with it."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    """Per generated token, when the sampling asked for log-probabilities."""
-    finish_reason: str | None = None
-    """"stop" (an end-of-sequence id or a stop rule), "length", or None while running."""
-    error: str | None = None
-    busy: bool = False
-    """It failed waiting for a session slot (the ring is full), not in the ring."""
-    retry_after: int = 1
-    state: str = "queued"
-    """"queued", "prefill" (its prompt is in the ring), "decode" (in a group), "done"."""
-    group: int | None = None
-    started: float = 0.0
-    """When it was submitted (the scheduler's clock, as every time here)."""
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_activity: float = 0.0
-    speculate: bool = True
-    """Whether this session may draft when the ring speculates (off: the caller said so). A
-    grammar session drafts too: its last stage masks each verified row with the grammar's state
-    after the drafts before it, so a draft the grammar forbids is never kept."""
-    drafter: NgramIndex | None = None
-    """Its prompt lookup over prompt + tokens, while it drafts."""
-    draft_len: DraftLength | None = None
-    """How many tokens it drafts a lap (adaptive under "auto"; None: MAX_DRAFT)."""
-    draft: tuple[int, ...] = ()
-    """The draft of its step in the ring."""
-    model_drafts: bool = False
-    """Stage 0's draft model drafts for it (``draft_len`` says how many a lap)."""
-    ask: int = 0
-    """The tokens its step in the ring asked stage 0's draft model for."""
-    forced: tuple[int, ...] = ()
-    """The ids its grammar forces after its last token (the last stage's ``Tokens.forced``):
-    its next draft, ahead of any other drafter's, where it may draft."""
-    draft_forced: bool = False
-    """Its step's draft is ``forced`` (kept out of the adaptive length's record: it says
-    nothing of how well its drafter guesses)."""
-
-    @property
-    def expect(self) -> int:
-        """The position of the next token (tokens before it)."""
-        return len(self.prompt) + len(self.tokens)
 
 
 Send = tuple[RingMessage, tuple[SessionState, ...]]
@@ -507,73 +450,27 @@ class Scheduler:
     def _drafts(
         self, members: list[SessionState]
     ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-        """Each row's draft for the next step and, with a draft model, the tokens stage 0
-        drafts for it (each () when none drafts). Every row of a step runs as many positions as
-        the longest draft, so each is bounded by the room of the row with the least: no row
-        may pass its max_tokens or the context. A row whose grammar forces ids next drafts
-        those (a draft model's rows asking in the same step win: that step sends no drafts)."""
-        for s in members:
-            s.draft, s.ask, s.draft_forced = (), 0, False
-        forced = {s.sid for s in members if s.forced and self._may_draft(s)}
-        drafting = [
-            s for s in members if s.drafter is not None or s.model_drafts or s.sid in forced
-        ]
-        if not drafting:
-            return (), ()
+        """Each row's draft for the next step, or the tokens stage 0 drafts for it
+        (``speculate.step_drafts``), bounded by the room of the row with the least."""
         room = min(
             min(s.max_tokens - len(s.tokens) - 1, self.max_context - s.expect) for s in members
         )
-        if room <= 0:
-            return (), ()
-        for s in drafting:
-            if s.sid in forced:
-                s.draft, s.draft_forced, s.forced = s.forced[:room], True, ()
-                continue
-            k = s.draft_len.next_k() if s.draft_len is not None else MAX_DRAFT
-            if s.model_drafts:
-                s.ask = min(k, room)
-            else:
-                s.draft = tuple(s.drafter.draft(min(k, room)))
-        if any(s.ask for s in members):
-            for s in members:
-                s.draft, s.draft_forced = (), False
-            return (), tuple(s.ask for s in members)
-        if not any(s.draft for s in members):
-            return (), ()
-        return tuple(s.draft for s in members), ()
+        return step_drafts(members, room, self._may_draft)
 
     def _take_lap(
         self, session: SessionState, msg: Tokens, row: int, logprob, now: float, out: Outcome
     ) -> None:
         """A decode step's answer for one row: its accepted drafts, then the last stage's
         token, each through the finish rules (the first that finishes the session ends it)."""
-        draft, session.draft = session.draft, ()
-        asked, session.ask = session.ask, 0
-        kept = msg.kept[row] if msg.kept else 0
-        if not msg.kept:  # the drafts went no further than stage 0 (spec_off says why)
-            asked = 0
-        if asked:  # stage 0's draft model drafted `asked`; the answer names the kept ones
-            draft = msg.accepted[row] if msg.accepted else ()
-            if kept > asked or len(draft) != kept:
-                message = (
-                    f"the last stage accepted {kept} drafted tokens ({len(draft)} ids) of the "
-                    f"{asked} stage 0 was asked for"
-                )
-                self._fail(session, message, now, out)
-                return
-        elif kept > len(draft):
-            message = f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent"
-            self._fail(session, message, now, out)
+        kept, drafted, error = lap_drafts(session, msg, row)
+        if error:
+            self._fail(session, error, now, out)
             return
-        drafted = asked or len(draft)
-        if drafted and session.draft_len is not None and not session.draft_forced:
-            session.draft_len.record(drafted, kept)
-        session.draft_forced = False
         stats = self.spec
         stats.laps += 1
         stats.drafted += drafted
-        stats.accepted += kept
-        for token, lp in (*((t, None) for t in draft[:kept]), (msg.tokens[row], logprob)):
+        stats.accepted += len(kept)
+        for token, lp in (*((t, None) for t in kept), (msg.tokens[row], logprob)):
             stats.tokens += 1
             if self._take(session, token, lp, now, out):
                 return

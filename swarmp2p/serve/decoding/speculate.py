@@ -186,6 +186,66 @@ class SpecStats:
         }
 
 
+def step_drafts(members: Sequence, room: int, may_draft) -> tuple[tuple, tuple[int, ...]]:
+    r"""A decode step's ``(drafts, asks)`` for its rows (the scheduler's ``SessionState``\ s;
+    each () when none drafts), setting each row's ``draft``/``ask``: a row whose grammar forces
+    ids next (``forced``, where ``may_draft(row)``) drafts those; a row with a prompt lookup
+    drafts its guess, one drafting with stage 0's draft model asks for ``k``; ``k`` from the
+    row's adaptive length (MAX_DRAFT without one), at most ``room``: every row of a step runs
+    as many positions as the longest draft, so none may pass the room of the row with the
+    least. Drafts and asks do not share a step: where a row asks, no row sends a draft."""
+    for s in members:
+        s.draft, s.ask, s.draft_forced = (), 0, False
+    if room <= 0:
+        return (), ()
+    for s in members:
+        if s.forced and may_draft(s):
+            s.draft, s.draft_forced, s.forced = s.forced[:room], True, ()
+        elif s.drafter is not None or s.model_drafts:
+            k = min(s.draft_len.next_k() if s.draft_len is not None else MAX_DRAFT, room)
+            if s.model_drafts:
+                s.ask = k
+            else:
+                s.draft = tuple(s.drafter.draft(k))
+    if any(s.ask for s in members):
+        for s in members:
+            s.draft, s.draft_forced = (), False
+        return (), tuple(s.ask for s in members)
+    if not any(s.draft for s in members):
+        return (), ()
+    return tuple(s.draft for s in members), ()
+
+
+def lap_drafts(session, msg, row: int) -> tuple[tuple[int, ...], int, str]:
+    """One row's drafts as the last stage's ``Tokens`` answer ``msg`` settles them: ``(kept
+    ids, tokens drafted, error)`` (error: the answer cannot be right, the session fails).
+    Clears the row's draft and ask; the adaptive length learns from the lap unless its draft
+    was the grammar's forced ids."""
+    draft, session.draft = session.draft, ()
+    asked, session.ask = session.ask, 0
+    forced, session.draft_forced = session.draft_forced, False
+    kept = msg.kept[row] if msg.kept else 0
+    if not msg.kept:  # the drafts went no further than stage 0 (spec_off says why)
+        asked = 0
+    if asked:  # stage 0's draft model drafted `asked`; the answer names the kept ones
+        draft = msg.accepted[row] if msg.accepted else ()
+        if kept > asked or len(draft) != kept:
+            return (
+                (),
+                0,
+                (
+                    f"the last stage accepted {kept} drafted tokens ({len(draft)} ids) of the "
+                    f"{asked} stage 0 was asked for"
+                ),
+            )
+    elif kept > len(draft):
+        return (), 0, f"the last stage accepted {kept} drafted tokens of the {len(draft)} sent"
+    drafted = asked or len(draft)
+    if drafted and session.draft_len is not None and not forced:
+        session.draft_len.record(drafted, kept)
+    return tuple(draft[:kept]), drafted, ""
+
+
 def expected_accepted(rate: float, k: int) -> float:
     """Drafts kept in a lap of ``k`` when each is kept with ``rate`` once its predecessors
     were: ``rate + rate^2 + ... + rate^k``."""
@@ -243,4 +303,6 @@ __all__ = [
     "best_k",
     "draft_lap_cost",
     "expected_accepted",
+    "lap_drafts",
+    "step_drafts",
 ]
