@@ -423,7 +423,9 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
         f"job {view['id']} ({view['name']}): [bold]{view['state']}[/] step {view['step']}/{view['steps']}"
     )
     plan = view["plan"]
-    for i, s in enumerate(plan["stages"]):
+    if plan.get("replicas"):
+        _print_replicas(console, plan)
+    for i, s in enumerate(plan["stages"] if not plan.get("replicas") else ()):
         line = f"  stage {i} on {s['node']} {s['devices']} layers {s['layers']}"
         line += _times(s) + (" (bottleneck)" if i == plan.get("bottleneck") else "")
         console.print(line, markup=False)
@@ -433,6 +435,23 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     if view["reason"]:
         console.print(f"reason: {view['reason']}", markup=False)
     _print_job_end(view)
+
+
+def _print_replicas(console, plan: dict) -> None:
+    """A replicated job's replicas, each with its tokens/s and its stages' compute and sync."""
+    sync = plan.get("sync") or {}
+    console.print(
+        f"  {len(plan['replicas'])} replicas, synced {sync.get('mode', '?')}", markup=False
+    )
+    for rep in plan["replicas"]:
+        rate = rep.get("tokens_per_s")
+        head = f"  replica {rep['replica']}: step {rep.get('step') or 0}"
+        console.print(head + (f", {rate:.0f} tok/s" if rate else ""), markup=False)
+        for i, s in enumerate(rep["stages"]):
+            line = f"    stage {i} on {s['node']} {s['devices']} layers {s['layers']}" + _times(s)
+            if s.get("sync_bytes") is not None:
+                line += f", sync {s['sync_bytes']} B in {s.get('sync_s') or 0:.3g} s"
+            console.print(line + (" (done)" if s.get("done") else ""), markup=False)
 
 
 def _times(stage: dict) -> str:

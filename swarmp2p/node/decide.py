@@ -20,7 +20,7 @@ from swarmp2p.node.records import NO_HELD, NodeRecord, device_key
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.table.registry import model_entry, unique_model_id
-from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_holders
+from swarmp2p.node.training.jobs import all_stages, blocked_note, resume_step, snapshot_holders
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
@@ -218,7 +218,7 @@ def available_memory(
     for job_id, entry in table.jobs.items():
         if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
             continue
-        for stage in entry.plan.stages:
+        for stage in all_stages(entry.plan):
             key = (stage.node_id, device_key(stage.devices[0]))
             promised[key] = promised.get(key, 0) + int(stage.memory.peak)
     out = []
@@ -276,6 +276,7 @@ def _rebalances(entry: JobEntry) -> bool:
         and plan is not None
         and plan.timing is not None
         and len(plan.stages) > 1
+        and plan.n_replicas == 1  # replicas share one split: not re-balanced yet
         and entry.job.split.mode == "speed"
         and not _learned(entry)
         and entry.job.train.checkpoint_every > 0
@@ -418,12 +419,16 @@ def fold_report(
     events: Sequence[WorkerEvent],
     now: float,
     progress_due: bool,
+    replica: int = 0,
 ) -> list[ev.Event]:
     """The table events one batch of stage ``stage``'s worker events makes (none for another
     attempt's stage, already stopped). Steps become one progress sample when ``progress_due``
-    (or at the last step); loss curves are the leader's metrics, not table events."""
+    (or at the last step); loss curves are the leader's metrics, not table events. Progress,
+    evaluations, snapshots and exports are replica 0's (the others' would repeat them)."""
     if attempt != entry.attempt or entry.state in FINAL_STATES or entry.plan is None:
         return []
+    if replica:  # another replica: its stages' ends and failures count
+        return list(_fold_ends(entry, attempt, stage, node_id, events, now, replica))
     last = stage == entry.n_stages - 1
     out: list[ev.Event] = []
     newest_step: StepDone | None = None
@@ -457,30 +462,46 @@ def fold_report(
                     manifest=event.manifest_data,
                 )
             )
-        elif isinstance(event, Done):
-            if newest_step is not None:
+        elif isinstance(event, (Done, Exited)):
+            if isinstance(event, Done) and newest_step is not None:
                 out.append(_progress(entry, attempt, newest_step, now))
                 newest_step = None
-            out.append(ev.StageFinished(job_id=entry.job_id, attempt=attempt, stage=stage, at=now))
-        elif isinstance(event, Exited) and event.code != 0:
-            how = exit_message(event.code)
-            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
-            out.append(
-                ev.JobFailed(
-                    job_id=entry.job_id,
-                    attempt=attempt,
-                    stage=stage,
-                    node_id=node_id,
-                    message=f"{event.error} ({how})" if event.error else how,
-                    stderr_tail=tuple(tail),
-                    at=now,
-                )
-            )
+            out.extend(_fold_ends(entry, attempt, stage, node_id, [event], now, 0))
     if newest_step is not None:
         steps = entry.job.train.steps
         if progress_due or newest_step.step + 1 >= steps or entry.state != "running":
             out.insert(0, _progress(entry, attempt, newest_step, now))
     return out
+
+
+def _fold_ends(
+    entry: JobEntry,
+    attempt: int,
+    stage: int,
+    node_id: str,
+    events: Sequence[WorkerEvent],
+    now: float,
+    replica: int,
+) -> Iterable[ev.Event]:
+    """A stage's ``done`` (it finished) and failed ``exit`` events as table events."""
+    for event in events:
+        if isinstance(event, Done):
+            yield ev.StageFinished(
+                job_id=entry.job_id, attempt=attempt, stage=stage, at=now, replica=replica
+            )
+        elif isinstance(event, Exited) and event.code != 0:
+            how = exit_message(event.code)
+            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
+            message = f"{event.error} ({how})" if event.error else how
+            yield ev.JobFailed(
+                job_id=entry.job_id,
+                attempt=attempt,
+                stage=stage,
+                node_id=node_id,
+                message=f"replica {replica}: {message}" if replica else message,
+                stderr_tail=tuple(tail),
+                at=now,
+            )
 
 
 def _progress(entry: JobEntry, attempt: int, step: StepDone, now: float) -> ev.Event:
@@ -499,10 +520,8 @@ def registration(table: JobTable, job_id: str) -> list[ev.Event]:
     return [ev.ModelRegistered(job_id=job_id, model=model)]
 
 
-def stale_workers(
-    table: JobTable, workers: Iterable[tuple[str, int, int]]
-) -> list[tuple[str, int, int]]:
-    """This node's workers ``(job, attempt, stage)`` the table no longer wants: the job ended,
+def stale_workers(table: JobTable, workers: Iterable[tuple]) -> list[tuple]:
+    """This node's workers ``(job, attempt, ...)`` the table no longer wants: the job ended,
     or a newer attempt replaced theirs. A job the table does not hold yet is left alone (its
     placement may not have reached this node)."""
     out = []
