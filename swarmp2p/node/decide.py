@@ -2,7 +2,8 @@
 
 The leader's part: ``leader_actions`` (who to admit as a member, which jobs to place, recover
 or rewire, which completed jobs to register), ``placement`` (the events a plan — or a blocked
-one — makes) and ``fold_report`` (the table events a batch of a stage's worker events makes).
+one — makes) and ``fold_report`` (the table events a batch of a stage's worker events makes,
+``node/training/reports.py``).
 Every node's part: ``stale_workers`` (its workers the table no longer wants). Thin async code
 in ``jobs_leader`` and ``stages`` executes what these return.
 """
@@ -10,7 +11,6 @@ in ``jobs_leader`` and ``stages`` executes what these return.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,20 +21,11 @@ from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.table.registry import model_entry, unique_model_id
 from swarmp2p.node.training.jobs import all_stages, blocked_note, resume_step, snapshot_holders
+from swarmp2p.node.training.reports import fold_report, number
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.timings import TIMINGS
-from swarmp2p.workers import exit_message
-from swarmp2p.workers.events import (
-    Done,
-    Evaluated,
-    Exited,
-    Exported,
-    SnapshotSaved,
-    StepDone,
-    WorkerEvent,
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -317,7 +308,7 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
     per_stage: list[list[float]] = [[] for _ in range(n)]
     for k in window:
         for i in range(n):
-            m = _number(steps[str(k)].get(str(i)))
+            m = number(steps[str(k)].get(str(i)))
             if m is None or m <= 0:
                 return None
             per_stage[i].append(m)
@@ -403,111 +394,6 @@ def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
     if entry.state == "pending" and entry.reason == reason:
         return []
     return [ev.JobPending(job_id=entry.job_id, reason=reason, at=now)]
-
-
-def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) else None
-
-
-def fold_report(
-    entry: JobEntry,
-    *,
-    attempt: int,
-    stage: int,
-    node_id: str,
-    events: Sequence[WorkerEvent],
-    now: float,
-    progress_due: bool,
-    replica: int = 0,
-) -> list[ev.Event]:
-    """The table events one batch of stage ``stage``'s worker events makes (none for another
-    attempt's stage, already stopped). Steps become one progress sample when ``progress_due``
-    (or at the last step); loss curves are the leader's metrics, not table events. Progress,
-    evaluations, snapshots and exports are replica 0's (the others' would repeat them)."""
-    if attempt != entry.attempt or entry.state in FINAL_STATES or entry.plan is None:
-        return []
-    if replica:  # another replica: its stages' ends and failures count
-        return list(_fold_ends(entry, attempt, stage, node_id, events, now, replica))
-    last = stage == entry.n_stages - 1
-    out: list[ev.Event] = []
-    newest_step: StepDone | None = None
-    for event in events:
-        if isinstance(event, StepDone) and last:
-            newest_step = event
-        elif isinstance(event, SnapshotSaved):
-            out.append(
-                ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event.step, node_id=node_id)
-            )
-            progress_due = True
-        elif isinstance(event, Evaluated) and last:
-            out.append(
-                ev.EvaluationReported(
-                    job_id=entry.job_id,
-                    name=event.name[:64],
-                    loss=_number(event.loss),
-                    perplexity=_number(event.perplexity),
-                    top1=_number(event.top1),
-                    tokens=event.tokens,
-                )
-            )
-        elif isinstance(event, Exported) and event.manifest_data is not None:
-            out.append(
-                ev.StageExported(
-                    job_id=entry.job_id,
-                    attempt=attempt,
-                    stage=stage,
-                    node_id=node_id,
-                    folder=f"export/stage-{stage}",
-                    manifest=event.manifest_data,
-                )
-            )
-        elif isinstance(event, (Done, Exited)):
-            if isinstance(event, Done) and newest_step is not None:
-                out.append(_progress(entry, attempt, newest_step, now))
-                newest_step = None
-            out.extend(_fold_ends(entry, attempt, stage, node_id, [event], now, 0))
-    if newest_step is not None:
-        steps = entry.job.train.steps
-        if progress_due or newest_step.step + 1 >= steps or entry.state != "running":
-            out.insert(0, _progress(entry, attempt, newest_step, now))
-    return out
-
-
-def _fold_ends(
-    entry: JobEntry,
-    attempt: int,
-    stage: int,
-    node_id: str,
-    events: Sequence[WorkerEvent],
-    now: float,
-    replica: int,
-) -> Iterable[ev.Event]:
-    """A stage's ``done`` (it finished) and failed ``exit`` events as table events."""
-    for event in events:
-        if isinstance(event, Done):
-            yield ev.StageFinished(
-                job_id=entry.job_id, attempt=attempt, stage=stage, at=now, replica=replica
-            )
-        elif isinstance(event, Exited) and event.code != 0:
-            how = exit_message(event.code)
-            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
-            message = f"{event.error} ({how})" if event.error else how
-            yield ev.JobFailed(
-                job_id=entry.job_id,
-                attempt=attempt,
-                stage=stage,
-                node_id=node_id,
-                message=f"replica {replica}: {message}" if replica else message,
-                stderr_tail=tuple(tail),
-                at=now,
-            )
-
-
-def _progress(entry: JobEntry, attempt: int, step: StepDone, now: float) -> ev.Event:
-    return ev.StepsReported(
-        job_id=entry.job_id, attempt=attempt, step=step.step + 1, loss=_number(step.loss), at=now
-    )
 
 
 def registration(table: JobTable, job_id: str) -> list[ev.Event]:
