@@ -182,23 +182,27 @@ def _print_live_plan(result: dict) -> None:
 
 def plan_table(view: dict):
     """The placed job's plan as `swarm train` prints it once: a row per stage (node, devices,
-    layers, predicted seconds per step), titled with its dtype, mode and predicted step."""
+    layers, predicted seconds per step; with replicas, every replica's), titled with its
+    dtype, mode and predicted step."""
     from rich.table import Table
 
     plan = view["plan"]
     step_s = plan.get("predicted_step_s")
+    replicas = plan.get("replicas") or [{"replica": 0, "stages": plan["stages"]}]
     t = Table(
         title=f"plan: dtype {plan.get('dtype')}, {plan.get('finetune_mode')}"
+        + (f", {len(replicas)} replicas" if len(replicas) > 1 else "")
         + (f", predicted {step_s:.2f} s/step" if isinstance(step_s, (int, float)) else ""),
         title_justify="left",
     )
     for col in ("stage", "node", "devices", "layers", "predicted s/step"):
         t.add_column(col)
-    for i, s in enumerate(plan["stages"]):
+    rows = [(r["replica"], i, s) for r in replicas for i, s in enumerate(r["stages"])]
+    for r, i, s in rows:
         predicted = s.get("predicted_s")
-        mark = " (slowest)" if i == plan.get("bottleneck") else ""
+        mark = " (slowest)" if r == 0 and i == plan.get("bottleneck") else ""
         t.add_row(
-            str(i),
+            f"{i}" if len(replicas) == 1 else f"{i} (replica {r})",
             s.get("node_name") or s["node"],
             ", ".join(s["devices"]),
             f"{s['layers'][0]}-{s['layers'][1] - 1}",

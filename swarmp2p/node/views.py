@@ -81,7 +81,8 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict
 
 def replicas_view(entry: JobEntry, metrics: Mapping[str, Data]) -> list[dict[str, Data]]:
     """A replicated job's replicas (`swarm jobs show`): each one's stages (node, devices,
-    layers, compute and sync per step, done) and its own step, loss and tokens/s."""
+    layers, compute and sync per step, done), its own step, loss and tokens/s, and its
+    held-out losses (equal replicas score the same)."""
     plan = entry.plan
     assert plan is not None
     out: list[dict[str, Data]] = []
@@ -108,6 +109,7 @@ def replicas_view(entry: JobEntry, metrics: Mapping[str, Data]) -> list[dict[str
                 "replica": r,
                 "stages": stages,
                 **{k: got.get(k) for k in ("step", "loss", "tokens_per_s", "steady_tokens_per_s")},
+                "evaluation": dict(got.get("evaluation") or {}),
             }
         )
     return out

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from swarmp2p.workers.events import Phase, Ready, StepDone, WorkerEvent
+from swarmp2p.workers.events import Evaluated, Phase, Ready, StepDone, WorkerEvent
 
 CURVE_POINTS = 500
 """Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``
@@ -152,8 +152,9 @@ class MetricsStore:
     ) -> None:
         """Replica 0's steps make the job's metrics (as one pipeline's); with replicas each
         replica's own are under ``replicas`` (replica -> its ``stages``, ``step``, ``loss``,
-        ``tokens_per_s``, ``steady_tokens_per_s``, ``phases``), and the job's ``tokens_per_s``
-        is every replica's together."""
+        ``tokens_per_s``, ``steady_tokens_per_s``, ``phases``, and ``evaluation``: each held-out
+        pass's loss, the same on every replica when they hold equal weights), and the job's
+        ``tokens_per_s`` is every replica's together."""
         metrics = self._jobs.setdefault(job_id, {})
         synced = n_replicas > 1
         own = metrics.setdefault("replicas", {}).setdefault(str(replica), {}) if synced else {}
@@ -171,6 +172,8 @@ class MetricsStore:
                 fold_phase(metrics, attempt=attempt, stage=stage, event=event)
             if synced:
                 fold_phase(own, attempt=attempt, stage=stage, event=event)
+                if isinstance(event, Evaluated) and stage == n_stages - 1:  # equal replicas
+                    own.setdefault("evaluation", {})[event.name[:64]] = _float(event.loss)
         if synced and stage == n_stages - 1:
             _fold_total(metrics, n_replicas)
 

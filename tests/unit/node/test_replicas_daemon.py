@@ -173,3 +173,30 @@ def test_a_stage_start_carries_the_replica_and_its_ring_ends():
                       plan=plan, next="", resume_step=0, snapshot_nodes=[], leader="a")  # fmt: skip
     assert not {"replica", "ring_next", "ring_prev"} & set(msgpack.unpackb(encode(zero)))
     assert key("a")  # the members' keys the ring is admitted with are the table's
+
+
+def test_swarm_train_and_jobs_show_print_every_replicas_stages():
+    import io
+
+    from rich.console import Console
+
+    from swarmp2p.cli._jobs import _print_replicas, plan_table
+
+    log, plan = _placed()
+    store = MetricsStore()
+    for r in (0, 1):
+        for i in (0, 1):
+            store.fold("j1", attempt=1, stage=i, n_stages=2, replica=r, n_replicas=2,
+                       events=[_step(0, sync_bytes=4096, sync_s=0.02)])  # fmt: skip
+    log(ev.StageFinished(job_id="j1", attempt=1, stage=0, at=6.0, replica=1))
+    view = views.job_view(log.table.jobs["j1"], store.get("j1"))
+    out = io.StringIO()
+    console = Console(file=out, width=120, color_system=None)
+    console.print(plan_table(view))
+    _print_replicas(console, view["plan"])
+    text = out.getvalue()
+    assert "2 replicas" in text and "1 (replica 1)" in text, text
+    assert "2 replicas, synced step" in text and "replica 1: step 1, 100 tok/s" in text, text
+    assert text.count("sync 4096 B in 0.02 s") == 4 and text.count("(done)") == 1, text
+    node = plan.replica_stages(1)[0].node_id
+    assert f"stage 0 on {node}" in text, text
