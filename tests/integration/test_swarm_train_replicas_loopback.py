@@ -95,3 +95,48 @@ def test_a_two_by_two_job_trains_through_swarm_train_with_equal_replicas(loopbac
     for r in replicas:
         assert f"replica {r['replica']}: step {STEPS}" in shown.stdout, shown.stdout
     assert shown.stdout.count("(done)") == 4 and "sync " in shown.stdout, shown.stdout
+
+
+def _job_view(node, job_id):
+    from swarmp2p.node import api
+
+    return api.request(node.state.api_socket, "job", timeout=5.0, job_id=job_id)
+
+
+def test_a_replicated_job_that_loses_a_node_resumes_from_its_snapshot_and_completes(
+    loopback_swarm, tmp_path
+):
+    """Five daemons, a 2 x 2 job on four: a node of replica 1 is killed mid-run, the leader
+    re-plans the job (both replicas, on the four left) from its newest snapshot, and the
+    resumed replicas end equal."""
+    from swarm_harness import wait_until
+
+    model = tiny_llama(tmp_path / "tiny-llama", vocab=128)
+    nodes = loopback_swarm.start("abcde", token=TOKEN, env=ENV)
+    a = nodes[0]
+    job = _job(model)
+    job["train"].update(steps=60, checkpoint_every=5)
+    job_id = a.submit(job, job_id="r1")["job_id"]
+    view = wait_until(
+        lambda: (v := _job_view(a, job_id))["state"] == "RUNNING" and v["step"] >= 7 and v,
+        240,
+        "the job to pass its first snapshots",
+    )
+    replicas = view["plan"]["replicas"]
+    victim = next(s["node"] for s in replicas[1]["stages"] if s["node"] != "a")
+    by_node = {n.state.root.name: n for n in nodes}
+    by_node[victim].kill()
+    done = wait_until(
+        lambda: (v := _job_view(a, job_id))["state"] in ("COMPLETED", "FAILED") and v,
+        300,
+        "the job to end",
+    )
+    assert done["state"] == "COMPLETED", json.dumps(done, indent=1)[:4000] + dump(nodes)
+    assert done["attempt"] == 2 and "resuming" in [h["state"] for h in done["history"]]
+    record = next(j for j in a.status()["jobs"] if j["job_id"] == job_id)["record"]
+    assert record["resume_step"] >= 5 and record["resume_step"] % 5 == 0, record["resume_step"]
+    print("killed", victim, "at step", view["step"], "resumed from", record["resume_step"])
+    placed = [s["node"] for r in done["plan"]["replicas"] for s in r["stages"]]
+    assert victim not in placed and len(set(placed)) == 4, placed
+    zero, one = (r["evaluation"] for r in done["plan"]["replicas"])
+    assert zero["trained"] == one["trained"] and zero["trained"] != zero["base"], done
