@@ -496,12 +496,13 @@ def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     "logs",
     "Print one JSON object (the log in text).",
     click.option("--stage", type=int, default=None, help="Stage index (default: the last)."),
+    click.option("--replica", type=int, default=0, help="Replica index (split.replicas)."),
 )
-def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
+def jobs_logs(ctx, job_id, stage, replica, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
     from swarmp2p.client import jobs as job_commands
 
-    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage)
+    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage, replica)
     if as_json:
         _echo_json(out)
     else:

@@ -95,6 +95,12 @@ def test_a_two_by_two_job_trains_through_swarm_train_with_equal_replicas(loopbac
     for r in replicas:
         assert f"replica {r['replica']}: step {STEPS}" in shown.stdout, shown.stdout
     assert shown.stdout.count("(done)") == 4 and "sync " in shown.stdout, shown.stdout
+    logs = swarm(a, "jobs", "logs", view["id"], "--stage", "0", "--replica", "1", "--json")
+    assert logs.returncode == 0, logs.stderr
+    got = json.loads(logs.stdout)
+    assert (got["replica"], got["node"]) == (1, replicas[1]["stages"][0]["node"]), got
+    bad = swarm(a, "jobs", "logs", view["id"], "--replica", "2")
+    assert bad.returncode != 0 and "'replica' must be in 0..1" in bad.stderr, bad.stderr
 
 
 def _job_view(node, job_id):
