@@ -182,23 +182,27 @@ def _print_live_plan(result: dict) -> None:
 
 def plan_table(view: dict):
     """The placed job's plan as `swarm train` prints it once: a row per stage (node, devices,
-    layers, predicted seconds per step), titled with its dtype, mode and predicted step."""
+    layers, predicted seconds per step; with replicas, every replica's), titled with its
+    dtype, mode and predicted step."""
     from rich.table import Table
 
     plan = view["plan"]
     step_s = plan.get("predicted_step_s")
+    replicas = plan.get("replicas") or [{"replica": 0, "stages": plan["stages"]}]
     t = Table(
         title=f"plan: dtype {plan.get('dtype')}, {plan.get('finetune_mode')}"
+        + (f", {len(replicas)} replicas" if len(replicas) > 1 else "")
         + (f", predicted {step_s:.2f} s/step" if isinstance(step_s, (int, float)) else ""),
         title_justify="left",
     )
     for col in ("stage", "node", "devices", "layers", "predicted s/step"):
         t.add_column(col)
-    for i, s in enumerate(plan["stages"]):
+    rows = [(r["replica"], i, s) for r in replicas for i, s in enumerate(r["stages"])]
+    for r, i, s in rows:
         predicted = s.get("predicted_s")
-        mark = " (slowest)" if i == plan.get("bottleneck") else ""
+        mark = " (slowest)" if r == 0 and i == plan.get("bottleneck") else ""
         t.add_row(
-            str(i),
+            f"{i}" if len(replicas) == 1 else f"{i} (replica {r})",
             s.get("node_name") or s["node"],
             ", ".join(s["devices"]),
             f"{s['layers'][0]}-{s['layers'][1] - 1}",
@@ -423,7 +427,9 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
         f"job {view['id']} ({view['name']}): [bold]{view['state']}[/] step {view['step']}/{view['steps']}"
     )
     plan = view["plan"]
-    for i, s in enumerate(plan["stages"]):
+    if plan.get("replicas"):
+        _print_replicas(console, plan)
+    for i, s in enumerate(plan["stages"] if not plan.get("replicas") else ()):
         line = f"  stage {i} on {s['node']} {s['devices']} layers {s['layers']}"
         line += _times(s) + (" (bottleneck)" if i == plan.get("bottleneck") else "")
         console.print(line, markup=False)
@@ -433,6 +439,23 @@ def jobs_show(ctx, job_id, as_json, state_dir) -> None:
     if view["reason"]:
         console.print(f"reason: {view['reason']}", markup=False)
     _print_job_end(view)
+
+
+def _print_replicas(console, plan: dict) -> None:
+    """A replicated job's replicas, each with its tokens/s and its stages' compute and sync."""
+    sync = plan.get("sync") or {}
+    console.print(
+        f"  {len(plan['replicas'])} replicas, synced {sync.get('mode', '?')}", markup=False
+    )
+    for rep in plan["replicas"]:
+        rate = rep.get("tokens_per_s")
+        head = f"  replica {rep['replica']}: step {rep.get('step') or 0}"
+        console.print(head + (f", {rate:.0f} tok/s" if rate else ""), markup=False)
+        for i, s in enumerate(rep["stages"]):
+            line = f"    stage {i} on {s['node']} {s['devices']} layers {s['layers']}" + _times(s)
+            if s.get("sync_bytes") is not None:
+                line += f", sync {s['sync_bytes']} B in {s.get('sync_s') or 0:.3g} s"
+            console.print(line + (" (done)" if s.get("done") else ""), markup=False)
 
 
 def _times(stage: dict) -> str:
@@ -473,12 +496,13 @@ def jobs_cancel(ctx, job_id, as_json, state_dir) -> None:
     "logs",
     "Print one JSON object (the log in text).",
     click.option("--stage", type=int, default=None, help="Stage index (default: the last)."),
+    click.option("--replica", type=int, default=0, help="Replica index (split.replicas)."),
 )
-def jobs_logs(ctx, job_id, stage, as_json, state_dir) -> None:
+def jobs_logs(ctx, job_id, stage, replica, as_json, state_dir) -> None:
     """A stage worker's stderr log, fetched from the node that ran it."""
     from swarmp2p.client import jobs as job_commands
 
-    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage)
+    out = _ask(job_commands.job_logs, _jobs_state_dir(ctx, state_dir), job_id, stage, replica)
     if as_json:
         _echo_json(out)
     else:

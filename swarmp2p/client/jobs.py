@@ -106,8 +106,9 @@ def cancel_job(state_dir: Path, job_id: str) -> dict[str, Any]:
     return _send(state_dir, rq.CancelRequest(job_id=job_id), timeout=30.0)
 
 
-def job_logs(state_dir: Path, job_id: str, stage: int | None) -> dict[str, Any]:
-    return _send(state_dir, rq.LogsRequest(job_id=job_id, stage=stage), timeout=30.0)
+def job_logs(state_dir: Path, job_id: str, stage: int | None, replica: int = 0) -> dict[str, Any]:
+    req = rq.LogsRequest(job_id=job_id, stage=stage, replica=replica)
+    return _send(state_dir, req, timeout=30.0)
 
 
 def models(state_dir: Path) -> list[dict[str, Any]]:

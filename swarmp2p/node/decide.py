@@ -2,7 +2,8 @@
 
 The leader's part: ``leader_actions`` (who to admit as a member, which jobs to place, recover
 or rewire, which completed jobs to register), ``placement`` (the events a plan — or a blocked
-one — makes) and ``fold_report`` (the table events a batch of a stage's worker events makes).
+one — makes) and ``fold_report`` (the table events a batch of a stage's worker events makes,
+``node/training/reports.py``).
 Every node's part: ``stale_workers`` (its workers the table no longer wants). Thin async code
 in ``jobs_leader`` and ``stages`` executes what these return.
 """
@@ -10,7 +11,6 @@ in ``jobs_leader`` and ``stages`` executes what these return.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,21 +20,12 @@ from swarmp2p.node.records import NO_HELD, NodeRecord, device_key
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import ACTIVE_STATES, FINAL_STATES, JobEntry, JobTable
 from swarmp2p.node.table.registry import model_entry, unique_model_id
-from swarmp2p.node.training.jobs import blocked_note, resume_step, snapshot_holders
+from swarmp2p.node.training.jobs import all_stages, blocked_note, resume_step, snapshot_holders
+from swarmp2p.node.training.reports import fold_report, number
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.plan.hardware import Speeds
 from swarmp2p.plan.speed import learned_speeds
 from swarmp2p.timings import TIMINGS
-from swarmp2p.workers import exit_message
-from swarmp2p.workers.events import (
-    Done,
-    Evaluated,
-    Exited,
-    Exported,
-    SnapshotSaved,
-    StepDone,
-    WorkerEvent,
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,7 +209,7 @@ def available_memory(
     for job_id, entry in table.jobs.items():
         if job_id == exclude or entry.state not in ACTIVE_STATES or entry.plan is None:
             continue
-        for stage in entry.plan.stages:
+        for stage in all_stages(entry.plan):
             key = (stage.node_id, device_key(stage.devices[0]))
             promised[key] = promised.get(key, 0) + int(stage.memory.peak)
     out = []
@@ -276,6 +267,7 @@ def _rebalances(entry: JobEntry) -> bool:
         and plan is not None
         and plan.timing is not None
         and len(plan.stages) > 1
+        and plan.n_replicas == 1  # replicas share one split: not re-balanced yet
         and entry.job.split.mode == "speed"
         and not _learned(entry)
         and entry.job.train.checkpoint_every > 0
@@ -316,7 +308,7 @@ def rebalance_due(entry: JobEntry, compute: Mapping[str, Any] | None) -> Rebalan
     per_stage: list[list[float]] = [[] for _ in range(n)]
     for k in window:
         for i in range(n):
-            m = _number(steps[str(k)].get(str(i)))
+            m = number(steps[str(k)].get(str(i)))
             if m is None or m <= 0:
                 return None
             per_stage[i].append(m)
@@ -404,91 +396,6 @@ def _pending(entry: JobEntry, reason: str, now: float) -> list[ev.Event]:
     return [ev.JobPending(job_id=entry.job_id, reason=reason, at=now)]
 
 
-def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) else None
-
-
-def fold_report(
-    entry: JobEntry,
-    *,
-    attempt: int,
-    stage: int,
-    node_id: str,
-    events: Sequence[WorkerEvent],
-    now: float,
-    progress_due: bool,
-) -> list[ev.Event]:
-    """The table events one batch of stage ``stage``'s worker events makes (none for another
-    attempt's stage, already stopped). Steps become one progress sample when ``progress_due``
-    (or at the last step); loss curves are the leader's metrics, not table events."""
-    if attempt != entry.attempt or entry.state in FINAL_STATES or entry.plan is None:
-        return []
-    last = stage == entry.n_stages - 1
-    out: list[ev.Event] = []
-    newest_step: StepDone | None = None
-    for event in events:
-        if isinstance(event, StepDone) and last:
-            newest_step = event
-        elif isinstance(event, SnapshotSaved):
-            out.append(
-                ev.SnapshotHeld(job_id=entry.job_id, stage=stage, step=event.step, node_id=node_id)
-            )
-            progress_due = True
-        elif isinstance(event, Evaluated) and last:
-            out.append(
-                ev.EvaluationReported(
-                    job_id=entry.job_id,
-                    name=event.name[:64],
-                    loss=_number(event.loss),
-                    perplexity=_number(event.perplexity),
-                    top1=_number(event.top1),
-                    tokens=event.tokens,
-                )
-            )
-        elif isinstance(event, Exported) and event.manifest_data is not None:
-            out.append(
-                ev.StageExported(
-                    job_id=entry.job_id,
-                    attempt=attempt,
-                    stage=stage,
-                    node_id=node_id,
-                    folder=f"export/stage-{stage}",
-                    manifest=event.manifest_data,
-                )
-            )
-        elif isinstance(event, Done):
-            if newest_step is not None:
-                out.append(_progress(entry, attempt, newest_step, now))
-                newest_step = None
-            out.append(ev.StageFinished(job_id=entry.job_id, attempt=attempt, stage=stage, at=now))
-        elif isinstance(event, Exited) and event.code != 0:
-            how = exit_message(event.code)
-            tail = [line[:2000] for line in event.stderr_tail][-ev.MAX_TAIL_LINES :]
-            out.append(
-                ev.JobFailed(
-                    job_id=entry.job_id,
-                    attempt=attempt,
-                    stage=stage,
-                    node_id=node_id,
-                    message=f"{event.error} ({how})" if event.error else how,
-                    stderr_tail=tuple(tail),
-                    at=now,
-                )
-            )
-    if newest_step is not None:
-        steps = entry.job.train.steps
-        if progress_due or newest_step.step + 1 >= steps or entry.state != "running":
-            out.insert(0, _progress(entry, attempt, newest_step, now))
-    return out
-
-
-def _progress(entry: JobEntry, attempt: int, step: StepDone, now: float) -> ev.Event:
-    return ev.StepsReported(
-        job_id=entry.job_id, attempt=attempt, step=step.step + 1, loss=_number(step.loss), at=now
-    )
-
-
 def registration(table: JobTable, job_id: str) -> list[ev.Event]:
     """A completed job's model, under an id no other model has."""
     entry = table.jobs[job_id]
@@ -499,10 +406,8 @@ def registration(table: JobTable, job_id: str) -> list[ev.Event]:
     return [ev.ModelRegistered(job_id=job_id, model=model)]
 
 
-def stale_workers(
-    table: JobTable, workers: Iterable[tuple[str, int, int]]
-) -> list[tuple[str, int, int]]:
-    """This node's workers ``(job, attempt, stage)`` the table no longer wants: the job ended,
+def stale_workers(table: JobTable, workers: Iterable[tuple]) -> list[tuple]:
+    """This node's workers ``(job, attempt, ...)`` the table no longer wants: the job ended,
     or a newer attempt replaced theirs. A job the table does not hold yet is left alone (its
     placement may not have reached this node)."""
     out = []

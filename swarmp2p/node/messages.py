@@ -180,6 +180,8 @@ class Submitted(Message):
 class StageStart(Message):
     """Leader to a stage's node: check the plan from these inputs, start the stage's worker."""
 
+    OMIT_DEFAULTS = frozenset({"replica", "ring_next", "ring_prev"})
+
     job_id: JobId
     attempt: Attempt
     stage: StageIndex
@@ -206,17 +208,32 @@ class StageStart(Message):
     stage's slice is cut from."""
     cuts: list[int] | None = None
     """The cuts the leader planned with (None: the planner's own choice from the job)."""
+    replica: int = field(default=0, ge=0, le=1024)
+    """Which of the plan's replicas (``split.replicas``) this stage belongs to (0: the plan's
+    ``stages``)."""
+    ring_next: str = field(default="", max_len=300)
+    """The replica ring: the endpoint of the next replica's member to dial; empty: this member
+    binds it (replica 0, and every replica but the last, binds; ``job.stage_ready`` says the
+    port)."""
+    ring_prev: str = field(default="", max_len=300)
+    """The endpoint of the previous replica's member to dial; empty on replica 0 (it binds)."""
 
 
 @message("job.stage_ready")
 class StageReady(Message):
-    """The stage's worker is up; the stage before dials ``tcp://host:port`` (0 on stage 0)."""
+    """The stage's worker is up; the stage before dials ``tcp://host:port`` (0 on stage 0).
+    With replicas its ring's bound ends too (0: dialled, or one replica)."""
+
+    OMIT_DEFAULTS = frozenset({"replica", "ring_next_port", "ring_prev_port"})
 
     job_id: str
     attempt: int
     stage: int
     host: str
     port: int
+    replica: int = field(default=0, ge=0, le=1024)
+    ring_next_port: int = field(default=0, ge=0, le=65535)
+    ring_prev_port: int = field(default=0, ge=0, le=65535)
 
 
 @message("job.stage_stop")
@@ -231,11 +248,14 @@ class StageStop(Message):
 class StageReport(Message):
     """A node's worker events for the leader (``exit`` events carry code and stderr tail)."""
 
+    OMIT_DEFAULTS = frozenset({"replica"})
+
     node_id: str
     job_id: str
     attempt: int
     stage: int
     events: list
+    replica: int = field(default=0, ge=0, le=1024)
 
 
 @message("job.cancel")

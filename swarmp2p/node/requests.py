@@ -111,10 +111,12 @@ class CancelRequest(ApiRequest):
 
 @request("logs")
 class LogsRequest(ApiRequest):
-    """`swarm jobs logs ID`: the tail of stage ``stage``'s log (None: the last stage)."""
+    """`swarm jobs logs ID`: the tail of stage ``stage``'s log (None: the last stage) of
+    replica ``replica`` (``split.replicas``; 0: the plan's ``stages``)."""
 
     job_id: str = field(min_len=1, max_len=256)
     stage: int | None = field(default=None, ge=0)
+    replica: int = field(default=0, ge=0, le=1024)
 
 
 @request("models")

@@ -38,7 +38,7 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict
     metrics.setdefault("step", entry.step)
     if entry.loss is not None:
         metrics.setdefault("loss", entry.loss)
-    return {
+    view = {
         "id": entry.job_id,
         "name": entry.name,
         "state": entry.state.upper(),
@@ -73,6 +73,46 @@ def job_view(entry: JobEntry, metrics: Mapping[str, Data] | None = None) -> dict
         "job": entry.job.to_dict(),
         "rebalances": entry.rebalances,
     }
+    if plan is not None and plan.n_replicas > 1:
+        view["plan"]["replicas"] = replicas_view(entry, metrics)  # type: ignore[index]
+        view["plan"]["sync"] = to_data(entry.job.train.sync)  # type: ignore[index]
+    return view
+
+
+def replicas_view(entry: JobEntry, metrics: Mapping[str, Data]) -> list[dict[str, Data]]:
+    """A replicated job's replicas (`swarm jobs show`): each one's stages (node, devices,
+    layers, compute and sync per step, done), its own step, loss and tokens/s, and its
+    held-out losses (equal replicas score the same)."""
+    plan = entry.plan
+    assert plan is not None
+    out: list[dict[str, Data]] = []
+    for r in range(plan.n_replicas):
+        got = ((metrics.get("replicas") or {}).get(str(r))) or {}
+        timing = plan.timing if r == 0 else plan.replicas[r - 1].timing
+        stages = []
+        for i, s in enumerate(plan.replica_stages(r)):
+            measured = (got.get("stages") or {}).get(str(i)) or {}
+            stages.append(
+                {
+                    "node": s.node_id,
+                    "node_name": s.node,
+                    "devices": list(s.devices),
+                    "layers": list(s.layers),
+                    **_predicted_vs_measured(timing, got, i),
+                    "sync_bytes": measured.get("sync_bytes"),
+                    "sync_s": measured.get("sync_s"),
+                    "done": r * entry.n_stages + i in entry.done_stages,
+                }
+            )
+        out.append(
+            {
+                "replica": r,
+                "stages": stages,
+                **{k: got.get(k) for k in ("step", "loss", "tokens_per_s", "steady_tokens_per_s")},
+                "evaluation": dict(got.get("evaluation") or {}),
+            }
+        )
+    return out
 
 
 def _predicted_vs_measured(
@@ -159,4 +199,13 @@ def eta_s(step: int, steps: int, step_s: float | None) -> float | None:
     return (steps - step) * step_s
 
 
-__all__ = ["devices", "entry_json", "eta_s", "find_entry", "job_view", "jobs_list", "peer_rows"]
+__all__ = [
+    "devices",
+    "entry_json",
+    "eta_s",
+    "find_entry",
+    "job_view",
+    "jobs_list",
+    "peer_rows",
+    "replicas_view",
+]

@@ -42,6 +42,7 @@ CAPABILITIES: frozenset[str] = frozenset(
         "serve-codec",
         "swarm-sdpa",
         "zero-bubble",
+        "replicas",
     }
 )
 """Features this version implements; a plan enables one only when every assigned node has it."""

@@ -53,6 +53,9 @@ class Message:
     """Base of every control message; ``id`` pairs a reply with its request (0: none)."""
 
     TYPE: ClassVar[str] = ""
+    OMIT_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
+    """Fields left off the wire while they hold their default (:func:`decode` fills it in):
+    a field added later keeps the older messages' bytes where it is not used."""
 
     id: int = 0
 
@@ -119,7 +122,10 @@ def encode(msg: Message) -> bytes:
         raise WireError("bad_field", f"{cls.TYPE}.id must be in 0..2**63-1, got {msg.id}")
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": cls.TYPE, "id": msg.id}
     errors: list[schema.FieldError] = []
+    omit = _omitted(msg) if cls.OMIT_DEFAULTS else frozenset()
     for f in schema.fields_of(cls):
+        if f.name in omit:
+            continue
         value = schema.to_data(getattr(msg, f.name))
         f.check(value, f"{cls.TYPE}.{f.name}", errors)
         if f.name != "id":
@@ -135,6 +141,15 @@ def encode(msg: Message) -> bytes:
             msg_id=msg.id,
         )
     return data
+
+
+def _omitted(msg: Message) -> frozenset[str]:
+    """``msg``'s OMIT_DEFAULTS fields that hold their defaults."""
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(msg)
+        if f.name in msg.OMIT_DEFAULTS and getattr(msg, f.name) == f.default
+    )
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -85,9 +85,11 @@ def refusal(msg: Message, sender: Sender, table: JobTable, view_leader: str) -> 
     if isinstance(msg, m.StageReport):
         entry = table.jobs.get(msg.job_id)
         if entry is not None and entry.plan is not None and entry.attempt == msg.attempt:
-            stages = entry.plan.stages
+            r = msg.replica
+            stages = entry.plan.replica_stages(r) if r < entry.plan.n_replicas else ()
             if not 0 <= msg.stage < len(stages) or stages[msg.stage].node_id != who:
-                return f"stage {msg.stage} of job {msg.job_id} does not run on node {who}"
+                where = f"stage {msg.stage}" + (f" of replica {r}" if r else "")
+                return f"{where} of job {msg.job_id} does not run on node {who}"
     return ""
 
 

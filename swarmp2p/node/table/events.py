@@ -7,6 +7,7 @@ replay are one code path. An event on the wire or on disk is ``{"event": NAME, *
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
@@ -34,6 +35,9 @@ class Event:
     """Base of every table event; ``NAME`` is its wire name."""
 
     NAME: ClassVar[str] = ""
+    OMIT_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
+    """Fields written only when they differ from their default (``replica``): a one-replica
+    job's events keep the bytes they had before replicas."""
 
 
 EVENTS: dict[str, type[Event]] = {}
@@ -234,12 +238,16 @@ class StageExported(Event):
 
 @event("stage_finished")
 class StageFinished(Event):
-    """Stage ``stage`` of ``attempt`` ran every step and exited cleanly."""
+    """Stage ``stage`` of replica ``replica`` of ``attempt`` ran every step and exited
+    cleanly."""
+
+    OMIT_DEFAULTS = frozenset({"replica"})
 
     job_id: JobId
     attempt: Attempt
     stage: StageIndex
     at: float
+    replica: int = field(default=0, ge=0, le=1024)
 
 
 @event("job_failed")
@@ -390,7 +398,17 @@ class Entry:
 
 
 def event_to_data(ev: Event) -> dict[str, Data]:
-    return {"event": ev.NAME, **to_data(ev)}
+    data = to_data(ev)
+    for name in ev.OMIT_DEFAULTS:
+        if data.get(name) == _DEFAULTS[type(ev)][name]:
+            del data[name]
+    return {"event": ev.NAME, **data}
+
+
+_DEFAULTS: dict[type, dict[str, object]] = {
+    cls: {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.OMIT_DEFAULTS}
+    for cls in EVENTS.values()
+}
 
 
 def event_from_data(data: Data, path: str = "event") -> Event:

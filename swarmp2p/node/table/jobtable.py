@@ -108,6 +108,8 @@ class JobEntry:
     step: int = field(default=0, ge=0)
     loss: float | None = None
     done_stages: tuple[int, ...] = ()
+    """The stages that finished, each as its slot: replica r's stage i is ``r * n_stages + i``
+    (one replica: the stage indices)."""
     snapshots: dict[str, dict[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
     """Stage -> step -> the nodes holding that snapshot (string keys: the table is JSON)."""
     shards: dict[str, Shard] = dataclasses.field(default_factory=dict)
@@ -136,8 +138,15 @@ class JobEntry:
         return len(self.plan.stages) if self.plan is not None else 0
 
     @property
+    def n_replicas(self) -> int:
+        return self.plan.n_replicas if self.plan is not None else 1
+
+    @property
     def stage_nodes(self) -> tuple[str, ...]:
-        return tuple(s.node_id for s in self.plan.stages) if self.plan is not None else ()
+        """Every replica's stages' nodes, replica by replica (one replica: stage by stage)."""
+        if self.plan is None:
+            return ()
+        return tuple(s.node_id for r in range(self.n_replicas) for s in self.plan.replica_stages(r))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -404,8 +413,10 @@ def apply_stage_exported(t: JobTable, e: ev.StageExported, entry: ev.Entry) -> d
 def apply_stage_finished(t: JobTable, e: ev.StageFinished, entry: ev.Entry) -> dict[str, JobEntry]:
     job = _job(t, e.job_id)
     _current(job, e.attempt, "finish a stage")
-    done = tuple(sorted({*job.done_stages, e.stage}))
-    if len(done) < job.n_stages:
+    if not (e.replica < job.n_replicas and e.stage < job.n_stages):
+        raise ValueError(f"job {e.job_id} has no stage {e.stage} of replica {e.replica}")
+    done = tuple(sorted({*job.done_stages, e.replica * job.n_stages + e.stage}))
+    if len(done) < job.n_stages * job.n_replicas:
         return {e.job_id: replace(job, done_stages=done)}
     steps = job.job.train.steps if reads_data(job.job) else 0  # a none job runs no step
     return {e.job_id: _moved(job, "completed", e.at, done_stages=done, step=steps, reason=None)}

@@ -19,7 +19,7 @@ from swarmp2p.node.messages import ShardChunk, ShardRead, Submit
 from swarmp2p.node.serving import model_files
 from swarmp2p.node.table import registry
 from swarmp2p.node.training import jobs
-from swarmp2p.node.training.stages import CHUNK_BYTES
+from swarmp2p.node.training.stages import CHUNK_BYTES, stage_log
 from swarmp2p.paths import UnsafeName, confine
 from swarmp2p.schema import Data, to_data
 
@@ -103,15 +103,21 @@ def handlers(ctx: NodeContext, leader: JobsLeader, stages: StageHost) -> dict[st
             raise UserError(
                 f"job {e.job_id} was never placed: it has no stage logs", code="no_file"
             )
-        n = e.n_stages
+        n, replicas = e.n_stages, e.n_replicas
         stage = n - 1 if req.stage is None else req.stage
         if not 0 <= stage < n:
             raise UserError(f"'stage' must be in 0..{n - 1}, got {stage!r}", code="bad_field")
-        node = e.plan.stages[stage].node_id
-        data = await read_whole(ctx, node, e.job_id, f"stage-{stage}.log", tail=LOG_BYTES)
+        if req.replica >= replicas:
+            raise UserError(
+                f"'replica' must be in 0..{replicas - 1}, got {req.replica!r}", code="bad_field"
+            )
+        node = e.plan.replica_stages(req.replica)[stage].node_id
+        log_file = stage_log(req.replica, stage)
+        data = await read_whole(ctx, node, e.job_id, log_file, tail=LOG_BYTES)
         return {
             "job_id": e.job_id,
             "stage": stage,
+            **({"replica": req.replica} if replicas > 1 else {}),
             "node": node,
             "text": data.decode(errors="replace"),
         }

@@ -149,9 +149,15 @@ def stages_on_machine(plan: Plan | ServePlan, node_id: str, machines: Mapping[st
     mine = machines.get(node_id) or ""
     return sum(
         1
-        for st in plan.stages
+        for st in all_stages(plan)
         if st.node_id == node_id or (mine and machines.get(st.node_id) == mine)
     )
+
+
+def all_stages(plan: Plan | ServePlan) -> tuple:
+    """Every stage of every replica of ``plan``, replica by replica (a serve plan's stages)."""
+    n = getattr(plan, "n_replicas", 1)
+    return tuple(s for r in range(n) for s in plan.replica_stages(r)) if n > 1 else plan.stages
 
 
 def cpu_threads(cores: int, stages_here: int) -> int:

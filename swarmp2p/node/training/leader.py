@@ -2,9 +2,8 @@
 
 Each heartbeat round ``tick()`` asks ``decide.leader_actions`` what to do and runs each action
 as one task per job: admit a node as a member, place a waiting job (PENDING with a reason when
-the plan is blocked), start its stages last to first (each ``job.stage_start`` answers with the
-worker's bound port, which the stage before dials), re-plan a job that lost a stage node
-(from the newest snapshot every stage holds), register a completed job's model. Worker reports
+the plan is blocked), start its stages (``launch``: every replica's, each last to first),
+re-plan a job that lost a stage node (from the newest snapshot every stage holds), register a completed job's model. Worker reports
 become table events through ``decide.fold_report``; their step numbers become metrics here.
 """
 
@@ -18,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 from swarmp2p.errors import Failed, SwarmError, Unavailable, UserError
-from swarmp2p.net.rpc import ByteBudget, RpcError
+from swarmp2p.net.rpc import ByteBudget
 from swarmp2p.node import decide
 from swarmp2p.node.config import SUBMIT_BURST
 from swarmp2p.node.messages import (
@@ -28,9 +27,7 @@ from swarmp2p.node.messages import (
     JobMetrics,
     JobMetricsFetch,
     ShardCopy,
-    StageReady,
     StageReport,
-    StageStart,
     StageStop,
     Submit,
     Submitted,
@@ -38,7 +35,7 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.table import events as ev
 from swarmp2p.node.table.jobtable import FINAL_STATES, JobEntry
 from swarmp2p.node.table.replication import check_job_id
-from swarmp2p.node.training import jobs
+from swarmp2p.node.training import jobs, launch
 from swarmp2p.node.training.metrics import MetricsStore
 from swarmp2p.plan import Blocked, Node, Plan
 from swarmp2p.schema import Data, SchemaError
@@ -208,72 +205,6 @@ class JobsLeader:
         log.info("job %s attempt %d placed on %s", job_id, placed.attempt, list(placed.stage_nodes))
         await self._launch(job_id, placed.attempt)
 
-    def _stage_start(
-        self, entry: JobEntry, attempt: int, i: int, nxt: str, prepare: bool
-    ) -> StageStart:
-        assert entry.plan is not None
-        resume = entry.resume_step
-        return StageStart(
-            job_id=entry.job_id,
-            attempt=attempt,
-            stage=i,
-            job=entry.job,
-            cluster=entry.cluster,
-            plan=entry.plan,
-            next=nxt,
-            resume_step=resume,
-            snapshot_nodes=jobs.snapshot_holders(entry, i, resume)
-            if resume and not entry.resplit
-            else [],
-            leader=self.ctx.node_id,
-            inputs=entry.inputs,
-            prepare=prepare,
-            resplit=entry.resplit or None,
-            cuts=list(entry.cuts) or None,
-        )
-
-    async def _prepare(self, job_id: str, attempt: int) -> bool:
-        """Every stage's node checks the plan and fetches its files, all at once; False (the
-        job failed, naming the node and the file) when one cannot."""
-        entry = self.ctx.table.jobs[job_id]
-        assert entry.plan is not None
-        nodes = [s.node_id for s in entry.plan.stages]
-        replies = await asyncio.gather(
-            *(
-                self.ctx.call(
-                    n,
-                    self._stage_start(entry, attempt, i, "", True),
-                    self.ctx.config.timings.stage_prepare_s,
-                )
-                for i, n in enumerate(nodes)
-            ),
-            return_exceptions=True,
-        )
-        for i, (node_id, reply) in enumerate(zip(nodes, replies)):
-            if isinstance(reply, BaseException):
-                if self.ctx.table.jobs[job_id].attempt == attempt:
-                    await self._fail_start(
-                        job_id, attempt, i, node_id, f"could not prepare: {reply}"
-                    )
-                return False
-        return True
-
-    async def _fail_start(
-        self, job_id: str, attempt: int, stage: int, node_id: str, message: str
-    ) -> None:
-        """An attempt's stage could not be prepared or started: stop its stages everywhere and
-        fail the attempt, naming the stage and the node."""
-        await self._stop_everywhere(job_id, -1)
-        failed = ev.JobFailed(
-            job_id=job_id,
-            attempt=attempt,
-            stage=stage,
-            node_id=node_id,
-            message=message,
-            at=self.wall(),
-        )
-        await self._append([failed])
-
     @staticmethod
     def _plan(
         entry: JobEntry, cluster: list[Node], alive: frozenset[str]
@@ -299,27 +230,7 @@ class JobsLeader:
         return first, None
 
     async def _launch(self, job_id: str, attempt: int) -> None:
-        entry = self.ctx.table.jobs[job_id]
-        assert entry.plan is not None
-        if entry.inputs is not None and not await self._prepare(job_id, attempt):
-            return
-        nxt = ""
-        for i in reversed(range(entry.n_stages)):
-            node_id = entry.plan.stages[i].node_id
-            msg = self._stage_start(self.ctx.table.jobs[job_id], attempt, i, nxt, False)
-            try:
-                reply = await self.ctx.call(
-                    node_id, msg, self.ctx.config.timings.worker_ready_s + 30
-                )
-                if not isinstance(reply, StageReady):
-                    raise RpcError("bad_reply", f"{type(reply).TYPE} is not job.stage_ready")
-            except (SwarmError, OSError, asyncio.TimeoutError) as exc:
-                if self.ctx.table.jobs[job_id].attempt == attempt:
-                    await self._fail_start(job_id, attempt, i, node_id, f"could not start: {exc}")
-                return
-            nxt = f"tcp://{reply.host}:{reply.port}"
-        if self.ctx.table.jobs[job_id].state in ("placed", "resuming"):
-            await self._append([ev.JobRunning(job_id=job_id, attempt=attempt, at=self.wall())])
+        await launch.launch(self, job_id, attempt)
 
     async def _recover(self, job_id: str, lost: tuple[str, ...]) -> None:
         entry = self.ctx.table.jobs[job_id]
@@ -424,6 +335,8 @@ class JobsLeader:
                 stage=msg.stage,
                 n_stages=entry.n_stages,
                 events=reported,
+                replica=msg.replica,
+                n_replicas=entry.n_replicas,
             )
             now = self.wall()
             due = (
@@ -438,6 +351,7 @@ class JobsLeader:
                 events=reported,
                 now=now,
                 progress_due=due,
+                replica=msg.replica,
             )
             if not events:
                 return

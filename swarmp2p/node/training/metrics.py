@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from swarmp2p.workers.events import Phase, Ready, StepDone, WorkerEvent
+from swarmp2p.workers.events import Evaluated, Phase, Ready, StepDone, WorkerEvent
 
 CURVE_POINTS = 500
 """Curve points kept per job: the newest ones, as ``[attempt, step, loss, tokens_per_s]``
@@ -25,12 +25,19 @@ WARMUP_STEPS = 2
 
 
 def fold(
-    metrics: dict[str, Any], *, attempt: int, stage: int, n_stages: int, event: StepDone
+    metrics: dict[str, Any],
+    *,
+    attempt: int,
+    stage: int,
+    n_stages: int,
+    event: StepDone,
+    synced: bool = False,
 ) -> None:
     """Fold one worker ``step`` event of stage ``stage`` into ``metrics`` (in place).
 
     Step metrics come from the last stage (it holds the loss); boundary traffic from the stages
-    on either side of it."""
+    on either side of it; ``synced`` (a replicated job): each stage's sync with its replicas
+    too (``sync_bytes``, ``sync_s``)."""
     boundaries = metrics.setdefault("boundaries", {})
     secs = max(_float(event.step_s) or 0.0, 1e-9)
     # a stage sends activations over the boundary after it, gradients over the one before
@@ -45,6 +52,8 @@ def fold(
         k: _float(getattr(event, k))
         for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "wait_s")
     }
+    if synced:
+        stages[str(stage)].update(sync_bytes=event.sync_bytes, sync_s=_float(event.sync_s))
     _fold_compute(metrics, attempt, stage, event)
     if stage == n_stages - 1:
         _fold_steady(metrics, attempt, event)
@@ -111,6 +120,15 @@ def _fold_steady(metrics: dict[str, Any], attempt: int, event: StepDone) -> None
         metrics["steady_tokens_per_s"] = round(steady["tokens"] / (at - steady["since"]), 3)
 
 
+def _fold_total(metrics: dict[str, Any], n_replicas: int) -> None:
+    """A replicated job's tokens/s: its replicas' added up (once each has reported one)."""
+    replicas = [metrics["replicas"].get(str(r)) or {} for r in range(n_replicas)]
+    for key in ("tokens_per_s", "steady_tokens_per_s"):
+        rates = [r.get(key) for r in replicas]
+        if all(isinstance(v, (int, float)) for v in rates):
+            metrics[key] = round(sum(rates), 3)
+
+
 def _float(value: float | None) -> float | None:
     return float(value) if value is not None and math.isfinite(value) else None
 
@@ -129,12 +147,35 @@ class MetricsStore:
         stage: int,
         n_stages: int,
         events: Sequence[WorkerEvent],
+        replica: int = 0,
+        n_replicas: int = 1,
     ) -> None:
+        """Replica 0's steps make the job's metrics (as one pipeline's); with replicas each
+        replica's own are under ``replicas`` (replica -> its ``stages``, ``step``, ``loss``,
+        ``tokens_per_s``, ``steady_tokens_per_s``, ``phases``, and ``evaluation``: each held-out
+        pass's loss, the same on every replica when they hold equal weights), and the job's
+        ``tokens_per_s`` is every replica's together."""
         metrics = self._jobs.setdefault(job_id, {})
+        synced = n_replicas > 1
+        own = metrics.setdefault("replicas", {}).setdefault(str(replica), {}) if synced else {}
         for event in events:
             if isinstance(event, StepDone):
-                fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event)
-            fold_phase(metrics, attempt=attempt, stage=stage, event=event)
+                if replica == 0:
+                    fold(metrics, attempt=attempt, stage=stage, n_stages=n_stages, event=event,
+                         synced=synced)  # fmt: skip
+                if synced:
+                    fold(own, attempt=attempt, stage=stage, n_stages=n_stages, event=event,
+                         synced=True)  # fmt: skip
+                    for k in ("losses", "compute", "boundaries"):
+                        own.pop(k, None)
+            if replica == 0:
+                fold_phase(metrics, attempt=attempt, stage=stage, event=event)
+            if synced:
+                fold_phase(own, attempt=attempt, stage=stage, event=event)
+                if isinstance(event, Evaluated) and stage == n_stages - 1:  # equal replicas
+                    own.setdefault("evaluation", {})[event.name[:64]] = _float(event.loss)
+        if synced and stage == n_stages - 1:
+            _fold_total(metrics, n_replicas)
 
     def compute(self, job_id: str) -> dict[str, Any] | None:
         """The job's compute seconds per step and stage (read only; ``fold``'s ``compute``)."""

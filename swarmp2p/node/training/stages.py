@@ -12,8 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +31,14 @@ from swarmp2p.node.messages import (
 from swarmp2p.node.training import jobs
 from swarmp2p.node.training.corpus import prepare_tokens
 from swarmp2p.node.training.inputs import Inputs
+from swarmp2p.node.training.snapshots import (
+    SNAPSHOT_SLACK,
+    listed_snapshot,
+    snapshot_dir,
+    snapshot_limit,
+    snapshot_name,
+    snapshot_step,
+)
 from swarmp2p.paths import UnsafeName, check_id, confine
 from swarmp2p.plan.inputs import stage_files
 from swarmp2p.plan.worker_spec import needs_tokens, reads_data, worker_spec
@@ -43,11 +49,13 @@ from swarmp2p.workers.events import Exited, Exported, SnapshotSaved, WorkerEvent
 
 if TYPE_CHECKING:
     from swarmp2p.node.context import NodeContext
-    from swarmp2p.node.table.jobtable import JobTable
     from swarmp2p.plan import Plan, ServePlan
     from swarmp2p.wire.messages import Message
 
 log = logging.getLogger("swarmp2p.node.training.stages")
+
+Key = tuple[str, int, int, int]
+"""A stage worker's key on its node: (job, attempt, replica, stage)."""
 
 REPORT_BATCH = 200
 CHUNK_BYTES = 1 << 20
@@ -91,8 +99,8 @@ class StageHost:
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
-        self.workers: dict[tuple[str, int, int], WorkerProcess] = {}
-        self._outbox: dict[tuple[str, int, int], list[WorkerEvent]] = {}
+        self.workers: dict[Key, WorkerProcess] = {}
+        self._outbox: dict[Key, list[WorkerEvent]] = {}
         self.inputs = Inputs(ctx)
         """The job inputs this node offers, and those it fetches for its stages."""
 
@@ -180,10 +188,15 @@ class StageHost:
                 f"node {self.ctx.node_id} cannot read the model to check the plan: {exc}",
                 code="input_missing",
             ) from None
-        stage = plan.stages[msg.stage]
+        if msg.replica >= plan.n_replicas:
+            raise UserError(
+                f"the plan has {plan.n_replicas} replica(s), no replica {msg.replica}",
+                code="bad_field",
+            )
+        stage = plan.replica_stages(msg.replica)[msg.stage]
         if stage.node_id != self.ctx.node_id:
             raise UserError(f"stage {msg.stage} is planned on {stage.node_id}", code="bad_field")
-        key = (msg.job_id, msg.attempt, msg.stage)
+        key = (msg.job_id, msg.attempt, msg.replica, msg.stage)
         model, data = await self._local_inputs(msg, stage.files)
         if msg.prepare:
             return JobAck(job_id=msg.job_id)
@@ -223,11 +236,12 @@ class StageHost:
             next_endpoint=msg.next or None,
             device=device,
             snapshot_dir=str(snap_dir),
-            export_dir=str(folder / "export"),
+            export_dir=str(folder / "export") if msg.replica == 0 else None,
             resume=bool(msg.resume_step),
             tokens_path=str(tokens) if tokens is not None else None,
             link_timeout_s=self.ctx.config.timings.link_timeout_s,
-            link_keys=self._link_keys(plan, msg.stage),
+            link_keys=self._link_keys(plan, msg.replica, msg.stage),
+            **self._ring(plan, msg),
         )
         folder.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.ctx, plan, device, visible)
@@ -240,7 +254,7 @@ class StageHost:
             env=env,
             on_event=lambda e: self._received(key, e),
             on_exit=lambda code, tail: self._exited(key, code, tail),
-            log_path=str(folder / f"stage-{msg.stage}.log"),
+            log_path=str(folder / stage_log(msg.replica, msg.stage)),
         )
         self.workers[key] = worker
         self._ensure_sender()
@@ -252,30 +266,55 @@ class StageHost:
             self.workers.pop(key, None)
             tail = "\n".join(list(worker.stderr_tail)[-5:])
             raise Failed(f"{exc}{chr(10) + tail if tail else ''}", code="worker_failed") from None
-        log.info("job %s attempt %d stage %d worker up (port %s)", *key, ready.get("port"))
+        log.info(
+            "job %s attempt %d replica %d stage %d worker up (port %s)", *key, ready.get("port")
+        )
         return StageReady(
             job_id=msg.job_id,
             attempt=msg.attempt,
             stage=msg.stage,
             host=self.ctx.me.addresses[0],
             port=int(ready.get("port") or 0),
+            replica=msg.replica,
+            ring_next_port=int(ready.get("ring_next_port") or 0),
+            ring_prev_port=int(ready.get("ring_prev_port") or 0),
         )
 
-    def _link_keys(self, plan: Plan, stage: int) -> dict[str, str]:
+    def _link_keys(self, plan: Plan, replica: int, stage: int) -> dict[str, str]:
         """This node's key pair and the neighbouring stages' nodes' public keys: the stage's
         links admit only the members the plan puts next to it (issue 15)."""
+        stages = plan.replica_stages(replica)
 
         def key(i: int) -> str:
-            return self.ctx.member_key(
-                plan.stages[i].node_id, f"stage {i}'s node", code="plan_mismatch"
-            )
+            return self.ctx.member_key(stages[i].node_id, f"stage {i}'s node", code="plan_mismatch")
 
-        last = len(plan.stages) - 1
+        last = len(stages) - 1
         return {
             "public": self.ctx.key.public,
             "secret": self.ctx.key.secret,
             "prev": key(stage - 1) if stage > 0 else "",
             "next": key(stage + 1) if stage < last else "",
+        }
+
+    def _ring(self, plan: Plan, msg: StageStart) -> dict[str, Any]:
+        """A replicated stage's ring (``WorkerSpec.ring_*``): the ends the leader had it dial
+        and the keys of this stage's members in the replicas before and after it, from the
+        member table (the ring admits only them); nothing with one replica."""
+        n = plan.n_replicas
+        if n == 1:
+            return {}
+
+        def key(r: int) -> str:
+            node = plan.replica_stages(r)[msg.stage].node_id
+            return self.ctx.member_key(node, f"replica {r}'s node", code="plan_mismatch")
+
+        keys = {"public": self.ctx.key.public, "secret": self.ctx.key.secret}
+        keys |= {"prev": key((msg.replica - 1) % n), "next": key((msg.replica + 1) % n)}
+        return {
+            "replica": msg.replica,
+            "ring_next": msg.ring_next or None,
+            "ring_prev": msg.ring_prev or None,
+            "ring_keys": keys,
         }
 
     async def _local_inputs(
@@ -291,7 +330,7 @@ class StageHost:
             names = stage_files(inputs.model, planned_files)
         except ValueError as exc:
             raise Failed(f"node {self.ctx.node_id}: {what}: {exc}", code="input_missing") from None
-        key = (msg.job_id, msg.attempt, msg.stage)
+        key = (msg.job_id, msg.attempt, msg.replica, msg.stage)
         watch = self.ctx.spawn(self._report_fetch(key, what), f"fetch-phase:{what}")
         try:
             model = await self.inputs.model_folder(inputs.model, names, what=what)
@@ -319,7 +358,7 @@ class StageHost:
         start, end = layers
         n = len(msg.plan.stages)
         first, last = msg.stage == 0, msg.stage == n - 1
-        name = _snapshot_name(msg.resume_step)
+        name = snapshot_name(msg.resume_step)
         folder = self.job_dir(msg.job_id)
         old_dir = snapshot_dir(folder, [r.layers for r in msg.resplit or ()])
         sources = []
@@ -342,7 +381,7 @@ class StageHost:
         out = snap_dir / f"stage-{msg.stage}" / name  # the new cuts' own folder
         if out.parent.is_dir():  # a later step of an earlier attempt on these cuts: not ours
             for p in out.parent.iterdir():
-                step = _snapshot_step(p.name)
+                step = snapshot_step(p.name)
                 if step is not None and step > msg.resume_step:
                     p.unlink()
         args = [str(out), str(msg.stage), str(start), str(end), str(int(first)), str(int(last))]
@@ -383,7 +422,7 @@ class StageHost:
         name = None
         if stage_dir.is_dir():
             for p in stage_dir.iterdir():
-                step = _snapshot_step(p.name)
+                step = snapshot_step(p.name)
                 if step is not None and step > msg.resume_step:
                     p.unlink()
                 elif step == msg.resume_step:
@@ -391,7 +430,7 @@ class StageHost:
         if name is not None:
             return
         rel = snap_dir.relative_to(self.job_dir(msg.job_id))
-        file = f"{rel}/stage-{msg.stage}/{_snapshot_name(msg.resume_step)}"
+        file = f"{rel}/stage-{msg.stage}/{snapshot_name(msg.resume_step)}"
         for node_id in msg.snapshot_nodes:
             if node_id == self.ctx.node_id or not self.ctx.is_alive(node_id):
                 continue
@@ -406,17 +445,17 @@ class StageHost:
 
     # --- reports to the leader --------------------------------------------------------------
 
-    def _received(self, key: tuple[str, int, int], raw: dict[str, Any]) -> None:
+    def _received(self, key: Key, raw: dict[str, Any]) -> None:
         """One line of a worker's stdout: checked, queued for the leader; a malformed one is
         logged with the field it got wrong and dropped."""
         try:
             event = decode(raw)
         except SchemaError as exc:
-            log.warning("job %s attempt %d stage %d: %s", *key, exc)
+            log.warning("job %s attempt %d replica %d stage %d: %s", *key, exc)
             return
         self._queue(key, event)
 
-    def _queue(self, key: tuple[str, int, int], event: WorkerEvent) -> None:
+    def _queue(self, key: Key, event: WorkerEvent) -> None:
         if isinstance(event, Exported):  # the leader registers the model from it
             with contextlib.suppress(OSError, ValueError):
                 manifest = json.loads(Path(event.manifest).read_text())
@@ -428,12 +467,12 @@ class StageHost:
                 event = dataclasses.replace(event, file=str(rel))
         self._outbox.setdefault(key, []).append(event)
 
-    def _exited(self, key: tuple[str, int, int], code: int, tail: list[str]) -> None:
+    def _exited(self, key: Key, code: int, tail: list[str]) -> None:
         worker = self.workers.get(key)
         error = worker.last_error if worker is not None else None
         self._queue(key, Exited(code=code, stderr_tail=tuple(tail), error=error))
 
-    async def _report_fetch(self, key: tuple[str, int, int], what: str) -> None:
+    async def _report_fetch(self, key: Key, what: str) -> None:
         """While stage ``key``'s files are fetched: its bytes so far, each report round."""
         said = None
         while True:
@@ -457,8 +496,9 @@ class StageHost:
                         node_id=self.ctx.node_id,
                         job_id=key[0],
                         attempt=key[1],
-                        stage=key[2],
-                        events=[encode(e, key[2]) for e in batch],
+                        stage=key[3],
+                        events=[encode(e, key[3]) for e in batch],
+                        replica=key[2],
                     )
                     try:
                         await self.ctx.to_leader(report, 10.0)
@@ -478,11 +518,13 @@ class StageHost:
         from swarmp2p.node.records import device_key
 
         out: dict[str, int] = {}
-        for job_id, attempt, stage in self.workers:
+        for job_id, attempt, replica, stage in self.workers:
             entry = self.ctx.table.jobs.get(job_id)
             if entry is None or entry.attempt != attempt or entry.plan is None:
                 continue
-            planned = entry.plan.stages[stage]
+            if replica >= entry.plan.n_replicas:
+                continue
+            planned = entry.plan.replica_stages(replica)[stage]
             key = device_key(planned.devices[0])
             out[key] = out.get(key, 0) + int(planned.memory.peak)
         return out
@@ -491,21 +533,21 @@ class StageHost:
 
     async def stop_job(self, job_id: str, attempt: int, keep_attempt: int | None = None) -> None:
         """Stop this node's workers of ``job_id`` (``attempt`` -1: all but ``keep_attempt``)."""
-        victims = [
-            w
+        victims = {
+            k: w
             for k, w in self.workers.items()
             if k[0] == job_id and (attempt == -1 or k[1] == attempt) and k[1] != keep_attempt
-        ]
-        await asyncio.gather(*(w.stop() for w in victims))
-        for w in victims:
-            self.workers.pop(w.key, None)
-            self._outbox.pop(w.key, None)
+        }
+        await asyncio.gather(*(w.stop() for w in victims.values()))
+        for k in victims:
+            self.workers.pop(k, None)
+            self._outbox.pop(k, None)
 
     def reap(self) -> None:
         """Stop the workers the table no longer wants (a partition healed, a leader's stop
         message was lost)."""
         for key in stale_workers(self.ctx.table, list(self.workers)):
-            log.info("stopping job %s attempt %d stage %d: the job moved on", *key)
+            log.info("stopping job %s attempt %d replica %d stage %d: the job moved on", *key)
             self.ctx.spawn(self.stop_job(key[0], key[1]), f"reap:{key[0]}")
 
     async def handle(self, msg: Message) -> Message:
@@ -530,69 +572,20 @@ class StageHost:
         self.workers.clear()
 
 
-def snapshot_dir(job_folder: Path, layers: Sequence[Sequence[int]]) -> Path:
-    """Where a job's snapshots taken on these cuts live: one folder per cuts, so a re-split
-    attempt's snapshots never take the names of the old cuts' it is cut from."""
-    cuts = [int(r[0]) for r in list(layers)[1:]]
-    return job_folder / "snapshots" / ("cuts-" + ("-".join(map(str, cuts)) or "none"))
-
-
-_SNAP = re.compile(r"step-(\d{8})\.pt")
-"""The runtime's snapshot file names (``runtime.torch.snapshot.snapshot_path``)."""
-_SNAP_FILE = re.compile(r"snapshots/cuts-(?:none|\d+(?:-\d+)*)/stage-(\d{1,4})/step-(\d{8})\.pt")
-"""A snapshot's path in its job's folder (``snapshot_dir``/stage-N/step-XXXXXXXX.pt)."""
-SNAPSHOT_SLACK = 64 * 2**20
-"""Bytes a snapshot may have beyond its stages' planned weights and trainable state
-(compressor halves, the loss scaler, the pickle's own framing)."""
-
-
-def snapshot_limit(plan: Plan) -> int:
-    """The most bytes a snapshot of a job planned as ``plan`` may have: the weights and the
-    trainable state (parameters, gradients, optimizer) of all its stages, which bound any one
-    stage's (a re-split attempt's old stages too), and ``SNAPSHOT_SLACK``."""
-    return SNAPSHOT_SLACK + sum(s.memory.weights + s.memory.trainable_state for s in plan.stages)
-
-
-def listed_snapshot(table: JobTable, job_id: str, file: str) -> int:
-    """Whether a peer may have this node pull ``file`` of job ``job_id`` (``job.file_pull``):
-    the table must hold the job, ``file`` must name a snapshot and the table list that stage's
-    snapshot at that step; the most bytes it may have (``snapshot_limit``). UserError naming
-    what is wrong otherwise (code ``not_listed`` for a snapshot not listed yet)."""
-    entry = table.jobs.get(job_id)
-    if entry is None:
-        raise UserError(
-            f"no job {job_id!r} in the table: this node pulls no file for it", code="no_job"
-        )
-    m = _SNAP_FILE.fullmatch(file)
-    if m is None:
-        raise UserError(
-            f"{file!r} is not a snapshot of job {job_id} (snapshots/cuts-*/stage-N/"
-            "step-XXXXXXXX.pt): a peer has this node pull snapshots only",
-            code="bad_field",
-        )
-    stage, step = int(m.group(1)), int(m.group(2))
-    if entry.plan is None or str(step) not in entry.snapshots.get(str(stage), {}):
-        raise UserError(
-            f"the table lists no snapshot of stage {stage} at step {step} for job {job_id}",
-            code="not_listed",
-        )
-    return snapshot_limit(entry.plan)
-
-
-def _snapshot_step(name: str) -> int | None:
-    m = _SNAP.fullmatch(name)
-    return int(m.group(1)) if m else None
-
-
-def _snapshot_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
+def stage_log(replica: int, stage: int) -> str:
+    """A stage worker's log in its job's folder (replica 0's: ``stage-N.log``, as before)."""
+    return f"stage-{stage}.log" if replica == 0 else f"replica-{replica}-stage-{stage}.log"
 
 
 __all__ = [
     "CHUNK_BYTES",
+    "SNAPSHOT_SLACK",
+    "Key",
     "StageHost",
     "job_dir",
     "job_file",
     "listed_snapshot",
+    "snapshot_dir",
     "snapshot_limit",
+    "stage_log",
 ]

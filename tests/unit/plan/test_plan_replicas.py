@@ -14,6 +14,8 @@ from swarmp2p.plan.result import PlannedReplica
 
 UNIFORM = from_config(llama_config(layers=40, hidden=512, vocab=1024))
 CAPS = CAPABILITIES | {REPLICAS_CAPABILITY}
+NO_REPLICAS = CAPABILITIES - {REPLICAS_CAPABILITY}
+"""An older node's: it syncs no replicas."""
 
 
 def dev(flops: float | None = None, free_gb: float = 20.0):
@@ -35,10 +37,10 @@ def layers(stages) -> list[tuple[int, int]]:
 
 
 def test_a_one_replica_plan_is_the_plan_without_replicas():
-    cluster = swarm(2e12, 2e12, 2e12, 2e12, caps=CAPABILITIES)  # no node runs replicas
-    today = plan_job(job(), cluster, shape=UNIFORM)
+    cluster = swarm(2e12, 2e12, 2e12, 2e12, caps=NO_REPLICAS)  # no node runs replicas
+    today = plan_job(job(), cluster, NO_REPLICAS, shape=UNIFORM)
     for replicas in (1, "auto"):
-        got = plan_job(job(split={"replicas": replicas}), cluster, shape=UNIFORM)
+        got = plan_job(job(split={"replicas": replicas}), cluster, NO_REPLICAS, shape=UNIFORM)
         assert got.to_json() == today.to_json()
     with_caps = swarm(2e12, 2e12, 2e12, 2e12)
     one = plan_job(job(split={"replicas": 1}), with_caps, CAPS, shape=UNIFORM)
@@ -85,7 +87,7 @@ def test_replicas_share_the_split_whose_slowest_replica_is_fastest():
 @pytest.mark.parametrize(
     ("split", "caps", "want"),
     [
-        ({"replicas": 2}, CAPABILITIES, "lacks replicas (split.replicas 2)"),
+        ({"replicas": 2}, NO_REPLICAS, "lacks replicas (split.replicas 2)"),
         ({"replicas": 3, "stages": 2}, CAPS, "split.replicas 3 x 2 stages needs 6 devices"),
         ({"replicas": 5}, CAPS, "split.replicas 5 x 1 stages needs 5 devices"),
     ],

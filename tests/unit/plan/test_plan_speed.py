@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from _plan_factories import A5000, gpu, job, llama_config, node
+from _plan_factories import A5000, gpu, llama_config, node
+from _plan_factories import job as any_job
 
 from swarmp2p.plan import Plan, from_config, load_model_shape, plan_job, usable_memory
 from swarmp2p.plan.hardware import Speeds
@@ -14,6 +15,13 @@ from swarmp2p.plan.speed import learned_speeds, pipeline_step_s
 SMOL = load_model_shape("embedded")
 UNIFORM = from_config(llama_config(layers=40, hidden=512, vocab=1024))
 """40 equal layers and a small head: a stage's cost is about its layer count."""
+
+
+def job(**sections):
+    """One pipeline unless told (``split.replicas`` 1): this file prices one split, and
+    "auto" may take replicas on measured devices (tests/unit/plan/test_plan_replicas.py)."""
+    split = {"replicas": 1, **sections.pop("split", {})}
+    return any_job(split=split, **sections)
 
 
 def fast(flops: float, free_gb: float = 20.0, index: int = 0, dtype: str = "bfloat16"):
