@@ -1,32 +1,8 @@
 """Serving, planned like training (``planner``: ``plan_serve`` and its rules) over the records
-``swarm serve`` asks and the planner answers (``records``). Pure, standard library only."""
+``swarm serve`` asks and the planner answers (``records``). Pure, standard library only. The
+public names are ``planner.__all__``."""
 
-from swarmp2p.plan.serve.planner import (
-    BOUNDARY_COMPRESSIONS,
-    NAME_PATTERN,
-    PREFIX_CACHE_MB,
-    SERVE_SPLIT,
-    ServeInputs,
-    ServePlan,
-    ServeRequest,
-    ServeStagePlan,
-    boundary_codec,
-    fixed_bits,
-    parse_serve_request,
-    plan_serve,
-)
+from swarmp2p.plan.serve import planner as _planner
+from swarmp2p.plan.serve.planner import *  # noqa: F403
 
-__all__ = [
-    "BOUNDARY_COMPRESSIONS",
-    "NAME_PATTERN",
-    "PREFIX_CACHE_MB",
-    "SERVE_SPLIT",
-    "ServeInputs",
-    "ServePlan",
-    "ServeRequest",
-    "ServeStagePlan",
-    "boundary_codec",
-    "fixed_bits",
-    "parse_serve_request",
-    "plan_serve",
-]
+__all__ = list(_planner.__all__)
